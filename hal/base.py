@@ -1,0 +1,321 @@
+"""The hardware abstraction layer: what every vendor implements.
+
+The HAL answers only "how does this hardware do X". Configuration (batch sizes, KV modes, graph
+buckets) lives in `runtime/`; models live in `zoo/`. A vendor implements `Hal` plus one or more
+`AttentionBackend`s; streams, events and memory default to `torch.accelerator` where it serves.
+"""
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Iterator, NamedTuple, Protocol, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class Caps:
+    """What the hardware and this Hal can do; data, so callers never test vendor names."""
+
+    arch: str                                  # "cpu", "sm_90", "gfx942", "Ascend910B3"
+    warp_size: int | None = None               # 32 (NVIDIA), 64 (CDNA), None (CPU, Ascend)
+    num_compute_units: int = 1                 # SMs / CUs / AI cores / CPU threads
+    graphs: bool = False                       # Graph.capture records device work (not eager replay)
+    graph_needs_host_update: bool = False      # Ascend: lengths are host values baked into graphs
+    uva: bool = False                          # host_buffer is zero-copy mapped into the device
+    attention_backends: tuple[str, ...] = ()   # in order of preference
+    kv_block_sizes: tuple[int, ...] = (16,)    # paged-KV block sizes the backends take; first = default
+    head_dims: tuple[int, ...] | None = None   # head dims the fast attention path takes; None = any
+    fp8_dtype: torch.dtype | None = None       # e4m3fn (H100/H200, gfx950), e4m3fnuz (gfx942)
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class MemInfo(NamedTuple):
+    free_bytes: int
+    total_bytes: int
+
+
+class HostBuffer(Protocol):
+    """A buffer the host writes and the device reads (step metadata: block tables, lengths).
+
+    `host` is a CPU tensor to write into. After writing rows, call `mark_dirty(lo, hi)` and then
+    `device_view()` returns a device tensor with those contents: a zero-copy alias on CUDA/ROCm
+    (mapped pinned memory), an asynchronous staged copy of the dirty rows on Ascend, the same
+    tensor on the CPU. The device view's address never changes, so graphs may capture it.
+    """
+
+    host: torch.Tensor
+
+    def mark_dirty(self, lo: int = 0, hi: int | None = None) -> None: ...
+
+    def device_view(self) -> torch.Tensor: ...
+
+
+class Graph(Protocol):
+    """A captured sequence of device work over static buffers.
+
+    `capture(fn)` runs `fn()` once under capture and returns its outputs (tensors that later
+    replays overwrite in place). `replay()` re-issues the same work. `update(host_params)` pushes
+    new host-side arguments into the captured work before a replay: a no-op where kernels read
+    lengths from device memory (CUDA/ROCm), required on Ascend where fused attention takes lengths
+    as host lists. On the CPU, replay re-runs `fn` eagerly and copies into the captured outputs.
+    """
+
+    def capture(self, fn: Callable[[], Any]) -> Any: ...
+
+    def replay(self) -> None: ...
+
+    def update(self, host_params: Sequence[dict[str, Any]]) -> None: ...
+
+
+class Comm(Protocol):
+    """Collectives over one torch.distributed process group (nccl / rccl / hccl / gloo).
+
+    All ops are in place on `tensor`/`out` and synchronous with respect to the current stream.
+    """
+
+    rank: int
+    world_size: int
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor: ...
+
+    def all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def reduce_scatter(self, out: torch.Tensor, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor: ...
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor: ...
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None: ...
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor: ...
+
+    def barrier(self) -> None: ...
+
+
+class AttnCaps(NamedTuple):
+    packed_prefill: bool      # varlen queries of many sequences in one call
+    graphs: bool              # safe to capture (no host syncs, static metadata buffers)
+    reason: str               # why this backend was chosen (logged once at start)
+
+
+class PagedBatch(NamedTuple):
+    """Host description of one attention batch over the paged cache (Python ints, no tensors).
+
+    Sequence i contributes `query_lens[i]` new tokens, the last ones of its `seq_lens[i]` tokens,
+    so the new tokens sit at positions `seq_lens[i] - query_lens[i] ... seq_lens[i] - 1`. Tokens
+    are packed sequence after sequence ("varlen", no padding). `block_tables[p][i]` lists the
+    cache blocks of sequence i in KV plane p; every plane shares one block pool.
+    """
+
+    query_lens: Sequence[int]
+    seq_lens: Sequence[int]
+    block_tables: Sequence[Sequence[Sequence[int]]]   # [plane][seq][block]
+    block_size: int
+
+
+class AttentionBackend(ABC):
+    """Paged attention for one model shape (heads, kv heads, head dim, dtype), chosen by the Hal.
+
+    Layout of the KV cache (one tensor per attention layer of a plane) is the backend's business:
+    callers allocate `torch.empty(kv_cache_shape(...))` and only pass it back. `build_meta` turns a
+    `PagedBatch` into whatever the kernels need once per step; `forward` and `write_kv` then take a
+    plane index so that all loops and layers share that one metadata object.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, block_size: int) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.dtype, self.device, self.block_size = dtype, device, block_size
+
+    @property
+    @abstractmethod
+    def caps(self) -> AttnCaps: ...
+
+    @abstractmethod
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of one layer's K+V cache holding `num_blocks` blocks of `block_size` tokens."""
+
+    @abstractmethod
+    def build_meta(self, batch: PagedBatch) -> Any:
+        """Device metadata for one step: query offsets, lengths, per-plane block tables and slot
+        mappings. Built once, shared by every loop and layer of the step."""
+
+    @abstractmethod
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: Any, plane: int) -> None:
+        """Store the step's new keys/values `k, v: [T, KVH, D]` into plane `plane` of `kv_cache`."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: Any, plane: int,
+                scale: float) -> torch.Tensor:
+        """Causal attention of the packed queries `q: [T, H, D]` over plane `plane` (which
+        already holds this step's keys). Returns `[T, H, D]` in q's dtype."""
+
+    def slot_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The cache as `[2, num_blocks * block_size, KVH, D]` (K then V, one row per slot); the
+        default fits every layout whose blocks are contiguous runs of slots."""
+        return kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)
+
+    def read_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values `[N, KVH, D]` stored at `slots: [N]`."""
+        view = self.slot_view(kv_cache)
+        return view[0].index_select(0, slots), view[1].index_select(0, slots)
+
+    def copy_kv(self, kv_cache: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Copy the KV of `src_slots` to `dst_slots` (early-exit fill into the planes a token skipped)."""
+        view = self.slot_view(kv_cache)
+        view[:, dst_slots] = view[:, src_slots]
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                    causal: bool = True) -> torch.Tensor:
+    """torch SDPA with GQA expansion and a bottom-right causal mask. Shapes as `AttentionBackend.dense`."""
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    if num_heads != num_kv_heads:
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+    q_len, kv_len = q.shape[2], k.shape[2]
+    if causal and q_len == kv_len:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    mask = None
+    if causal:
+        # bottom-right: query i sees keys 0 .. kv_len - q_len + i
+        mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+class Hal(ABC):
+    """One vendor's answers. Instances are cheap to construct; device work happens on first use.
+
+    Members (about 25): identity (`name`, `device_type`, `dist_backend`, `visible_devices_env`,
+    `is_available`, `caps`), device and streams (`device`, `device_count`, `set_device`, `stream`,
+    `current_stream`, `event`, `synchronize`), allocator (`mem_info`, `memory_stats`, `empty_cache`,
+    `host_buffer`), graphs (`graph`, `graph_pool`), collectives (`comm`), attention (`attention`, `dense`),
+    optional fused ops (`op`).
+    """
+
+    name: ClassVar[str]                  # registry name: "cpu", "cuda", "rocm", "ascend"
+    device_type: ClassVar[str]           # torch device type: "cpu", "cuda" (also ROCm), "npu"
+    dist_backend: ClassVar[str]          # torch.distributed backend: gloo, nccl (rccl), hccl
+    visible_devices_env: ClassVar[str | None] = None
+
+    def __init__(self, device_index: int | None = None, attention_backend: str = "auto") -> None:
+        self.device_index = device_index
+        self.attention_backend_name = attention_backend
+
+    # ----- identity -------------------------------------------------------------------------
+    @classmethod
+    @abstractmethod
+    def is_available(cls) -> bool:
+        """Whether this vendor's hardware and software are present. Must not initialise the
+        device runtime (torch_npu, for one, can only be initialised once per process)."""
+
+    @property
+    @abstractmethod
+    def caps(self) -> Caps: ...
+
+    # ----- device and streams ---------------------------------------------------------------
+    def device(self, index: int | None = None) -> torch.device:
+        """The torch device this Hal computes on (index defaults to the configured one)."""
+        index = self.device_index if index is None else index
+        return torch.device(self.device_type, index if index is not None else 0)
+
+    def device_count(self) -> int:
+        return torch.accelerator.device_count() if torch.accelerator.is_available() else 0
+
+    def set_device(self, index: int) -> None:
+        self.device_index = index
+        torch.accelerator.set_device_index(index)
+
+    def stream(self, priority: int = 0) -> Any:
+        """A new stream on this device (`torch.Stream`)."""
+        return torch.Stream(device=self.device(), priority=priority)
+
+    def current_stream(self) -> Any:
+        return torch.accelerator.current_stream(self.device())
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: Any) -> Iterator[None]:
+        """Make `stream` current inside the block."""
+        with stream:
+            yield
+
+    def event(self, enable_timing: bool = False) -> Any:
+        """A new `torch.Event` (record / wait / synchronize / elapsed_time)."""
+        return torch.Event(device=self.device(), enable_timing=enable_timing)
+
+    def synchronize(self) -> None:
+        torch.accelerator.synchronize(self.device())
+
+    # ----- allocator ------------------------------------------------------------------------
+    @abstractmethod
+    def mem_info(self) -> MemInfo:
+        """Free and total device memory in bytes."""
+
+    def memory_stats(self) -> dict[str, int]:
+        """`allocated`, `reserved` and `peak_allocated` bytes of this process on the device."""
+        dev = self.device()
+        return {"allocated": torch.accelerator.memory_allocated(dev),
+                "reserved": torch.accelerator.memory_reserved(dev),
+                "peak_allocated": torch.accelerator.max_memory_allocated(dev)}
+
+    def reset_peak_memory(self) -> None:
+        torch.accelerator.reset_peak_memory_stats(self.device())
+
+    def empty_cache(self) -> None:
+        torch.accelerator.empty_cache()
+
+    @abstractmethod
+    def host_buffer(self, shape: Sequence[int], dtype: torch.dtype) -> HostBuffer:
+        """A host-written, device-readable buffer (see `HostBuffer`)."""
+
+    # ----- graphs ---------------------------------------------------------------------------
+    @abstractmethod
+    def graph(self) -> Graph:
+        """A new graph that shares this Hal's memory pool with the others (see `Graph`)."""
+
+    def graph_pool(self) -> Any:
+        """The shared graph memory pool handle (None where pools do not apply)."""
+        return None
+
+    # ----- collectives ----------------------------------------------------------------------
+    def comm(self, group: Any = None) -> Comm:
+        """Collectives over `group` (default: the world group) on `dist_backend`."""
+        from hal.comm import TorchDistComm
+
+        return TorchDistComm(group)
+
+    # ----- attention ------------------------------------------------------------------------
+    @abstractmethod
+    def attention(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                  block_size: int | None = None, backend: str | None = None) -> AttentionBackend:
+        """The attention backend for this model shape.
+
+        `backend` (or the Hal's configured `attention_backend`) names one of
+        `caps.attention_backends`; "auto" takes the first that accepts the shape. The choice and
+        its reason are logged once; an explicit request that cannot be met raises, and nothing
+        falls back silently at run time.
+        """
+
+    def dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+              causal: bool = True) -> torch.Tensor:
+        """Differentiable attention without a cache, `q: [B, H, T, D]`, `k, v: [B, KVH, S, D]`.
+
+        Causal masking is bottom-right aligned (query i attends keys up to S - T + i), so a
+        suffix of queries against a longer key history works too. Used for training and for the
+        reference path; defaults to torch SDPA, which every vendor's torch provides.
+        """
+        return dense_attention(q, k, v, scale=scale, causal=causal)
+
+    # ----- optional fused ops ---------------------------------------------------------------
+    def op(self, name: str) -> Callable[..., Any] | None:
+        """A fused op by name ("rms_norm", "rotary", "silu_and_mul"), or None: callers then use
+        the plain torch expression."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(device={self.device()})"

@@ -1,0 +1,45 @@
+"""`python -m hal.conformance hal=<name> [only=check1,check2]`: run the conformance checks and
+print one line per check plus the versions; exit status 1 if any check fails.
+
+(A tiny key=value parser instead of Hydra, so a vendor engineer can run this with nothing but torch.)
+"""
+from __future__ import annotations
+
+import platform
+import sys
+
+import torch
+
+import hal
+from hal.conformance.checks import run_all
+
+
+def main(argv: list[str]) -> int:
+    args = dict(a.split("=", 1) for a in argv if "=" in a)
+    unknown = [a for a in argv if "=" not in a or a.split("=", 1)[0] not in ("hal", "only", "device_index")]
+    if unknown:
+        print(f"usage: python -m hal.conformance hal=<{'|'.join(['auto', *hal.names()])}> [only=a,b] "
+              f"[device_index=N]; not understood: {' '.join(unknown)}", file=sys.stderr)
+        return 2
+    name = args.get("hal", "auto")
+    try:
+        options = {"device_index": int(args["device_index"])} if "device_index" in args else {}
+        instance = hal.get(name, **options)
+    except (ValueError, RuntimeError, NotImplementedError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    caps = instance.caps
+    print(f"hal={instance.name} device={instance.device()} arch={caps.arch} torch={torch.__version__} "
+          f"python={platform.python_version()}")
+    print(f"caps: {caps}")
+    results = run_all(instance, args["only"].split(",") if "only" in args else None)
+    for r in results:
+        print(f"{r.status:4s}  {r.name}" + (f"\n      {r.detail}" if r.detail else ""))
+    failed = [r.name for r in results if r.status == "FAIL"]
+    passed = sum(r.status == "PASS" for r in results)
+    print(f"{passed}/{len(results)} passed" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,55 @@
+"""Host-side arithmetic of the paged KV cache, shared by every attention backend."""
+from __future__ import annotations
+
+import numpy as np
+
+from hal.base import PagedBatch
+
+
+def query_start_loc(batch: PagedBatch) -> np.ndarray:
+    """Cumulative query offsets `[num_seqs + 1]` (int32): sequence i owns tokens [s[i], s[i+1])."""
+    out = np.zeros(len(batch.query_lens) + 1, dtype=np.int32)
+    np.cumsum(batch.query_lens, out=out[1:])
+    return out
+
+
+def token_positions(batch: PagedBatch) -> np.ndarray:
+    """Position of every packed query token in its sequence, `[T]` (int64)."""
+    parts = [np.arange(s - q, s, dtype=np.int64) for q, s in zip(batch.query_lens, batch.seq_lens)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def block_table_array(batch: PagedBatch, max_blocks: int | None = None) -> np.ndarray:
+    """Block tables as one int32 array `[num_planes, num_seqs, max_blocks]`, padded with 0.
+
+    Padding entries are never read: kernels stop at `seq_lens[i]`.
+    """
+    num_planes, num_seqs = len(batch.block_tables), len(batch.query_lens)
+    widest = max((len(t) for plane in batch.block_tables for t in plane), default=0)
+    max_blocks = max(widest, 1) if max_blocks is None else max_blocks
+    if widest > max_blocks:
+        raise ValueError(f"a block table has {widest} blocks, more than max_blocks={max_blocks}")
+    out = np.zeros((num_planes, num_seqs, max_blocks), dtype=np.int32)
+    for p, plane in enumerate(batch.block_tables):
+        for i, table in enumerate(plane):
+            out[p, i, :len(table)] = table
+    return out
+
+
+def slot_mapping(batch: PagedBatch) -> np.ndarray:
+    """Cache slot (block * block_size + offset) of every new token in every plane, `[P, T]` int64.
+
+    A sequence whose table in a plane does not reach a token's position gets slot -1 there
+    (that plane is not in use for it: fewer loops, or an exited token), and writers skip it.
+    """
+    bs = batch.block_size
+    positions = token_positions(batch)
+    seq_of_token = np.repeat(np.arange(len(batch.query_lens)), batch.query_lens)
+    tables = block_table_array(batch)                                   # [P, S, B]
+    lengths = np.array([[len(t) for t in plane] for plane in batch.block_tables], dtype=np.int64)
+    if tables.shape[1] == 0:
+        return np.zeros((tables.shape[0], 0), dtype=np.int64)
+    block_idx = positions // bs                                         # [T]
+    in_table = block_idx[None, :] < lengths[:, seq_of_token]            # [P, T]
+    blocks = tables[:, seq_of_token, np.minimum(block_idx, tables.shape[2] - 1)].astype(np.int64)
+    return np.where(in_table, blocks * bs + positions % bs, -1)

@@ -1,0 +1,119 @@
+"""Hal names -> classes: the built-ins plus any vendor package registered under the entry-point
+group `loopstack.hal`; `detect()` picks the first available; this is the one place that decides
+which platform a torch device belongs to."""
+from __future__ import annotations
+
+import importlib
+import logging
+from functools import lru_cache
+from importlib.metadata import entry_points
+from typing import Any
+
+import torch
+
+from hal.base import Hal
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "loopstack.hal"
+BUILTIN = {
+    "cpu": "hal.cpu:CpuHal",
+    "cuda": "hal.cuda:CudaHal",
+    "rocm": "hal.rocm:RocmHal",
+    "ascend": "hal.ascend:AscendHal",
+}
+DETECT_ORDER = ("ascend", "rocm", "cuda")   # accelerators first; out-of-tree vendors next; cpu last
+
+
+class UnknownHalError(ValueError):
+    pass
+
+
+def _load(target: str) -> type[Hal]:
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _plugins() -> dict[str, Any]:
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name not in BUILTIN}
+
+
+def names() -> list[str]:
+    """Every known Hal name: built-ins and installed vendor packages."""
+    return sorted({*BUILTIN, *_plugins()})
+
+
+def get_class(name: str) -> type[Hal]:
+    if name in BUILTIN:
+        return _load(BUILTIN[name])
+    plugins = _plugins()
+    if name in plugins:
+        cls = plugins[name].load()
+        if not (isinstance(cls, type) and issubclass(cls, Hal)):
+            raise TypeError(f"entry point {name!r} in group {ENTRY_POINT_GROUP!r} gives {cls!r}, not a Hal subclass")
+        return cls
+    raise UnknownHalError(f"unknown hal {name!r}; known: {', '.join(['auto', *names()])}")
+
+
+def detect() -> str:
+    """The name of the first available Hal: an accelerator if one is present, else "cpu"."""
+    for name in (*DETECT_ORDER, *sorted(_plugins())):
+        try:
+            if get_class(name).is_available():
+                return name
+        except Exception as exc:  # a broken vendor package must not stop detection
+            log.debug("hal %s not available: %s", name, exc)
+    return "cpu"
+
+
+def get(name: str = "auto", **options: Any) -> Hal:
+    """A Hal instance by name ("auto" detects). Options go to the Hal's constructor
+    (`device_index`, `attention_backend`, vendor-specific ones)."""
+    if name == "auto":
+        name = detect()
+        log.info("hal=auto chose %s", name)
+    cls = get_class(name)
+    if not cls.is_available():
+        raise RuntimeError(f"hal {name!r} is not available on this machine; "
+                           f"available here: {', '.join(n for n in names() if _available(n))}")
+    return cls(**options)
+
+
+def _available(name: str) -> bool:
+    try:
+        return get_class(name).is_available()
+    except Exception:
+        return False
+
+
+def platform_of(device: torch.device | str) -> str:
+    """The Hal name for a torch device: cpu, cuda or rocm (both torch "cuda"), ascend ("npu")."""
+    device_type = torch.device(device).type
+    if device_type == "cuda":
+        return "rocm" if getattr(torch.version, "hip", None) else "cuda"
+    if device_type == "npu":
+        return "ascend"
+    return device_type
+
+
+@lru_cache(maxsize=None)
+def _for_platform(name: str) -> Hal:
+    try:
+        return get(name)
+    except (NotImplementedError, RuntimeError, UnknownHalError):
+        return get("cpu") if name == "cpu" else _Fallback()
+
+
+def for_device(device: torch.device | str) -> Hal:
+    """The Hal that owns tensors on `device` (used by models for dense attention)."""
+    return _for_platform(platform_of(device))
+
+
+class _Fallback:
+    """Device-generic dense attention while a vendor Hal is not installed (plain torch SDPA)."""
+
+    def dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+              causal: bool = True) -> torch.Tensor:
+        from hal.base import dense_attention
+
+        return dense_attention(q, k, v, scale=scale, causal=causal)

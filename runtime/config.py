@@ -1,0 +1,83 @@
+"""Frozen configuration dataclasses: per-request sampling, and the Hydra schemas of the CLIs."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation settings (vLLM's names; the looped-model fields last).
+
+    `temperature=0` is greedy. `top_k <= 0` and `top_p=1` disable those filters. `seed` makes
+    sampling (and Huginn's random initial state) reproducible per request. `num_loops` and
+    `exit_threshold` default to the model's own values when None.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    num_loops: int | None = None
+    exit_threshold: float | None = None
+    min_loops: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        problems = []
+        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+            problems.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            problems.append(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.num_loops is not None and self.num_loops < 1:
+            problems.append(f"num_loops must be >= 1, got {self.num_loops!r}")
+        if self.exit_threshold is not None and not 0 < self.exit_threshold <= 1:
+            problems.append(f"exit_threshold must be in (0, 1], got {self.exit_threshold!r}")
+        if self.min_loops < 1:
+            problems.append(f"min_loops must be >= 1, got {self.min_loops!r}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+# ----- Hydra schemas (runtime/generate.py registers them; YAML files in conf/ fill them) ----------
+@dataclass
+class ModelConfig:
+    name: Optional[str] = None            # a known model name (resolved in the local HF cache) or hub id
+    path: Optional[str] = None            # a checkpoint folder; wins over name
+    dtype: Optional[str] = None           # None: the checkpoint's torch_dtype
+    num_loops: Optional[int] = None       # None: the model's default depth
+    exit_threshold: Optional[float] = None
+    stop_token_ids: list[int] = field(default_factory=list)   # besides the tokenizer's / config's eos
+
+
+@dataclass
+class HalConfig:
+    name: str = "auto"
+    device_index: Optional[int] = None
+    attention_backend: str = "auto"
+
+
+@dataclass
+class GenerateConfig:
+    hal: Any = None
+    model: Any = None
+    prompt: Any = None                    # a string or a list of strings
+    prompt_ids: Any = None                # a list of token ids or a list of such lists
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: Optional[int] = None
+    ignore_eos: bool = False
+    output: str = "text"                  # text | json
+    log_level: str = "WARNING"

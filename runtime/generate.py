@@ -1,0 +1,130 @@
+"""`python -m runtime.generate hal=cpu model=ouro-1.4b prompt="..."`: the generation CLI (Hydra)."""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from runtime.config import GenerateConfig, HalConfig, ModelConfig, SamplingParams
+
+HERE = Path(__file__).resolve().parent
+# conf/ sits beside the packages in a checkout and inside runtime/ in an installed wheel
+CONF_DIR = next(p for p in (HERE / "conf", HERE.parent / "conf") if (p / "generate.yaml").is_file())
+
+log = logging.getLogger("runtime.generate")
+
+
+def register_schemas() -> None:
+    store = ConfigStore.instance()
+    store.store(group="schema", name="generate", node=GenerateConfig)
+    store.store(group="schema", name="hal", node=HalConfig)
+    store.store(group="schema", name="model", node=ModelConfig)
+
+
+class UsageError(Exception):
+    """Bad arguments: printed as one message, exit status 2."""
+
+
+def known_models() -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml") if p.stem != "none")
+
+
+def no_model_message() -> str:
+    from zoo.loading import HUB_IDS
+
+    lines = ["No model selected. Known models (model=NAME, found in the local Hugging Face cache):"]
+    lines += [f"  {name:22s} {HUB_IDS.get(name, '')}" for name in known_models()]
+    lines += ["Examples:",
+              '  python -m runtime.generate model=ouro-1.4b prompt="The capital of France is"',
+              "  python -m runtime.generate model.path=/path/to/checkpoint prompt_ids=[1,2,3] max_tokens=8",
+              "Download a checkpoint first with e.g. `huggingface-cli download ByteDance/Ouro-1.4B`."]
+    return "\n".join(lines)
+
+
+def prompts_from(cfg: Any) -> list[Any]:
+    if cfg.prompt is not None and cfg.prompt_ids is not None:
+        raise UsageError("give prompt= or prompt_ids=, not both")
+    if cfg.prompt_ids is not None:
+        ids = OmegaConf.to_object(cfg.prompt_ids) if OmegaConf.is_config(cfg.prompt_ids) else cfg.prompt_ids
+        if not isinstance(ids, list) or not ids:
+            raise UsageError(f"prompt_ids must be a non-empty list of token ids, got {ids!r}")
+        batch = ids if isinstance(ids[0], list) else [ids]
+        if not all(isinstance(t, int) for seq in batch for t in seq):
+            raise UsageError(f"prompt_ids must hold integers, got {ids!r}")
+        return batch
+    if cfg.prompt is None:
+        raise UsageError('no prompt: pass prompt="..." (or prompt_ids=[...] for token ids)')
+    prompt = OmegaConf.to_object(cfg.prompt) if OmegaConf.is_config(cfg.prompt) else cfg.prompt
+    return [str(p) for p in prompt] if isinstance(prompt, list) else [str(prompt)]
+
+
+def run(cfg: Any) -> list[dict[str, Any]]:
+    """The job behind the CLI, callable without Hydra: returns one dict per prompt."""
+    from runtime.llm import LLM
+
+    if cfg.output not in ("text", "json"):
+        raise UsageError(f"output must be 'text' or 'json', got {cfg.output!r}")
+    source = cfg.model.path or cfg.model.name
+    if not source:
+        raise UsageError(no_model_message())
+    prompts = prompts_from(cfg)
+    params = SamplingParams(
+        max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+        seed=cfg.seed, ignore_eos=cfg.ignore_eos, stop_token_ids=tuple(cfg.model.stop_token_ids),
+        num_loops=cfg.model.num_loops, exit_threshold=cfg.model.exit_threshold)
+    hal_options = {"device_index": cfg.hal.device_index, "attention_backend": cfg.hal.attention_backend}
+    llm = LLM(source, hal=_hal(cfg.hal.name, hal_options), dtype=cfg.model.dtype)
+    results = []
+    for out in llm.generate(prompts, params):
+        results.append({"prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids,
+                        "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason})
+    return results
+
+
+def _hal(name: str, options: dict[str, Any]) -> Any:
+    import hal
+
+    return hal.get(name, **options)
+
+
+def print_results(results: list[dict[str, Any]], output: str) -> None:
+    for result in results:
+        if output == "json":
+            print(json.dumps(result), flush=True)
+        elif result["text"] or result["prompt"] is not None:
+            print(result["text"], flush=True)
+        else:  # no tokenizer: show ids
+            print(" ".join(map(str, result["token_ids"])), flush=True)
+
+
+register_schemas()
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="generate")
+def _main(cfg: DictConfig) -> None:
+    logging.basicConfig(level=cfg.log_level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        print_results(run(cfg), cfg.output)
+    except UsageError as exc:
+        print(exc, file=sys.stderr)
+        sys.exit(2)
+    except (ValueError, RuntimeError, OSError) as exc:
+        # clear one-line errors (missing checkpoint, unknown hal, bad input), not tracebacks
+        if cfg.log_level == "DEBUG":
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+
+def main() -> None:
+    _main()
+
+
+if __name__ == "__main__":
+    main()

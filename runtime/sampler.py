@@ -1,0 +1,40 @@
+"""Token sampling: greedy, temperature, top-k, top-p, with a per-request generator."""
+from __future__ import annotations
+
+import torch
+
+from runtime.config import SamplingParams
+
+
+def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    """A seeded generator for reproducible sampling; None (the global RNG) without a seed."""
+    if params.seed is None or params.is_greedy:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(params.seed)
+    return gen
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Sampling distribution `[V]` (float32) after temperature, top-k and top-p."""
+    logits = logits.float() / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum()
+    return probs
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token id from `logits: [V]`."""
+    if params.is_greedy:
+        return int(torch.argmax(logits))
+    probs = filtered_probs(logits, params)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,29 @@
+"""Shared fixtures: vendor markers, deterministic seeds, one Hal per available vendor."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import VENDOR_MARKS, hal_available
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for vendor in VENDOR_MARKS:
+            if vendor in item.keywords and not hal_available(vendor):
+                item.add_marker(pytest.mark.skip(reason=f"needs {vendor} hardware"))
+
+
+@pytest.fixture(autouse=True)
+def _deterministic() -> None:
+    torch.manual_seed(0)
+
+
+@pytest.fixture(params=["cpu", *VENDOR_MARKS])
+def any_hal(request: pytest.FixtureRequest):
+    """Each available Hal (device-generic tests run on every one present)."""
+    if not hal_available(request.param):
+        pytest.skip(f"needs {request.param}")
+    import hal
+
+    return hal.get(request.param)

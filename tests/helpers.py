@@ -1,0 +1,55 @@
+"""Test helpers: golden cases, real-model configs, Hal availability."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = Path(os.environ.get("LOOPSTACK_GOLDEN", Path(__file__).parent / "data" / "golden"))
+CONFIGS = ROOT / "zoo" / "configs"
+VENDOR_MARKS = ("cuda", "rocm", "ascend")
+
+
+class GoldenCase(NamedTuple):
+    name: str
+    path: Path
+    meta: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def num_prompts(self) -> int:
+        return self.meta["num_prompts"]
+
+    def prompt(self, i: int) -> list[int]:
+        return self.tensors[f"prompt_{i}"].tolist()
+
+    def greedy(self, i: int) -> list[int]:
+        return self.tensors[f"greedy_{i}"].tolist()
+
+
+def golden_case(name: str) -> GoldenCase:
+    path = GOLDEN / name
+    return GoldenCase(name, path, json.loads((path / "golden.json").read_text()),
+                      load_file(str(path / "golden.safetensors")))
+
+
+def golden_names(family: str | None = None) -> list[str]:
+    names = sorted(p.name for p in GOLDEN.iterdir() if (p / "golden.json").is_file())
+    if family:
+        names = [n for n in names if json.loads((GOLDEN / n / "golden.json").read_text())["family"] == family]
+    return names
+
+
+def hal_available(name: str) -> bool:
+    import hal
+
+    try:
+        return hal.get_class(name).is_available()
+    except Exception:
+        return False

@@ -1,0 +1,76 @@
+"""The simple generation path reproduces the golden greedy continuations; sampling behaves."""
+import pytest
+import torch
+
+from helpers import golden_case, golden_names
+from runtime import LLM, SamplingParams
+from runtime.sampler import filtered_probs, sample_token
+
+OURO = golden_names("ouro")
+
+
+@pytest.mark.parametrize("name", OURO)
+def test_llm_greedy_equals_golden(name):
+    case = golden_case(name)
+    llm = LLM(case.path, hal="cpu", dtype="float32")
+    prompts = [case.prompt(i) for i in range(case.num_prompts)]
+    n = case.meta["greedy_new_tokens"]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    for i, out in enumerate(outs):
+        assert out.token_ids == case.greedy(i)
+        assert out.finish_reason == "length" and out.prompt_token_ids == case.prompt(i)
+        assert out.loops_per_token == [llm.model.config.total_ut_steps] * n
+
+
+def test_stop_tokens_end_generation():
+    case = golden_case("ouro-tiny")
+    llm = LLM(case.path, hal="cpu", dtype="float32")
+    greedy = case.greedy(0)
+    stop = greedy[3]
+    out = llm.generate(case.prompt(0), SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[stop],
+                                                      ignore_eos=True))[0]
+    assert out.token_ids == greedy[:greedy.index(stop) + 1] and out.finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible_and_varies():
+    case = golden_case("ouro-tiny")
+    llm = LLM(case.path, hal="cpu", dtype="float32")
+    p = dict(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, ignore_eos=True)
+    a = llm.generate(case.prompt(1), SamplingParams(seed=7, **p))[0].token_ids
+    b = llm.generate(case.prompt(1), SamplingParams(seed=7, **p))[0].token_ids
+    c = llm.generate(case.prompt(1), SamplingParams(seed=8, **p))[0].token_ids
+    assert a == b and a != c
+
+
+def test_filters():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0])
+    probs = filtered_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert probs[2:].sum() == 0 and torch.isclose(probs.sum(), torch.tensor(1.0))
+    probs = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.5))
+    assert probs.tolist() == [1.0, 0.0, 0.0, 0.0]            # the top token alone reaches 0.5 (p=0.64)
+    assert sample_token(logits, SamplingParams(temperature=0), None) == 0
+
+
+@pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(num_loops=0),
+                                 dict(exit_threshold=1.5)])
+def test_bad_sampling_params_are_rejected(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
+
+
+def test_bad_prompts_are_rejected():
+    llm = LLM(golden_case("ouro-tiny").path, hal="cpu", dtype="float32")
+    with pytest.raises(ValueError, match="empty prompt"):
+        llm.generate([[]])
+    with pytest.raises(ValueError, match="out of range"):
+        llm.generate([[1, 999]])
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("text needs a tokenizer")
+
+
+def test_exit_threshold_reports_loops():
+    case = golden_case("ouro-tiny")
+    llm = LLM(case.path, hal="cpu", dtype="float32")
+    out = llm.generate(case.prompt(0), SamplingParams(max_tokens=8, temperature=0, exit_threshold=0.5,
+                                                      ignore_eos=True))[0]
+    assert len(out.loops_per_token) == 8 and all(1 <= n <= 4 for n in out.loops_per_token)

@@ -1,0 +1,103 @@
+"""loopstack's model zoo: looped-depth LMs as plain, trainable `nn.Module`s.
+
+    model = zoo.from_pretrained("path/to/Ouro-1.4B", dtype="bfloat16", device="cuda")
+    model = zoo.from_config("config.json", device=torch.device("meta"))   # random weights, any shape
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zoo.base import CausalLMOutput, DenseContext, ForwardContext, KVSpec, LoopedCausalLM, as_dtype
+from zoo.loading import (HUB_IDS, CheckpointError, default_dtype, load_weights, read_config, resolve_checkpoint,
+                          stored_dtype)
+
+# config.json model_type -> model class
+FAMILIES = {
+    "ouro": "zoo.ouro:OuroForCausalLM",
+    "huginn_raven": "zoo.huginn:HuginnForCausalLM",
+    "nanbeige": "zoo.nanbeige:NanbeigeForCausalLM",
+}
+
+__all__ = ["CausalLMOutput", "CheckpointError", "DenseContext", "ForwardContext", "HUB_IDS", "KVSpec",
+           "LoopedCausalLM", "as_dtype", "from_config", "from_pretrained", "model_class", "resolve_checkpoint"]
+
+
+def model_class(model_type: str) -> type[LoopedCausalLM]:
+    if model_type not in FAMILIES:
+        raise CheckpointError(f"model_type {model_type!r} is not in the zoo; supported: {', '.join(FAMILIES)}")
+    module, _, name = FAMILIES[model_type].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _config_dict(config: dict[str, Any] | str | os.PathLike) -> dict[str, Any]:
+    if isinstance(config, dict):
+        return config
+    path = Path(config)
+    if path.is_dir():
+        return read_config(path)
+    if not path.is_file():
+        raise CheckpointError(f"config {path} does not exist")
+    return json.loads(path.read_text())
+
+
+def build(config: dict[str, Any] | str | os.PathLike) -> tuple[type[LoopedCausalLM], Any]:
+    """The model class and its typed config for a config.json dict or path."""
+    raw = _config_dict(config)
+    if "model_type" not in raw:
+        raise CheckpointError("config has no model_type; is it a Hugging Face config.json?")
+    cls = model_class(raw["model_type"])
+    return cls, cls.config_class.from_dict(raw)
+
+
+def _checkpoint_dtype(cfg: Any, folder: Path | None = None) -> torch.dtype:
+    """The config's torch_dtype; else the dtype the weights are stored in; else float32."""
+    declared = getattr(cfg, "torch_dtype", None)
+    if declared:
+        return as_dtype(declared)
+    return stored_dtype(folder) if folder is not None else torch.float32
+
+
+def from_config(config: dict[str, Any] | str | os.PathLike, dtype: torch.dtype | str | None = None,
+                device: torch.device | str | None = None, seed: int | None = None) -> LoopedCausalLM:
+    """A randomly initialised model of the config's shape (for tests and benchmarks). Works on
+    `torch.device("meta")`, where no memory is allocated."""
+    cls, cfg = build(config)
+    dtype = as_dtype(dtype) or _checkpoint_dtype(cfg)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.device(device), default_dtype(dtype):
+        model = cls(cfg)
+    if device.type != "meta":
+        model.apply(_init_weights(getattr(cfg, "initializer_range", 0.02)))
+    return model.eval()
+
+
+def _init_weights(std: float):
+    def init(module: torch.nn.Module) -> None:
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            torch.nn.init.normal_(module.weight, std=std)
+            if getattr(module, "bias", None) is not None:
+                torch.nn.init.zeros_(module.bias)
+    return init
+
+
+def from_pretrained(path_or_name: str | os.PathLike, dtype: torch.dtype | str | None = None,
+                    device: torch.device | str | None = None) -> LoopedCausalLM:
+    """Load a released checkpoint (a folder, a known name like "ouro-1.4b", or a hub id in the local
+    cache). `dtype=None` keeps the checkpoint's `torch_dtype`; `device=None` means the CPU."""
+    folder = resolve_checkpoint(path_or_name)
+    cls, cfg = build(read_config(folder))
+    dtype = as_dtype(dtype) or _checkpoint_dtype(cfg, folder)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    with torch.device("meta"):
+        model = cls(cfg)
+    load_weights(model, folder, dtype, device)
+    model.name_or_path = str(folder)
+    return model.eval()

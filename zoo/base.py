@@ -1,0 +1,180 @@
+"""The looped-model contract every zoo family implements, and the dense (training) context.
+
+A looped model runs four stages, so the runtime can control depth without knowing the family:
+
+    prelude(ids, ctx)       -> state   # embed (Huginn: scaled embed, prelude blocks, initial state)
+    loop(state, depth, ctx) -> state   # one recurrence; its KV goes to the plane of `depth`
+    exit_hazard(state)      -> [B, T] probability of exiting after this loop, or None (no gate)
+    coda(state, ctx)        -> logits  # Huginn: ln_f, coda blocks, ln_f, head; others: head
+
+`state` is a tensor `[B, T, X]` whose rows are tokens; the runtime may select rows between loops.
+`ctx` carries token positions, per-step caches (rotary tables) and attention: the dense causal
+context below for training and tests, or the runtime's paged context for serving.
+"""
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Protocol
+
+import torch
+from torch import nn
+
+import hal
+
+
+class KVSpec(NamedTuple):
+    """How a model's attention layers map onto KV planes.
+
+    Planes `0 .. num_fixed_planes - 1` are written once per token (Huginn's prelude and coda
+    layers); plane `num_fixed_planes + d` holds the KV of loop `d`. Each plane has
+    `layers_per_plane` layer slots of `[num_kv_heads, head_dim]` per token.
+    """
+
+    num_kv_heads: int
+    head_dim: int
+    layers_per_plane: int
+    num_fixed_planes: int = 0
+
+    def num_planes(self, num_loops: int) -> int:
+        return self.num_fixed_planes + num_loops
+
+
+class ForwardContext(Protocol):
+    """What a model needs from whoever runs it."""
+
+    positions: torch.Tensor   # [B, T] int64 position of every token in its sequence
+
+    def cached(self, key: Any, fn: Callable[[], Any]) -> Any:
+        """`fn()` computed once per forward pass (rotary tables shared by every loop)."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plane: int, layer: int,
+               scale: float) -> torch.Tensor:
+        """Causal attention of `q: [B, T, H, D]` given this step's `k, v: [B, T, KVH, D]`, which the
+        context stores in KV plane `plane`, layer slot `layer`. Returns `[B, T, H, D]`."""
+
+
+class DenseContext:
+    """Plain causal attention over the tokens of this call, no cache: training, tests, references."""
+
+    def __init__(self, positions: torch.Tensor) -> None:
+        self.positions = positions
+        self._cache: dict[Any, Any] = {}
+
+    @classmethod
+    def for_tokens(cls, x: torch.Tensor) -> "DenseContext":
+        """Positions 0..T-1 for every row of `x: [B, T, ...]`."""
+        batch, seq = x.shape[:2]
+        return cls(torch.arange(seq, device=x.device).expand(batch, seq))
+
+    def cached(self, key: Any, fn: Callable[[], Any]) -> Any:
+        if key not in self._cache:
+            self._cache[key] = fn()
+        return self._cache[key]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plane: int, layer: int,
+               scale: float) -> torch.Tensor:
+        out = hal.for_device(q.device).dense(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             scale=scale, causal=True)
+        return out.transpose(1, 2)
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor                          # [B, T, V] at the selected depth
+    loss: torch.Tensor | None = None              # scalar, when labels were given
+    exit_pdf: torch.Tensor | None = None          # [B, T, S] probability of exiting after loop s
+    step_logits: torch.Tensor | None = None       # [S, B, T, V] when asked for
+    num_loops: int = 0
+
+
+class LoopedCausalLM(nn.Module):
+    """Base class of the zoo's models: the four stages plus family metadata."""
+
+    config_class: type
+    # checkpoint names that may be absent or stored twice because they alias another weight
+    tied_weights: dict[str, str] = {}
+    # stored in some checkpoints, not weights of ours (rotary tables)
+    ignored_checkpoint_keys: tuple[str, ...] = ()
+    # token ids that end generation besides the config's eos (Ouro's <|im_end|>)
+    extra_stop_token_ids: tuple[int, ...] = ()
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.gradient_checkpointing = False
+
+    @property
+    @abstractmethod
+    def kv_spec(self) -> KVSpec: ...
+
+    @property
+    @abstractmethod
+    def default_num_loops(self) -> int: ...
+
+    @property
+    def default_exit_threshold(self) -> float:
+        """Exit threshold when a caller gives none; 1.0 means every token runs all loops."""
+        return 1.0
+
+    @property
+    def max_seq_len(self) -> int:
+        """Longest sequence (prompt + generated) the model's positions support."""
+        return int(getattr(self.config, "max_position_embeddings", 1 << 20))
+
+    @abstractmethod
+    def prelude(self, input_ids: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor: ...
+
+    @abstractmethod
+    def loop(self, state: torch.Tensor, depth: int, ctx: ForwardContext | None = None) -> torch.Tensor: ...
+
+    def exit_hazard(self, state: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    @abstractmethod
+    def coda(self, state: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor: ...
+
+    # ----- helpers shared by the families ---------------------------------------------------
+    def stop_token_ids(self) -> tuple[int, ...]:
+        eos = getattr(self.config, "eos_token_id", None)
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return tuple(dict.fromkeys([*eos_ids, *self.extra_stop_token_ids]))
+
+    def tie_weights(self) -> None:
+        """Re-share tied parameters after loading assigned separate tensors."""
+
+    def gradient_checkpointing_enable(self) -> None:
+        self.gradient_checkpointing = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.gradient_checkpointing = False
+
+    def run_loop(self, state: torch.Tensor, depth: int, ctx: ForwardContext) -> torch.Tensor:
+        """`loop`, recomputed in backward when gradient checkpointing is on (one segment per loop)."""
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(self.loop, state, depth, ctx, use_reentrant=False)
+        return self.loop(state, depth, ctx)
+
+    def num_parameters(self) -> int:
+        """Unique parameter elements (tied weights counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Cross entropy of position t's logits against label t+1, `logits: [B, T, V]`, `labels: [B, T]`."""
+    shifted = logits[:, :-1].float().reshape(-1, logits.shape[-1])
+    return nn.functional.cross_entropy(shifted, labels[:, 1:].reshape(-1), ignore_index=ignore_index)
+
+
+def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """`torch.bfloat16`, "bfloat16", "bf16", "torch.bfloat16" -> torch.bfloat16; None stays None."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+    value = getattr(torch, aliases.get(name, name), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; use e.g. 'bfloat16', 'float16' or 'float32'")
+    return value

@@ -1,0 +1,191 @@
+"""Checkpoint loading: config.json + (sharded) safetensors in the released Hugging Face layout.
+
+Models are built on the meta device and filled tensor by tensor from the files, so weights are
+allocated once, in the target dtype, on the target device. Only safetensors are read: pickle
+checkpoints can execute code and are refused, and no Python file in a checkpoint folder is run.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+
+log = logging.getLogger(__name__)
+
+# names users type -> hub repository ids (the checkpoints themselves are never downloaded by us)
+HUB_IDS = {
+    "ouro-1.4b": "ByteDance/Ouro-1.4B",
+    "ouro-1.4b-thinking": "ByteDance/Ouro-1.4B-Thinking",
+    "ouro-2.6b": "ByteDance/Ouro-2.6B",
+    "ouro-2.6b-thinking": "ByteDance/Ouro-2.6B-Thinking",
+    "huginn-0125": "tomg-group-umd/huginn-0125",
+    "nanbeige4.2-3b": "Nanbeige/Nanbeige4.2-3B",
+}
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+PROGRESS_MIN_BYTES = 256 << 20
+# rotary tables some checkpoints store; we compute them (as non-persistent values) instead
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, unreadable or does not match the model; the message names the fix."""
+
+
+def resolve_checkpoint(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
+    """A local folder for a path, a known model name (`ouro-1.4b`) or a hub id, looked up in the
+    local Hugging Face cache only (offline); raises `CheckpointError` with download instructions."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file():
+        raise CheckpointError(f"{path} is a file; pass the checkpoint folder that holds config.json")
+    text = str(name_or_path)
+    repo_id = HUB_IDS.get(text.lower(), text if text.count("/") == 1 and not text.startswith((".", "/")) else None)
+    if repo_id is None:
+        raise CheckpointError(f"no checkpoint folder at {text!r} and it is not a known model name; "
+                              f"known: {', '.join(sorted(HUB_IDS))}; or pass model.path=/path/to/checkpoint")
+    cached = _hub_cache_snapshot(repo_id, cache_dir)
+    if cached is None:
+        raise CheckpointError(
+            f"model {text!r} ({repo_id}) is not in the local Hugging Face cache. Download it with\n"
+            f"    huggingface-cli download {repo_id}\n"
+            f"or pass model.path=/path/to/checkpoint (a folder with config.json and *.safetensors)")
+    return cached
+
+
+def _hub_cache_snapshot(repo_id: str, cache_dir: str | os.PathLike | None) -> Path | None:
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(repo_id, local_files_only=True, cache_dir=cache_dir))
+    except Exception as exc:  # not cached (LocalEntryNotFoundError), or hub cache unreadable
+        log.debug("%s not in the local hub cache: %s", repo_id, exc)
+        return None
+    return folder if (folder / "config.json").is_file() else None
+
+
+def read_config(folder: str | os.PathLike) -> dict[str, Any]:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{folder} has no config.json; is it a Hugging Face checkpoint folder?")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+
+
+def safetensors_files(folder: str | os.PathLike) -> list[Path]:
+    """The weight files of a checkpoint: those named by model.safetensors.index.json, else
+    model.safetensors, else every *.safetensors file. Pickle-only checkpoints are refused with an explanation."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({folder / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index.name} names shards that are not in {folder}: {', '.join(missing)}; "
+                                  f"the download is incomplete")
+        return files
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = [p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES]
+    if pickles:
+        raise CheckpointError(
+            f"{folder} holds only pickle weights ({', '.join(pickles[:3])}); loopstack reads safetensors only, "
+            f"because unpickling can run arbitrary code. Convert once in a trusted environment, e.g. "
+            f"`safetensors.torch.save_file(torch.load(f, weights_only=True), 'model.safetensors')`")
+    raise CheckpointError(f"{folder} has no *.safetensors weight files")
+
+
+def stored_dtype(folder: str | os.PathLike) -> torch.dtype:
+    """The floating dtype most of the checkpoint's weights are stored in."""
+    with safe_open(str(safetensors_files(folder)[0]), framework="pt") as f:
+        names = list(f.keys())
+        kinds = [f.get_slice(n).get_dtype() for n in names[:64]]
+    by_name = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    floats = [by_name[k] for k in kinds if k in by_name]
+    return max(set(floats), key=floats.count) if floats else torch.float32
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_weights(model: torch.nn.Module, folder: str | os.PathLike, dtype: torch.dtype,
+                 device: torch.device) -> None:
+    """Fill `model` (built on the meta device) from the folder's safetensors, strictly: every
+    parameter present with its shape, nothing unknown left over."""
+    files = safetensors_files(folder)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
+    tied = dict(getattr(model, "tied_weights", {}))
+    ignored = ("inv_freq", "freqs_cis", *getattr(model, "ignored_checkpoint_keys", ()))
+
+    stored: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                stored[name] = (file, tuple(f.get_slice(name).get_shape()))
+
+    missing = [n for n in expected if n not in stored and not (n in tied and tied[n] in stored)]
+    unexpected = [n for n in stored if n not in expected and not n.endswith(ignored)]
+    mismatched = [f"{n}: file {stored[n][1]} vs model {expected[n]}"
+                  for n in expected if n in stored and stored[n][1] != expected[n]]
+    if missing or unexpected or mismatched:
+        def part(title: str, items: list[str]) -> str:
+            more = f" (+{len(items) - 8} more)" if len(items) > 8 else ""
+            return f"\n  {title} ({len(items)}): {', '.join(items[:8])}{more}" if items else ""
+        raise CheckpointError(f"checkpoint {folder} does not match {type(model).__name__}:"
+                              + part("missing", missing) + part("unexpected", unexpected)
+                              + part("shape mismatch", mismatched))
+
+    # one source file per parameter: an alias stored twice is read once
+    to_read = {n: n if n in stored else tied[n] for n in expected if not (n in tied and tied[n] in expected)}
+    total_bytes = sum(_numel(expected[n]) for n in to_read) * torch.finfo(dtype).bits // 8
+    state: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for param, source in to_read.items():
+        by_file.setdefault(stored[source][0], []).append(param)
+    with _progress(total_bytes, f"loading {Path(folder).name}") as bar:
+        for file, params in by_file.items():
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for param in params:
+                    tensor = f.get_tensor(to_read[param]).to(device=device, dtype=dtype)
+                    state[param] = tensor
+                    bar.update(tensor.numel() * tensor.element_size())
+    model.load_state_dict(state, strict=False, assign=True)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    leftover = [n for n, p in model.named_parameters() if p.is_meta]
+    if leftover:
+        raise CheckpointError(f"parameters not filled from {folder}: {', '.join(leftover[:8])}")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+@contextmanager
+def _progress(total_bytes: int, desc: str) -> Iterator[Any]:
+    from tqdm.auto import tqdm
+
+    with tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+              disable=total_bytes < PROGRESS_MIN_BYTES, leave=False) as bar:
+        yield bar

@@ -1,0 +1,135 @@
+"""Ouro (ByteDance Seed): a Llama-like decoder with sandwich norms whose layer stack runs
+`total_ut_steps` times per token, with an exit gate after every loop.
+
+    h = embed(ids)
+    for t in loops:  for layer:  h = h + norm_a2(attn(norm_a1(h)));  h = h + norm_m2(mlp(norm_m1(h)))
+                     h = norm(h);  hazard_t = sigmoid(gate(h));  logits_t = lm_head(h)
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zoo.base import CausalLMOutput, DenseContext, ForwardContext, KVSpec, LoopedCausalLM, causal_lm_loss
+from zoo.layers import GQAttention, RMSNorm, SwiGLU
+from zoo.ouro.config import OuroConfig
+
+
+class OuroDecoderLayer(nn.Module):
+    def __init__(self, cfg: OuroConfig) -> None:
+        super().__init__()
+        self.self_attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                     cfg.head_dim, cfg.rope_theta)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm_2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm_2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, ctx: ForwardContext, plane: int, layer: int) -> torch.Tensor:
+        # h: [B, T, hidden]
+        h = h + self.input_layernorm_2(self.self_attn(self.input_layernorm(h), ctx, plane, layer))
+        return h + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(h)))
+
+
+class OuroModel(nn.Module):
+    def __init__(self, cfg: OuroConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(OuroDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.early_exit_gate = nn.Linear(cfg.hidden_size, 1, bias=True)
+
+
+def exit_distribution(hazards: torch.Tensor) -> torch.Tensor:
+    """`hazards: [..., S]` (probability of exiting after loop s given it was reached) ->
+    `p: [..., S]`, p_s = hazard_s * prod_{j<s}(1 - hazard_j); the last loop takes what remains."""
+    survive = torch.cumprod(1 - hazards, dim=-1)                         # P(not exited after s)
+    reached = torch.cat([torch.ones_like(survive[..., :1]), survive[..., :-1]], dim=-1)
+    pdf = hazards * reached
+    return torch.cat([pdf[..., :-1], reached[..., -1:]], dim=-1)
+
+
+def first_exit_step(pdf: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Per token, the first loop whose cumulative exit probability reaches `threshold`
+    (the last loop if none does). `pdf: [..., S]` -> `[...]` int64."""
+    reached = torch.cumsum(pdf, dim=-1) >= threshold
+    reached[..., -1] = True
+    return reached.int().argmax(dim=-1)
+
+
+class OuroForCausalLM(LoopedCausalLM):
+    config_class = OuroConfig
+    extra_stop_token_ids = (0, 2)    # <|endoftext|>, <|im_end|>: the config lists only 0
+
+    def __init__(self, config: OuroConfig) -> None:
+        super().__init__(config)
+        self.model = OuroModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+            self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def kv_spec(self) -> KVSpec:
+        c = self.config
+        return KVSpec(c.num_key_value_heads, c.head_dim, c.num_hidden_layers)
+
+    @property
+    def default_num_loops(self) -> int:
+        return self.config.total_ut_steps
+
+    @property
+    def default_exit_threshold(self) -> float:
+        return self.config.early_exit_threshold
+
+    # ----- the four stages ------------------------------------------------------------------
+    def prelude(self, input_ids: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)                            # [B, T, hidden]
+
+    def loop(self, state: torch.Tensor, depth: int, ctx: ForwardContext | None = None) -> torch.Tensor:
+        ctx = ctx or DenseContext.for_tokens(state)
+        for i, layer in enumerate(self.model.layers):
+            state = layer(state, ctx, depth, i)
+        return self.model.norm(state)
+
+    def exit_hazard(self, state: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.model.early_exit_gate(state).float()).squeeze(-1)   # [B, T]
+
+    def coda(self, state: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        return self.lm_head(state)                                           # [B, T, V]
+
+    # ----- training / reference forward ----------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, num_loops: int | None = None, labels: torch.Tensor | None = None,
+                exit_threshold: float | None = None, return_step_logits: bool = False) -> CausalLMOutput:
+        """`input_ids: [B, T]`. Logits come from the last loop, or with `exit_threshold=q < 1` per
+        token from the first loop whose cumulative exit probability reaches q. With `labels` the
+        loss is Ouro's objective: cross entropy of the exit-weighted expected logits."""
+        num_loops = num_loops or self.config.total_ut_steps
+        threshold = self.config.early_exit_threshold if exit_threshold is None else exit_threshold
+        ctx = DenseContext.for_tokens(input_ids)
+        h = self.prelude(input_ids, ctx)
+        states, hazards = [], []
+        for depth in range(num_loops):
+            h = self.run_loop(h, depth, ctx)
+            states.append(h)
+            hazards.append(self.exit_hazard(h))
+        pdf = exit_distribution(torch.stack(hazards, dim=-1))                # [B, T, S]
+
+        need_steps = labels is not None or return_step_logits or threshold < 1.0
+        step_logits = torch.stack([self.coda(s) for s in states]) if need_steps else None   # [S, B, T, V]
+        if threshold < 1.0:
+            exit_step = first_exit_step(pdf, threshold)                      # [B, T]
+            logits = step_logits.gather(0, exit_step[None, ..., None].expand(1, *step_logits.shape[1:]))[0]
+        else:
+            logits = step_logits[-1] if step_logits is not None else self.coda(h)
+        loss = None
+        if labels is not None:
+            expected = (pdf.permute(2, 0, 1)[..., None].to(step_logits.dtype) * step_logits).sum(0)
+            loss = causal_lm_loss(expected, labels)
+        return CausalLMOutput(logits=logits, loss=loss, exit_pdf=pdf,
+                              step_logits=step_logits if return_step_logits else None, num_loops=num_loops)
