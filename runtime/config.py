@@ -49,6 +49,31 @@ class SamplingParams:
         return self.temperature == 0
 
 
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs a model: KV layout and memory, batching limits."""
+
+    kv_mode: str = "full"                    # full | last_exited | shared (see runtime/kv_cache.py)
+    block_size: Optional[int] = None         # None: the Hal's preferred paged-KV block size
+    num_kv_blocks: Optional[int] = None      # explicit pool size; else sized from memory
+    kv_cache_memory_bytes: Optional[int] = None   # explicit KV budget; else from gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9      # fraction of device memory the process may use in total
+    max_num_seqs: int = 256                  # requests running at once
+    max_num_batched_tokens: int = 2048       # new tokens per step (prefill chunks included)
+    max_model_len: Optional[int] = None      # None: the model's maximum positions
+    watermark_blocks: int = 0                # free blocks kept back at admission
+
+    def __post_init__(self) -> None:
+        from runtime.kv_cache import KV_MODES
+
+        if self.kv_mode not in KV_MODES:
+            raise ValueError(f"kv_mode must be one of {', '.join(KV_MODES)}, got {self.kv_mode!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+
 # ----- Hydra schemas (runtime/generate.py registers them; YAML files in conf/ fill them) ----------
 @dataclass
 class ModelConfig:

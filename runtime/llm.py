@@ -4,16 +4,16 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from typing import Sequence, Union
+from typing import Iterator, Sequence, Union
 
 import torch
 
 import hal as hal_registry
 import zoo
 from hal.base import Hal
-from runtime.config import SamplingParams
+from runtime.config import EngineConfig, SamplingParams
+from runtime.engine import LLMEngine
 from runtime.outputs import RequestOutput
-from runtime.reference import generate_reference
 from runtime.tokenizer import Tokenizer
 from zoo.base import LoopedCausalLM
 
@@ -23,14 +23,18 @@ Prompt = Union[str, Sequence[int]]
 
 
 class LLM:
-    """A looped model on one Hal, with its tokenizer when the checkpoint has one.
+    """A looped model on one Hal behind the batching engine, with its tokenizer when the checkpoint
+    has one.
 
     `model` is a checkpoint folder, a known name ("ouro-1.4b", looked up in the local Hugging Face
-    cache) or an already built zoo model. `dtype=None` keeps the checkpoint's dtype.
+    cache) or an already built zoo model. `dtype=None` keeps the checkpoint's dtype. Engine options
+    (`kv_mode`, `max_num_seqs`, `max_num_batched_tokens`, `num_kv_blocks`, ...) are the fields of
+    `runtime.config.EngineConfig`, given as keywords or as `engine_config=`.
     """
 
     def __init__(self, model: str | os.PathLike | LoopedCausalLM, hal: str | Hal = "auto",
-                 dtype: torch.dtype | str | None = None, tokenizer: Tokenizer | None = None) -> None:
+                 dtype: torch.dtype | str | None = None, tokenizer: Tokenizer | None = None,
+                 engine_config: EngineConfig | None = None, **engine_options) -> None:
         self.hal = hal_registry.get(hal) if isinstance(hal, str) else hal
         device = self.hal.device()
         if isinstance(model, LoopedCausalLM):
@@ -40,49 +44,61 @@ class LLM:
             folder = zoo.resolve_checkpoint(model)
             self.model = zoo.from_pretrained(folder, dtype=dtype, device=device)
         self.tokenizer = tokenizer or (Tokenizer.from_folder(folder) if folder else None)
+        if engine_config is not None and engine_options:
+            raise ValueError("give engine_config= or engine keywords, not both")
+        self.engine = LLMEngine(self.model, self.hal, engine_config or EngineConfig(**engine_options),
+                                self.tokenizer)
         self._ids = itertools.count()
         log.info("LLM: %s on %s, dtype %s", type(self.model).__name__, device, next(self.model.parameters()).dtype)
-
-    def stop_token_ids(self) -> tuple[int, ...]:
-        ids = list(self.model.stop_token_ids())
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.append(self.tokenizer.eos_token_id)
-        return tuple(dict.fromkeys(ids))
 
     def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer.json: pass token ids (prompt_ids) instead of text")
-            ids = self.tokenizer.encode(prompt)
-            text: str | None = prompt
-        else:
-            ids, text = [int(t) for t in prompt], None
-        if not ids:
-            raise ValueError("empty prompt: give at least one token")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        return text, ids
+            return prompt, self.tokenizer.encode(prompt)
+        return None, [int(t) for t in prompt]
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+    def _add(self, prompt: Prompt, params: SamplingParams) -> str:
+        text, ids = self.encode(prompt)
+        request_id = str(next(self._ids))
+        self.engine.add_request(request_id, ids, params, prompt=text)
+        return request_id
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids). One `SamplingParams` for all, or one each."""
+        """Generate for each prompt (text or token ids), all batched together; outputs in prompt order.
+        A prompt the engine rejects (e.g. larger than the whole KV cache) gets an output with
+        `finish_reason="error"` and `.error`; the others run normally. Invalid input raises."""
         prompts = _as_prompt_list(prompts)
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
-        outputs = []
+        order, results = [], {}
         for prompt, p in zip(prompts, params_list):
-            text, ids = self.encode(prompt)
-            tokens, reason, loops = generate_reference(self.model, ids, p, self.stop_token_ids())
-            outputs.append(RequestOutput(str(next(self._ids)), text, ids, tokens, self.decode(tokens),
-                                         True, reason, loops))
-        return outputs
+            try:
+                order.append(self._add(prompt, p))
+            except MemoryError as exc:
+                request_id = str(next(self._ids))
+                order.append(request_id)
+                text, ids = self.encode(prompt)
+                results[request_id] = RequestOutput(request_id, text, ids, finished=True, finish_reason="error",
+                                                    error=str(exc))
+                log.warning("request rejected: %s", exc)
+        for out in self.engine.run_until_done():
+            results[out.request_id] = out
+        return [results[i] for i in order]
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield the growing output of one prompt after every token (the last one has `finished`)."""
+        request_id = self._add(prompt, sampling_params or SamplingParams())
+        with torch.inference_mode():
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        yield out
+                        if out.finished:
+                            return
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

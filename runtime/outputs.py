@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -14,3 +15,5 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None     # "stop" (a stop token) | "length" (max_tokens / context) | "abort"
     loops_per_token: list[int] = field(default_factory=list)   # loops each generated token ran
+    metrics: Any = None                  # runtime.sequence.RequestMetrics (times, preemptions)
+    error: str | None = None             # why the request was rejected (finish_reason "error")

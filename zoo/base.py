@@ -5,7 +5,7 @@ A looped model runs four stages, so the runtime can control depth without knowin
     prelude(ids, ctx)       -> state   # embed (Huginn: scaled embed, prelude blocks, initial state)
     loop(state, depth, ctx) -> state   # one recurrence; its KV goes to the plane of `depth`
     exit_hazard(state)      -> [B, T] probability of exiting after this loop, or None (no gate)
-    coda(state, ctx)        -> logits  # Huginn: ln_f, coda blocks, ln_f, head; others: head
+    coda(state, ctx, rows)  -> logits  # Huginn: ln_f, coda blocks, ln_f, head; others: head
 
 `state` is a tensor `[B, T, X]` whose rows are tokens; the runtime may select rows between loops.
 `ctx` carries token positions, per-step caches (rotary tables) and attention: the dense causal
@@ -118,6 +118,11 @@ class LoopedCausalLM(nn.Module):
         return 1.0
 
     @property
+    def num_attention_heads(self) -> int:
+        """Query heads of every attention layer."""
+        return int(self.config.num_attention_heads)
+
+    @property
     def max_seq_len(self) -> int:
         """Longest sequence (prompt + generated) the model's positions support."""
         return int(getattr(self.config, "max_position_embeddings", 1 << 20))
@@ -132,7 +137,10 @@ class LoopedCausalLM(nn.Module):
         return None
 
     @abstractmethod
-    def coda(self, state: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor: ...
+    def coda(self, state: torch.Tensor, ctx: ForwardContext | None = None,
+             rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits `[B, R, V]` of the token rows `rows` (all rows when None). Layers with KV (Huginn's
+        coda blocks) still run on every row; only the head is restricted to `rows`."""
 
     # ----- helpers shared by the families ---------------------------------------------------
     def stop_token_ids(self) -> tuple[int, ...]:

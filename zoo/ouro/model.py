@@ -100,8 +100,11 @@ class OuroForCausalLM(LoopedCausalLM):
     def exit_hazard(self, state: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.model.early_exit_gate(state).float()).squeeze(-1)   # [B, T]
 
-    def coda(self, state: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
-        return self.lm_head(state)                                           # [B, T, V]
+    def coda(self, state: torch.Tensor, ctx: ForwardContext | None = None,
+             rows: torch.Tensor | None = None) -> torch.Tensor:
+        if rows is not None:
+            state = state.index_select(1, rows)
+        return self.lm_head(state)                                           # [B, R, V]
 
     # ----- training / reference forward ----------------------------------------------------
     def forward(self, input_ids: torch.Tensor, num_loops: int | None = None, labels: torch.Tensor | None = None,

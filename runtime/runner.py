@@ -1,0 +1,152 @@
+"""The model runner: owns the model, the attention backend and the paged KV tensors; turns a
+scheduled step into batch tensors, runs prelude / loops / coda, and samples.
+
+KV storage is `layers_per_plane` tensors (one per layer slot of a plane), each holding every block
+of the pool in the backend's layout; a block id means the same block in every one of them.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import NamedTuple, Sequence
+
+import torch
+
+from hal.base import Hal, PagedBatch
+from runtime.config import EngineConfig
+from runtime.context import PagedContext
+from runtime.kv_cache import BlockManager, num_request_planes
+from runtime.loops import SeqPlan, run_loops
+from runtime.sampler import sample_token
+from runtime.scheduler import ScheduledRequest
+from zoo.base import LoopedCausalLM
+
+log = logging.getLogger(__name__)
+
+
+class StepResult(NamedTuple):
+    sampled: dict[str, tuple[int, int]]     # request id -> (token, loops its logits came from)
+    num_tokens: int                         # tokens computed this step
+
+
+def plan_num_blocks(hal: Hal, config: EngineConfig, bytes_per_block: int, max_blocks_useful: int) -> int:
+    """KV pool size: explicit, or what the memory budget allows, capped by what could ever be used."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if config.kv_cache_memory_bytes is not None:
+        budget = config.kv_cache_memory_bytes
+    else:
+        free, total = hal.mem_info()
+        budget = int(free - total * (1.0 - config.gpu_memory_utilization))
+    num_blocks = min(budget // bytes_per_block, max_blocks_useful)
+    if num_blocks < 1:
+        raise MemoryError(f"no memory left for the KV cache (budget {budget / 2**20:.0f} MiB, "
+                          f"{bytes_per_block} bytes per block); raise gpu_memory_utilization or set num_kv_blocks")
+    return int(num_blocks)
+
+
+class ModelRunner:
+    def __init__(self, model: LoopedCausalLM, hal: Hal, config: EngineConfig, max_model_len: int,
+                 max_loops: int) -> None:
+        self.model, self.hal, self.config = model, hal, config
+        self.device = hal.device()
+        param = next(model.parameters())
+        self.dtype = param.dtype
+        spec = model.kv_spec
+        self.kv_spec = spec
+        self.backend = hal.attention(model.num_attention_heads, spec.num_kv_heads, spec.head_dim, self.dtype,
+                                     block_size=config.block_size)
+        self.block_size = self.backend.block_size
+        log.info("attention backend %s (%s)", self.backend.name, self.backend.caps.reason)
+        per_layer = math.prod(self.backend.kv_cache_shape(1)) * self.dtype.itemsize
+        self.bytes_per_block = per_layer * spec.layers_per_plane
+        max_planes = num_request_planes(config.kv_mode, spec.num_fixed_planes, max_loops)
+        useful = config.max_num_seqs * math.ceil(max_model_len / self.block_size) * max_planes
+        self.num_blocks = plan_num_blocks(hal, config, self.bytes_per_block, useful)
+        self.kv_caches = [torch.empty(self.backend.kv_cache_shape(self.num_blocks), dtype=self.dtype,
+                                      device=self.device) for _ in range(spec.layers_per_plane)]
+        log.info("KV cache: %d blocks of %d tokens, %.1f MiB, kv_mode=%s", self.num_blocks, self.block_size,
+                 self.num_blocks * self.bytes_per_block / 2**20, config.kv_mode)
+
+    # ----- one step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager) -> StepResult:
+        token_ids, positions, plans = [], [], []
+        query_lens, seq_lens, tables = [], [], []
+        row = 0
+        for item in scheduled:
+            req, n = item.request, item.num_tokens
+            start = req.num_computed_tokens
+            token_ids.extend(req.all_token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(blocks.block_tables(req.request_id))
+            decoding = n == 1 and start >= len(req.prompt_token_ids)
+            plans.append(SeqPlan(req.num_loops, req.exit_threshold, req.params.min_loops,
+                                 row + n - 1 if item.samples else None,
+                                 decoding and self.config.kv_mode != "full"))
+            row += n
+        num_planes = max(len(t) for t in tables)
+        by_plane = [[t[p] if p < len(t) else [] for t in tables] for p in range(num_planes)]
+        batch = PagedBatch(query_lens, seq_lens, by_plane, self.block_size)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)[None]
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)[None]
+        ctx = PagedContext(self.backend, self.kv_caches, batch, pos, self.config.kv_mode,
+                           self.kv_spec.num_fixed_planes, self._initial_state_fn(scheduled))
+
+        state = self.model.prelude(ids, ctx)
+        result = run_loops(self.model, state, ctx, plans)
+        sample_seqs = [i for i, p in enumerate(plans) if p.sample_row is not None]
+        sampled: dict[str, tuple[int, int]] = {}
+        if sample_seqs:
+            rows = torch.tensor([plans[i].sample_row for i in sample_seqs], dtype=torch.long, device=self.device)
+            final = result.state
+            if result.sample_state is not None:
+                final = final.index_copy(1, rows, result.sample_state)
+            logits = self.model.coda(final, ctx, rows=rows)[0].float()           # [R, V]
+            for j, i in enumerate(sample_seqs):
+                req = scheduled[i].request
+                sampled[req.request_id] = (sample_token(logits[j], req.params, req.generator),
+                                           result.sample_loops[j])
+        elif self.kv_spec.num_fixed_planes:
+            self.model.coda(result.state, ctx, rows=torch.zeros(0, dtype=torch.long, device=self.device))
+        if result.exits and self.config.kv_mode == "last_exited":
+            self._fill_skipped_planes(result.exits, scheduled, plans, blocks)
+        return StepResult(sampled, row)
+
+    def _initial_state_fn(self, scheduled: Sequence[ScheduledRequest]):
+        """Per-request initial loop states for models that draw one (Huginn), or None."""
+        init = getattr(self.model, "initial_state", None)
+        if init is None:
+            return None
+
+        def initial_state(e: torch.Tensor) -> torch.Tensor:
+            # e: [1, T, D]; each request's rows use its own scale and generator
+            parts, row = [], 0
+            for item in scheduled:
+                req = item.request
+                parts.append(init(e[:, row:row + item.num_tokens], init_scale=getattr(req.params, "init_scale", None),
+                                  generator=req.generator))
+                row += item.num_tokens
+            return torch.cat(parts, dim=1)
+
+        return initial_state
+
+    def _fill_skipped_planes(self, exits: list[tuple[int, int]], scheduled: Sequence[ScheduledRequest],
+                             plans: Sequence[SeqPlan], blocks: BlockManager) -> None:
+        """last_exited: copy an exited token's KV from its exit plane into every deeper plane."""
+        fixed, bs = self.kv_spec.num_fixed_planes, self.block_size
+        src, dst = [], []
+        for i, loop in exits:
+            req = scheduled[i].request
+            pos = req.num_computed_tokens                      # the decoding token's position
+            tables = blocks.block_tables(req.request_id)
+            slot = lambda plane: tables[plane][pos // bs] * bs + pos % bs
+            for deeper in range(loop + 1, plans[i].num_loops):
+                src.append(slot(fixed + loop))
+                dst.append(slot(fixed + deeper))
+        src_t = torch.tensor(src, dtype=torch.long, device=self.device)
+        dst_t = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for cache in self.kv_caches:
+            self.backend.copy_kv(cache, src_t, dst_t)

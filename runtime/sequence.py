@@ -1,0 +1,94 @@
+"""A request's life in the engine: its tokens, depth settings, state and metrics. Pure Python."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.config import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"            # queued; holds no KV blocks
+    RUNNING = "running"            # scheduled every step until it finishes
+    FINISHED_STOPPED = "stop"      # produced a stop token
+    FINISHED_LENGTH = "length"     # reached max_tokens or the model's context
+    FINISHED_ABORTED = "abort"     # aborted by the caller
+    FINISHED_ERROR = "error"       # rejected (e.g. larger than the whole KV cache)
+
+    @property
+    def is_finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
+class Request:
+    """One generation request. `num_computed_tokens` counts tokens whose KV is in the cache; the
+    tokens still to compute are `all_token_ids[num_computed_tokens:]`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    num_loops: int                       # loops per token (resolved from params / the model)
+    exit_threshold: float                # resolved; 1.0 = every token runs all loops
+    num_planes: int                      # KV planes this request owns
+    stop_token_ids: frozenset[int] = frozenset()
+    max_seq_len: int = 1 << 30
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    loops_per_token: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    generator: Any = None                # torch.Generator for seeded sampling / initial states
+    error: str | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """Still computing tokens it did not generate itself (its prompt, or after a preemption)."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_token(self, token_id: int, num_loops_run: int) -> None:
+        if not self.output_token_ids:
+            self.metrics.first_token_time = time.monotonic()
+        self.output_token_ids.append(token_id)
+        self.loops_per_token.append(num_loops_run)
+
+    def check_stop(self) -> RequestStatus | None:
+        """The finished status the last token implies, if any."""
+        last = self.output_token_ids[-1]
+        if last in self.stop_token_ids or last in self.params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= self.max_seq_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
