@@ -181,6 +181,8 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     q_len, kv_len = q.shape[2], k.shape[2]
     if causal and q_len == kv_len:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    if q_len == 1:   # one query at the end sees every key (and torch's CPU SDPA is slow with a 1-row mask)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
     mask = None
     if causal:
         # bottom-right: query i sees keys 0 .. kv_len - q_len + i

@@ -93,6 +93,24 @@ class HalConfig:
 
 
 @dataclass
+class BenchConfig:
+    hal: Any = None
+    model: Any = None
+    weights: str = "random"
+    dtype: str = "bfloat16"
+    workload: Any = "b1"
+    kv_mode: str = "full"
+    max_num_batched_tokens: int = 8192
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: Optional[int] = None
+    warmup: bool = True
+    matmul_size: int = 8192
+    output: Optional[str] = None
+    log_level: str = "WARNING"
+    workloads: Any = None
+
+
+@dataclass
 class GenerateConfig:
     hal: Any = None
     model: Any = None

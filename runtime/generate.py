@@ -11,7 +11,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from runtime.config import GenerateConfig, HalConfig, ModelConfig, SamplingParams
+from runtime.config import BenchConfig, GenerateConfig, HalConfig, ModelConfig, SamplingParams
 
 HERE = Path(__file__).resolve().parent
 # conf/ sits beside the packages in a checkout and inside runtime/ in an installed wheel
@@ -23,6 +23,7 @@ log = logging.getLogger("runtime.generate")
 def register_schemas() -> None:
     store = ConfigStore.instance()
     store.store(group="schema", name="generate", node=GenerateConfig)
+    store.store(group="schema", name="bench", node=BenchConfig)
     store.store(group="schema", name="hal", node=HalConfig)
     store.store(group="schema", name="model", node=ModelConfig)
 

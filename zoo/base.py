@@ -142,6 +142,14 @@ class LoopedCausalLM(nn.Module):
         """Logits `[B, R, V]` of the token rows `rows` (all rows when None). Layers with KV (Huginn's
         coda blocks) still run on every row; only the head is restricted to `rows`."""
 
+    def num_kv_layers(self, num_planes: int) -> int:
+        """KV entries (layer slots) one token writes across `num_planes` planes."""
+        return self.kv_spec.layers_per_plane * num_planes
+
+    def loop_modules(self) -> list[nn.Module]:
+        """The modules `loop` applies: their weights are read once per loop (for roofline math)."""
+        raise NotImplementedError(f"{type(self).__name__} does not list its loop modules")
+
     # ----- helpers shared by the families ---------------------------------------------------
     def stop_token_ids(self) -> tuple[int, ...]:
         eos = getattr(self.config, "eos_token_id", None)

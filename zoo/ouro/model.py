@@ -83,6 +83,9 @@ class OuroForCausalLM(LoopedCausalLM):
     def default_num_loops(self) -> int:
         return self.config.total_ut_steps
 
+    def loop_modules(self) -> list[nn.Module]:
+        return [self.model.layers, self.model.norm, self.model.early_exit_gate]
+
     @property
     def default_exit_threshold(self) -> float:
         return self.config.early_exit_threshold

@@ -1,0 +1,155 @@
+"""`python -m runtime.bench hal=cuda model=ouro-1.4b weights=random workload=[b1,b64]`: throughput of
+the engine per workload cell, next to the roofline floor, one JSON line per cell.
+
+Random weights are built from the model's released config.json (zoo/configs/) directly on the
+device, without a checkpoint file: a fixed-depth forward runs at the same speed on any weights.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from runtime.config import EngineConfig, SamplingParams
+from runtime.generate import CONF_DIR, register_schemas
+
+log = logging.getLogger("runtime.bench")
+CONFIGS = Path(__file__).resolve().parent.parent / "zoo" / "configs"
+
+# quoted from issue #5: the checkpoint's own HF remote code on the same H200, Ouro-1.4B bf16
+HF_REFERENCE_MS_PER_STEP = {("ouro-1.4b", 1): 130.0, ("ouro-1.4b", 64): 127.0}
+
+
+def build_model(cfg: Any, device: torch.device):
+    import zoo
+
+    if cfg.weights == "random":
+        source = cfg.model.path or cfg.model.name
+        config = Path(source) / "config.json" if Path(str(source)).is_dir() else CONFIGS / f"{source}.json"
+        if not config.is_file():
+            raise ValueError(f"no config for {source!r}: give model=<name with zoo/configs/NAME.json> or model.path=DIR")
+        return zoo.from_config(config, dtype=cfg.dtype, device=device, seed=0)
+    if cfg.weights == "checkpoint":
+        return zoo.from_pretrained(cfg.model.path or cfg.model.name, dtype=cfg.dtype, device=device)
+    raise ValueError(f"weights must be 'random' or 'checkpoint', got {cfg.weights!r}")
+
+
+def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int = 0) -> dict[str, Any]:
+    """Prefill `batch` prompts of `prompt` random tokens, then decode `new` tokens each."""
+    hal = engine.hal
+    gen = torch.Generator().manual_seed(seed)
+    vocab = engine.model.config.vocab_size
+    params = SamplingParams(max_tokens=cell["new"], temperature=0.0, ignore_eos=True, num_loops=num_loops)
+    for i in range(cell["batch"]):
+        prompt = torch.randint(1, vocab, (cell["prompt"],), generator=gen).tolist()
+        engine.add_request(f"bench-{seed}-{i}", prompt, params)
+    hal.synchronize()
+    hal.reset_peak_memory()
+    start = time.perf_counter()
+    step_times, prefill_done, first_token_at = [], None, 0.0
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        outs = engine.step()
+        hal.synchronize()
+        t1 = time.perf_counter()
+        if prefill_done is None:
+            if engine.scheduler.waiting or any(r.is_prefill for r in engine.scheduler.running):
+                continue
+            prefill_done = t1 - start          # every prompt computed and its first token sampled
+            continue
+        if outs:
+            step_times.append(t1 - t0)
+    total = time.perf_counter() - start
+    decode = step_times[min(3, len(step_times) // 4):] or step_times or [float("nan")]
+    ms = statistics.median(decode) * 1e3
+    return {"batch": cell["batch"], "prompt": cell["prompt"], "new_tokens": cell["new"],
+            "prefill_s": round(prefill_done or total, 4),
+            "prefill_tok_s": round(cell["batch"] * cell["prompt"] / (prefill_done or total), 1),
+            "decode_ms_step": round(ms, 3), "decode_tok_s": round(cell["batch"] / ms * 1e3, 1),
+            "decode_steps": len(step_times), "total_s": round(total, 3),
+            "peak_mem_gib": round(hal.memory_stats()["peak_allocated"] / 2**30, 2)}
+
+
+def run(cfg: Any) -> list[dict[str, Any]]:
+    import hal as hal_registry
+    from runtime.engine import LLMEngine
+    from runtime.roofline import H200_BANDWIDTH, decode_floor, measure_matmul_rate, model_costs, prefill_floor
+
+    hal = hal_registry.get(cfg.hal.name, device_index=cfg.hal.device_index,
+                           attention_backend=cfg.hal.attention_backend)
+    device = hal.device()
+    model = build_model(cfg, device)
+    name = Path(str(cfg.model.path)).name if cfg.model.path else cfg.model.name
+    num_loops = cfg.model.num_loops or model.default_num_loops
+    rate = measure_matmul_rate(device, model.lm_head.weight.dtype, size=cfg.matmul_size)
+    log.info("matmul rate %.0f TFLOP/s", rate / 1e12)
+    results = []
+    workloads = cfg.workload if isinstance(cfg.workload, (list, tuple)) or OmegaConf.is_list(cfg.workload) \
+        else str(cfg.workload).split(",")
+    for workload in workloads:
+        if workload not in cfg.workloads:
+            raise ValueError(f"unknown workload {workload!r}; known: {', '.join(cfg.workloads)}")
+        cell = dict(cfg.workloads[workload])
+        engine = LLMEngine(model, hal, EngineConfig(
+            kv_mode=cfg.kv_mode, max_num_seqs=max(cell["batch"], 1),
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=cell["prompt"] + cell["new"] + 16,
+            gpu_memory_utilization=cfg.gpu_memory_utilization, num_kv_blocks=cfg.num_kv_blocks))
+        if cfg.warmup:
+            run_cell(engine, {"batch": min(cell["batch"], 2), "prompt": min(cell["prompt"], 64), "new": 4},
+                     num_loops, seed=1)
+        row = {"workload": workload, "model": name, "hal": hal.name, "kv_mode": cfg.kv_mode,
+               "loops": num_loops, "dtype": cfg.dtype, "weights": cfg.weights,
+               **run_cell(engine, cell, num_loops)}
+        costs = model_costs(model, num_loops, cfg.kv_mode)
+        context = cell["prompt"] + cell["new"] // 2
+        floor = decode_floor(costs, num_loops, cell["batch"], context, H200_BANDWIDTH, rate)
+        pre = prefill_floor(costs, num_loops, cell["prompt"], cell["batch"], H200_BANDWIDTH, rate)
+        row.update({"decode_floor_ms": round(floor.seconds * 1e3, 3),
+                    "decode_vs_floor": round(row["decode_ms_step"] / (floor.seconds * 1e3), 2),
+                    "prefill_floor_tok_s": round(cell["batch"] * cell["prompt"] / pre.seconds, 1),
+                    "prefill_vs_floor": round(pre.seconds / row["prefill_s"], 3),
+                    "matmul_tflops": round(rate / 1e12, 1)})
+        hf = HF_REFERENCE_MS_PER_STEP.get((name, cell["batch"]))
+        if hf and cfg.kv_mode == "full":
+            row["speedup_vs_hf"] = round(hf / row["decode_ms_step"], 1)
+        results.append(row)
+        print(json.dumps(row), flush=True)
+        del engine
+        hal.empty_cache()
+    return results
+
+
+register_schemas()
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="bench")
+def _main(cfg: DictConfig) -> None:
+    logging.basicConfig(level=cfg.log_level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        results = run(cfg)
+    except (ValueError, RuntimeError, OSError) as exc:
+        if cfg.log_level == "DEBUG":
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    if cfg.output:
+        with open(cfg.output, "a") as f:
+            for row in results:
+                f.write(json.dumps(row) + "\n")
+
+
+def main() -> None:
+    _main()
+
+
+if __name__ == "__main__":
+    main()
