@@ -114,6 +114,17 @@ class PagedBatch(NamedTuple):
     block_size: int
 
 
+class MetaCapacity(NamedTuple):
+    """Static sizes of metadata that graphs capture: `update_meta` refills it in place for any batch
+    within these bounds, so captured kernels keep reading the same addresses."""
+
+    max_num_seqs: int
+    max_num_tokens: int
+    max_blocks_per_seq: int
+    num_planes: int
+    max_seq_len: int
+
+
 class AttentionBackend(ABC):
     """Paged attention for one model shape (heads, kv heads, head dim, dtype), chosen by the Hal.
 
@@ -141,9 +152,16 @@ class AttentionBackend(ABC):
         """Shape of one layer's K+V cache holding `num_blocks` blocks of `block_size` tokens."""
 
     @abstractmethod
-    def build_meta(self, batch: PagedBatch) -> Any:
+    def build_meta(self, batch: PagedBatch, capacity: MetaCapacity | None = None) -> Any:
         """Device metadata for one step: query offsets, lengths, per-plane block tables and slot
-        mappings. Built once, shared by every loop and layer of the step."""
+        mappings. Built once, shared by every loop and layer of the step. With `capacity` the
+        tensors are sized for it (for graphs; see `update_meta`)."""
+
+    def update_meta(self, meta: Any, batch: PagedBatch) -> list[dict[str, Any]]:
+        """Refill `meta` (built with a capacity) in place for `batch`, keeping every device address.
+        Returns the host-side parameters captured graphs need refreshed (`Graph.update`): [] where
+        kernels read lengths from device memory. Backends without graph support raise."""
+        raise NotImplementedError(f"attention backend {self.name!r} cannot run in captured graphs")
 
     @abstractmethod
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: Any, plane: int) -> None:

@@ -62,6 +62,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048       # new tokens per step (prefill chunks included)
     max_model_len: Optional[int] = None      # None: the model's maximum positions
     watermark_blocks: int = 0                # free blocks kept back at admission
+    graphs: Optional[bool] = None            # decode graphs; None: on where the Hal captures device work
 
     def __post_init__(self) -> None:
         from runtime.kv_cache import KV_MODES

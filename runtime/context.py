@@ -17,15 +17,19 @@ from runtime.kv_cache import physical_plane
 class PagedContext:
     def __init__(self, backend: AttentionBackend, kv_caches: Sequence[torch.Tensor], batch: PagedBatch,
                  positions: torch.Tensor, kv_mode: str, num_fixed_planes: int,
-                 initial_state: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 initial_state: Callable[[torch.Tensor], torch.Tensor] | None = None, meta: Any = None) -> None:
         self.backend, self.kv_caches, self.batch = backend, kv_caches, batch
         self.positions = positions                       # [1, T]
         self.kv_mode, self.num_fixed_planes = kv_mode, num_fixed_planes
-        self.meta = backend.build_meta(batch)
+        self.meta = backend.build_meta(batch) if meta is None else meta
         if initial_state is not None:
             self.initial_state = initial_state          # Huginn: per-request random initial states
         self._cache: dict[Any, Any] = {}
         self._subsets: dict[tuple[int, ...], tuple["PagedContext", torch.Tensor]] = {}
+
+    def clear_cached(self) -> None:
+        """Forget per-pass values (a graph's eager replay recomputes them from new positions)."""
+        self._cache.clear()
 
     def cached(self, key: Any, fn: Callable[[], Any]) -> Any:
         if key not in self._cache:

@@ -63,14 +63,35 @@ class ModelRunner:
         max_planes = num_request_planes(config.kv_mode, spec.num_fixed_planes, max_loops)
         useful = config.max_num_seqs * math.ceil(max_model_len / self.block_size) * max_planes
         self.num_blocks = plan_num_blocks(hal, config, self.bytes_per_block, useful)
-        self.kv_caches = [torch.empty(self.backend.kv_cache_shape(self.num_blocks), dtype=self.dtype,
+        # zeros, not empty: padded graph rows read a block they do not own, which must hold finite values
+        self.kv_caches = [torch.zeros(self.backend.kv_cache_shape(self.num_blocks), dtype=self.dtype,
                                       device=self.device) for _ in range(spec.layers_per_plane)]
         log.info("KV cache: %d blocks of %d tokens, %.1f MiB, kv_mode=%s", self.num_blocks, self.block_size,
                  self.num_blocks * self.bytes_per_block / 2**20, config.kv_mode)
+        self.graphs = None
+        if self._use_graphs():
+            from runtime.graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self, config.max_num_seqs, max_model_len, max_planes)
+
+    def _use_graphs(self) -> bool:
+        """Graphs on by default where the Hal records device work and the backend can be captured."""
+        wanted = self.config.graphs
+        possible = self.backend.caps.graphs and (self.hal.caps.graphs or wanted is True)
+        if wanted and not self.backend.caps.graphs:
+            raise ValueError(f"graphs=true, but attention backend {self.backend.name!r} cannot be captured")
+        return bool(possible if wanted is None else wanted)
 
     # ----- one step -------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager) -> StepResult:
+        if self.graphs is not None and self.graphs.eligible(scheduled):
+            logits = self.graphs.run(scheduled, blocks)
+            sampled = {}
+            tokens = self._sample(logits, [item.request for item in scheduled])
+            for item, token in zip(scheduled, tokens):
+                sampled[item.request.request_id] = (token, item.request.num_loops)
+            return StepResult(sampled, len(scheduled))
         token_ids, positions, plans = [], [], []
         query_lens, seq_lens, tables = [], [], []
         row = 0
@@ -105,15 +126,28 @@ class ModelRunner:
             if result.sample_state is not None:
                 final = final.index_copy(1, rows, result.sample_state)
             logits = self.model.coda(final, ctx, rows=rows)[0].float()           # [R, V]
+            tokens = self._sample(logits, [scheduled[i].request for i in sample_seqs])
             for j, i in enumerate(sample_seqs):
-                req = scheduled[i].request
-                sampled[req.request_id] = (sample_token(logits[j], req.params, req.generator),
-                                           result.sample_loops[j])
+                sampled[scheduled[i].request.request_id] = (tokens[j], result.sample_loops[j])
         elif self.kv_spec.num_fixed_planes:
             self.model.coda(result.state, ctx, rows=torch.zeros(0, dtype=torch.long, device=self.device))
         if result.exits and self.config.kv_mode == "last_exited":
             self._fill_skipped_planes(result.exits, scheduled, plans, blocks)
         return StepResult(sampled, row)
+
+    def _sample(self, logits: torch.Tensor, requests: Sequence) -> list[int]:
+        """Next tokens for `logits: [R, V]`: one argmax for the greedy rows (one host sync), the
+        per-request sampler for the rest."""
+        greedy = [i for i, r in enumerate(requests) if r.params.is_greedy]
+        tokens: list[int] = [0] * len(requests)
+        if greedy:
+            picked = logits[greedy].argmax(-1).tolist() if len(greedy) < len(requests) else logits.argmax(-1).tolist()
+            for i, t in zip(greedy, picked):
+                tokens[i] = t
+        for i, r in enumerate(requests):
+            if not r.params.is_greedy:
+                tokens[i] = sample_token(logits[i], r.params, r.generator)
+        return tokens
 
     def _initial_state_fn(self, scheduled: Sequence[ScheduledRequest]):
         """Per-request initial loop states for models that draw one (Huginn), or None."""

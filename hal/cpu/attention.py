@@ -5,15 +5,17 @@ blocks and runs dense attention with a bottom-right causal mask; clear rather th
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from hal.base import AttentionBackend, AttnCaps, PagedBatch, dense_attention
+from hal.base import AttentionBackend, AttnCaps, MetaCapacity, PagedBatch, dense_attention
 from hal.paged import block_table_array, query_start_loc, slot_mapping
 
 
-class CpuMeta(NamedTuple):
+@dataclass
+class CpuMeta:
     query_start: list[int]          # [S + 1] cumulative query offsets
     seq_lens: list[int]             # [S] tokens in the cache per sequence, this step's included
     num_blocks: list[list[int]]     # [P][S] how many blocks each sequence has in each plane
@@ -26,12 +28,13 @@ class TorchPagedAttention(AttentionBackend):
 
     @property
     def caps(self) -> AttnCaps:
-        return AttnCaps(packed_prefill=True, graphs=False, reason="reference paged attention in plain torch")
+        return AttnCaps(packed_prefill=True, graphs=True,
+                        reason="reference paged attention in plain torch (graphs replay eagerly)")
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
-    def build_meta(self, batch: PagedBatch) -> CpuMeta:
+    def build_meta(self, batch: PagedBatch, capacity: MetaCapacity | None = None) -> CpuMeta:
         return CpuMeta(
             query_start=query_start_loc(batch).tolist(),
             seq_lens=list(batch.seq_lens),
@@ -39,6 +42,12 @@ class TorchPagedAttention(AttentionBackend):
             block_tables=torch.from_numpy(block_table_array(batch)).to(self.device, torch.int64),
             slot_mapping=torch.from_numpy(slot_mapping(batch)).to(self.device),
         )
+
+    def update_meta(self, meta: CpuMeta, batch: PagedBatch) -> list[dict[str, Any]]:
+        # eager replays read the fields at call time, so replacing them in place is enough
+        fresh = self.build_meta(batch)
+        meta.__dict__.update(fresh.__dict__)
+        return []
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: CpuMeta,
                  plane: int) -> None:

@@ -1,0 +1,123 @@
+"""Decode steps captured as device graphs, one per batch-size bucket and loop count.
+
+A pure decode step (every request computes one token and samples it, all at the same depth, no
+early exit) is the same sequence of kernels for a given batch size: prelude, every loop, the head.
+It is captured once per bucket over static buffers (token ids, positions, attention metadata with
+a fixed capacity, Huginn's initial states) and replayed after refilling them; batches are padded
+up to the bucket with dummy sequences that write no KV. Hals whose kernels take lengths as host
+values (Ascend) get them through `Graph.update` before each replay.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+from typing import Any, NamedTuple, Sequence
+
+import torch
+
+from hal.base import MetaCapacity, PagedBatch
+from runtime.context import PagedContext
+from runtime.kv_cache import BlockManager
+from runtime.scheduler import ScheduledRequest
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512)
+
+
+class _Captured(NamedTuple):
+    graph: Any
+    ids: torch.Tensor            # [1, B] token ids
+    positions: torch.Tensor      # [1, B]
+    init_state: torch.Tensor | None   # [1, B, D] Huginn's initial states, drawn eagerly per replay
+    ctx: PagedContext
+    logits: torch.Tensor         # [B, V] float32, overwritten by every replay
+
+
+class DecodeGraphs:
+    def __init__(self, runner: Any, max_num_seqs: int, max_model_len: int, num_planes: int) -> None:
+        self.runner = runner
+        self.buckets = [b for b in DEFAULT_BUCKETS if b < max_num_seqs] + [max_num_seqs]
+        self.max_model_len = max_model_len
+        self.num_planes = num_planes
+        self.max_blocks = math.ceil(max_model_len / runner.block_size)
+        self.graphs: dict[tuple[int, int], _Captured] = {}
+
+    def eligible(self, scheduled: Sequence[ScheduledRequest]) -> bool:
+        if not scheduled or len(scheduled) > self.buckets[-1]:
+            return False
+        loops = scheduled[0].request.num_loops
+        for item in scheduled:
+            req = item.request
+            if not (item.num_tokens == 1 and item.samples and req.num_loops == loops and req.exit_threshold >= 1.0):
+                return False
+        return True
+
+    def run(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager) -> torch.Tensor:
+        """Logits `[len(scheduled), V]` (float32) of one decode step, by graph replay."""
+        num_seqs = len(scheduled)
+        bucket = self.buckets[bisect.bisect_left(self.buckets, num_seqs)]
+        loops = scheduled[0].request.num_loops
+        key = (bucket, loops)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(bucket, loops)
+        batch = self._batch(scheduled, blocks, bucket)
+        cap = self.graphs[key]
+        ids = [item.request.all_token_ids[item.request.num_computed_tokens] for item in scheduled]
+        positions = [item.request.num_computed_tokens for item in scheduled]
+        cap.ids[0, :num_seqs].copy_(torch.tensor(ids), non_blocking=True)
+        cap.positions[0, :num_seqs].copy_(torch.tensor(positions), non_blocking=True)
+        if cap.init_state is not None:
+            cap.init_state[:, :num_seqs].copy_(self._initial_states(scheduled))
+        host_params = self.runner.backend.update_meta(cap.ctx.meta, batch)
+        cap.graph.update(host_params)
+        cap.graph.replay()
+        return cap.logits[:num_seqs]
+
+    def _batch(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager, bucket: int) -> PagedBatch:
+        """The step's batch padded to `bucket` sequences; padding rows own no blocks (write nothing)."""
+        query_lens = [1] * bucket
+        seq_lens = [item.request.num_computed_tokens + 1 for item in scheduled] + [1] * (bucket - len(scheduled))
+        tables = [blocks.block_tables(item.request.request_id) for item in scheduled] if scheduled else []
+        by_plane = [[t[p] if p < len(t) else [] for t in tables] + [[]] * (bucket - len(scheduled))
+                    for p in range(self.num_planes)]
+        return PagedBatch(query_lens, seq_lens, by_plane, self.runner.block_size)
+
+    def _initial_states(self, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor:
+        model, dtype = self.runner.model, self.runner.dtype
+        like = torch.zeros(1, 1, model.config.n_embd, device=self.runner.device, dtype=dtype)
+        return torch.cat([model.initial_state(like, init_scale=getattr(i.request.params, "init_scale", None),
+                                              generator=i.request.generator) for i in scheduled], dim=1)
+
+    def _capture(self, bucket: int, loops: int) -> _Captured:
+        runner, model, device = self.runner, self.runner.model, self.runner.device
+        batch = self._batch([], None, bucket)            # all padding: capture writes no KV
+        capacity = MetaCapacity(bucket, bucket, self.max_blocks, self.num_planes, self.max_model_len)
+        meta = runner.backend.build_meta(batch, capacity)
+        ids = torch.zeros(1, bucket, dtype=torch.long, device=device)
+        positions = torch.zeros(1, bucket, dtype=torch.long, device=device)
+        init_state = None
+        init_fn = None
+        if getattr(model, "initial_state", None) is not None:
+            init_state = torch.zeros(1, bucket, model.config.n_embd, dtype=runner.dtype, device=device)
+            init_fn = lambda e: init_state                                  # noqa: E731
+        ctx = PagedContext(runner.backend, runner.kv_caches, batch, positions, runner.config.kv_mode,
+                           runner.kv_spec.num_fixed_planes, init_fn, meta=meta)
+        rows = torch.arange(bucket, device=device)
+
+        def step() -> torch.Tensor:
+            ctx.clear_cached()
+            state = model.prelude(ids, ctx)
+            for depth in range(loops):
+                state = model.loop(state, depth, ctx)
+            return model.coda(state, ctx, rows=rows)[0].float()
+
+        runner.backend.update_meta(meta, batch)
+        with torch.inference_mode():
+            step()                         # warm-up: kernel compilation and library handles, outside capture
+            runner.hal.synchronize()
+            graph = runner.hal.graph()
+            logits = graph.capture(step)
+        log.info("captured a decode graph: batch %d, %d loops", bucket, loops)
+        return _Captured(graph, ids, positions, init_state, ctx, logits)
