@@ -2,6 +2,8 @@
 
 A pure decode step (every request computes one token and samples it, all at the same depth, no
 early exit) is the same sequence of kernels for a given batch size: prelude, every loop, the head.
+With graphs off the same padded path runs eagerly, so turning graphs on or off never changes a
+kernel's shapes (and so never its rounding): only whether the work was captured.
 It is captured once per bucket over static buffers (token ids, positions, attention metadata with
 a fixed capacity, Huginn's initial states) and replayed after refilling them; batches are padded
 up to the bucket with dummy sequences that write no KV. Hals whose kernels take lengths as host
@@ -17,8 +19,9 @@ from typing import Any, NamedTuple, Sequence
 import torch
 
 from hal.base import MetaCapacity, PagedBatch
+from hal.cpu.hal import EagerGraph
 from runtime.context import PagedContext
-from runtime.kv_cache import BlockManager
+from runtime.kv_cache import BlockManager, num_request_planes
 from runtime.scheduler import ScheduledRequest
 
 log = logging.getLogger(__name__)
@@ -36,11 +39,11 @@ class _Captured(NamedTuple):
 
 
 class DecodeGraphs:
-    def __init__(self, runner: Any, max_num_seqs: int, max_model_len: int, num_planes: int) -> None:
+    def __init__(self, runner: Any, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
         self.runner = runner
+        self.capture = capture           # False: the same padded static-buffer path, run eagerly
         self.buckets = [b for b in DEFAULT_BUCKETS if b < max_num_seqs] + [max_num_seqs]
         self.max_model_len = max_model_len
-        self.num_planes = num_planes
         self.max_blocks = math.ceil(max_model_len / runner.block_size)
         self.graphs: dict[tuple[int, int], _Captured] = {}
 
@@ -62,7 +65,7 @@ class DecodeGraphs:
         key = (bucket, loops)
         if key not in self.graphs:
             self.graphs[key] = self._capture(bucket, loops)
-        batch = self._batch(scheduled, blocks, bucket)
+        batch = self._batch(scheduled, blocks, bucket, scheduled[0].request.num_planes)
         cap = self.graphs[key]
         ids = [item.request.all_token_ids[item.request.num_computed_tokens] for item in scheduled]
         positions = [item.request.num_computed_tokens for item in scheduled]
@@ -75,13 +78,14 @@ class DecodeGraphs:
         cap.graph.replay()
         return cap.logits[:num_seqs]
 
-    def _batch(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager, bucket: int) -> PagedBatch:
+    def _batch(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager | None, bucket: int,
+               num_planes: int) -> PagedBatch:
         """The step's batch padded to `bucket` sequences; padding rows own no blocks (write nothing)."""
         query_lens = [1] * bucket
         seq_lens = [item.request.num_computed_tokens + 1 for item in scheduled] + [1] * (bucket - len(scheduled))
         tables = [blocks.block_tables(item.request.request_id) for item in scheduled] if scheduled else []
         by_plane = [[t[p] if p < len(t) else [] for t in tables] + [[]] * (bucket - len(scheduled))
-                    for p in range(self.num_planes)]
+                    for p in range(num_planes)]
         return PagedBatch(query_lens, seq_lens, by_plane, self.runner.block_size)
 
     def _initial_states(self, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor:
@@ -92,8 +96,9 @@ class DecodeGraphs:
 
     def _capture(self, bucket: int, loops: int) -> _Captured:
         runner, model, device = self.runner, self.runner.model, self.runner.device
-        batch = self._batch([], None, bucket)            # all padding: capture writes no KV
-        capacity = MetaCapacity(bucket, bucket, self.max_blocks, self.num_planes, self.max_model_len)
+        planes = num_request_planes(runner.config.kv_mode, runner.kv_spec.num_fixed_planes, loops)
+        batch = self._batch([], None, bucket, planes)     # all padding: capture writes no KV
+        capacity = MetaCapacity(bucket, bucket, self.max_blocks, planes, self.max_model_len)
         meta = runner.backend.build_meta(batch, capacity)
         ids = torch.zeros(1, bucket, dtype=torch.long, device=device)
         positions = torch.zeros(1, bucket, dtype=torch.long, device=device)
@@ -117,7 +122,7 @@ class DecodeGraphs:
         with torch.inference_mode():
             step()                         # warm-up: kernel compilation and library handles, outside capture
             runner.hal.synchronize()
-            graph = runner.hal.graph()
+            graph = runner.hal.graph() if self.capture else EagerGraph()
             logits = graph.capture(step)
         log.info("captured a decode graph: batch %d, %d loops", bucket, loops)
         return _Captured(graph, ids, positions, init_state, ctx, logits)

@@ -69,18 +69,14 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens, %.1f MiB, kv_mode=%s", self.num_blocks, self.block_size,
                  self.num_blocks * self.bytes_per_block / 2**20, config.kv_mode)
         self.graphs = None
-        if self._use_graphs():
+        if config.graphs and not self.backend.caps.graphs:
+            raise ValueError(f"graphs=true, but attention backend {self.backend.name!r} cannot be captured")
+        if self.backend.caps.graphs:
             from runtime.graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self, config.max_num_seqs, max_model_len, max_planes)
-
-    def _use_graphs(self) -> bool:
-        """Graphs on by default where the Hal records device work and the backend can be captured."""
-        wanted = self.config.graphs
-        possible = self.backend.caps.graphs and (self.hal.caps.graphs or wanted is True)
-        if wanted and not self.backend.caps.graphs:
-            raise ValueError(f"graphs=true, but attention backend {self.backend.name!r} cannot be captured")
-        return bool(possible if wanted is None else wanted)
+            # on by default where the Hal records device work; off = the same padded path, eager
+            capture = self.hal.caps.graphs if config.graphs is None else config.graphs
+            self.graphs = DecodeGraphs(self, config.max_num_seqs, max_model_len, capture=capture)
 
     # ----- one step -------------------------------------------------------------------------
     @torch.inference_mode()

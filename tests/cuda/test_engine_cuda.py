@@ -1,0 +1,81 @@
+"""On an NVIDIA GPU: golden cases in float32 (TF32 off), and graphs on == graphs off at the real
+Ouro-1.4B shape in bf16 (run by tools/gpu_check.sh on the H200)."""
+import random
+
+import pytest
+import torch
+
+import hal
+import zoo
+from helpers import CONFIGS, golden_case, golden_names
+from runtime import SamplingParams
+from runtime.config import EngineConfig
+from runtime.engine import LLMEngine
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def _golden_params(case):
+    kwargs = dict(max_tokens=case.meta["greedy_new_tokens"], temperature=0.0, ignore_eos=True,
+                  num_loops=case.meta.get("greedy_num_steps"))
+    if "init_scale" in SamplingParams.__dataclass_fields__:
+        kwargs["init_scale"] = 0.0
+    return SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("name", golden_names())
+def test_golden_greedy_and_logits_fp32(name, graphs):
+    gpu = hal.get("cuda")
+    case = golden_case(name)
+    try:
+        model = zoo.from_pretrained(case.path, dtype="float32", device=gpu.device())
+    except Exception as exc:  # a family not in the zoo yet
+        pytest.skip(str(exc))
+    engine = LLMEngine(model, gpu, EngineConfig(graphs=graphs, max_num_batched_tokens=16))
+    params = _golden_params(case)
+    for i in range(case.num_prompts):
+        engine.add_request(str(i), case.prompt(i), params)
+    outs = {o.request_id: o for o in engine.run_until_done()}
+    for i in range(case.num_prompts):
+        assert outs[str(i)].token_ids == case.greedy(i), f"prompt {i}"
+    logits_key = "logits_0" if "logits_0" in case.tensors else f"logits_0_steps{case.meta.get('greedy_num_steps')}"
+    ids = torch.tensor([case.prompt(0)], device=gpu.device())
+    with torch.no_grad():
+        kwargs = {"num_loops": case.meta["greedy_num_steps"]} if "greedy_num_steps" in case.meta else {}
+        if "init_scale" in model.forward.__code__.co_varnames:
+            kwargs["init_scale"] = 0.0
+        logits = model(ids, **kwargs).logits[0].float().cpu()
+    err = (logits - case.tensors[logits_key]).abs().max().item()
+    print(f"{name}: max |logits - golden| on cuda fp32 = {err:.2e}")
+    assert err <= 1e-3
+
+
+def test_graphs_equal_eager_at_ouro_1_4b_shape_bf16():
+    gpu = hal.get("cuda")
+    model = zoo.from_config(CONFIGS / "ouro-1.4b.json", dtype="bfloat16", device=gpu.device(), seed=0)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 49152) for _ in range(rng.randint(4, 200))] for _ in range(64)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    results = {}
+    for graphs in (False, True):
+        engine = LLMEngine(model, gpu, EngineConfig(graphs=graphs, max_num_seqs=64, max_model_len=256,
+                                                    max_num_batched_tokens=4096))
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        results[graphs] = {o.request_id: o.token_ids for o in engine.run_until_done()}
+        if graphs:
+            assert engine.runner.graphs.graphs, "no graph was captured"
+        del engine
+        torch.cuda.empty_cache()
+    same = sum(results[True][k] == results[False][k] for k in results[False])
+    print(f"graphs vs eager, Ouro-1.4B shape bf16, 64 requests: {same}/64 identical")
+    assert same == 64
