@@ -11,8 +11,9 @@ class SamplingParams:
     """Per-request generation settings (vLLM's names; the looped-model fields last).
 
     `temperature=0` is greedy. `top_k <= 0` and `top_p=1` disable those filters. `seed` makes
-    sampling (and Huginn's random initial state) reproducible per request. `num_loops` and
-    `exit_threshold` default to the model's own values when None.
+    sampling (and Huginn's random initial state) reproducible per request, greedy included.
+    `num_loops` and `exit_threshold` default to the model's own values when None. `init_scale`
+    scales Huginn's random initial state (None: the reference's 1.0; 0.0: a zero state).
     """
 
     max_tokens: int = 16
@@ -25,6 +26,7 @@ class SamplingParams:
     num_loops: int | None = None
     exit_threshold: float | None = None
     min_loops: int = 1
+    init_scale: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -39,6 +41,8 @@ class SamplingParams:
             problems.append(f"num_loops must be >= 1, got {self.num_loops!r}")
         if self.exit_threshold is not None and not 0 < self.exit_threshold <= 1:
             problems.append(f"exit_threshold must be in (0, 1], got {self.exit_threshold!r}")
+        if self.init_scale is not None and not (self.init_scale >= 0 and math.isfinite(self.init_scale)):
+            problems.append(f"init_scale must be >= 0, got {self.init_scale!r}")
         if self.min_loops < 1:
             problems.append(f"min_loops must be >= 1, got {self.min_loops!r}")
         if problems:
@@ -84,6 +88,10 @@ class ModelConfig:
     num_loops: Optional[int] = None       # None: the model's default depth
     exit_threshold: Optional[float] = None
     stop_token_ids: list[int] = field(default_factory=list)   # besides the tokenizer's / config's eos
+    # sampling defaults from the checkpoint's generation_config; the CLI's values win when set
+    temperature: Optional[float] = None   # None: greedy unless the CLI says otherwise
+    top_p: Optional[float] = None         # None: 1.0 (off)
+    top_k: Optional[int] = None           # None: 0 (off)
 
 
 @dataclass
@@ -118,10 +126,13 @@ class GenerateConfig:
     prompt: Any = None                    # a string or a list of strings
     prompt_ids: Any = None                # a list of token ids or a list of such lists
     max_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: Optional[float] = None   # None: the model's default (model.temperature), else greedy
+    top_p: Optional[float] = None         # None: model.top_p, else 1.0
+    top_k: Optional[int] = None           # None: model.top_k, else 0
     seed: Optional[int] = None
+    init_scale: Optional[float] = None    # Huginn's initial-state scale; None: the reference's 1.0
     ignore_eos: bool = False
+    chat: bool = False                    # render each prompt as a user turn with the chat template
+    enable_thinking: bool = False         # chat: open the assistant turn with <think>
     output: str = "text"                  # text | json
     log_level: str = "WARNING"

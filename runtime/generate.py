@@ -75,17 +75,36 @@ def run(cfg: Any) -> list[dict[str, Any]]:
     if not source:
         raise UsageError(no_model_message())
     prompts = prompts_from(cfg)
-    params = SamplingParams(
-        max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-        seed=cfg.seed, ignore_eos=cfg.ignore_eos, stop_token_ids=tuple(cfg.model.stop_token_ids),
-        num_loops=cfg.model.num_loops, exit_threshold=cfg.model.exit_threshold)
+    if cfg.chat and cfg.prompt_ids is not None:
+        raise UsageError("chat=true renders text through the chat template: give prompt=, not prompt_ids=")
+    params = sampling_params(cfg)
     hal_options = {"device_index": cfg.hal.device_index, "attention_backend": cfg.hal.attention_backend}
     llm = LLM(source, hal=_hal(cfg.hal.name, hal_options), dtype=cfg.model.dtype)
+    if cfg.chat:
+        conversations = [[{"role": "user", "content": p}] for p in prompts]
+        outputs = llm.chat(conversations, params, enable_thinking=cfg.enable_thinking)
+    else:
+        outputs = llm.generate(prompts, params)
     results = []
-    for out in llm.generate(prompts, params):
+    for out in outputs:
         results.append({"prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids,
                         "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason})
     return results
+
+
+def _first_set(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
+
+
+def sampling_params(cfg: Any) -> SamplingParams:
+    """The request's settings: each of temperature / top_p / top_k from the command line when given,
+    else the model config's (the checkpoint's generation_config), else greedy / off."""
+    return SamplingParams(
+        max_tokens=cfg.max_tokens, temperature=_first_set(cfg.temperature, cfg.model.temperature, 0.0),
+        top_p=_first_set(cfg.top_p, cfg.model.top_p, 1.0), top_k=_first_set(cfg.top_k, cfg.model.top_k, 0),
+        seed=cfg.seed, init_scale=cfg.init_scale, ignore_eos=cfg.ignore_eos,
+        stop_token_ids=tuple(cfg.model.stop_token_ids), num_loops=cfg.model.num_loops,
+        exit_threshold=cfg.model.exit_threshold)
 
 
 def _hal(name: str, options: dict[str, Any]) -> Any:

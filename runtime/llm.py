@@ -4,13 +4,14 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from typing import Iterator, Sequence, Union
+from typing import Iterator, Mapping, Sequence, Union
 
 import torch
 
 import hal as hal_registry
 import zoo
 from hal.base import Hal
+from runtime.chat import Message, apply_chat_template
 from runtime.config import EngineConfig, SamplingParams
 from runtime.engine import LLMEngine
 from runtime.outputs import RequestOutput
@@ -99,6 +100,19 @@ class LLM:
                         yield out
                         if out.finished:
                             return
+
+    def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             enable_thinking: bool = False) -> list[RequestOutput]:
+        """Generate the assistant's reply to one conversation (a list of `{"role", "content"}` dicts)
+        or to each of several, through the checkpoint's chat template. `enable_thinking` opens the
+        reply with `<think>` (thinking checkpoints)."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs the checkpoint's tokenizer.json and chat template")
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        prompts = [apply_chat_template(self.tokenizer, conversation, enable_thinking=enable_thinking)
+                   for conversation in conversations]
+        return self.generate(prompts, sampling_params)
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

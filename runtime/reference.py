@@ -75,7 +75,7 @@ def generate_reference(model: LoopedCausalLM, prompt_ids: list[int], params: Sam
     num_loops = params.num_loops or model.default_num_loops
     threshold = model.default_exit_threshold if params.exit_threshold is None else params.exit_threshold
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(stop_token_ids))
-    ctx = CachedContext(make_generator(params, device))
+    ctx = CachedContext(make_generator(params, device), params.init_scale)
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)
     position, out, loops = 0, [], []
     while True:

@@ -7,8 +7,9 @@ from runtime.config import SamplingParams
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
-    """A seeded generator for reproducible sampling; None (the global RNG) without a seed."""
-    if params.seed is None or params.is_greedy:
+    """A seeded generator whenever `seed` is set (sampling, and Huginn's random initial state even
+    when greedy); None (the global RNG) without a seed."""
+    if params.seed is None:
         return None
     gen = torch.Generator(device=device)
     gen.manual_seed(params.seed)

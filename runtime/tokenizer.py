@@ -1,4 +1,5 @@
-"""Text <-> token ids through the `tokenizers` library, from a checkpoint folder's tokenizer.json."""
+"""Text <-> token ids through the `tokenizers` library, from a checkpoint folder's tokenizer.json,
+with the special tokens and chat template of tokenizer_config.json."""
 from __future__ import annotations
 
 import json
@@ -6,10 +7,14 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
+# tokenizer_config.json keys that name special tokens; chat templates see them as variables
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
+                      "mask_token")
+
 
 class Tokenizer:
     """A thin wrapper over `tokenizers.Tokenizer` with the special-token facts from
-    tokenizer_config.json (eos, added tokens)."""
+    tokenizer_config.json (and special_tokens_map.json, chat_template.jinja when present)."""
 
     def __init__(self, backend: Any, config: dict[str, Any] | None = None) -> None:
         self.backend = backend
@@ -18,13 +23,18 @@ class Tokenizer:
     @classmethod
     def from_folder(cls, folder: str | os.PathLike) -> "Tokenizer | None":
         """The folder's tokenizer, or None when it has no tokenizer.json (token ids only)."""
-        path = Path(folder) / "tokenizer.json"
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
         if not path.is_file():
             return None
         from tokenizers import Tokenizer as Backend
 
-        config_path = Path(folder) / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        config = _read_json(folder / "tokenizer_config.json")
+        for key, value in _read_json(folder / "special_tokens_map.json").items():
+            config.setdefault(key, value)
+        template_file = folder / "chat_template.jinja"
+        if not config.get("chat_template") and template_file.is_file():
+            config["chat_template"] = template_file.read_text()
         return cls(Backend.from_file(str(path)), config)
 
     @property
@@ -34,17 +44,42 @@ class Tokenizer:
     def token_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
-    def _special(self, key: str) -> str | None:
+    def special_token(self, key: str) -> str | None:
+        """The text of special token `key` ("eos_token", ...); the config stores a string or an
+        AddedToken dict."""
         value = self.config.get(key)
         return value.get("content") if isinstance(value, dict) else value
 
     @property
+    def special_tokens(self) -> dict[str, str]:
+        """bos_token, eos_token, ... -> text, for those the config names."""
+        return {key: text for key in SPECIAL_TOKEN_KEYS if (text := self.special_token(key))}
+
+    @property
     def eos_token_id(self) -> int | None:
-        token = self._special("eos_token")
+        token = self.special_token("eos_token")
         return self.token_id(token) if token else None
+
+    @property
+    def bos_token_id(self) -> int | None:
+        token = self.special_token("bos_token")
+        return self.token_id(token) if token else None
+
+    @property
+    def chat_template(self) -> str | None:
+        """The Jinja2 chat template; of several named ones, "default"."""
+        template = self.config.get("chat_template")
+        if isinstance(template, list):
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        return template or None
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}

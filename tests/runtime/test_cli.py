@@ -52,3 +52,27 @@ def test_no_arguments_explains_models_and_model_path(tmp_path):
 def test_bad_override_type_is_rejected(tmp_path):
     proc = run_cli("max_tokens=abc", cwd=tmp_path)
     assert proc.returncode != 0 and "max_tokens" in proc.stderr
+
+
+def compose_generate(*overrides):
+    from hydra import compose, initialize_config_dir
+
+    from runtime.generate import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("generate", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["model=huginn-0125"], dict(temperature=0.7, top_p=1.0, top_k=50, stop_token_ids=(65505, 65508))),
+    (["model=nanbeige4.2-3b"], dict(temperature=0.6, top_p=0.95, top_k=20, stop_token_ids=(166101,))),
+    (["model=nanbeige4.2-3b", "temperature=0"], dict(temperature=0.0, top_p=0.95, top_k=20)),
+    (["model=nanbeige4.2-3b", "top_p=0.5", "top_k=0"], dict(temperature=0.6, top_p=0.5, top_k=0)),
+    (["model=ouro-1.4b"], dict(temperature=0.0, top_p=1.0, top_k=0, stop_token_ids=(0, 2))),
+    (["model.path=/x", "temperature=0.9", "init_scale=0", "seed=3"], dict(temperature=0.9, init_scale=0.0, seed=3)),
+])
+def test_sampling_defaults_come_from_the_model_unless_the_command_line_sets_them(overrides, expected):
+    from runtime.generate import sampling_params
+
+    params = sampling_params(compose_generate(*overrides))
+    assert {k: getattr(params, k) for k in expected} == expected

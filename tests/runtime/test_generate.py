@@ -4,9 +4,12 @@ import torch
 
 from helpers import golden_case, golden_names
 from runtime import LLM, SamplingParams
-from runtime.sampler import filtered_probs, sample_token
+from runtime.sampler import filtered_probs, make_generator, sample_token
 
 OURO = golden_names("ouro")
+# loops and initial state of each golden greedy run, as SamplingParams fields
+LOOPED = {"huginn-tiny": lambda meta: dict(num_loops=meta["greedy_num_steps"], init_scale=0.0),
+          "nanbeige-tiny": lambda meta: dict()}
 
 
 @pytest.mark.parametrize("name", OURO)
@@ -20,6 +23,29 @@ def test_llm_greedy_equals_golden(name):
         assert out.token_ids == case.greedy(i)
         assert out.finish_reason == "length" and out.prompt_token_ids == case.prompt(i)
         assert out.loops_per_token == [llm.model.config.total_ut_steps] * n
+
+
+@pytest.mark.parametrize("name", sorted(LOOPED))
+def test_llm_greedy_equals_golden_huginn_nanbeige(name):
+    case = golden_case(name)
+    llm = LLM(case.path, hal="cpu", dtype="float32")
+    n = case.meta["greedy_new_tokens"]
+    extra = LOOPED[name](case.meta)
+    outs = llm.generate([case.prompt(i) for i in range(case.num_prompts)],
+                        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **extra))
+    for i, out in enumerate(outs):
+        assert out.token_ids == case.greedy(i)
+        assert out.loops_per_token == [extra.get("num_loops", llm.model.default_num_loops)] * n
+
+
+def test_huginn_random_state_follows_the_seed_even_when_greedy():
+    case = golden_case("huginn-tiny")
+    llm = LLM(case.path, hal="cpu", dtype="float32")
+    assert make_generator(SamplingParams(temperature=0, seed=1), torch.device("cpu")) is not None
+    greedy = dict(max_tokens=6, temperature=0.0, ignore_eos=True, num_loops=1, init_scale=20.0)
+    run = lambda seed: llm.generate(case.prompt(2), SamplingParams(seed=seed, **greedy))[0].token_ids  # noqa: E731
+    assert run(0) == run(0)
+    assert len({tuple(run(seed)) for seed in range(4)}) > 1, "a large random initial state should change tokens"
 
 
 def test_stop_tokens_end_generation():
@@ -52,7 +78,7 @@ def test_filters():
 
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(num_loops=0),
-                                 dict(exit_threshold=1.5)])
+                                 dict(exit_threshold=1.5), dict(init_scale=-0.5)])
 def test_bad_sampling_params_are_rejected(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)

@@ -1,0 +1,137 @@
+"""Huginn-0125 reproduces the reference's golden logits (zero initial state, float32, 1e-4); its
+random initial state, KV planes, tied weights and truncated-backprop loops behave as documented."""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import zoo
+from helpers import CONFIGS, golden_case
+from zoo.base import DenseContext
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def case_and_model():
+    case = golden_case("huginn-tiny")
+    return case, zoo.from_pretrained(case.path, dtype="float32")
+
+
+def test_logits_for_every_recurrence_count(case_and_model):
+    case, model = case_and_model
+    counts = sorted({int(k.split("steps")[1]) for k in case.tensors if "_steps" in k})
+    assert counts == [1, 4, 7]
+    for i in range(case.num_prompts):
+        ids = torch.tensor([case.prompt(i)])
+        for n in counts:
+            with torch.no_grad():
+                out = model(ids, num_loops=n, init_scale=0.0)
+            torch.testing.assert_close(out.logits[0], case.tensors[f"logits_{i}_steps{n}"], atol=TOL, rtol=0)
+            assert out.num_loops == n
+
+
+def test_tied_head_loads_from_either_stored_copy(case_and_model, tmp_path):
+    case, model = case_and_model
+    stored = load_file(str(case.path / "model.safetensors"))
+    # the golden file holds both copies of the tied matrix and the rotary table, as the hub file may
+    assert {"lm_head.weight", "transformer.wte.weight", "freqs_cis"} <= set(stored)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    del stored["lm_head.weight"]
+    shutil.copy(case.path / "config.json", tmp_path)
+    save_file(stored, str(tmp_path / "model.safetensors"))
+    once = zoo.from_pretrained(tmp_path, dtype="float32")
+    ids = torch.tensor([case.prompt(0)])
+    with torch.no_grad():
+        torch.testing.assert_close(once(ids, num_loops=2, init_scale=0.0).logits,
+                                   model(ids, num_loops=2, init_scale=0.0).logits, atol=0, rtol=0)
+
+
+def test_seeded_initial_state_is_reproducible_and_truncated(case_and_model):
+    _, model = case_and_model
+    e = torch.randn(4, 64, model.config.n_embd)
+    draw = lambda seed, scale=None: model.initial_state(e, scale, torch.Generator().manual_seed(seed))  # noqa: E731
+    a, b, c = draw(3), draw(3), draw(4)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    bound = 3 * model.config.init_std * model.config.embed_scale
+    assert a.abs().max() <= bound * (1 + 1e-6)
+    # a normal truncated at 3 std has std 0.9866 of the untruncated one
+    torch.testing.assert_close(a.std(), torch.tensor(0.9866 * bound / 3), rtol=0.03, atol=0)
+    torch.testing.assert_close(draw(3, 0.5).std(), a.std() / 2, rtol=0.03, atol=0)
+    assert torch.equal(model.initial_state(e, 0.0), torch.zeros_like(e))
+
+
+def test_init_scale_zero_is_a_zero_state_and_forward_is_seedable(case_and_model):
+    case, model = case_and_model
+    ids = torch.tensor([case.prompt(1)])
+    ctx = DenseContext.for_tokens(ids)
+    ctx.init_scale = 0.0
+    with torch.no_grad():
+        state = model.prelude(ids, ctx)                                    # [1, T, 2 * n_embd]
+        assert state.shape == (1, ids.shape[1], 2 * model.config.n_embd)
+        s = state[..., :model.config.n_embd]
+        assert torch.equal(s, torch.zeros_like(s))
+        seeded = [model(ids, num_loops=4, generator=torch.Generator().manual_seed(5)).logits
+                  for _ in range(2)]
+        zero = model(ids, num_loops=4, init_scale=0.0).logits
+    assert torch.equal(seeded[0], seeded[1])
+    assert not torch.allclose(seeded[0], zero, atol=1e-3)                # the random state matters
+
+
+class RecordingContext(DenseContext):
+    def __init__(self, positions):
+        super().__init__(positions)
+        self.slots = []
+
+    def attend(self, q, k, v, plane, layer, scale):
+        self.slots.append((plane, layer))
+        return super().attend(q, k, v, plane, layer, scale)
+
+
+def test_kv_planes_prelude_and_coda_once_core_per_loop(case_and_model):
+    _, model = case_and_model
+    ids = torch.randint(0, model.config.vocab_size, (1, 5))
+    ctx = RecordingContext(torch.arange(5)[None])
+    ctx.init_scale = 0.0
+    with torch.no_grad():
+        state = model.prelude(ids, ctx)
+        for depth in range(3):
+            state = model.loop(state, depth, ctx)
+        logits = model.coda(state, ctx)
+        torch.testing.assert_close(logits, model(ids, num_loops=3, init_scale=0.0).logits, atol=0, rtol=0)
+    # prelude 1 layer (plane 0 slot 0), core 2 layers on planes 1..3, coda 1 layer (plane 0 slot 1)
+    assert ctx.slots == [(0, 0), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1), (0, 1)]
+    spec = model.kv_spec
+    assert spec == zoo.KVSpec(4, 16, 2, 1) and spec.num_planes(3) == 4
+
+
+def test_truncated_backprop_loops(case_and_model):
+    case, model = case_and_model
+    ids = torch.tensor([case.prompt(2)])
+    with torch.no_grad():
+        full = model(ids, num_loops=3, init_scale=0.0).logits
+    split = model(ids, num_loops=(2, 1), labels=ids, init_scale=0.0)
+    torch.testing.assert_close(split.logits, full, atol=1e-5, rtol=0)
+    assert split.num_loops == 3 and split.logits.requires_grad
+    with pytest.raises(ValueError, match="num_loops"):
+        model(ids, num_loops=(1, 2, 3))
+
+
+@pytest.mark.parametrize("key,value", [("injection_type", "add"), ("state_init", "zero"),
+                                       ("test_time_noise", 0.1), ("head_dim", 8)])
+def test_unsupported_variants_are_refused(key, value):
+    config = json.loads((golden_case("huginn-tiny").path / "config.json").read_text())
+    config[key] = value
+    with pytest.raises(ValueError, match=key):
+        zoo.from_config(config, device="meta")
+
+
+def test_real_shape_parameter_count_on_meta():
+    model = zoo.from_config(CONFIGS / "huginn-0125.json", device=torch.device("meta"))
+    assert model.num_parameters() == 3_564_976_800
+    assert model.default_num_loops == 32 and model.max_seq_len == 4096
+    assert model.stop_token_ids() == (65505, 65508)
+    assert model.kv_spec == zoo.KVSpec(55, 96, 4, 1)
+    assert model.lm_head.weight.dtype == torch.bfloat16

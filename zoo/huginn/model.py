@@ -1,0 +1,225 @@
+"""Huginn-0125 (Geiping et al. 2025, "raven"): prelude blocks, a recurrent core applied `num_loops`
+times to `adapter(cat[state, prelude_out])` from a random initial state, then coda blocks.
+
+    e = prelude(wte(ids) * embed_scale);  s = initial_state(e)
+    for k in loops:  s = core(adapter(cat[s, e]))
+    logits = head(ln_f(coda(ln_f(s))))            # head tied to wte
+
+The looped-model state is `cat([s, e], -1)` (`[B, T, 2 * n_embd]`), so every loop sees the prelude
+output it injects. KV planes: plane 0 holds the prelude (slots 0..p-1) and coda (slots p..p+c-1)
+layers, written once per token; loop d's core layers write plane 1 + d.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zoo.base import CausalLMOutput, DenseContext, ForwardContext, KVSpec, LoopedCausalLM, causal_lm_loss
+from zoo.huginn.config import HuginnConfig
+from zoo.layers import RMSNorm, apply_rope_interleaved, rope_tables
+
+
+class HuginnAttention(nn.Module):
+    """Fused `Wqkv` (rows q | k | v), a per-head q/k bias added before the interleaved rotary."""
+
+    def __init__(self, cfg: HuginnConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.n_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.rope_base = cfg.rope_base
+        self.split = (cfg.n_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim,
+                      cfg.num_key_value_heads * cfg.head_dim)
+        self.Wqkv = nn.Linear(cfg.n_embd, sum(self.split), bias=False)
+        if cfg.qk_bias:
+            self.qk_bias = nn.Parameter(torch.zeros(2, 1, cfg.n_heads, cfg.head_dim))   # [q|k, 1, H, D]
+        else:
+            self.qk_bias = None
+        self.proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, plane: int, layer: int) -> torch.Tensor:
+        # x: [B, T, n_embd]
+        q, k, v = self.Wqkv(x).split(self.split, dim=-1)
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))                   # [B, T, H, D]
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))                # [B, T, KVH, D]
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.qk_bias is not None:
+            q, k = q + self.qk_bias[0], k + self.qk_bias[1]
+        cos, sin = ctx.cached(("rope", self.head_dim, self.rope_base),
+                              lambda: rope_tables(ctx.positions, self.head_dim, self.rope_base))
+        q, k = apply_rope_interleaved(q, cos, sin), apply_rope_interleaved(k, cos, sin)
+        out = ctx.attend(q, k, v, plane, layer, self.head_dim ** -0.5)         # [B, T, H, D]
+        return self.proj(out.flatten(-2))
+
+
+class GatedMLP(nn.Module):
+    """`proj(silu(a) * b)` with `a, b` the two halves of one `fc` projection."""
+
+    def __init__(self, cfg: HuginnConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 2 * cfg.intermediate_size, bias=False)
+        self.proj = nn.Linear(cfg.intermediate_size, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.fc(x).chunk(2, dim=-1)
+        return self.proj(nn.functional.silu(gate) * up)
+
+
+class SandwichBlock(nn.Module):
+    """Norms after each residual add: `x = n2(attn(n1(x)) + x); x = n4(mlp(n3(x)) + x)`."""
+
+    def __init__(self, cfg: HuginnConfig) -> None:
+        super().__init__()
+        self.norm_1 = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.attn = HuginnAttention(cfg)
+        self.norm_2 = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.mlp = GatedMLP(cfg)
+        self.norm_3 = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.norm_4 = RMSNorm(cfg.n_embd, cfg.norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, plane: int, layer: int) -> torch.Tensor:
+        x = self.norm_2(self.attn(self.norm_1(x), ctx, plane, layer) + x)
+        return self.norm_4(self.mlp(self.norm_3(x)) + x)
+
+
+class HuginnTransformer(nn.Module):
+    def __init__(self, cfg: HuginnConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.n_embd)
+        self.prelude = nn.ModuleList(SandwichBlock(cfg) for _ in range(cfg.n_layers_in_prelude))
+        self.adapter = nn.Linear(2 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)   # input columns: state, then e
+        self.core_block = nn.ModuleList(SandwichBlock(cfg) for _ in range(cfg.n_layers_in_recurrent_block))
+        self.coda = nn.ModuleList(SandwichBlock(cfg) for _ in range(cfg.n_layers_in_coda))
+        self.ln_f = RMSNorm(cfg.n_embd, cfg.norm_eps)                        # used twice by the coda
+
+
+def split_num_loops(num_loops: int | tuple[int, int], default: int) -> tuple[int, int]:
+    """`num_loops` -> (loops without gradient, loops with gradient). An int runs every loop with
+    gradient; Huginn's `(no_grad_steps, grad_steps)` tuple truncates backpropagation."""
+    if num_loops is None:
+        return 0, default
+    if isinstance(num_loops, (tuple, list)):
+        if len(num_loops) != 2:
+            raise ValueError(f"num_loops as a pair must be (no_grad_loops, grad_loops), got {num_loops!r}")
+        no_grad, with_grad = (int(n) for n in num_loops)
+    else:
+        no_grad, with_grad = 0, int(num_loops)
+    if no_grad < 0 or with_grad < 0 or no_grad + with_grad < 1:
+        raise ValueError(f"num_loops must give at least one loop and no negative counts, got {num_loops!r}")
+    return no_grad, with_grad
+
+
+class HuginnForCausalLM(LoopedCausalLM):
+    config_class = HuginnConfig
+    extra_stop_token_ids = (65505, 65508)     # <|end_text|>, <|end_turn|> (generation_config's eos list)
+    ignored_checkpoint_keys = ("freqs_cis",)  # the reference's persistent rotary table; we compute it
+
+    def __init__(self, config: HuginnConfig) -> None:
+        super().__init__(config)
+        self.transformer = HuginnTransformer(config)
+        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
+        if config.tie_embeddings:
+            # the hub file may store the tied matrix under both names; either one is enough
+            self.tied_weights = {"lm_head.weight": "transformer.wte.weight"}
+            self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
+
+    @property
+    def kv_spec(self) -> KVSpec:
+        c = self.config
+        fixed = c.n_layers_in_prelude + c.n_layers_in_coda
+        return KVSpec(c.num_key_value_heads, c.head_dim, max(fixed, c.n_layers_in_recurrent_block), 1)
+
+    @property
+    def default_num_loops(self) -> int:
+        return self.config.mean_recurrence
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.block_size
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.config.n_heads
+
+    def num_kv_layers(self, num_planes: int) -> int:
+        c = self.config
+        return c.n_layers_in_prelude + c.n_layers_in_coda + (num_planes - 1) * c.n_layers_in_recurrent_block
+
+    def loop_modules(self) -> list[nn.Module]:
+        return [self.transformer.adapter, self.transformer.core_block]
+
+    def initial_state(self, e: torch.Tensor, init_scale: float | None = None,
+                      generator: torch.Generator | None = None) -> torch.Tensor:
+        """The recurrence's starting state for prelude output `e: [B, T, n_embd]`: a normal truncated
+        at 3 std, std `init_values.std * init_scale`, times `embed_scale`; zeros when `init_scale=0`.
+        `init_scale=None` is the reference's default 1.0. Draws from `generator` (or the global RNG)."""
+        std = self.config.init_std * (1.0 if init_scale is None else init_scale)
+        if std <= 0:
+            return torch.zeros_like(e)
+        # the reference overwrites a randn draw with the truncated normal; drawing it too advances the
+        # RNG as the reference does, so one global seed gives both the same state
+        state = torch.randn(e.shape, generator=generator, dtype=e.dtype, device=e.device)
+        nn.init.trunc_normal_(state, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
+        return state * self.config.embed_scale
+
+    # ----- the four stages ------------------------------------------------------------------
+    def prelude(self, input_ids: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        """`[B, T]` ids -> state `[B, T, 2 * n_embd]` = cat(initial state, prelude output). Reads
+        `ctx.init_scale` and `ctx.generator` when the context has them, or uses `ctx.initial_state(e)`
+        (the runtime's per-request draws) when it has that."""
+        ctx = ctx or DenseContext.for_tokens(input_ids)
+        e = self.transformer.wte(input_ids) * self.config.embed_scale              # [B, T, n_embd]
+        for i, block in enumerate(self.transformer.prelude):
+            e = block(e, ctx, 0, i)
+        per_request = getattr(ctx, "initial_state", None)          # the runtime: one draw per request
+        if per_request is not None:
+            s = per_request(e)
+        else:
+            s = self.initial_state(e, getattr(ctx, "init_scale", None), getattr(ctx, "generator", None))
+        return torch.cat([s, e], dim=-1)
+
+    def loop(self, state: torch.Tensor, depth: int, ctx: ForwardContext | None = None) -> torch.Tensor:
+        ctx = ctx or DenseContext.for_tokens(state)
+        e = state[..., self.config.n_embd:]
+        s = self.transformer.adapter(state)                 # adapter(cat[s, e]): state is that concat
+        for j, block in enumerate(self.transformer.core_block):
+            s = block(s, ctx, 1 + depth, j)
+        return torch.cat([s, e], dim=-1)
+
+    def coda(self, state: torch.Tensor, ctx: ForwardContext | None = None,
+             rows: torch.Tensor | None = None) -> torch.Tensor:
+        ctx = ctx or DenseContext.for_tokens(state)
+        x = self.transformer.ln_f(state[..., :self.config.n_embd])
+        first_slot = self.config.n_layers_in_prelude
+        for i, block in enumerate(self.transformer.coda):           # every row: the coda writes KV
+            x = block(x, ctx, 0, first_slot + i)
+        if rows is not None:
+            x = x.index_select(1, rows)
+        return self.lm_head(self.transformer.ln_f(x))                            # [B, R, V]
+
+    # ----- training / reference forward ----------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, num_loops: int | tuple[int, int] | None = None,
+                labels: torch.Tensor | None = None, init_scale: float | None = None,
+                generator: torch.Generator | None = None,
+                exit_threshold: float | None = None) -> CausalLMOutput:
+        """`input_ids: [B, T]`. `num_loops` defaults to `mean_recurrence` in training and eval alike (the
+        reference samples it in train mode; pass it explicitly, or `(no_grad_loops, grad_loops)` to
+        backpropagate through the last loops only). `init_scale`/`generator` set the random initial
+        state. With `labels` the loss is the causal-shifted cross entropy (labels = input_ids works),
+        like the other families; the reference's own loss does not shift."""
+        if exit_threshold is not None and exit_threshold < 1.0:
+            raise ValueError("Huginn has no exit gate: exit_threshold must be None or 1.0")
+        no_grad_loops, grad_loops = split_num_loops(num_loops, self.config.mean_recurrence)
+        ctx = DenseContext.for_tokens(input_ids)
+        ctx.init_scale, ctx.generator = init_scale, generator
+        state = self.prelude(input_ids, ctx)
+        with torch.no_grad():
+            for depth in range(no_grad_loops):
+                state = self.loop(state, depth, ctx)
+        for depth in range(no_grad_loops, no_grad_loops + grad_loops):
+            state = self.run_loop(state, depth, ctx)
+        logits = self.coda(state, ctx)
+        loss = causal_lm_loss(logits, labels) if labels is not None else None
+        return CausalLMOutput(logits=logits, loss=loss, num_loops=no_grad_loops + grad_loops)

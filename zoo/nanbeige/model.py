@@ -1,0 +1,106 @@
+"""Nanbeige4.2 (Nanbeige LLM Lab, BOSS Zhipin): a Llama-style GQA decoder whose layer stack runs
+`num_loops` times per token, with the final norm after every loop. No gate, no input injection.
+
+    h = embed(ids)
+    for loop in loops:  for layer:  h = h + attn(ln_in(h));  h = h + mlp(ln_post(h))
+                        h = norm(h)
+    logits = lm_head(h)
+
+The attention width `num_heads * head_dim` (6144) differs from the hidden size (3072). KV: every
+layer per loop, plane = loop index (the reference's cache slot `layer + loop * L`).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zoo.base import CausalLMOutput, DenseContext, ForwardContext, KVSpec, LoopedCausalLM, causal_lm_loss
+from zoo.layers import GQAttention, RMSNorm, SwiGLU
+from zoo.nanbeige.config import NanbeigeConfig
+
+
+class NanbeigeDecoderLayer(nn.Module):
+    def __init__(self, cfg: NanbeigeConfig) -> None:
+        super().__init__()
+        self.self_attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                     cfg.head_dim, cfg.rope_theta)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, ctx: ForwardContext, plane: int, layer: int) -> torch.Tensor:
+        # h: [B, T, hidden]
+        h = h + self.self_attn(self.input_layernorm(h), ctx, plane, layer)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class NanbeigeModel(nn.Module):
+    def __init__(self, cfg: NanbeigeConfig) -> None:
+        super().__init__()
+        # padding_idx as in the reference: the pad row gets no gradient
+        pad = cfg.pad_token_id
+        pad = pad if pad is not None and 0 <= pad < cfg.vocab_size else None
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=pad)
+        self.layers = nn.ModuleList(NanbeigeDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class NanbeigeForCausalLM(LoopedCausalLM):
+    config_class = NanbeigeConfig
+    extra_stop_token_ids = (166101,)    # <|im_end|>
+
+    def __init__(self, config: NanbeigeConfig) -> None:
+        super().__init__(config)
+        self.model = NanbeigeModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+            self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def kv_spec(self) -> KVSpec:
+        c = self.config
+        return KVSpec(c.num_key_value_heads, c.head_dim, c.num_hidden_layers, 0)
+
+    @property
+    def default_num_loops(self) -> int:
+        return self.config.num_loops
+
+    def loop_modules(self) -> list[nn.Module]:
+        return [self.model.layers, self.model.norm]
+
+    # ----- the four stages ------------------------------------------------------------------
+    def prelude(self, input_ids: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)                            # [B, T, hidden]
+
+    def loop(self, state: torch.Tensor, depth: int, ctx: ForwardContext | None = None) -> torch.Tensor:
+        ctx = ctx or DenseContext.for_tokens(state)
+        for i, layer in enumerate(self.model.layers):
+            state = layer(state, ctx, depth, i)
+        return self.model.norm(state)
+
+    def coda(self, state: torch.Tensor, ctx: ForwardContext | None = None,
+             rows: torch.Tensor | None = None) -> torch.Tensor:
+        if rows is not None:
+            state = state.index_select(1, rows)
+        return self.lm_head(state)                                           # [B, R, V]
+
+    # ----- training / reference forward ----------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, num_loops: int | None = None,
+                labels: torch.Tensor | None = None, exit_threshold: float | None = None) -> CausalLMOutput:
+        """`input_ids: [B, T]`; logits after `num_loops` (default `config.num_loops`) passes of the
+        layer stack. With `labels` the loss is the causal-shifted cross entropy (labels = input_ids)."""
+        if exit_threshold is not None and exit_threshold < 1.0:
+            raise ValueError("Nanbeige has no exit gate: exit_threshold must be None or 1.0")
+        num_loops = num_loops or self.config.num_loops
+        ctx = DenseContext.for_tokens(input_ids)
+        h = self.prelude(input_ids, ctx)
+        for depth in range(num_loops):
+            h = self.run_loop(h, depth, ctx)
+        logits = self.coda(h, ctx)
+        loss = causal_lm_loss(logits, labels) if labels is not None else None
+        return CausalLMOutput(logits=logits, loss=loss, num_loops=num_loops)
