@@ -6,6 +6,7 @@ numerics, see `report.py`); exit status 1 if any check fails.
 """
 from __future__ import annotations
 
+import logging
 import platform
 import sys
 
@@ -24,6 +25,9 @@ def main(argv: list[str]) -> int:
               f"[device_index=N]; not understood: {' '.join(unknown)}", file=sys.stderr)
         return 2
     name = args.get("hal", "auto")
+    # the Hal's decisions (attention backend per shape, mapped or staged host buffers) with reasons
+    logging.basicConfig(level=logging.WARNING, format="log: %(name)s: %(message)s", stream=sys.stdout)
+    logging.getLogger("hal").setLevel(logging.INFO)
     print("versions: " + " ".join(f"{k}={v}" for k, v in versions().items()))
     try:
         options = {"device_index": int(args["device_index"])} if "device_index" in args else {}
