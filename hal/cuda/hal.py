@@ -39,7 +39,8 @@ def cuda_facts(props: Any) -> DeviceFacts:
     fp8 = torch.float8_e4m3fn if capability >= (8, 9) else None
     has_bf16 = capability >= (8, 0)
     dtypes = (torch.float32, torch.bfloat16, torch.float16) if has_bf16 else (torch.float32, torch.float16)
-    return DeviceFacts(f"sm_{capability[0]}{capability[1]}", 32, int(props.multi_processor_count), fp8, dtypes)
+    arch = f"sm_{capability[0]}{capability[1]}"
+    return DeviceFacts(arch, 32, int(props.multi_processor_count), fp8, dtypes)
 
 
 class CudaHal(Hal):
