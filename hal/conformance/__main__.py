@@ -1,17 +1,20 @@
 """`python -m hal.conformance hal=<name> [only=check1,check2]`: run the conformance checks and
-print one line per check plus the versions; exit status 1 if any check fails.
+print the versions, one line per check, and the acceptance level reached (R0 smoke .. R3
+numerics, see `report.py`); exit status 1 if any check fails.
 
 (A tiny key=value parser instead of Hydra, so a vendor engineer can run this with nothing but torch.)
 """
 from __future__ import annotations
 
+import logging
 import platform
 import sys
 
 import torch
 
 import hal
-from hal.conformance.checks import run_all
+from hal.conformance.checks import CHECKS, run_all
+from hal.conformance.report import format_levels, level_statuses, versions
 
 
 def main(argv: list[str]) -> int:
@@ -22,11 +25,16 @@ def main(argv: list[str]) -> int:
               f"[device_index=N]; not understood: {' '.join(unknown)}", file=sys.stderr)
         return 2
     name = args.get("hal", "auto")
+    # the Hal's decisions (attention backend per shape, mapped or staged host buffers) with reasons
+    logging.basicConfig(level=logging.WARNING, format="log: %(name)s: %(message)s", stream=sys.stdout)
+    logging.getLogger("hal").setLevel(logging.INFO)
+    print("versions: " + " ".join(f"{k}={v}" for k, v in versions().items()))
     try:
         options = {"device_index": int(args["device_index"])} if "device_index" in args else {}
         instance = hal.get(name, **options)
     except (ValueError, RuntimeError, NotImplementedError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        print("acceptance level: none (the Hal did not construct)")
         return 2
     caps = instance.caps
     print(f"hal={instance.name} device={instance.device()} arch={caps.arch} torch={torch.__version__} "
@@ -38,6 +46,8 @@ def main(argv: list[str]) -> int:
     failed = [r.name for r in results if r.status == "FAIL"]
     passed = sum(r.status == "PASS" for r in results)
     print(f"{passed}/{len(results)} passed" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    for line in format_levels(level_statuses(results, CHECKS)):
+        print(line)
     return 1 if failed else 0
 
 

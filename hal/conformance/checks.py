@@ -1,4 +1,5 @@
-"""The conformance checks. Each takes a Hal and raises AssertionError (or SkipCheck) on its own.
+"""The conformance checks. Each takes a Hal and raises AssertionError (or SkipCheck) on its own;
+it may return a short note for the report. Each belongs to an acceptance level (`report.py`).
 
 Attention is compared against the CPU reference backend on fresh random inputs (never zeros),
 with GQA, odd head dims, several planes and shuffled block tables.
@@ -56,6 +57,21 @@ def _history_batch(batch: PagedBatch) -> PagedBatch:
 
 def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float().cpu() - b.float().cpu()).abs().max().item()
+
+
+def check_detect(hal: Hal) -> str:
+    """The Hal's class detects the hardware, its device runs a kernel, and its caps are sane."""
+    assert type(hal).is_available(), f"{type(hal).__name__}.is_available() is False on the device it runs on"
+    assert hal.device_count() >= 1, f"device_count() = {hal.device_count()}"
+    device = hal.device()
+    assert device.type == hal.device_type, f"device() is {device}, device_type is {hal.device_type!r}"
+    caps = hal.caps
+    assert caps.arch and caps.num_compute_units >= 1, f"caps {caps}"
+    assert caps.attention_backends and caps.kv_block_sizes and min(caps.kv_block_sizes) > 0, f"caps {caps}"
+    assert caps.warp_size in (None, 32, 64), f"warp size {caps.warp_size}"
+    x = torch.randn(1000)
+    assert torch.equal((x.to(device) * 2).cpu(), x * 2), "a trivial kernel gave a wrong result"
+    return f"arch={caps.arch} units={caps.num_compute_units} attention={','.join(caps.attention_backends)}"
 
 
 def check_paged_attention(hal: Hal) -> None:
@@ -168,6 +184,7 @@ def check_streams_events(hal: Hal) -> None:
     start, done = hal.event(enable_timing=True), hal.event(enable_timing=True)
     x = torch.randn(256, 256, device=device)
     start.record()
+    side.wait_stream(hal.current_stream())   # x is written on the current stream
     with hal.use_stream(side):
         y = x @ x
         done.record()
@@ -209,7 +226,22 @@ def check_comm_one_rank(hal: Hal) -> None:
             dist.destroy_process_group()
 
 
-CHECKS: dict[str, Callable[[Hal], None]] = {
+def check_fused_ops(hal: Hal) -> str:
+    """The fused ops a Hal offers equal their torch expressions (`ops.py`)."""
+    from hal.conformance.ops import check_fused_ops as run
+
+    return run(hal)
+
+
+def check_golden_greedy(hal: Hal) -> str:
+    """The golden cases' greedy tokens and logits through the runtime (`golden.py`)."""
+    from hal.conformance.golden import check_golden_greedy as run
+
+    return run(hal)
+
+
+CHECKS: dict[str, Callable[[Hal], str | None]] = {
+    "detect": check_detect,
     "paged_attention": check_paged_attention,
     "kv_round_trip": check_kv_round_trip,
     "dense_attention": check_dense_attention,
@@ -218,6 +250,8 @@ CHECKS: dict[str, Callable[[Hal], None]] = {
     "streams_events": check_streams_events,
     "memory": check_memory,
     "comm_one_rank": check_comm_one_rank,
+    "fused_ops": check_fused_ops,
+    "golden_greedy": check_golden_greedy,
 }
 
 
@@ -228,8 +262,8 @@ def run_all(hal: Hal, only: list[str] | None = None) -> list[CheckResult]:
             continue
         torch.manual_seed(0)
         try:
-            check(hal)
-            results.append(CheckResult(name, "PASS", ""))
+            note = check(hal)
+            results.append(CheckResult(name, "PASS", note or ""))
         except SkipCheck as exc:
             results.append(CheckResult(name, "SKIP", str(exc)))
         except Exception as exc:  # report every failure, keep going

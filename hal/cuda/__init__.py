@@ -1,15 +1,4 @@
-"""The cuda Hal (lands with issue #5)."""
-from __future__ import annotations
+"""The NVIDIA Hal (`hal=cuda`); its machinery is shared with `hal.rocm`."""
+from hal.cuda.hal import CudaHal, DeviceFacts, cuda_facts
 
-from hal.base import Hal
-
-
-class CudaHal(Hal):
-    name = "cuda"
-
-    @classmethod
-    def is_available(cls) -> bool:
-        return False
-
-    def __init__(self, *args, **kwargs) -> None:
-        raise NotImplementedError("hal 'cuda' is not implemented yet (issue #5); use hal=cpu")
+__all__ = ["CudaHal", "DeviceFacts", "cuda_facts"]

@@ -1,15 +1,4 @@
-"""The rocm Hal (lands with issue #9)."""
-from __future__ import annotations
+"""The AMD Hal (`hal=rocm`): the CUDA Hal's machinery through HIP, with gfx-arch decisions."""
+from hal.rocm.hal import RocmHal, fp8_dtype_for, gfx_arch, is_wave64_arch, rocm_facts
 
-from hal.base import Hal
-
-
-class RocmHal(Hal):
-    name = "rocm"
-
-    @classmethod
-    def is_available(cls) -> bool:
-        return False
-
-    def __init__(self, *args, **kwargs) -> None:
-        raise NotImplementedError("hal 'rocm' is not implemented yet (issue #9); use hal=cpu")
+__all__ = ["RocmHal", "fp8_dtype_for", "gfx_arch", "is_wave64_arch", "rocm_facts"]

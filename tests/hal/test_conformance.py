@@ -18,6 +18,7 @@ def test_cli_passes_on_cpu():
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"{len(CHECKS)}/{len(CHECKS)} passed" in proc.stdout
+    assert "acceptance level: R3 (numerics)" in proc.stdout
 
 
 def test_cli_rejects_unknown_hal():

@@ -1,0 +1,194 @@
+"""The NVIDIA Hal: torch.cuda streams and events, CUDA graphs sharing one pool, pinned host memory
+mapped into the device, NCCL through torch.distributed, Triton attention with the torch reference
+as the declared fallback. `RocmHal` reuses all of it through HIP.
+
+Everything here goes through `torch.cuda.*` (not `torch.accelerator`) so torch 2.5 works too.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
+
+import torch
+
+from hal.base import AttentionBackend, Caps, Hal, HostBuffer, MemInfo
+from hal.cuda import attention, driver
+from hal.cuda import host_buffer as buffers
+from hal.cuda.graph import CudaGraph
+
+log = logging.getLogger(__name__)
+
+
+class DeviceFacts(NamedTuple):
+    """What the device properties decide (per vendor), before the Hal adds its own choices."""
+
+    arch: str                                  # "sm_90", "gfx942"
+    warp_size: int
+    num_compute_units: int                     # SMs / CUs
+    fp8_dtype: torch.dtype | None
+    dtypes: tuple[torch.dtype, ...]
+
+
+def cuda_facts(props: Any) -> DeviceFacts:
+    """`torch.cuda.get_device_properties` of an NVIDIA GPU -> arch sm_XY, warp 32, FP8 (OCP
+    e4m3fn) from Ada/Hopper (sm_89) on, bf16 from Ampere (sm_80) on."""
+    capability = (int(props.major), int(props.minor))
+    fp8 = torch.float8_e4m3fn if capability >= (8, 9) else None
+    has_bf16 = capability >= (8, 0)
+    dtypes = (torch.float32, torch.bfloat16, torch.float16) if has_bf16 else (torch.float32, torch.float16)
+    arch = f"sm_{capability[0]}{capability[1]}"
+    return DeviceFacts(arch, 32, int(props.multi_processor_count), fp8, dtypes)
+
+
+class CudaHal(Hal):
+    name = "cuda"
+    device_type = "cuda"
+    dist_backend = "nccl"
+    visible_devices_env = "CUDA_VISIBLE_DEVICES"
+    backend_order: tuple[str, ...] = ("triton", "torch")
+    kv_block_sizes: tuple[int, ...] = (16,)
+
+    def __init__(self, device_index: int | None = None, attention_backend: str = "auto") -> None:
+        attention.check_known(attention_backend, self.backend_order, self.name)
+        super().__init__(device_index, attention_backend)
+        self._uva: buffers.UvaDecision | None = None
+        self._pool: Any = None
+        self._capture_stream: Any = None
+        self._logged: set[Any] = set()
+
+    # ----- identity -------------------------------------------------------------------------
+    @classmethod
+    def is_available(cls) -> bool:
+        """A CUDA (not HIP) build of torch that sees a device. torch.cuda.is_available() counts
+        devices (NVML or cudaGetDeviceCount) without creating a context; no properties are read."""
+        if getattr(torch.version, "hip", None) or not getattr(torch.version, "cuda", None):
+            return False
+        try:
+            return bool(torch.cuda.is_available())
+        except Exception:  # a broken driver means "not available", never a crash in detect()
+            return False
+
+    def device_facts(self, props: Any) -> DeviceFacts:
+        return cuda_facts(props)
+
+    @functools.cached_property
+    def facts(self) -> DeviceFacts:
+        return self.device_facts(torch.cuda.get_device_properties(self.device()))
+
+    @functools.cached_property
+    def caps(self) -> Caps:
+        """Read once per device; the first read also runs the UVA probe (see `uva`)."""
+        facts = self.facts
+        usable = tuple(n for n in self.backend_order if n != "triton" or attention.triton_status()[0])
+        return Caps(arch=facts.arch, warp_size=facts.warp_size, num_compute_units=facts.num_compute_units,
+                    graphs=True, graph_needs_host_update=False, uva=self.uva().is_mapped,
+                    attention_backends=usable, kv_block_sizes=self.kv_block_sizes, head_dims=None,
+                    fp8_dtype=facts.fp8_dtype, dtypes=facts.dtypes)
+
+    # ----- device and streams ---------------------------------------------------------------
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
+    def set_device(self, index: int) -> None:
+        self.device_index = index
+        torch.cuda.set_device(index)
+        for cached in ("facts", "caps"):
+            self.__dict__.pop(cached, None)
+        self._uva, self._capture_stream = None, None
+
+    def stream(self, priority: int = 0) -> Any:
+        return torch.cuda.Stream(device=self.device(), priority=priority)
+
+    def current_stream(self) -> Any:
+        return torch.cuda.current_stream(self.device())
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: Any) -> Iterator[None]:
+        with torch.cuda.stream(stream):
+            yield
+
+    def event(self, enable_timing: bool = False) -> Any:
+        return torch.cuda.Event(enable_timing=enable_timing)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device())
+
+    # ----- allocator ------------------------------------------------------------------------
+    def mem_info(self) -> MemInfo:
+        free_bytes, total_bytes = torch.cuda.mem_get_info(self.device())
+        return MemInfo(int(free_bytes), int(total_bytes))
+
+    def memory_stats(self) -> dict[str, int]:
+        dev = self.device()
+        return {"allocated": torch.cuda.memory_allocated(dev), "reserved": torch.cuda.memory_reserved(dev),
+                "peak_allocated": torch.cuda.max_memory_allocated(dev)}
+
+    def reset_peak_memory(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device())
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def host_device_pointer(self, host_ptr: int) -> int:
+        """Device address of pinned host memory (cudaHostGetDevicePointer)."""
+        return driver.cuda_host_device_pointer(host_ptr)
+
+    def uva(self) -> buffers.UvaDecision:
+        """Whether host buffers are mapped (zero-copy) or staged, decided once: the environment
+        override `LOOPSTACK_UVA`, else a probe on the device (see `host_buffer.probe_mapping`)."""
+        if self._uva is None:
+            self._uva = buffers.decide_uva(os.environ.get(buffers.UVA_ENV), self._probe_uva)
+            log.info("hal %s: host buffers are %s: %s", self.name,
+                     "mapped (zero-copy)" if self._uva.is_mapped else "staged copies", self._uva.reason)
+        return self._uva
+
+    def _probe_uva(self) -> buffers.UvaDecision:
+        return buffers.probe_mapping(self._mapped_buffer)
+
+    def _mapped_buffer(self, shape: Sequence[int], dtype: torch.dtype) -> buffers.MappedHostBuffer:
+        return buffers.MappedHostBuffer(shape, dtype, self.device(), self.host_device_pointer)
+
+    def host_buffer(self, shape: Sequence[int], dtype: torch.dtype) -> HostBuffer:
+        if self.uva().is_mapped:
+            return self._mapped_buffer(shape, dtype)
+        return buffers.StagedHostBuffer(shape, dtype, self.device())
+
+    # ----- graphs ---------------------------------------------------------------------------
+    def graph_pool(self) -> Any:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
+    def graph(self) -> CudaGraph:
+        """A new graph in this Hal's shared pool; the caller warms `fn` up before `capture(fn)`."""
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(device=self.device())
+        return CudaGraph(self.device(), self.graph_pool(), self._capture_stream)
+
+    # ----- attention and kernels ------------------------------------------------------------
+    def attention(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                  block_size: int | None = None, backend: str | None = None) -> AttentionBackend:
+        choice = attention.choose(backend or self.attention_backend_name, self.backend_order, head_dim, dtype,
+                                  self.name)
+        self._log_once(("attention", choice, num_heads, num_kv_heads),
+                       "hal %s (%s): attention %s for H=%d KVH=%d: %s",
+                       self.name, self.facts.arch, choice.name, num_heads, num_kv_heads, choice.reason)
+        configs = self.kernel_configs() if choice.name == "triton" else None
+        return attention.build(choice.name, num_heads, num_kv_heads, head_dim, dtype, self.device(),
+                               block_size or self.kv_block_sizes[0], configs)
+
+    def kernel_configs(self) -> dict[str, Any]:
+        """Triton launch configs for this device's arch (`hal.kernels.configs.configs_for`):
+        the Hal chooses them, the kernels' callers never do."""
+        return attention.kernel_configs(self.facts.arch)
+
+    def op(self, name: str) -> Callable[..., Any] | None:
+        return attention.fused_op(name)
+
+    def _log_once(self, key: Any, message: str, *args: Any) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            log.info(message, *args)
