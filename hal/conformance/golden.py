@@ -8,7 +8,6 @@ or wherever `LOOPSTACK_GOLDEN` points.
 from __future__ import annotations
 
 import inspect
-
 import json
 import os
 from pathlib import Path
