@@ -17,7 +17,7 @@ from runtime.config import EngineConfig
 from runtime.context import PagedContext
 from runtime.kv_cache import BlockManager, num_request_planes
 from runtime.loops import SeqPlan, run_loops
-from runtime.sampler import sample_token
+from runtime.sampler import sample_batch
 from runtime.scheduler import ScheduledRequest
 from zoo.base import LoopedCausalLM
 
@@ -132,18 +132,8 @@ class ModelRunner:
         return StepResult(sampled, row)
 
     def _sample(self, logits: torch.Tensor, requests: Sequence) -> list[int]:
-        """Next tokens for `logits: [R, V]`: one argmax for the greedy rows (one host sync), the
-        per-request sampler for the rest."""
-        greedy = [i for i, r in enumerate(requests) if r.params.is_greedy]
-        tokens: list[int] = [0] * len(requests)
-        if greedy:
-            picked = logits[greedy].argmax(-1).tolist() if len(greedy) < len(requests) else logits.argmax(-1).tolist()
-            for i, t in zip(greedy, picked):
-                tokens[i] = t
-        for i, r in enumerate(requests):
-            if not r.params.is_greedy:
-                tokens[i] = sample_token(logits[i], r.params, r.generator)
-        return tokens
+        """Next tokens for `logits: [R, V]`, sampled on the device with one host sync."""
+        return sample_batch(logits, [r.params for r in requests], [r.generator for r in requests])
 
     def _initial_state_fn(self, scheduled: Sequence[ScheduledRequest]):
         """Per-request initial loop states for models that draw one (Huginn), or None."""

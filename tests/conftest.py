@@ -1,8 +1,15 @@
 """Shared fixtures: vendor markers, deterministic seeds, one Hal per available vendor."""
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+# BLAS may otherwise use fewer threads on a busy machine, which changes float32 reduction order
+# from run to run; greedy-equality tests need the same rounding every time
+os.environ.setdefault("MKL_DYNAMIC", "FALSE")
+os.environ.setdefault("OMP_DYNAMIC", "FALSE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from helpers import VENDOR_MARKS, hal_available
 
