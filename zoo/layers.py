@@ -1,24 +1,68 @@
 """Layers shared by the zoo's families: RMSNorm, rotary embeddings, SwiGLU, Llama-style attention."""
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 from torch import nn
 
 from zoo.base import ForwardContext
 
+_FUSED: dict[tuple[str, str], Callable[..., Any] | None] = {}
+
+
+def inference_op(name: str, x: torch.Tensor) -> Callable[..., Any] | None:
+    """The Hal's fused op `name` for `x`'s device when no gradient is being recorded, else None
+    (training always takes the differentiable torch expressions)."""
+    if torch.is_grad_enabled():
+        return None
+    key = (name, x.device.type)
+    if key not in _FUSED:
+        import hal
+
+        _FUSED[key] = hal.for_device(x.device).op(name) if hasattr(hal.for_device(x.device), "op") else None
+    return _FUSED[key]
+
 
 class RMSNorm(nn.Module):
-    """Llama RMSNorm: normalise in float32, cast back to the input dtype, then scale."""
+    """Llama RMSNorm: normalise in float32, cast back to the input dtype, then scale. With
+    `residual`, returns `residual + norm(x)` (one fused kernel where the Hal has one)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        fused = inference_op("rms_norm", x)
+        if fused is not None:
+            return fused(x, self.weight, self.eps, residual)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        y = self.weight * x32.to(x.dtype)
+        return y if residual is None else residual + y
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`silu(a) * b` for `x = cat(a, b)` on the last dim."""
+    fused = inference_op("silu_and_mul", x)
+    if fused is not None:
+        return fused(x)
+    gate, up = x.chunk(2, dim=-1)
+    return nn.functional.silu(gate) * up
+
+
+def rotate(q: torch.Tensor, k: torch.Tensor, ctx: ForwardContext, head_dim: int, theta: float,
+           interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of `q: [B, T, H, D]`, `k: [B, T, KVH, D]` at `ctx.positions`; NeoX halves or
+    adjacent pairs (`interleaved`)."""
+    fused = inference_op("rotary", q)
+    if fused is not None and q.shape[-1] == head_dim:
+        q2, k2 = fused(q.flatten(0, 1), k.flatten(0, 1), ctx.positions.flatten(), theta, interleaved)
+        return q2.view_as(q), k2.view_as(k)
+    cos, sin = ctx.cached(("rope", head_dim, theta), lambda: rope_tables(ctx.positions, head_dim, theta))
+    apply = apply_rope_interleaved if interleaved else apply_rope_half
+    return apply(q, cos, sin), apply(k, cos, sin)
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,15 +90,19 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 
 class SwiGLU(nn.Module):
-    """`down(silu(gate(x)) * up(x))`, no bias."""
+    """`down(silu(gate(x)) * up(x))`, no bias. After `zoo.fuse.fuse_projections`, gate and up are
+    one matrix (`gate_up`, a non-persistent buffer whose halves the two weights view)."""
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            return self.down_proj(silu_and_mul(nn.functional.linear(x, self.gate_up)))
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -72,14 +120,21 @@ class GQAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
+        self.qkv: torch.Tensor | None = None       # q|k|v as one matrix after zoo.fuse.fuse_projections
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv is not None:
+            sizes = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                     self.num_kv_heads * self.head_dim)
+            return nn.functional.linear(x, self.qkv).split(sizes, dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, plane: int, layer: int) -> torch.Tensor:
         # x: [B, T, hidden]
-        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))      # [B, T, H, D]
-        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))   # [B, T, KVH, D]
-        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        cos, sin = ctx.cached(("rope", self.head_dim, self.rope_theta),
-                              lambda: rope_tables(ctx.positions, self.head_dim, self.rope_theta))
-        q, k = apply_rope_half(q, cos, sin), apply_rope_half(k, cos, sin)
+        q, k, v = self.project(x)
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))                  # [B, T, H, D]
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))               # [B, T, KVH, D]
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        q, k = rotate(q, k, ctx, self.head_dim, self.rope_theta, interleaved=False)
         out = ctx.attend(q, k, v, plane, layer, self.scale)                   # [B, T, H, D]
         return self.o_proj(out.flatten(-2))

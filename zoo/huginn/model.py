@@ -16,7 +16,7 @@ from torch import nn
 
 from zoo.base import CausalLMOutput, DenseContext, ForwardContext, KVSpec, LoopedCausalLM, causal_lm_loss
 from zoo.huginn.config import HuginnConfig
-from zoo.layers import RMSNorm, apply_rope_interleaved, rope_tables
+from zoo.layers import RMSNorm, rotate, silu_and_mul
 
 
 class HuginnAttention(nn.Module):
@@ -43,9 +43,7 @@ class HuginnAttention(nn.Module):
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.qk_bias is not None:
             q, k = q + self.qk_bias[0], k + self.qk_bias[1]
-        cos, sin = ctx.cached(("rope", self.head_dim, self.rope_base),
-                              lambda: rope_tables(ctx.positions, self.head_dim, self.rope_base))
-        q, k = apply_rope_interleaved(q, cos, sin), apply_rope_interleaved(k, cos, sin)
+        q, k = rotate(q, k, ctx, self.head_dim, self.rope_base, interleaved=True)
         out = ctx.attend(q, k, v, plane, layer, self.head_dim ** -0.5)         # [B, T, H, D]
         return self.proj(out.flatten(-2))
 
@@ -59,8 +57,7 @@ class GatedMLP(nn.Module):
         self.proj = nn.Linear(cfg.intermediate_size, cfg.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.fc(x).chunk(2, dim=-1)
-        return self.proj(nn.functional.silu(gate) * up)
+        return self.proj(silu_and_mul(self.fc(x)))
 
 
 class SandwichBlock(nn.Module):

@@ -28,8 +28,8 @@ class OuroDecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext, plane: int, layer: int) -> torch.Tensor:
         # h: [B, T, hidden]
-        h = h + self.input_layernorm_2(self.self_attn(self.input_layernorm(h), ctx, plane, layer))
-        return h + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(h)))
+        h = self.input_layernorm_2(self.self_attn(self.input_layernorm(h), ctx, plane, layer), residual=h)
+        return self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(h)), residual=h)
 
 
 class OuroModel(nn.Module):
