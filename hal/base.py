@@ -192,10 +192,10 @@ class Hal(ABC):
     """One vendor's answers. Instances are cheap to construct; device work happens on first use.
 
     Members (about 25): identity (`name`, `device_type`, `dist_backend`, `visible_devices_env`,
-    `is_available`, `caps`), device and streams (`device`, `device_count`, `set_device`, `stream`,
-    `current_stream`, `event`, `synchronize`), allocator (`mem_info`, `memory_stats`, `empty_cache`,
-    `host_buffer`), graphs (`graph`, `graph_pool`), collectives (`comm`), attention (`attention`, `dense`),
-    optional fused ops (`op`).
+    `is_available`, `caps`, `versions`), device and streams (`device`, `device_count`, `set_device`,
+    `stream`, `current_stream`, `event`, `synchronize`), allocator (`mem_info`, `memory_stats`,
+    `empty_cache`, `host_buffer`), graphs (`graph`, `graph_pool`), collectives (`comm`), attention
+    (`attention`, `dense`), optional fused ops (`op`).
     """
 
     name: ClassVar[str]                  # registry name: "cpu", "cuda", "rocm", "ascend"
@@ -310,6 +310,11 @@ class Hal(ABC):
         reference path; defaults to torch SDPA, which every vendor's torch provides.
         """
         return dense_attention(q, k, v, scale=scale, causal=causal)
+
+    def versions(self) -> dict[str, str]:
+        """Vendor software versions worth reporting (driver, toolkit, plugin); the conformance CLI
+        prints them. Empty where torch's own version says it all."""
+        return {}
 
     # ----- optional fused ops ---------------------------------------------------------------
     def op(self, name: str) -> Callable[..., Any] | None:

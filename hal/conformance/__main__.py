@@ -1,5 +1,5 @@
-"""`python -m hal.conformance hal=<name> [only=check1,check2]`: run the conformance checks and
-print one line per check plus the versions; exit status 1 if any check fails.
+"""`python -m hal.conformance hal=<name> [only=check1,check2] [attention_backend=NAME]`: run the
+conformance checks and print one line per check plus the versions; exit status 1 if any fails.
 
 (A tiny key=value parser instead of Hydra, so a vendor engineer can run this with nothing but torch.)
 """
@@ -16,14 +16,17 @@ from hal.conformance.checks import run_all
 
 def main(argv: list[str]) -> int:
     args = dict(a.split("=", 1) for a in argv if "=" in a)
-    unknown = [a for a in argv if "=" not in a or a.split("=", 1)[0] not in ("hal", "only", "device_index")]
+    keys = ("hal", "only", "device_index", "attention_backend")
+    unknown = [a for a in argv if "=" not in a or a.split("=", 1)[0] not in keys]
     if unknown:
         print(f"usage: python -m hal.conformance hal=<{'|'.join(['auto', *hal.names()])}> [only=a,b] "
-              f"[device_index=N]; not understood: {' '.join(unknown)}", file=sys.stderr)
+              f"[device_index=N] [attention_backend=NAME]; not understood: {' '.join(unknown)}", file=sys.stderr)
         return 2
     name = args.get("hal", "auto")
     try:
         options = {"device_index": int(args["device_index"])} if "device_index" in args else {}
+        if "attention_backend" in args:
+            options["attention_backend"] = args["attention_backend"]
         instance = hal.get(name, **options)
     except (ValueError, RuntimeError, NotImplementedError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -32,6 +35,9 @@ def main(argv: list[str]) -> int:
     print(f"hal={instance.name} device={instance.device()} arch={caps.arch} torch={torch.__version__} "
           f"python={platform.python_version()}")
     print(f"caps: {caps}")
+    versions = instance.versions()
+    if versions:
+        print("versions: " + ", ".join(f"{k}={v}" for k, v in versions.items()))
     results = run_all(instance, args["only"].split(",") if "only" in args else None)
     for r in results:
         print(f"{r.status:4s}  {r.name}" + (f"\n      {r.detail}" if r.detail else ""))
