@@ -212,10 +212,10 @@ class Hal(ABC):
     """One vendor's answers. Instances are cheap to construct; device work happens on first use.
 
     Members (about 25): identity (`name`, `device_type`, `dist_backend`, `visible_devices_env`,
-    `is_available`, `caps`), device and streams (`device`, `device_count`, `set_device`, `stream`,
-    `current_stream`, `event`, `synchronize`), allocator (`mem_info`, `memory_stats`, `empty_cache`,
-    `host_buffer`), graphs (`graph`, `graph_pool`), collectives (`comm`), attention (`attention`, `dense`),
-    optional fused ops (`op`).
+    `is_available`, `caps`, `versions`), device and streams (`device`, `device_count`, `set_device`,
+    `stream`, `current_stream`, `event`, `synchronize`), allocator (`mem_info`, `memory_stats`,
+    `empty_cache`, `host_buffer`), graphs (`graph`, `graph_pool`), collectives (`comm`), attention
+    (`attention`, `dense`), optional fused ops (`op`).
     """
 
     name: ClassVar[str]                  # registry name: "cpu", "cuda", "rocm", "ascend"
@@ -331,10 +331,26 @@ class Hal(ABC):
         """
         return dense_attention(q, k, v, scale=scale, causal=causal)
 
+    def versions(self) -> dict[str, str]:
+        """Vendor software versions worth reporting (driver, toolkit, plugin); the conformance CLI
+        prints them. Empty where torch's own version says it all."""
+        return {}
+
     # ----- optional fused ops ---------------------------------------------------------------
     def op(self, name: str) -> Callable[..., Any] | None:
-        """A fused op by name ("rms_norm", "rotary", "silu_and_mul"), or None: callers then use
-        the plain torch expression."""
+        """A fused op by name, or None: callers then use the plain torch expression. The names and
+        their meaning are the same on every Hal:
+
+        - `rms_norm(x, weight, eps, residual=None) -> y`: Llama RMSNorm of `x: [..., X]` (float32
+          statistics, cast to x's dtype, then `* weight`); with `residual`, `residual + norm(x)`
+          (the post-norm residual add of sandwich-norm layers), one tensor either way.
+        - `rotary(q, k, positions, theta, interleaved) -> (q, k)`: `q: [T, H, D]`, `k: [T, KVH, D]`,
+          `positions: [T]`; NeoX halves, or GPT-J adjacent pairs when `interleaved`. May rotate in
+          place; callers use the returned tensors.
+        - `silu_and_mul(x) -> y`: `x: [..., 2I]` -> `silu(x[..., :I]) * x[..., I:]`.
+        - `add_rms_norm(x, residual, weight, eps) -> (y, s)`: `s = x + residual`, `y = norm(s)`
+          (pre-norm layers: the residual stream and the next sublayer's input in one pass).
+        """
         return None
 
     def __repr__(self) -> str:

@@ -68,12 +68,13 @@ def detect() -> str:
 
 def get(name: str = "auto", **options: Any) -> Hal:
     """A Hal instance by name ("auto" detects). Options go to the Hal's constructor
-    (`device_index`, `attention_backend`, vendor-specific ones)."""
+    (`device_index`, `attention_backend`, vendor-specific ones such as `simulate`)."""
     if name == "auto":
         name = detect()
         log.info("hal=auto chose %s", name)
     cls = get_class(name)
-    if not cls.is_available():
+    # `simulate=True` asks a Hal that can simulate its hardware on the CPU (ascend) for that
+    if not cls.is_available() and not options.get("simulate"):
         raise RuntimeError(f"hal {name!r} is not available on this machine; "
                            f"available here: {', '.join(n for n in names() if _available(n))}")
     return cls(**options)

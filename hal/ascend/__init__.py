@@ -1,15 +1,8 @@
-"""The ascend Hal (lands with issue #8)."""
-from __future__ import annotations
+"""Huawei Ascend (910B) through torch_npu: schema-checked against torch-npu 2.13 and simulated on the
+CPU; not yet run on an NPU. See hal/ascend/README.md.
 
-from hal.base import Hal
+Importing this package never imports torch_npu; `AscendHal` does so on first device use.
+"""
+from hal.ascend.hal import AscendHal
 
-
-class AscendHal(Hal):
-    name = "ascend"
-
-    @classmethod
-    def is_available(cls) -> bool:
-        return False
-
-    def __init__(self, *args, **kwargs) -> None:
-        raise NotImplementedError("hal 'ascend' is not implemented yet (issue #8); use hal=cpu")
+__all__ = ["AscendHal"]

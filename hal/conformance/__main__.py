@@ -1,6 +1,6 @@
-"""`python -m hal.conformance hal=<name> [only=check1,check2]`: run the conformance checks and
-print the versions, one line per check, and the acceptance level reached (R0 smoke .. R3
-numerics, see `report.py`); exit status 1 if any check fails.
+"""`python -m hal.conformance hal=<name> [only=check1,check2] [attention_backend=NAME]`: run the
+conformance checks and print the versions, one line per check, and the acceptance level reached
+(R0 smoke .. R3 numerics, see `report.py`); exit status 1 if any check fails.
 
 (A tiny key=value parser instead of Hydra, so a vendor engineer can run this with nothing but torch.)
 """
@@ -19,10 +19,11 @@ from hal.conformance.report import format_levels, level_statuses, versions
 
 def main(argv: list[str]) -> int:
     args = dict(a.split("=", 1) for a in argv if "=" in a)
-    unknown = [a for a in argv if "=" not in a or a.split("=", 1)[0] not in ("hal", "only", "device_index")]
+    keys = ("hal", "only", "device_index", "attention_backend")
+    unknown = [a for a in argv if "=" not in a or a.split("=", 1)[0] not in keys]
     if unknown:
         print(f"usage: python -m hal.conformance hal=<{'|'.join(['auto', *hal.names()])}> [only=a,b] "
-              f"[device_index=N]; not understood: {' '.join(unknown)}", file=sys.stderr)
+              f"[device_index=N] [attention_backend=NAME]; not understood: {' '.join(unknown)}", file=sys.stderr)
         return 2
     name = args.get("hal", "auto")
     # the Hal's decisions (attention backend per shape, mapped or staged host buffers) with reasons
@@ -31,6 +32,8 @@ def main(argv: list[str]) -> int:
     print("versions: " + " ".join(f"{k}={v}" for k, v in versions().items()))
     try:
         options = {"device_index": int(args["device_index"])} if "device_index" in args else {}
+        if "attention_backend" in args:
+            options["attention_backend"] = args["attention_backend"]
         instance = hal.get(name, **options)
     except (ValueError, RuntimeError, NotImplementedError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -40,6 +43,9 @@ def main(argv: list[str]) -> int:
     print(f"hal={instance.name} device={instance.device()} arch={caps.arch} torch={torch.__version__} "
           f"python={platform.python_version()}")
     print(f"caps: {caps}")
+    vendor_versions = instance.versions()
+    if vendor_versions:
+        print(f"{instance.name} versions: " + " ".join(f"{k}={v}" for k, v in vendor_versions.items()))
     results = run_all(instance, args["only"].split(",") if "only" in args else None)
     for r in results:
         print(f"{r.status:4s}  {r.name}" + (f"\n      {r.detail}" if r.detail else ""))

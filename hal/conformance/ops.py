@@ -1,9 +1,8 @@
 """The fused-op check (level R2): every op a Hal offers through `op(name)` equals its plain torch
 expression, computed here in float64, on fresh random inputs in float32 and bf16.
 
-Signatures (as `hal.kernels.ops` defines them): `rms_norm(x, weight, eps)` returns the normed
-tensor (or a tuple starting with it); `silu_and_mul(x: [T, 2I]) -> [T, I]`; `rotary(q: [T, H, D],
-k: [T, KVH, D], positions: [T], theta, interleaved)` returns `(q, k)` or rotates them in place.
+Signatures: see `hal.base.Hal.op` (`rms_norm(x, weight, eps, residual=None)` returns
+`residual + norm(x)` with a residual; `rotary` returns `(q, k)`, possibly rotated in place).
 """
 from __future__ import annotations
 
@@ -49,8 +48,10 @@ def check_fused_ops(hal: Hal) -> str:
         if "rms_norm" in offered:
             x, weight = torch.randn(7, 96, dtype=dtype), torch.rand(96, dtype=dtype) + 0.5
             out = hal.op("rms_norm")(x.to(device), weight.to(device), 1e-6)
-            out = out[0] if isinstance(out, (tuple, list)) else out
             _assert_close("rms_norm", out, rms_norm_ref(x, weight, 1e-6), dtype)
+            residual = torch.randn(7, 96, dtype=dtype)
+            out = hal.op("rms_norm")(x.to(device), weight.to(device), 1e-6, residual.to(device))
+            _assert_close("rms_norm(residual)", out, residual.double() + rms_norm_ref(x, weight, 1e-6), dtype)
         if "silu_and_mul" in offered:
             x = torch.randn(7, 2 * 80, dtype=dtype)
             ref = torch.nn.functional.silu(x[:, :80].double()) * x[:, 80:].double()

@@ -1,0 +1,111 @@
+"""`SimAscendHal`: hal=ascend on the CPU. The Ascend attention backends, fused ops and graph update
+contract run unchanged, with `hal.ascend.sim.SimNpu` in place of torch_npu; streams and events are
+the CPU's, graphs replay eagerly (`hal.ascend.graph.SimGraph`), collectives use gloo.
+
+`sim_any_shape=True` (env `LOOPSTACK_ASCEND_SIM_ANY_SHAPE=1`) lifts the fused path's hardware limits
+(head dim 128, fp16/bf16) so tiny float32 test models exercise it; the default keeps them, so
+shapes go to the same backends they would on a 910B.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from hal.ascend import detect
+from hal.ascend.graph import SimGraph, StagedHostBuffer
+from hal.ascend.hal import BACKENDS, BLOCK_SIZE, FUSED_HEAD_DIMS, AscendHal
+from hal.ascend.ops import AscendOps
+from hal.base import Caps, MemInfo
+
+
+class SimAscendHal(AscendHal):
+    """hal=ascend on the CPU: the Ascend code paths with `hal.ascend.sim` in place of torch_npu."""
+
+    device_type = "cpu"
+    dist_backend = "gloo"
+    is_simulated = True
+
+    def __init__(self, device_index: int | None = None, attention_backend: str = "auto",
+                 simulate: bool | None = None, sim_any_shape: bool | None = None) -> None:
+        super().__init__(device_index, attention_backend)
+        from hal.ascend.sim import SimNpu
+
+        self.any_shape = detect.env_flag(detect.SIM_ANY_SHAPE_ENV) if sim_any_shape is None else sim_any_shape
+        self._ops = AscendOps(SimNpu(strict=not self.any_shape))
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return True
+
+    @property
+    def fused_head_dims(self) -> tuple[int, ...] | None:
+        return None if self.any_shape else FUSED_HEAD_DIMS
+
+    @property
+    def caps(self) -> Caps:
+        from hal.cpu import CpuHal
+
+        real = CpuHal().caps
+        return Caps(arch="Ascend910B-sim" + ("-any-shape" if self.any_shape else ""), warp_size=None,
+                    num_compute_units=real.num_compute_units, graphs=True, graph_needs_host_update=True,
+                    uva=False, attention_backends=BACKENDS, kv_block_sizes=(BLOCK_SIZE,),
+                    head_dims=self.fused_head_dims, fp8_dtype=None, dtypes=real.dtypes)
+
+    def versions(self) -> dict[str, str]:
+        return {"torch_npu": "not used: CPU simulation of the torch-npu 2.13.0 op schemas",
+                "mode": "any-shape" if self.any_shape else "strict"}
+
+    def device(self, index: int | None = None) -> torch.device:
+        return torch.device("cpu")
+
+    def device_count(self) -> int:
+        return 1
+
+    def set_device(self, index: int) -> None:
+        if index != 0:
+            raise ValueError(f"the simulated Ascend Hal has one device (0), not {index}")
+
+    def stream(self, priority: int = 0) -> Any:
+        from hal.cpu.hal import CpuStream
+
+        return CpuStream()
+
+    def current_stream(self) -> Any:
+        return self.stream()
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: Any) -> Iterator[None]:
+        yield
+
+    def event(self, enable_timing: bool = False) -> Any:
+        from hal.cpu.hal import CpuEvent
+
+        return CpuEvent(enable_timing)
+
+    def synchronize(self) -> None:
+        pass
+
+    def mem_info(self) -> MemInfo:
+        from hal.cpu import CpuHal
+
+        return CpuHal().mem_info()
+
+    def memory_stats(self) -> dict[str, int]:
+        return {"allocated": 0, "reserved": 0, "peak_allocated": 0}
+
+    def reset_peak_memory(self) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def host_buffer(self, shape: Sequence[int], dtype: torch.dtype) -> StagedHostBuffer:
+        return StagedHostBuffer(shape, dtype, self.device(), pin=False)
+
+    def graph_pool(self) -> Any:
+        return None
+
+    def graph(self) -> SimGraph:
+        return SimGraph(self.ops)
