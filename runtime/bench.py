@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from runtime.config import EngineConfig, SamplingParams
-from runtime.generate import CONF_DIR, register_schemas
+from runtime.cli import CONF_DIR, register_schemas
 
 log = logging.getLogger("runtime.bench")
 CONFIGS = Path(__file__).resolve().parent.parent / "zoo" / "configs"

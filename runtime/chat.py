@@ -103,7 +103,7 @@ def apply_chat_template(tokenizer: Tokenizer, messages: Sequence[Message], add_g
     itself): the -Thinking checkpoints do not open a thought block unprompted."""
     template = tokenizer.chat_template
     if template is None:
-        raise ValueError("this checkpoint has no chat template (tokenizer_config.json 'chat_template' or "
+        raise ChatTemplateError("this checkpoint has no chat template (tokenizer_config.json 'chat_template' or "
                          "chat_template.jinja); pass chat=false and format the prompt yourself")
     text = render_chat(template, messages, add_generation_prompt, enable_thinking, tokenizer.special_tokens,
                        **extra)

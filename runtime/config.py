@@ -79,7 +79,7 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 
 
-# ----- Hydra schemas (runtime/generate.py registers them; YAML files in conf/ fill them) ----------
+# ----- Hydra schemas (runtime/cli.py registers them; YAML files in conf/ fill them) -------------
 @dataclass
 class ModelConfig:
     name: Optional[str] = None            # a known model name (resolved in the local HF cache) or hub id
@@ -136,3 +136,14 @@ class GenerateConfig:
     enable_thinking: bool = False         # chat: open the assistant turn with <think>
     output: str = "text"                  # text | json
     log_level: str = "WARNING"
+
+
+@dataclass
+class ServeConfig:
+    hal: Any = None
+    model: Any = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    server: Any = None                    # runtime.server.config.ServerConfig's fields
+    engine: Any = None                    # EngineConfig's fields
+    log_level: str = "INFO"

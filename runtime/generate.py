@@ -4,36 +4,15 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from pathlib import Path
 from typing import Any
 
 import hydra
-from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from runtime.config import BenchConfig, GenerateConfig, HalConfig, ModelConfig, SamplingParams
-
-HERE = Path(__file__).resolve().parent
-# conf/ sits beside the packages in a checkout and inside runtime/ in an installed wheel
-CONF_DIR = next(p for p in (HERE / "conf", HERE.parent / "conf") if (p / "generate.yaml").is_file())
+from runtime.cli import CONF_DIR, UsageError, known_models, register_schemas
+from runtime.config import SamplingParams
 
 log = logging.getLogger("runtime.generate")
-
-
-def register_schemas() -> None:
-    store = ConfigStore.instance()
-    store.store(group="schema", name="generate", node=GenerateConfig)
-    store.store(group="schema", name="bench", node=BenchConfig)
-    store.store(group="schema", name="hal", node=HalConfig)
-    store.store(group="schema", name="model", node=ModelConfig)
-
-
-class UsageError(Exception):
-    """Bad arguments: printed as one message, exit status 2."""
-
-
-def known_models() -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml") if p.stem != "none")
 
 
 def no_model_message() -> str:

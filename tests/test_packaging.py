@@ -27,6 +27,7 @@ def test_wheel_ships_packages_and_configs(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for required in ("hal/base.py", "hal/cpu/hal.py", "zoo/ouro/model.py", "zoo/configs/ouro-1.4b.json",
                      "runtime/generate.py", "runtime/conf/generate.yaml", "runtime/conf/hal/cpu.yaml",
+                     "runtime/serve.py", "runtime/server/app.py", "runtime/conf/serve.yaml",
                      "runtime/conf/model/ouro-1.4b.yaml"):
         assert required in names, f"{required} missing from {wheel.name}"
     assert not any(n.startswith(("tests/", "conf/")) for n in names), "tests/ or a top-level conf/ leaked"

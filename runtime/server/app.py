@@ -1,0 +1,143 @@
+"""The FastAPI app: OpenAI routes, health, metrics, errors, and the engine loop's lifetime.
+
+    app = build_app(engine, ServerConfig(model_name="ouro-1.4b"))
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Every error is an OpenAI error object `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx
+status; no input takes the server down. The engine loop starts with the app (lifespan) and stops
+with it: requests still in the engine then are aborted and their blocks freed (uvicorn's
+`timeout_graceful_shutdown` is the time they get to finish first).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+
+from runtime.engine import LLMEngine
+from runtime.server.config import ServerConfig
+from runtime.server.engine_loop import EngineLoop
+from runtime.server.generation import Generation
+from runtime.server.metrics import CONTENT_TYPE, ServerMetrics
+from runtime.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, error_body,
+                                     parse_request)
+
+log = logging.getLogger(__name__)
+
+
+def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
+    """An app serving `engine` (which it then owns: only its loop thread may touch it)."""
+    config = config or ServerConfig()
+    metrics = ServerMetrics()
+    loop = EngineLoop(engine, metrics, config.max_num_requests)
+    model_name = config.model_name or _folder_name(engine) or "default"
+    generation = Generation(loop, engine.tokenizer, model_name, config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loop.start()
+        yield
+        await asyncio.to_thread(loop.shutdown)      # deliveries to open streams need this event loop
+
+    app = FastAPI(title="loopstack", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine_loop, app.state.metrics, app.state.model_name = loop, metrics, model_name
+
+    async def guarded(request: Request, handler: Callable[[], Awaitable[Response]]) -> Response:
+        try:
+            return await handler()
+        except APIError as exc:
+            metrics.rejected.labels(_reason(exc.status)).inc()
+            return JSONResponse(exc.body(), exc.status, headers=exc.headers)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except Exception as exc:                    # a bug: answer 500, keep serving
+            log.exception("%s %s failed", request.method, request.url.path)
+            metrics.rejected.labels("internal").inc()
+            message = f"internal error: {type(exc).__name__}: {exc}"
+            return JSONResponse(error_body(message, "server_error"), 500)
+
+    async def generate(request: Request, kind: str) -> Response:
+        arrival_time = time.monotonic()
+        if kind == "chat":
+            body = parse_request(ChatCompletionRequest, await read_json(request, config.max_body_bytes))
+            generation.check_common(body)
+            prompts = [generation.chat_prompt(body)]
+            max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+            max_tokens = body.max_completion_tokens or body.max_tokens
+        else:
+            body = parse_request(CompletionRequest, await read_json(request, config.max_body_bytes))
+            generation.check_common(body)
+            prompts = generation.completion_prompts(body)
+            max_tokens_param, max_tokens = "max_tokens", body.max_tokens
+        params = [generation.sampling_params(body, len(ids), max_tokens, max_tokens_param)
+                  for ids, _ in prompts]
+        job = await generation.submit(kind, body, prompts, params, arrival_time)
+        return generation.stream(job) if body.stream else await generation.respond(job, request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await guarded(request, lambda: generate(request, "completion"))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await guarded(request, lambda: generate(request, "chat"))
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "loopstack", "max_model_len": engine.max_model_len}]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if loop.is_alive:
+            return JSONResponse({"status": "ok", "requests_in_flight": loop.num_in_flight})
+        return JSONResponse(error_body("the engine loop is not running", "service_unavailable"), 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:   # unknown route, wrong method
+        return JSONResponse(error_body(f"{request.method} {request.url.path}: {exc.detail}",
+                                       "invalid_request_error"), exc.status_code, headers=exc.headers)
+
+    return app
+
+
+async def read_json(request: Request, max_body_bytes: int) -> Any:
+    """The body as JSON: 413 past `max_body_bytes` (checked while reading), 400 when malformed."""
+    too_large = APIError(413, f"the request body is larger than {max_body_bytes} bytes",
+                         code="request_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_body_bytes:
+            raise too_large
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def _reason(status: int) -> str:
+    return {429: "overloaded", 503: "shutting_down", 413: "too_large", 404: "not_found"}.get(
+        status, "invalid" if status < 500 else "internal")
+
+
+def _folder_name(engine: LLMEngine) -> str | None:
+    path = getattr(engine.model, "name_or_path", None)
+    return Path(path).name if path else None

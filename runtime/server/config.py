@@ -1,0 +1,37 @@
+"""`ServerConfig`: the HTTP layer's limits and defaults (the engine has its own `EngineConfig`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+# filled from the `model:` config node by runtime.serve, not part of the `server:` node
+SERVER_FIELDS_FROM_MODEL = ("stop_token_ids", "default_num_loops", "default_exit_threshold")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Limits and request defaults of one served model.
+
+    `max_num_requests` caps requests queued plus running in the engine; past it a request gets
+    429 with `Retry-After: retry_after_s` instead of waiting unboundedly.
+    """
+
+    model_name: Optional[str] = None        # the id clients pass as "model"; None: the folder's name
+    max_num_requests: int = 512             # queued + running engine requests before 429
+    retry_after_s: int = 1                  # the Retry-After of a 429 / 503
+    max_body_bytes: int = 1 << 20           # larger request bodies get 413
+    default_max_tokens: int = 256           # when a request gives no max_tokens (capped by the context)
+    max_num_loops: int = 64                 # the largest num_loops a request may ask for
+    max_num_stop_strings: int = 16
+    shutdown_timeout_s: float = 30.0        # at shutdown, how long in-flight requests may still run
+    stop_token_ids: tuple[int, ...] = ()    # besides the tokenizer's / config's eos (the model node's)
+    default_num_loops: Optional[int] = None       # None: the model's own depth
+    default_exit_threshold: Optional[float] = None  # None: the model's own threshold
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        for name in ("max_num_requests", "max_body_bytes", "default_max_tokens", "max_num_loops"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s!r}")

@@ -1,0 +1,134 @@
+"""The OpenAI request bodies we accept (pydantic, strict types) and the OpenAI error object.
+
+Fields follow the OpenAI API, plus the looped-model extras `num_loops` / `exit_threshold` and
+vLLM's `top_k`, `ignore_eos`, `stop_token_ids`, `chat_template_kwargs`. Unknown fields are
+rejected (a typo such as `num_loop` must not be silently ignored); OpenAI fields we do not
+implement are accepted only at their neutral value (`n=1`, penalties 0, no logprobs, ...).
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_SEED = 2**63 - 1
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}` with `status`."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Body):
+    model: str
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=-1)           # -1 / 0: off
+    seed: Optional[int] = Field(None, ge=0, le=MAX_SEED)
+    stop: Union[str, list[str], None] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    # OpenAI fields accepted only at their neutral value (see `unsupported_field`)
+    n: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    # looped-model and vLLM extras
+    num_loops: Optional[int] = Field(None, ge=1)
+    exit_threshold: Optional[float] = Field(None, gt=0, le=1)
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = None
+
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(_GenerationRequest):
+    # a text, a batch of texts, token ids, or a batch of token ids: one choice each
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    echo: Optional[bool] = None
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+    logprobs: Optional[int] = None
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    # extra keys (name, tool_calls, ...) pass through to the chat template
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: str
+    content: Union[str, list[TextPart], None] = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "".join(part.text for part in self.content)
+        return message
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[Any]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+def unsupported_field(request: _GenerationRequest) -> str | None:
+    """The first OpenAI field set to something this server does not implement, if any."""
+    neutral = {"n": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+               "logit_bias": (None, {}), "logprobs": (None, False, 0), "top_logprobs": (None, 0),
+               "echo": (None, False), "suffix": (None,), "best_of": (None, 1), "tools": (None, [])}
+    for name, allowed in neutral.items():
+        if name in type(request).model_fields and getattr(request, name) not in allowed:
+            return name
+    return None
+
+
+def parse_request(cls: type[_Body], payload: Any) -> Any:
+    """Validate a decoded JSON body; APIError 400 naming the first bad field."""
+    if not isinstance(payload, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(payload).__name__}")
+    try:
+        return cls.model_validate(payload)
+    except ValidationError as exc:
+        problems: dict[str, list[str]] = {}            # where -> what, in order
+        for error in exc.errors(include_url=False):
+            where = ".".join(str(part) for part in error["loc"] if not _is_type_tag(part)) or "body"
+            problems.setdefault(where, [])
+            if error["msg"] not in problems[where]:
+                problems[where].append(error["msg"])
+        message = "; ".join(f"{where}: {' or '.join(msgs)}" for where, msgs in list(problems.items())[:3])
+        raise APIError(400, message, param=next(iter(problems))) from None
+
+
+def _is_type_tag(part: Any) -> bool:
+    # pydantic names the member of a union it tried ("str", "list[int]"); the field path has none
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "list") or "[" in part)

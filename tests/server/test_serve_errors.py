@@ -1,0 +1,150 @@
+"""Bad input gets a 4xx with an OpenAI error object, never a crash: the table below is every input
+tried and the status it must get."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+SERVE_EXTRA = "needs the serve extra: pip install -e '.[serve]'"
+httpx = pytest.importorskip("httpx", reason=SERVE_EXTRA)
+pytest.importorskip("fastapi", reason=SERVE_EXTRA)
+
+import hal
+from live_server import LiveServer
+from runtime.config import EngineConfig
+from runtime.engine import LLMEngine
+from runtime.server.app import build_app
+from runtime.server.config import ServerConfig
+
+MAX_BODY_BYTES = 4096
+OK = {"model": "tiny", "prompt": "the cat", "max_tokens": 2}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+# (case, method, path, body: dict -> JSON / bytes -> raw, status, param or None)
+BAD_INPUTS = [
+    ("malformed JSON", "POST", "/v1/completions", b'{"model": "tiny", "prompt": ', 400, None),
+    ("body not an object", "POST", "/v1/completions", b"[1, 2]", 400, None),
+    ("body not UTF-8", "POST", "/v1/completions", b"\xff\xfe\x00", 400, None),
+    ("empty body", "POST", "/v1/completions", b"", 400, None),
+    ("deeply nested JSON", "POST", "/v1/completions", b"[" * 1500 + b"]" * 1500, 400, None),
+    ("missing model", "POST", "/v1/completions", {"prompt": "hi"}, 400, "model"),
+    ("missing prompt", "POST", "/v1/completions", {"model": "tiny"}, 400, "prompt"),
+    ("unknown model", "POST", "/v1/completions", {**OK, "model": "gpt-4"}, 404, "model"),
+    ("model not a string", "POST", "/v1/completions", {**OK, "model": 7}, 400, "model"),
+    ("max_tokens a string", "POST", "/v1/completions", {**OK, "max_tokens": "5"}, 400, "max_tokens"),
+    ("max_tokens a float", "POST", "/v1/completions", {**OK, "max_tokens": 2.5}, 400, "max_tokens"),
+    ("max_tokens a bool", "POST", "/v1/completions", {**OK, "max_tokens": True}, 400, "max_tokens"),
+    ("max_tokens 0", "POST", "/v1/completions", {**OK, "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens over the context", "POST", "/v1/completions", {**OK, "max_tokens": 10_000}, 400,
+     "max_tokens"),
+    ("prompt over the context", "POST", "/v1/completions", {**OK, "prompt": [5] * 300}, 400, "prompt"),
+    ("empty prompt", "POST", "/v1/completions", {**OK, "prompt": ""}, 400, "prompt"),
+    ("empty prompt list", "POST", "/v1/completions", {**OK, "prompt": []}, 400, "prompt"),
+    ("prompt a number", "POST", "/v1/completions", {**OK, "prompt": 123}, 400, "prompt"),
+    ("prompt mixed list", "POST", "/v1/completions", {**OK, "prompt": ["a", 1]}, 400, "prompt"),
+    ("token id out of the vocabulary", "POST", "/v1/completions", {**OK, "prompt": [5, 100_000]}, 400,
+     "prompt"),
+    ("negative token id", "POST", "/v1/completions", {**OK, "prompt": [5, -1]}, 400, "prompt"),
+    ("temperature negative", "POST", "/v1/completions", {**OK, "temperature": -1}, 400, "temperature"),
+    ("temperature a string", "POST", "/v1/completions", {**OK, "temperature": "hot"}, 400, "temperature"),
+    ("temperature NaN", "POST", "/v1/completions", b'{"model": "tiny", "prompt": "a", "temperature": NaN}',
+     400, "temperature"),
+    ("top_p 0", "POST", "/v1/completions", {**OK, "top_p": 0}, 400, "top_p"),
+    ("seed negative", "POST", "/v1/completions", {**OK, "seed": -1}, 400, "seed"),
+    ("stream a string", "POST", "/v1/completions", {**OK, "stream": "yes"}, 400, "stream"),
+    ("unknown field (typo)", "POST", "/v1/completions", {**OK, "num_loop": 2}, 400, "num_loop"),
+    ("n > 1", "POST", "/v1/completions", {**OK, "n": 2}, 400, "n"),
+    ("logprobs", "POST", "/v1/completions", {**OK, "logprobs": 1}, 400, "logprobs"),
+    ("echo", "POST", "/v1/completions", {**OK, "echo": True}, 400, "echo"),
+    ("presence_penalty", "POST", "/v1/completions", {**OK, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("num_loops 0", "POST", "/v1/completions", {**OK, "num_loops": 0}, 400, "num_loops"),
+    ("num_loops over the limit", "POST", "/v1/completions", {**OK, "num_loops": 1000}, 400, "num_loops"),
+    ("exit_threshold 1.5", "POST", "/v1/completions", {**OK, "exit_threshold": 1.5}, 400, "exit_threshold"),
+    ("empty stop string", "POST", "/v1/completions", {**OK, "stop": [""]}, 400, "stop"),
+    ("too many stop strings", "POST", "/v1/completions", {**OK, "stop": [f"s{i}" for i in range(20)]}, 400,
+     "stop"),
+    ("stop a number", "POST", "/v1/completions", {**OK, "stop": 5}, 400, "stop"),
+    ("chat: no messages", "POST", "/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
+    ("chat: messages a string", "POST", "/v1/chat/completions", {**CHAT, "messages": "hi"}, 400, "messages"),
+    ("chat: message without role", "POST", "/v1/chat/completions", {**CHAT, "messages": [{"content": "hi"}]},
+     400, "messages.0.role"),
+    ("chat: image part", "POST", "/v1/chat/completions",
+     {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages.0.content"),
+    ("chat: prompt field", "POST", "/v1/chat/completions", {**CHAT, "prompt": "hi"}, 400, "prompt"),
+    ("chat: tools", "POST", "/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("chat: max_completion_tokens over the context", "POST", "/v1/chat/completions",
+     {**CHAT, "max_completion_tokens": 10_000}, 400, "max_completion_tokens"),
+    ("body over the limit", "POST", "/v1/completions", {**OK, "prompt": "a " * MAX_BODY_BYTES}, 413, None),
+    ("GET on a POST route", "GET", "/v1/completions", None, 405, None),
+    ("POST on a GET route", "POST", "/v1/models", {}, 405, None),
+    ("unknown route", "GET", "/v1/engines", None, 404, None),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tokenizer):
+    engine = LLMEngine(tiny_model, hal.get("cpu"), EngineConfig(num_kv_blocks=256), tokenizer)
+    config = ServerConfig(model_name="tiny", max_body_bytes=MAX_BODY_BYTES, max_num_loops=8)
+    live = LiveServer(build_app(engine, config)).start()
+    yield live
+    live.stop()
+    engine.blocks.check_invariants()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
+
+
+@pytest.mark.parametrize("case,method,path,body,status,param", BAD_INPUTS, ids=[row[0] for row in BAD_INPUTS])
+def test_bad_input_gets_an_openai_error(http, case, method, path, body, status, param):
+    content = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    response = http.request(method, path, content=content, headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_a_body_streamed_past_the_limit_without_length_gets_413(http):
+    def chunks():
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(2 * MAX_BODY_BYTES // 64):
+            yield b"a" * 64
+        yield b'"}'
+    response = http.post("/v1/completions", content=chunks())
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+
+
+def test_the_server_still_serves_after_the_table(http, server):
+    assert http.get("/health").status_code == 200
+    response = http.post("/v1/completions", json=OK)
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] >= 1
+    state = server.loop.state
+    assert state.num_free_blocks == state.num_blocks and server.loop.num_in_flight == 0
+    assert "loopstack_rejected_requests_total" in http.get("/metrics").text
+
+
+def test_an_engine_failure_is_a_500_or_a_stream_error_not_a_crash(make_engine, live_server, monkeypatch):
+    engine = make_engine()
+
+    def broken_step():
+        raise RuntimeError("device lost")
+    monkeypatch.setattr(engine, "step", broken_step)
+    server = live_server(build_app(engine, ServerConfig(model_name="tiny")))
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        response = http.post("/v1/completions", json=OK)
+        assert response.status_code == 500 and "device lost" in response.json()["error"]["message"]
+        streamed = http.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        assert streamed.status_code == 200                  # the headers went out before the failure
+        events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+        assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert "device lost" in events[-1]["error"]["message"]
+        assert http.get("/health").status_code == 200      # still serving
+    assert server.loop.num_in_flight == 0 and not engine.has_unfinished_requests()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
