@@ -80,12 +80,13 @@ class DecodeGraphs:
 
     def _batch(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager | None, bucket: int,
                num_planes: int) -> PagedBatch:
-        """The step's batch padded to `bucket` sequences; padding rows own no blocks (write nothing)."""
+        """The step's batch padded to `bucket` sequences; padding rows are one-token sequences in the
+        runner's scratch block (outside the pool), so they touch nobody's KV."""
         query_lens = [1] * bucket
         seq_lens = [item.request.num_computed_tokens + 1 for item in scheduled] + [1] * (bucket - len(scheduled))
         tables = [blocks.block_tables(item.request.request_id) for item in scheduled] if scheduled else []
-        by_plane = [[t[p] if p < len(t) else [] for t in tables] + [[]] * (bucket - len(scheduled))
-                    for p in range(num_planes)]
+        pad = [[self.runner.scratch_block]] * (bucket - len(scheduled))
+        by_plane = [[t[p] for t in tables] + pad for p in range(num_planes)]
         return PagedBatch(query_lens, seq_lens, by_plane, self.runner.block_size)
 
     def _initial_states(self, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor:
@@ -97,7 +98,7 @@ class DecodeGraphs:
     def _capture(self, bucket: int, loops: int) -> _Captured:
         runner, model, device = self.runner, self.runner.model, self.runner.device
         planes = num_request_planes(runner.config.kv_mode, runner.kv_spec.num_fixed_planes, loops)
-        batch = self._batch([], None, bucket, planes)     # all padding: capture writes no KV
+        batch = self._batch([], None, bucket, planes)     # all padding: capture touches only the scratch block
         capacity = MetaCapacity(bucket, bucket, self.max_blocks, planes, self.max_model_len)
         meta = runner.backend.build_meta(batch, capacity)
         ids = torch.zeros(1, bucket, dtype=torch.long, device=device)
