@@ -73,13 +73,21 @@ class GQAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
 
+    def rope(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin `[B, T, head_dim // 2]` for the context's positions, computed once per forward."""
+        return ctx.cached(("rope", self.head_dim, self.rope_theta),
+                          lambda: rope_tables(ctx.positions, self.head_dim, self.rope_theta))
+
+    def warm_context(self, ctx: ForwardContext) -> None:
+        """Fill the context's caches before a checkpointed loop (see `LoopedCausalLM.run_loop`)."""
+        self.rope(ctx)
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext, plane: int, layer: int) -> torch.Tensor:
         # x: [B, T, hidden]
         q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))      # [B, T, H, D]
         k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))   # [B, T, KVH, D]
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        cos, sin = ctx.cached(("rope", self.head_dim, self.rope_theta),
-                              lambda: rope_tables(ctx.positions, self.head_dim, self.rope_theta))
+        cos, sin = self.rope(ctx)
         q, k = apply_rope_half(q, cos, sin), apply_rope_half(k, cos, sin)
         out = ctx.attend(q, k, v, plane, layer, self.scale)                   # [B, T, H, D]
         return self.o_proj(out.flatten(-2))
