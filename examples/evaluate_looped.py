@@ -88,6 +88,7 @@ def plot_loss_curve(history: dict[str, list[dict[str, Any]]], path: str | Path) 
         for s in range(len(evals[0]["loss_by_loops"])):
             ax.plot(tokens, [r["loss_by_loops"][s] for r in evals], marker="o", ms=3,
                     label=f"held-out, {s + 1} loop{'s' if s else ''}")
+        ax.set_ylim(top=max(evals[0]["loss_by_loops"]) + 0.5)      # not the first steps' ln(vocab)
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("cross entropy (nats / token)")
     ax.grid(alpha=0.3)

@@ -44,9 +44,9 @@ class TrainConfig:
     device: str = "auto"               # auto: cuda if available, else cpu
     max_minutes: float = 6.0           # wall-clock budget of the whole script; 0 = none
     max_steps: int = 0                 # 0 = none
-    max_epochs: float = 0.0            # passes over the train tokens; 0 = none
+    max_epochs: float = 20.0           # passes over the train tokens; 0 = none (the data is small)
     reserve_seconds: float = 30.0      # kept from max_minutes for the final evaluation and save
-    batch_size: int = 64
+    batch_size: int = 128              # sequences per step (eager GPU steps are host-bound: go wide)
     seq_len: int = 256
     lr: float = 1.5e-3
     min_lr_ratio: float = 0.1          # the cosine decays to lr * min_lr_ratio
@@ -65,7 +65,7 @@ class TrainConfig:
     mean_loops: float = 0.0            # > 1: sample the loop count per batch around this mean (Huginn style)
     compile: bool = False              # torch.compile the training forward
     grad_checkpointing: bool = False   # recompute each loop in backward
-    eval_every: int = 100              # steps between held-out evaluations
+    eval_every: int = 50               # steps between held-out evaluations (about one epoch)
     eval_tokens: int = 1 << 20         # held-out tokens scored by each periodic evaluation
     eval_batch_size: int = 64
     log_every: int = 20                # steps between loss readbacks (the only host syncs)

@@ -11,12 +11,14 @@ import torch
 
 import prepare_corpus
 import train_looped as tl
-from looped_optim import Budget, learning_rate
 import zoo
 from evaluate_looped import evaluate
-from helpers import ROOT
+from helpers import ROOT, single_thread  # noqa: F401 (fixture)
 from looped_data import EOS_ID, SPECIAL_TOKENS, encode_documents, heldout_windows, read_corpus, train_tokenizer
+from looped_optim import Budget, learning_rate
 from runtime import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 WORDS = ("the quick brown fox jumps over lazy dog and cat sees a red ball near old river "
          "while my friend finds some bread under moon").split()
@@ -61,7 +63,7 @@ def test_arguments_map_onto_the_config_and_need_a_budget():
     cfg = tl.parse_args(["--max-steps", "7", "--no-progress", "--compile", "--lr", "2e-3"])
     assert (cfg.max_steps, cfg.progress, cfg.compile, cfg.lr) == (7, False, True, 2e-3)
     with pytest.raises(SystemExit):
-        tl.parse_args(["--max-minutes", "0"])
+        tl.parse_args(["--max-minutes", "0", "--max-epochs", "0"])
 
 
 def test_saved_checkpoint_loads_with_identical_logits_and_generates_text(tmp_path):
@@ -88,7 +90,7 @@ def test_saved_checkpoint_loads_with_identical_logits_and_generates_text(tmp_pat
 def test_example_runs_end_to_end_on_the_cpu(tmp_path):
     corpus = write_corpus(tmp_path / "corpus")
     out, report = tmp_path / "ouro-tiny", tmp_path / "report"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "train_looped.py"), "--corpus", str(corpus),
                            "--out", str(out), "--report", str(report), "--max-steps", "30", "--device", "cpu",
                            "--no-progress", *TINY_ARGS], env=env, capture_output=True, text=True, timeout=300)

@@ -7,8 +7,11 @@ from hydra import compose, initialize_config_dir
 import train_looped as tl
 import zoo
 import zoo.loading
+from helpers import single_thread  # noqa: F401 (fixture)
 from looped_data import train_tokenizer
 from runtime import generate
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 WORDS = "the sun rises over the sea and the moon sets behind the old hill".split()
 

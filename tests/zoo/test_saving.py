@@ -6,6 +6,9 @@ import torch
 from safetensors import safe_open
 
 import zoo
+from helpers import single_thread  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 CONFIG = dict(model_type="ouro", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, total_ut_steps=3, max_position_embeddings=64,

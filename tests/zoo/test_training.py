@@ -8,7 +8,10 @@ import torch
 import torch.multiprocessing as mp
 
 import zoo
+from helpers import single_thread  # noqa: F401 (fixture)
 from zoo.training import exit_entropy, expected_exit_loss, sample_num_loops, step_cross_entropy
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 TINY = dict(model_type="ouro", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
             num_attention_heads=4, num_key_value_heads=2, total_ut_steps=3, max_position_embeddings=64,
@@ -165,6 +168,7 @@ def _data_parallel_worker(rank, world_size, store_path, result_path):
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
     ids = random_ids(4, 12, seed=7)
     local = ids.chunk(world_size)[rank]                        # each rank: its half of the batch
