@@ -62,9 +62,10 @@ def dense_hal(device: torch.device | str) -> Any:
     """The Hal whose `dense` attends tensors on `device` (`hal.for_device`), memoised per platform.
 
     Under `torch.compile` the lookup is a plain dict read. The registry's imports and entry points
-    cannot be traced, so a miss while compiling is a graph break (once: the filled memo is guarded
-    and the graph recompiled without it). `zoo.from_config` / `from_pretrained` resolve their device
-    up front, and so does any eager call, so `torch.compile(model, fullgraph=True)` works on them.
+    cannot be traced: a first lookup made while compiling still works, through graph breaks that
+    stay in that compiled code. `zoo.from_config` / `from_pretrained` and any eager forward fill the
+    memo for their device, so `torch.compile(model, fullgraph=True)` works on those models; after
+    moving a model to another kind of device, call `dense_hal(device)` (or one eager forward) first.
     """
     name = platform_of(device)
     found = _DENSE_HALS.get(name)
