@@ -72,6 +72,7 @@ class TrainConfig:
     seed: int = 0
     progress: bool = True              # tqdm bar
     samples: bool = True               # greedy completions of SAMPLE_PROMPTS into the report
+    shard_mb: float = 0.0              # > 0: weight files of at most this many MB (a transfer limit)
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -103,9 +104,10 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def save_checkpoint(model: torch.nn.Module, tokenizer: Any, folder: str | Path, seq_len: int) -> Path:
+def save_checkpoint(model: torch.nn.Module, tokenizer: Any, folder: str | Path, seq_len: int,
+                    shard_mb: float = 0.0) -> Path:
     """The shipped layout: config.json + model.safetensors (bf16) + tokenizer.json + tokenizer_config.json."""
-    folder = zoo.save_pretrained(model, folder, dtype=torch.bfloat16)
+    folder = zoo.save_pretrained(model, folder, dtype=torch.bfloat16, max_shard_bytes=int(shard_mb * 1e6) or None)
     save_tokenizer(tokenizer, folder, model_max_length=seq_len)
     return folder
 
@@ -197,7 +199,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if not history["eval"] or history["eval"][-1]["step"] != step:
         best = evaluate_and_keep(model, periodic_windows, cfg, step, tokens, history, best)
     model.load_state_dict(best["state"])
-    folder = save_checkpoint(model, tokenizer, cfg.out, cfg.seq_len)
+    folder = save_checkpoint(model, tokenizer, cfg.out, cfg.seq_len, cfg.shard_mb)
     shipped = zoo.from_pretrained(folder, dtype=torch.float32, device=device)  # score what ships (bf16 weights)
     final = evaluate(shipped, heldout_windows(data.valid, cfg.seq_len), cfg.eval_batch_size)
     metrics = {**final.as_json(), "selected_step": best["step"], "steps": step, "tokens": tokens,

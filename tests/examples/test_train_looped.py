@@ -92,7 +92,7 @@ def test_example_runs_end_to_end_on_the_cpu(tmp_path):
     out, report = tmp_path / "ouro-tiny", tmp_path / "report"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "train_looped.py"), "--corpus", str(corpus),
-                           "--out", str(out), "--report", str(report), "--max-steps", "30", "--device", "cpu",
+                           "--out", str(out), "--report", str(report), "--max-steps", "30", "--device", "cpu", "--shard-mb", "0.03",
                            "--no-progress", *TINY_ARGS], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((report / "metrics.json").read_text())
@@ -104,6 +104,7 @@ def test_example_runs_end_to_end_on_the_cpu(tmp_path):
     assert [e["step"] for e in metrics["history"]["eval"]] == [10, 20, 30]
     assert metrics["history"]["eval"][-1]["loss_by_loops"][0] < 5.0         # it learned (ln 320 = 5.77)
     assert set(metrics["samples"]) == set(tl.SAMPLE_PROMPTS)
+    assert len(list(out.glob("model-*-of-*.safetensors"))) >= 2          # --shard-mb: under a transfer limit
     # the numbers in the report are those of the shipped checkpoint
     model = zoo.from_pretrained(out, dtype="float32")
     from tokenizers import Tokenizer

@@ -57,3 +57,18 @@ def test_tied_head_is_stored_once_and_tied_again(tmp_path):
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     ids = torch.randint(0, 96, (1, 7))
     torch.testing.assert_close(logits_of(loaded, ids), logits_of(model, ids), atol=0, rtol=0)
+
+
+def test_sharded_save_loads_and_a_later_single_file_save_replaces_it(tmp_path):
+    model = zoo.from_config(CONFIG, seed=2)
+    ids = torch.randint(0, 96, (1, 6))
+    zoo.save_pretrained(model, tmp_path, dtype=torch.float32, max_shard_bytes=20_000)
+    shards = sorted(p.name for p in tmp_path.glob("model-*-of-*.safetensors"))
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(shards) > 2 and sorted(set(index["weight_map"].values())) == shards
+    assert set(index["weight_map"]) == set(model.state_dict())
+    torch.testing.assert_close(logits_of(zoo.from_pretrained(tmp_path), ids), logits_of(model, ids), atol=0, rtol=0)
+    other = zoo.from_config(CONFIG, seed=4)
+    zoo.save_pretrained(other, tmp_path, dtype=torch.float32)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    torch.testing.assert_close(logits_of(zoo.from_pretrained(tmp_path), ids), logits_of(other, ids), atol=0, rtol=0)
