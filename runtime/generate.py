@@ -13,6 +13,9 @@ from runtime.cli import CONF_DIR, UsageError, known_models, register_schemas
 from runtime.config import SamplingParams
 
 log = logging.getLogger("runtime.generate")
+# no model and no prompt given: the packaged tiny model continues this (when the install has it)
+DEFAULT_MODEL = "ouro-tiny"
+DEFAULT_PROMPT = "The meaning of life is"
 
 
 def no_model_message() -> str:
@@ -27,7 +30,14 @@ def no_model_message() -> str:
     return "\n".join(lines)
 
 
-def prompts_from(cfg: Any) -> list[Any]:
+def default_model() -> str | None:
+    """The model of a bare `python -m runtime.generate`: the packaged ouro-tiny where this install has it."""
+    from zoo.loading import packaged_checkpoint
+
+    return DEFAULT_MODEL if packaged_checkpoint(DEFAULT_MODEL) else None
+
+
+def prompts_from(cfg: Any, default_prompt: str | None = None) -> list[Any]:
     if cfg.prompt is not None and cfg.prompt_ids is not None:
         raise UsageError("give prompt= or prompt_ids=, not both")
     if cfg.prompt_ids is not None:
@@ -38,6 +48,8 @@ def prompts_from(cfg: Any) -> list[Any]:
         if not all(isinstance(t, int) for seq in batch for t in seq):
             raise UsageError(f"prompt_ids must hold integers, got {ids!r}")
         return batch
+    if cfg.prompt is None and default_prompt is not None:
+        return [default_prompt]
     if cfg.prompt is None:
         raise UsageError('no prompt: pass prompt="..." (or prompt_ids=[...] for token ids)')
     prompt = OmegaConf.to_object(cfg.prompt) if OmegaConf.is_config(cfg.prompt) else cfg.prompt
@@ -50,10 +62,10 @@ def run(cfg: Any) -> list[dict[str, Any]]:
 
     if cfg.output not in ("text", "json"):
         raise UsageError(f"output must be 'text' or 'json', got {cfg.output!r}")
-    source = cfg.model.path or cfg.model.name
+    source = cfg.model.path or cfg.model.name or default_model()
     if not source:
         raise UsageError(no_model_message())
-    prompts = prompts_from(cfg)
+    prompts = prompts_from(cfg, DEFAULT_PROMPT if source == DEFAULT_MODEL else None)
     if cfg.chat and cfg.prompt_ids is not None:
         raise UsageError("chat=true renders text through the chat template: give prompt=, not prompt_ids=")
     params = sampling_params(cfg)

@@ -46,6 +46,15 @@ def golden_names(family: str | None = None) -> list[str]:
     return names
 
 
+@pytest.fixture
+def single_thread():
+    """Tiny models: intra-op threads only add fork-join overhead (and thrash on a busy machine)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def hal_available(name: str) -> bool:
     import hal
 

@@ -2,6 +2,8 @@
 
     model = zoo.from_pretrained("path/to/Ouro-1.4B", dtype="bfloat16", device="cuda")
     model = zoo.from_config("config.json", device=torch.device("meta"))   # random weights, any shape
+    zoo.save_pretrained(model, "out/folder", dtype="bfloat16")              # the layout from_pretrained reads
+    from zoo.training import expected_exit_loss, sample_num_loops          # Ouro objective, Huginn-style depth
 """
 from __future__ import annotations
 
@@ -13,9 +15,10 @@ from typing import Any
 
 import torch
 
-from zoo.base import CausalLMOutput, DenseContext, ForwardContext, KVSpec, LoopedCausalLM, as_dtype
+from zoo.base import CausalLMOutput, DenseContext, ForwardContext, KVSpec, LoopedCausalLM, as_dtype, dense_hal
 from zoo.loading import (HUB_IDS, CheckpointError, default_dtype, load_weights, read_config, resolve_checkpoint,
                           stored_dtype)
+from zoo.saving import save_pretrained
 
 # config.json model_type -> model class
 FAMILIES = {
@@ -25,7 +28,8 @@ FAMILIES = {
 }
 
 __all__ = ["CausalLMOutput", "CheckpointError", "DenseContext", "ForwardContext", "HUB_IDS", "KVSpec",
-           "LoopedCausalLM", "as_dtype", "from_config", "from_pretrained", "model_class", "resolve_checkpoint"]
+           "LoopedCausalLM", "as_dtype", "from_config", "from_pretrained", "model_class", "resolve_checkpoint",
+           "save_pretrained"]
 
 
 def model_class(model_type: str) -> type[LoopedCausalLM]:
@@ -76,6 +80,7 @@ def from_config(config: dict[str, Any] | str | os.PathLike, dtype: torch.dtype |
         model = cls(cfg)
     if device.type != "meta":
         model.apply(_init_weights(getattr(cfg, "initializer_range", 0.02)))
+        dense_hal(device)
     return model.eval()
 
 
@@ -99,5 +104,6 @@ def from_pretrained(path_or_name: str | os.PathLike, dtype: torch.dtype | str | 
     with torch.device("meta"):
         model = cls(cfg)
     load_weights(model, folder, dtype, device)
+    dense_hal(device)
     model.name_or_path = str(folder)
     return model.eval()

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import hal
+from hal.registry import platform_of
 
 
 class KVSpec(NamedTuple):
@@ -54,6 +55,25 @@ class ForwardContext(Protocol):
         context stores in KV plane `plane`, layer slot `layer`. Returns `[B, T, H, D]`."""
 
 
+_DENSE_HALS: dict[str, Any] = {}
+
+
+def dense_hal(device: torch.device | str) -> Any:
+    """The Hal whose `dense` attends tensors on `device` (`hal.for_device`), memoised per platform.
+
+    Under `torch.compile` the lookup is a plain dict read. The registry's imports and entry points
+    cannot be traced: a first lookup made while compiling still works, through graph breaks that
+    stay in that compiled code. `zoo.from_config` / `from_pretrained` and any eager forward fill the
+    memo for their device, so `torch.compile(model, fullgraph=True)` works on those models; after
+    moving a model to another kind of device, call `dense_hal(device)` (or one eager forward) first.
+    """
+    name = platform_of(device)
+    found = _DENSE_HALS.get(name)
+    if found is None:
+        found = _DENSE_HALS[name] = hal.for_device(device)
+    return found
+
+
 class DenseContext:
     """Plain causal attention over the tokens of this call, no cache: training, tests, references."""
 
@@ -74,7 +94,7 @@ class DenseContext:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plane: int, layer: int,
                scale: float) -> torch.Tensor:
-        out = hal.for_device(q.device).dense(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        out = dense_hal(q.device).dense(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              scale=scale, causal=True)
         return out.transpose(1, 2)
 
@@ -170,6 +190,12 @@ class LoopedCausalLM(nn.Module):
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             from torch.utils.checkpoint import checkpoint
 
+            # a checkpointed region must not fill the context's caches (torch.compile refuses the
+            # side effect): modules with a `warm_context(ctx)` method fill them beforehand
+            for module in self.modules():
+                warm = getattr(module, "warm_context", None)
+                if warm is not None:
+                    warm(ctx)
             return checkpoint(self.loop, state, depth, ctx, use_reentrant=False)
         return self.loop(state, depth, ctx)
 

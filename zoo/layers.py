@@ -129,6 +129,15 @@ class GQAttention(nn.Module):
             return nn.functional.linear(x, self.qkv).split(sizes, dim=-1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
+    def rope(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin `[B, T, head_dim // 2]` for the context's positions, computed once per forward."""
+        return ctx.cached(("rope", self.head_dim, self.rope_theta),
+                          lambda: rope_tables(ctx.positions, self.head_dim, self.rope_theta))
+
+    def warm_context(self, ctx: ForwardContext) -> None:
+        """Fill the context's caches before a checkpointed loop (see `LoopedCausalLM.run_loop`)."""
+        self.rope(ctx)
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext, plane: int, layer: int) -> torch.Tensor:
         # x: [B, T, hidden]
         q, k, v = self.project(x)

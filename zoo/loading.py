@@ -27,6 +27,9 @@ HUB_IDS = {
     "huginn-0125": "tomg-group-umd/huginn-0125",
     "nanbeige4.2-3b": "Nanbeige/Nanbeige4.2-3B",
 }
+# small checkpoints shipped inside the package, in zoo/checkpoints/<name>/ (docs/ouro-tiny.md)
+PACKAGED_DIR = Path(__file__).resolve().parent / "checkpoints"
+PACKAGED_NAMES = ("ouro-tiny",)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 PROGRESS_MIN_BYTES = 256 << 20
 # rotary tables some checkpoints store; we compute them (as non-persistent values) instead
@@ -45,6 +48,8 @@ def resolve_checkpoint(name_or_path: str | os.PathLike, cache_dir: str | os.Path
     if path.is_file():
         raise CheckpointError(f"{path} is a file; pass the checkpoint folder that holds config.json")
     text = str(name_or_path)
+    if text.lower() in PACKAGED_NAMES:
+        return _packaged(text.lower())
     repo_id = HUB_IDS.get(text.lower(), text if text.count("/") == 1 and not text.startswith((".", "/")) else None)
     if repo_id is None:
         raise CheckpointError(f"no checkpoint folder at {text!r} and it is not a known model name; "
@@ -56,6 +61,22 @@ def resolve_checkpoint(name_or_path: str | os.PathLike, cache_dir: str | os.Path
             f"    huggingface-cli download {repo_id}\n"
             f"or pass model.path=/path/to/checkpoint (a folder with config.json and *.safetensors)")
     return cached
+
+
+def packaged_checkpoint(name: str) -> Path | None:
+    """The folder of a checkpoint shipped in the package, or None where this install lacks it."""
+    folder = PACKAGED_DIR / name
+    return folder if name in PACKAGED_NAMES and (folder / "config.json").is_file() else None
+
+
+def _packaged(name: str) -> Path:
+    folder = packaged_checkpoint(name)
+    if folder is None:
+        raise CheckpointError(
+            f"the packaged model {name!r} is not in this install ({PACKAGED_DIR / name} has no config.json). "
+            f"Train it with `PYTHONPATH=. python examples/train_looped.py --out {PACKAGED_DIR / name}` "
+            f"(docs/ouro-tiny.md), or pass model.path=/path/to/checkpoint")
+    return folder
 
 
 def _hub_cache_snapshot(repo_id: str, cache_dir: str | os.PathLike | None) -> Path | None:

@@ -16,7 +16,7 @@ from torch import nn
 
 from zoo.base import CausalLMOutput, DenseContext, ForwardContext, KVSpec, LoopedCausalLM, causal_lm_loss
 from zoo.huginn.config import HuginnConfig
-from zoo.layers import RMSNorm, rotate, silu_and_mul
+from zoo.layers import RMSNorm, rope_tables, rotate, silu_and_mul
 
 
 class HuginnAttention(nn.Module):
@@ -34,6 +34,11 @@ class HuginnAttention(nn.Module):
         else:
             self.qk_bias = None
         self.proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.n_embd, bias=False)
+
+    def warm_context(self, ctx: ForwardContext) -> None:
+        """Fill the context's rotary cache before a checkpointed loop (see `LoopedCausalLM.run_loop`)."""
+        ctx.cached(("rope", self.head_dim, self.rope_base),
+                   lambda: rope_tables(ctx.positions, self.head_dim, self.rope_base))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, plane: int, layer: int) -> torch.Tensor:
         # x: [B, T, n_embd]

@@ -13,6 +13,10 @@ from torch import nn
 from zoo.base import CausalLMOutput, DenseContext, ForwardContext, KVSpec, LoopedCausalLM, causal_lm_loss
 from zoo.layers import GQAttention, RMSNorm, SwiGLU
 from zoo.ouro.config import OuroConfig
+from zoo.training import expected_exit_loss
+
+LOSS_TYPES = ("expected_logits", "expected_loss")
+DEFAULT_ENTROPY_WEIGHT = 0.05   # beta of the entropy regulariser when the caller gives none
 
 
 class OuroDecoderLayer(nn.Module):
@@ -111,10 +115,21 @@ class OuroForCausalLM(LoopedCausalLM):
 
     # ----- training / reference forward ----------------------------------------------------
     def forward(self, input_ids: torch.Tensor, num_loops: int | None = None, labels: torch.Tensor | None = None,
-                exit_threshold: float | None = None, return_step_logits: bool = False) -> CausalLMOutput:
+                exit_threshold: float | None = None, return_step_logits: bool = False,
+                loss_type: str = "expected_logits", entropy_weight: float | None = None) -> CausalLMOutput:
         """`input_ids: [B, T]`. Logits come from the last loop, or with `exit_threshold=q < 1` per
-        token from the first loop whose cumulative exit probability reaches q. With `labels` the
-        loss is Ouro's objective: cross entropy of the exit-weighted expected logits."""
+        token from the first loop whose cumulative exit probability reaches q.
+
+        With `labels: [B, T]` (-100 = ignore) the loss is, by `loss_type`:
+        - "expected_logits" (default, the released reference code's loss): cross entropy of the
+          exit-weighted expected logits `sum_s p_s * logits_s`;
+        - "expected_loss" (the Ouro paper's training objective): `sum_s p_s * CE_s - beta * H(p)`
+          per token, `beta = entropy_weight` (default 0.05); see `zoo.training.expected_exit_loss`.
+        """
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
+        if entropy_weight is not None and loss_type != "expected_loss":
+            raise ValueError("entropy_weight applies to loss_type='expected_loss' only")
         num_loops = num_loops or self.config.total_ut_steps
         threshold = self.config.early_exit_threshold if exit_threshold is None else exit_threshold
         ctx = DenseContext.for_tokens(input_ids)
@@ -127,14 +142,20 @@ class OuroForCausalLM(LoopedCausalLM):
         pdf = exit_distribution(torch.stack(hazards, dim=-1))                # [B, T, S]
 
         need_steps = labels is not None or return_step_logits or threshold < 1.0
-        step_logits = torch.stack([self.coda(s) for s in states]) if need_steps else None   # [S, B, T, V]
+        per_step = [self.coda(s) for s in states] if need_steps else None   # S x [B, T, V]
+        # the expected-loss objective scores each step's logits apart: no [S, B, T, V] stack needed
+        need_stack = return_step_logits or threshold < 1.0 or (labels is not None and loss_type == "expected_logits")
+        step_logits = torch.stack(per_step) if need_stack else None           # [S, B, T, V]
         if threshold < 1.0:
             exit_step = first_exit_step(pdf, threshold)                      # [B, T]
             logits = step_logits.gather(0, exit_step[None, ..., None].expand(1, *step_logits.shape[1:]))[0]
         else:
-            logits = step_logits[-1] if step_logits is not None else self.coda(h)
+            logits = per_step[-1] if per_step is not None else self.coda(h)
         loss = None
-        if labels is not None:
+        if labels is not None and loss_type == "expected_loss":
+            beta = DEFAULT_ENTROPY_WEIGHT if entropy_weight is None else entropy_weight
+            loss = expected_exit_loss(per_step, pdf, labels, entropy_weight=beta).loss
+        elif labels is not None:
             expected = (pdf.permute(2, 0, 1)[..., None].to(step_logits.dtype) * step_logits).sum(0)
             loss = causal_lm_loss(expected, labels)
         return CausalLMOutput(logits=logits, loss=loss, exit_pdf=pdf,
