@@ -42,9 +42,10 @@ def test_checks_not_run_or_unlisted_leave_levels_unverified():
     assert level_reached(level_statuses(extra, [*CHECKS, "vendor_specific"])) == "R0"
 
 
-def _rms_norm(x, weight, eps):
+def _rms_norm(x, weight, eps, residual=None):
     x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+    y = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+    return y if residual is None else residual + y
 
 
 def _silu_and_mul(x):
@@ -67,7 +68,7 @@ class FusedCpu(CpuHal):
     def op(self, name):
         ops = {"rms_norm": _rms_norm, "rotary": _rotary_in_place, "silu_and_mul": _silu_and_mul}
         if name == self.broken == "rms_norm":
-            return lambda x, w, eps: _rms_norm(x, torch.ones_like(w), eps)
+            return lambda x, w, eps, residual=None: _rms_norm(x, torch.ones_like(w), eps, residual)
         if name == self.broken == "rotary":
             return lambda q, k, pos, theta, interleaved: _rotary_in_place(q, k, pos, theta, not interleaved)
         return ops.get(name)
