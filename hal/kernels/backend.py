@@ -23,6 +23,7 @@ from hal.kernels.launch import target_of
 from hal.paged import block_table_array, query_start_loc, slot_mapping
 
 DEFAULT_CPU_COMPUTE_UNITS = 4     # the interpreter has no SMs; enough to exercise the context split
+MAX_HEAD_DIM = 128
 
 
 class TritonMeta(NamedTuple):
@@ -53,8 +54,9 @@ class TritonPagedAttention(AttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, dtype, device, block_size)
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"triton attention takes float32, bfloat16 or float16, not {dtype}")
-        if head_dim > 256:
-            raise ValueError(f"triton attention takes head_dim <= 256, not {head_dim}; use the torch backend")
+        if head_dim > MAX_HEAD_DIM:     # the configs are compile-checked at padded head dim 128
+            raise ValueError(f"triton attention takes head_dim <= {MAX_HEAD_DIM}, not {head_dim}; "
+                             "use the torch backend")
         self.configs = configs if configs is not None else configs_for(target_of(torch.device(device)).arch)
         self.num_compute_units = num_compute_units or device_compute_units(torch.device(device))
 

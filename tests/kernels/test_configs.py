@@ -76,8 +76,8 @@ def test_meta_is_contiguous_device_int32_with_host_lengths():
 
 
 def test_bad_calls_raise_with_the_fix():
-    with pytest.raises(ValueError, match="head_dim <= 256"):
-        TritonPagedAttention(4, 4, 320, torch.float32, torch.device("cpu"), 16)
+    with pytest.raises(ValueError, match="head_dim <= 128"):
+        TritonPagedAttention(4, 4, 160, torch.float32, torch.device("cpu"), 16)
     backend = TritonPagedAttention(4, 2, 24, torch.float32, torch.device("cpu"), 16)
     meta = backend.build_meta(PagedBatch([1], [1], [[[0]]], 16))
     cache = torch.zeros(backend.kv_cache_shape(1), dtype=torch.bfloat16)

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.usefixtures("interpreted")
 
 CPU = torch.device("cpu")
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
-SHAPES = [  # (heads, kv heads, head dim): GQA 1/2/4/8 (and 3), head dims 24/40/80/96/128
-    (2, 2, 24), (4, 2, 40), (8, 2, 80), (8, 1, 96), (4, 4, 128), (6, 2, 24),
+SHAPES = [  # (heads, kv heads, head dim): GQA 1/2/4/8 (and 6, Nanbeige), head dims 24/40/80/96/128
+    (2, 2, 24), (4, 2, 40), (8, 2, 80), (8, 1, 96), (4, 4, 128), (12, 2, 24),
 ]
 
 
