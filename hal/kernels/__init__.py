@@ -1,0 +1,13 @@
+"""Triton kernels shared by the CUDA and ROCm Hals.
+
+  attention.py   paged "unified" attention (prefill, chunked prefill, split-context decode) + reduce
+  kv_write.py    K/V scatter into the paged cache by slot mapping
+  ops.py         fused small ops: rms_norm (+ residual), rotary (NeoX / GPT-J), silu_and_mul
+  backend.py     TritonPagedAttention, the AttentionBackend over these kernels
+  configs.py     launch parameters per arch (the Hals pick the table); launch.py: target + options
+  reference.py   plain-torch references;  testing.py  running them in the Triton interpreter
+  xcompile.py    cross-compile checks for gfx942/gfx950/sm_90 (python -m hal.kernels.xcompile)
+  bench.py       GPU timings at the Ouro-1.4B shapes (bench_kernels())
+
+Importing this package imports nothing from Triton; the modules above need `triton`.
+"""

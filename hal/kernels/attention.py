@@ -1,0 +1,258 @@
+"""Paged attention over `[2, num_blocks, page_size, KVH, D]` caches: prefill, chunked prefill and
+decode of many sequences in one launch ("unified" attention), GQA-aware, with an optional split of
+the context over several programs (flash-decoding) and a reduce.
+
+Tiling. A program owns one KV head of one sequence and a block of `BLOCK_Q` consecutive query
+tokens; its `BLOCK_M = BLOCK_Q * G` query rows are those tokens times the G query heads that share
+the KV head, so every K/V tile is loaded once for all of them. It walks the keys in tiles of
+`BLOCK_N` (any multiple or fraction of the page size: every key looks its page up in the block
+table) with an online softmax in fp32 (base 2, scale folded into `qk_scale`). Tiles entirely below
+the causal diagonal run without masks; only the last tiles of a block mask keys. Head dims that are
+not powers of two are padded to `HEAD_DIM_PAD` with masked loads.
+
+Grid `(num_tokens // BLOCK_Q + num_seqs, KVH, NUM_SPLITS)`: an upper bound on the number of query
+blocks; each program finds its sequence by binary search over `query_start_loc` and programs past
+the end of a sequence return at once. With `NUM_SPLITS > 1` (decode-like batches) program `s` of a
+block handles the s-th share of its key tiles and writes an unnormalised partial result, its row
+maxima and row sums; `_reduce_splits_kernel` merges them. The grid depends only on host integers (number
+of tokens, sequences, splits): CUDA/HIP graphs stay valid as long as a captured bucket keeps
+`num_tokens`, `num_seqs` and `max_query_len` (which picks the config and the split) fixed.
+
+Precision: products on the tensor cores with fp32 accumulation; bf16 P for the PV product (as in
+FlashAttention); fp32 caches use 3xTF32 on NVIDIA and fp32 MFMA on AMD (`dot_precision`).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hal.kernels.configs import KernelConfig
+from hal.kernels.launch import Launch, backend_of, check_device, launch_options, next_pow2, run_launch
+
+MAX_SPLITS = 16                 # context splits per (sequence, KV head) at most
+DECODE_MAX_QUERY_LEN = 8        # batches with <= this many new tokens per sequence use the decode config
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence owning query block `q_block`: the last i with start[i] // BLOCK_Q + i <= q_block."""
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = tl.load(query_start_ptr + mid) // BLOCK_Q + mid
+        if first_block <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_ptr, head_off, tile, row_pos, last_pos,
+                 qk_scale, stride_cb, stride_ct, dims, dim_valid,
+                 PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """One online-softmax step over keys [tile * BLOCK_N, (tile + 1) * BLOCK_N)."""
+    keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)                          # [N]
+    if MASKED:
+        key_valid = keys <= last_pos
+        page = tl.load(table_ptr + keys // PAGE_SIZE, mask=key_valid, other=0).to(tl.int64)
+    else:
+        page = tl.load(table_ptr + keys // PAGE_SIZE).to(tl.int64)
+    key_off = page * stride_cb + (keys % PAGE_SIZE).to(tl.int64) * stride_ct + head_off   # [N]
+    k_ptrs = k_cache_ptr + key_off[None, :] + dims[:, None]                 # [D, N]
+    v_ptrs = v_cache_ptr + key_off[:, None] + dims[None, :]                 # [N, D]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=dim_valid[:, None] & key_valid[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
+    else:
+        k = tl.load(k_ptrs, mask=dim_valid[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=dim_valid[None, :], other=0.0)
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale                    # [M, N] log2 domain
+    if MASKED:
+        s = tl.where(keys[None, :] <= row_pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                  # rows without keys yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr,
+        part_out_ptr, part_max_ptr, part_sum_ptr,
+        qk_scale, num_seqs, num_tokens,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
+        NUM_QUERIES_PER_KV: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+        HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    local_block = q_block - (q_start // BLOCK_Q + seq)
+    if local_block * BLOCK_Q >= q_len:
+        return
+    context_len = tl.load(seq_lens_ptr + seq) - q_len      # cached tokens before this step's queries
+
+    rows = tl.arange(0, BLOCK_M)
+    row_token = local_block * BLOCK_Q + rows // NUM_QUERIES_PER_KV        # query index within the sequence
+    row_head = kv_head * NUM_QUERIES_PER_KV + rows % NUM_QUERIES_PER_KV
+    row_valid = (rows < BLOCK_Q * NUM_QUERIES_PER_KV) & (row_token < q_len)
+    row_pos = context_len + row_token                                     # sees keys 0 .. row_pos
+    token = (q_start + row_token).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    q = tl.load(q_ptr + token[:, None] * stride_qt + row_head[:, None] * stride_qh + dims[None, :],
+                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)  # [M, D]
+
+    first_pos = context_len + local_block * BLOCK_Q                       # the block's first token
+    last_pos = context_len + tl.minimum((local_block + 1) * BLOCK_Q, q_len) - 1
+    num_tiles = tl.cdiv(last_pos + 1, BLOCK_N)
+    num_full = (first_pos + 1) // BLOCK_N                                 # tiles every row sees entirely
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    table_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
+    head_off = kv_head.to(tl.int64) * stride_ch
+    for tile in range(tile_lo, tl.minimum(tile_hi, num_full)):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_ptr, head_off, tile,
+                                     row_pos, last_pos, qk_scale, stride_cb, stride_ct, dims, dim_valid,
+                                     PAGE_SIZE, BLOCK_N, False, DOT_PRECISION)
+    for tile in range(tl.maximum(tile_lo, num_full), tile_hi):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_ptr, head_off, tile,
+                                     row_pos, last_pos, qk_scale, stride_cb, stride_ct, dims, dim_valid,
+                                     PAGE_SIZE, BLOCK_N, True, DOT_PRECISION)
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + token[:, None] * stride_ot + row_head[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+    else:
+        num_heads = tl.num_programs(1) * NUM_QUERIES_PER_KV
+        part_row = (split * num_tokens + token) * num_heads + row_head     # [M] int64
+        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM_PAD + dims[None, :], acc,
+                 mask=row_valid[:, None])
+        tl.store(part_max_ptr + part_row, m_i, mask=row_valid)
+        tl.store(part_sum_ptr + part_row, l_i, mask=row_valid)
+
+
+@triton.jit
+def _reduce_splits_kernel(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, num_tokens, stride_ot, stride_oh,
+                          HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                          SPLITS_PAD: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_valid = splits < NUM_SPLITS
+    part_row = (splits * num_tokens + token) * num_heads + head                # [S]
+    m = tl.load(part_max_ptr + part_row, mask=split_valid, other=float("-inf"))
+    l = tl.load(part_sum_ptr + part_row, mask=split_valid, other=0.0)
+    m_all = tl.max(m, 0)
+    weight = tl.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all))        # empty splits weigh 0
+    denom = tl.sum(weight * l, 0)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    parts = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM_PAD + dims[None, :],
+                    mask=split_valid[:, None], other=0.0)                      # [S, D]
+    out = tl.sum(parts * weight[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+def num_kv_splits(num_seqs: int, num_kv_heads: int, num_compute_units: int) -> int:
+    """Context splits per (sequence, KV head) for a decode-like batch: enough programs for about
+    two per compute unit. Depends only on numbers fixed per graph bucket, not on context lengths."""
+    programs = max(num_seqs * num_kv_heads, 1)
+    wanted = -(-2 * num_compute_units // programs)
+    return min(next_pow2(wanted), MAX_SPLITS)
+
+
+def dot_precision(dtype: torch.dtype, target: str) -> str:
+    """fp32 attention: 3xTF32 tensor-core products on NVIDIA (fp32-level error; plain "ieee" would
+    fall back to FMA and spill), native fp32 MFMA on AMD, exact products in the interpreter."""
+    return "tf32x3" if dtype == torch.float32 and target == "cuda" else "ieee"
+
+
+def config_key(kind: str, dtype: torch.dtype) -> str:
+    """Table key of the attention config: "attention_prefill", "attention_decode_fp32", ..."""
+    return f"attention_{kind}" + ("_fp32" if dtype == torch.float32 else "")
+
+
+def attention_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                       config: KernelConfig, num_splits: int, reduce_config: KernelConfig,
+                       out: torch.Tensor, target: str) -> list[Launch]:
+    """The launches of one attention call for `target` ("cuda", "hip", "interpreter"); `out`
+    `[T, H, D]` receives the result.
+
+    q `[T, H, D]`; kv_cache `[2, NB, page, KVH, D]`; block_table `[S, max_blocks]` int32 (one plane);
+    seq_lens `[S]` int32 (cached tokens incl. this step's); query_start_loc `[S + 1]` int32.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, page_size, num_kv_heads, _ = kv_cache.shape
+    num_seqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    block_m = max(config.block_m, next_pow2(group), 16)          # tl.dot needs >= 16 rows
+    block_q = block_m // group
+    head_dim_pad = max(next_pow2(head_dim), 16)
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    parts = [q.new_empty(0, dtype=torch.float32)] * 3
+    if num_splits > 1:
+        parts = [q.new_empty(num_splits, num_tokens, num_heads, head_dim_pad, dtype=torch.float32),
+                 q.new_empty(num_splits, num_tokens, num_heads, dtype=torch.float32),
+                 q.new_empty(num_splits, num_tokens, num_heads, dtype=torch.float32)]
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    main = Launch(_paged_attention_kernel, grid, (
+        out, q, key_cache, value_cache, block_table, seq_lens, query_start_loc, *parts,
+        scale * LOG2E, num_seqs, num_tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0)), dict(
+        NUM_QUERIES_PER_KV=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
+        DOT_PRECISION=dot_precision(q.dtype, target), **launch_options(config, target)))
+    if num_splits == 1:
+        return [main]
+    reduce = Launch(_reduce_splits_kernel, (num_tokens, num_heads), (
+        out, *parts, num_tokens, out.stride(0), out.stride(1)), dict(
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
+        SPLITS_PAD=max(next_pow2(num_splits), 2), **launch_options(reduce_config, target)))
+    return [main, reduce]
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+                    configs: dict[str, KernelConfig], num_compute_units: int) -> torch.Tensor:
+    """Causal attention of packed queries over one plane of the paged cache; returns `[T, H, D]`.
+
+    Host-side choices (config, number of splits) depend on `max_query_len`, the number of sequences,
+    the dtype and `num_compute_units` only; no device value is read.
+    """
+    check_device(q)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if block_table.stride(-1) != 1 or seq_lens.stride(0) != 1 or query_start_loc.stride(0) != 1:
+        raise ValueError("attention metadata must be contiguous along its last dim (build_meta makes it so)")
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if q.shape[0] == 0:
+        return out
+    if max_query_len <= DECODE_MAX_QUERY_LEN:
+        config = configs[config_key("decode", q.dtype)]
+        num_splits = num_kv_splits(seq_lens.shape[0], kv_cache.shape[3], num_compute_units)
+    else:
+        config, num_splits = configs[config_key("prefill", q.dtype)], 1
+    for launch in attention_launches(q, kv_cache, block_table, seq_lens, query_start_loc, scale, config,
+                                     num_splits, configs["attention_reduce"], out, backend_of(q.device)):
+        run_launch(launch)
+    return out

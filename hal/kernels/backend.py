@@ -1,0 +1,99 @@
+"""`TritonPagedAttention`: the attention backend the CUDA and ROCm Hals build on hal/kernels.
+
+Cache layout as the CPU reference, `[2, num_blocks, block_size, KVH, D]`, so caches, slot
+mappings and `read_kv`/`copy_kv` carry over unchanged.
+
+Graphs: `forward`/`write_kv` read lengths and tables from device tensors only and never sync; the
+launch grid depends on `q.shape[0]`, the number of sequences and `meta.max_query_len`, so a captured
+bucket must keep those fixed (decode buckets: `max_query_len == 1`), and its metadata tensors must
+live at fixed addresses (the runner copies each step's values into them).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from hal.base import AttentionBackend, AttnCaps, PagedBatch
+from hal.kernels.attention import paged_attention
+from hal.kernels.configs import KernelConfig, configs_for
+from hal.kernels.kv_write import write_kv
+from hal.kernels.launch import target_of
+from hal.paged import block_table_array, query_start_loc, slot_mapping
+
+DEFAULT_CPU_COMPUTE_UNITS = 4     # the interpreter has no SMs; enough to exercise the context split
+MAX_HEAD_DIM = 128
+
+
+class TritonMeta(NamedTuple):
+    query_start_loc: torch.Tensor   # [S + 1] int32 cumulative query offsets
+    seq_lens: torch.Tensor          # [S] int32 cached tokens per sequence, this step's included
+    block_tables: torch.Tensor      # [P, S, max_blocks] int32
+    slot_mapping: torch.Tensor      # [P, T] int64, -1 = do not write
+    max_query_len: int              # host ints: pick the config and the context split
+    max_seq_len: int
+
+
+def device_compute_units(device: torch.device) -> int:
+    """SMs / CUs of `device` from Triton's driver (CPU: a small stand-in for the interpreter)."""
+    if device.type == "cpu":
+        return DEFAULT_CPU_COMPUTE_UNITS
+    from triton.runtime import driver
+
+    index = device.index if device.index is not None else driver.active.get_current_device()
+    return int(driver.active.utils.get_device_properties(index)["multiprocessor_count"])
+
+
+class TritonPagedAttention(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, block_size: int, configs: dict[str, KernelConfig] | None = None,
+                 num_compute_units: int | None = None) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, dtype, device, block_size)
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"triton attention takes float32, bfloat16 or float16, not {dtype}")
+        if head_dim > MAX_HEAD_DIM:     # the configs are compile-checked at padded head dim 128
+            raise ValueError(f"triton attention takes head_dim <= {MAX_HEAD_DIM}, not {head_dim}; "
+                             "use the torch backend")
+        self.configs = configs if configs is not None else configs_for(target_of(torch.device(device)).arch)
+        self.num_compute_units = num_compute_units or device_compute_units(torch.device(device))
+
+    @property
+    def caps(self) -> AttnCaps:
+        return AttnCaps(packed_prefill=True, graphs=True,
+                        reason="Triton unified paged attention (hal/kernels): varlen prefill, chunked "
+                               "prefill and split-context decode in one kernel, no host syncs")
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def build_meta(self, batch: PagedBatch) -> TritonMeta:
+        if batch.block_size != self.block_size:
+            raise ValueError(f"batch block_size={batch.block_size} != backend block_size={self.block_size}")
+
+        def to_device(array) -> torch.Tensor:      # (slot_mapping comes out of numpy column-major)
+            return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+
+        return TritonMeta(
+            query_start_loc=to_device(query_start_loc(batch)),
+            seq_lens=to_device(np.asarray(batch.seq_lens, dtype=np.int32)),
+            block_tables=to_device(block_table_array(batch)),
+            slot_mapping=to_device(slot_mapping(batch)),
+            max_query_len=max(batch.query_lens, default=0),
+            max_seq_len=max(batch.seq_lens, default=0),
+        )
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: TritonMeta,
+                 plane: int) -> None:
+        write_kv(k, v, kv_cache, meta.slot_mapping[plane], self.configs["kv_write"])
+
+    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: TritonMeta, plane: int,
+                scale: float) -> torch.Tensor:
+        if q.dim() != 3 or q.shape[1:] != (self.num_heads, self.head_dim):
+            raise ValueError(f"q must be [T, {self.num_heads}, {self.head_dim}], got {tuple(q.shape)}")
+        if q.dtype != kv_cache.dtype:
+            raise ValueError(f"q is {q.dtype} but the cache is {kv_cache.dtype}; cast q to the cache dtype")
+        return paged_attention(q, kv_cache, meta.block_tables[plane], meta.seq_lens, meta.query_start_loc,
+                               meta.max_query_len, scale, self.configs, self.num_compute_units)

@@ -1,0 +1,119 @@
+"""Launch parameters of every kernel in hal/kernels, per GPU architecture.
+
+The Hal picks the table for its device (`configs_for(caps.arch)`) and hands it to the kernels'
+callers; nothing else chooses tiles. Keys of a table are kernel names:
+
+  attention_prefill   paged attention for batches with long query runs (prefill, chunked prefill):
+                      block_m = query rows (tokens x query heads of one KV head) per program,
+                      block_n = keys per inner step
+  attention_decode    the same kernel for decode-like batches (every sequence <= a few new tokens),
+                      with the context split over several programs (flash-decoding)
+  attention_*_fp32    the same for float32 caches (golden and conformance runs, not speed): fp32 tiles
+                      take twice the registers and shared memory, and on NVIDIA the products run as
+                      3xTF32 (fp32-level error), which needs more registers still
+  attention_reduce    merges the context splits of attention_decode (num_warps only)
+  kv_write            scatter of new K/V rows into the paged cache: block_m tokens per program
+  rms_norm, rotary    one row / one token per program (num_warps only)
+  silu_and_mul        block_n = columns per program
+
+AMD-only keys (`waves_per_eu`, `matrix_instr_nonkdim`, `kpack`) are passed to a launch only when
+it targets an AMD GPU (see `hal.kernels.launch`). On AMD `num_stages` 2 enables the stream
+pipeliner (LDS double buffering); NVIDIA uses 2-4 cp.async stages. Every entry is cross-compiled
+for its targets on the CPU (`python -m hal.kernels.xcompile`): no spills, no scratch, LDS/shared
+within the limit, MFMA/wgmma present where expected. None of it has been timed on AMD hardware.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KERNEL_NAMES = ("attention_prefill", "attention_decode", "attention_prefill_fp32", "attention_decode_fp32",
+                "attention_reduce", "kv_write", "rms_norm", "rotary", "silu_and_mul")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters of one kernel on one arch."""
+
+    block_m: int                   # query rows per program (attention); rows per program (others)
+    block_n: int                   # keys per inner iteration (attention); columns per program (others)
+    num_warps: int                 # warps of 32 (NVIDIA) or wavefronts of 64 (AMD CDNA) per program
+    num_stages: int
+    waves_per_eu: int = 0          # AMD only (0 = compiler default)
+    matrix_instr_nonkdim: int = 0  # AMD MFMA tile, 16 or 32 (0 = default)
+    kpack: int = 1                 # AMD only (must be 1 on gfx950)
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"KernelConfig.{name}={value} must be a power of two")
+        if self.matrix_instr_nonkdim not in (0, 16, 32):
+            raise ValueError(f"matrix_instr_nonkdim={self.matrix_instr_nonkdim} must be 0, 16 or 32")
+
+
+def _small_ops(num_warps: int, num_stages: int, block_n: int = 1024, **amd: int) -> dict[str, KernelConfig]:
+    # silu_and_mul: block_n / (num_warps * warp size) = 8 bf16 per thread = one 16-byte load
+    return {
+        "attention_reduce": KernelConfig(1, 1, num_warps, 1, **amd),
+        "kv_write": KernelConfig(1, 1, num_warps, 1, **amd),
+        "rms_norm": KernelConfig(1, 1, num_warps, 1, **amd),
+        "rotary": KernelConfig(1, 1, num_warps, 1, **amd),
+        "silu_and_mul": KernelConfig(1, block_n, num_warps, num_stages, **amd),
+    }
+
+
+def _fp32_attention(prefill: KernelConfig, decode: KernelConfig) -> dict[str, KernelConfig]:
+    return {"attention_prefill_fp32": prefill, "attention_decode_fp32": decode}
+
+
+_TABLES: dict[str, dict[str, KernelConfig]] = {
+    # H100/H200: 8 warps = two warpgroups for wgmma on 128 query rows; 3 cp.async stages of K/V
+    # (2 x 16 KiB per stage at D=128) keep ~64 KiB in flight per SM for the memory-bound decode.
+    "sm_90": {
+        "attention_prefill": KernelConfig(128, 64, 8, 3),
+        "attention_decode": KernelConfig(16, 64, 4, 3),
+        **_fp32_attention(KernelConfig(16, 32, 4, 2), KernelConfig(16, 32, 4, 2)),
+        **_small_ops(4, 1),
+    },
+    # A100: mma.sync; 164 KiB shared memory per SM, so two stages for the prefill tiles.
+    "sm_80": {
+        "attention_prefill": KernelConfig(128, 64, 8, 2),
+        "attention_decode": KernelConfig(16, 64, 4, 3),
+        **_fp32_attention(KernelConfig(16, 32, 4, 2), KernelConfig(16, 32, 4, 2)),
+        **_small_ops(4, 1),
+    },
+    # MI300X: 8 waves on 128 query rows keep the prefill tile in 256 VGPRs without spills at
+    # waves_per_eu=2; decode takes 32-key tiles (64-bit K/V pointers cost VGPRs) for 4 waves/SIMD.
+    # 16x16 MFMA: 32x32 needs >= 32 rows and spilled at 128 rows. 64 KiB LDS per CU.
+    "gfx942": {
+        "attention_prefill": KernelConfig(128, 64, 8, 2, waves_per_eu=2, matrix_instr_nonkdim=16),
+        "attention_decode": KernelConfig(16, 32, 4, 2, matrix_instr_nonkdim=16),
+        **_fp32_attention(KernelConfig(64, 32, 4, 1), KernelConfig(16, 32, 4, 1)),
+        **_small_ops(4, 1, block_n=2048),
+    },
+    # MI350X: same tiles (same VGPR file); 160 KiB LDS; kpack is deprecated there (forced to 1).
+    "gfx950": {
+        "attention_prefill": KernelConfig(128, 64, 8, 2, waves_per_eu=2, matrix_instr_nonkdim=16),
+        "attention_decode": KernelConfig(16, 32, 4, 2, matrix_instr_nonkdim=16),
+        **_fp32_attention(KernelConfig(64, 32, 4, 1), KernelConfig(16, 32, 4, 1)),
+        **_small_ops(4, 1, block_n=2048),
+    },
+    # Anything else (other GPUs, the CPU interpreter): small tiles that fit every target.
+    "default": {
+        "attention_prefill": KernelConfig(64, 32, 4, 1),
+        "attention_decode": KernelConfig(16, 32, 4, 1),
+        **_fp32_attention(KernelConfig(16, 32, 4, 1), KernelConfig(16, 32, 4, 1)),
+        **_small_ops(4, 1),
+    },
+}
+
+
+def configs_for(arch: str) -> dict[str, KernelConfig]:
+    """The table for `arch` ("sm_90", "sm_80", "gfx942", "gfx950"); any other arch gets "default"."""
+    base = arch.split(":")[0]          # "gfx942:sramecc+:xnack-" -> "gfx942"
+    return dict(_TABLES.get(base, _TABLES["default"]))
+
+
+def all_configs() -> dict[str, dict[str, KernelConfig]]:
+    """Every table by arch name, "default" included (what the cross-compile checks walk)."""
+    return {arch: dict(table) for arch, table in _TABLES.items()}

@@ -1,0 +1,60 @@
+"""Scatter of a step's new keys and values into the paged cache by slot mapping (slot -1 = skip).
+
+A program moves the `[KVH, D]` key and value rows of `block_m` tokens (each token's rows are one
+contiguous run of KVH * D elements in the cache: 16-byte vectors at head dims that are multiples of 8).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hal.kernels.configs import KernelConfig
+from hal.kernels.launch import Launch, backend_of, check_device, launch_options, next_pow2, run_launch
+
+
+@triton.jit
+def _kv_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_slot, num_tokens,
+                     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch,
+                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
+                     HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr):
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_ok = tokens < num_tokens
+    slots = tl.load(slot_ptr + tokens * stride_slot, mask=token_ok, other=-1).to(tl.int64)   # [T]
+    heads = tl.arange(0, HEADS_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    mask = (slots >= 0)[:, None, None] & (heads < NUM_KV_HEADS)[None, :, None] \
+        & (dims < HEAD_DIM)[None, None, :]
+    dst = ((slots // PAGE_SIZE) * stride_cb + (slots % PAGE_SIZE) * stride_ct)[:, None, None] \
+        + (heads * stride_ch)[None, :, None] + dims[None, None, :]                       # [T, KVH, D]
+    rows = tokens.to(tl.int64)[:, None, None]
+    cols = dims[None, None, :]
+    k = tl.load(k_ptr + rows * stride_kt + (heads * stride_kh)[None, :, None] + cols, mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(v_ptr + rows * stride_vt + (heads * stride_vh)[None, :, None] + cols, mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def kv_write_launch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    config: KernelConfig, target: str) -> Launch:
+    """k, v `[T, KVH, D]`; kv_cache `[2, NB, page, KVH, D]`; slot_mapping `[T]` int64 (one plane).
+    `config.block_m` tokens per program."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    return Launch(_kv_write_kernel, (-(-num_tokens // config.block_m),), (
+        k, v, key_cache, value_cache, slot_mapping, slot_mapping.stride(0), num_tokens,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2)), dict(
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEADS_PAD=next_pow2(num_kv_heads),
+        HEAD_DIM_PAD=next_pow2(head_dim), PAGE_SIZE=kv_cache.shape[2], BLOCK_T=config.block_m,
+        **launch_options(config, target)))
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             config: KernelConfig) -> None:
+    """Store `k, v: [T, KVH, D]` at `slot_mapping: [T]` of `kv_cache` (in place); -1 skips a token."""
+    check_device(k)
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    if k.shape[0]:
+        run_launch(kv_write_launch(k, v, kv_cache, slot_mapping, config, backend_of(k.device)))

@@ -1,0 +1,80 @@
+"""Which Triton target a launch goes to, and the launch options a `KernelConfig` turns into.
+
+The vendor is read from Triton's active driver (the GPU the tensors live on), never from
+`torch.version.hip`: the same wheel of hal/kernels serves CUDA and ROCm.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import torch
+from triton import knobs
+
+from hal.kernels.configs import KernelConfig
+
+
+class Target(NamedTuple):
+    backend: str        # "cuda", "hip", or "interpreter" (CPU tensors under TRITON_INTERPRET=1)
+    arch: str           # "sm_90", "gfx942", "cpu"
+    warp_size: int
+
+
+class Launch(NamedTuple):
+    """One kernel launch, fully described: what `run_launch` executes and what xcompile compiles."""
+
+    kernel: Any                   # a triton.jit function
+    grid: tuple[int, ...]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]        # constexprs and launch options
+
+
+def is_interpreting() -> bool:
+    """Whether Triton launches run in the CPU interpreter now (`TRITON_INTERPRET=1`)."""
+    return bool(knobs.runtime.interpret)
+
+
+@functools.cache
+def _gpu_target() -> Target:
+    from triton.runtime import driver
+
+    target = driver.active.get_current_target()
+    arch = f"sm_{target.arch}" if target.backend == "cuda" else str(target.arch).split(":")[0]
+    return Target(target.backend, arch, target.warp_size)
+
+
+def target_of(device: torch.device) -> Target:
+    """The Triton target that kernels on `device` compile for."""
+    if device.type == "cpu":
+        return Target("interpreter", "cpu", 1)
+    return _gpu_target()
+
+
+def check_device(t: torch.Tensor) -> None:
+    """Raise a clear error for CPU tensors outside the interpreter (instead of a driver crash)."""
+    if t.device.type == "cpu" and not is_interpreting():
+        raise RuntimeError("hal.kernels runs Triton kernels on a GPU; for CPU tensors set TRITON_INTERPRET=1 "
+                           "(the Triton interpreter) or use the CPU Hal's torch code")
+
+
+def backend_of(device: torch.device) -> str:
+    """"cuda", "hip" or "interpreter": what a launch on `device` compiles for."""
+    return target_of(device).backend
+
+
+def launch_options(config: KernelConfig, target: str) -> dict[str, Any]:
+    """`num_warps`/`num_stages`, plus the AMD-only keys when `target` is "hip"."""
+    options: dict[str, Any] = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    if target == "hip":
+        options["waves_per_eu"] = config.waves_per_eu
+        options["matrix_instr_nonkdim"] = config.matrix_instr_nonkdim
+        options["kpack"] = config.kpack
+    return options
+
+
+def run_launch(launch: Launch) -> None:
+    launch.kernel[launch.grid](*launch.args, **launch.kwargs)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()

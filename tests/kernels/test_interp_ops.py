@@ -1,0 +1,116 @@
+"""Fused small ops under the Triton interpreter against the torch references and zoo/layers.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hal.kernels.configs import all_configs, configs_for
+from hal.kernels.ops import fused_ops, rms_norm, rotary, silu_and_mul
+from hal.kernels.reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
+from zoo.layers import RMSNorm, apply_rope_half, apply_rope_interleaved, rope_tables
+
+pytestmark = pytest.mark.usefixtures("interpreted")
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+
+def _assert_matches(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """fp32: close to rounding; bf16: at most one bf16 ulp apart and nearly all bits equal (the
+    kernels round where torch rounds; only fp32 transcendentals and sums may differ)."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape, f"{what}: {out.dtype}{tuple(out.shape)}"
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=2e-6, atol=2e-6, msg=what)
+        return
+    ulp = ref.float().abs().clamp_min(1e-30) * 2 ** -7
+    assert ((out.float() - ref.float()).abs() <= ulp * 1.01).all(), f"{what}: more than one ulp off"
+    equal = (out == ref).float().mean().item()
+    assert equal >= 0.98, f"{what}: only {equal:.1%} bitwise equal"
+
+
+@DTYPES
+@pytest.mark.parametrize("hidden", [96, 2048])
+def test_rms_norm_matches_zoo(dtype, hidden):
+    x = torch.randn(5, 3, hidden).to(dtype) * 3
+    layer = RMSNorm(hidden, 1e-6).to(dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(hidden))
+        expected = layer(x)
+    out = rms_norm(x, layer.weight.detach(), 1e-6)
+    _assert_matches(out, expected, f"rms_norm {dtype} {hidden}")
+    _assert_matches(out, rms_norm_ref(x, layer.weight.detach(), 1e-6), "rms_norm vs reference")
+
+
+@DTYPES
+def test_rms_norm_with_residual_is_residual_plus_norm(dtype):
+    x, residual = torch.randn(7, 200).to(dtype), torch.randn(7, 200).to(dtype)
+    weight = torch.randn(200).to(dtype)
+    out = rms_norm(x, weight, 1e-5, residual=residual)
+    _assert_matches(out, residual + rms_norm_ref(x, weight, 1e-5), f"residual {dtype}")
+
+
+def test_rms_norm_mixed_dtypes_promote_like_torch():
+    x, weight = torch.randn(3, 64).to(torch.bfloat16), torch.randn(64)
+    out = rms_norm(x, weight, 1e-6)
+    _assert_matches(out, rms_norm_ref(x, weight, 1e-6), "bf16 x, fp32 weight")
+
+
+@DTYPES
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 24), (8, 2, 80), (8, 1, 128)])
+def test_rotary_matches_zoo(dtype, interleaved, heads, kv_heads, head_dim):
+    tokens, theta = 6, 10000.0
+    positions = torch.randint(0, 4096, (tokens,))
+    q = torch.randn(tokens, heads, head_dim).to(dtype)
+    k = torch.randn(tokens, kv_heads, head_dim).to(dtype)
+    q_out, k_out = rotary(q, k, positions, theta, interleaved)
+    cos, sin = rope_tables(positions[None], head_dim, theta)
+    apply = apply_rope_interleaved if interleaved else apply_rope_half
+    _assert_matches(q_out, apply(q[None], cos, sin)[0], f"rotary q {dtype} {interleaved} D{head_dim}")
+    _assert_matches(k_out, apply(k[None], cos, sin)[0], f"rotary k {dtype} {interleaved} D{head_dim}")
+    ref_q, ref_k = rotary_ref(q, k, positions, theta, interleaved)
+    _assert_matches(q_out, ref_q, "rotary vs reference")
+    _assert_matches(k_out, ref_k, "rotary vs reference")
+
+
+def test_rotary_takes_strided_views_of_a_fused_projection():
+    qkv = torch.randn(5, 8 + 2 * 2, 64)
+    q, k = qkv[:, :8], qkv[:, 8:10]
+    positions = torch.randint(0, 100, (5,))
+    q_out, k_out = rotary(q, k, positions, 500000.0, False)
+    ref_q, ref_k = rotary_ref(q, k, positions, 500000.0, False)
+    _assert_matches(q_out, ref_q, "strided q")
+    _assert_matches(k_out, ref_k, "strided k")
+
+
+@DTYPES
+@pytest.mark.parametrize("intermediate", [40, 1500])
+def test_silu_and_mul_matches_reference(dtype, intermediate):
+    x = torch.randn(2, 3, 2 * intermediate).to(dtype) * 4
+    _assert_matches(silu_and_mul(x), silu_and_mul_ref(x), f"silu {dtype} {intermediate}")
+
+
+def test_every_small_op_config_a_hal_can_choose():
+    """Each distinct small-op config of every arch's table (bf16)."""
+    tables = {}
+    for table in all_configs().values():
+        key = tuple(table[n] for n in ("rms_norm", "rotary", "silu_and_mul"))
+        tables.setdefault(key, table)
+    x = torch.randn(3, 4096).to(torch.bfloat16)
+    q, k = torch.randn(3, 4, 32).to(torch.bfloat16), torch.randn(3, 2, 32).to(torch.bfloat16)
+    positions = torch.randint(0, 50, (3,))
+    weight = torch.randn(4096).to(torch.bfloat16)
+    for table in tables.values():
+        ops = fused_ops(table)
+        _assert_matches(ops["rms_norm"](x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6), "rms_norm")
+        _assert_matches(ops["silu_and_mul"](x), silu_and_mul_ref(x), "silu_and_mul")
+        rotated = ops["rotary"](q, k, positions, 1e4, False)
+        for got, want in zip(rotated, rotary_ref(q, k, positions, 1e4, False)):
+            _assert_matches(got, want, "rotary")
+
+
+def test_bad_inputs_name_the_fix():
+    with pytest.raises(ValueError, match="even last dim"):
+        silu_and_mul(torch.randn(2, 5))
+    with pytest.raises(ValueError, match="even head dim"):
+        rotary(torch.randn(2, 1, 5), torch.randn(2, 1, 5), torch.arange(2), 1e4, False)
+    assert set(fused_ops(configs_for("sm_90"))) == {"rms_norm", "rotary", "silu_and_mul"}

@@ -1,0 +1,75 @@
+"""Cross-compile checks: every kernel in every config a Hal can choose compiles for gfx942, gfx950
+and sm_90 (the arch tables also for sm_80) without spills or scratch, within LDS/shared limits, with
+MFMA / wgmma where expected. All compile-heavy tests live in this module; compiles are cached for the
+session (`hal.kernels.xcompile.compile_case`)."""
+from __future__ import annotations
+
+import pytest
+from conftest import XCOMPILE_TABLE
+
+from hal.kernels import xcompile
+from hal.kernels.configs import KernelConfig, all_configs
+
+PAIRS = [(table, target) for table in all_configs() for target in xcompile.TABLE_TARGETS[table]]
+
+
+@pytest.fixture(scope="module")
+def reports(request, tmp_path_factory):
+    """All (table, target) reports; the table goes to a file, the terminal summary and junit."""
+    collected: list[xcompile.Report] = []
+    yield collected
+    if collected:
+        text = xcompile.format_table(collected)
+        path = tmp_path_factory.mktemp("xcompile") / "table.txt"
+        path.write_text(text + "\n")
+        request.config.stash[XCOMPILE_TABLE] = f"{text}\n(written to {path})"
+
+
+@pytest.mark.parametrize("table,target", PAIRS, ids=[f"{t}-on-{g}" for t, g in PAIRS])
+def test_tables_compile_clean(table, target, reports, record_property):
+    rows = xcompile.check_all({table: all_configs()[table]}, (target,))
+    reports.extend(rows)
+    record_property("xcompile", xcompile.format_table(rows))
+    assert len(rows) == len(xcompile.CASES)
+    problems = [f"{r.case}: {'; '.join(r.problems)}" for r in rows if r.problems]
+    assert not problems, f"{table} on {target}:\n" + "\n".join(problems)
+    for r in rows:
+        if xcompile.CASES[r.case].has_dot:
+            expected = "v_mfma" if target.startswith("gfx") else ("wgmma", "mma.sync")
+            assert r.mma.startswith(expected), f"{r.case} on {target}: {r.mma}"
+        if r.case.startswith("attention") and r.case != "attention_reduce":
+            assert r.vec16, f"{r.case} on {target}: K/V loads are not 16-byte vectors"
+
+
+def test_sm90_prefill_uses_wgmma_and_decode_fits_several_programs_per_sm():
+    prefill = xcompile.compile_case("attention_prefill", all_configs()["sm_90"]["attention_prefill"], "sm_90")
+    decode_config = all_configs()["sm_90"]["attention_decode"]
+    decode = xcompile.compile_case("attention_decode/batch", decode_config, "sm_90")
+    assert prefill.mma == "wgmma"
+    assert decode.occupancy >= 2, decode
+
+
+def test_oversized_tile_is_flagged():
+    """A 256x128 prefill tile on 4 waves cannot fit gfx942's 512 VGPRs: the check must say so.
+    (256x256 spills too, but takes 25 s of CPU to compile; this one 6 s.)"""
+    report = xcompile.compile_case("attention_prefill", KernelConfig(256, 128, 4, 1, matrix_instr_nonkdim=16),
+                                   "gfx942")
+    assert report.problems, report
+    assert any("spill" in p or "scratch" in p for p in report.problems), report.problems
+
+
+def test_loss_of_matrix_instructions_is_flagged():
+    case = xcompile.CASES["attention_prefill"]
+    config = all_configs()["sm_90"]["attention_prefill"]
+    clean = {"spill": 0, "scratch": 0, "shared": 1024}
+    assert xcompile._problems(case, "gfx942", config, {**clean, "mma": "-"}) == ("no MFMA for tl.dot",)
+    assert xcompile._problems(case, "sm_90", config, {**clean, "mma": "mma.sync"}) == \
+        ("no wgmma in the large-tile config",)
+    assert xcompile._problems(case, "gfx950", config, {**clean, "shared": 200 * 1024, "mma": "v_mfma_x"}) == \
+        (f"shared/LDS {200 * 1024} > {160 * 1024} bytes",)
+
+
+def test_cli_prints_the_table(capsys):
+    assert xcompile.main(["--tables", "default", "--targets", "gfx942"]) == 0
+    out = capsys.readouterr().out
+    assert "attention_decode/split" in out and "v_mfma" in out and "0 with problems" in out
