@@ -14,7 +14,7 @@ from hal.base import AttentionBackend
 from hal.cpu.attention import TorchPagedAttention
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-MAX_TRITON_HEAD_DIM = 256            # one head's row must fit a tile; wider heads go to torch
+MAX_TRITON_HEAD_DIM = 128            # the kernels' tiles are compile-checked up to this; wider go to torch
 FUSED_OPS = ("rms_norm", "rotary", "silu_and_mul")
 
 
@@ -106,9 +106,10 @@ def kernel_configs(arch: str) -> dict[str, Any]:
     return configs_for(arch)
 
 
-def fused_op(name: str) -> Any:
-    """A Triton fused op by name, or None (unknown name, or Triton unusable here)."""
+def fused_op(name: str, configs: dict[str, Any] | None = None) -> Any:
+    """A Triton fused op by name bound to the arch's launch configs, or None (unknown name, or
+    Triton unusable here)."""
     if name not in FUSED_OPS or not triton_status()[0]:
         return None
     ops = importlib.import_module("hal.kernels.ops")
-    return getattr(ops, name, None)
+    return ops.fused_ops(configs).get(name)

@@ -58,6 +58,7 @@ class CudaHal(Hal):
         self._pool: Any = None
         self._capture_stream: Any = None
         self._logged: set[Any] = set()
+        self._ops: dict[str, Any] = {}
 
     # ----- identity -------------------------------------------------------------------------
     @classmethod
@@ -186,7 +187,9 @@ class CudaHal(Hal):
         return attention.kernel_configs(self.facts.arch)
 
     def op(self, name: str) -> Callable[..., Any] | None:
-        return attention.fused_op(name)
+        if name not in self._ops:
+            self._ops[name] = attention.fused_op(name, self.kernel_configs() if attention.triton_status()[0] else None)
+        return self._ops[name]
 
     def _log_once(self, key: Any, message: str, *args: Any) -> None:
         if key not in self._logged:

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from hal.base import AttentionBackend, AttnCaps, PagedBatch
+from hal.base import AttentionBackend, AttnCaps, MetaCapacity, PagedBatch
 from hal.kernels.attention import paged_attention
 from hal.kernels.configs import KernelConfig, configs_for
 from hal.kernels.kv_write import write_kv
@@ -58,6 +58,7 @@ class TritonPagedAttention(AttentionBackend):
             raise ValueError(f"triton attention takes head_dim <= {MAX_HEAD_DIM}, not {head_dim}; "
                              "use the torch backend")
         self.configs = configs if configs is not None else configs_for(target_of(torch.device(device)).arch)
+        self._staging: dict[int, list[torch.Tensor]] = {}
         self.num_compute_units = num_compute_units or device_compute_units(torch.device(device))
 
     @property
@@ -69,21 +70,38 @@ class TritonPagedAttention(AttentionBackend):
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
-    def build_meta(self, batch: PagedBatch) -> TritonMeta:
+    def _host_arrays(self, batch: PagedBatch, max_blocks: int | None = None) -> list[np.ndarray]:
         if batch.block_size != self.block_size:
             raise ValueError(f"batch block_size={batch.block_size} != backend block_size={self.block_size}")
+        # (slot_mapping comes out of numpy column-major)
+        return [np.ascontiguousarray(a) for a in (query_start_loc(batch), np.asarray(batch.seq_lens, dtype=np.int32),
+                                                  block_table_array(batch, max_blocks), slot_mapping(batch))]
 
-        def to_device(array) -> torch.Tensor:      # (slot_mapping comes out of numpy column-major)
-            return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+    def build_meta(self, batch: PagedBatch, capacity: MetaCapacity | None = None) -> TritonMeta:
+        arrays = self._host_arrays(batch, capacity.max_blocks_per_seq if capacity else None)
+        tensors = [torch.from_numpy(a).to(self.device, non_blocking=True) for a in arrays]
+        if capacity is not None:
+            # pinned host mirrors: update_meta stages each step's values there and copies them
+            # asynchronously into these same device tensors, whose addresses graphs captured
+            self._staging[id(tensors[0])] = [torch.from_numpy(a).pin_memory() if self.device.type != "cpu"
+                                             else torch.from_numpy(a).clone() for a in arrays]
+        return TritonMeta(*tensors, max_query_len=max(batch.query_lens, default=0),
+                          max_seq_len=capacity.max_seq_len if capacity else max(batch.seq_lens, default=0))
 
-        return TritonMeta(
-            query_start_loc=to_device(query_start_loc(batch)),
-            seq_lens=to_device(np.asarray(batch.seq_lens, dtype=np.int32)),
-            block_tables=to_device(block_table_array(batch)),
-            slot_mapping=to_device(slot_mapping(batch)),
-            max_query_len=max(batch.query_lens, default=0),
-            max_seq_len=max(batch.seq_lens, default=0),
-        )
+    def update_meta(self, meta: TritonMeta, batch: PagedBatch) -> list[dict]:
+        """Refill a capacity-built `meta` in place: same shapes (the captured bucket), new values."""
+        staging = self._staging.get(id(meta.query_start_loc))
+        if staging is None:
+            raise ValueError("update_meta needs a meta built with a capacity (build_meta(batch, capacity))")
+        if max(batch.query_lens, default=0) != meta.max_query_len:
+            raise ValueError("a captured meta takes batches with the same max query length")
+        arrays = self._host_arrays(batch, meta.block_tables.shape[-1])
+        for host, device, array in zip(staging, meta[:4], arrays):
+            if array.shape != tuple(device.shape):
+                raise ValueError(f"batch shape {array.shape} does not fit the captured meta {tuple(device.shape)}")
+            host.copy_(torch.from_numpy(array))
+            device.copy_(host, non_blocking=True)
+        return []
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: TritonMeta,
                  plane: int) -> None:

@@ -77,8 +77,9 @@ def fake_kernels(monkeypatch):
         "hal.kernels": _module("hal.kernels", __path__=[]),
         "hal.kernels.configs": _module("hal.kernels.configs", configs_for=configs_for),
         "hal.kernels.backend": _module("hal.kernels.backend", TritonPagedAttention=TritonPagedAttention),
-        "hal.kernels.ops": _module("hal.kernels.ops", rms_norm=lambda *a: "rms_norm",
-                                   rotary=lambda *a: "rotary", silu_and_mul=lambda *a: "silu_and_mul"),
+        "hal.kernels.ops": _module("hal.kernels.ops", fused_ops=lambda configs=None: {
+            "rms_norm": lambda *a: "rms_norm", "rotary": lambda *a: "rotary",
+            "silu_and_mul": lambda *a: "silu_and_mul"}),
     }
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
