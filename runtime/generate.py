@@ -11,7 +11,8 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from runtime.config import BenchConfig, GenerateConfig, HalConfig, ModelConfig, SamplingParams
+from runtime.config import (BenchConfig, GenerateConfig, HalConfig, ModelConfig, SamplingParams,
+                            SpeculativeConfig)
 
 HERE = Path(__file__).resolve().parent
 # conf/ sits beside the packages in a checkout and inside runtime/ in an installed wheel
@@ -79,7 +80,7 @@ def run(cfg: Any) -> list[dict[str, Any]]:
         raise UsageError("chat=true renders text through the chat template: give prompt=, not prompt_ids=")
     params = sampling_params(cfg)
     hal_options = {"device_index": cfg.hal.device_index, "attention_backend": cfg.hal.attention_backend}
-    llm = LLM(source, hal=_hal(cfg.hal.name, hal_options), dtype=cfg.model.dtype)
+    llm = LLM(source, hal=_hal(cfg.hal.name, hal_options), dtype=cfg.model.dtype, **engine_options(cfg))
     if cfg.chat:
         conversations = [[{"role": "user", "content": p}] for p in prompts]
         outputs = llm.chat(conversations, params, enable_thinking=cfg.enable_thinking)
@@ -90,6 +91,12 @@ def run(cfg: Any) -> list[dict[str, Any]]:
         results.append({"prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids,
                         "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason})
     return results
+
+
+def engine_options(cfg: Any) -> dict[str, Any]:
+    """`EngineConfig` keywords from the command line (`speculative.*`)."""
+    spec = cfg.speculative
+    return {"speculative": SpeculativeConfig(int(spec.num_tokens), int(spec.draft_loops), str(spec.mode))}
 
 
 def _first_set(*values: Any) -> Any:
