@@ -97,3 +97,63 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
     # p == q leaves no residual mass, but then nothing is ever rejected; guard against rounding
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_n)
     return Verdict(n, sample_with_uniform(residual, u_final.gather(1, n[:, None])[:, 0]))
+
+
+class RoundVerdict(NamedTuple):
+    drafts: list[list[int]]     # per request: its k drafted tokens
+    num_accepted: list[int]     # drafts kept
+    final_tokens: list[int]     # the target's token after them
+    guesses: list[int]          # the draft's token after its last draft (async), else -1
+
+
+def judge_round(draft, logits: torch.Tensor) -> RoundVerdict:
+    """Apply the acceptance rules to a round: `draft` a `runtime.drafting.DraftBatch`, `logits: [N, V]`
+    the target's logits of its k + 1 positions per request, packed. One host sync for the batch."""
+    offsets = [0]
+    for k in draft.num_drafts:
+        offsets.append(offsets[-1] + k + 1)
+    sampled = [b for b, r in enumerate(draft.requests) if not r.params.is_greedy]
+    parts = [draft.tokens.flatten(), logits.argmax(-1)]
+    if draft.guess is not None:
+        parts.append(draft.guess)
+    if sampled:
+        parts.extend(_rejection_sample(draft, logits, offsets, sampled))
+    host = torch.cat(parts).tolist()
+    width, num_seqs = draft.tokens.shape[1], len(draft.requests)
+    drafts = [host[b * width:b * width + k] for b, k in enumerate(draft.num_drafts)]
+    at = num_seqs * width
+    targets, at = host[at:at + offsets[-1]], at + offsets[-1]
+    guesses = [-1] * num_seqs
+    if draft.guess is not None:
+        guesses, at = host[at:at + num_seqs], at + num_seqs
+    num_accepted, finals = [0] * num_seqs, [0] * num_seqs
+    for b, k in enumerate(draft.num_drafts):
+        target = targets[offsets[b]:offsets[b] + k + 1]
+        num_accepted[b] = accept_greedy(drafts[b], target)
+        finals[b] = target[num_accepted[b]]
+    for i, b in enumerate(sampled):                         # sampling requests: rejection sampling instead
+        num_accepted[b], finals[b] = host[at + i], host[at + len(sampled) + i]
+    return RoundVerdict(drafts, num_accepted, finals, guesses)
+
+
+def _rejection_sample(draft, logits: torch.Tensor, offsets: list[int], sampled: list[int]) -> list[torch.Tensor]:
+    from runtime.sampler import filtered_probs
+
+    device, width = logits.device, draft.tokens.shape[1]
+    target = logits.new_zeros(len(sampled), width + 1, logits.shape[-1])              # [S, K+1, V]
+    for i, b in enumerate(sampled):
+        params = draft.requests[b].params
+        for j in range(draft.num_drafts[b] + 1):
+            target[i, j] = filtered_probs(logits[offsets[b] + j], params)
+    rows = _long(sampled, device)
+    num_drafts = _long([draft.num_drafts[b] for b in sampled], device)
+    seeds = [draft.requests[b].speculation.seed for b in sampled]
+    positions = [[draft.starts[b] + j + 1 for j in range(width + 1)] for b in sampled]
+    verdict = rejection_sample(target, draft.probs.index_select(0, rows), draft.tokens.index_select(0, rows),
+                               num_drafts, keyed_uniforms(seeds, [p[:width] for p in positions], ACCEPT, device),
+                               keyed_uniforms(seeds, positions, FINAL, device))
+    return [verdict.num_accepted, verdict.final_token]
+
+
+def _long(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)

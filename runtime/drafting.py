@@ -37,7 +37,7 @@ class DraftBatch(NamedTuple):
         parts = []
         for source in {id(d): d for d, _ in picks}.values():
             mine = [(i, row) for i, (d, row) in enumerate(picks) if d is source]
-            rows = torch.tensor([row for _, row in mine], dtype=torch.long).to(source.tokens.device, non_blocking=True)
+            rows = _long([row for _, row in mine], source.tokens.device)
             ks = [num_drafts[i] for i, _ in mine]
             tokens = source.tokens.index_select(0, rows)
             cut = torch.tensor([k < source.num_drafts[row] for (_, row), k in zip(mine, ks)])
@@ -45,9 +45,10 @@ class DraftBatch(NamedTuple):
             # a shorter round's guess is the next draft token it did not verify
             guess = torch.where(cut.to(tokens.device, non_blocking=True), tokens.gather(1, cut_at.clamp(
                 max=tokens.shape[1] - 1))[:, 0], source.guess.index_select(0, rows))
-            parts.append(DraftBatch([source.requests[row] for _, row in mine], [source.starts[row] for _, row in mine],
-                                    ks, tokens, source.states.index_select(0, rows),
-                                    None if source.probs is None else source.probs.index_select(0, rows), guess))
+            probs = None if source.probs is None else source.probs.index_select(0, rows)
+            parts.append(DraftBatch([source.requests[row] for _, row in mine],
+                                    [source.starts[row] for _, row in mine], ks, tokens,
+                                    source.states.index_select(0, rows), probs, guess))
         return parts[0] if len(parts) == 1 else DraftBatch.concat(parts)
 
     @staticmethod
@@ -64,11 +65,11 @@ class DraftBatch(NamedTuple):
 
 
 def draft_tokens(runner, requests: list, first_tokens: torch.Tensor, starts: list[int], num_drafts: list[int],
-                 blocks, draft_loops: int, max_drafts: int, with_guess: bool) -> DraftBatch:
+                 blocks, draft_loops: int, max_drafts: int, with_guess: bool, graphs=None) -> DraftBatch:
     """Draft `num_drafts[b]` tokens after `first_tokens: [B]` (at positions `starts`) for each request,
-    in max(num_drafts) + 1 passes; with `with_guess` the last pass of a request runs the head too."""
-    model, device = runner.model, runner.device
-    num_seqs = len(requests)
+    in max(num_drafts) + 1 passes; with `with_guess` the last pass of a request runs the head too.
+    With `graphs` (runtime/spec_graphs.py) every pass replays a captured graph."""
+    device, num_seqs = runner.device, len(requests)
     fixed = runner.kv_spec.num_fixed_planes
     planes = fixed + draft_loops                        # the only planes a draft pass touches
     tables = [blocks.block_tables(r.request_id)[:planes] for r in requests]
@@ -79,21 +80,20 @@ def draft_tokens(runner, requests: list, first_tokens: torch.Tensor, starts: lis
     for j in range(max(num_drafts) + 1):
         active = [b for b in range(num_seqs) if num_drafts[b] >= j]
         positions = [starts[b] + j for b in active]
-        batch = PagedBatch([1] * len(active), [p + 1 for p in positions],
-                           [[tables[b][p] for b in active] for p in range(planes)], runner.block_size)
-        ctx = PagedContext(runner.backend, runner.kv_caches, batch, _long(positions, device)[None],
-                           runner.config.kv_mode, fixed,
-                           runner._initial_state_fn([ScheduledRequest(requests[b], 1) for b in active]))
-        state = model.prelude(current.index_select(0, _long(active, device))[None], ctx)      # [1, R, X]
-        for depth in range(draft_loops):
-            state = model.loop(state, depth, ctx)
+        ids = current.index_select(0, _long(active, device))                                  # [R]
+        heads = [i for i, b in enumerate(active) if j < num_drafts[b] or with_guess]
+        if graphs is not None:
+            state, logits = graphs.draft_pass([requests[b] for b in active], ids, positions,
+                                              [tables[b] for b in active])                    # [R, X], [R, V]
+            logits = logits.index_select(0, _long(heads, device)) if heads else None
+        else:
+            state, logits = _draft_pass(runner, [requests[b] for b in active], ids, positions,
+                                        [tables[b] for b in active], draft_loops, heads)
         if states is None:
             states = state.new_empty(num_seqs, max_drafts + 1, state.shape[-1])
-        states[_long(active, device), j] = state[0]
-        heads = [i for i, b in enumerate(active) if j < num_drafts[b] or with_guess]
+        states[_long(active, device), j] = state
         if not heads:
             continue
-        logits = model.coda(state, ctx, rows=_long(heads, device))[0].float()                 # [H, V]
         rows = [active[i] for i in heads]
         picked, sampled, dist = pick_tokens(logits, [requests[b] for b in rows], [starts[b] + j + 1 for b in rows])
         current.index_copy_(0, _long(rows, device), picked)
@@ -107,8 +107,26 @@ def draft_tokens(runner, requests: list, first_tokens: torch.Tensor, starts: lis
         if keep:
             if probs is None:
                 probs = logits.new_zeros(num_seqs, max_drafts, logits.shape[-1])
-            probs[_long([b for _, b in keep], device), j] = dist.index_select(0, _long([s for s, _ in keep], device))
+            kept = dist.index_select(0, _long([s for s, _ in keep], device))
+            probs[_long([b for _, b in keep], device), j] = kept
     return DraftBatch(list(requests), list(starts), list(num_drafts), tokens, states, probs, guess)
+
+
+def _draft_pass(runner, requests: list, ids: torch.Tensor, positions: list[int], tables: list,
+                draft_loops: int, heads: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One unpadded draft pass: state `[R, X]` and the head's logits `[H, V]` of rows `heads`."""
+    model, device = runner.model, runner.device
+    planes = len(tables[0])
+    batch = PagedBatch([1] * len(requests), [p + 1 for p in positions],
+                       [[t[p] for t in tables] for p in range(planes)], runner.block_size)
+    ctx = PagedContext(runner.backend, runner.kv_caches, batch, _long(positions, device)[None],
+                       runner.config.kv_mode, runner.kv_spec.num_fixed_planes,
+                       runner._initial_state_fn([ScheduledRequest(r, 1) for r in requests]))
+    state = model.prelude(ids[None], ctx)                                             # [1, R, X]
+    for depth in range(draft_loops):
+        state = model.loop(state, depth, ctx)
+    logits = model.coda(state, ctx, rows=_long(heads, device))[0].float() if heads else None
+    return state[0], logits
 
 
 def pick_tokens(logits: torch.Tensor, requests: list, positions: list[int]

@@ -89,8 +89,9 @@ class LLMEngine:
         if not spec.is_enabled or num_loops <= spec.draft_loops:
             return 0
         if exit_threshold < 1.0:
-            raise ValueError(f"speculative decoding does not support early exit (exit_threshold={exit_threshold}): "
-                             f"set exit_threshold=1.0, or turn speculation off (speculative.num_tokens=0)")
+            raise ValueError(f"speculative decoding does not support early exit (exit_threshold="
+                             f"{exit_threshold}): set exit_threshold=1.0, or turn speculation off "
+                             f"(speculative.num_tokens=0)")
         return spec.num_tokens
 
     def _grow_max_loops(self, num_loops: int) -> None:

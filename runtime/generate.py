@@ -90,6 +90,9 @@ def run(cfg: Any) -> list[dict[str, Any]]:
     for out in outputs:
         results.append({"prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids,
                         "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason})
+        if out.metrics is not None and out.metrics.num_spec_rounds:
+            results[-1].update(acceptance_rate=out.metrics.acceptance_rate,
+                               mean_accepted_length=out.metrics.mean_accepted_length)
     return results
 
 

@@ -124,7 +124,8 @@ class Scheduler:
         blocks allow (fewer drafts rather than a preemption; 0 = a plain decode)."""
         num_drafts = min(request.max_draft_tokens, budget)
         total = request.num_computed_tokens + 1
-        while num_drafts and not self.blocks.can_allocate(request.request_id, request.num_planes, total + num_drafts):
+        while num_drafts and not self.blocks.can_allocate(request.request_id, request.num_planes,
+                                                          total + num_drafts):
             num_drafts -= 1
         return num_drafts
 

@@ -55,10 +55,13 @@ def _median_ms(hal: Any, fn: Callable[[], Any], repeats: int) -> float:
 
 @torch.inference_mode()
 def measure_step_costs(engine: Any, repeats: int = 10) -> dict[str, Any]:
-    """Time one draft pass, one verify pass and one plain decode step on the engine's running
-    requests, which must all be decoding (prefilled). The passes write KV only at positions at or
-    beyond each request's computed tokens (stale by the rollback rule), so the requests' state
-    is unchanged. Needs `speculative.num_tokens > 0`."""
+    """Median times (ms) on the engine's running requests, which must all be decoding (prefilled):
+    one draft pass (`draft_pass_ms`), one verify pass of K + 1 rows per request (`verify_ms`),
+    one plain decode step (`decode_ms`) and one whole round (`round_ms`: K + 1 draft passes and
+    the verify, up to the host sync; `round_sum_ms` is the sum of the parts), with the break-even
+    tokens per round and acceptance rate from `round_ms / decode_ms`. The passes write KV only at
+    positions at or beyond each request's computed tokens (stale by the rollback rule), so the
+    requests' state is unchanged. Needs `speculative.num_tokens > 0`."""
     spec, runner, blocks = engine.speculator, engine.runner, engine.blocks
     if spec is None:
         raise ValueError("measure_step_costs needs speculation on (speculative.num_tokens > 0)")
@@ -73,19 +76,21 @@ def measure_step_costs(engine: Any, repeats: int = 10) -> dict[str, Any]:
     starts = [r.num_computed_tokens for r in requests]
 
     def draft(k: int, guess: bool):
-        return draft_tokens(runner, requests, first, starts, [k] * len(requests), blocks, loops, num_drafts, guess)
+        return draft_tokens(runner, requests, first, starts, [k] * len(requests), blocks, loops, num_drafts, guess,
+                            spec.graphs)
 
-    def verify():
-        return spec._verify(drafted, blocks).argmax(-1).tolist()
+    def verify(drafted):
+        return spec._verify(drafted, blocks).argmax(-1).tolist()       # the host sync a round ends with
 
     drafted = draft(num_drafts, False)
     items = [ScheduledRequest(r, 1) for r in requests]
     costs = {"draft_pass_ms": _median_ms(engine.hal, lambda: draft(0, True).guess.tolist(), repeats),
-             "verify_ms": _median_ms(engine.hal, verify, repeats),
-             "decode_ms": _median_ms(engine.hal, lambda: runner.execute(items, blocks), repeats)}
-    round_ms = (num_drafts + 1) * costs["draft_pass_ms"] + costs["verify_ms"]
-    ratio = round_ms / costs["decode_ms"]
-    costs.update({"round_ms": round_ms, "break_even_tokens_per_round": ratio,
+             "verify_ms": _median_ms(engine.hal, lambda: verify(drafted), repeats),
+             "decode_ms": _median_ms(engine.hal, lambda: runner.execute(items, blocks), repeats),
+             "round_ms": _median_ms(engine.hal, lambda: verify(draft(num_drafts, False)), repeats)}
+    ratio = costs["round_ms"] / costs["decode_ms"]
+    costs.update({"round_sum_ms": (num_drafts + 1) * costs["draft_pass_ms"] + costs["verify_ms"],
+                  "break_even_tokens_per_round": ratio,
                   "break_even_acceptance": break_even_acceptance(ratio, num_drafts)})
     for r in requests:
         blocks.trim(r.request_id, r.num_tokens)

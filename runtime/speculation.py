@@ -30,13 +30,12 @@ from typing import NamedTuple, Sequence
 import torch
 
 from hal.base import PagedBatch
-from runtime.acceptance import ACCEPT, FINAL, accept_greedy, keyed_uniforms, rejection_sample
+from runtime.acceptance import judge_round
 from runtime.config import SpeculativeConfig
 from runtime.context import PagedContext
 from runtime.drafting import DraftBatch, draft_tokens
 from runtime.kv_cache import BlockManager
 from runtime.loops import SeqPlan, run_loops
-from runtime.sampler import filtered_probs
 from runtime.scheduler import ScheduledRequest
 from runtime.sequence import Request
 
@@ -63,14 +62,15 @@ class Ahead(NamedTuple):
 
 @dataclass
 class SpecCounters:
-    """Work done, in token-loops (one loop applied to one token) and passes (weight reads)."""
+    """Work done: token-loops (one loop applied to one token: compute) and loop passes (one loop
+    applied to a whole batch: one read of the loop weights), drafts and verifies apart."""
 
-    num_rounds: int = 0
-    num_committed: int = 0
+    num_rounds: int = 0                  # engine steps with a speculation round
+    num_committed: int = 0               # tokens those rounds committed (before stop truncation)
     num_draft_token_loops: int = 0
     num_verify_token_loops: int = 0
-    num_draft_passes: int = 0
-    num_verify_passes: int = 0
+    num_draft_loop_passes: int = 0
+    num_verify_loop_passes: int = 0
 
 
 class Speculator:
@@ -81,6 +81,11 @@ class Speculator:
         self.side_stream = self.hal.stream() if self.is_async else None
         self.side_done = None            # event after the last work issued on the side stream
         self.counters = SpecCounters()
+        self.graphs = None
+        if runner.graphs is not None:
+            from runtime.spec_graphs import SpecGraphs
+
+            self.graphs = SpecGraphs(runner, config.draft_loops, config.num_tokens)
 
     # ----- one round for every speculating request of a step ------------------------------
     @torch.inference_mode()
@@ -92,8 +97,8 @@ class Speculator:
         fresh = [i for i, a in enumerate(ready) if a is None]
         if fresh:
             first = self._tensor([requests[i].all_token_ids[-1] for i in fresh])
-            parts.append(self._draft([requests[i] for i in fresh], first,
-                                     [requests[i].num_computed_tokens for i in fresh], [num_drafts[i] for i in fresh],
+            starts = [requests[i].num_computed_tokens for i in fresh]
+            parts.append(self._draft([requests[i] for i in fresh], first, starts, [num_drafts[i] for i in fresh],
                                      blocks))
         if len(fresh) < len(items):
             self.hal.current_stream().wait_event(self.side_done)
@@ -104,7 +109,7 @@ class Speculator:
         drafted.record()
         logits = self._verify(draft, blocks)
         ahead = self._draft_ahead(draft, blocks, drafted) if self.is_async else None
-        drafts, num_accepted, finals, guesses = self._accept(draft, logits)
+        drafts, num_accepted, finals, guesses = judge_round(draft, logits)
 
         committed, counters = {}, self.counters
         for b, request in enumerate(draft.requests):
@@ -151,16 +156,22 @@ class Speculator:
 
     # ----- the passes -------------------------------------------------------------------------
     def _draft(self, requests: list[Request], first_tokens: torch.Tensor, starts: list[int],
-               num_drafts: list[int], blocks: BlockManager) -> DraftBatch:
+               num_drafts: list[int], blocks: BlockManager, use_graphs: bool = True) -> DraftBatch:
         draft = draft_tokens(self.runner, requests, first_tokens, starts, num_drafts, blocks,
-                             self.config.draft_loops, self.config.num_tokens, self.is_async)
-        self.counters.num_draft_passes += (max(num_drafts) + 1) * self.config.draft_loops
+                             self.config.draft_loops, self.config.num_tokens, self.is_async,
+                             self.graphs if use_graphs else None)
+        self.counters.num_draft_loop_passes += (max(num_drafts) + 1) * self.config.draft_loops
         self.counters.num_draft_token_loops += sum(k + 1 for k in num_drafts) * self.config.draft_loops
         return draft
 
     def _verify(self, draft: DraftBatch, blocks: BlockManager) -> torch.Tensor:
         """Target logits `[N, V]` (float32) of the k + 1 positions of every request, packed."""
         runner, model, loops = self.runner, self.model, self.config.draft_loops
+        self.counters.num_verify_loop_passes += max(r.num_loops for r in draft.requests) - loops
+        self.counters.num_verify_token_loops += sum((k + 1) * (r.num_loops - loops)
+                                                    for k, r in zip(draft.num_drafts, draft.requests))
+        if self.graphs is not None and self.graphs.can_verify(draft):
+            return self.graphs.verify(draft, [blocks.block_tables(r.request_id) for r in draft.requests])
         width = draft.states.shape[1]
         rows = [b * width + j for b, k in enumerate(draft.num_drafts) for j in range(k + 1)]
         state = draft.states.flatten(0, 1).index_select(0, self._tensor(rows))[None]       # [1, N, X]
@@ -175,9 +186,6 @@ class Speculator:
                            runner.config.kv_mode, runner.kv_spec.num_fixed_planes)
         plans = [SeqPlan(r.num_loops, 1.0, 1, None, False) for r in draft.requests]
         state = run_loops(model, state, ctx, plans, first_loop=loops).state
-        self.counters.num_verify_passes += max(r.num_loops for r in draft.requests) - loops
-        self.counters.num_verify_token_loops += sum((k + 1) * (r.num_loops - loops)
-                                                    for k, r in zip(draft.num_drafts, draft.requests))
         return model.coda(state, ctx)[0].float()
 
     def _draft_ahead(self, draft: DraftBatch, blocks: BlockManager,
@@ -191,7 +199,8 @@ class Speculator:
             room = min(request.params.max_tokens - len(request.output_token_ids),
                        request.max_seq_len - request.num_tokens) - (k + 1)
             num_next = min(self.config.num_tokens, room - 1)
-            if num_next < 1 or not blocks.can_allocate(request.request_id, request.num_planes, start + num_next + 1):
+            needed = start + num_next + 1
+            if num_next < 1 or not blocks.can_allocate(request.request_id, request.num_planes, needed):
                 continue
             blocks.allocate(request.request_id, request.num_planes, start + num_next + 1)
             rows.append(b)
@@ -206,63 +215,13 @@ class Speculator:
         self.side_stream.wait_event(wait_for)
         with self.hal.use_stream(self.side_stream):
             first = draft.guess.index_select(0, self._tensor(rows))
+            # eager: the verify graph may be replaying on the main stream, and graphs share one pool
             ahead = self._draft([draft.requests[b] for b in rows], first,
-                                [draft.starts[b] + draft.num_drafts[b] + 1 for b in rows], nexts, blocks)
+                                [draft.starts[b] + draft.num_drafts[b] + 1 for b in rows], nexts, blocks,
+                                use_graphs=False)
             self.side_done = self.hal.event()
             self.side_done.record()
         return ahead, {b: i for i, b in enumerate(rows)}
-
-    # ----- acceptance --------------------------------------------------------------------------
-    def _accept(self, draft: DraftBatch, logits: torch.Tensor
-                ) -> tuple[list[list[int]], list[int], list[int], list[int]]:
-        """Per request: its drafts, how many were kept, the final token, and the draft's guess after
-        its last draft (async; else -1). One host sync for the whole batch."""
-        device = logits.device
-        offsets = [0]
-        for k in draft.num_drafts:
-            offsets.append(offsets[-1] + k + 1)
-        sampled = [b for b, r in enumerate(draft.requests) if not r.params.is_greedy]
-        parts = [draft.tokens.flatten(), logits.argmax(-1)]
-        if draft.guess is not None:
-            parts.append(draft.guess)
-        if sampled:
-            parts.extend(self._rejection_sample(draft, logits, offsets, sampled))
-        host = torch.cat(parts).tolist()
-        width = draft.tokens.shape[1]
-        num_seqs = len(draft.requests)
-        drafts = [host[b * width:b * width + k] for b, k in enumerate(draft.num_drafts)]
-        at = num_seqs * width
-        targets, at = host[at:at + offsets[-1]], at + offsets[-1]
-        guesses = [-1] * num_seqs
-        if draft.guess is not None:
-            guesses, at = host[at:at + num_seqs], at + num_seqs
-        num_accepted, finals = [0] * num_seqs, [0] * num_seqs
-        for b in range(num_seqs):
-            if b not in sampled:
-                k = draft.num_drafts[b]
-                target = targets[offsets[b]:offsets[b] + k + 1]
-                num_accepted[b] = accept_greedy(drafts[b], target)
-                finals[b] = target[num_accepted[b]]
-        for i, b in enumerate(sampled):
-            num_accepted[b], finals[b] = host[at + i], host[at + len(sampled) + i]
-        return drafts, num_accepted, finals, guesses
-
-    def _rejection_sample(self, draft: DraftBatch, logits: torch.Tensor, offsets: list[int],
-                          sampled: list[int]) -> list[torch.Tensor]:
-        width = draft.tokens.shape[1]
-        target = logits.new_zeros(len(sampled), width + 1, logits.shape[-1])          # [S, K+1, V]
-        for i, b in enumerate(sampled):
-            params = draft.requests[b].params
-            for j in range(draft.num_drafts[b] + 1):
-                target[i, j] = filtered_probs(logits[offsets[b] + j], params)
-        rows = self._tensor(sampled)
-        seeds = [draft.requests[b].speculation.seed for b in sampled]
-        positions = [[draft.starts[b] + j + 1 for j in range(width + 1)] for b in sampled]
-        verdict = rejection_sample(target, draft.probs.index_select(0, rows), draft.tokens.index_select(0, rows),
-                                   self._tensor([draft.num_drafts[b] for b in sampled]),
-                                   keyed_uniforms(seeds, [p[:width] for p in positions], ACCEPT, logits.device),
-                                   keyed_uniforms(seeds, positions, FINAL, logits.device))
-        return [verdict.num_accepted, verdict.final_token]
 
     def _tensor(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.runner.device, non_blocking=True)

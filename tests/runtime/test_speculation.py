@@ -67,6 +67,8 @@ def test_golden_greedy_with_speculation(name, mode):
     assert counters.num_verify_token_loops == verified * (depth - depth // 2)
     if mode == "sync":
         assert counters.num_draft_token_loops == verified * (depth // 2)
+    # draft passes and uniform verify passes replayed the padded static-buffer (graph) path
+    assert {key[0] for key in engine.speculator.graphs.captured} == {"draft", "verify"}
     engine.blocks.check_invariants()
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
@@ -82,9 +84,11 @@ def test_random_batches_equal_non_speculative(seed):
     draft_loops = rng.randint(1, depth - 1) if depth > 1 else 1
     vocab = model.config.vocab_size
     prompts = [[rng.randrange(1, vocab) for _ in range(rng.randint(1, 16))] for _ in range(rng.randint(2, 6))]
-    params = [SamplingParams(max_tokens=rng.randint(1, 14), num_loops=rng.choice([None, None, draft_loops, depth + 1]),
-                             temperature=rng.choice([0.0, 0.0, 0.8]), seed=rng.randrange(100), top_k=rng.choice([0, 5]),
-                             stop_token_ids=tuple(rng.sample(range(vocab), rng.randint(0, 3))), ignore_eos=True)
+    loop_choices = [None, None, draft_loops, depth + 1]          # draft_loops: this request cannot speculate
+    params = [SamplingParams(max_tokens=rng.randint(1, 14), num_loops=rng.choice(loop_choices),
+                             temperature=rng.choice([0.0, 0.0, 0.8]), seed=rng.randrange(100),
+                             top_k=rng.choice([0, 5]), ignore_eos=True,
+                             stop_token_ids=tuple(rng.sample(range(vocab), rng.randint(0, 3))))
               for _ in prompts]
     block_size = rng.choice([2, 4, 16])
     largest = max(((p.num_loops or depth) + 1) * -(-(len(q) + p.max_tokens + 1) // block_size)
@@ -94,8 +98,8 @@ def test_random_batches_equal_non_speculative(seed):
     arrive_every, num_tokens = rng.choice([0, 1, 2]), rng.choice([1, 2, 4])
     results = {}
     for mode in ("off", "sync", "async"):
-        engine = engine_for(model, 0 if mode == "off" else num_tokens, draft_loops, "sync" if mode == "off" else mode,
-                            **config)
+        spec = (0, "sync") if mode == "off" else (num_tokens, mode)
+        engine = engine_for(model, spec[0], draft_loops, spec[1], **config)
         results[mode] = run_engine(engine, prompts, params, arrive_every)
         engine.blocks.check_invariants()
         assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
@@ -160,7 +164,8 @@ def test_rejected_kv_is_never_read_and_tables_shrink(mode):
             for table in tables:
                 slots = [table[pos // bs] * bs + pos % bs for pos in range(stale_from(request), len(table) * bs)]
                 for cache in engine.runner.kv_caches:
-                    cache.view(2, -1, *cache.shape[-2:])[:, slots] = 1e4 * torch.randn(2, len(slots), *cache.shape[-2:])
+                    garbage = 1e4 * torch.randn(2, len(slots), *cache.shape[-2:])
+                    cache.view(2, -1, *cache.shape[-2:])[:, slots] = garbage
         return outs
 
     engine.step = poisoned_step
@@ -272,7 +277,8 @@ def test_engine_sampling_follows_the_target_distribution(mode):
         for p in model.parameters():
             p.mul_(4.0 if p.dim() > 1 else 1.0)
     prompt, num = [1, 3, 2, 1, 0, 3], 1000
-    params = [SamplingParams(max_tokens=4, temperature=1.0, top_p=0.95, seed=i, ignore_eos=True) for i in range(num)]
+    params = [SamplingParams(max_tokens=4, temperature=1.0, top_p=0.95, seed=i, ignore_eos=True)
+              for i in range(num)]
     engine = engine_for(model, num_tokens=3, draft_loops=1, mode=mode, max_num_seqs=256)
     outs = run_engine(engine, [prompt] * num, params, 0)
     observed = torch.zeros(4, 4, 4, dtype=torch.float64)
@@ -293,3 +299,39 @@ def test_engine_sampling_follows_the_target_distribution(mode):
     rate = sum(o.metrics.num_accepted_tokens for o in outs) / sum(o.metrics.num_draft_tokens for o in outs)
     print(f"{mode}: acceptance {rate:.2f}, chi-square {float(stat):.1f} on {dof} degrees of freedom")
     assert 0.2 < rate < 0.95, f"acceptance {rate:.2f}: both acceptance and rejection must be exercised"
+
+
+# ----- costs --------------------------------------------------------------------------------------
+def test_step_costs_leave_requests_unchanged_and_break_even_is_consistent():
+    from runtime.spec_costs import break_even_acceptance, measure_step_costs, tokens_per_round
+
+    case = golden_case("ouro-tiny")
+    model = zoo.from_pretrained(case.path, dtype="float32")
+    engine = engine_for(model, num_tokens=3, block_size=4)
+    params = SamplingParams(max_tokens=case.meta["greedy_new_tokens"], temperature=0.0, ignore_eos=True)
+    for i in range(case.num_prompts):
+        engine.add_request(str(i), case.prompt(i), params)
+    engine.step()                                              # every prompt prefilled
+    costs = measure_step_costs(engine, repeats=1)
+    assert all(costs[k] > 0 for k in ("draft_pass_ms", "verify_ms", "decode_ms", "round_ms"))
+    outs = {o.request_id: o.token_ids for o in engine.run_until_done()}
+    assert [outs[str(i)] for i in range(case.num_prompts)] == [case.greedy(i) for i in range(case.num_prompts)]
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    a = break_even_acceptance(2.5, 4)
+    assert abs(tokens_per_round(a, 4) - 2.5) < 1e-9 and break_even_acceptance(0.8, 4) == 0.0
+    assert break_even_acceptance(5.5, 4) is None and tokens_per_round(1.0, 4) == 5.0
+
+
+def test_bench_reports_speculation():
+    from hydra import compose, initialize_config_dir
+
+    from runtime.bench import run
+    from runtime.generate import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("bench", overrides=["hal=cpu", f"model.path={golden_case('ouro-tiny').path}",
+                                          "weights=checkpoint", "dtype=float32", "workload=tiny", "matmul_size=64",
+                                          "num_kv_blocks=200", "warmup=false", "speculative.num_tokens=2"])
+    (row,) = run(cfg)
+    assert row["spec"] == "K=2,d=1,sync" and 0 <= row["acceptance_rate"] <= 1 and row["decode_tok_s"] > 0
+    assert row["round_ms"] > 0 and "break_even_acceptance" in row
