@@ -15,7 +15,7 @@ drafts, d = draft_loops and D = the request's loops:
   rollback positions p+n+1 .. p+k hold rejected tokens' KV in every plane. They lie at or beyond
            the computed tokens, and every pass writes a position's KV in each plane it reads before
            attending to it, so later steps overwrite them before anything reads them. The block
-           tables are trimmed to the tokens the request holds.
+           tables are trimmed to the computed tokens.
 Async mode: once a round's draft is issued, the next round's draft is issued on a second stream,
 assuming every draft is kept and the target's next token equals the draft's own guess (the head of
 the pass over xk). When the verdict confirms both, the next round skips its draft; otherwise that
@@ -152,7 +152,7 @@ class Speculator:
     def _seed(self, request: Request) -> int:
         if request.params.seed is not None:
             return int(request.params.seed)
-        return int(torch.randint(0, 2**62, (1,), generator=request.generator))
+        return int(torch.randint(0, 2**62, (1,)))          # the global RNG, as unseeded sampling uses
 
     # ----- the passes -------------------------------------------------------------------------
     def _draft(self, requests: list[Request], first_tokens: torch.Tensor, starts: list[int],
@@ -202,7 +202,7 @@ class Speculator:
             needed = start + num_next + 1
             if num_next < 1 or not blocks.can_allocate(request.request_id, request.num_planes, needed):
                 continue
-            blocks.allocate(request.request_id, request.num_planes, start + num_next + 1)
+            blocks.allocate(request.request_id, request.num_planes, needed)
             rows.append(b)
             nexts.append(num_next)
         if not rows:
