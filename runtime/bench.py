@@ -1,6 +1,10 @@
 """`python -m runtime.bench hal=cuda model=ouro-1.4b weights=random workload=[b1,b64]`: throughput of
 the engine per workload cell, next to the roofline floor, one JSON line per cell.
 
+With `speculative.num_tokens=K` (and `speculative.draft_loops`, `speculative.mode`) the cell decodes
+speculatively and also reports the acceptance, and the cost of one draft pass, one verify pass and
+one plain decode step at the cell's batch with the break-even acceptance rate (runtime/spec_costs.py).
+
 Random weights are built from the model's released config.json (zoo/configs/) directly on the
 device, without a checkpoint file: a fixed-depth forward runs at the same speed on any weights.
 """
@@ -20,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runtime.config import EngineConfig, SamplingParams
 from runtime.cli import CONF_DIR, register_schemas
+from runtime.generate import engine_options
 
 log = logging.getLogger("runtime.bench")
 CONFIGS = Path(__file__).resolve().parent.parent / "zoo" / "configs"
@@ -55,11 +60,16 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
     hal.reset_peak_memory()
     start = time.perf_counter()
     step_times, prefill_done, first_token_at = [], None, 0.0
+    seen: dict[str, int] = {}
+    decode_tokens, decode_s, metrics = 0, 0.0, []
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
         outs = engine.step()
         hal.synchronize()
         t1 = time.perf_counter()
+        new = sum(len(o.token_ids) - seen.get(o.request_id, 0) for o in outs)
+        seen.update({o.request_id: len(o.token_ids) for o in outs})
+        metrics += [o.metrics for o in outs if o.finished]
         if prefill_done is None:
             if engine.scheduler.waiting or any(r.is_prefill for r in engine.scheduler.running):
                 continue
@@ -67,15 +77,44 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
             continue
         if outs:
             step_times.append(t1 - t0)
+            decode_tokens, decode_s = decode_tokens + new, decode_s + (t1 - t0)
     total = time.perf_counter() - start
     decode = step_times[min(3, len(step_times) // 4):] or step_times or [float("nan")]
     ms = statistics.median(decode) * 1e3
-    return {"batch": cell["batch"], "prompt": cell["prompt"], "new_tokens": cell["new"],
-            "prefill_s": round(prefill_done or total, 4),
-            "prefill_tok_s": round(cell["batch"] * cell["prompt"] / (prefill_done or total), 1),
-            "decode_ms_step": round(ms, 3), "decode_tok_s": round(cell["batch"] / ms * 1e3, 1),
-            "decode_steps": len(step_times), "total_s": round(total, 3),
-            "peak_mem_gib": round(hal.memory_stats()["peak_allocated"] / 2**30, 2)}
+    row = {"batch": cell["batch"], "prompt": cell["prompt"], "new_tokens": cell["new"],
+           "prefill_s": round(prefill_done or total, 4),
+           "prefill_tok_s": round(cell["batch"] * cell["prompt"] / (prefill_done or total), 1),
+           "decode_ms_step": round(ms, 3), "decode_tok_s": round(cell["batch"] / ms * 1e3, 1),
+           # tokens over the decode steps' total time: what compares speculation with plain decoding
+           "decode_tok_s_mean": round(decode_tokens / decode_s if decode_s else 0.0, 1),
+           "decode_steps": len(step_times), "total_s": round(total, 3),
+           "peak_mem_gib": round(hal.memory_stats()["peak_allocated"] / 2**30, 2)}
+    drafted = sum(m.num_draft_tokens for m in metrics)
+    if drafted:
+        rounds = sum(m.num_spec_rounds for m in metrics)
+        row["decode_tok_s"] = row["decode_tok_s_mean"]         # a step yields a varying number of tokens
+        row.update({"acceptance_rate": round(sum(m.num_accepted_tokens for m in metrics) / drafted, 4),
+                    "mean_accepted_length": round(sum(m.num_accepted_tokens for m in metrics) / rounds, 3)})
+    return row
+
+
+def step_costs(engine: Any, cell: dict[str, int], num_loops: int | None, repeats: int = 10) -> dict[str, Any]:
+    """Speculation: one draft pass, one verify pass and one plain decode step at the cell's batch and
+    prompt length (runtime/spec_costs.py), on prefilled requests that are then dropped."""
+    from runtime.spec_costs import measure_step_costs
+
+    gen = torch.Generator().manual_seed(2)
+    params = SamplingParams(max_tokens=cell["new"] + 1, temperature=0.0, ignore_eos=True, num_loops=num_loops)
+    ids = [f"costs-{i}" for i in range(cell["batch"])]
+    for rid in ids:
+        engine.add_request(rid, torch.randint(1, engine.model.config.vocab_size, (cell["prompt"],),
+                                              generator=gen).tolist(), params)
+    while engine.scheduler.waiting or any(r.is_prefill for r in engine.scheduler.running):
+        engine.step()
+    costs = measure_step_costs(engine, repeats)
+    for rid in ids:
+        engine.abort(rid)
+    return costs
 
 
 def run(cfg: Any) -> list[dict[str, Any]]:
@@ -98,17 +137,23 @@ def run(cfg: Any) -> list[dict[str, Any]]:
         if workload not in cfg.workloads:
             raise ValueError(f"unknown workload {workload!r}; known: {', '.join(cfg.workloads)}")
         cell = dict(cfg.workloads[workload])
+        spec = engine_options(cfg)["speculative"]
         engine = LLMEngine(model, hal, EngineConfig(
             kv_mode=cfg.kv_mode, max_num_seqs=max(cell["batch"], 1),
             max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=cell["prompt"] + cell["new"] + 16,
-            gpu_memory_utilization=cfg.gpu_memory_utilization, num_kv_blocks=cfg.num_kv_blocks))
+            max_model_len=cell["prompt"] + cell["new"] + 16 + 2 * spec.num_tokens,
+            gpu_memory_utilization=cfg.gpu_memory_utilization, num_kv_blocks=cfg.num_kv_blocks,
+            graphs=cfg.graphs, speculative=spec))
         if cfg.warmup:
             run_cell(engine, {"batch": min(cell["batch"], 2), "prompt": min(cell["prompt"], 64), "new": 4},
                      num_loops, seed=1)
         row = {"workload": workload, "model": name, "hal": hal.name, "kv_mode": cfg.kv_mode,
                "loops": num_loops, "dtype": cfg.dtype, "weights": cfg.weights,
+               "graphs": engine.runner.graphs is not None and engine.runner.graphs.capture,
+               "spec": f"K={spec.num_tokens},d={spec.draft_loops},{spec.mode}" if spec.is_enabled else "off",
                **run_cell(engine, cell, num_loops)}
+        if spec.is_enabled:
+            row.update(step_costs(engine, cell, num_loops))
         costs = model_costs(model, num_loops, cfg.kv_mode)
         context = cell["prompt"] + cell["new"] // 2
         floor = decode_floor(costs, num_loops, cell["batch"], context, H200_BANDWIDTH, rate)

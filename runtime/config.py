@@ -53,6 +53,32 @@ class SamplingParams:
         return self.temperature == 0
 
 
+SPECULATIVE_MODES = ("sync", "async")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Self-speculative decoding (runtime/speculation.py): the model with `draft_loops` loops drafts
+    `num_tokens` tokens, the full depth verifies them in one pass. `num_tokens=0` turns it off.
+    `mode=async` drafts the next round on a second stream while the current one is verified."""
+
+    num_tokens: int = 0          # draft tokens per round (K); 0 = off
+    draft_loops: int = 1         # loops of the draft (Ouro: the step-d head); must be < a request's loops
+    mode: str = "sync"           # sync | async
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.num_tokens, int) and self.num_tokens >= 0):
+            raise ValueError(f"speculative.num_tokens must be an integer >= 0 (0 = off), got {self.num_tokens!r}")
+        if not (isinstance(self.draft_loops, int) and self.draft_loops >= 1):
+            raise ValueError(f"speculative.draft_loops must be an integer >= 1, got {self.draft_loops!r}")
+        if self.mode not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative.mode must be one of {', '.join(SPECULATIVE_MODES)}, got {self.mode!r}")
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.num_tokens > 0
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs a model: KV layout and memory, batching limits."""
@@ -67,9 +93,17 @@ class EngineConfig:
     max_model_len: Optional[int] = None      # None: the model's maximum positions
     watermark_blocks: int = 0                # free blocks kept back at admission
     graphs: Optional[bool] = None            # decode graphs; None: on where the Hal captures device work
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)   # a dict is accepted too
 
     def __post_init__(self) -> None:
         from runtime.kv_cache import KV_MODES
+
+        if not isinstance(self.speculative, SpeculativeConfig):
+            object.__setattr__(self, "speculative", SpeculativeConfig(**dict(self.speculative or {})))
+        if self.speculative.is_enabled and self.kv_mode == "shared":
+            raise ValueError("speculative decoding needs one KV plane per loop (kv_mode=full or last_exited): in "
+                             "kv_mode=shared a token's KV depends on how tokens are grouped into steps, so "
+                             "verification would not reproduce non-speculative outputs")
 
         if self.kv_mode not in KV_MODES:
             raise ValueError(f"kv_mode must be one of {', '.join(KV_MODES)}, got {self.kv_mode!r}")
@@ -95,6 +129,15 @@ class ModelConfig:
 
 
 @dataclass
+class SpeculativeOptions:
+    """`speculative.*` on the command line (Hydra needs a mutable node); see `SpeculativeConfig`."""
+
+    num_tokens: int = 0
+    draft_loops: int = 1
+    mode: str = "sync"
+
+
+@dataclass
 class HalConfig:
     name: str = "auto"
     device_index: Optional[int] = None
@@ -117,6 +160,8 @@ class BenchConfig:
     output: Optional[str] = None
     log_level: str = "WARNING"
     workloads: Any = None
+    speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
+    graphs: Optional[bool] = None          # decode graphs; None: on where the Hal captures device work
 
 
 @dataclass
@@ -136,6 +181,7 @@ class GenerateConfig:
     enable_thinking: bool = False         # chat: open the assistant turn with <think>
     output: str = "text"                  # text | json
     log_level: str = "WARNING"
+    speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 Each `step()` schedules up to `max_num_batched_tokens` new tokens across running and waiting
 requests, runs them as one packed batch, samples, and returns the outputs of the requests that
-advanced. It is synchronous and single-threaded; a server drives it from one loop.
+advanced. With speculative decoding on, decoding requests that draft run as one speculation round
+instead (runtime/speculation.py) and may advance by several tokens. It is synchronous and
+single-threaded; a server drives it from one loop.
 """
 from __future__ import annotations
 
@@ -16,10 +18,11 @@ from hal.base import Hal
 from runtime.config import EngineConfig, SamplingParams
 from runtime.kv_cache import BlockManager, num_request_planes
 from runtime.outputs import RequestOutput
-from runtime.runner import ModelRunner
+from runtime.runner import ModelRunner, StepResult
 from runtime.sampler import make_generator
 from runtime.scheduler import Scheduler, SchedulerConfig
 from runtime.sequence import Request, RequestStatus
+from runtime.speculation import Speculator
 from runtime.tokenizer import Tokenizer
 from zoo.base import LoopedCausalLM
 
@@ -41,6 +44,8 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             stops.append(tokenizer.eos_token_id)
         self.default_stop_token_ids = frozenset(stops)
+        spec = self.config.speculative
+        self.speculator = Speculator(self.runner, spec) if spec.is_enabled else None
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.num_computed_tokens = 0
@@ -65,15 +70,29 @@ class LLMEngine:
         if num_loops > self.max_loops:
             self._grow_max_loops(num_loops)
         threshold = self.model.default_exit_threshold if params.exit_threshold is None else params.exit_threshold
+        num_speculative = self._num_speculative_tokens(num_loops, threshold)
         request = Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params, num_loops=num_loops,
             exit_threshold=threshold,
             num_planes=num_request_planes(self.config.kv_mode, self.model.kv_spec.num_fixed_planes, num_loops),
             stop_token_ids=frozenset() if params.ignore_eos else self.default_stop_token_ids,
-            max_seq_len=self.max_model_len, prompt=prompt, generator=make_generator(params, self.runner.device))
+            max_seq_len=self.max_model_len, prompt=prompt, generator=make_generator(params, self.runner.device),
+            num_speculative_tokens=num_speculative)
         self.scheduler.add(request)          # MemoryError if it could never fit
         self.requests[request_id] = request
         return request
+
+    def _num_speculative_tokens(self, num_loops: int, exit_threshold: float) -> int:
+        """Draft tokens per round for a request: 0 when speculation is off or the request has no
+        more loops than the draft (it then decodes normally)."""
+        spec = self.config.speculative
+        if not spec.is_enabled or num_loops <= spec.draft_loops:
+            return 0
+        if exit_threshold < 1.0:
+            raise ValueError(f"speculative decoding does not support early exit (exit_threshold="
+                             f"{exit_threshold}): set exit_threshold=1.0, or turn speculation off "
+                             f"(speculative.num_tokens=0)")
+        return spec.num_tokens
 
     def _grow_max_loops(self, num_loops: int) -> None:
         # the pool is shared by all planes; more loops only change how many planes a request takes
@@ -98,21 +117,33 @@ class LLMEngine:
         for item in plan.scheduled:
             if item.request.metrics.first_scheduled_time is None:
                 item.request.metrics.first_scheduled_time = now
-        result = self.runner.execute(plan.scheduled, self.blocks)
+        drafting = [item for item in plan.scheduled if item.num_draft_tokens]
+        plain = [item for item in plan.scheduled if not item.num_draft_tokens]
+        result = self.runner.execute(plain, self.blocks) if plain else StepResult({}, 0)
+        spec = self.speculator.run(drafting, self.blocks) if drafting else None
         self.num_steps += 1
-        self.num_computed_tokens += result.num_tokens
+        self.num_computed_tokens += result.num_tokens + (spec.num_tokens if spec else 0)
         outputs = []
         for item in plan.scheduled:
             request = item.request
-            request.num_computed_tokens += item.num_tokens
-            if request.request_id not in result.sampled:
+            if item.num_draft_tokens:
+                tokens = spec.committed[request.request_id]
+                request.num_computed_tokens += len(tokens)      # t0 and the kept drafts
+                loops = [request.num_loops] * len(tokens)
+            elif request.request_id in result.sampled:
+                request.num_computed_tokens += item.num_tokens
+                token, loop = result.sampled[request.request_id]
+                tokens, loops = [token], [loop]
+            else:
+                request.num_computed_tokens += item.num_tokens
                 continue
-            token, loops = result.sampled[request.request_id]
-            request.append_token(token, loops)
-            status = request.check_stop()
-            if status is not None:
-                self.scheduler.finish(request, status)
-                request.metrics.finished_time = time.monotonic()
+            for token, loop in zip(tokens, loops):          # a stop token inside a draft ends it there
+                request.append_token(token, loop)
+                status = request.check_stop()
+                if status is not None:
+                    self.scheduler.finish(request, status)
+                    request.metrics.finished_time = time.monotonic()
+                    break
             outputs.append(self.output_of(request))
             if request.is_finished:
                 self.requests.pop(request.request_id, None)

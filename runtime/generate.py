@@ -10,7 +10,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from runtime.cli import CONF_DIR, UsageError, known_models, register_schemas
-from runtime.config import SamplingParams
+from runtime.config import SamplingParams, SpeculativeConfig
 
 log = logging.getLogger("runtime.generate")
 # no model and no prompt given: the packaged tiny model continues this (when the install has it)
@@ -70,7 +70,7 @@ def run(cfg: Any) -> list[dict[str, Any]]:
         raise UsageError("chat=true renders text through the chat template: give prompt=, not prompt_ids=")
     params = sampling_params(cfg)
     hal_options = {"device_index": cfg.hal.device_index, "attention_backend": cfg.hal.attention_backend}
-    llm = LLM(source, hal=_hal(cfg.hal.name, hal_options), dtype=cfg.model.dtype)
+    llm = LLM(source, hal=_hal(cfg.hal.name, hal_options), dtype=cfg.model.dtype, **engine_options(cfg))
     if cfg.chat:
         conversations = [[{"role": "user", "content": p}] for p in prompts]
         outputs = llm.chat(conversations, params, enable_thinking=cfg.enable_thinking)
@@ -80,7 +80,16 @@ def run(cfg: Any) -> list[dict[str, Any]]:
     for out in outputs:
         results.append({"prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids,
                         "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason})
+        if out.metrics is not None and out.metrics.num_spec_rounds:
+            results[-1].update(acceptance_rate=out.metrics.acceptance_rate,
+                               mean_accepted_length=out.metrics.mean_accepted_length)
     return results
+
+
+def engine_options(cfg: Any) -> dict[str, Any]:
+    """`EngineConfig` keywords from the command line (`speculative.*`)."""
+    spec = cfg.speculative
+    return {"speculative": SpeculativeConfig(int(spec.num_tokens), int(spec.draft_loops), str(spec.mode))}
 
 
 def _first_set(*values: Any) -> Any:

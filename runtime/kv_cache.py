@@ -78,6 +78,21 @@ class BlockManager:
             while len(table) < target:
                 table.append(self.free_blocks.popleft())
 
+    def trim(self, request_id: str, num_tokens: int) -> int:
+        """Shrink every plane of the request's tables to the blocks `num_tokens` tokens need (after
+        speculation rejected drafted tokens); returns how many blocks went back to the pool. The
+        slots of positions >= the request's computed tokens hold stale KV: every later step writes
+        a position in every plane it reads before attending to it, so stale KV is never read."""
+        tables = self.tables.get(request_id)
+        if not tables:
+            return 0
+        keep = self.blocks_per_plane(num_tokens)
+        freed = [b for table in tables for b in table[keep:]]
+        for table in tables:
+            del table[keep:]
+        self.free_blocks.extend(freed)
+        return len(freed)
+
     def free(self, request_id: str) -> int:
         """Return all of the request's blocks to the pool; returns how many."""
         tables = self.tables.pop(request_id, [])

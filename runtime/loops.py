@@ -53,13 +53,17 @@ def _first_reaching(hazards: list[torch.Tensor], threshold: torch.Tensor, min_lo
     return torch.where(first < stacked.shape[-1], first, torch.full_like(first, -1))
 
 
-def run_loops(model: LoopedCausalLM, state: torch.Tensor, ctx, plans: Sequence[SeqPlan]) -> LoopResult:
-    """Run every sequence's loops over the packed `state: [1, T, X]` (see the module docstring)."""
+def run_loops(model: LoopedCausalLM, state: torch.Tensor, ctx, plans: Sequence[SeqPlan],
+              first_loop: int = 0) -> LoopResult:
+    """Run every sequence's loops over the packed `state: [1, T, X]` (see the module docstring).
+    `first_loop > 0` continues a state that already ran the loops before it (speculative
+    verification continues the draft's state); exit gates are not evaluated then."""
     num_seqs = len(plans)
     sample_seqs = [i for i, p in enumerate(plans) if p.sample_row is not None]
     device = state.device
     sample_rows = torch.tensor([plans[i].sample_row for i in sample_seqs], dtype=torch.long, device=device)
     gated = [i for i in sample_seqs if plans[i].exit_threshold < 1.0]
+    assert not (gated and first_loop), "early exit needs the exit gate of every loop"
     threshold = torch.tensor([plans[i].exit_threshold for i in sample_seqs], device=device)
     min_loops = torch.tensor([plans[i].min_loops for i in sample_seqs], device=device)
     num_loops = torch.tensor([plans[i].num_loops for i in sample_seqs], device=device)
@@ -69,7 +73,7 @@ def run_loops(model: LoopedCausalLM, state: torch.Tensor, ctx, plans: Sequence[S
     sample_states: list[torch.Tensor] = []
     exits: list[tuple[int, int]] = []
     stopped_at: dict[int, int] = {}
-    for depth in range(max(p.num_loops for p in plans)):
+    for depth in range(first_loop, max(p.num_loops for p in plans)):
         running = [i for i in active if plans[i].num_loops > depth]
         if not running:
             break

@@ -1,7 +1,9 @@
 """Continuous batching under a per-step token budget. Pure Python.
 
 Every step the scheduler says how many new tokens each request computes ({request: num_tokens}):
-1 for a decoding request, a chunk of its prompt for a prefilling one. Decoding requests are served
+1 for a decoding request, a chunk of its prompt for a prefilling one; a speculating decode
+computes 1 token and verifies `num_draft_tokens` more, so it is budgeted (and given KV room for)
+1 + that many. Decoding requests are served
 first, so a long prompt is chunked around them and never stalls them; new requests join while
 others decode. When the cache cannot grow a running request, the most recently admitted one is
 preempted: its blocks are freed and it is recomputed later from its tokens (same output).
@@ -30,6 +32,7 @@ class SchedulerConfig:
 class ScheduledRequest(NamedTuple):
     request: Request
     num_tokens: int          # new tokens computed this step, starting at request.num_computed_tokens
+    num_draft_tokens: int = 0   # speculation: tokens drafted after them and verified in the same step
 
     @property
     def samples(self) -> bool:
@@ -83,6 +86,7 @@ class Scheduler:
             if request.request_id in {r.request_id for r in preempted}:
                 continue
             num_tokens = min(request.num_uncomputed_tokens, budget)
+            num_drafts = self._num_drafts(request, budget - num_tokens)
             total = request.num_computed_tokens + num_tokens
             while not self.blocks.can_allocate(request.request_id, request.num_planes, total):
                 victim = self._preemption_victim(done | {request.request_id}, preempted)
@@ -94,10 +98,10 @@ class Scheduler:
                 self._preempt(request)
                 preempted.append(request)
                 continue
-            self.blocks.allocate(request.request_id, request.num_planes, total)
-            scheduled.append(ScheduledRequest(request, num_tokens))
+            self.blocks.allocate(request.request_id, request.num_planes, total + num_drafts)
+            scheduled.append(ScheduledRequest(request, num_tokens, num_drafts))
             done.add(request.request_id)
-            budget -= num_tokens
+            budget -= num_tokens + num_drafts
 
         # waiting requests join while budget, slots and blocks allow (FIFO: no overtaking)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
@@ -114,6 +118,16 @@ class Scheduler:
             scheduled.append(ScheduledRequest(request, num_tokens))
             budget -= num_tokens
         return SchedulerOutput(scheduled, preempted)
+
+    def _num_drafts(self, request: Request, budget: int) -> int:
+        """Draft tokens for a decoding request: as many as its settings, the budget and the free
+        blocks allow (fewer drafts rather than a preemption; 0 = a plain decode)."""
+        num_drafts = min(request.max_draft_tokens, budget)
+        total = request.num_computed_tokens + 1
+        while num_drafts and not self.blocks.can_allocate(request.request_id, request.num_planes,
+                                                          total + num_drafts):
+            num_drafts -= 1
+        return num_drafts
 
     def _preemption_victim(self, protected: set[str], preempted: list[Request]) -> Request | None:
         gone = {r.request_id for r in preempted}

@@ -29,10 +29,25 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # speculative decoding: verification rounds, tokens drafted, drafted tokens the target accepted
+    num_spec_rounds: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Fraction of drafted tokens the target accepted (None before any speculation)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Drafted tokens accepted per verification round; each round also yields one token of the
+        target's own, so a round produces `mean_accepted_length + 1` tokens on average."""
+        return self.num_accepted_tokens / self.num_spec_rounds if self.num_spec_rounds else None
 
 
 @dataclass
@@ -54,6 +69,8 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     generator: Any = None                # torch.Generator for seeded sampling / initial states
+    num_speculative_tokens: int = 0      # draft tokens per round (0: this request does not speculate)
+    speculation: Any = None              # runtime.speculation's per-request state (seed, next round's draft)
     error: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
@@ -77,6 +94,15 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """Draft tokens a round may propose now: a round commits up to that many plus one, within
+        max_tokens and the context (the last draft token's KV must fit below max_seq_len)."""
+        if not self.num_speculative_tokens or self.is_prefill:
+            return 0
+        room = min(self.params.max_tokens - len(self.output_token_ids), self.max_seq_len - self.num_tokens)
+        return max(0, min(self.num_speculative_tokens, room - 1))
 
     def append_token(self, token_id: int, num_loops_run: int) -> None:
         if not self.output_token_ids:
