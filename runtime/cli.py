@@ -27,8 +27,18 @@ def mutable_schema(cls: type, exclude: tuple[str, ...] = ()) -> type:
     """A plain (not frozen) dataclass with `cls`'s fields and defaults, for Hydra to fill from YAML and
     overrides (it cannot override fields of a frozen dataclass). `cls(**node)` then validates."""
     hints = typing.get_type_hints(cls)
-    fields = [(f.name, hints[f.name], dataclasses.field(default=f.default))
-              for f in dataclasses.fields(cls) if f.name not in exclude]
+    fields = []
+    for f in dataclasses.fields(cls):
+        if f.name in exclude:
+            continue
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):              # a nested config (EngineConfig.speculative)
+            kind = mutable_schema(kind)
+            fields.append((f.name, kind, dataclasses.field(default_factory=kind)))
+        elif f.default_factory is not dataclasses.MISSING:
+            fields.append((f.name, kind, dataclasses.field(default_factory=f.default_factory)))
+        else:
+            fields.append((f.name, kind, dataclasses.field(default=f.default)))
     return dataclasses.make_dataclass(f"{cls.__name__}Schema", fields)
 
 

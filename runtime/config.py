@@ -93,6 +93,7 @@ class EngineConfig:
     max_model_len: Optional[int] = None      # None: the model's maximum positions
     watermark_blocks: int = 0                # free blocks kept back at admission
     graphs: Optional[bool] = None            # decode graphs; None: on where the Hal captures device work
+    fuse_projections: bool = True            # q|k|v and gate|up as one GEMM each (zoo/fuse.py)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)   # a dict is accepted too
 
     def __post_init__(self) -> None:

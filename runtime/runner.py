@@ -49,6 +49,10 @@ class ModelRunner:
     def __init__(self, model: LoopedCausalLM, hal: Hal, config: EngineConfig, max_model_len: int,
                  max_loops: int) -> None:
         self.model, self.hal, self.config = model, hal, config
+        if config.fuse_projections:
+            from zoo.fuse import fuse_projections
+
+            fuse_projections(model)
         self.device = hal.device()
         param = next(model.parameters())
         self.dtype = param.dtype

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The whole GPU check in one call on the NVIDIA machine: the cuda-marked tests, the conformance
+# suite, the kernel benchmark, the engine benchmark cells and a profile of a decode step.
+#   tools/gpu_check.sh [phase ...]     phases: conformance tests kernels bench models profile spec (default: all)
+# Logs go to $OUT/gpu_check.log, benchmark rows to $OUT/bench.jsonl; a short table is printed last.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/.out/gpu}
+mkdir -p "$OUT"
+LOG="$OUT/gpu_check.log"
+BENCH="$OUT/bench.jsonl"
+if ls .whl/*.whl >/dev/null 2>&1; then   # Hydra and friends, brought as wheels (../shared/device/README.md)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:.
+else
+  export PYTHONPATH=.
+fi
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+PHASES=${*:-conformance tests kernels bench models profile}
+STATUS=()
+
+run() {   # run NAME SECONDS CMD...: log everything, keep going on failure
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS
+  echo "===== $name: $*" | tee -a "$LOG"
+  timeout "$limit" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  STATUS+=("$(printf '%-34s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - start))")")
+  tail -n 4 "$LOG"
+}
+
+bench() { run "bench $*" 300 python3 -m runtime.bench hal=cuda weights=random output="$BENCH" "$@"; }
+
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee -a "$LOG"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
+for phase in $PHASES; do
+  case $phase in
+    conformance) run conformance 300 python3 -m hal.conformance hal=cuda ;;
+    tests) run "pytest -m cuda" 420 python3 -m pytest tests -m cuda -q -rs -p no:cacheprovider ;;
+    kernels) run "kernel bench" 240 python3 -c "from hal.kernels.bench import bench_kernels; bench_kernels()" ;;
+    bench)
+      bench model=ouro-1.4b 'workload=[b1,b64,b128,prefill8k]'
+      bench model=ouro-1.4b kv_mode=shared 'workload=[b128]' ;;
+    models)
+      bench model=huginn-0125 'workload=[b1]'
+      bench model=nanbeige4.2-3b 'workload=[b1]' ;;
+    profile)
+      run "profile b1" 180 python3 tools/profile_step.py --model ouro-1.4b --batch 1 --context 256
+      run "profile b128" 180 python3 tools/profile_step.py --model ouro-1.4b --batch 128 --context 1024 --rows 15 ;;
+    spec)
+      for d in 1 2; do
+        bench model=ouro-1.4b 'workload=[b1,b8,b32]' speculative.num_tokens=4 speculative.draft_loops=$d
+      done ;;
+    *) echo "unknown phase $phase" ;;
+  esac
+done
+
+echo "===== summary" | tee -a "$LOG"
+printf '%s\n' "${STATUS[@]}" | tee -a "$LOG"
+if [ -f "$BENCH" ]; then
+  python3 - "$BENCH" <<'EOF' | tee -a "$LOG"
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+keys = ["model", "workload", "kv_mode", "spec", "batch", "prefill_tok_s", "decode_ms_step", "decode_tok_s",
+        "decode_floor_ms", "decode_vs_floor", "prefill_vs_floor", "speedup_vs_hf", "acceptance_rate", "peak_mem_gib"]
+print(" | ".join(keys))
+for r in rows:
+    print(" | ".join(str(r.get(k, "")) for k in keys))
+EOF
+fi
