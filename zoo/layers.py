@@ -1,6 +1,7 @@
 """Layers shared by the zoo's families: RMSNorm, rotary embeddings, SwiGLU, Llama-style attention."""
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import torch
@@ -14,7 +15,7 @@ _FUSED: dict[tuple[str, str], Callable[..., Any] | None] = {}
 def inference_op(name: str, x: torch.Tensor) -> Callable[..., Any] | None:
     """The Hal's fused op `name` for `x`'s device when no gradient is being recorded, else None
     (training always takes the differentiable torch expressions)."""
-    if torch.is_grad_enabled():
+    if torch.is_grad_enabled() or os.environ.get("LOOPSTACK_FUSED_OPS", "1") == "0":
         return None
     key = (name, x.device.type)
     if key not in _FUSED:

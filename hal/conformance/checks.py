@@ -165,11 +165,10 @@ def check_graph_replay(hal: Hal) -> None:
     x = torch.randn(16, 32, device=device)
     w = torch.randn(32, 8, device=device)
     graph = hal.graph()
-    warm = torch.relu(x @ w) + 1          # warm-up outside capture (vendors need it for lazy init)
+    torch.relu(x @ w) + 1                 # warm-up outside capture (vendors need it for lazy init)
     out = graph.capture(lambda: torch.relu(x @ w) + 1)
-    hal.synchronize()
-    assert _max_err(out, warm) < 1e-4, "capture output differs from eager"
-    for _ in range(2):
+    # a device graph records without running: outputs are defined once it has replayed
+    for _ in range(3):
         x.copy_(torch.randn(16, 32, device=device))
         graph.update([])
         graph.replay()

@@ -7,16 +7,16 @@ import torch
 
 
 class CudaGraph:
-    """One captured graph. All graphs of a Hal capture on the same side stream into the same
-    memory pool (`Hal.graph_pool()`), so per-bucket decode graphs share their scratch memory.
+    """One captured graph. All graphs of a Hal capture on the same side stream; `pool` is a memory
+    pool to share with other graphs, or None for a private one (what `CudaHal.graph()` gives).
 
     Warm-up is the caller's job: run `fn()` once eagerly before `capture(fn)`, so that lazy
     initialisation (cuBLAS workspaces, Triton compilation and autotuning, allocator growth)
     happens outside capture, where it is allowed. `capture` does not run `fn` eagerly itself:
     the caller knows whether its function has side effects (KV writes) that must not happen twice.
 
-    Sharing one pool is safe because replays never overlap; the price is that a graph's outputs
-    are only valid until another graph of the same pool replays: read or copy them first.
+    Graphs sharing a pool must never replay concurrently, and a graph's outputs are then only
+    valid until another graph of the pool replays.
     `update(host_params)` is a no-op: our kernels read lengths from device buffers.
     """
 

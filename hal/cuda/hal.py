@@ -164,10 +164,12 @@ class CudaHal(Hal):
         return self._pool
 
     def graph(self) -> CudaGraph:
-        """A new graph in this Hal's shared pool; the caller warms `fn` up before `capture(fn)`."""
+        """A new graph with a private memory pool; the caller warms `fn` up before `capture(fn)`.
+        (Sharing one pool between graphs tripped an allocator assertion in torch 2.11 when graphs of
+        several engines were freed in arbitrary order; a decode graph's private memory is small.)"""
         if self._capture_stream is None:
             self._capture_stream = torch.cuda.Stream(device=self.device())
-        return CudaGraph(self.device(), self.graph_pool(), self._capture_stream)
+        return CudaGraph(self.device(), None, self._capture_stream)
 
     # ----- attention and kernels ------------------------------------------------------------
     def attention(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
