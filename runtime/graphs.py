@@ -6,8 +6,8 @@ With graphs off the same padded path runs eagerly, so turning graphs on or off n
 kernel's shapes (and so never its rounding): only whether the work was captured.
 It is captured once per bucket over static buffers (token ids, positions, attention metadata with
 a fixed capacity, Huginn's initial states) and replayed after refilling them; batches are padded
-up to the bucket with dummy sequences that write no KV. Hals whose kernels take lengths as host
-values (Ascend) get them through `Graph.update` before each replay.
+up to the bucket with dummy sequences in scratch blocks past the pool. Hals whose kernels take
+lengths as host values (Ascend) get them through `Graph.update` before each replay.
 """
 from __future__ import annotations
 
@@ -80,12 +80,15 @@ class DecodeGraphs:
 
     def _batch(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager | None, bucket: int,
                num_planes: int) -> PagedBatch:
-        """The step's batch padded to `bucket` sequences; padding rows are one-token sequences in the
-        runner's scratch block (outside the pool), so they touch nobody's KV."""
+        """The step's batch padded to `bucket` sequences. Padding row r is a sequence of r % block_size + 1
+        tokens in scratch block r // block_size (past the pool): it touches nobody's KV, and no two rows
+        write the same slot."""
         query_lens = [1] * bucket
-        seq_lens = [item.request.num_computed_tokens + 1 for item in scheduled] + [1] * (bucket - len(scheduled))
+        bs, pad_rows = self.runner.block_size, range(len(scheduled), bucket)
+        seq_lens = [item.request.num_computed_tokens + 1 for item in scheduled]
+        seq_lens += [r % bs + 1 for r in pad_rows]
         tables = [blocks.block_tables(item.request.request_id) for item in scheduled] if scheduled else []
-        pad = [[self.runner.scratch_block]] * (bucket - len(scheduled))
+        pad = [[self.runner.scratch_block + r // bs] for r in pad_rows]
         by_plane = [[t[p] for t in tables] + pad for p in range(num_planes)]
         return PagedBatch(query_lens, seq_lens, by_plane, self.runner.block_size)
 

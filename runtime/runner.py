@@ -67,10 +67,12 @@ class ModelRunner:
         max_planes = num_request_planes(config.kv_mode, spec.num_fixed_planes, max_loops)
         useful = config.max_num_seqs * math.ceil(max_model_len / self.block_size) * max_planes
         self.num_blocks = plan_num_blocks(hal, config, self.bytes_per_block, useful)
-        # one extra block past the pool: the scratch block that graph padding rows write and read,
-        # so padded rows need no special slot values in any backend's kernels
+        # scratch blocks past the pool, which graph padding rows write and read, so padded rows need
+        # no special slot values in any backend's kernels; one slot per row of the largest batch, as
+        # some KV writes (Ascend's npu_scatter_pa_kv_cache) require the slots of one call to be unique
         self.scratch_block = self.num_blocks
-        self.kv_caches = [torch.zeros(self.backend.kv_cache_shape(self.num_blocks + 1), dtype=self.dtype,
+        cache_blocks = self.num_blocks + math.ceil(config.max_num_seqs / self.block_size)
+        self.kv_caches = [torch.zeros(self.backend.kv_cache_shape(cache_blocks), dtype=self.dtype,
                                       device=self.device) for _ in range(spec.layers_per_plane)]
         log.info("KV cache: %d blocks of %d tokens, %.1f MiB, kv_mode=%s", self.num_blocks, self.block_size,
                  self.num_blocks * self.bytes_per_block / 2**20, config.kv_mode)

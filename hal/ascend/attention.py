@@ -3,21 +3,22 @@
 Cache of one layer: `[2, num_blocks, block_size, KVH, D]` (K then V), the layout vllm-ascend uses;
 the fused op sees each half as BnBsH `[num_blocks, block_size, KVH * D]`, the KV write sees it
 as `[num_blocks, block_size, KVH, D]`. Lengths travel as host lists (cumulative query lengths,
-per-sequence KV lengths), so a captured graph bakes them in: `graph_host_params(meta)` gives the
-update a replay needs. Backend "fia_pa" sends decode-only steps to ATB `_npu_paged_attention`.
+per-sequence KV lengths), so a captured graph bakes them in: each meta remembers the updatable
+calls captured with it, and `update_meta(meta, batch)` returns their new host arguments, which
+`Graph.update` takes. Backend "fia_pa" sends decode-only steps to ATB `_npu_paged_attention`.
 """
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from hal.ascend.ops import AscendOps, GraphCall
+from hal.ascend.ops import AscendOps
 from hal.ascend.sim_attention import MASK_SIZE
-from hal.base import AttentionBackend, AttnCaps, PagedBatch
+from hal.base import AttentionBackend, AttnCaps, MetaCapacity, PagedBatch
 from hal.cpu.attention import TorchPagedAttention
 from hal.paged import block_table_array, slot_mapping
 
@@ -34,6 +35,10 @@ class AscendMeta:
     write_rows: list[torch.Tensor | None]       # [P] token rows with a slot (None = all of them)
     unused_rows: list[torch.Tensor | None]      # [P] query rows of sequences without KV there (output 0)
     is_decode: bool                             # every sequence has exactly one query
+    # the updatable calls (site, plane) captured with this meta, in capture order, and the capture
+    # they belong to: what update_meta returns host arguments for
+    graph_calls: list[tuple[str, int]] = field(default_factory=list)
+    captured_in: Any = None
 
 
 class FusedAttention(AttentionBackend):
@@ -49,7 +54,6 @@ class FusedAttention(AttentionBackend):
         self.name = "fia_pa" if paged_decode else "fia"
         # sparse_mode 3 takes this fixed mask: True (masked) strictly above the diagonal
         self.mask = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool, device=device).triu_(1)
-        self._capture_log: list[GraphCall] = []
 
     @property
     def caps(self) -> AttnCaps:
@@ -59,9 +63,23 @@ class FusedAttention(AttentionBackend):
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     # ----- metadata ---------------------------------------------------------------------------
-    def build_meta(self, batch: PagedBatch, max_blocks: int | None = None) -> AscendMeta:
-        """`max_blocks` widens the block tables (a graph captured on this meta then takes any
-        later batch whose tables fit, through `update_meta`)."""
+    def build_meta(self, batch: PagedBatch, capacity: MetaCapacity | None = None) -> AscendMeta:
+        """With `capacity` the block tables are `max_blocks_per_seq` wide, so a graph captured on this
+        meta takes every later batch of the same sequence count and query lengths (`update_meta`)."""
+        if capacity is None:
+            return self._build(batch)
+        problems = [f"{what} {got} > capacity {cap}" for what, got, cap in (
+            ("sequences", len(batch.query_lens), capacity.max_num_seqs),
+            ("tokens", sum(batch.query_lens), capacity.max_num_tokens),
+            ("planes", len(batch.block_tables), capacity.num_planes),
+            ("sequence length", max(batch.seq_lens, default=0), capacity.max_seq_len)) if got > cap]
+        if problems:
+            raise ValueError(f"batch exceeds the meta capacity: {'; '.join(problems)}")
+        return self._build(batch, capacity.max_blocks_per_seq, check_slots=True)
+
+    def _build(self, batch: PagedBatch, max_blocks: int = 0, check_slots: bool = False) -> AscendMeta:
+        """The meta of `batch`, block tables at least `max_blocks` wide; `check_slots` refuses repeated
+        KV slots (graph steps, whose padding rows are the runtime's; eager steps skip the cost)."""
         if batch.block_size != self.block_size:
             raise ValueError(f"batch block_size {batch.block_size} != backend block_size {self.block_size}")
         bs, query_lens, seq_lens = self.block_size, list(batch.query_lens), list(batch.seq_lens)
@@ -71,12 +89,17 @@ class FusedAttention(AttentionBackend):
         kv_lens = [[s if used else q for used, q, s in zip(flags, query_lens, seq_lens)] for flags in in_use]
         unused_need = [-(-q // bs) for flags in in_use for used, q in zip(flags, query_lens) if not used]
         widest = max([len(t) for plane in batch.block_tables for t in plane] + unused_need + [1])
-        tables = block_table_array(batch, max(widest, max_blocks or 0))
+        if max_blocks and widest > max_blocks:
+            raise ValueError(f"a block table needs {widest} blocks, the meta has room for {max_blocks} "
+                             f"(MetaCapacity.max_blocks_per_seq)")
+        tables = block_table_array(batch, max(widest, max_blocks))
         for p, flags in enumerate(in_use):
             for i, used in enumerate(flags):
                 if not used:
                     tables[p, i] = 0
         slots = slot_mapping(batch)                                                # [P, T] int64
+        if check_slots:
+            _check_unique_slots(slots)
         starts = [0, *itertools.accumulate(query_lens)]
         write_rows, unused_rows = [], []
         for p, flags in enumerate(in_use):
@@ -95,39 +118,36 @@ class FusedAttention(AttentionBackend):
     def _rows(self, rows: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(rows.astype(np.int64)).to(self.device)
 
-    def update_meta(self, meta: AscendMeta, batch: PagedBatch) -> AscendMeta:
+    def update_meta(self, meta: AscendMeta, batch: PagedBatch) -> list[dict[str, Any]]:
         """Rewrite `meta` in place for `batch`, keeping its device tensors (their addresses are
-        captured in graphs). The batch must have the same query lengths, use every plane it has,
-        and fit the block-table width `meta` was built with."""
-        width = meta.block_tables.shape[-1]
-        new = self.build_meta(batch, max_blocks=width)
-        if new.block_tables.shape[-1] > width:
-            raise ValueError(f"a block table needs {new.block_tables.shape[-1]} blocks, the meta has room "
-                             f"for {width}: build the captured meta with build_meta(batch, max_blocks=...)")
+        captured in graphs), and return the host arguments of the updatable calls captured with
+        `meta`, in capture order (`Graph.update` takes them; [] before any capture). The batch must
+        have the captured shape: same query lengths, every plane in use, tables within the width."""
+        new = self._build(batch, meta.block_tables.shape[-1], check_slots=True)
         if (new.cum_query_lens != meta.cum_query_lens or new.block_tables.shape != meta.block_tables.shape
                 or any(r is not None for r in (*new.write_rows, *new.unused_rows, *meta.write_rows,
                                                *meta.unused_rows))):
             raise ValueError("update_meta needs a batch of the captured shape (same query lengths, planes, "
-                             "sequences; tables no wider than captured; every plane in use)")
+                             "sequences; every plane in use by every sequence)")
         meta.block_tables.copy_(new.block_tables)
         meta.slot_mapping.copy_(new.slot_mapping)
         for p in range(len(meta.kv_lens)):
             meta.kv_lens[p][:] = new.kv_lens[p]
             meta.context_lens[p].copy_(new.context_lens[p])
-        meta.is_decode = new.is_decode
-        return meta
-
-    def graph_host_params(self, meta: AscendMeta, graph: Any = None) -> list[dict[str, Any]]:
-        """The host arguments of this step for every updatable call of `graph` (default: the last
-        graph captured with this backend), in capture order: what `graph.update` takes."""
-        calls = graph.calls if graph is not None else self._capture_log
-        return [self._host_params(meta, c.site, c.plane) for c in calls if c.owner is self]
+        return [self._host_params(meta, site, plane) for site, plane in meta.graph_calls]
 
     def _host_params(self, meta: AscendMeta, site: str, plane: int) -> dict[str, Any]:
         if site == "paged_decode_attention":
             return {"context_lens": meta.context_lens[plane].clone()}
         return {"actual_seq_lengths": list(meta.cum_query_lens),
                 "actual_seq_lengths_kv": list(meta.kv_lens[plane])}
+
+    def _note_capture(self, meta: AscendMeta, site: str, plane: int) -> None:
+        """Inside a graph capture: remember the updatable call on `meta` and log it for the graph."""
+        if meta.captured_in is not self.ops.capture_log:          # a new capture: forget an older one
+            meta.captured_in, meta.graph_calls = self.ops.capture_log, []
+        meta.graph_calls.append((site, plane))
+        self.ops.record(site, self, plane, self._host_params(meta, site, plane))
 
     # ----- KV write and attention -------------------------------------------------------------
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AscendMeta,
@@ -158,13 +178,23 @@ class FusedAttention(AttentionBackend):
                 scale=scale, block_size=self.block_size)
             site = "fused_infer_attention"
         if self.ops.capturing:
-            if self.ops.capture_log is not self._capture_log:
-                self._capture_log = self.ops.capture_log
-            self.ops.record(site, self, plane, self._host_params(meta, site, plane))
+            self._note_capture(meta, site, plane)
         rows = meta.unused_rows[plane]
         if rows is not None:
             out = out.index_fill(0, rows, 0)
         return out.to(q.dtype)
+
+
+def _check_unique_slots(slots: np.ndarray) -> None:
+    """`slots: [P, T]`. npu_scatter_pa_kv_cache requires the slots of one call to be unique (its docs:
+    accuracy is not guaranteed otherwise): refuse a batch that repeats one, e.g. graph padding rows
+    sharing a scratch slot, on the host rather than get undefined KV on the NPU."""
+    for plane, row in enumerate(slots):
+        values, counts = np.unique(row[row >= 0], return_counts=True)
+        if (counts > 1).any():
+            raise ValueError(f"plane {plane}: KV slots {values[counts > 1][:4].tolist()} are written by more "
+                             f"than one token of the step; the Ascend KV write needs unique slots (give "
+                             f"each graph padding row its own scratch slot)")
 
 
 class FallbackAttention(TorchPagedAttention):

@@ -2,10 +2,10 @@
 
 Fused attention on Ascend takes sequence lengths as host lists, which a captured graph bakes in.
 `AscendGraph.update(host_params)` replaces them before a replay: one dict per updatable call
-captured, in capture order, keyed by that call's `update_keys` (`ops.CALL_SITES`). Attention
-backends produce the list for a step with `backend.graph_host_params(meta)`. The list is checked
-against what was captured (count, keys, batch sizes) on the NPU and in the simulation alike; the
-simulation also refuses a replay that no update preceded.
+captured, in capture order, keyed by that call's `update_keys` (`ops.CALL_SITES`); the attention
+backend's `update_meta(meta, batch)` returns that list for the calls captured with `meta`. The list
+is checked against what was captured (count, keys, batch sizes) on the NPU and in the simulation
+alike; the simulation also refuses a replay that no update preceded.
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ def check_host_params(calls: Sequence[GraphCall], host_params: Sequence[dict[str
     """Raise ValueError unless `host_params` fits the captured `calls` one to one."""
     if len(host_params) != len(calls):
         raise ValueError(f"graph update got {len(host_params)} host-param dicts; the graph captured "
-                         f"{len(calls)} updatable calls (one dict per call, in capture order: use "
-                         f"backend.graph_host_params(meta))")
+                         f"{len(calls)} updatable calls (one dict per call, in capture order: what "
+                         f"backend.update_meta(meta, batch) returns for the meta captured in this graph)")
     for i, (call, params) in enumerate(zip(calls, host_params)):
         if set(params) != set(call.host_params):
             raise ValueError(f"graph update entry {i} ({call.site}, plane {call.plane}) has keys "
@@ -114,7 +114,7 @@ class SimGraph(AscendGraph):
         logged = [CALL_SITES[call.site].op for call in self.ops.capture_log]
         if logged != [record.op for record in self.records]:
             raise RuntimeError(f"the backends logged updatable calls {logged} but the ops recorded "
-                               f"{[r.op for r in self.records]}: graph_host_params would not line up")
+                               f"{[r.op for r in self.records]}: update_meta's host params would not line up")
         self.fn, self.is_updated = fn, False
         return self.outputs
 
@@ -134,7 +134,7 @@ class SimGraph(AscendGraph):
         if self.records and not self.is_updated:
             raise GraphReplayError(f"replay without update: this graph bakes the host lengths of "
                                    f"{len(self.records)} attention calls; call "
-                                   f"graph.update(backend.graph_host_params(meta)) first")
+                                   f"graph.update(backend.update_meta(meta, batch)) first")
         with self.ops.lib.replaying(self.records):
             _copy_into(self.outputs, self.fn())
         self.is_updated = False

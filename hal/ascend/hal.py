@@ -85,6 +85,11 @@ class AscendHal(Hal):
         return FUSED_HEAD_DIMS
 
     @property
+    def fused_block_multiple(self) -> int:
+        """Page sizes the fused op takes are multiples of this (up to 512)."""
+        return BLOCK_SIZE
+
+    @property
     def caps(self) -> Caps:
         npu, index = self._npu(), self.device().index
         props = npu.get_device_properties(index)
@@ -172,8 +177,9 @@ class AscendHal(Hal):
             reasons.append(f"head dim {head_dim} (the TND path takes {', '.join(map(str, dims))})")
         if dims is not None and dtype not in FUSED_DTYPES:
             reasons.append(f"dtype {dtype} (the fused op takes float16/bfloat16)")
-        if block_size % BLOCK_SIZE or block_size > 512:
-            reasons.append(f"block size {block_size} (page attention takes multiples of 128 up to 512)")
+        if block_size % self.fused_block_multiple or block_size > 512:
+            reasons.append(f"block size {block_size} (page attention takes multiples of "
+                           f"{self.fused_block_multiple} up to 512)")
         if num_heads // num_kv_heads > 64:
             reasons.append(f"GQA ratio {num_heads // num_kv_heads} (at most 64)")
         return reasons

@@ -3,8 +3,9 @@ contract run unchanged, with `hal.ascend.sim.SimNpu` in place of torch_npu; stre
 the CPU's, graphs replay eagerly (`hal.ascend.graph.SimGraph`), collectives use gloo.
 
 `sim_any_shape=True` (env `LOOPSTACK_ASCEND_SIM_ANY_SHAPE=1`) lifts the fused path's hardware limits
-(head dim 128, fp16/bf16) so tiny float32 test models exercise it; the default keeps them, so
-shapes go to the same backends they would on a 910B.
+(head dim 128, fp16/bf16, pages of 128) so tiny float32 test models exercise it, also with pages of
+16 tokens (many blocks per sequence); the default keeps them, so shapes go to the same backends
+they would on a 910B.
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from hal.ascend.graph import SimGraph, StagedHostBuffer
 from hal.ascend.hal import BACKENDS, BLOCK_SIZE, FUSED_HEAD_DIMS, AscendHal
 from hal.ascend.ops import AscendOps
 from hal.base import Caps, MemInfo
+
+ANY_SHAPE_BLOCK_MULTIPLE = 16           # what the simulated op checks with the shape limits lifted
 
 
 class SimAscendHal(AscendHal):
@@ -44,13 +47,18 @@ class SimAscendHal(AscendHal):
         return None if self.any_shape else FUSED_HEAD_DIMS
 
     @property
+    def fused_block_multiple(self) -> int:
+        return ANY_SHAPE_BLOCK_MULTIPLE if self.any_shape else BLOCK_SIZE
+
+    @property
     def caps(self) -> Caps:
         from hal.cpu import CpuHal
 
         real = CpuHal().caps
+        block_sizes = (BLOCK_SIZE, ANY_SHAPE_BLOCK_MULTIPLE) if self.any_shape else (BLOCK_SIZE,)
         return Caps(arch="Ascend910B-sim" + ("-any-shape" if self.any_shape else ""), warp_size=None,
                     num_compute_units=real.num_compute_units, graphs=True, graph_needs_host_update=True,
-                    uva=False, attention_backends=BACKENDS, kv_block_sizes=(BLOCK_SIZE,),
+                    uva=False, attention_backends=BACKENDS, kv_block_sizes=block_sizes,
                     head_dims=self.fused_head_dims, fp8_dtype=None, dtypes=real.dtypes)
 
     def versions(self) -> dict[str, str]:

@@ -79,6 +79,10 @@ def test_backend_choice_is_logged_and_explicit_requests_are_strict(caplog):
         h.attention(4, 2, 128, torch.bfloat16, backend="flash")
     any_shape = hal.get("ascend", simulate=True, sim_any_shape=True)
     assert any_shape.attention(4, 2, 64, torch.float32).name == "fia"
+    # pages of 16: the simulation's lifted limit only; the 910B's fused op takes multiples of 128
+    assert any_shape.attention(4, 2, 64, torch.float32, block_size=16).name == "fia"
+    with pytest.raises(ValueError, match="block size 16 .*multiples of 128"):
+        h.attention(16, 2, 128, torch.bfloat16, block_size=16, backend="fia")
     assert h.op("rms_norm") and h.op("rotary") and h.op("silu_and_mul") and h.op("gelu") is None
 
 
