@@ -30,7 +30,7 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 
 
 
 class _Captured(NamedTuple):
-    graph: Any
+    graph: Any                   # keeps the captured function, and so every static tensor, alive
     ids: torch.Tensor            # [1, B] token ids
     positions: torch.Tensor      # [1, B]
     init_state: torch.Tensor | None   # [1, B, D] Huginn's initial states, drawn eagerly per replay

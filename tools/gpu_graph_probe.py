@@ -158,3 +158,42 @@ def multi_step() -> None:
 
 if __name__ == "__main__" and __import__("sys").argv[1:] == ["multi"]:
     probe("multi step", multi_step)
+
+
+def patch_variant(name: str) -> None:
+    import torch
+
+    from hal.cuda import graph as cuda_graph
+    from hal.kernels import backend as triton_backend
+    from runtime import graphs
+
+    if name == "sync-before-replay":
+        replay = cuda_graph.CudaGraph.replay
+
+        def synced(self):
+            torch.cuda.current_stream().synchronize()
+            replay(self)
+        cuda_graph.CudaGraph.replay = synced
+    if name == "replay-on-capture-stream":
+        def on_stream(self):
+            current = torch.cuda.current_stream()
+            self.stream.wait_stream(current)
+            with torch.cuda.stream(self.stream):
+                self.graph.replay()
+            current.wait_stream(self.stream)
+        cuda_graph.CudaGraph.replay = on_stream
+    if name == "blocking-copies":
+        update = triton_backend.TritonPagedAttention.update_meta
+
+        def blocking(self, meta, batch):
+            out = update(self, meta, batch)
+            torch.cuda.current_stream().synchronize()
+            return out
+        triton_backend.TritonPagedAttention.update_meta = blocking
+
+
+if __name__ == "__main__" and __import__("sys").argv[1:2] == ["variant"]:
+    import sys
+
+    patch_variant(sys.argv[2])
+    probe(f"multi step ({sys.argv[2]})", multi_step)

@@ -52,6 +52,7 @@ class AscendGraph:
             out = self._capture(fn)
         finally:
             self.calls, self.ops.capture_log = self.ops.capture_log, None
+        self.fn = fn          # keeps every tensor the captured work reads (fn's closure) allocated
         return out
 
     def update(self, host_params: Sequence[dict[str, Any]]) -> None:

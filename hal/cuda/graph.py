@@ -23,6 +23,7 @@ class CudaGraph:
     def __init__(self, device: torch.device, pool: Any, stream: Any) -> None:
         self.device, self.pool, self.stream = device, pool, stream
         self.graph = torch.cuda.CUDAGraph()
+        self.fn: Callable[[], Any] | None = None
         self.outputs: Any = None
         self.is_captured = False
 
@@ -33,6 +34,9 @@ class CudaGraph:
             # torch.cuda.graph synchronises the device first, so work queued before capture is done
             with torch.cuda.graph(self.graph, pool=self.pool, stream=self.stream):
                 self.outputs = fn()
+        # the graph reads every tensor `fn` closes over at fixed addresses: keeping `fn` keeps them
+        # allocated (a freed static input is reused by the allocator and replays read garbage)
+        self.fn = fn
         self.is_captured = True
         return self.outputs
 
@@ -47,4 +51,4 @@ class CudaGraph:
     def reset(self) -> None:
         """Free the captured graph (its pool memory returns to the shared pool)."""
         self.graph.reset()
-        self.outputs, self.is_captured = None, False
+        self.fn, self.outputs, self.is_captured = None, None, False

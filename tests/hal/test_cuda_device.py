@@ -127,3 +127,24 @@ def test_conformance_cli_reaches_r3():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "acceptance level: R3" in proc.stdout and "cuda=" in proc.stdout
+
+
+def test_captured_graph_keeps_its_inputs_alive(cuda):
+    """A graph reads the tensors its function closes over at fixed addresses: they must outlive the
+    code that made them (a freed static input was reused by the allocator: replays read garbage)."""
+    def make():
+        table = torch.randn(512, 64, device="cuda")
+        ids = torch.zeros(8, dtype=torch.long, device="cuda")
+        rows = torch.arange(8, device="cuda")                      # only the closure holds it
+        fn = lambda: torch.nn.functional.embedding(ids, table).index_select(0, rows) * 2   # noqa: E731
+        fn()
+        graph = cuda.graph()
+        return graph, graph.capture(fn), ids, table
+
+    graph, out, ids, table = make()
+    for step in range(5):
+        junk = [torch.full((8,), 10**6, dtype=torch.long, device="cuda") for _ in range(64)]   # reuse bait
+        ids.copy_(torch.randint(0, 512, (8,)))
+        graph.replay()
+        torch.testing.assert_close(out, table[ids] * 2)
+        del junk
