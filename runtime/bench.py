@@ -10,6 +10,7 @@ device, without a checkpoint file: a fixed-depth forward runs at the same speed 
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import statistics
@@ -76,10 +77,13 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
             prefill_done = t1 - start          # every prompt computed and its first token sampled
             continue
         if outs:
-            step_times.append(t1 - t0)
+            step_times.append((t1 - t0, len(outs)))
             decode_tokens, decode_s = decode_tokens + new, decode_s + (t1 - t0)
     total = time.perf_counter() - start
-    decode = step_times[min(3, len(step_times) // 4):] or step_times or [float("nan")]
+    # steady state: steps where every request of the cell decodes (requests that prefilled in
+    # later chunks finish later, and the last steps run smaller batches); skip graph captures
+    full = [t for t, n in step_times if n == cell["batch"]] or [t for t, _ in step_times]
+    decode = full[min(2, len(full) // 4):] or full or [float("nan")]
     ms = statistics.median(decode) * 1e3
     row = {"batch": cell["batch"], "prompt": cell["prompt"], "new_tokens": cell["new"],
            "prefill_s": round(prefill_done or total, 4),
@@ -87,7 +91,7 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
            "decode_ms_step": round(ms, 3), "decode_tok_s": round(cell["batch"] / ms * 1e3, 1),
            # tokens over the decode steps' total time: what compares speculation with plain decoding
            "decode_tok_s_mean": round(decode_tokens / decode_s if decode_s else 0.0, 1),
-           "decode_steps": len(step_times), "total_s": round(total, 3),
+           "decode_steps": len(step_times), "full_batch_steps": len(full), "total_s": round(total, 3),
            "peak_mem_gib": round(hal.memory_stats()["peak_allocated"] / 2**30, 2)}
     drafted = sum(m.num_draft_tokens for m in metrics)
     if drafted:
@@ -145,8 +149,8 @@ def run(cfg: Any) -> list[dict[str, Any]]:
             gpu_memory_utilization=cfg.gpu_memory_utilization, num_kv_blocks=cfg.num_kv_blocks,
             graphs=cfg.graphs, speculative=spec))
         if cfg.warmup:
-            run_cell(engine, {"batch": min(cell["batch"], 2), "prompt": min(cell["prompt"], 64), "new": 4},
-                     num_loops, seed=1)
+            # same prompt length: kernels compile (and graphs capture) outside the timed cell
+            run_cell(engine, {"batch": min(cell["batch"], 2), "prompt": cell["prompt"], "new": 4}, num_loops, seed=1)
         row = {"workload": workload, "model": name, "hal": hal.name, "kv_mode": cfg.kv_mode,
                "loops": num_loops, "dtype": cfg.dtype, "weights": cfg.weights,
                "graphs": engine.runner.graphs is not None and engine.runner.graphs.capture,
@@ -169,6 +173,7 @@ def run(cfg: Any) -> list[dict[str, Any]]:
         results.append(row)
         print(json.dumps(row), flush=True)
         del engine
+        gc.collect()                     # the runner and its graphs reference each other
         hal.empty_cache()
     return results
 

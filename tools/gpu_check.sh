@@ -29,7 +29,7 @@ run() {   # run NAME SECONDS CMD...: log everything, keep going on failure
   tail -n 4 "$LOG"
 }
 
-bench() { run "bench $*" 300 python3 -m runtime.bench hal=cuda weights=random output="$BENCH" "$@"; }
+bench() { run "bench $*" 200 python3 -m runtime.bench hal=cuda weights=random output="$BENCH" "$@"; }
 
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee -a "$LOG"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
@@ -50,12 +50,8 @@ for phase in $PHASES; do
       bench model=huginn-0125 'workload=[b1]'
       bench model=nanbeige4.2-3b 'workload=[b1]' ;;
     profile)
-      run "profile b1" 180 python3 tools/profile_step.py --model ouro-1.4b --batch 1 --context 256
-      run "profile b128" 180 python3 tools/profile_step.py --model ouro-1.4b --batch 128 --context 1024 --rows 15 ;;
-    spec)
-      for d in 1 2; do
-        bench model=ouro-1.4b 'workload=[b1,b8,b32]' speculative.num_tokens=4 speculative.draft_loops=$d
-      done ;;
+      run "profile b1" 90 python3 tools/profile_step.py --model ouro-1.4b --batch 1 --context 256 --rows 20 ;;
+    spec) bench model=ouro-1.4b 'workload=[b1,b8,b32]' speculative.num_tokens=4 speculative.draft_loops=2 ;;
     *) echo "unknown phase $phase" ;;
   esac
 done

@@ -40,7 +40,9 @@ def main() -> None:
     for i in range(args.batch):
         engine.add_request(str(i), torch.randint(1, model.config.vocab_size, (args.context,), generator=gen).tolist(),
                            params)
-    for _ in range(4):                                    # prefill, graph capture, warm-up
+    while engine.scheduler.waiting or any(r.is_prefill for r in engine.scheduler.running):
+        engine.step()                                     # prefill
+    for _ in range(3):                                    # graph capture, warm-up
         engine.step()
     device_hal.synchronize()
     start = time.perf_counter()
