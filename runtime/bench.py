@@ -6,6 +6,7 @@ device, without a checkpoint file: a fixed-depth forward runs at the same speed 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import statistics
@@ -43,7 +44,9 @@ def build_model(cfg: Any, device: torch.device):
 
 
 def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int = 0) -> dict[str, Any]:
-    """Prefill `batch` prompts of `prompt` random tokens, then decode `new` tokens each."""
+    """Prefill `batch` prompts of `prompt` random tokens, then decode `new` tokens each. With
+    `late_prompt: N` one more prompt of N tokens arrives once the batch decodes: its time to first
+    token and the decode step time while it prefills are reported (chunked vs wavefront prefill)."""
     hal = engine.hal
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.model.config.vocab_size
@@ -55,17 +58,27 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
     hal.reset_peak_memory()
     start = time.perf_counter()
     step_times, prefill_done, first_token_at = [], None, 0.0
+    late: dict[str, Any] = {}
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
         outs = engine.step()
-        hal.synchronize()
+        if not engine.config.async_scheduling:     # async: step() already waits for the step before
+            hal.synchronize()
         t1 = time.perf_counter()
         if prefill_done is None:
             if engine.scheduler.waiting or any(r.is_prefill for r in engine.scheduler.running):
                 continue
             prefill_done = t1 - start          # every prompt computed and its first token sampled
+            if cell.get("late_prompt"):
+                prompt = torch.randint(1, vocab, (cell["late_prompt"],), generator=gen).tolist()
+                engine.add_request(f"bench-{seed}-late", prompt, dataclasses.replace(params, max_tokens=1))
+                late = {"added": time.perf_counter(), "steps": []}
             continue
-        if outs:
+        if late and "ttft" not in late:
+            late["steps"].append(t1 - t0)
+            if any(o.request_id.endswith("-late") for o in outs):
+                late["ttft"] = t1 - late["added"]
+        elif outs:
             step_times.append(t1 - t0)
     total = time.perf_counter() - start
     decode = step_times[min(3, len(step_times) // 4):] or step_times or [float("nan")]
@@ -75,7 +88,14 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
             "prefill_tok_s": round(cell["batch"] * cell["prompt"] / (prefill_done or total), 1),
             "decode_ms_step": round(ms, 3), "decode_tok_s": round(cell["batch"] / ms * 1e3, 1),
             "decode_steps": len(step_times), "total_s": round(total, 3),
-            "peak_mem_gib": round(hal.memory_stats()["peak_allocated"] / 2**30, 2)}
+            "peak_mem_gib": round(hal.memory_stats()["peak_allocated"] / 2**30, 2),
+            **(late_summary(cell, late) if late else {})}
+
+
+def late_summary(cell: dict[str, int], late: dict[str, Any]) -> dict[str, Any]:
+    during = statistics.median(late["steps"] or [float("nan")])
+    return {"late_prompt": cell["late_prompt"], "late_ttft_s": round(late.get("ttft", float("nan")), 4),
+            "decode_ms_step_during_late": round(during * 1e3, 3)}
 
 
 def run(cfg: Any) -> list[dict[str, Any]]:
@@ -99,14 +119,17 @@ def run(cfg: Any) -> list[dict[str, Any]]:
             raise ValueError(f"unknown workload {workload!r}; known: {', '.join(cfg.workloads)}")
         cell = dict(cfg.workloads[workload])
         engine = LLMEngine(model, hal, EngineConfig(
-            kv_mode=cfg.kv_mode, max_num_seqs=max(cell["batch"], 1),
+            kv_mode=cfg.kv_mode, max_num_seqs=max(cell["batch"] + (1 if cell.get("late_prompt") else 0), 1),
             max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=cell["prompt"] + cell["new"] + 16,
-            gpu_memory_utilization=cfg.gpu_memory_utilization, num_kv_blocks=cfg.num_kv_blocks))
+            max_model_len=max(cell["prompt"] + cell["new"], cell.get("late_prompt", 0) + 1) + 16,
+            gpu_memory_utilization=cfg.gpu_memory_utilization, num_kv_blocks=cfg.num_kv_blocks,
+            async_scheduling=cfg.async_scheduling, wavefront_prefill=cfg.wavefront_prefill))
         if cfg.warmup:
             run_cell(engine, {"batch": min(cell["batch"], 2), "prompt": min(cell["prompt"], 64), "new": 4},
                      num_loops, seed=1)
         row = {"workload": workload, "model": name, "hal": hal.name, "kv_mode": cfg.kv_mode,
+               "max_num_batched_tokens": cfg.max_num_batched_tokens, "async_scheduling": cfg.async_scheduling,
+               "wavefront_prefill": cfg.wavefront_prefill,
                "loops": num_loops, "dtype": cfg.dtype, "weights": cfg.weights,
                **run_cell(engine, cell, num_loops)}
         costs = model_costs(model, num_loops, cfg.kv_mode)

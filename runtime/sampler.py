@@ -39,3 +39,14 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
         return int(torch.argmax(logits))
     probs = filtered_probs(logits, params)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample_tokens(logits: torch.Tensor, requests) -> torch.Tensor:
+    """Next tokens `[R]` (int64, on the logits' device, no host sync) for `logits: [R, V]`; the same
+    draws, in the same order, as `sample_token` row by row."""
+    tokens = logits.argmax(-1)
+    for i, request in enumerate(requests):
+        if not request.params.is_greedy:
+            probs = filtered_probs(logits[i], request.params)
+            tokens[i:i + 1] = torch.multinomial(probs, 1, generator=request.generator)
+    return tokens
