@@ -154,3 +154,19 @@ def test_prefix_cache_random_operations_keep_counts_exact():
         bm.free(rid)
     bm.check_invariants()
     assert bm.num_free_blocks == 60 and bm.cache.num_hits > 100
+
+
+def test_loop_planes_are_shared_across_loop_counts_but_fixed_planes_are_not():
+    from runtime.config import SamplingParams
+    from runtime.prefix_cache import PrefixPolicy
+    from runtime.sequence import Request
+
+    policy = PrefixPolicy(block_size=2, kv_mode="full", num_fixed_planes=1)     # Huginn-like: 1 fixed plane
+    prompt = [random.Random(4).randrange(1, 99) for _ in range(7)]
+    two, four = (Request(f"r{n}", prompt, SamplingParams(), num_loops=n, exit_threshold=1.0, num_planes=1 + n,
+                         cache_salt=b"s") for n in (2, 4))
+    k2, k4 = policy.block_keys(two, 3), policy.block_keys(four, 3)
+    assert [len(k) for k in k2] == [3] * 3 and [len(k) for k in k4] == [3] * 5
+    assert k2[1:] == k4[1:3]                 # loop planes 0 and 1: the same KV whatever the depth
+    assert not set(k2[0]) & set(k4[0])       # the coda's plane depends on how many loops ran
+    assert policy.max_hit_blocks(two) == 3 and policy.cacheable_len(two) == 0

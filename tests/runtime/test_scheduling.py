@@ -65,7 +65,6 @@ def test_golden_greedy_with_every_feature_under_memory_pressure(name, preemption
     for i in range(len(prompts) + 1):
         assert outs[str(i)].token_ids == case.greedy(i % case.num_prompts), f"prompt {i}"
     assert counts["wave"] and counts["preempted"] and (counts["swap_out"] or preemption == "recompute")
-    assert outs[str(len(prompts))].metrics.num_cached_tokens > 0 or counts["preempted"]
     assert_clean(engine)
 
 
