@@ -37,10 +37,13 @@ class Completion(NamedTuple):
 
 def run_experiment(model: Any, hal: Any, policy: str, num_low: int = 64, num_high: int = 8,
                    num_slots: int = 16, prompt_len: int = 16, max_tokens: int = 32,
-                   high_arrival_step: int = 4, seed: int = 0) -> dict[str, list[Completion]]:
-    """Completion (time and step since the start) of every request, by class."""
-    engine = LLMEngine(model, hal, EngineConfig(max_num_seqs=num_slots, scheduling_policy=policy,
-                                                max_num_batched_tokens=num_slots * prompt_len))
+                   high_arrival_step: int = 4, seed: int = 0,
+                   **engine_options: Any) -> dict[str, list[Completion]]:
+    """Completion (time and step since the start) of every request, by class (`engine_options`: more
+    `EngineConfig` fields)."""
+    config = EngineConfig(max_num_seqs=num_slots, scheduling_policy=policy,
+                          max_num_batched_tokens=num_slots * prompt_len, **engine_options)
+    engine = LLMEngine(model, hal, config)
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

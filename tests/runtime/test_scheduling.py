@@ -113,7 +113,8 @@ def test_prefix_hit_shrinks_the_second_prefill_by_the_cached_fraction():
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     work, outs = {}, {}
     for caching in (False, True):
-        engine = LLMEngine(model, CPU, EngineConfig(block_size=4, enable_prefix_caching=caching))
+        config = EngineConfig(block_size=4, num_kv_blocks=256, enable_prefix_caching=caching)
+        engine = LLMEngine(model, CPU, config)
         engine.add_request("first", first, params)
         engine.run_until_done()
         before = engine.num_computed_tokens
@@ -176,7 +177,7 @@ def test_async_seeded_sampling_equals_sync():
               for i in range(3)]
     outs = {}
     for async_ in (False, True):
-        engine = LLMEngine(model, CPU, EngineConfig(block_size=4, async_scheduling=async_))
+        engine = LLMEngine(model, CPU, EngineConfig(block_size=4, num_kv_blocks=64, async_scheduling=async_))
         outs[async_] = [o.token_ids for o in run_engine(engine, prompts, params, arrive_every=1)]
     assert outs[True] == outs[False]
 
@@ -191,7 +192,7 @@ def test_last_exited_early_exit_unchanged_by_async_prefix_and_wavefront():
     prompts = [case.prompt(i) for i in range(case.num_prompts)] + [case.prompt(0)]
     outs = {}
     for features in ({}, dict(async_scheduling=True, enable_prefix_caching=True, wavefront_prefill=True)):
-        engine = LLMEngine(model, CPU, EngineConfig(kv_mode="last_exited", block_size=4,
+        engine = LLMEngine(model, CPU, EngineConfig(kv_mode="last_exited", block_size=4, num_kv_blocks=256,
                                                     max_num_batched_tokens=6, **features))
         outs[bool(features)] = [(o.token_ids, o.loops_per_token)
                                 for o in run_engine(engine, prompts, [params] * len(prompts), arrive_every=2)]
@@ -207,7 +208,7 @@ def test_priority_experiment_high_priority_requests_finish_first():
     medians = {}
     for policy in ("fcfs", "priority"):
         done = run_experiment(model, CPU, policy, num_low=16, num_high=4, num_slots=4, prompt_len=4,
-                              max_tokens=6, high_arrival_step=2)
+                              max_tokens=6, high_arrival_step=2, num_kv_blocks=64)
         assert len(done["low"]) == 16 and len(done["high"]) == 4
         medians[policy] = {cls: sorted(c.steps for c in items)[len(items) // 2]
                            for cls, items in done.items()}
@@ -228,6 +229,6 @@ def test_unsupported_combinations_are_rejected_with_the_fix():
         EngineConfig(scheduling_policy="lifo")
     # Huginn's random initial state makes KV depend on more than the tokens: never shared
     model = zoo.from_pretrained(golden_case("huginn-tiny").path, dtype="float32")
-    engine = LLMEngine(model, CPU, EngineConfig(block_size=4, enable_prefix_caching=True))
+    engine = LLMEngine(model, CPU, EngineConfig(block_size=4, num_kv_blocks=64, enable_prefix_caching=True))
     assert engine.add_request("r", [1, 2, 3], SamplingParams(seed=1)).cache_salt is None
     assert engine.add_request("z", [1, 2, 3], SamplingParams(init_scale=0.0)).cache_salt is not None
