@@ -215,7 +215,7 @@ class Hal(ABC):
     Members (about 25): identity (`name`, `device_type`, `dist_backend`, `visible_devices_env`,
     `is_available`, `caps`, `versions`), device and streams (`device`, `device_count`, `set_device`,
     `stream`, `current_stream`, `event`, `synchronize`), allocator (`mem_info`, `memory_stats`,
-    `empty_cache`, `host_buffer`), graphs (`graph`, `graph_pool`), collectives (`comm`), attention
+    `empty_cache`, `host_buffer`, `host_tensor`), graphs (`graph`, `graph_pool`), collectives (`comm`), attention
     (`attention`, `dense`), optional fused ops (`op`).
     """
 
@@ -293,6 +293,11 @@ class Hal(ABC):
     @abstractmethod
     def host_buffer(self, shape: Sequence[int], dtype: torch.dtype) -> HostBuffer:
         """A host-written, device-readable buffer (see `HostBuffer`)."""
+
+    def host_tensor(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """Host memory the device copies to and from asynchronously (`copy_(..., non_blocking=True)`):
+        page-locked where the device is not the host (KV swap space, sampled-token readback)."""
+        return torch.empty(tuple(shape), dtype=dtype, pin_memory=self.device_type != "cpu")
 
     # ----- graphs ---------------------------------------------------------------------------
     @abstractmethod

@@ -10,6 +10,7 @@ device, without a checkpoint file: a fixed-depth forward runs at the same speed 
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
@@ -49,7 +50,9 @@ def build_model(cfg: Any, device: torch.device):
 
 
 def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int = 0) -> dict[str, Any]:
-    """Prefill `batch` prompts of `prompt` random tokens, then decode `new` tokens each."""
+    """Prefill `batch` prompts of `prompt` random tokens, then decode `new` tokens each. With
+    `late_prompt: N` one more prompt of N tokens arrives once the batch decodes: its time to first
+    token and the decode step time while it prefills are reported (chunked vs wavefront prefill)."""
     hal = engine.hal
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.model.config.vocab_size
@@ -63,10 +66,12 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
     step_times, prefill_done, first_token_at = [], None, 0.0
     seen: dict[str, int] = {}
     decode_tokens, decode_s, metrics = 0, 0.0, []
+    late: dict[str, Any] = {}
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
         outs = engine.step()
-        hal.synchronize()
+        if not engine.config.async_scheduling:     # async: step() already waits for the step before
+            hal.synchronize()
         t1 = time.perf_counter()
         new = sum(len(o.token_ids) - seen.get(o.request_id, 0) for o in outs)
         seen.update({o.request_id: len(o.token_ids) for o in outs})
@@ -75,8 +80,16 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
             if engine.scheduler.waiting or any(r.is_prefill for r in engine.scheduler.running):
                 continue
             prefill_done = t1 - start          # every prompt computed and its first token sampled
+            if cell.get("late_prompt"):
+                prompt = torch.randint(1, vocab, (cell["late_prompt"],), generator=gen).tolist()
+                engine.add_request(f"bench-{seed}-late", prompt, dataclasses.replace(params, max_tokens=1))
+                late = {"added": time.perf_counter(), "steps": []}
             continue
-        if outs:
+        if late and "ttft" not in late:
+            late["steps"].append(t1 - t0)
+            if any(o.request_id.endswith("-late") for o in outs):
+                late["ttft"] = t1 - late["added"]
+        elif outs:
             step_times.append((t1 - t0, len(outs)))
             decode_tokens, decode_s = decode_tokens + new, decode_s + (t1 - t0)
     total = time.perf_counter() - start
@@ -92,7 +105,8 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
            # tokens over the decode steps' total time: what compares speculation with plain decoding
            "decode_tok_s_mean": round(decode_tokens / decode_s if decode_s else 0.0, 1),
            "decode_steps": len(step_times), "full_batch_steps": len(full), "total_s": round(total, 3),
-           "peak_mem_gib": round(hal.memory_stats()["peak_allocated"] / 2**30, 2)}
+           "peak_mem_gib": round(hal.memory_stats()["peak_allocated"] / 2**30, 2),
+           **(late_summary(cell, late) if late else {})}
     drafted = sum(m.num_draft_tokens for m in metrics)
     if drafted:
         rounds = sum(m.num_spec_rounds for m in metrics)
@@ -100,6 +114,12 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
         row.update({"acceptance_rate": round(sum(m.num_accepted_tokens for m in metrics) / drafted, 4),
                     "mean_accepted_length": round(sum(m.num_accepted_tokens for m in metrics) / rounds, 3)})
     return row
+
+
+def late_summary(cell: dict[str, int], late: dict[str, Any]) -> dict[str, Any]:
+    during = statistics.median(late["steps"] or [float("nan")])
+    return {"late_prompt": cell["late_prompt"], "late_ttft_s": round(late.get("ttft", float("nan")), 4),
+            "decode_ms_step_during_late": round(during * 1e3, 3)}
 
 
 def step_costs(engine: Any, cell: dict[str, int], num_loops: int | None, repeats: int = 10) -> dict[str, Any]:
@@ -143,15 +163,18 @@ def run(cfg: Any) -> list[dict[str, Any]]:
         cell = dict(cfg.workloads[workload])
         spec = engine_options(cfg)["speculative"]
         engine = LLMEngine(model, hal, EngineConfig(
-            kv_mode=cfg.kv_mode, max_num_seqs=max(cell["batch"], 1),
+            kv_mode=cfg.kv_mode, max_num_seqs=max(cell["batch"] + (1 if cell.get("late_prompt") else 0), 1),
             max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=cell["prompt"] + cell["new"] + 16 + 2 * spec.num_tokens,
+            max_model_len=max(cell["prompt"] + cell["new"], cell.get("late_prompt", 0) + 1) + 16 + 2 * spec.num_tokens,
             gpu_memory_utilization=cfg.gpu_memory_utilization, num_kv_blocks=cfg.num_kv_blocks,
-            graphs=cfg.graphs, speculative=spec))
+            graphs=cfg.graphs, speculative=spec, async_scheduling=cfg.async_scheduling,
+            wavefront_prefill=cfg.wavefront_prefill))
         if cfg.warmup:
             # same prompt length: kernels compile (and graphs capture) outside the timed cell
             run_cell(engine, {"batch": min(cell["batch"], 2), "prompt": cell["prompt"], "new": 4}, num_loops, seed=1)
         row = {"workload": workload, "model": name, "hal": hal.name, "kv_mode": cfg.kv_mode,
+               "max_num_batched_tokens": cfg.max_num_batched_tokens, "async_scheduling": cfg.async_scheduling,
+               "wavefront_prefill": cfg.wavefront_prefill,
                "loops": num_loops, "dtype": cfg.dtype, "weights": cfg.weights,
                "graphs": engine.runner.graphs is not None and engine.runner.graphs.capture,
                "spec": f"K={spec.num_tokens},d={spec.draft_loops},{spec.mode}" if spec.is_enabled else "off",

@@ -14,6 +14,8 @@ class SamplingParams:
     sampling (and Huginn's random initial state) reproducible per request, greedy included.
     `num_loops` and `exit_threshold` default to the model's own values when None. `init_scale`
     scales Huginn's random initial state (None: the reference's 1.0; 0.0: a zero state).
+    `priority` orders requests under `scheduling_policy="priority"`: lower is more urgent (vLLM's
+    convention), first come first served within a level.
     """
 
     max_tokens: int = 16
@@ -27,6 +29,7 @@ class SamplingParams:
     exit_threshold: float | None = None
     min_loops: int = 1
     init_scale: float | None = None
+    priority: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -45,6 +48,8 @@ class SamplingParams:
             problems.append(f"init_scale must be >= 0, got {self.init_scale!r}")
         if self.min_loops < 1:
             problems.append(f"min_loops must be >= 1, got {self.min_loops!r}")
+        if not isinstance(self.priority, int):
+            problems.append(f"priority must be an integer (lower = more urgent), got {self.priority!r}")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -95,12 +100,22 @@ class EngineConfig:
     graphs: Optional[bool] = None            # decode graphs; None: on where the Hal captures device work
     fuse_projections: bool = True            # q|k|v and gate|up as one GEMM each (zoo/fuse.py)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)   # a dict is accepted too
+    # scheduling features (docs/scheduling.md)
+    enable_prefix_caching: bool = False      # share full KV blocks of equal prefixes between requests
+    preemption_mode: str = "recompute"       # recompute (drop KV, prefill again) | swap (KV to host and back)
+    swap_space_bytes: int = 4 << 30          # host memory for swapped-out KV (at most the device pool's size)
+    scheduling_policy: str = "fcfs"          # fcfs | priority (SamplingParams.priority, lower = first)
+    async_scheduling: bool = False           # plan step t+1 while the device runs step t
+    wavefront_prefill: bool = False          # long prompts' chunks advance through the loops as a wavefront
 
     def __post_init__(self) -> None:
         from runtime.kv_cache import KV_MODES
 
         if not isinstance(self.speculative, SpeculativeConfig):
             object.__setattr__(self, "speculative", SpeculativeConfig(**dict(self.speculative or {})))
+        if self.speculative.is_enabled and self.async_scheduling:
+            raise ValueError("speculative decoding runs with synchronous scheduling: set async_scheduling=false "
+                             "(speculation overlaps its own work with speculative.mode=async)")
         if self.speculative.is_enabled and self.kv_mode == "shared":
             raise ValueError("speculative decoding needs one KV plane per loop (kv_mode=full or last_exited): in "
                              "kv_mode=shared a token's KV depends on how tokens are grouped into steps, so "
@@ -108,6 +123,22 @@ class EngineConfig:
 
         if self.kv_mode not in KV_MODES:
             raise ValueError(f"kv_mode must be one of {', '.join(KV_MODES)}, got {self.kv_mode!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', not {self.scheduling_policy!r}")
+        if self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
+        # shared mode: the one loop plane holds the final loop's KV, whose value depends on how the
+        # prompt was chunked; a cached prefix or a wavefront would change outputs (docs/scheduling.md)
+        if self.enable_prefix_caching and self.kv_mode == "shared":
+            raise ValueError("enable_prefix_caching needs kv_mode 'full' or 'last_exited': in 'shared' "
+                             "mode a block's KV depends on how its prompt was chunked, so a cached prefix "
+                             "would change outputs; turn prefix caching off or use kv_mode=full")
+        if self.wavefront_prefill and self.kv_mode == "shared":
+            raise ValueError("wavefront_prefill needs kv_mode 'full' or 'last_exited': in 'shared' mode "
+                             "every loop writes the same plane, so chunks at different loops would overwrite "
+                             "each other; turn wavefront_prefill off or use kv_mode=full")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -156,6 +187,8 @@ class BenchConfig:
     max_num_batched_tokens: int = 8192
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: Optional[int] = None
+    async_scheduling: bool = False
+    wavefront_prefill: bool = False
     warmup: bool = True
     matmul_size: int = 8192
     output: Optional[str] = None

@@ -2,9 +2,14 @@
 
 Each `step()` schedules up to `max_num_batched_tokens` new tokens across running and waiting
 requests, runs them as one packed batch, samples, and returns the outputs of the requests that
-advanced. With speculative decoding on, decoding requests that draft run as one speculation round
-instead (runtime/speculation.py) and may advance by several tokens. It is synchronous and
-single-threaded; a server drives it from one loop.
+advanced. It is single-threaded; a server drives it from one loop. With speculative decoding on,
+decoding requests that draft run as one speculation round instead (runtime/speculation.py) and may
+advance by several tokens.
+
+With `async_scheduling` a step launches step t+1 before it reads step t's tokens: the scheduler
+plans t+1 as if every request sampled at t got its token (a `PLACEHOLDER` the runner fills on the
+device), and the host catches up one step later, so stop checks apply one step late: a request
+that stopped at t has its t+1 work discarded. Outputs equal the synchronous engine's.
 """
 from __future__ import annotations
 
@@ -15,14 +20,17 @@ from typing import Iterable
 import torch
 
 from hal.base import Hal
+from runtime.async_step import PendingStep, StepResult
 from runtime.config import EngineConfig, SamplingParams
 from runtime.kv_cache import BlockManager, num_request_planes
 from runtime.outputs import RequestOutput
-from runtime.runner import ModelRunner, StepResult
+from runtime.prefix_cache import PrefixPolicy
+from runtime.runner import ModelRunner
 from runtime.sampler import make_generator
-from runtime.scheduler import Scheduler, SchedulerConfig
-from runtime.sequence import Request, RequestStatus
+from runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from runtime.sequence import PLACEHOLDER, Request, RequestStatus
 from runtime.speculation import Speculator
+from runtime.swap import SwapSpace
 from runtime.tokenizer import Tokenizer
 from zoo.base import LoopedCausalLM
 
@@ -37,24 +45,34 @@ class LLMEngine:
         self.max_model_len = min(self.config.max_model_len or model.max_seq_len, model.max_seq_len)
         self.max_loops = max(model.default_num_loops, 1)
         self.runner = ModelRunner(model, hal, self.config, self.max_model_len, self.max_loops)
-        self.blocks = BlockManager(self.runner.num_blocks, self.runner.block_size)
-        self.scheduler = Scheduler(SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                                   self.config.watermark_blocks), self.blocks)
+        cfg = self.config
+        self.blocks = BlockManager(self.runner.num_blocks, self.runner.block_size, cfg.enable_prefix_caching)
+        max_swap_blocks = 0
+        if cfg.preemption_mode == "swap":
+            max_swap_blocks = min(cfg.swap_space_bytes // self.runner.bytes_per_block, self.runner.num_blocks)
+        sched = SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.watermark_blocks,
+                                cfg.scheduling_policy, cfg.preemption_mode, max_swap_blocks,
+                                cfg.wavefront_prefill)
+        prefix = PrefixPolicy(self.runner.block_size, cfg.kv_mode, model.kv_spec.num_fixed_planes)
+        self.scheduler = Scheduler(sched, self.blocks, prefix)
+        self.swap = SwapSpace(hal, self.runner.backend, self.runner.kv_caches)
+        self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None     # async: the launched step
+        spec = cfg.speculative
+        self.speculator = Speculator(self.runner, spec) if spec.is_enabled else None
         stops = list(model.stop_token_ids()) + list(extra_stop_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             stops.append(tokenizer.eos_token_id)
         self.default_stop_token_ids = frozenset(stops)
-        spec = self.config.speculative
-        self.speculator = Speculator(self.runner, spec) if spec.is_enabled else None
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.num_computed_tokens = 0
 
     # ----- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None) -> Request:
-        """Queue a request. Raises ValueError for bad input and MemoryError when the request could
-        never fit in the KV cache; other requests are unaffected either way."""
+                    prompt: str | None = None, priority: int | None = None) -> Request:
+        """Queue a request (`priority` overrides `params.priority`; lower = more urgent). Raises
+        ValueError for bad input and MemoryError when the request could never fit in the KV cache;
+        other requests are unaffected either way."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -77,7 +95,8 @@ class LLMEngine:
             num_planes=num_request_planes(self.config.kv_mode, self.model.kv_spec.num_fixed_planes, num_loops),
             stop_token_ids=frozenset() if params.ignore_eos else self.default_stop_token_ids,
             max_seq_len=self.max_model_len, prompt=prompt, generator=make_generator(params, self.runner.device),
-            num_speculative_tokens=num_speculative)
+            priority=params.priority if priority is None else int(priority),
+            cache_salt=self._cache_salt(params), num_speculative_tokens=num_speculative)
         self.scheduler.add(request)          # MemoryError if it could never fit
         self.requests[request_id] = request
         return request
@@ -94,6 +113,15 @@ class LLMEngine:
                              f"(speculative.num_tokens=0)")
         return spec.num_tokens
 
+    def _cache_salt(self, params: SamplingParams) -> bytes | None:
+        """Prefix caching: KV that depends on more than the tokens is never shared (Huginn's random
+        initial state, unless init_scale=0)."""
+        if not self.config.enable_prefix_caching:
+            return None
+        if getattr(self.model, "initial_state", None) is not None and params.init_scale != 0:
+            return None
+        return b"loopstack"
+
     def _grow_max_loops(self, num_loops: int) -> None:
         # the pool is shared by all planes; more loops only change how many planes a request takes
         self.max_loops = num_loops
@@ -102,59 +130,103 @@ class LLMEngine:
         """Stop a request and free its KV blocks (unknown or finished ids are ignored)."""
         request = self.requests.pop(request_id, None)
         if request is not None and not request.is_finished:
-            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self._in_flight is not None
 
     # ----- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return the outputs of requests that produced a token or finished."""
+        """Run one batch; return the outputs of requests that produced a token or finished (async:
+        of the previous batch, whose tokens the host reads while this one runs)."""
         plan = self.scheduler.schedule()
-        if plan.is_empty:
-            return []
+        self._move_preempted(plan)
+        launched = self._launch(plan) if not plan.is_empty else None
+        if not self.config.async_scheduling:
+            return self._apply(plan, launched) if launched is not None else []
+        done, self._in_flight = self._in_flight, (plan, launched) if launched is not None else None
+        return self._apply(done[0], done[1].result()) if done is not None else []
+
+    def _move_preempted(self, plan: SchedulerOutput) -> None:
+        """Swap copies (issued before the step that reuses the blocks, in stream order)."""
+        for request in plan.preempted:
+            if request.request_id not in self.scheduler.swapped:
+                self.runner.forget(request.request_id)
+        for copy in plan.swap_out:
+            self.swap.swap_out(copy.request_id, copy.blocks)
+        for copy in plan.swap_in:
+            self.swap.swap_in(copy.request_id, copy.blocks)
+
+    def _launch(self, plan: SchedulerOutput) -> StepResult | PendingStep:
+        """The step's device work; its tokens count as computed from here on."""
         now = time.monotonic()
         for item in plan.scheduled:
             if item.request.metrics.first_scheduled_time is None:
                 item.request.metrics.first_scheduled_time = now
         drafting = [item for item in plan.scheduled if item.num_draft_tokens]
         plain = [item for item in plan.scheduled if not item.num_draft_tokens]
-        result = self.runner.execute(plain, self.blocks) if plain else StepResult({}, 0)
-        spec = self.speculator.run(drafting, self.blocks) if drafting else None
+        sampling = [item.request for item in plain if item.samples]
+        fed = self._in_flight[1] if self._in_flight is not None else None
+        result = self.runner.execute(plain, self.blocks, input_ids_from_device=fed,
+                                     deferred=self.config.async_scheduling) if plain else StepResult({}, 0)
+        if drafting:                            # speculation rounds (never with async scheduling)
+            spec = self.speculator.run(drafting, self.blocks)
+            for item in drafting:
+                committed = spec.committed[item.request.request_id]
+                item.request.num_computed_tokens += len(committed)      # t0 and the kept drafts
+                result.sampled[item.request.request_id] = [(t, item.request.num_loops) for t in committed]
+            self.num_computed_tokens += spec.num_tokens
         self.num_steps += 1
-        self.num_computed_tokens += result.num_tokens + (spec.num_tokens if spec else 0)
+        self.num_computed_tokens += sum(item.num_new_tokens for item in plain)
+        self.scheduler.advance(plain)
+        if self.config.async_scheduling:
+            for request in sampling:            # the device's token, known to the host one step later
+                request.append_token(PLACEHOLDER, 0)
+        return result
+
+    def _apply(self, plan: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        """The host learns a step's tokens: append them, check stops, finish, offer blocks to the cache."""
         outputs = []
-        for item in plan.scheduled:
-            request = item.request
-            if item.num_draft_tokens:
-                tokens = spec.committed[request.request_id]
-                request.num_computed_tokens += len(tokens)      # t0 and the kept drafts
-                loops = [request.num_loops] * len(tokens)
-            elif request.request_id in result.sampled:
-                request.num_computed_tokens += item.num_tokens
-                token, loop = result.sampled[request.request_id]
-                tokens, loops = [token], [loop]
-            else:
-                request.num_computed_tokens += item.num_tokens
-                continue
-            for token, loop in zip(tokens, loops):          # a stop token inside a draft ends it there
-                request.append_token(token, loop)
-                status = request.check_stop()
-                if status is not None:
-                    self.scheduler.finish(request, status)
-                    request.metrics.finished_time = time.monotonic()
-                    break
-            outputs.append(self.output_of(request))
+        for request in {item.request.request_id: item.request for item in plan.scheduled}.values():
             if request.is_finished:
-                self.requests.pop(request.request_id, None)
+                continue                        # async: stopped a step earlier; this step's work is discarded
+            sampled = result.sampled.get(request.request_id)
+            status = None
+            if isinstance(sampled, list):       # a speculation round: a stop token inside it ends it there
+                for token in sampled:
+                    request.append_token(*token)
+                    status = request.check_stop()
+                    if status is not None:
+                        break
+            elif sampled is not None:
+                if self.config.async_scheduling:
+                    status = request.check_stop(request.resolve_token(*sampled))
+                else:
+                    request.append_token(*sampled)
+                    status = request.check_stop()
+            self.scheduler.cache_blocks(request)
+            if status is not None:
+                self._finish(request, status)
+            if sampled is not None:
+                outputs.append(self.output_of(request))
         return outputs
 
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.drop_unresolved()
+        self.scheduler.finish(request, status)
+        self.swap.drop(request.request_id)
+        self.runner.forget(request.request_id)
+        if status != RequestStatus.FINISHED_ABORTED:
+            request.metrics.finished_time = time.monotonic()
+        self.requests.pop(request.request_id, None)
+
     def output_of(self, request: Request) -> RequestOutput:
-        text = self.tokenizer.decode(request.output_token_ids) if self.tokenizer is not None else ""
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
-                             list(request.output_token_ids), text, request.is_finished,
-                             request.status.value if request.is_finished else None,
-                             list(request.loops_per_token), metrics=request.metrics)
+        n = request.num_resolved_outputs
+        tokens = request.output_token_ids[:n]
+        text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, tokens, text,
+                             request.is_finished, request.status.value if request.is_finished else None,
+                             request.loops_per_token[:n], metrics=request.metrics)
 
     @torch.inference_mode()
     def run_until_done(self) -> list[RequestOutput]:

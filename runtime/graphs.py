@@ -39,13 +39,17 @@ class _Captured(NamedTuple):
 
 
 class DecodeGraphs:
-    def __init__(self, runner: Any, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
+    def __init__(self, runner: Any, max_num_seqs: int, max_model_len: int, capture: bool = True,
+                 num_copies: int = 1) -> None:
         self.runner = runner
         self.capture = capture           # False: the same padded static-buffer path, run eagerly
+        # async scheduling refills a graph's inputs while the previous step may still run: two
+        # copies of each graph, used in turn, so that never touches the replay in flight
+        self.num_copies, self.num_runs = num_copies, 0
         self.buckets = [b for b in DEFAULT_BUCKETS if b < max_num_seqs] + [max_num_seqs]
         self.max_model_len = max_model_len
         self.max_blocks = math.ceil(max_model_len / runner.block_size)
-        self.graphs: dict[tuple[int, int], _Captured] = {}
+        self.graphs: dict[tuple[int, int, int], _Captured] = {}
 
     def eligible(self, scheduled: Sequence[ScheduledRequest]) -> bool:
         if not scheduled or len(scheduled) > self.buckets[-1]:
@@ -57,19 +61,22 @@ class DecodeGraphs:
                 return False
         return True
 
-    def run(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager) -> torch.Tensor:
-        """Logits `[len(scheduled), V]` (float32) of one decode step, by graph replay."""
+    def run(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager,
+            input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits `[len(scheduled), V]` (float32) of one decode step, by graph replay. `input_ids: [B]`
+        (device) replaces the requests' host token ids (async scheduling feeds them device-side)."""
         num_seqs = len(scheduled)
         bucket = self.buckets[bisect.bisect_left(self.buckets, num_seqs)]
         loops = scheduled[0].request.num_loops
-        key = (bucket, loops)
+        key = (bucket, loops, self.num_runs % self.num_copies)
+        self.num_runs += 1
         if key not in self.graphs:
             self.graphs[key] = self._capture(bucket, loops)
         batch = self._batch(scheduled, blocks, bucket, scheduled[0].request.num_planes)
         cap = self.graphs[key]
         ids = [item.request.all_token_ids[item.request.num_computed_tokens] for item in scheduled]
         positions = [item.request.num_computed_tokens for item in scheduled]
-        cap.ids[0, :num_seqs].copy_(torch.tensor(ids), non_blocking=True)
+        cap.ids[0, :num_seqs].copy_(torch.tensor(ids) if input_ids is None else input_ids, non_blocking=True)
         cap.positions[0, :num_seqs].copy_(torch.tensor(positions), non_blocking=True)
         if cap.init_state is not None:
             cap.init_state[:, :num_seqs].copy_(self._initial_states(scheduled))

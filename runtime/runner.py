@@ -8,25 +8,22 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 
 from hal.base import Hal, PagedBatch
+from runtime.async_step import PendingStep, Readback, StepResult, feed_tokens
 from runtime.config import EngineConfig
 from runtime.context import PagedContext
 from runtime.kv_cache import BlockManager, num_request_planes
 from runtime.loops import SeqPlan, run_loops
-from runtime.sampler import sample_batch
+from runtime.sampler import sample_batch, sample_tokens
 from runtime.scheduler import ScheduledRequest
+from runtime.sequence import PLACEHOLDER
 from zoo.base import LoopedCausalLM
 
 log = logging.getLogger(__name__)
-
-
-class StepResult(NamedTuple):
-    sampled: dict[str, tuple[int, int]]     # request id -> (token, loops its logits came from)
-    num_tokens: int                         # tokens computed this step
 
 
 def plan_num_blocks(hal: Hal, config: EngineConfig, bytes_per_block: int, max_blocks_useful: int) -> int:
@@ -84,25 +81,46 @@ class ModelRunner:
 
             # on by default where the Hal records device work; off = the same padded path, eager
             capture = self.hal.caps.graphs if config.graphs is None else config.graphs
-            self.graphs = DecodeGraphs(self, config.max_num_seqs, max_model_len, capture=capture)
+            self.graphs = DecodeGraphs(self, config.max_num_seqs, max_model_len, capture=capture,
+                                       num_copies=2 if config.async_scheduling else 1)
+        self.readback = Readback(hal, config.max_num_seqs)       # async scheduling: sampled tokens to host
+        self.wave_states: dict[tuple[str, int], torch.Tensor] = {}  # wavefront chunks' states between steps
+
+    def forget(self, request_id: str) -> None:
+        """Drop what the runner keeps for a request (wavefront states) once it finished or lost its KV."""
+        for key in [k for k in self.wave_states if k[0] == request_id]:
+            del self.wave_states[key]
 
     # ----- one step -------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager) -> StepResult:
+    def execute(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager,
+                input_ids_from_device: PendingStep | None = None,
+                deferred: bool = False) -> StepResult | PendingStep:
+        """Run one step. Async scheduling: input tokens still unknown to the host (`PLACEHOLDER`)
+        are taken on the device from `input_ids_from_device` (the previous step), and `deferred=True`
+        leaves the sampled tokens on the device (a `PendingStep` the host reads one step later)."""
+        if any(item.is_wave for item in scheduled):
+            from runtime.wavefront import execute_wave
+
+            return execute_wave(self, scheduled, blocks, input_ids_from_device, deferred)
         if self.graphs is not None and self.graphs.eligible(scheduled):
-            logits = self.graphs.run(scheduled, blocks)
-            sampled = {}
-            tokens = self._sample(logits, [item.request for item in scheduled])
-            for item, token in zip(scheduled, tokens):
-                sampled[item.request.request_id] = (token, item.request.num_loops)
-            return StepResult(sampled, len(scheduled))
+            requests = [item.request for item in scheduled]
+            ids = [r.all_token_ids[r.num_computed_tokens] for r in requests]
+            fed = [(i, r.request_id) for i, r in enumerate(requests) if ids[i] == PLACEHOLDER]
+            device_ids = feed_tokens(ids, fed, input_ids_from_device, self.device) if fed else None
+            logits = self.graphs.run(scheduled, blocks, input_ids=device_ids)
+            loops = [r.num_loops for r in requests]
+            return self.finish_step(logits, requests, loops, len(scheduled), deferred)
         token_ids, positions, plans = [], [], []
         query_lens, seq_lens, tables = [], [], []
+        fed = []
         row = 0
         for item in scheduled:
             req, n = item.request, item.num_tokens
             start = req.num_computed_tokens
             token_ids.extend(req.all_token_ids[start:start + n])
+            if token_ids[-1] == PLACEHOLDER:             # async: only a request's newest token can be
+                fed.append((row + n - 1, req.request_id))
             positions.extend(range(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
@@ -115,7 +133,7 @@ class ModelRunner:
         num_planes = max(len(t) for t in tables)
         by_plane = [[t[p] if p < len(t) else [] for t in tables] for p in range(num_planes)]
         batch = PagedBatch(query_lens, seq_lens, by_plane, self.block_size)
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)[None]
+        ids = feed_tokens(token_ids, fed, input_ids_from_device, self.device)[None]
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)[None]
         ctx = PagedContext(self.backend, self.kv_caches, batch, pos, self.config.kv_mode,
                            self.kv_spec.num_fixed_planes, self._initial_state_fn(scheduled))
@@ -123,21 +141,29 @@ class ModelRunner:
         state = self.model.prelude(ids, ctx)
         result = run_loops(self.model, state, ctx, plans)
         sample_seqs = [i for i, p in enumerate(plans) if p.sample_row is not None]
-        sampled: dict[str, tuple[int, int]] = {}
+        logits = None
         if sample_seqs:
             rows = torch.tensor([plans[i].sample_row for i in sample_seqs], dtype=torch.long, device=self.device)
             final = result.state
             if result.sample_state is not None:
                 final = final.index_copy(1, rows, result.sample_state)
             logits = self.model.coda(final, ctx, rows=rows)[0].float()           # [R, V]
-            tokens = self._sample(logits, [scheduled[i].request for i in sample_seqs])
-            for j, i in enumerate(sample_seqs):
-                sampled[scheduled[i].request.request_id] = (tokens[j], result.sample_loops[j])
         elif self.kv_spec.num_fixed_planes:
             self.model.coda(result.state, ctx, rows=torch.zeros(0, dtype=torch.long, device=self.device))
         if result.exits and self.config.kv_mode == "last_exited":
             self._fill_skipped_planes(result.exits, scheduled, plans, blocks)
-        return StepResult(sampled, row)
+        return self.finish_step(logits, [scheduled[i].request for i in sample_seqs], result.sample_loops, row,
+                                deferred)
+
+    def finish_step(self, logits: torch.Tensor | None, requests: Sequence, loops: Sequence[int],
+                    num_rows: int, deferred: bool) -> StepResult | PendingStep:
+        """Sample `logits: [R, V]` (one row per request of `requests`): to host ints now, or `deferred`
+        on the device with an asynchronous copy to host (read by `PendingStep.result()`)."""
+        if deferred:
+            tokens = sample_tokens(logits, requests) if requests else None
+            return PendingStep(self.readback, tokens, [r.request_id for r in requests], list(loops), num_rows)
+        tokens = self._sample(logits, requests) if requests else []
+        return StepResult({r.request_id: (t, n) for r, t, n in zip(requests, tokens, loops)}, num_rows)
 
     def _sample(self, logits: torch.Tensor, requests: Sequence) -> list[int]:
         """Next tokens for `logits: [R, V]`, sampled on the device with one host sync."""

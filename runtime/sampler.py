@@ -45,9 +45,14 @@ def _race(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tenso
     return (probs / noise).argmax(dim=-1)
 
 
-def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
-                 generators: Sequence[torch.Generator | None]) -> list[int]:
-    """One token per row of `logits: [R, V]`; greedy rows take the argmax."""
+def sample_tokens(logits: torch.Tensor, requests) -> torch.Tensor:
+    """Next tokens `[R]` (int64, on the logits' device, no host sync) for `logits: [R, V]`; each
+    request's `params` and `generator` decide its row (greedy rows take the argmax)."""
+    return _sample(logits, [r.params for r in requests], [r.generator for r in requests])
+
+
+def _sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+            generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     out = logits.argmax(dim=-1)
     groups: dict[tuple[float, float, int], list[int]] = {}
     for i, p in enumerate(params):
@@ -57,7 +62,13 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
         probs = filtered_probs(logits[rows], params[rows[0]])          # one filter pass per setting
         picked = [_race(probs[j], generators[i]) for j, i in enumerate(rows)]
         out[rows] = torch.stack(picked)
-    return out.tolist()                                                 # the one host sync
+    return out
+
+
+def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
+                 generators: Sequence[torch.Generator | None]) -> list[int]:
+    """One token per row of `logits: [R, V]`, as host ints (the one host sync)."""
+    return _sample(logits, params, generators).tolist()
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

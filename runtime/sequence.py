@@ -4,9 +4,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from runtime.config import SamplingParams
+
+# async scheduling: the id of a token the device has sampled but the host has not read yet
+PLACEHOLDER = -1
 
 
 class RequestStatus(enum.Enum):
@@ -33,6 +36,7 @@ class RequestMetrics:
     num_spec_rounds: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_cached_tokens: int = 0           # prompt tokens whose KV came from the prefix cache (last admission)
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -50,10 +54,19 @@ class RequestMetrics:
         return self.num_accepted_tokens / self.num_spec_rounds if self.num_spec_rounds else None
 
 
+class WaveChunk(NamedTuple):
+    """Wavefront prefill: prompt tokens [start, end) whose next loop is `depth` (loops < depth are done)."""
+
+    start: int
+    end: int
+    depth: int
+
+
 @dataclass
 class Request:
     """One generation request. `num_computed_tokens` counts tokens whose KV is in the cache; the
-    tokens still to compute are `all_token_ids[num_computed_tokens:]`."""
+    tokens still to compute are `all_token_ids[num_computed_tokens:]` (under wavefront prefill, tokens
+    count as computed once they entered the loops; `wave_chunks` lists those still looping)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -73,6 +86,11 @@ class Request:
     speculation: Any = None              # runtime.speculation's per-request state (seed, next round's draft)
     error: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    priority: int = 0                    # lower = more urgent (scheduling_policy=priority)
+    arrival_seq: int = 0                 # arrival order, set by the scheduler
+    cache_salt: bytes | None = None      # prefix caching: None = this request's KV is never shared
+    block_hashes: list[bytes] = field(default_factory=list)     # chain digests of its full blocks so far
+    wave_chunks: list[WaveChunk] = field(default_factory=list)  # wavefront prefill: chunks still looping
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -89,7 +107,7 @@ class Request:
     @property
     def is_prefill(self) -> bool:
         """Still computing tokens it did not generate itself (its prompt, or after a preemption)."""
-        return self.num_uncomputed_tokens > 1
+        return self.num_uncomputed_tokens > 1 or bool(self.wave_chunks)
 
     @property
     def is_finished(self) -> bool:
@@ -104,17 +122,51 @@ class Request:
         room = min(self.params.max_tokens - len(self.output_token_ids), self.max_seq_len - self.num_tokens)
         return max(0, min(self.num_speculative_tokens, room - 1))
 
+    @property
+    def num_settled_tokens(self) -> int:
+        """Tokens whose KV is final in every plane (wavefront chunks still looping are not)."""
+        return self.wave_chunks[0].start if self.wave_chunks else self.num_computed_tokens
+
+    @property
+    def num_resolved_outputs(self) -> int:
+        """Output tokens the host knows (the rest are placeholders of steps still on the device)."""
+        try:
+            return self.output_token_ids.index(PLACEHOLDER)
+        except ValueError:
+            return len(self.output_token_ids)
+
+    @property
+    def is_length_capped(self) -> bool:
+        """Its outputs (placeholders included) already reach max_tokens or the context: no more steps."""
+        return len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= self.max_seq_len
+
     def append_token(self, token_id: int, num_loops_run: int) -> None:
-        if not self.output_token_ids:
+        if token_id != PLACEHOLDER and not self.num_resolved_outputs:
             self.metrics.first_token_time = time.monotonic()
         self.output_token_ids.append(token_id)
         self.loops_per_token.append(num_loops_run)
 
-    def check_stop(self) -> RequestStatus | None:
-        """The finished status the last token implies, if any."""
-        last = self.output_token_ids[-1]
+    def resolve_token(self, token_id: int, num_loops_run: int) -> int:
+        """Async scheduling: fill the oldest placeholder with the token the device sampled; returns
+        how many outputs are now known."""
+        i = self.num_resolved_outputs
+        assert i < len(self.output_token_ids), "no placeholder to resolve"
+        if i == 0:
+            self.metrics.first_token_time = time.monotonic()
+        self.output_token_ids[i], self.loops_per_token[i] = token_id, num_loops_run
+        return i + 1
+
+    def drop_unresolved(self) -> None:
+        """Forget the placeholders of steps whose results are discarded (the request finished)."""
+        n = self.num_resolved_outputs
+        del self.output_token_ids[n:], self.loops_per_token[n:]
+
+    def check_stop(self, num_outputs: int | None = None) -> RequestStatus | None:
+        """The finished status the output token `num_outputs - 1` (default: the last) implies, if any."""
+        n = len(self.output_token_ids) if num_outputs is None else num_outputs
+        last = self.output_token_ids[n - 1]
         if last in self.stop_token_ids or last in self.params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= self.max_seq_len:
+        if n >= self.params.max_tokens or len(self.prompt_token_ids) + n >= self.max_seq_len:
             return RequestStatus.FINISHED_LENGTH
         return None
