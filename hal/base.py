@@ -28,6 +28,7 @@ class Caps:
     kv_block_sizes: tuple[int, ...] = (16,)    # paged-KV block sizes the backends take; first = default
     head_dims: tuple[int, ...] | None = None   # head dims the fast attention path takes; None = any
     fp8_dtype: torch.dtype | None = None       # e4m3fn (H100/H200, gfx950), e4m3fnuz (gfx942)
+    kv_quant_dtypes: tuple[torch.dtype, ...] = ()   # 8-bit KV formats attention reads (hal/kv_quant.py)
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -133,16 +134,33 @@ class AttentionBackend(ABC):
     callers allocate `torch.empty(kv_cache_shape(...))` and only pass it back. `build_meta` turns a
     `PagedBatch` into whatever the kernels need once per step; `forward` and `write_kv` then take a
     plane index so that all loops and layers share that one metadata object.
+
+    `kv_dtype` (an 8-bit format of `hal.kv_quant.QUANT_MAX`, or None for `dtype`) quantizes the cache:
+    `write_kv` stores each token's K and V with one scale per KV head, `forward` dequantizes on load,
+    `read_kv` returns dequantized values; caches are then raw bytes (`kv_cache_dtype` uint8) in
+    `kv_layout` unless the backend documents its own.
     """
 
     name: ClassVar[str]
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, block_size: int) -> None:
+                 device: torch.device, block_size: int, *, kv_dtype: torch.dtype | None = None) -> None:
+        from hal.kv_quant import RowLayout, is_quantized
+
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        if kv_dtype not in (None, dtype) and not is_quantized(kv_dtype):
+            raise ValueError(f"kv_dtype {kv_dtype}: a quantized cache takes float8_e4m3fn, float8_e4m3fnuz or "
+                             f"int8; None keeps the model dtype {dtype}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.dtype, self.device, self.block_size = dtype, device, block_size
+        self.kv_dtype = kv_dtype or dtype
+        self.kv_layout = RowLayout(num_kv_heads, head_dim, kv_dtype) if is_quantized(kv_dtype) else None
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The dtype to allocate `kv_cache_shape` in: the model dtype, or uint8 bytes when quantized."""
+        return torch.uint8 if self.kv_layout is not None else self.dtype
 
     @property
     @abstractmethod
@@ -175,14 +193,26 @@ class AttentionBackend(ABC):
         already holds this step's keys). Returns `[T, H, D]` in q's dtype."""
 
     def slot_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """The cache as `[2, num_blocks * block_size, KVH, D]` (K then V, one row per slot); the
-        default fits every layout whose blocks are contiguous runs of slots."""
+        """The cache as `[2, num_blocks * block_size, ...]` (K then V, everything one slot stores:
+        `[KVH, D]` values, or a quantized cache's byte row); the default fits every layout whose
+        blocks are contiguous runs of slots."""
+        if self.kv_layout is not None:
+            return kv_cache.view(2, -1, kv_cache.shape[-1])
         return kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)
 
     def read_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values `[N, KVH, D]` stored at `slots: [N]`."""
+        """Keys and values `[N, KVH, D]` stored at `slots: [N]` (dequantized, in the model dtype)."""
+        if self.kv_layout is not None:
+            return (self.kv_layout.read_slots(kv_cache, 0, slots, self.dtype),
+                    self.kv_layout.read_slots(kv_cache, 1, slots, self.dtype))
         view = self.slot_view(kv_cache)
         return view[0].index_select(0, slots), view[1].index_select(0, slots)
+
+    def block_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Views of everything the cache stores, each `[2, num_blocks, ...]` (dim 1 = block): what
+        swap copies to host and back. The default fits every slot-major layout."""
+        view = self.slot_view(kv_cache)
+        return (view.unflatten(1, (-1, self.block_size)),)
 
     def copy_kv(self, kv_cache: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Copy the KV of `src_slots` to `dst_slots` (early-exit fill into the planes a token skipped)."""
@@ -318,8 +348,10 @@ class Hal(ABC):
     # ----- attention ------------------------------------------------------------------------
     @abstractmethod
     def attention(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                  block_size: int | None = None, backend: str | None = None) -> AttentionBackend:
-        """The attention backend for this model shape.
+                  block_size: int | None = None, backend: str | None = None,
+                  kv_dtype: torch.dtype | None = None) -> AttentionBackend:
+        """The attention backend for this model shape; `kv_dtype` one of `caps.kv_quant_dtypes`
+        quantizes the KV cache (None: the model dtype).
 
         `backend` (or the Hal's configured `attention_backend`) names one of
         `caps.attention_backends`; "auto" takes the first that accepts the shape. The choice and
@@ -356,6 +388,10 @@ class Hal(ABC):
         - `silu_and_mul(x) -> y`: `x: [..., 2I]` -> `silu(x[..., :I]) * x[..., I:]`.
         - `add_rms_norm(x, residual, weight, eps) -> (y, s)`: `s = x + residual`, `y = norm(s)`
           (pre-norm layers: the residual stream and the next sublayer's input in one pass).
+        - `fp8_linear(x, weight, weight_scale, bias=None) -> y`: `x: [M, K]` (bf16/fp16/fp32) times
+          FP8 `weight: [N, K]` (`caps.fp8_dtype`) dequantized per output channel by `weight_scale: [N]`
+          float32, float32 accumulation, `+ bias`, `y: [M, N]` in x's dtype. An implementation may
+          also quantize x per row to FP8 (W8A8 through `torch._scaled_mm`); it says so in its docs.
         """
         return None
 

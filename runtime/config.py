@@ -99,6 +99,8 @@ class EngineConfig:
     watermark_blocks: int = 0                # free blocks kept back at admission
     graphs: Optional[bool] = None            # decode graphs; None: on where the Hal captures device work
     fuse_projections: bool = True            # q|k|v and gate|up as one GEMM each (zoo/fuse.py)
+    kv_dtype: str = "auto"                   # auto (model dtype) | fp8 (the Hal's format) | int8 | fp8_e4m3fn | fp8_e4m3fnuz
+    weights_dtype: str = "auto"              # auto (as loaded) | fp8 (per-channel FP8 linears, zoo/fp8.py)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)   # a dict is accepted too
     # scheduling features (docs/scheduling.md)
     enable_prefix_caching: bool = False      # share full KV blocks of equal prefixes between requests
@@ -121,6 +123,12 @@ class EngineConfig:
                              "kv_mode=shared a token's KV depends on how tokens are grouped into steps, so "
                              "verification would not reproduce non-speculative outputs")
 
+        from runtime.quantization import KV_DTYPES, WEIGHTS_DTYPES
+
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.weights_dtype not in WEIGHTS_DTYPES:
+            raise ValueError(f"weights_dtype must be one of {', '.join(WEIGHTS_DTYPES)}, got {self.weights_dtype!r}")
         if self.kv_mode not in KV_MODES:
             raise ValueError(f"kv_mode must be one of {', '.join(KV_MODES)}, got {self.kv_mode!r}")
         if self.preemption_mode not in ("recompute", "swap"):

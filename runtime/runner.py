@@ -18,6 +18,7 @@ from runtime.config import EngineConfig
 from runtime.context import PagedContext
 from runtime.kv_cache import BlockManager, num_request_planes
 from runtime.loops import SeqPlan, run_loops
+from runtime.quantization import prepare_weights, resolve_kv_dtype
 from runtime.sampler import sample_batch, sample_tokens
 from runtime.scheduler import ScheduledRequest
 from runtime.sequence import PLACEHOLDER
@@ -50,16 +51,18 @@ class ModelRunner:
             from zoo.fuse import fuse_projections
 
             fuse_projections(model)
+        prepare_weights(model, hal, config.weights_dtype)          # FP8 linears (after fusing)
         self.device = hal.device()
         param = next(model.parameters())
         self.dtype = param.dtype
         spec = model.kv_spec
         self.kv_spec = spec
         self.backend = hal.attention(model.num_attention_heads, spec.num_kv_heads, spec.head_dim, self.dtype,
-                                     block_size=config.block_size)
+                                     block_size=config.block_size, kv_dtype=resolve_kv_dtype(config.kv_dtype, hal))
         self.block_size = self.backend.block_size
         log.info("attention backend %s (%s)", self.backend.name, self.backend.caps.reason)
-        per_layer = math.prod(self.backend.kv_cache_shape(1)) * self.dtype.itemsize
+        # bytes follow the cache's own dtype: an 8-bit KV cache holds twice the blocks of a bf16 one
+        per_layer = math.prod(self.backend.kv_cache_shape(1)) * self.backend.kv_cache_dtype.itemsize
         self.bytes_per_block = per_layer * spec.layers_per_plane
         max_planes = num_request_planes(config.kv_mode, spec.num_fixed_planes, max_loops)
         useful = config.max_num_seqs * math.ceil(max_model_len / self.block_size) * max_planes
@@ -69,10 +72,11 @@ class ModelRunner:
         # some KV writes (Ascend's npu_scatter_pa_kv_cache) require the slots of one call to be unique
         self.scratch_block = self.num_blocks
         cache_blocks = self.num_blocks + math.ceil(config.max_num_seqs / self.block_size)
-        self.kv_caches = [torch.zeros(self.backend.kv_cache_shape(cache_blocks), dtype=self.dtype,
+        cache_dtype = self.backend.kv_cache_dtype
+        self.kv_caches = [torch.zeros(self.backend.kv_cache_shape(cache_blocks), dtype=cache_dtype,
                                       device=self.device) for _ in range(spec.layers_per_plane)]
-        log.info("KV cache: %d blocks of %d tokens, %.1f MiB, kv_mode=%s", self.num_blocks, self.block_size,
-                 self.num_blocks * self.bytes_per_block / 2**20, config.kv_mode)
+        log.info("KV cache: %d blocks of %d tokens, %.1f MiB, kv_mode=%s, kv_dtype=%s", self.num_blocks,
+                 self.block_size, self.num_blocks * self.bytes_per_block / 2**20, config.kv_mode, self.backend.kv_dtype)
         self.graphs = None
         if config.graphs and not self.backend.caps.graphs:
             raise ValueError(f"graphs=true, but attention backend {self.backend.name!r} cannot be captured")

@@ -90,6 +90,11 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return out.flatten(-2).to(x.dtype)
 
 
+def fused_linear(x: torch.Tensor, weight: Any) -> torch.Tensor:
+    """`x @ weight.T` for a fused projection matrix; an FP8 one (zoo/fp8.py) applies itself."""
+    return nn.functional.linear(x, weight) if isinstance(weight, torch.Tensor) else weight(x)
+
+
 class SwiGLU(nn.Module):
     """`down(silu(gate(x)) * up(x))`, no bias. After `zoo.fuse.fuse_projections`, gate and up are
     one matrix (`gate_up`, a non-persistent buffer whose halves the two weights view)."""
@@ -99,11 +104,11 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.gate_up: torch.Tensor | None = None
+        self.gate_up: Any = None                   # [2I, hidden] tensor (or FP8 matrix) once fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            return self.down_proj(silu_and_mul(nn.functional.linear(x, self.gate_up)))
+            return self.down_proj(silu_and_mul(fused_linear(x, self.gate_up)))
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -121,13 +126,13 @@ class GQAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
-        self.qkv: torch.Tensor | None = None       # q|k|v as one matrix after zoo.fuse.fuse_projections
+        self.qkv: Any = None                       # q|k|v as one matrix after zoo.fuse.fuse_projections
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.qkv is not None:
             sizes = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                      self.num_kv_heads * self.head_dim)
-            return nn.functional.linear(x, self.qkv).split(sizes, dim=-1)
+            return fused_linear(x, self.qkv).split(sizes, dim=-1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def rope(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,6 +2,8 @@
 
 One layer's cache is `[2, num_blocks, block_size, KVH, D]` (K then V). Every sequence gathers its
 blocks and runs dense attention with a bottom-right causal mask; clear rather than fast.
+With an 8-bit `kv_dtype` the cache is `hal.kv_quant`'s byte rows: writes quantize (FP8 emulated with
+torch's float8 dtypes, which work on the CPU), attention dequantizes to float32 and runs as above.
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ class TorchPagedAttention(AttentionBackend):
                         reason="reference paged attention in plain torch (graphs replay eagerly)")
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        if self.kv_layout is not None:
+            return self.kv_layout.cache_shape(num_blocks, self.block_size)
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     def build_meta(self, batch: PagedBatch, capacity: MetaCapacity | None = None) -> CpuMeta:
@@ -55,6 +59,10 @@ class TorchPagedAttention(AttentionBackend):
         keep = slots >= 0
         if not bool(keep.all()):
             slots, k, v = slots[keep], k[keep], v[keep]
+        if self.kv_layout is not None:
+            self.kv_layout.write(kv_cache, 0, slots, k)
+            self.kv_layout.write(kv_cache, 1, slots, v)
+            return
         flat = kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)
         flat[0].index_copy_(0, slots, k.to(flat.dtype))
         flat[1].index_copy_(0, slots, v.to(flat.dtype))
@@ -62,7 +70,7 @@ class TorchPagedAttention(AttentionBackend):
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: CpuMeta, plane: int,
                 scale: float) -> torch.Tensor:
         out = torch.zeros_like(q)
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        key_cache, value_cache = kv_cache[0], kv_cache[1]               # (unquantized caches)
         compute = torch.promote_types(q.dtype, torch.float32)       # low precision in, float32 math
         for i, seq_len in enumerate(meta.seq_lens):
             lo, hi = meta.query_start[i], meta.query_start[i + 1]
@@ -70,8 +78,12 @@ class TorchPagedAttention(AttentionBackend):
             if hi == lo or num_blocks == 0:
                 continue
             blocks = meta.block_tables[plane, i, :num_blocks]
-            k = key_cache[blocks].flatten(0, 1)[:seq_len]          # [L, KVH, D]
-            v = value_cache[blocks].flatten(0, 1)[:seq_len]
+            if self.kv_layout is not None:
+                k = self.kv_layout.read_blocks(kv_cache, 0, blocks).flatten(0, 1)[:seq_len]
+                v = self.kv_layout.read_blocks(kv_cache, 1, blocks).flatten(0, 1)[:seq_len]
+            else:
+                k = key_cache[blocks].flatten(0, 1)[:seq_len]          # [L, KVH, D]
+                v = value_cache[blocks].flatten(0, 1)[:seq_len]
             qi = q[lo:hi].transpose(0, 1)[None]                     # [1, H, Q, D]
             o = dense_attention(qi.to(compute), k.transpose(0, 1)[None].to(compute),
                                 v.transpose(0, 1)[None].to(compute), scale=scale, causal=True)

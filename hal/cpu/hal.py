@@ -120,7 +120,8 @@ class CpuHal(Hal):
     def caps(self) -> Caps:
         return Caps(arch="cpu", warp_size=None, num_compute_units=torch.get_num_threads(), graphs=False,
                     graph_needs_host_update=False, uva=True, attention_backends=("torch",),
-                    kv_block_sizes=(16,), head_dims=None, fp8_dtype=torch.float8_e4m3fn)
+                    kv_block_sizes=(16,), head_dims=None, fp8_dtype=torch.float8_e4m3fn,
+                    kv_quant_dtypes=(torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.int8))
 
     def device(self, index: int | None = None) -> torch.device:
         return torch.device("cpu")
@@ -172,9 +173,10 @@ class CpuHal(Hal):
         return EagerGraph()
 
     def attention(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                  block_size: int | None = None, backend: str | None = None) -> AttentionBackend:
+                  block_size: int | None = None, backend: str | None = None,
+                  kv_dtype: torch.dtype | None = None) -> AttentionBackend:
         requested = backend or self.attention_backend_name
         if requested not in ("auto", "torch"):
             raise ValueError(f"the CPU Hal has attention backend 'torch' only, not {requested!r}")
         return TorchPagedAttention(num_heads, num_kv_heads, head_dim, dtype, self.device(),
-                                   block_size or self.caps.kv_block_sizes[0])
+                                   block_size or self.caps.kv_block_sizes[0], kv_dtype=kv_dtype)

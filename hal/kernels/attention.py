@@ -20,6 +20,11 @@ of tokens, sequences, splits): CUDA/HIP graphs stay valid as long as a captured 
 
 Precision: products on the tensor cores with fp32 accumulation; bf16 P for the PV product (as in
 FlashAttention); fp32 caches use 3xTF32 on NVIDIA and fp32 MFMA on AMD (`dot_precision`).
+
+8-bit caches (`KV_QUANT`, hal/kv_quant.py): K and V tiles load as FP8 and widen to q's dtype (exact),
+and every key's scale is applied where it factors out of the products: QK^T column n times
+`k_scale[n]`, and P's column n times `v_scale[n]` before the PV product. The softmax sums stay the
+unscaled P's.
 """
 from __future__ import annotations
 
@@ -51,10 +56,10 @@ def _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_ptr, head_off, tile, row_pos, last_pos,
-                 qk_scale, stride_cb, stride_ct, dims, dim_valid,
-                 PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr, head_off,
+                 scale_head, tile, row_pos, last_pos, qk_scale, stride_cb, stride_ct, stride_sb, stride_st, dims,
+                 dim_valid, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr):
     """One online-softmax step over keys [tile * BLOCK_N, (tile + 1) * BLOCK_N)."""
     keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)                          # [N]
     if MASKED:
@@ -71,7 +76,19 @@ def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_ptr, head_off
     else:
         k = tl.load(k_ptrs, mask=dim_valid[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=dim_valid[None, :], other=0.0)
-    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale                    # [M, N] log2 domain
+    if KV_QUANT:
+        scale_off = page * stride_sb + (keys % PAGE_SIZE).to(tl.int64) * stride_st + scale_head     # [N]
+        if MASKED:
+            k_scale = tl.load(k_scale_ptr + scale_off, mask=key_valid, other=0.0)
+            v_scale = tl.load(v_scale_ptr + scale_off, mask=key_valid, other=0.0)
+        else:
+            k_scale = tl.load(k_scale_ptr + scale_off)
+            v_scale = tl.load(v_scale_ptr + scale_off)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * (k_scale * qk_scale)[None, :]
+    else:
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale                # [M, N] log2 domain
     if MASKED:
         s = tl.where(keys[None, :] <= row_pos[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -79,19 +96,23 @@ def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_ptr, head_off
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if KV_QUANT:
+        pv = (p * v_scale[None, :]).to(v.dtype)
+    else:
+        pv = p.to(v.dtype)
+    acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
 @triton.jit
 def _paged_attention_kernel(
-        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr,
-        part_out_ptr, part_max_ptr, part_sum_ptr,
+        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, seq_lens_ptr,
+        query_start_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
         qk_scale, num_seqs, num_tokens,
-        stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt, stride_sb, stride_st,
         NUM_QUERIES_PER_KV: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -128,13 +149,15 @@ def _paged_attention_kernel(
     table_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head.to(tl.int64) * stride_ch
     for tile in range(tile_lo, tl.minimum(tile_hi, num_full)):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_ptr, head_off, tile,
-                                     row_pos, last_pos, qk_scale, stride_cb, stride_ct, dims, dim_valid,
-                                     PAGE_SIZE, BLOCK_N, False, DOT_PRECISION)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                                     table_ptr, head_off, kv_head, tile, row_pos, last_pos, qk_scale, stride_cb,
+                                     stride_ct, stride_sb, stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, False,
+                                     DOT_PRECISION, KV_QUANT)
     for tile in range(tl.maximum(tile_lo, num_full), tile_hi):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_ptr, head_off, tile,
-                                     row_pos, last_pos, qk_scale, stride_cb, stride_ct, dims, dim_valid,
-                                     PAGE_SIZE, BLOCK_N, True, DOT_PRECISION)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                                     table_ptr, head_off, kv_head, tile, row_pos, last_pos, qk_scale, stride_cb,
+                                     stride_ct, stride_sb, stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, True,
+                                     DOT_PRECISION, KV_QUANT)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -194,12 +217,13 @@ def config_key(kind: str, dtype: torch.dtype) -> str:
 def attention_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                        config: KernelConfig, num_splits: int, reduce_config: KernelConfig,
-                       out: torch.Tensor, target: str) -> list[Launch]:
+                       out: torch.Tensor, target: str, kv_scales: torch.Tensor | None = None) -> list[Launch]:
     """The launches of one attention call for `target` ("cuda", "hip", "interpreter"); `out`
     `[T, H, D]` receives the result.
 
     q `[T, H, D]`; kv_cache `[2, NB, page, KVH, D]`; block_table `[S, max_blocks]` int32 (one plane);
     seq_lens `[S]` int32 (cached tokens incl. this step's); query_start_loc `[S + 1]` int32.
+    kv_scales `[2, NB, page, KVH]` float32 for an 8-bit kv_cache (`hal.kv_quant.RowLayout` views).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, _ = kv_cache.shape
@@ -209,6 +233,9 @@ def attention_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     block_q = block_m // group
     head_dim_pad = max(next_pow2(head_dim), 16)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
+    # unquantized: the scale pointers are never read (KV_QUANT is a constexpr); any pointer will do
+    k_scales, v_scales = (key_cache, value_cache) if kv_scales is None else (kv_scales[0], kv_scales[1])
+    scale_strides = (0, 0) if kv_scales is None else (kv_scales.stride(1), kv_scales.stride(2))
     parts = [q.new_empty(0, dtype=torch.float32)] * 3
     if num_splits > 1:
         parts = [q.new_empty(num_splits, num_tokens, num_heads, head_dim_pad, dtype=torch.float32),
@@ -216,12 +243,13 @@ def attention_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
                  q.new_empty(num_splits, num_tokens, num_heads, dtype=torch.float32)]
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     main = Launch(_paged_attention_kernel, grid, (
-        out, q, key_cache, value_cache, block_table, seq_lens, query_start_loc, *parts,
+        out, q, key_cache, value_cache, k_scales, v_scales, block_table, seq_lens, query_start_loc, *parts,
         scale * LOG2E, num_seqs, num_tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0)), dict(
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0), *scale_strides), dict(
         NUM_QUERIES_PER_KV=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
-        DOT_PRECISION=dot_precision(q.dtype, target), **launch_options(config, target)))
+        DOT_PRECISION=dot_precision(q.dtype, target), KV_QUANT=kv_scales is not None,
+        **launch_options(config, target)))
     if num_splits == 1:
         return [main]
     reduce = Launch(_reduce_splits_kernel, (num_tokens, num_heads), (
@@ -233,8 +261,10 @@ def attention_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-                    configs: dict[str, KernelConfig], num_compute_units: int) -> torch.Tensor:
-    """Causal attention of packed queries over one plane of the paged cache; returns `[T, H, D]`.
+                    configs: dict[str, KernelConfig], num_compute_units: int,
+                    kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of packed queries over one plane of the paged cache; returns `[T, H, D]`
+    (`kv_scales`: see `attention_launches`).
 
     Host-side choices (config, number of splits) depend on `max_query_len`, the number of sequences,
     the dtype and `num_compute_units` only; no device value is read.
@@ -253,6 +283,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     else:
         config, num_splits = configs[config_key("prefill", q.dtype)], 1
     for launch in attention_launches(q, kv_cache, block_table, seq_lens, query_start_loc, scale, config,
-                                     num_splits, configs["attention_reduce"], out, backend_of(q.device)):
+                                     num_splits, configs["attention_reduce"], out, backend_of(q.device),
+                                     kv_scales):
         run_launch(launch)
     return out

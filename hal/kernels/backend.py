@@ -1,7 +1,8 @@
 """`TritonPagedAttention`: the attention backend the CUDA and ROCm Hals build on hal/kernels.
 
 Cache layout as the CPU reference, `[2, num_blocks, block_size, KVH, D]`, so caches, slot
-mappings and `read_kv`/`copy_kv` carry over unchanged.
+mappings and `read_kv`/`copy_kv` carry over unchanged; an FP8 cache (`kv_dtype`) is the reference's
+byte rows too (hal/kv_quant.py), which the kernels read through strided values/scales views.
 
 Graphs: `forward`/`write_kv` read lengths and tables from device tensors only and never sync; the
 launch grid depends on `q.shape[0]`, the number of sequences and `meta.max_query_len`, so a captured
@@ -24,6 +25,7 @@ from hal.paged import block_table_array, query_start_loc, slot_mapping
 
 DEFAULT_CPU_COMPUTE_UNITS = 4     # the interpreter has no SMs; enough to exercise the context split
 MAX_HEAD_DIM = 128
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
 class TritonMeta(NamedTuple):
@@ -50,10 +52,13 @@ class TritonPagedAttention(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, block_size: int, configs: dict[str, KernelConfig] | None = None,
-                 num_compute_units: int | None = None) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, dtype, device, block_size)
+                 num_compute_units: int | None = None, kv_dtype: torch.dtype | None = None) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, dtype, device, block_size, kv_dtype=kv_dtype)
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"triton attention takes float32, bfloat16 or float16, not {dtype}")
+        if self.kv_layout is not None and self.kv_dtype not in FP8_KV_DTYPES:
+            raise ValueError(f"triton attention quantizes KV to FP8 ({' or '.join(map(str, FP8_KV_DTYPES))}), "
+                             f"not {self.kv_dtype}; use the torch backend for int8")
         if head_dim > MAX_HEAD_DIM:     # the configs are compile-checked at padded head dim 128
             raise ValueError(f"triton attention takes head_dim <= {MAX_HEAD_DIM}, not {head_dim}; "
                              "use the torch backend")
@@ -68,7 +73,15 @@ class TritonPagedAttention(AttentionBackend):
                                "prefill and split-context decode in one kernel, no host syncs")
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        if self.kv_layout is not None:
+            return self.kv_layout.cache_shape(num_blocks, self.block_size)
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def _views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(values `[2, NB, page, KVH, D]`, scales `[2, NB, page, KVH]` or None) of one layer's cache."""
+        if self.kv_layout is None:
+            return kv_cache, None
+        return self.kv_layout.values(kv_cache), self.kv_layout.scales(kv_cache)
 
     def _host_arrays(self, batch: PagedBatch, max_blocks: int | None = None) -> list[np.ndarray]:
         if batch.block_size != self.block_size:
@@ -105,13 +118,16 @@ class TritonPagedAttention(AttentionBackend):
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: TritonMeta,
                  plane: int) -> None:
-        write_kv(k, v, kv_cache, meta.slot_mapping[plane], self.configs["kv_write"])
+        values, scales = self._views(kv_cache)
+        write_kv(k, v, values, meta.slot_mapping[plane], self.configs["kv_write"], scales)
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: TritonMeta, plane: int,
                 scale: float) -> torch.Tensor:
         if q.dim() != 3 or q.shape[1:] != (self.num_heads, self.head_dim):
             raise ValueError(f"q must be [T, {self.num_heads}, {self.head_dim}], got {tuple(q.shape)}")
-        if q.dtype != kv_cache.dtype:
-            raise ValueError(f"q is {q.dtype} but the cache is {kv_cache.dtype}; cast q to the cache dtype")
-        return paged_attention(q, kv_cache, meta.block_tables[plane], meta.seq_lens, meta.query_start_loc,
-                               meta.max_query_len, scale, self.configs, self.num_compute_units)
+        values, scales = self._views(kv_cache)
+        if q.dtype != self.dtype or (scales is None and q.dtype != kv_cache.dtype):
+            raise ValueError(f"q is {q.dtype} but the backend computes in {self.dtype} over a {kv_cache.dtype} "
+                             f"cache; cast q to {self.dtype}")
+        return paged_attention(q, values, meta.block_tables[plane], meta.seq_lens, meta.query_start_loc,
+                               meta.max_query_len, scale, self.configs, self.num_compute_units, scales)

@@ -15,6 +15,7 @@ callers; nothing else chooses tiles. Keys of a table are kernel names:
   kv_write            scatter of new K/V rows into the paged cache: block_m tokens per program
   rms_norm, rotary    one row / one token per program (num_warps only)
   silu_and_mul        block_n = columns per program
+  fp8_linear          W8A16 linear (FP8 weights, hal/kernels/fp8_linear.py): block_m x block_n output tile
 
 AMD-only keys (`waves_per_eu`, `matrix_instr_nonkdim`, `kpack`) are passed to a launch only when
 it targets an AMD GPU (see `hal.kernels.launch`). On AMD `num_stages` 2 enables the stream
@@ -27,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KERNEL_NAMES = ("attention_prefill", "attention_decode", "attention_prefill_fp32", "attention_decode_fp32",
-                "attention_reduce", "kv_write", "rms_norm", "rotary", "silu_and_mul")
+                "attention_reduce", "kv_write", "rms_norm", "rotary", "silu_and_mul", "fp8_linear")
 
 
 @dataclass(frozen=True)
@@ -53,12 +54,14 @@ class KernelConfig:
 
 def _small_ops(num_warps: int, num_stages: int, block_n: int = 1024, **amd: int) -> dict[str, KernelConfig]:
     # silu_and_mul: block_n / (num_warps * warp size) = 8 bf16 per thread = one 16-byte load
+    # fp8_linear: 16 rows (decode batches; the least tl.dot takes), 64 columns, K in steps of 64
     return {
         "attention_reduce": KernelConfig(1, 1, num_warps, 1, **amd),
         "kv_write": KernelConfig(1, 1, num_warps, 1, **amd),
         "rms_norm": KernelConfig(1, 1, num_warps, 1, **amd),
         "rotary": KernelConfig(1, 1, num_warps, 1, **amd),
         "silu_and_mul": KernelConfig(1, block_n, num_warps, num_stages, **amd),
+        "fp8_linear": KernelConfig(16, 64, num_warps, max(num_stages, 2), **amd),
     }
 
 

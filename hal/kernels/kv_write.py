@@ -2,6 +2,9 @@
 
 A program moves the `[KVH, D]` key and value rows of `block_m` tokens (each token's rows are one
 contiguous run of KVH * D elements in the cache: 16-byte vectors at head dims that are multiples of 8).
+An 8-bit cache (hal/kv_quant.py) quantizes on the way: per (token, KV head) `scale = absmax / QMAX`,
+values `x / scale` rounded to FP8, both divisions correctly rounded (`div_rn`) so the stored bytes
+equal the torch reference's.
 """
 from __future__ import annotations
 
@@ -35,26 +38,72 @@ def _kv_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_sl
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _quantize_store(x, values_ptrs, scales_ptrs, mask, scale_mask, QMAX: tl.constexpr):
+    """x `[T, KVH, D]` fp32 -> FP8 values and one float32 scale per (token, head)."""
+    scale = tl.math.div_rn(tl.max(tl.abs(x), axis=2), QMAX)                          # [T, KVH]
+    scale = tl.where(scale > 0.0, scale, 1.0)                          # an all-zero vector stores zeros
+    q = tl.math.div_rn(x, scale[:, :, None])
+    q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
+    tl.store(values_ptrs, q.to(values_ptrs.dtype.element_ty), mask=mask)
+    tl.store(scales_ptrs, scale, mask=scale_mask)
+
+
+@triton.jit
+def _kv_write_quant_kernel(k_ptr, v_ptr, k_values_ptr, v_values_ptr, k_scales_ptr, v_scales_ptr, slot_ptr,
+                           stride_slot, num_tokens, stride_kt, stride_kh, stride_vt, stride_vh,
+                           stride_cb, stride_ct, stride_ch, stride_sb, stride_st,
+                           QMAX: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           HEADS_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                           BLOCK_T: tl.constexpr):
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_ok = tokens < num_tokens
+    slots = tl.load(slot_ptr + tokens * stride_slot, mask=token_ok, other=-1).to(tl.int64)   # [T]
+    heads = tl.arange(0, HEADS_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    scale_mask = (slots >= 0)[:, None] & (heads < NUM_KV_HEADS)[None, :]                     # [T, KVH]
+    mask = scale_mask[:, :, None] & (dims < HEAD_DIM)[None, None, :]
+    page, offset = slots // PAGE_SIZE, slots % PAGE_SIZE
+    dst = (page * stride_cb + offset * stride_ct)[:, None, None] + (heads * stride_ch)[None, :, None] \
+        + dims[None, None, :]                                                                  # [T, KVH, D]
+    scale_dst = (page * stride_sb + offset * stride_st)[:, None] + heads[None, :]               # [T, KVH]
+    rows = tokens.to(tl.int64)[:, None, None]
+    cols = dims[None, None, :]
+    k = tl.load(k_ptr + rows * stride_kt + (heads * stride_kh)[None, :, None] + cols, mask=mask, other=0.0)
+    _quantize_store(k.to(tl.float32), k_values_ptr + dst, k_scales_ptr + scale_dst, mask, scale_mask, QMAX)
+    v = tl.load(v_ptr + rows * stride_vt + (heads * stride_vh)[None, :, None] + cols, mask=mask, other=0.0)
+    _quantize_store(v.to(tl.float32), v_values_ptr + dst, v_scales_ptr + scale_dst, mask, scale_mask, QMAX)
+
+
 def kv_write_launch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                    config: KernelConfig, target: str) -> Launch:
+                    config: KernelConfig, target: str, kv_scales: torch.Tensor | None = None) -> Launch:
     """k, v `[T, KVH, D]`; kv_cache `[2, NB, page, KVH, D]`; slot_mapping `[T]` int64 (one plane).
-    `config.block_m` tokens per program."""
+    `config.block_m` tokens per program. With `kv_scales: [2, NB, page, KVH]` float32, `kv_cache`
+    holds 8-bit values (`hal.kv_quant.RowLayout` views) and the write quantizes."""
     num_tokens, num_kv_heads, head_dim = k.shape
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    return Launch(_kv_write_kernel, (-(-num_tokens // config.block_m),), (
-        k, v, key_cache, value_cache, slot_mapping, slot_mapping.stride(0), num_tokens,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2)), dict(
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEADS_PAD=next_pow2(num_kv_heads),
-        HEAD_DIM_PAD=next_pow2(head_dim), PAGE_SIZE=kv_cache.shape[2], BLOCK_T=config.block_m,
-        **launch_options(config, target)))
+    grid = (-(-num_tokens // config.block_m),)
+    shape = dict(NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEADS_PAD=next_pow2(num_kv_heads),
+                 HEAD_DIM_PAD=next_pow2(head_dim), PAGE_SIZE=kv_cache.shape[2], BLOCK_T=config.block_m,
+                 **launch_options(config, target))
+    strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+               key_cache.stride(0), key_cache.stride(1), key_cache.stride(2))
+    if kv_scales is None:
+        return Launch(_kv_write_kernel, grid, (k, v, key_cache, value_cache, slot_mapping, slot_mapping.stride(0),
+                                               num_tokens, *strides), shape)
+    from hal.kv_quant import quant_max
+
+    return Launch(_kv_write_quant_kernel, grid, (
+        k, v, key_cache, value_cache, kv_scales[0], kv_scales[1], slot_mapping, slot_mapping.stride(0), num_tokens,
+        *strides, kv_scales.stride(1), kv_scales.stride(2)), dict(QMAX=quant_max(kv_cache.dtype), **shape))
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-             config: KernelConfig) -> None:
-    """Store `k, v: [T, KVH, D]` at `slot_mapping: [T]` of `kv_cache` (in place); -1 skips a token."""
+             config: KernelConfig, kv_scales: torch.Tensor | None = None) -> None:
+    """Store `k, v: [T, KVH, D]` at `slot_mapping: [T]` of `kv_cache` (in place); -1 skips a token.
+    With `kv_scales` (see `kv_write_launch`) the values are quantized."""
     check_device(k)
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         k, v = k.contiguous(), v.contiguous()
     if k.shape[0]:
-        run_launch(kv_write_launch(k, v, kv_cache, slot_mapping, config, backend_of(k.device)))
+        run_launch(kv_write_launch(k, v, kv_cache, slot_mapping, config, backend_of(k.device), kv_scales))

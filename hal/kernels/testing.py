@@ -8,10 +8,13 @@ an import-time switch, `interpreter()` interprets the kernels launched inside it
 `JITFunction` launches and device-function calls to their interpreted twins, so numerics tests
 and compile checks share one pytest session. Setting the variable before import still works.
 
-It also works around two bf16 bugs of the triton 3.9 interpreter:
+It also works around three rounding bugs of the triton 3.9 interpreter:
 1. `tl.dot` on bf16 operands multiplies the raw uint16 bit patterns (bf16 is stored as uint16):
    operands are widened to fp32 first, which is exact, as on an fp32-accumulating tensor core.
 2. fp32 -> bf16 casts truncate where GPUs round to nearest even: the cast goes through torch.
+3. casts to FP8 (e4m3fn, e4m3fnuz) lose the carry when rounding up crosses a power of two (1.99 -> 1,
+   not 2) and mis-round fnuz subnormals: they go through torch (round to nearest even, as the GPUs'
+   saturating conversions do for the in-range values our kernels produce).
 Everything is undone on exit.
 """
 from __future__ import annotations
@@ -45,9 +48,22 @@ def _fp32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
     return as_torch.view(torch.int16).numpy().view(np.uint16)
 
 
+_TORCH_FP8 = {tl.float8e4nv: torch.float8_e4m3fn, tl.float8e4b8: torch.float8_e4m3fnuz}
+
+
+def _to_fp8(src: interp.TensorHandle, dst: Any) -> interp.TensorHandle:
+    values = _bf16_bits_to_fp32(src.data) if src.dtype.scalar == tl.bfloat16 else src.data.astype(np.float32)
+    as_torch = torch.from_numpy(np.ascontiguousarray(values)).to(_TORCH_FP8[dst])
+    return interp.TensorHandle(as_torch.view(torch.uint8).numpy(), dst)
+
+
+def _is_float_to_fp8(src: interp.TensorHandle, dst_type: Any) -> bool:
+    return dst_type.scalar in _TORCH_FP8 and src.dtype.scalar in (tl.float32, tl.bfloat16, tl.float16)
+
+
 def _builder_patches() -> dict[str, Any]:
     builder = interp.InterpreterBuilder
-    original_dot, original_cast = builder.create_dot, builder.cast_impl
+    original_dot, original_cast, original_fp_to_fp = builder.create_dot, builder.cast_impl, builder.create_fp_to_fp
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         if a.dtype.scalar == tl.bfloat16:
@@ -59,12 +75,20 @@ def _builder_patches() -> dict[str, Any]:
     def cast_impl(self, src, dst_type):
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
             return interp.TensorHandle(_fp32_to_bf16_bits(src.data), tl.bfloat16)
+        if _is_float_to_fp8(src, dst_type):
+            return _to_fp8(src, dst_type.scalar)
         return original_cast(self, src, dst_type)
 
     def create_fp_trunc(self, src, dst_type):
         return self.cast_impl(src, dst_type)
 
-    return {"create_dot": create_dot, "cast_impl": cast_impl, "create_fp_trunc": create_fp_trunc}
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if _is_float_to_fp8(src, dst_type):
+            return _to_fp8(src, dst_type.scalar)
+        return original_fp_to_fp(self, src, dst_type, rounding_mode)
+
+    return {"create_dot": create_dot, "cast_impl": cast_impl, "create_fp_trunc": create_fp_trunc,
+            "create_fp_to_fp": create_fp_to_fp}
 
 
 def _jit_patches() -> dict[str, Any]:

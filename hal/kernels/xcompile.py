@@ -10,6 +10,9 @@ alignment, integers equal to 1). Checks per compiled kernel:
   * NVIDIA (sm_90, sm_80): `wgmma` in the PTX of the large-tile (prefill) configs on sm_90, an MMA
     otherwise, no spills (`cuobjdump -res-usage`: STACK/LOCAL 0), shared memory within the SM's.
 A table is compiled for the targets that can pick it: each arch's own, "default" for all three.
+The FP8 variants (`FP8_CASES`: attention over an FP8 KV cache, the quantizing KV write, the W8A16
+linear) compile for the arch tables of the targets that have FP8, each in its own format: e4m3fn on
+sm_90 and gfx950, e4m3fnuz on gfx942 (`--fp8`).
 Levels: "compiles for" and "checked in the machine code"; nothing here ran on an AMD GPU.
 """
 from __future__ import annotations
@@ -60,18 +63,31 @@ class Case(NamedTuple):
     build: Callable[[KernelConfig, str], Launch]   # (config, "hip" | "cuda") -> launch on CPU tensors
 
 
+def _fp8_cache(kv_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, scales) views of an FP8 cache of 8 blocks in `hal.kv_quant`'s row layout."""
+    from hal.kv_quant import RowLayout
+
+    s = SHAPE
+    layout = RowLayout(s["num_kv_heads"], s["head_dim"], kv_dtype)
+    cache = torch.empty(layout.cache_shape(8, s["page_size"]), dtype=torch.uint8)
+    return layout.values(cache), layout.scales(cache)
+
+
 def _attention(config: KernelConfig, target: str, num_seqs: int, query_len: int, num_splits: int,
-               dtype: torch.dtype = SHAPE["dtype"]) -> Launch:
+               dtype: torch.dtype = SHAPE["dtype"], kv_dtype: torch.dtype | None = None) -> Launch:
     from hal.kernels.attention import attention_launches
 
     s = SHAPE
     q = torch.empty(num_seqs * query_len, s["num_heads"], s["head_dim"], dtype=dtype)
     cache = torch.empty(2, 8, s["page_size"], s["num_kv_heads"], s["head_dim"], dtype=dtype)
+    scales = None
+    if kv_dtype is not None:
+        cache, scales = _fp8_cache(kv_dtype)
     table = torch.zeros(num_seqs, 8, dtype=torch.int32)
     seq_lens = torch.zeros(num_seqs, dtype=torch.int32)
     starts = torch.zeros(num_seqs + 1, dtype=torch.int32)
     return attention_launches(q, cache, table, seq_lens, starts, 0.1, config, num_splits, config,
-                              torch.empty_like(q), target)[0]
+                              torch.empty_like(q), target, scales)[0]
 
 
 def _reduce(config: KernelConfig, target: str) -> Launch:
@@ -86,13 +102,27 @@ def _reduce(config: KernelConfig, target: str) -> Launch:
                               torch.empty_like(q), target)[1]
 
 
-def _kv_write(config: KernelConfig, target: str) -> Launch:
+def _kv_write(config: KernelConfig, target: str, kv_dtype: torch.dtype | None = None) -> Launch:
     from hal.kernels.kv_write import kv_write_launch
 
     s = SHAPE
     k = torch.empty(4, s["num_kv_heads"], s["head_dim"], dtype=s["dtype"])
     cache = torch.empty(2, 8, s["page_size"], s["num_kv_heads"], s["head_dim"], dtype=s["dtype"])
-    return kv_write_launch(k, torch.empty_like(k), cache, torch.zeros(4, dtype=torch.int64), config, target)
+    scales = None
+    if kv_dtype is not None:
+        cache, scales = _fp8_cache(kv_dtype)
+    return kv_write_launch(k, torch.empty_like(k), cache, torch.zeros(4, dtype=torch.int64), config, target,
+                           scales)
+
+
+def _fp8_linear(config: KernelConfig, target: str, fp8: torch.dtype, num_rows: int) -> Launch:
+    """Ouro-1.4B's gate|up projection (2048 -> 2 x 5632) at `num_rows` tokens."""
+    from hal.kernels.fp8_linear import fp8_linear_launch
+
+    x = torch.empty(num_rows, 2048, dtype=SHAPE["dtype"])
+    weight = torch.empty(2 * 5632, 2048, dtype=fp8)
+    scale = torch.empty(2 * 5632, dtype=torch.float32)
+    return fp8_linear_launch(x, weight, scale, None, torch.empty(num_rows, 2 * 5632, dtype=x.dtype), config, target)
 
 
 def _rms_norm(config: KernelConfig, target: str, residual: bool) -> Launch:
@@ -140,6 +170,33 @@ CASES = {c.name: c for c in (
     Case("rotary/gptj", "rotary", False, False, lambda c, t: _rotary(c, t, interleaved=True)),
     Case("silu_and_mul", "silu_and_mul", False, False, _silu_and_mul),
 )}
+
+
+# FP8 format per target (a gfx942 kernel on e4m3fn values would decode every byte wrongly)
+FP8_FORMATS = {"sm_90": torch.float8_e4m3fn, "gfx950": torch.float8_e4m3fn, "gfx942": torch.float8_e4m3fnuz}
+
+
+def _fp8_cases(fmt: str, fp8: torch.dtype) -> tuple[Case, ...]:
+    return (
+        Case(f"attention_prefill/{fmt}", "attention_prefill", True, False,
+             lambda c, t: _attention(c, t, num_seqs=2, query_len=256, num_splits=1, kv_dtype=fp8)),
+        Case(f"attention_decode/split-{fmt}", "attention_decode", True, False,
+             lambda c, t: _attention(c, t, num_seqs=1, query_len=1, num_splits=8, kv_dtype=fp8)),
+        Case(f"attention_decode/batch-{fmt}", "attention_decode", True, False,
+             lambda c, t: _attention(c, t, num_seqs=64, query_len=1, num_splits=1, kv_dtype=fp8)),
+        Case(f"kv_write/{fmt}", "kv_write", False, False, lambda c, t: _kv_write(c, t, kv_dtype=fp8)),
+        Case(f"fp8_linear/{fmt}", "fp8_linear", True, False, lambda c, t: _fp8_linear(c, t, fp8, num_rows=1)),
+    )
+
+
+FP8_CASES_BY_FORMAT = {fp8: {c.name: c for c in _fp8_cases(fmt, fp8)}
+                       for fp8, fmt in ((torch.float8_e4m3fn, "e4m3fn"), (torch.float8_e4m3fnuz, "e4m3fnuz"))}
+FP8_CASES = {name: case for cases in FP8_CASES_BY_FORMAT.values() for name, case in cases.items()}
+
+
+def fp8_cases_for(target_name: str) -> list[str]:
+    """The FP8 variants compiled for `target_name`, in its format (none where the target has no FP8)."""
+    return list(FP8_CASES_BY_FORMAT.get(FP8_FORMATS.get(target_name), {}))
 
 
 class Report(NamedTuple):
@@ -233,7 +290,7 @@ def compile_case(case_name: str, config: KernelConfig, target_name: str, table: 
 @functools.cache
 def _compile_case(case_name: str, config: KernelConfig, target_name: str) -> Report:
     table = "custom"
-    case, target = CASES[case_name], TARGETS[target_name]
+    case, target = {**CASES, **FP8_CASES}[case_name], TARGETS[target_name]
     start = time.perf_counter()
     try:
         kernel = compile_launch(case.build(config, target.backend), target)
@@ -274,6 +331,12 @@ def check_all(tables: dict[str, dict[str, KernelConfig]] | None = None,
     return reports
 
 
+def check_fp8(targets: tuple[str, ...] = tuple(FP8_FORMATS)) -> list[Report]:
+    """The FP8 variants on each target with FP8, in the target's own arch table."""
+    return [compile_case(name, all_configs()[target][FP8_CASES[name].config_key], target, target)
+            for target in targets for name in fp8_cases_for(target)]
+
+
 def format_table(reports: list[Report]) -> str:
     head = (f"{'table':8} {'kernel':24} {'target':7} {'M x N':9} {'w/s':4} {'vgpr':>5} {'agpr':>5} "
             f"{'sgpr':>5} {'spill':>5} {'scr':>4} {'occ':>4} {'shared':>7} {'v16':3} {'s':>5}  "
@@ -301,11 +364,15 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--targets", default="", help="comma-separated subset of " + ",".join(TARGETS))
     parser.add_argument("--tables", default="", help="comma-separated subset of " + ",".join(all_configs()))
+    parser.add_argument("--fp8", action="store_true", help="also the FP8 variants (FP8 KV, W8A16 linear)")
     args = parser.parse_args(argv)
     tables = all_configs()
     if args.tables:
         tables = {name: tables[name] for name in args.tables.split(",")}
-    reports = check_all(tables, tuple(args.targets.split(",")) if args.targets else None)
+    targets = tuple(args.targets.split(",")) if args.targets else None
+    reports = check_all(tables, targets)
+    if args.fp8:
+        reports += check_fp8(tuple(t for t in FP8_FORMATS if targets is None or t in targets))
     print(format_table(reports))
     bad = [r for r in reports if r.problems]
     print(f"{len(reports)} kernels compiled, {len(bad)} with problems")

@@ -1,0 +1,77 @@
+"""FP8-weight linear for GPUs without (or not using) `torch._scaled_mm`: `y = x @ (q * scale).T`
+with the weight `q: [N, K]` in FP8 and one float32 scale per output channel, activations in
+bf16/fp16/fp32 (W8A16).
+
+A program owns a `BLOCK_M x BLOCK_N` tile of y and walks K in steps of `BLOCK_K`: the FP8 weight tile
+is loaded (half the bytes of bf16, which is what decode at small M is bound by), widened to x's dtype
+(exact) and multiplied on the tensor cores with float32 accumulation; the row scales multiply the
+accumulator once at the end (they factor out of the sum over K), then the bias. Every product is
+exact and only the accumulation order differs from the torch reference (dequantize in float32, then
+matmul), so the two agree to float32 rounding for fp32 activations.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hal.kernels.attention import dot_precision
+from hal.kernels.configs import KernelConfig
+from hal.kernels.launch import Launch, backend_of, check_device, launch_options, run_launch
+
+BLOCK_K = 64
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+
+
+@triton.jit
+def _fp8_linear_kernel(out_ptr, x_ptr, w_ptr, scale_ptr, bias_ptr, num_rows, num_cols, num_inner,
+                       stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < num_rows
+    col_ok = cols < num_cols
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm                                # [M, 1]
+    w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_wn                                # [1, N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for step in range(tl.cdiv(num_inner, BLOCK_K)):
+        inner = step * BLOCK_K + tl.arange(0, BLOCK_K)
+        inner_ok = inner < num_inner
+        a = tl.load(x_ptrs + inner[None, :], mask=row_ok[:, None] & inner_ok[None, :], other=0.0)   # [M, K]
+        b = tl.load(w_ptrs + inner[:, None], mask=inner_ok[:, None] & col_ok[None, :], other=0.0)   # [K, N]
+        acc += tl.dot(a, b.to(a.dtype), input_precision=DOT_PRECISION)
+    acc = acc * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def fp8_linear_launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                      out: torch.Tensor, config: KernelConfig, target: str) -> Launch:
+    """x `[M, K]`, weight `[N, K]` FP8, scale `[N]` float32, bias `[N]` or None, out `[M, N]`."""
+    rows, inner = x.shape
+    cols = weight.shape[0]
+    grid = (-(-rows // config.block_m), -(-cols // config.block_n))
+    return Launch(_fp8_linear_kernel, grid, (
+        out, x, weight, scale, scale if bias is None else bias, rows, cols, inner, x.stride(0), weight.stride(0),
+        out.stride(0)), dict(HAS_BIAS=bias is not None, BLOCK_M=max(config.block_m, 16), BLOCK_N=config.block_n,
+                             BLOCK_K=BLOCK_K, DOT_PRECISION=dot_precision(x.dtype, target),
+                             **launch_options(config, target)))
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+               config: KernelConfig | None = None) -> torch.Tensor:
+    """`x: [M, K]` times FP8 `weight: [N, K]` with row scales `scale: [N]` (+ `bias`) -> `[M, N]` in
+    x's dtype (`Hal.op("fp8_linear")`)."""
+    check_device(x)
+    if weight.dtype not in FP8_DTYPES or scale.dtype != torch.float32 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"fp8_linear takes x [M, K], an FP8 weight [N, K] and float32 scales [N]; got x "
+                         f"{tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype}, scale {scale.dtype}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    if x.shape[0]:
+        config = config or KernelConfig(16, 32, 4, 1)
+        run_launch(fp8_linear_launch(x, weight.contiguous(), scale, bias, out, config, backend_of(x.device)))
+    return out

@@ -1,0 +1,109 @@
+"""FP8 KV cache and FP8 linears in hal/kernels under the Triton interpreter, against the CPU
+reference: the quantizing KV write stores the reference's bytes exactly (e4m3fn as on H200/gfx950,
+e4m3fnuz as on gfx942), attention over an FP8 cache matches the reference's dequantize-then-attend,
+and the W8A16 linear kernel matches dequantize-then-matmul."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from paged_cases import random_case
+
+from hal.cpu.attention import TorchPagedAttention
+from hal.kernels.backend import TritonPagedAttention
+from hal.kernels.configs import KernelConfig, configs_for
+from hal.kernels.fp8_linear import fp8_linear
+from hal.kv_quant import quantize
+
+pytestmark = pytest.mark.usefixtures("interpreted")
+
+CPU = torch.device("cpu")
+FORMATS = [torch.float8_e4m3fn, torch.float8_e4m3fnuz]
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+FAST_WRITE = KernelConfig(32, 1, 4, 1)
+
+
+def _pair(heads, kv_heads, head_dim, dtype, kv_dtype, block_size=16, num_compute_units=4):
+    configs = {**configs_for("default"), "kv_write": FAST_WRITE}
+    triton = TritonPagedAttention(heads, kv_heads, head_dim, dtype, CPU, block_size, configs=configs,
+                                  num_compute_units=num_compute_units, kv_dtype=kv_dtype)
+    reference = TorchPagedAttention(heads, kv_heads, head_dim, torch.float32, CPU, block_size, kv_dtype=kv_dtype)
+    return triton, reference
+
+
+def _filled(backend, reference, case):
+    """Both caches after writing the case's whole history (every plane)."""
+    cache = torch.zeros(backend.kv_cache_shape(case.num_blocks), dtype=backend.kv_cache_dtype)
+    ref_cache = torch.zeros(reference.kv_cache_shape(case.num_blocks), dtype=reference.kv_cache_dtype)
+    history, ref_history = backend.build_meta(case.history), reference.build_meta(case.history)
+    for p in range(len(case.step.block_tables)):
+        backend.write_kv(case.keys[p], case.values[p], cache, history, p)
+        reference.write_kv(case.keys[p].float(), case.values[p].float(), ref_cache, ref_history, p)
+    return cache, ref_cache
+
+
+@pytest.mark.parametrize("kv_dtype", FORMATS, ids=["e4m3fn", "e4m3fnuz"])
+def test_quantizing_write_stores_the_reference_bytes(kv_dtype):
+    """Values and scales bit for bit, GQA with an odd head dim, tokens skipped by slot -1."""
+    case = random_case(random.Random(), 6, 3, 40, torch.float32, num_planes=2)
+    backend, reference = _pair(6, 3, 40, torch.float32, kv_dtype)
+    cache, ref_cache = _filled(backend, reference, case)
+    assert torch.equal(cache, ref_cache)
+    # a bf16 model's keys quantize from their exact float32 values, the same bytes again
+    case16 = case._replace(keys=case.keys.bfloat16(), values=case.values.bfloat16())
+    backend16, reference16 = _pair(6, 3, 40, torch.bfloat16, kv_dtype)
+    cache16, ref16 = _filled(backend16, reference16, case16)
+    assert torch.equal(cache16, ref16)
+    written = backend.kv_layout.scales(cache) > 0
+    assert written.sum() == 2 * 2 * sum(case.history.seq_lens) * 3, "every written (token, head) has a scale"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kv_dtype", FORMATS, ids=["e4m3fn", "e4m3fnuz"])
+def test_fp8_attention_matches_reference(kv_dtype, dtype):
+    """Prefill, chunked prefill and decode over an FP8 cache: the kernel applies each key's scales
+    inside the products; the reference dequantizes first."""
+    rng = random.Random()
+    case = random_case(rng, 8, 2, 40, dtype)
+    backend, reference = _pair(8, 2, 40, dtype, kv_dtype)
+    cache, ref_cache = _filled(backend, reference, case)
+    out = backend.forward(case.q, cache, backend.build_meta(case.step), 1, 40 ** -0.5)
+    ref = reference.forward(case.q.float(), ref_cache, reference.build_meta(case.step), 1, 40 ** -0.5)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    err = (out.float() - ref).abs().max().item()
+    assert err <= TOLERANCE[dtype], f"max error {err:.2e}"
+
+
+def test_fp8_decode_split_matches_reference():
+    """Decode takes the context split and the reduce; the scales ride along every split."""
+    rng = random.Random()
+    case = random_case(rng, 4, 2, 64, torch.bfloat16, seq_lens=[rng.randint(40, 90), 1, 70],
+                       query_lens=[1, 1, 1])
+    backend, reference = _pair(4, 2, 64, torch.bfloat16, torch.float8_e4m3fn, num_compute_units=16)
+    cache, ref_cache = _filled(backend, reference, case)
+    out = backend.forward(case.q, cache, backend.build_meta(case.step), 0, 0.125)
+    ref = reference.forward(case.q.float(), ref_cache, reference.build_meta(case.step), 0, 0.125)
+    assert (out.float() - ref).abs().max().item() <= TOLERANCE[torch.bfloat16]
+
+
+def test_triton_refuses_int8_kv():
+    with pytest.raises(ValueError, match="FP8"):
+        TritonPagedAttention(4, 2, 16, torch.bfloat16, CPU, 16, kv_dtype=torch.int8)
+
+
+@pytest.mark.parametrize("fp8", FORMATS, ids=["e4m3fn", "e4m3fnuz"])
+@pytest.mark.parametrize("dtype,shape", [(torch.bfloat16, (3, 96, 80)), (torch.float32, (33, 64, 48))],
+                         ids=["bf16-decode", "fp32-prefill"])
+def test_fp8_linear_kernel_matches_dequantized_matmul(fp8, dtype, shape):
+    """W8A16: FP8 weight tiles widen to x's dtype, float32 accumulation, the row scales applied to the
+    accumulator; ragged M, N, K (masked tiles), with a bias."""
+    m, n, k = shape
+    x = torch.randn(m, k).to(dtype)
+    weight, scale = quantize(torch.randn(n, k) * 0.05, fp8)
+    bias = torch.randn(n)
+    out = fp8_linear(x, weight, scale, bias, KernelConfig(16, 32, 4, 1))
+    ref = x.float() @ (weight.float() * scale[:, None]).T + bias
+    assert out.dtype == dtype and out.shape == (m, n)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2 * ref.abs().max().item()
+    assert (out.float() - ref).abs().max().item() <= tolerance
