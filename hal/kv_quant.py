@@ -56,6 +56,11 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
     return (q.float() * scale[..., None]).to(dtype)
 
 
+def fake_quantize(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x: [..., D]` as an 8-bit cache gives it back: quantized per vector, dequantized to x's dtype."""
+    return dequantize(*quantize(x, dtype), x.dtype)
+
+
 class RowLayout(NamedTuple):
     """Byte rows of one quantized slot: `KVH * D` values, `KVH` float32 scales, padding."""
 

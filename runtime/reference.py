@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 
 import hal
+from hal.kv_quant import fake_quantize
 from runtime.config import SamplingParams
 from runtime.sampler import make_generator, sample_token
 from zoo.base import LoopedCausalLM
@@ -19,12 +20,16 @@ from zoo.ouro.model import exit_distribution, first_exit_step
 
 
 class CachedContext:
-    """A growing dense KV cache per (plane, layer); attention is bottom-right causal."""
+    """A growing dense KV cache per (plane, layer); attention is bottom-right causal. With an 8-bit
+    `kv_dtype` every new token's K and V are rounded as a quantized paged cache stores them
+    (hal/kv_quant.py: per token and head, fixed when written), so the engine with `kv_dtype` set
+    must give this path's tokens."""
 
-    def __init__(self, generator: torch.Generator | None = None, init_scale: float | None = None) -> None:
+    def __init__(self, generator: torch.Generator | None = None, init_scale: float | None = None,
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.positions = torch.zeros(1, 0, dtype=torch.long)
-        self.generator, self.init_scale = generator, init_scale
+        self.generator, self.init_scale, self.kv_dtype = generator, init_scale, kv_dtype
         self._cache: dict[Any, Any] = {}
 
     def begin_step(self, positions: torch.Tensor) -> None:
@@ -39,6 +44,8 @@ class CachedContext:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plane: int, layer: int,
                scale: float) -> torch.Tensor:
         # q: [B, T, H, D]; k, v: [B, T, KVH, D] for the new tokens only
+        if self.kv_dtype is not None:
+            k, v = fake_quantize(k, self.kv_dtype), fake_quantize(v, self.kv_dtype)
         if (plane, layer) in self.kv:
             past_k, past_v = self.kv[(plane, layer)]
             k, v = torch.cat([past_k, k], dim=1), torch.cat([past_v, v], dim=1)
@@ -69,13 +76,15 @@ def forward_step(model: LoopedCausalLM, ids: torch.Tensor, ctx: CachedContext, n
 
 
 def generate_reference(model: LoopedCausalLM, prompt_ids: list[int], params: SamplingParams,
-                       stop_token_ids: tuple[int, ...] = ()) -> tuple[list[int], str, list[int]]:
-    """Generate for one prompt. Returns (token ids, finish reason, loops per token)."""
+                       stop_token_ids: tuple[int, ...] = (),
+                       kv_dtype: torch.dtype | None = None) -> tuple[list[int], str, list[int]]:
+    """Generate for one prompt (`kv_dtype`: see `CachedContext`). Returns (token ids, finish reason,
+    loops per token)."""
     device = next(model.parameters()).device
     num_loops = params.num_loops or model.default_num_loops
     threshold = model.default_exit_threshold if params.exit_threshold is None else params.exit_threshold
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(stop_token_ids))
-    ctx = CachedContext(make_generator(params, device), params.init_scale)
+    ctx = CachedContext(make_generator(params, device), params.init_scale, kv_dtype)
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)
     position, out, loops = 0, [], []
     while True:

@@ -57,8 +57,10 @@ class ModelRunner:
         self.dtype = param.dtype
         spec = model.kv_spec
         self.kv_spec = spec
+        kv_dtype = resolve_kv_dtype(config.kv_dtype, hal)
+        quantized = {} if kv_dtype is None else {"kv_dtype": kv_dtype}     # Hals without 8-bit KV keep working
         self.backend = hal.attention(model.num_attention_heads, spec.num_kv_heads, spec.head_dim, self.dtype,
-                                     block_size=config.block_size, kv_dtype=resolve_kv_dtype(config.kv_dtype, hal))
+                                     block_size=config.block_size, **quantized)
         self.block_size = self.backend.block_size
         log.info("attention backend %s (%s)", self.backend.name, self.backend.caps.reason)
         # bytes follow the cache's own dtype: an 8-bit KV cache holds twice the blocks of a bf16 one
@@ -76,7 +78,8 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(self.backend.kv_cache_shape(cache_blocks), dtype=cache_dtype,
                                       device=self.device) for _ in range(spec.layers_per_plane)]
         log.info("KV cache: %d blocks of %d tokens, %.1f MiB, kv_mode=%s, kv_dtype=%s", self.num_blocks,
-                 self.block_size, self.num_blocks * self.bytes_per_block / 2**20, config.kv_mode, self.backend.kv_dtype)
+                 self.block_size, self.num_blocks * self.bytes_per_block / 2**20, config.kv_mode,
+                 kv_dtype or self.dtype)
         self.graphs = None
         if config.graphs and not self.backend.caps.graphs:
             raise ValueError(f"graphs=true, but attention backend {self.backend.name!r} cannot be captured")

@@ -16,6 +16,7 @@ from hal.cpu.attention import TorchPagedAttention
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_TRITON_HEAD_DIM = 128            # the kernels' tiles are compile-checked up to this; wider go to torch
 FUSED_OPS = ("rms_norm", "rotary", "silu_and_mul")
+TRITON_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
 class Choice(NamedTuple):
@@ -37,8 +38,8 @@ def triton_status() -> tuple[bool, str]:
     return True, f"triton {getattr(triton, '__version__', '?')}"
 
 
-def why_not(name: str, head_dim: int, dtype: torch.dtype) -> str | None:
-    """Why backend `name` cannot serve this shape, or None when it can."""
+def why_not(name: str, head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> str | None:
+    """Why backend `name` cannot serve this shape (and 8-bit KV format), or None when it can."""
     if name == "torch":
         return None
     if name == "triton":
@@ -49,6 +50,8 @@ def why_not(name: str, head_dim: int, dtype: torch.dtype) -> str | None:
             return f"the Triton kernels take {', '.join(str(d) for d in TRITON_DTYPES)}, not {dtype}"
         if head_dim > MAX_TRITON_HEAD_DIM:
             return f"head_dim {head_dim} is above the Triton kernels' {MAX_TRITON_HEAD_DIM}"
+        if kv_dtype not in (None, dtype) and kv_dtype not in TRITON_KV_DTYPES:
+            return f"the Triton kernels quantize KV to FP8 only, not {kv_dtype}"
         return None
     raise ValueError(f"no rule for attention backend {name!r}")
 
@@ -62,22 +65,22 @@ def check_known(requested: str | None, order: Sequence[str], hal_name: str) -> N
 
 
 def choose(requested: str | None, order: Sequence[str], head_dim: int, dtype: torch.dtype,
-           hal_name: str) -> Choice:
+           hal_name: str, kv_dtype: torch.dtype | None = None) -> Choice:
     """`requested` "auto" (or None) takes the first of `order` that serves the shape; a named
     backend must serve it or this raises ValueError naming the reason and the alternatives."""
     requested = requested or "auto"
-    shape = f"head_dim={head_dim} {dtype}"
+    shape = f"head_dim={head_dim} {dtype}" + (f" with {kv_dtype} KV" if kv_dtype not in (None, dtype) else "")
     if requested == "auto":
         skipped = []
         for name in order:
-            why = why_not(name, head_dim, dtype)
+            why = why_not(name, head_dim, dtype, kv_dtype)
             if why is None:
                 note = f"; skipped {'; '.join(skipped)}" if skipped else ""
                 return Choice(name, f"auto: first of ({', '.join(order)}) that serves {shape}{note}")
             skipped.append(f"{name}: {why}")
         raise RuntimeError(f"hal {hal_name}: no attention backend serves {shape}: {'; '.join(skipped)}")
     check_known(requested, order, hal_name)
-    why = why_not(requested, head_dim, dtype)
+    why = why_not(requested, head_dim, dtype, kv_dtype)
     if why is not None:
         others = [n for n in order if n != requested]
         raise ValueError(f"attention backend {requested!r} was requested on hal {hal_name} but cannot serve "
@@ -87,15 +90,17 @@ def choose(requested: str | None, order: Sequence[str], head_dim: int, dtype: to
 
 
 def build(name: str, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-          device: torch.device, block_size: int, configs: dict[str, Any] | None) -> AttentionBackend:
+          device: torch.device, block_size: int, configs: dict[str, Any] | None,
+          kv_dtype: torch.dtype | None = None) -> AttentionBackend:
     """Construct the chosen backend; the Triton one gets the Hal's per-arch kernel configs."""
     if name == "triton":
         from hal.kernels.backend import TritonPagedAttention
 
         return TritonPagedAttention(num_heads, num_kv_heads, head_dim, dtype, device, block_size,
-                                    configs=configs)
+                                    configs=configs, kv_dtype=kv_dtype)
     if name == "torch":
-        return TorchPagedAttention(num_heads, num_kv_heads, head_dim, dtype, device, block_size)
+        return TorchPagedAttention(num_heads, num_kv_heads, head_dim, dtype, device, block_size,
+                                   kv_dtype=kv_dtype)
     raise ValueError(f"no attention backend {name!r}")
 
 

@@ -87,7 +87,8 @@ class CudaHal(Hal):
         return Caps(arch=facts.arch, warp_size=facts.warp_size, num_compute_units=facts.num_compute_units,
                     graphs=True, graph_needs_host_update=False, uva=self.uva().is_mapped,
                     attention_backends=usable, kv_block_sizes=self.kv_block_sizes, head_dims=None,
-                    fp8_dtype=facts.fp8_dtype, dtypes=facts.dtypes)
+                    fp8_dtype=facts.fp8_dtype, dtypes=facts.dtypes,
+                    kv_quant_dtypes=(facts.fp8_dtype,) if facts.fp8_dtype is not None else ())
 
     # ----- device and streams ---------------------------------------------------------------
     def device_count(self) -> int:
@@ -173,15 +174,16 @@ class CudaHal(Hal):
 
     # ----- attention and kernels ------------------------------------------------------------
     def attention(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                  block_size: int | None = None, backend: str | None = None) -> AttentionBackend:
+                  block_size: int | None = None, backend: str | None = None,
+                  kv_dtype: torch.dtype | None = None) -> AttentionBackend:
         choice = attention.choose(backend or self.attention_backend_name, self.backend_order, head_dim, dtype,
-                                  self.name)
+                                  self.name, kv_dtype)
         self._log_once(("attention", choice, num_heads, num_kv_heads),
                        "hal %s (%s): attention %s for H=%d KVH=%d: %s",
                        self.name, self.facts.arch, choice.name, num_heads, num_kv_heads, choice.reason)
         configs = self.kernel_configs() if choice.name == "triton" else None
         return attention.build(choice.name, num_heads, num_kv_heads, head_dim, dtype, self.device(),
-                               block_size or self.kv_block_sizes[0], configs)
+                               block_size or self.kv_block_sizes[0], configs, kv_dtype)
 
     def kernel_configs(self) -> dict[str, Any]:
         """Triton launch configs for this device's arch (`hal.kernels.configs.configs_for`):
@@ -190,7 +192,15 @@ class CudaHal(Hal):
 
     def op(self, name: str) -> Callable[..., Any] | None:
         if name not in self._ops:
-            self._ops[name] = attention.fused_op(name, self.kernel_configs() if attention.triton_status()[0] else None)
+            has_triton = attention.triton_status()[0]
+            configs = self.kernel_configs() if has_triton else None
+            if name == "fp8_linear":          # torch._scaled_mm or the Triton W8A16 kernel (hal/cuda/fp8.py)
+                from hal.cuda.fp8 import fp8_linear_op
+
+                has_fp8 = self.facts.fp8_dtype is not None
+                self._ops[name] = fp8_linear_op(self.facts.arch, configs, has_triton) if has_fp8 else None
+            else:
+                self._ops[name] = attention.fused_op(name, configs)
         return self._ops[name]
 
     def _log_once(self, key: Any, message: str, *args: Any) -> None:

@@ -209,9 +209,13 @@ def dot_precision(dtype: torch.dtype, target: str) -> str:
     return "tf32x3" if dtype == torch.float32 and target == "cuda" else "ieee"
 
 
-def config_key(kind: str, dtype: torch.dtype) -> str:
-    """Table key of the attention config: "attention_prefill", "attention_decode_fp32", ..."""
-    return f"attention_{kind}" + ("_fp32" if dtype == torch.float32 else "")
+def config_key(kind: str, dtype: torch.dtype, is_quantized: bool = False) -> str:
+    """Table key of the attention config: "attention_prefill", "attention_decode_fp32", ...;
+    16-bit prefill over an 8-bit cache has its own ("attention_prefill_fp8": the FP8 -> bf16
+    widening of K/V tiles costs registers the largest AMD tiles do not have)."""
+    if dtype == torch.float32:
+        return f"attention_{kind}_fp32"
+    return f"attention_{kind}" + ("_fp8" if is_quantized and kind == "prefill" else "")
 
 
 def attention_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -281,7 +285,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         config = configs[config_key("decode", q.dtype)]
         num_splits = num_kv_splits(seq_lens.shape[0], kv_cache.shape[3], num_compute_units)
     else:
-        config, num_splits = configs[config_key("prefill", q.dtype)], 1
+        config, num_splits = configs[config_key("prefill", q.dtype, kv_scales is not None)], 1
     for launch in attention_launches(q, kv_cache, block_table, seq_lens, query_start_loc, scale, config,
                                      num_splits, configs["attention_reduce"], out, backend_of(q.device),
                                      kv_scales):

@@ -126,8 +126,10 @@ class TritonPagedAttention(AttentionBackend):
         if q.dim() != 3 or q.shape[1:] != (self.num_heads, self.head_dim):
             raise ValueError(f"q must be [T, {self.num_heads}, {self.head_dim}], got {tuple(q.shape)}")
         values, scales = self._views(kv_cache)
-        if q.dtype != self.dtype or (scales is None and q.dtype != kv_cache.dtype):
-            raise ValueError(f"q is {q.dtype} but the backend computes in {self.dtype} over a {kv_cache.dtype} "
-                             f"cache; cast q to {self.dtype}")
+        if scales is None and q.dtype != kv_cache.dtype:
+            raise ValueError(f"q is {q.dtype} but the cache is {kv_cache.dtype}; cast q to the cache dtype")
+        if scales is not None and q.dtype != self.dtype:
+            raise ValueError(f"q is {q.dtype} but the backend computes in {self.dtype} over an 8-bit cache; "
+                             f"cast q to the model dtype {self.dtype}")
         return paged_attention(q, values, meta.block_tables[plane], meta.seq_lens, meta.query_start_loc,
                                meta.max_query_len, scale, self.configs, self.num_compute_units, scales)

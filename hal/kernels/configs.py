@@ -11,6 +11,8 @@ callers; nothing else chooses tiles. Keys of a table are kernel names:
   attention_*_fp32    the same for float32 caches (golden and conformance runs, not speed): fp32 tiles
                       take twice the registers and shared memory, and on NVIDIA the products run as
                       3xTF32 (fp32-level error), which needs more registers still
+  attention_prefill_fp8  attention_prefill for 16-bit queries over an FP8 KV cache (hal/kv_quant.py): the
+                      K/V tiles widen from FP8 in registers, which the largest AMD tiles cannot spare
   attention_reduce    merges the context splits of attention_decode (num_warps only)
   kv_write            scatter of new K/V rows into the paged cache: block_m tokens per program
   rms_norm, rotary    one row / one token per program (num_warps only)
@@ -28,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KERNEL_NAMES = ("attention_prefill", "attention_decode", "attention_prefill_fp32", "attention_decode_fp32",
-                "attention_reduce", "kv_write", "rms_norm", "rotary", "silu_and_mul", "fp8_linear")
+                "attention_prefill_fp8", "attention_reduce", "kv_write", "rms_norm", "rotary", "silu_and_mul", "fp8_linear")
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
     "sm_90": {
         "attention_prefill": KernelConfig(128, 64, 8, 3),
         "attention_decode": KernelConfig(16, 64, 4, 3),
+        "attention_prefill_fp8": KernelConfig(128, 64, 8, 3),
         **_fp32_attention(KernelConfig(16, 32, 4, 2), KernelConfig(16, 32, 4, 2)),
         **_small_ops(4, 1),
     },
@@ -82,15 +85,19 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
     "sm_80": {
         "attention_prefill": KernelConfig(128, 64, 8, 2),
         "attention_decode": KernelConfig(16, 64, 4, 3),
+        "attention_prefill_fp8": KernelConfig(128, 64, 8, 2),
         **_fp32_attention(KernelConfig(16, 32, 4, 2), KernelConfig(16, 32, 4, 2)),
         **_small_ops(4, 1),
     },
     # MI300X: 8 waves on 128 query rows keep the prefill tile in 256 VGPRs without spills at
     # waves_per_eu=2; decode takes 32-key tiles (64-bit K/V pointers cost VGPRs) for 4 waves/SIMD.
+    # FP8 KV prefill: 128x64 spills (the FP8 tiles go through LDS byte-wise before widening); 128x32
+    # at one stage fits in 178 VGPRs, on gfx950 too.
     # 16x16 MFMA: 32x32 needs >= 32 rows and spilled at 128 rows. 64 KiB LDS per CU.
     "gfx942": {
         "attention_prefill": KernelConfig(128, 64, 8, 2, waves_per_eu=2, matrix_instr_nonkdim=16),
         "attention_decode": KernelConfig(16, 32, 4, 2, matrix_instr_nonkdim=16),
+        "attention_prefill_fp8": KernelConfig(128, 32, 8, 1, waves_per_eu=2, matrix_instr_nonkdim=16),
         **_fp32_attention(KernelConfig(64, 32, 4, 1), KernelConfig(16, 32, 4, 1)),
         **_small_ops(4, 1, block_n=2048),
     },
@@ -98,6 +105,7 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
     "gfx950": {
         "attention_prefill": KernelConfig(128, 64, 8, 2, waves_per_eu=2, matrix_instr_nonkdim=16),
         "attention_decode": KernelConfig(16, 32, 4, 2, matrix_instr_nonkdim=16),
+        "attention_prefill_fp8": KernelConfig(128, 32, 8, 1, waves_per_eu=2, matrix_instr_nonkdim=16),
         **_fp32_attention(KernelConfig(64, 32, 4, 1), KernelConfig(16, 32, 4, 1)),
         **_small_ops(4, 1, block_n=2048),
     },
@@ -105,6 +113,7 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
     "default": {
         "attention_prefill": KernelConfig(64, 32, 4, 1),
         "attention_decode": KernelConfig(16, 32, 4, 1),
+        "attention_prefill_fp8": KernelConfig(64, 32, 4, 1),
         **_fp32_attention(KernelConfig(16, 32, 4, 1), KernelConfig(16, 32, 4, 1)),
         **_small_ops(4, 1),
     },

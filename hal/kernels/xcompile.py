@@ -178,7 +178,7 @@ FP8_FORMATS = {"sm_90": torch.float8_e4m3fn, "gfx950": torch.float8_e4m3fn, "gfx
 
 def _fp8_cases(fmt: str, fp8: torch.dtype) -> tuple[Case, ...]:
     return (
-        Case(f"attention_prefill/{fmt}", "attention_prefill", True, False,
+        Case(f"attention_prefill/{fmt}", "attention_prefill_fp8", True, False,
              lambda c, t: _attention(c, t, num_seqs=2, query_len=256, num_splits=1, kv_dtype=fp8)),
         Case(f"attention_decode/split-{fmt}", "attention_decode", True, False,
              lambda c, t: _attention(c, t, num_seqs=1, query_len=1, num_splits=8, kv_dtype=fp8)),

@@ -94,6 +94,7 @@ class RocmHal(CudaHal):
         return hip_host_device_pointer(host_ptr)
 
     def attention(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                  block_size: int | None = None, backend: str | None = None) -> AttentionBackend:
+                  block_size: int | None = None, backend: str | None = None,
+                  kv_dtype: torch.dtype | None = None) -> AttentionBackend:
         refuse_flash_attention(backend or self.attention_backend_name)
-        return super().attention(num_heads, num_kv_heads, head_dim, dtype, block_size, backend)
+        return super().attention(num_heads, num_kv_heads, head_dim, dtype, block_size, backend, kv_dtype)

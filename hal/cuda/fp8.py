@@ -1,0 +1,91 @@
+"""FP8 linears on CUDA and ROCm (`Hal.op("fp8_linear")`): `y = x @ (q * scale[:, None]).T`, with the
+weight `q: [N, K]` in the Hal's FP8 format and one float32 scale per output channel (zoo/fp8.py).
+
+Two paths, chosen per call from the shapes and dtypes (no device value is read, so graphs capture
+either):
+- W8A8 through `torch._scaled_mm` (NVIDIA sm_89+ only, bf16 activations, K and N multiples of 16):
+  each row of x is quantized to e4m3fn on the device (`scale = absmax / 448`), and cuBLASLt runs the
+  product on the FP8 tensor cores with row-wise scales on both sides, out in bf16. The activation
+  rounding adds error on top of the weights' (docs/fp8.md measures both).
+- W8A16 through the Triton kernel of hal/kernels/fp8_linear.py otherwise: FP8 weight tiles widen to
+  x's dtype, x is not quantized. ROCm always takes this path: it is the one compile-checked for
+  gfx942 (e4m3fnuz) and gfx950.
+`LOOPSTACK_FP8_GEMM=triton` (or `scaled_mm`) forces one path, to compare them on a GPU.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+GEMM_ENV = "LOOPSTACK_FP8_GEMM"
+GEMM_CHOICES = ("auto", "scaled_mm", "triton")
+E4M3_MAX = 448.0
+
+
+def gemm_choice() -> str:
+    choice = os.environ.get(GEMM_ENV, "auto")
+    if choice not in GEMM_CHOICES:
+        raise ValueError(f"{GEMM_ENV}={choice!r}: use one of {', '.join(GEMM_CHOICES)}")
+    return choice
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x: [M, K]` -> (e4m3fn `[M, K]`, float32 scales `[M, 1]`), one scale per row, on x's device."""
+    x32 = x.float()
+    scale = x32.abs().amax(-1, keepdim=True).clamp_min(1e-12) / E4M3_MAX         # [M, 1]
+    return (x32 / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8: `x: [M, K]` bf16, e4m3fn `weight: [N, K]`, `scale: [N]` float32 -> `[M, N]` bf16."""
+    xq, x_scale = quantize_rows(x)
+    # weight.t() is [K, N] column-major, the layout cuBLASLt takes for the second operand
+    y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1).contiguous(),
+                         out_dtype=x.dtype)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def takes_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `scaled_mm_linear` takes these operands (dtypes and the 16-multiples cuBLASLt needs)."""
+    return (x.dtype == torch.bfloat16 and weight.dtype == torch.float8_e4m3fn
+            and x.shape[-1] % 16 == 0 and weight.shape[0] % 16 == 0)
+
+
+def fp8_linear_op(arch: str, configs: dict[str, Any] | None, has_triton: bool) -> Callable[..., Any] | None:
+    """The `fp8_linear` op for a device of `arch` ("sm_90", "gfx942"), or None where neither path
+    exists (no FP8 there: callers dequantize in torch)."""
+    choice = gemm_choice()
+    nvidia_fp8 = arch.startswith("sm_") and int(arch[3:]) >= 89 and hasattr(torch, "_scaled_mm")
+    use_scaled_mm = nvidia_fp8 and choice != "triton"
+    if choice == "scaled_mm" and not nvidia_fp8:
+        raise ValueError(f"{GEMM_ENV}=scaled_mm: torch._scaled_mm needs an NVIDIA GPU of sm_89 or later, "
+                         f"this is {arch}; unset {GEMM_ENV}")
+    triton_linear = None
+    if has_triton and choice != "scaled_mm":
+        from hal.kernels.fp8_linear import fp8_linear
+
+        config = (configs or {}).get("fp8_linear")
+
+        def triton_linear(x, weight, scale, bias=None):
+            return fp8_linear(x, weight, scale, bias, config)
+    if not use_scaled_mm:
+        return triton_linear
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        if takes_scaled_mm(x, weight):
+            return scaled_mm_linear(x, weight, scale, bias)
+        if triton_linear is not None:
+            return triton_linear(x, weight, scale, bias)
+        return dequantized_linear(x, weight, scale, bias)
+    return linear
+
+
+def dequantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The plain torch product (weights dequantized to float32), for operands no kernel takes."""
+    y = x.float() @ (weight.float() * scale[:, None]).T
+    return (y if bias is None else y + bias.float()).to(x.dtype)
