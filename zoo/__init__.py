@@ -94,16 +94,32 @@ def _init_weights(std: float):
 
 
 def from_pretrained(path_or_name: str | os.PathLike, dtype: torch.dtype | str | None = None,
-                    device: torch.device | str | None = None) -> LoopedCausalLM:
+                    device: torch.device | str | None = None, weights_dtype: str | None = None) -> LoopedCausalLM:
     """Load a released checkpoint (a folder, a known name like "ouro-1.4b", or a hub id in the local
-    cache). `dtype=None` keeps the checkpoint's `torch_dtype`; `device=None` means the CPU."""
+    cache). `dtype=None` keeps the checkpoint's `torch_dtype`; `device=None` means the CPU.
+
+    FP8: a pre-quantized checkpoint (compressed-tensors or `quant_method: fp8`, zoo/fp8_loading.py)
+    loads its FP8 linears as `zoo.fp8.Fp8Linear`s; `weights_dtype="fp8"` quantizes a bf16/fp32
+    checkpoint's linears per output channel as it loads (zoo/fp8.py). `dtype` is then the dtype of
+    everything else (embeddings, norms, activations). Inference only."""
+    from zoo.fp8 import quantize_fp8
+    from zoo.fp8_loading import FP8_STORED, load_fp8_checkpoint, read_scheme, stored_dtypes
+
+    if weights_dtype not in (None, "auto", "fp8"):
+        raise ValueError(f"weights_dtype must be None, 'auto' or 'fp8', got {weights_dtype!r}")
     folder = resolve_checkpoint(path_or_name)
-    cls, cfg = build(read_config(folder))
+    raw = read_config(folder)
+    cls, cfg = build(raw)
     dtype = as_dtype(dtype) or _checkpoint_dtype(cfg, folder)
     device = torch.device(device) if device is not None else torch.device("cpu")
     with torch.device("meta"):
         model = cls(cfg)
-    load_weights(model, folder, dtype, device)
+    if read_scheme(raw) is not None or FP8_STORED in stored_dtypes(folder).values():
+        load_fp8_checkpoint(model, folder, dtype, device)
+    else:
+        load_weights(model, folder, dtype, device)
+    if weights_dtype == "fp8":
+        quantize_fp8(model)
     dense_hal(device)
     model.name_or_path = str(folder)
     return model.eval()

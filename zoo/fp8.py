@@ -18,7 +18,7 @@ tensors are buffers, nothing here is differentiable.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -175,3 +175,25 @@ def quantize_fp8(model: nn.Module, dtype: torch.dtype = torch.float8_e4m3fn) -> 
                 setattr(parent, name, Fp8Linear.from_linear(child, dtype))
                 count += 1
     return count
+
+
+def fp8_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The FP8 linears' tensors as a compressed-tensors checkpoint stores them: `<name>.weight` e4m3fn
+    `[N, K]` and `<name>.weight_scale` float32 `[N, 1]` (fnuz weights converted to fn)."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8Linear):
+            weight, scale = convert_format(module.weight, module.weight_scale, torch.float8_e4m3fn)
+            out[f"{name}.weight"] = weight.contiguous()
+            out[f"{name}.weight_scale"] = scale.float().reshape(-1, 1).contiguous()
+    return out
+
+
+def compressed_tensors_config(model: nn.Module) -> dict[str, Any]:
+    """`quantization_config` of config.json for `fp8_state`'s layout: per-channel FP8 weights, no
+    static activation scales, the linears left in high precision listed under `ignore`."""
+    kept = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
+            "ignore": kept}

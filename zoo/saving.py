@@ -35,17 +35,23 @@ def config_dict(model: LoopedCausalLM, dtype: torch.dtype) -> dict[str, Any]:
 
 def weights_to_save(model: LoopedCausalLM, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """State dict in `dtype` on the CPU, each tied alias stored once (under its source name)."""
+    from zoo.fp8 import fp8_state
+
     aliases = set(getattr(model, "tied_weights", {}))
     state = model.state_dict()
+    fp8 = fp8_state(model)                  # FP8 linears: e4m3fn weights and [N, 1] float32 scales
     out = {}
     for name, tensor in state.items():
         if name in aliases:
             continue
-        # floating weights in the checkpoint dtype; integer buffers as they are
+        # floating weights in the checkpoint dtype; integer buffers, FP8 weights and their scales as they are
         value = tensor.detach()
         if hasattr(value, "full_tensor"):      # FSDP2 shards (DTensor): a collective, call on every rank
             value = value.full_tensor()
-        value = value.to(dtype) if value.is_floating_point() else value
+        if name in fp8:
+            value = fp8[name]
+        elif value.is_floating_point():
+            value = value.to(dtype)
         out[name] = value.to("cpu").contiguous()
     return out
 
@@ -77,7 +83,12 @@ def save_pretrained(model: LoopedCausalLM, folder: str | os.PathLike, dtype: tor
         total = sum(t.numel() * t.element_size() for t in weights.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-    (folder / "config.json").write_text(json.dumps(config_dict(model, dtype), indent=2) + "\n")
+    from zoo.fp8 import compressed_tensors_config, has_fp8_weights
+
+    config = config_dict(model, dtype)
+    if has_fp8_weights(model):
+        config["quantization_config"] = compressed_tensors_config(model)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return folder
 
 
