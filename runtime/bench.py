@@ -1,6 +1,9 @@
 """`python -m runtime.bench hal=cuda model=ouro-1.4b weights=random workload=[b1,b64]`: throughput of
 the engine per workload cell, next to the roofline floor, one JSON line per cell.
 
+`kv_dtype=fp8` and `weights_dtype=fp8` run the cells over an FP8 KV cache and FP8 linears (docs/fp8.md);
+the floors then count the bytes those actually move.
+
 With `speculative.num_tokens=K` (and `speculative.draft_loops`, `speculative.mode`) the cell decodes
 speculatively and also reports the acceptance, and the cost of one draft pass, one verify pass and
 one plain decode step at the cell's batch with the break-even acceptance rate (runtime/spec_costs.py).
@@ -161,9 +164,10 @@ def run(cfg: Any) -> list[dict[str, Any]]:
         if workload not in cfg.workloads:
             raise ValueError(f"unknown workload {workload!r}; known: {', '.join(cfg.workloads)}")
         cell = dict(cfg.workloads[workload])
-        spec = engine_options(cfg)["speculative"]
+        options = engine_options(cfg)
+        spec = options["speculative"]
         engine = LLMEngine(model, hal, EngineConfig(
-            kv_mode=cfg.kv_mode, max_num_seqs=max(cell["batch"] + (1 if cell.get("late_prompt") else 0), 1),
+            kv_mode=cfg.kv_mode, kv_dtype=options["kv_dtype"], weights_dtype=options["weights_dtype"], max_num_seqs=max(cell["batch"] + (1 if cell.get("late_prompt") else 0), 1),
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=max(cell["prompt"] + cell["new"], cell.get("late_prompt", 0) + 1) + 16 + 2 * spec.num_tokens,
             gpu_memory_utilization=cfg.gpu_memory_utilization, num_kv_blocks=cfg.num_kv_blocks,
@@ -173,6 +177,7 @@ def run(cfg: Any) -> list[dict[str, Any]]:
             # same prompt length: kernels compile (and graphs capture) outside the timed cell
             run_cell(engine, {"batch": min(cell["batch"], 2), "prompt": cell["prompt"], "new": 4}, num_loops, seed=1)
         row = {"workload": workload, "model": name, "hal": hal.name, "kv_mode": cfg.kv_mode,
+               "kv_dtype": cfg.kv_dtype, "weights_dtype": cfg.weights_dtype,
                "max_num_batched_tokens": cfg.max_num_batched_tokens, "async_scheduling": cfg.async_scheduling,
                "wavefront_prefill": cfg.wavefront_prefill,
                "loops": num_loops, "dtype": cfg.dtype, "weights": cfg.weights,
@@ -181,7 +186,9 @@ def run(cfg: Any) -> list[dict[str, Any]]:
                **run_cell(engine, cell, num_loops)}
         if spec.is_enabled:
             row.update(step_costs(engine, cell, num_loops))
-        costs = model_costs(model, num_loops, cfg.kv_mode)
+        runner = engine.runner           # the cache's own bytes per token and layer (8-bit KV: with its scales)
+        kv_bytes = runner.bytes_per_block // (runner.block_size * model.kv_spec.layers_per_plane)
+        costs = model_costs(model, num_loops, cfg.kv_mode, kv_bytes)
         context = cell["prompt"] + cell["new"] // 2
         floor = decode_floor(costs, num_loops, cell["batch"], context, H200_BANDWIDTH, rate)
         pre = prefill_floor(costs, num_loops, cell["prompt"], cell["batch"], H200_BANDWIDTH, rate)
@@ -195,7 +202,7 @@ def run(cfg: Any) -> list[dict[str, Any]]:
             row["speedup_vs_hf"] = round(hf / row["decode_ms_step"], 1)
         results.append(row)
         print(json.dumps(row), flush=True)
-        del engine
+        del engine, runner
         gc.collect()                     # the runner and its graphs reference each other
         hal.empty_cache()
     return results

@@ -204,6 +204,8 @@ class BenchConfig:
     workloads: Any = None
     speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
     graphs: Optional[bool] = None          # decode graphs; None: on where the Hal captures device work
+    kv_dtype: str = "auto"                 # EngineConfig.kv_dtype: auto | fp8 | int8 | fp8_e4m3fn | fp8_e4m3fnuz
+    weights_dtype: str = "auto"            # EngineConfig.weights_dtype: auto | fp8
 
 
 @dataclass
@@ -224,6 +226,8 @@ class GenerateConfig:
     output: str = "text"                  # text | json
     log_level: str = "WARNING"
     speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
+    kv_dtype: str = "auto"                # EngineConfig.kv_dtype (docs/fp8.md)
+    weights_dtype: str = "auto"           # EngineConfig.weights_dtype (docs/fp8.md)
 
 
 @dataclass

@@ -87,9 +87,10 @@ def run(cfg: Any) -> list[dict[str, Any]]:
 
 
 def engine_options(cfg: Any) -> dict[str, Any]:
-    """`EngineConfig` keywords from the command line (`speculative.*`)."""
+    """`EngineConfig` keywords from the command line (`speculative.*`, `kv_dtype`, `weights_dtype`)."""
     spec = cfg.speculative
-    return {"speculative": SpeculativeConfig(int(spec.num_tokens), int(spec.draft_loops), str(spec.mode))}
+    return {"speculative": SpeculativeConfig(int(spec.num_tokens), int(spec.draft_loops), str(spec.mode)),
+            "kv_dtype": str(cfg.get("kv_dtype", "auto")), "weights_dtype": str(cfg.get("weights_dtype", "auto"))}
 
 
 def _first_set(*values: Any) -> Any:

@@ -32,14 +32,25 @@ class Floor(NamedTuple):
         return "memory" if self.seconds_memory >= self.seconds_compute else "compute"
 
 
-def _numel(modules: list[nn.Module]) -> int:
-    seen, total = set(), 0
+def _weights(module: nn.Module) -> list[tuple[torch.Tensor, bool]]:
+    """(tensor, is a weight) for what a forward reads: parameters, and FP8 linears' weight and scale
+    buffers (zoo/fp8.py; the scales count as bytes, not as multiply-adds)."""
+    out = [(p, True) for p in module.parameters()]
+    for sub in module.modules():
+        if hasattr(sub, "weight_scale") and not isinstance(sub.weight, nn.Parameter):
+            out += [(sub.weight, True), (sub.weight_scale, False)]
+    return out
+
+
+def _count(modules: list[nn.Module], skip: set[int] = frozenset()) -> tuple[int, int]:
+    """(weight elements, bytes) of the modules, each tensor once."""
+    seen, numel, nbytes = set(skip), 0, 0
     for module in modules:
-        for p in module.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                total += p.numel()
-    return total
+        for t, is_weight in _weights(module):
+            if id(t) not in seen:
+                seen.add(id(t))
+                numel, nbytes = numel + t.numel() * is_weight, nbytes + t.numel() * t.element_size()
+    return numel, nbytes
 
 
 class ModelCosts(NamedTuple):
@@ -48,29 +59,39 @@ class ModelCosts(NamedTuple):
     head_params: int            # the LM head (applied to sampled tokens only)
     kv_bytes_per_token: int     # all planes and layers, for one token
     attn_flops_per_ctx: int     # attention FLOPs per (query token, context token) over all layers/loops
-    dtype_bytes: int
+    loop_bytes: int             # bytes of the loop weights (FP8 linears: 1 byte per weight plus scales)
+    once_bytes: int
+    head_bytes: int
 
 
-def model_costs(model: LoopedCausalLM, num_loops: int, kv_mode: str = "full") -> ModelCosts:
+def model_costs(model: LoopedCausalLM, num_loops: int, kv_mode: str = "full",
+                kv_bytes_per_layer_token: int | None = None) -> ModelCosts:
+    """`kv_bytes_per_layer_token`: K and V bytes one token takes in one layer (an 8-bit cache's row
+    with its scales); None: the model dtype's `2 * KVH * D` elements."""
     loop = model.loop_modules()
     head = [m for name, m in model.named_children() if name == "lm_head"]
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-    loop_ids = {id(p) for m in loop for p in m.parameters()}
-    skip = loop_ids | {id(p) for m in head + embeddings for p in m.parameters()}
-    once = sum(p.numel() for p in model.parameters() if id(p) not in skip)
-    dtype_bytes = next(model.parameters()).element_size()
+    skip = {id(t) for m in loop + head + embeddings for t, _ in _weights(m)}
+    once, once_bytes = _count([model], skip)
     spec = model.kv_spec
+    if kv_bytes_per_layer_token is None:
+        kv_bytes_per_layer_token = 2 * spec.num_kv_heads * spec.head_dim * next(model.parameters()).element_size()
     kv_layers = model.num_kv_layers(num_request_planes(kv_mode, spec.num_fixed_planes, num_loops))
-    kv_bytes = kv_layers * 2 * spec.num_kv_heads * spec.head_dim * dtype_bytes
     attn_calls = model.num_kv_layers(num_request_planes("full", spec.num_fixed_planes, num_loops))
     attn_flops = attn_calls * 4 * model.num_attention_heads * spec.head_dim      # QK^T and PV, 2 FLOPs each
-    return ModelCosts(_numel(loop), once, _numel(head), kv_bytes, attn_flops, dtype_bytes)
+    (loop_n, loop_b), (head_n, head_b) = _count(loop), _count(head)
+    return ModelCosts(loop_n, once, head_n, kv_layers * kv_bytes_per_layer_token, attn_flops, loop_b,
+                      once_bytes, head_b)
+
+
+def _weight_bytes(costs: ModelCosts, num_loops: int) -> int:
+    return costs.loop_bytes * num_loops + costs.once_bytes + costs.head_bytes
 
 
 def decode_floor(costs: ModelCosts, num_loops: int, batch: int, context_len: int,
                  bandwidth: float = H200_BANDWIDTH, matmul_rate: float = 700e12) -> Floor:
     """One decode step of `batch` sequences with `context_len` tokens of history each."""
-    weights = (costs.loop_params * num_loops + costs.once_params + costs.head_params) * costs.dtype_bytes
+    weights = _weight_bytes(costs, num_loops)
     kv = batch * (context_len + 1) * costs.kv_bytes_per_token       # read the history, write the new token
     flops = 2 * batch * (costs.loop_params * num_loops + costs.once_params + costs.head_params)
     flops += batch * context_len * costs.attn_flops_per_ctx
@@ -83,8 +104,7 @@ def prefill_floor(costs: ModelCosts, num_loops: int, prompt_len: int, num_seqs: 
     tokens = prompt_len * num_seqs
     flops = 2 * tokens * (costs.loop_params * num_loops + costs.once_params) + 2 * num_seqs * costs.head_params
     flops += num_seqs * (prompt_len * (prompt_len + 1) // 2) * costs.attn_flops_per_ctx
-    weights = (costs.loop_params * num_loops + costs.once_params + costs.head_params) * costs.dtype_bytes
-    bytes_moved = weights + tokens * costs.kv_bytes_per_token
+    bytes_moved = _weight_bytes(costs, num_loops) + tokens * costs.kv_bytes_per_token
     return Floor(bytes_moved, flops, bytes_moved / bandwidth, flops / matmul_rate)
 
 

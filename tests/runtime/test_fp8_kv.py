@@ -20,6 +20,7 @@ from runtime import SamplingParams
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
 from runtime.reference import CachedContext, forward_step, generate_reference
+from zoo.fp8 import quantize_fp8
 
 CPU = hal.get("cpu")
 FP8 = torch.float8_e4m3fn
@@ -30,7 +31,7 @@ RELATIVE, ABSOLUTE = {FP8: 2**-4, torch.float8_e4m3fnuz: 2**-4, torch.int8: 0.0}
 
 
 @pytest.mark.parametrize("kv_dtype", list(QUANT_MAX), ids=["e4m3fn", "e4m3fnuz", "int8"])
-def test_quantization_error_and_row_layout(kv_dtype):
+def test_quantization_error_and_row_layout(kv_dtype, single_thread):
     x = torch.randn(40, 3, 24) * torch.rand(40, 3, 1) * 10
     x[3, 1] = 0.0                                                    # an all-zero head stores zeros
     q, scale = quantize(x, kv_dtype)
@@ -164,7 +165,7 @@ class NoFp8Hal(CpuHal):
         return dataclasses.replace(CpuHal().caps, fp8_dtype=None, kv_quant_dtypes=(torch.int8,))
 
 
-def test_kv_dtype_settings_and_cache_size():
+def test_kv_dtype_settings_and_cache_size(single_thread):
     case = golden_case("ouro-tiny")
     model = zoo.from_pretrained(case.path, dtype="float32")
     with pytest.raises(ValueError, match="kv_dtype must be one of auto, fp8"):
@@ -178,3 +179,28 @@ def test_kv_dtype_settings_and_cache_size():
     row = RowLayout(spec.num_kv_heads, spec.head_dim, FP8).row_bytes
     assert blocks["fp8"] == blocks["int8"] and abs(blocks["fp8"] / blocks["auto"] - 4 * spec.num_kv_heads *
                                                    spec.head_dim / row) < 0.1
+
+
+def test_bench_runs_fp8_cells(single_thread):
+    """`python -m runtime.bench ... kv_dtype=fp8 weights_dtype=fp8`: the cell runs and its floor counts
+    the bytes FP8 moves (1-byte weights and KV rows with their scales)."""
+    from hydra import compose, initialize_config_dir
+
+    from runtime.bench import run
+    from runtime.generate import CONF_DIR
+    from runtime.roofline import model_costs
+
+    path = golden_case("ouro-tiny").path
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("bench", overrides=["hal=cpu", f"model.path={path}", "weights=checkpoint", "dtype=float32",
+                                          "workload=tiny", "matmul_size=64", "num_kv_blocks=64", "warmup=false",
+                                          "kv_dtype=fp8", "weights_dtype=fp8"])
+    (row,) = run(cfg)
+    assert (row["kv_dtype"], row["weights_dtype"]) == ("fp8", "fp8") and row["decode_tok_s"] > 0
+    model = zoo.from_pretrained(path, dtype="float32")
+    plain = model_costs(model, 4)
+    quantize_fp8(model)
+    fp8 = model_costs(model, 4, kv_bytes_per_layer_token=2 * RowLayout(4, 16, FP8).row_bytes)
+    assert fp8.loop_params == plain.loop_params and fp8.loop_bytes < plain.loop_bytes / 3.5
+    # KVH 4 x D 16: 2 x 256 bytes per layer-token in float32, 2 x (64 values + 16 bytes of scales) in FP8
+    assert fp8.kv_bytes_per_token * 512 == plain.kv_bytes_per_token * 160

@@ -97,7 +97,7 @@ def _prequantized(tmp_path, model, layout):
 
 
 @pytest.mark.parametrize("layout", ["channel", "tensor", "block"])
-def test_prequantized_checkpoints_load(layout, tmp_path):
+def test_prequantized_checkpoints_load(layout, tmp_path, single_thread):
     """compressed-tensors per channel (our own save) loads bit for bit; per-tensor scales exactly;
     block-wise scales requantized per channel, within one more e4m3 rounding."""
     case = golden_case("ouro-tiny")
@@ -130,12 +130,10 @@ def test_prequantized_checkpoints_load(layout, tmp_path):
         zoo.from_pretrained(tmp_path)
 
 
-@pytest.mark.parametrize("name", golden_names())
+@pytest.mark.parametrize("name", ["huginn-tiny", "nanbeige-tiny"])
 def test_engine_with_fp8_weights_equals_the_simple_path(name, single_thread):
     """Weights quantized at engine start (after fusing q|k|v and gate|up): the engine's tokens are the
-    simple path's on the same FP8 weights. The full-prompt logit error against the float32 golden
-    stays within 25% of the logits' standard deviation on average (measured at most 16%), the
-    largest within 1.5 (measured 1.02): these tiny models are deliberately sharp."""
+    simple path's on the same FP8 weights (the other two families' layers are Ouro's and Nanbeige's)."""
     case = golden_case(name)
     model = zoo.from_pretrained(case.path, dtype="float32")
     engine = LLMEngine(model, hal.get("cpu"), EngineConfig(weights_dtype="fp8", max_num_batched_tokens=7,
@@ -153,10 +151,19 @@ def test_engine_with_fp8_weights_equals_the_simple_path(name, single_thread):
         agree += sum(a == b for a, b in zip(outs[str(i)], case.greedy(i)))
         total += len(case.greedy(i))
     print(f"{name}: fp8 weights greedy agreement with float32 {agree}/{total}")
-    loops = params.num_loops or model.default_num_loops
-    kwargs = {"num_loops": loops} | ({"init_scale": 0.0} if name.startswith("huginn") else {})
-    for i in range(case.num_prompts):
-        want = case.tensors.get(f"logits_{i}", case.tensors.get(f"logits_{i}_steps{loops}"))
-        with torch.no_grad():
-            err = (model(torch.tensor([case.prompt(i)]), **kwargs).logits[0] - want).abs()
-        assert 0 < err.mean() <= 0.25 * want.std() and err.max() <= 1.5 * want.std(), f"prompt {i}"
+
+
+def test_fp8_weights_logit_error_is_bounded(single_thread):
+    """Full-prompt logits with FP8 weights against the float32 golden, every case: the mean error
+    within 25% of the logits' standard deviation and the largest within 1.5 (measured at most 16%
+    and 1.02: these tiny models are deliberately sharp; docs/fp8.md has the numbers)."""
+    for name in golden_names():
+        case = golden_case(name)
+        model = zoo.from_pretrained(case.path, dtype="float32", weights_dtype="fp8")
+        loops = case.meta.get("greedy_num_steps") or model.default_num_loops
+        kwargs = {"num_loops": loops} | ({"init_scale": 0.0} if name.startswith("huginn") else {})
+        for i in range(case.num_prompts):
+            want = case.tensors.get(f"logits_{i}", case.tensors.get(f"logits_{i}_steps{loops}"))
+            with torch.no_grad():
+                err = (model(torch.tensor([case.prompt(i)]), **kwargs).logits[0] - want).abs()
+            assert 0 < err.mean() <= 0.25 * want.std() and err.max() <= 1.5 * want.std(), f"{name} prompt {i}"
