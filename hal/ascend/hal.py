@@ -28,6 +28,7 @@ BLOCK_SIZE = 128                                  # the fused op's page size (12
 FUSED_HEAD_DIMS = (128,)                          # TND without rope: Q_D = K_D = V_D = 128
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
 BACKENDS = ("fia", "fia_pa", "torch")
+KV_QUANT_DTYPES = (torch.int8,)                   # the fused op's KV antiquant takes int8 (no FP8 on 910B)
 
 
 def _import_torch_npu() -> Any:
@@ -97,7 +98,7 @@ class AscendHal(Hal):
                     num_compute_units=int(getattr(props, "cube_core_num", 1) or 1), graphs=True,
                     graph_needs_host_update=True, uva=False, attention_backends=BACKENDS,
                     kv_block_sizes=(BLOCK_SIZE,), head_dims=self.fused_head_dims, fp8_dtype=None,
-                    dtypes=(torch.float32, torch.bfloat16, torch.float16))
+                    kv_quant_dtypes=KV_QUANT_DTYPES, dtypes=(torch.float32, torch.bfloat16, torch.float16))
 
     def versions(self) -> dict[str, str]:
         torch_npu = self.ops.lib
@@ -185,11 +186,18 @@ class AscendHal(Hal):
         return reasons
 
     def attention(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                  block_size: int | None = None, backend: str | None = None) -> AttentionBackend:
+                  block_size: int | None = None, backend: str | None = None,
+                  kv_dtype: torch.dtype | None = None) -> AttentionBackend:
+        """`kv_dtype=torch.int8` quantizes the KV cache (hal/ascend/quant_attention.py; the 910B has no
+        FP8); the torch fallback keeps hal/kv_quant.py's row layout."""
         requested = backend or self.attention_backend_name
         if requested not in ("auto", *BACKENDS):
             raise ValueError(f"unknown Ascend attention backend {requested!r}; choose auto or one of "
                              f"{BACKENDS}")
+        if kv_dtype not in (None, dtype, *KV_QUANT_DTYPES):
+            raise ValueError(f"kv_dtype {kv_dtype}: Ascend 910B attention reads 8-bit KV as int8 (no FP8 in "
+                             f"the hardware); use kv_dtype=int8")
+        is_int8 = kv_dtype == torch.int8
         block_size = block_size or BLOCK_SIZE
         rejects = self.fused_rejects(num_heads, num_kv_heads, head_dim, dtype, block_size)
         shape = f"H={num_heads} KVH={num_kv_heads} D={head_dim} {dtype} block {block_size}"
@@ -200,7 +208,15 @@ class AscendHal(Hal):
             reason = ("requested" if requested == "torch" else "fallback: " + "; ".join(rejects)) + \
                 ", reference paged attention in plain torch on the device (no graphs)"
             chosen: AttentionBackend = FallbackAttention(num_heads, num_kv_heads, head_dim, dtype,
-                                                         self.device(), block_size, reason=reason)
+                                                         self.device(), block_size, reason=reason,
+                                                         kv_dtype=kv_dtype if is_int8 else None)
+        elif is_int8:
+            from hal.ascend.quant_attention import Int8FusedAttention
+
+            reason = (f"int8 KV, block {block_size}: decode through npu_fused_infer_attention_score with "
+                      f"antiquant mode 5, prefill over blocks dequantized to {dtype} (TND, sparse_mode 3)")
+            chosen = Int8FusedAttention(num_heads, num_kv_heads, head_dim, dtype, self.device(), block_size,
+                                        self.ops, reason=reason)
         else:
             reason = f"npu_fused_infer_attention_score TND, block {block_size}, sparse_mode 3" + \
                 (" + _npu_paged_attention for decode-only steps" if requested == "fia_pa" else "")

@@ -54,6 +54,24 @@ def fused_infer_attention(lib: Any, query: torch.Tensor, key_cache: torch.Tensor
     return out
 
 
+@call_site("npu_fused_infer_attention_score", update_keys=("actual_seq_lengths_kv",))
+def fused_infer_attention_int8(lib: Any, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                               *, key_scales: torch.Tensor, value_scales: torch.Tensor, block_table: torch.Tensor,
+                               kv_lens: list[int], num_heads: int, num_kv_heads: int, scale: float,
+                               block_size: int) -> torch.Tensor:
+    """One query per sequence `[B, H, D]` (BSH, S = 1) over int8 caches `key_cache, value_cache:
+    [num_blocks, block_size, KVH * D]` whose float32 scales `key_scales, value_scales: [num_blocks,
+    KVH, block_size]` hold one scale per (token, KV head): antiquant mode 5 ("per-token + per-head,
+    scales managed by page attention"), which the op takes for Q_S = 1 only. Returns `[B, H, D]`."""
+    batch, heads, head_dim = query.shape
+    out, _ = lib.npu_fused_infer_attention_score(
+        query.reshape(batch, 1, heads * head_dim), key_cache, value_cache, block_table=block_table,
+        actual_seq_lengths_kv=kv_lens, num_heads=num_heads, num_key_value_heads=num_kv_heads, scale=scale,
+        input_layout="BSH", block_size=block_size, key_antiquant_scale=key_scales,
+        value_antiquant_scale=value_scales, key_antiquant_mode=5, value_antiquant_mode=5)
+    return out.view(batch, heads, head_dim)
+
+
 @call_site("_npu_paged_attention", update_keys=("context_lens",), has_meta_kernel=False)
 def paged_decode_attention(lib: Any, query: torch.Tensor, key_cache: torch.Tensor,
                            value_cache: torch.Tensor, *, block_table: torch.Tensor,

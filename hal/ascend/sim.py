@@ -71,8 +71,11 @@ class SimNpu:
     @_simulated("npu_fused_infer_attention_score", covered=(
         "query", "key", "value", "atten_mask", "actual_seq_lengths", "actual_seq_lengths_kv", "block_table",
         "num_heads", "scale", "pre_tokens", "next_tokens", "input_layout", "num_key_value_heads",
-        "sparse_mode", "block_size", "inner_precise", "softmax_lse_flag"))
+        "sparse_mode", "block_size", "inner_precise", "softmax_lse_flag", "key_antiquant_scale",
+        "value_antiquant_scale", "key_antiquant_mode", "value_antiquant_mode"))
     def npu_fused_infer_attention_score(self, a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        if a["key_antiquant_scale"] is not None or a["value_antiquant_scale"] is not None:
+            return sim_attention.fused_infer_attention_antiquant(a, self.strict)
         return sim_attention.fused_infer_attention(a, self.strict)
 
     @_simulated("_npu_paged_attention")

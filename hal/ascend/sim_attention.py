@@ -124,6 +124,56 @@ def fused_infer_attention(a: dict[str, Any], strict: bool) -> tuple[torch.Tensor
     return out, torch.empty(0, dtype=torch.float32, device=q.device)
 
 
+def fused_infer_attention_antiquant(a: dict[str, Any], strict: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Paged attention of one query per sequence over int8 caches with per-(token, head) scales
+    managed by page (key/value_antiquant_mode 5; the documented Q_S = 1 path)."""
+    op = "npu_fused_infer_attention_score (antiquant)"
+    q, key, value, table = a["query"], a["key"], a["value"], a["block_table"]
+    k_scale, v_scale = a["key_antiquant_scale"], a["value_antiquant_scale"]
+    require(a["input_layout"] == "BSH" and q.dim() == 3 and q.shape[1] == 1, op,
+            f"the simulation covers BSH with one query per sequence (Q_S = 1), got {a['input_layout']} "
+            f"{tuple(q.shape)}")
+    require(a["key_antiquant_mode"] == a["value_antiquant_mode"] == 5, op,
+            "per-token + per-head scales managed by page: key/value_antiquant_mode 5")
+    require(a["antiquant_scale"] is None and a["atten_mask"] is None and a["sparse_mode"] == 0, op,
+            "decode with separate K/V scales: no combined antiquant_scale, no mask, sparse_mode 0")
+    num_seqs, num_heads = q.shape[0], a["num_heads"]
+    num_kv_heads = a["num_key_value_heads"] or num_heads
+    head_dim = q.shape[2] // num_heads
+    require(q.shape[2] == num_heads * head_dim and num_heads % num_kv_heads == 0, op,
+            f"query [B, 1, H * D] with H = num_heads = {num_heads}, a multiple of num_key_value_heads")
+    if strict:
+        require(q.dtype in FUSED_DTYPES, op, f"query dtype {q.dtype}: float16 or bfloat16")
+    require(key.dtype == value.dtype == torch.int8 and key.shape == value.shape and key.dim() == 3
+            and key.shape[2] == num_kv_heads * head_dim, op,
+            f"caches: int8 (blocknum, blocksize, KVH * D), got {key.dtype} {tuple(key.shape)}")
+    num_blocks, block_size = key.shape[:2]
+    require(a["block_size"] == block_size and block_size % (32 if strict else 16) == 0 and block_size <= 512, op,
+            f"block_size={a['block_size']}: int8 caches take multiples of 32 up to 512, equal to the cache's")
+    want = (num_blocks, num_kv_heads, block_size)
+    require(all(t is not None and t.dtype == torch.float32 and tuple(t.shape) == want for t in (k_scale, v_scale)),
+            op, f"mode 5 scales: float32 (blocknum, KV_N, blocksize) = {want}")
+    require(all(t.is_contiguous() for t in (q, key, value, k_scale, v_scale)), op, "inputs: contiguous")
+    kv_lens = a["actual_seq_lengths_kv"]
+    require(kv_lens is not None and len(kv_lens) == num_seqs and min(kv_lens) > 0, op,
+            f"page attention needs actual_seq_lengths_kv per sequence ({num_seqs}), got {kv_lens}")
+    require(table.dim() == 2 and table.shape[0] == num_seqs and table.dtype == torch.int32
+            and -(-max(kv_lens) // block_size) <= table.shape[1], op, "block_table: int32 [B, max_blocks]")
+    out = torch.empty_like(q)
+    for b, kv_len in enumerate(kv_lens):
+        blocks = table[b, :-(-kv_len // block_size)].long()
+
+        def dequantized(cache: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+            rows = cache[blocks].reshape(-1, num_kv_heads, head_dim)[:kv_len].float()        # [L, KVH, D]
+            return rows * scales[blocks].transpose(1, 2).reshape(-1, num_kv_heads)[:kv_len, :, None]
+        k = dequantized(key, k_scale).transpose(0, 1)[None]                                 # [1, KVH, L, D]
+        v = dequantized(value, v_scale).transpose(0, 1)[None]
+        qi = q[b, 0].view(num_heads, head_dim)[None, :, None].float()                     # [1, H, 1, D]
+        o = dense_attention(qi, k, v, scale=a["scale"], causal=True)                       # [1, H, 1, D]
+        out[b, 0] = o[0, :, 0].reshape(-1).to(q.dtype)
+    return out, torch.empty(0, dtype=torch.float32, device=q.device)
+
+
 def paged_attention(a: dict[str, Any], strict: bool) -> None:
     op = "_npu_paged_attention"
     q, key_cache, value_cache, out = a["query"], a["key_cache"], a["value_cache"], a["out"]

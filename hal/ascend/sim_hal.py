@@ -16,7 +16,7 @@ import torch
 
 from hal.ascend import detect
 from hal.ascend.graph import SimGraph, StagedHostBuffer
-from hal.ascend.hal import BACKENDS, BLOCK_SIZE, FUSED_HEAD_DIMS, AscendHal
+from hal.ascend.hal import BACKENDS, BLOCK_SIZE, FUSED_HEAD_DIMS, KV_QUANT_DTYPES, AscendHal
 from hal.ascend.ops import AscendOps
 from hal.base import Caps, MemInfo
 
@@ -59,7 +59,8 @@ class SimAscendHal(AscendHal):
         return Caps(arch="Ascend910B-sim" + ("-any-shape" if self.any_shape else ""), warp_size=None,
                     num_compute_units=real.num_compute_units, graphs=True, graph_needs_host_update=True,
                     uva=False, attention_backends=BACKENDS, kv_block_sizes=block_sizes,
-                    head_dims=self.fused_head_dims, fp8_dtype=None, dtypes=real.dtypes)
+                    head_dims=self.fused_head_dims, fp8_dtype=None, kv_quant_dtypes=KV_QUANT_DTYPES,
+                    dtypes=real.dtypes)
 
     def versions(self) -> dict[str, str]:
         return {"torch_npu": "not used: CPU simulation of the torch-npu 2.13.0 op schemas",

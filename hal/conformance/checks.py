@@ -232,6 +232,20 @@ def check_fused_ops(hal: Hal) -> str:
     return run(hal)
 
 
+def check_quantized_kv(hal: Hal) -> str:
+    """An 8-bit KV cache in each format the Hal declares (`quant.py`)."""
+    from hal.conformance.quant import check_quantized_kv as run
+
+    return run(hal)
+
+
+def check_fp8_linear(hal: Hal) -> str:
+    """The FP8-weight linear op, where the Hal offers one (`quant.py`)."""
+    from hal.conformance.quant import check_fp8_linear as run
+
+    return run(hal)
+
+
 def check_golden_greedy(hal: Hal) -> str:
     """The golden cases' greedy tokens and logits through the runtime (`golden.py`)."""
     from hal.conformance.golden import check_golden_greedy as run
@@ -250,6 +264,8 @@ CHECKS: dict[str, Callable[[Hal], str | None]] = {
     "memory": check_memory,
     "comm_one_rank": check_comm_one_rank,
     "fused_ops": check_fused_ops,
+    "quantized_kv": check_quantized_kv,
+    "fp8_linear": check_fp8_linear,
     "golden_greedy": check_golden_greedy,
 }
 

@@ -26,7 +26,8 @@ LEVELS = (
 CHECK_LEVELS = {
     "detect": 0,
     "memory": 1, "streams_events": 1, "host_buffer": 1, "graph_replay": 1, "comm_one_rank": 1,
-    "paged_attention": 2, "kv_round_trip": 2, "dense_attention": 2, "fused_ops": 2,
+    "paged_attention": 2, "kv_round_trip": 2, "dense_attention": 2, "fused_ops": 2, "quantized_kv": 2,
+    "fp8_linear": 2,
     "golden_greedy": 3,
 }
 UNLISTED_LEVEL = 1           # a check added without a level still lowers the level when it fails

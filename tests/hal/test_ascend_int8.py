@@ -1,0 +1,63 @@
+"""Int8 KV on the simulated Ascend Hal (hal/ascend/quant_attention.py; the 910B has no FP8): the byte
+layout round-trips, decode goes through the fused op's paged antiquant (mode 5) inside graphs with
+per-replay updates, prefill over dequantized blocks, and the engine gives the CPU int8 engine's tokens.
+The antiquant call's schema is checked against torch-npu in CI (.ci/ascend_schema_check.sh)."""
+import pytest
+import torch
+from helpers import golden_case, single_thread  # noqa: F401 (fixture)
+
+import hal
+import zoo
+from hal.ascend.quant_attention import Int8FusedAttention
+from hal.base import PagedBatch
+from hal.kv_quant import fake_quantize
+from runtime import SamplingParams
+from runtime.config import EngineConfig
+from runtime.engine import LLMEngine
+
+
+def sim(**kwargs):
+    return hal.get("ascend", simulate=True, sim_any_shape=True, **kwargs)
+
+
+def test_int8_cache_layout_round_trips(single_thread):
+    backend = sim().attention(8, 2, 24, torch.bfloat16, block_size=16, kv_dtype=torch.int8)
+    assert isinstance(backend, Int8FusedAttention) and backend.kv_cache_dtype == torch.uint8
+    cache = torch.zeros(backend.kv_cache_shape(6), dtype=torch.uint8)
+    values, scales = backend.block_views(cache)
+    assert values.shape == (2, 6, 16, 48) and values.dtype == torch.int8 and values[0].is_contiguous()
+    assert scales.shape == (2, 6, 2, 16) and scales.dtype == torch.float32 and scales[1].is_contiguous()
+    batch = PagedBatch([20, 9], [20, 9], [[[4, 1], [0]]], 16)
+    k, v = torch.randn(29, 2, 24).bfloat16() * 5, torch.randn(29, 2, 24).bfloat16()
+    backend.write_kv(k, v, cache, backend.build_meta(batch), 0)
+    slots = torch.tensor([*range(64, 80), *range(16, 20), *range(0, 9)])
+    keys, vals = backend.read_kv(cache, slots)
+    assert torch.equal(keys, fake_quantize(k.float(), torch.int8).bfloat16())
+    assert torch.equal(vals, fake_quantize(v.float(), torch.int8).bfloat16())
+    backend.copy_kv(cache, slots[:3], torch.tensor([90, 91, 92]))
+    assert torch.equal(backend.read_kv(cache, torch.tensor([90, 91, 92]))[0], keys[:3])
+    with pytest.raises(ValueError, match="use kv_dtype=int8"):
+        sim().attention(8, 2, 24, torch.bfloat16, block_size=16, kv_dtype=torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("name", ["huginn-tiny", "ouro-tiny-gqa-bf16"])
+def test_int8_engine_equals_the_cpu_int8_engine(name, single_thread):
+    """Chunked prefill (dequantized blocks, TND) and decode replayed from graphs (BSH with antiquant
+    mode 5, lengths updated before each replay): the tokens of the CPU engine over int8 KV."""
+    case = golden_case(name)
+    model = zoo.from_pretrained(case.path, dtype="float32")
+    params = SamplingParams(max_tokens=case.meta["greedy_new_tokens"], temperature=0.0, ignore_eos=True,
+                            num_loops=case.meta.get("greedy_num_steps"), init_scale=0.0)
+    tokens = {}
+    for label, h, extra in (("cpu", hal.get("cpu"), {}), ("ascend", sim(), {"graphs": True})):
+        engine = LLMEngine(model, h, EngineConfig(kv_dtype="int8", block_size=16, max_num_batched_tokens=8,
+                                                  max_num_seqs=4, **extra))
+        for i in range(case.num_prompts):
+            engine.add_request(str(i), case.prompt(i), params)
+        tokens[label] = {o.request_id: o.token_ids for o in engine.run_until_done()}
+    backend = engine.runner.backend
+    assert backend.name == "fia+int8" and engine.runner.graphs.graphs
+    assert backend.ops.counts["fused_infer_attention_int8"] and backend.ops.counts["fused_infer_attention"]
+    assert tokens["ascend"] == tokens["cpu"]
+    with pytest.raises(ValueError, match=r"Use one of those \(kv_dtype=int8 on Ascend\)"):
+        LLMEngine(model, sim(), EngineConfig(kv_dtype="fp8", block_size=16))
