@@ -17,6 +17,7 @@ import dataclasses
 import gc
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -178,6 +179,8 @@ def run(cfg: Any) -> list[dict[str, Any]]:
             run_cell(engine, {"batch": min(cell["batch"], 2), "prompt": cell["prompt"], "new": 4}, num_loops, seed=1)
         row = {"workload": workload, "model": name, "hal": hal.name, "kv_mode": cfg.kv_mode,
                "kv_dtype": cfg.kv_dtype, "weights_dtype": cfg.weights_dtype,
+               # which FP8 GEMM the CUDA Hal was told to use (hal/cuda/fp8.py), for comparing the paths
+               **({"fp8_gemm": os.environ.get("LOOPSTACK_FP8_GEMM", "auto")} if cfg.weights_dtype == "fp8" else {}),
                "max_num_batched_tokens": cfg.max_num_batched_tokens, "async_scheduling": cfg.async_scheduling,
                "wavefront_prefill": cfg.wavefront_prefill,
                "loops": num_loops, "dtype": cfg.dtype, "weights": cfg.weights,

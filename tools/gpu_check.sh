@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call on the NVIDIA machine: the cuda-marked tests, the conformance
 # suite, the kernel benchmark, the engine benchmark cells and a profile of a decode step.
-#   tools/gpu_check.sh [phase ...]     phases: conformance tests kernels bench models profile spec (default: all)
+#   tools/gpu_check.sh [phase ...]     phases: conformance tests kernels bench models profile spec fp8
+#                                      (default: conformance tests kernels bench models profile)
 # Logs go to $OUT/gpu_check.log, benchmark rows to $OUT/bench.jsonl; a short table is printed last.
 set -u
 cd "$(dirname "$0")/.."
@@ -52,6 +53,13 @@ for phase in $PHASES; do
     profile)
       run "profile b1" 90 python3 tools/profile_step.py --model ouro-1.4b --batch 1 --context 256 --rows 20 ;;
     spec) bench model=ouro-1.4b 'workload=[b1,b8,b32]' speculative.num_tokens=4 speculative.draft_loops=2 ;;
+    fp8)   # issue 14: FP8 KV and FP8 weights (docs/fp8.md); bf16 rows come from the bench phase
+      run "pytest fp8" 240 python3 -m pytest tests/cuda/test_fp8_cuda.py -q -rs -s -p no:cacheprovider
+      bench model=ouro-1.4b kv_dtype=fp8 'workload=[b1,b64,b128,prefill8k]'
+      bench model=ouro-1.4b kv_dtype=fp8 kv_mode=shared 'workload=[b128]'
+      bench model=ouro-1.4b weights_dtype=fp8 'workload=[b1]'
+      bench model=ouro-1.4b kv_dtype=fp8 weights_dtype=fp8 'workload=[b1]'
+      LOOPSTACK_FP8_GEMM=triton bench model=ouro-1.4b weights_dtype=fp8 'workload=[b1]' ;;
     *) echo "unknown phase $phase" ;;
   esac
 done
@@ -62,7 +70,7 @@ if [ -f "$BENCH" ]; then
   python3 - "$BENCH" <<'EOF' | tee -a "$LOG"
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
-keys = ["model", "workload", "kv_mode", "spec", "batch", "prefill_tok_s", "decode_ms_step", "decode_tok_s",
+keys = ["model", "workload", "kv_mode", "kv_dtype", "weights_dtype", "spec", "batch", "prefill_tok_s", "decode_ms_step", "decode_tok_s",
         "decode_floor_ms", "decode_vs_floor", "prefill_vs_floor", "speedup_vs_hf", "acceptance_rate", "peak_mem_gib"]
 print(" | ".join(keys))
 for r in rows:

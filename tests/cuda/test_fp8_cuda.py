@@ -1,0 +1,96 @@
+"""On an NVIDIA GPU (sm_89+): FP8 KV through the Triton kernels and FP8 weights through
+`torch._scaled_mm` and the Triton W8A16 kernel (run by tools/gpu_check.sh fp8 on the H200).
+Nothing here has run yet; the CPU suite covers the same code in the Triton interpreter."""
+import random
+
+import pytest
+import torch
+
+import hal
+import zoo
+from hal.conformance.quant import check_fp8_linear, check_quantized_kv
+from helpers import CONFIGS, golden_case, golden_names
+from runtime import SamplingParams
+from runtime.config import EngineConfig
+from runtime.engine import LLMEngine
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    h = hal.get("cuda")
+    if h.caps.fp8_dtype is None:
+        pytest.skip(f"{h.caps.arch} has no FP8")
+    return h
+
+
+def test_conformance_checks(gpu):
+    print(check_quantized_kv(gpu), "|", check_fp8_linear(gpu))
+
+
+def _run(model, h, prompts, params, **config):
+    engine = LLMEngine(model, h, EngineConfig(**config))
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    out = {o.request_id: o.token_ids for o in engine.run_until_done()}
+    return [out[str(i)] for i in range(len(prompts))], engine
+
+
+@pytest.mark.parametrize("name", golden_names())
+def test_golden_fp8_kv_graphs_equal_eager_fp32(name, gpu):
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        case = golden_case(name)
+        model = zoo.from_pretrained(case.path, dtype="float32", device=gpu.device())
+        params = SamplingParams(max_tokens=case.meta["greedy_new_tokens"], temperature=0.0, ignore_eos=True,
+                                num_loops=case.meta.get("greedy_num_steps"), init_scale=0.0)
+        prompts = [case.prompt(i) for i in range(case.num_prompts)]
+        got = {g: _run(model, gpu, prompts, params, kv_dtype="fp8", graphs=g, max_num_batched_tokens=16)[0]
+               for g in (False, True)}
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    assert got[True] == got[False]
+    agree = sum(a == b for i, t in enumerate(got[True]) for a, b in zip(t, case.greedy(i)))
+    print(f"{name}: fp8 KV on cuda, greedy agreement with float32 {agree}/{sum(map(len, got[True]))}")
+
+
+def test_fp8_paths_at_ouro_1_4b_shape(gpu):
+    """bf16 model at the real shape, 32 requests: FP8 KV and FP8 weights each give the same tokens with
+    and without graphs; agreement with bf16 printed (random weights: indicative only)."""
+    model = zoo.from_config(CONFIGS / "ouro-1.4b.json", dtype="bfloat16", device=gpu.device(), seed=0)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 49152) for _ in range(rng.randint(4, 200))] for _ in range(32)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    common = dict(max_num_seqs=32, max_model_len=256, max_num_batched_tokens=4096)
+    base, _ = _run(model, gpu, prompts, params, **common)
+    for kv, weights in (("fp8", "auto"), ("auto", "fp8")):
+        runs = {}
+        for graphs in (False, True):
+            runs[graphs], engine = _run(model, gpu, prompts, params, kv_dtype=kv, weights_dtype=weights,
+                                        graphs=graphs, **common)
+            del engine
+            torch.cuda.empty_cache()
+        assert runs[True] == runs[False], (kv, weights)
+        agree = sum(a == b for x, y in zip(runs[True], base) for a, b in zip(x, y))
+        print(f"kv={kv} weights={weights}: graphs == eager; agreement with bf16 {agree}/{32 * 16}")
+        if weights == "fp8":
+            break                     # the model is FP8 from here on
+
+
+def test_scaled_mm_and_triton_fp8_linear_agree(gpu, monkeypatch):
+    from hal.cuda.fp8 import GEMM_ENV, fp8_linear_op
+    from hal.kv_quant import quantize
+
+    x = torch.randn(64, 2048, device=gpu.device(), dtype=torch.bfloat16)
+    weight, scale = quantize(torch.randn(11264, 2048, device=gpu.device()) * 0.02, torch.float8_e4m3fn)
+    ref = x.double() @ (weight.double() * scale.double()[:, None]).T
+    outs = {}
+    for choice in ("scaled_mm", "triton"):
+        monkeypatch.setenv(GEMM_ENV, choice)
+        outs[choice] = fp8_linear_op(gpu.caps.arch, gpu.kernel_configs(), True)(x, weight, scale)
+    for choice, out in outs.items():
+        rel = ((out.double() - ref).norm() / ref.norm()).item()
+        print(f"{choice}: relative error {rel:.2e}")
+        assert rel < (3e-2 if choice == "scaled_mm" else 5e-3)
