@@ -8,13 +8,19 @@ import random
 
 import pytest
 import torch
+from helpers import golden_case
 from paged_cases import random_case
 
+import zoo
+from hal.cpu import CpuHal
 from hal.cpu.attention import TorchPagedAttention
 from hal.kernels.backend import TritonPagedAttention
 from hal.kernels.configs import KernelConfig, configs_for
 from hal.kernels.fp8_linear import fp8_linear
 from hal.kv_quant import quantize
+from runtime import SamplingParams
+from runtime.config import EngineConfig
+from runtime.engine import LLMEngine
 
 pytestmark = pytest.mark.usefixtures("interpreted")
 
@@ -107,3 +113,31 @@ def test_fp8_linear_kernel_matches_dequantized_matmul(fp8, dtype, shape):
     assert out.dtype == dtype and out.shape == (m, n)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2 * ref.abs().max().item()
     assert (out.float() - ref).abs().max().item() <= tolerance
+
+
+class TritonFp8OnCpu(CpuHal):
+    """The CPU Hal with the Triton backend (interpreted), as the CUDA Hal builds it for kv_dtype=fp8."""
+
+    def attention(self, num_heads, num_kv_heads, head_dim, dtype, block_size=None, backend=None, kv_dtype=None):
+        # fewer interpreted programs: 32 tokens per KV-write program, no context split (tested above)
+        configs = {**configs_for("default"), "kv_write": FAST_WRITE}
+        return TritonPagedAttention(num_heads, num_kv_heads, head_dim, dtype, CPU, block_size or 16,
+                                    configs=configs, num_compute_units=1, kv_dtype=kv_dtype)
+
+
+def test_engine_over_an_fp8_cache_through_triton_with_graphs():
+    """Packed and chunked prefill, then decode through graphs, every KV write and attention in the
+    Triton kernels over an e4m3fn cache: the CPU reference engine's tokens."""
+    case = golden_case("ouro-tiny-gqa-bf16")
+    model = zoo.from_pretrained(case.path, dtype="float32")
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for label, h in (("triton", TritonFp8OnCpu()), ("cpu", CpuHal())):
+        engine = LLMEngine(model, h, EngineConfig(kv_dtype="fp8", block_size=4, max_num_batched_tokens=9,
+                                                  graphs=True, max_num_seqs=2))
+        for i in range(2):
+            engine.add_request(str(i), case.prompt(i), params)
+        tokens[label] = {o.request_id: o.token_ids for o in engine.run_until_done()}
+        if label == "triton":
+            assert engine.runner.backend.kv_layout is not None and engine.runner.graphs.graphs
+    assert tokens["triton"] == tokens["cpu"]
