@@ -13,6 +13,7 @@ from torch import nn
 
 from runtime.kv_cache import num_request_planes
 from zoo.base import LoopedCausalLM
+from zoo.parallel import rank_heads
 
 H200_BANDWIDTH = 4.27e12          # bytes/s, device-to-device copy measured on the H200 (read + write)
 
@@ -60,10 +61,11 @@ def model_costs(model: LoopedCausalLM, num_loops: int, kv_mode: str = "full") ->
     once = sum(p.numel() for p in model.parameters() if id(p) not in skip)
     dtype_bytes = next(model.parameters()).element_size()
     spec = model.kv_spec
+    num_heads, num_kv_heads = rank_heads(model)        # per GPU under tensor parallelism
     kv_layers = model.num_kv_layers(num_request_planes(kv_mode, spec.num_fixed_planes, num_loops))
-    kv_bytes = kv_layers * 2 * spec.num_kv_heads * spec.head_dim * dtype_bytes
+    kv_bytes = kv_layers * 2 * num_kv_heads * spec.head_dim * dtype_bytes
     attn_calls = model.num_kv_layers(num_request_planes("full", spec.num_fixed_planes, num_loops))
-    attn_flops = attn_calls * 4 * model.num_attention_heads * spec.head_dim      # QK^T and PV, 2 FLOPs each
+    attn_flops = attn_calls * 4 * num_heads * spec.head_dim      # QK^T and PV, 2 FLOPs each
     return ModelCosts(_numel(loop), once, _numel(head), kv_bytes, attn_flops, dtype_bytes)
 
 
