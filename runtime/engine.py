@@ -30,7 +30,7 @@ from runtime.sampler import make_generator
 from runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from runtime.sequence import PLACEHOLDER, Request, RequestStatus
 from runtime.speculation import Speculator
-from runtime.step_plan import PlanPublisher
+from runtime.step_plan import PlanPublisher, check_supported
 from runtime.swap import SwapSpace
 from runtime.tokenizer import Tokenizer
 from zoo.base import LoopedCausalLM
@@ -51,11 +51,8 @@ class LLMEngine:
         self.max_model_len = min(self.config.max_model_len or model.max_seq_len, model.max_seq_len)
         self.max_loops = max(model.default_num_loops, 1)
         self.publisher = publisher
-        if publisher is not None and (self.config.speculative.is_enabled or self.config.async_scheduling):
-            raise ValueError("speculative decoding and async scheduling are not implemented with tensor "
-                             "parallelism (the other ranks replay synchronous plain steps); use "
-                             "speculative.num_tokens=0 and async_scheduling=false with parallel.tp > 1")
         if publisher is not None:          # followers build their runner now: its KV sizing is collective
+            check_supported(self.config)
             publisher.open(self.config, self.max_model_len, self.max_loops)
         self.runner = ModelRunner(model, hal, self.config, self.max_model_len, self.max_loops)
         cfg = self.config

@@ -125,10 +125,12 @@ class ParallelState:
 
 
 def init_distributed(hal: Hal, tp: int, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
-                     environ: dict[str, str] | None = None) -> ParallelState:
+                     environ: dict[str, str] | None = None,
+                     collective_timeout_s: float | None = None) -> ParallelState:
     """Join torchrun's process group for `tp`-way tensor parallelism (tp=1 outside torchrun: a
     single-process state, nothing initialised). Raises a ValueError that names the fix when tp and
-    the launch disagree."""
+    the launch disagree. `collective_timeout_s`: how long a model collective may wait before the
+    backend aborts (None: torch's default, 10 minutes on NCCL)."""
     env = os.environ if environ is None else environ
     if tp < 1:
         raise ValueError(f"parallel.tp must be >= 1, got {tp}")
@@ -147,7 +149,8 @@ def init_distributed(hal: Hal, tp: int, idle_timeout_s: float = DEFAULT_IDLE_TIM
 
     owns_group = not dist.is_initialized()          # a script may have joined the group already
     if owns_group:
-        dist.init_process_group(backend=hal.dist_backend, rank=rank, world_size=world_size)
+        timeout = {} if collective_timeout_s is None else {"timeout": timedelta(seconds=collective_timeout_s)}
+        dist.init_process_group(backend=hal.dist_backend, rank=rank, world_size=world_size, **timeout)
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=idle_timeout_s))
     log.info("tensor parallel rank %d of %d on %s (%s)", rank, world_size, hal.device(), hal.dist_backend)
     return ParallelState(rank, world_size, local_rank, hal.comm(), ControlChannel(control), owns_group)

@@ -3,11 +3,16 @@
 The scheduler, block manager, prefix cache, tokenizer and stop checks run on rank 0 only (the
 driver). After each `schedule()` its `PlanPublisher` sends a compact `StepPlan`: the requests the
 followers have not seen (prompt and sampling settings, once), per scheduled request its computed
-tokens, the item (token count; wavefront start and depth), the tokens rank 0 appended since it was
-last scheduled and the block ids added to its tables (all of them after a preemption), and the KV
-moves of the step (swap out / in, runner state to forget). A `Follower` mirrors just enough of each
-request to make the same `ModelRunner.execute` and `SwapSpace` calls: same batch, same block ids,
-its own heads' cache.
+tokens, the item (token count; wavefront start and depth; drafts of a speculation round), the tokens
+rank 0 appended since it was last scheduled and the block ids added to its tables (all of them after
+a preemption or a trim), and the KV moves of the step (swap out / in, runner state to forget). A
+`Follower` mirrors just enough of each request to make the same `ModelRunner.execute`,
+`Speculator.run` and `SwapSpace` calls: same batch, same block ids, its own heads' cache.
+
+Synchronous speculation replays exactly: drafts and acceptance depend only on the logits (the same on
+every rank) and on the request's seed. Not replayed, so refused with tp > 1 (`check_supported`):
+async scheduling (the driver plans step t+1 before it knows step t's tokens) and async speculation
+(the next round's draft allocates blocks mid-round, after the plan went out).
 
 Why broadcast plans rather than run the scheduler on every rank: requests reach rank 0 only (the
 server, the CLI), and the scheduler's decisions then cannot drift between ranks by construction
@@ -68,6 +73,7 @@ class PlanItem(NamedTuple):
     start: int | None
     depth: int
     is_wave: bool
+    num_draft_tokens: int                # > 0: a speculation round (`Speculator.run`)
     new_token_ids: tuple[int, ...]       # generated tokens followers have not seen yet
     tables: list[list[int]] | None       # [plane][block] to append (or the whole tables); None: unchanged
     reset_tables: bool                   # replace this request's tables by `tables`
@@ -86,11 +92,22 @@ class TensorParallelMismatch(RuntimeError):
     """Ranks of one tensor-parallel run disagree (their logits differ)."""
 
 
+def check_supported(config: EngineConfig) -> None:
+    """Raise a ValueError naming the fix for engine features the followers cannot replay."""
+    refused = []
+    if config.async_scheduling:
+        refused.append(("async scheduling", "async_scheduling=false"))
+    if config.speculative.is_enabled and config.speculative.mode != "sync":
+        refused.append(("asynchronous speculation", "speculative.mode=sync"))
+    if refused:
+        raise ValueError(f"{' and '.join(w for w, _ in refused)} not implemented with tensor parallelism "
+                         f"(rank 0 would plan work before the other ranks can know it); set "
+                         f"{' and '.join(f for _, f in refused)} with parallel.tp > 1")
+
+
 def _extends(sent: list[int], table: list[int]) -> bool:
-    """`table` grew from `sent` by appending (block tables only grow until they are freed)."""
-    if len(table) < len(sent):
-        return False
-    return not sent or (table[0] == sent[0] and table[len(sent) - 1] == sent[-1])
+    """`table` is `sent` with blocks appended (a speculation round's trim or a preemption breaks this)."""
+    return len(table) >= len(sent) and table[:len(sent)] == sent
 
 
 class PlanPublisher:
@@ -144,7 +161,7 @@ class PlanPublisher:
             self.sent_tokens[rid] = request.num_tokens
             tables, reset = self._table_update(rid, blocks.block_tables(rid))
             items.append(PlanItem(rid, request.num_computed_tokens, item.num_tokens, item.start, item.depth,
-                                  item.is_wave, new_tokens, tables, reset))
+                                  item.is_wave, item.num_draft_tokens, new_tokens, tables, reset))
         self.channel.send(StepPlan(new_requests, finished, forget, *moves, items))
 
     def _forget(self, rid: str) -> None:
@@ -172,10 +189,12 @@ class Follower:
         self.model, self.hal, self.channel = model, hal, channel
         self.runner: Any = None
         self.swap: Any = None
+        self.speculator: Any = None
         self.requests: dict[str, Request] = {}
         self.tables: dict[str, list[list[int]]] = {}
-        self.sampled: dict[str, int] = {}                 # our last token per request, to check
+        self.sampled: dict[str, list[int]] = {}           # our last step's tokens per request, to check
         self.num_steps = 0
+        self.num_checked_tokens = 0                       # ours that equalled rank 0's
 
     def run(self) -> None:
         """Handle messages until the driver sends `StopFollowing`."""
@@ -188,26 +207,42 @@ class Follower:
             self.step(message)
         elif isinstance(message, OpenEngine):
             from runtime.runner import ModelRunner
+            from runtime.speculation import Speculator
             from runtime.swap import SwapSpace
 
-            self.runner = self.swap = None
+            self._release()
             self.runner = ModelRunner(self.model, self.hal, message.config, message.max_model_len,
                                       message.max_loops)
             self.swap = SwapSpace(self.hal, self.runner.backend, self.runner.kv_caches)
-            self.requests, self.tables, self.sampled = {}, {}, {}
+            spec = message.config.speculative
+            self.speculator = Speculator(self.runner, spec) if spec.is_enabled else None
         elif isinstance(message, CloseEngine):
-            self.runner, self.swap, self.requests, self.tables, self.sampled = None, None, {}, {}, {}
+            self._release()
             self.hal.empty_cache()
         elif isinstance(message, StopFollowing):
-            self.runner = self.swap = None
+            self._release()
             return False
         else:
             raise TypeError(f"unknown control message {message!r}")
         return True
 
+    def _release(self) -> None:
+        self.runner = self.swap = self.speculator = None
+        self.requests, self.tables, self.sampled = {}, {}, {}
+
+    # ----- the block manager as the runner and the speculator see it ----------------------
     def block_tables(self, request_id: str) -> list[list[int]]:
-        """The runner's view of the block manager."""
         return self.tables[request_id]
+
+    def trim(self, request_id: str, num_tokens: int) -> int:
+        """As `BlockManager.trim` after a speculation round (the driver frees the blocks; its next
+        plan sends the trimmed tables whole)."""
+        keep = -(-num_tokens // self.runner.block_size)
+        tables = self.tables.get(request_id, [])
+        dropped = sum(max(0, len(table) - keep) for table in tables)
+        for table in tables:
+            del table[keep:]
+        return dropped
 
     def step(self, plan: StepPlan) -> None:
         for rid in plan.finished:                   # as the engine's `_finish`
@@ -228,11 +263,11 @@ class Follower:
             self.requests[new.request_id] = Request(
                 new.request_id, list(new.prompt_token_ids), new.params, new.num_loops, new.exit_threshold,
                 new.num_planes, generator=make_generator(new.params, self.runner.device))
-        scheduled = []
+        plain, drafting = [], []
         for item in plan.items:
             request = self.requests[item.request_id]
             if item.new_token_ids:
-                self._check(item.request_id, item.new_token_ids[0])
+                self._check(item.request_id, item.new_token_ids)
                 request.output_token_ids.extend(item.new_token_ids)
             request.num_computed_tokens = item.num_computed_tokens
             if item.reset_tables:
@@ -240,16 +275,24 @@ class Follower:
             elif item.tables is not None:
                 for table, added in zip(self.tables[item.request_id], item.tables):
                     table.extend(added)
-            scheduled.append(ScheduledRequest(request, item.num_tokens, item.start, item.depth, item.is_wave))
-        result = self.runner.execute(scheduled, self)
+            scheduled = ScheduledRequest(request, item.num_tokens, item.start, item.depth, item.is_wave,
+                                         item.num_draft_tokens)
+            (drafting if item.num_draft_tokens else plain).append(scheduled)
+        # as the engine's `_launch`: plain items first, then the speculation round (same collectives)
+        if plain:
+            for rid, (token, _) in self.runner.execute(plain, self).sampled.items():
+                self.sampled[rid] = [token]
+        if drafting:
+            self.sampled.update(self.speculator.run(drafting, self).committed)
         self.num_steps += 1
-        for rid, (token, _) in result.sampled.items():
-            self.sampled[rid] = token
 
-    def _check(self, rid: str, token: int) -> None:
+    def _check(self, rid: str, tokens: tuple[int, ...]) -> None:
+        """Our tokens of the request's last step against rank 0's (which a stop token may cut short)."""
         ours = self.sampled.pop(rid, None)
-        if ours is not None and ours != token:
+        if ours is not None and list(tokens[:len(ours)]) != ours[:len(tokens)]:
             raise TensorParallelMismatch(
-                f"request {rid}: rank 0 sampled token {token}, this rank {ours}. The ranks' logits differ, "
-                f"so a collective did not give every rank the same result; report this with the Hal and "
-                f"dist backend in use")
+                f"request {rid}: rank 0 sampled tokens {list(tokens)}, this rank {ours}. The ranks' logits "
+                f"differ, so a collective did not give every rank the same result; report this with the Hal "
+                f"and dist backend in use")
+        if ours is not None:
+            self.num_checked_tokens += min(len(ours), len(tokens))

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from zoo.base import CausalLMOutput, DenseContext, ForwardContext, KVSpec, LoopedCausalLM, as_dtype, dense_hal
-from zoo.loading import (HUB_IDS, CheckpointError, default_dtype, load_weights, read_config, resolve_checkpoint,
-                          stored_dtype)
+from zoo.loading import (HUB_IDS, CheckpointError, build_on_meta, load_weights, read_config,
+                         resolve_checkpoint, stored_dtype)
 from zoo.random_weights import fill_random
 from zoo.saving import save_pretrained
 
@@ -79,8 +79,7 @@ def from_config(config: dict[str, Any] | str | os.PathLike, dtype: torch.dtype |
     cls, cfg = build(config)
     dtype = as_dtype(dtype) or _checkpoint_dtype(cfg)
     device = torch.device(device) if device is not None else torch.device("cpu")
-    with torch.device("meta"), default_dtype(dtype):
-        model = cls(cfg)
+    model = build_on_meta(cls, cfg, dtype)
     _shard(model, tp_rank, tp_size, comm, device)
     if device.type != "meta":
         if seed is None:
@@ -113,8 +112,7 @@ def from_pretrained(path_or_name: str | os.PathLike, dtype: torch.dtype | str | 
     cls, cfg = build(read_config(folder))
     dtype = as_dtype(dtype) or _checkpoint_dtype(cfg, folder)
     device = torch.device(device) if device is not None else torch.device("cpu")
-    with torch.device("meta"):
-        model = cls(cfg)
+    model = build_on_meta(cls, cfg)
     _shard(model, tp_rank, tp_size, comm, device)
     load_weights(model, folder, dtype, device)
     dense_hal(device)

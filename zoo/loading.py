@@ -15,6 +15,7 @@ from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
+from torch.overrides import TorchFunctionMode
 
 from zoo.parallel import ShardSpec, read_shard
 
@@ -147,6 +148,30 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+# torch.nn.init's random draws (and the tensor methods they call); on the meta device they would
+# only cost time: their meta kernels import torch._dynamo, seconds of CPU in every process
+_INIT_DRAWS = frozenset({"normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+                         "xavier_normal_", "trunc_normal_", "orthogonal_"})
+
+
+class SkipMetaInit(TorchFunctionMode):
+    """Modules built on the meta device skip their init draws (the loaders fill the weights)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        first = args[0] if args else kwargs.get("tensor")        # torch.nn.init passes it by name
+        is_meta = isinstance(first, torch.Tensor) and first.is_meta
+        if is_meta and getattr(func, "__name__", None) in _INIT_DRAWS:
+            return first
+        return func(*args, **kwargs)
+
+
+def build_on_meta(cls: type, cfg: Any, dtype: torch.dtype | None = None) -> Any:
+    """`cls(cfg)` with every tensor on the meta device (no memory; parameters in `dtype`)."""
+    with torch.device("meta"), default_dtype(dtype or torch.get_default_dtype()), SkipMetaInit():
+        return cls(cfg)
 
 
 def load_weights(model: torch.nn.Module, folder: str | os.PathLike, dtype: torch.dtype,

@@ -16,6 +16,7 @@ from torch import nn
 
 from zoo.huginn.model import GatedMLP, HuginnAttention
 from zoo.layers import GQAttention, SwiGLU
+from zoo.loading import SkipMetaInit
 from zoo.parallel import (HeadSplit, RowParallelLinear, ShardSpec, TensorParallel, VocabParallelEmbedding,
                           VocabParallelHead, even_range, read_shard, split_heads)
 
@@ -43,7 +44,8 @@ class _Sharder:
         """A linear keeping the output rows `pieces` (no communication)."""
         weight = _take(linear.weight, 0, pieces, specs, f"{name}.weight")
         bias = None if linear.bias is None else _take(linear.bias, 0, pieces, specs, f"{name}.bias")
-        out = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        with SkipMetaInit():                                   # a shell: its weights are set below
+            out = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
         out.weight = nn.Parameter(weight, requires_grad=False)
         if bias is not None:
             out.bias = nn.Parameter(bias, requires_grad=False)
@@ -67,6 +69,8 @@ def _take(param: torch.Tensor, dim: int, pieces: list[tuple[int, int]], specs: S
           local_size: int | None = None) -> torch.Tensor:
     spec = ShardSpec(dim, tuple(pieces), tuple(param.shape), local_size or sum(hi - lo for lo, hi in pieces))
     specs[name] = spec
+    if param.is_meta:                  # a shape only (the loaders fill it); meta torch.cat is slow to import
+        return param.new_empty(param.shape[:dim] + (spec.local_size,) + param.shape[dim + 1:])
     return read_shard(lambda index: param.detach()[index], spec).clone()   # a copy: the full tensor can go
 
 

@@ -1,7 +1,7 @@
 """Step plans (runtime.step_plan): a follower that only sees rank 0's plans runs exactly rank 0's
 steps (same batches, block ids, KV moves, sampled tokens) through preemption (recompute and swap),
-chunked and wavefront prefill, prefix caching, early exit and seeded sampling; and it notices when
-its tokens differ. In-process, without collectives."""
+chunked and wavefront prefill, prefix caching, early exit, seeded sampling and speculation rounds;
+it notices when its tokens differ; what it cannot replay is refused. In-process, without collectives."""
 import pickle
 
 import pytest
@@ -9,13 +9,15 @@ import torch
 
 import hal
 import zoo
-from helpers import golden_case
+from helpers import golden_case, single_thread  # noqa: F401 (fixture)
 from runtime import SamplingParams
-from runtime.config import EngineConfig
+from runtime.config import EngineConfig, SpeculativeConfig
 from runtime.engine import LLMEngine
 from runtime.step_plan import Follower, PlanPublisher, StepPlan, TensorParallelMismatch
+from test_speculation import damp_loops
 
 CPU = hal.get("cpu")
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 class DirectChannel:
@@ -23,7 +25,7 @@ class DirectChannel:
 
     def __init__(self, follower: Follower) -> None:
         self.follower, self.plan_bytes = follower, []
-        self.num_swaps = self.num_wave_items = 0
+        self.num_swaps = self.num_wave_items = self.num_draft_items = self.num_table_resets = 0
 
     def send(self, message) -> None:
         payload = pickle.dumps(message)
@@ -31,6 +33,8 @@ class DirectChannel:
             self.plan_bytes.append(len(payload))
             self.num_swaps += len(message.swap_out) + len(message.swap_in)
             self.num_wave_items += sum(item.is_wave for item in message.items)
+            self.num_draft_items += sum(item.num_draft_tokens > 0 for item in message.items)
+            self.num_table_resets += sum(item.reset_tables for item in message.items)
         self.follower.handle(pickle.loads(payload))
 
 
@@ -51,6 +55,9 @@ def run_pair(build, requests, **config):
         engine.add_request(str(i), prompt, params)
     outs = {o.request_id: o for o in engine.run_until_done()}
     assert follower.num_steps == engine.num_steps
+    # every token but those of a request's last step (no plan follows them) matched the follower's
+    last_step = 1 + config.speculative.num_tokens
+    assert follower.num_checked_tokens >= sum(len(o.token_ids) for o in outs.values()) - last_step * len(outs)
     engine.close()
     assert follower.runner is None
     return [outs[str(i)] for i in range(len(requests))], channel
@@ -110,6 +117,39 @@ def test_seeded_sampling_and_random_initial_states_agree_on_the_follower():
     outs, _ = run_pair(lambda: zoo.from_pretrained(case.path, dtype="float32"), requests, block_size=4,
                        max_num_batched_tokens=5)
     assert all(len(o.token_ids) == 6 for o in outs)
+
+
+def test_speculation_rounds_replay_on_the_follower():
+    seed = int(torch.randint(1 << 20, ()))
+    build = lambda: damp_loops(zoo.from_config(TINY_OURO, dtype="float32", seed=seed), 0.3)  # noqa: E731
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=12, temperature=0.9, ignore_eos=True)       # seeded by the driver
+    prompts = random_prompts(4)
+    requests = [(p, greedy if i % 2 else sampled) for i, p in enumerate(prompts)]
+    spec = SpeculativeConfig(num_tokens=3, draft_loops=1)
+    outs, channel = run_pair(build, requests, block_size=2, max_num_batched_tokens=9, speculative=spec)
+    assert all(len(o.token_ids) == 12 for o in outs)        # every round's tokens checked against rank 0's
+    assert channel.num_draft_items > 0 and channel.num_table_resets > len(requests)   # trims after rejections
+    drafted = sum(o.metrics.num_draft_tokens for o in outs)
+    print(f"drafted {drafted}, accepted {sum(o.metrics.num_accepted_tokens for o in outs)}, "
+          f"draft items {channel.num_draft_items}, table resets {channel.num_table_resets}")
+    assert 0 < sum(o.metrics.num_accepted_tokens for o in outs) < drafted
+    plain = LLMEngine(build(), CPU, EngineConfig(max_num_seqs=4, block_size=2))
+    for i, (prompt, params) in enumerate(requests[1::2]):
+        plain.add_request(str(i), prompt, params)
+    assert [o.token_ids for o in sorted(plain.run_until_done(), key=lambda o: int(o.request_id))] == \
+        [o.token_ids for o in outs[1::2]]
+
+
+@pytest.mark.parametrize("config, fix", [
+    ({"async_scheduling": True}, "async_scheduling=false"),
+    ({"speculative": SpeculativeConfig(2, 1, "async")}, "speculative.mode=sync")])
+def test_what_followers_cannot_replay_is_refused(config, fix):
+    follower = Follower(zoo.from_config(TINY_OURO, dtype="float32", seed=1), CPU, None)
+    with pytest.raises(ValueError, match=f"not implemented with tensor parallelism.*set {fix}"):
+        LLMEngine(zoo.from_config(TINY_OURO, dtype="float32", seed=1), CPU, EngineConfig(**config),
+                  publisher=PlanPublisher(DirectChannel(follower)))
+    assert follower.runner is None                          # refused before the followers built anything
 
 
 def test_a_follower_with_other_logits_is_caught():

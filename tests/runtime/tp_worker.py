@@ -54,6 +54,10 @@ def jobs() -> list[Job]:
     out.append(Job("swap-prefix-wavefront:ouro-tiny-gqa-bf16", lambda p, path=case.path: path, requests,
                    {"block_size": 4, "num_kv_blocks": 26, "max_num_batched_tokens": 6,
                     "preemption_mode": "swap", "enable_prefix_caching": True, "wavefront_prefill": True}))
+    case = golden_case("ouro-tiny")                   # speculation rounds (trained: drafts are often kept)
+    requests = [(case.prompt(i), golden_params(case)) for i in range(2)]
+    out.append(Job("spec:ouro-tiny", lambda p, path=case.path: path, requests,
+                   {"block_size": 4, "speculative": {"num_tokens": 3, "draft_loops": 3}}))
     gen = torch.Generator().manual_seed(13)
     prompts = [torch.randint(1, 61, (n,), generator=gen).tolist() for n in (5, 11, 3)]
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
