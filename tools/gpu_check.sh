@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call on the NVIDIA machine: the cuda-marked tests, the conformance
 # suite, the kernel benchmark, the engine benchmark cells and a profile of a decode step.
-#   tools/gpu_check.sh [phase ...]     phases: conformance tests kernels bench models profile spec (default: all)
+#   tools/gpu_check.sh [phase ...]     phases: conformance tests kernels bench models profile spec
+#                                      specasync sweep (default: the first six)
 # Logs go to $OUT/gpu_check.log, benchmark rows to $OUT/bench.jsonl; a short table is printed last.
 set -u
 cd "$(dirname "$0")/.."
@@ -51,6 +52,14 @@ for phase in $PHASES; do
       bench model=nanbeige4.2-3b 'workload=[b1]' ;;
     profile)
       run "profile b1" 90 python3 tools/profile_step.py --model ouro-1.4b --batch 1 --context 256 --rows 20 ;;
+    specasync)   # sync and async speculation equal plain decoding at the Ouro-1.4B shape (float32)
+      run "speculation equality" 180 python3 -m pytest tests/cuda/test_speculation_cuda.py -q -s -rs \
+        -p no:cacheprovider -k "ouro_1_4b_shape and float32" ;;
+    sweep)   # tok/s against batch, full and shared KV (docs/throughput.png); 32 new tokens per request suffice
+      for kv in full shared; do
+        bench model=ouro-1.4b kv_mode=$kv 'workload=[b1,b8,b32,b64,b128]' workloads.b1.new=64 \
+          workloads.b8.new=32 workloads.b32.new=32 workloads.b64.new=32 workloads.b128.new=32
+      done ;;
     spec) bench model=ouro-1.4b 'workload=[b1,b8,b32]' speculative.num_tokens=4 speculative.draft_loops=2 ;;
     *) echo "unknown phase $phase" ;;
   esac
