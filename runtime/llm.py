@@ -16,7 +16,7 @@ from runtime.config import EngineConfig, SamplingParams
 from runtime.engine import LLMEngine
 from runtime.outputs import RequestOutput
 from runtime.parallel import ParallelState
-from runtime.step_plan import Follower
+from runtime.step_plan import Follower, check_supported
 from runtime.tokenizer import Tokenizer
 from zoo.base import LoopedCausalLM
 from zoo.parallel import tensor_parallel
@@ -50,13 +50,15 @@ class LLM:
         if not self.parallel.is_driver:
             raise ValueError(f"LLM runs on rank 0 only; rank {self.parallel.rank} calls "
                              f"runtime.llm.follow(...)")
+        if engine_config is not None and engine_options:
+            raise ValueError("give engine_config= or engine keywords, not both")
+        config = engine_config or EngineConfig(**engine_options)
+        if self.parallel.is_parallel:
+            check_supported(config)                 # before loading a model for nothing
         self.model, folder = load_model(model, self.hal, dtype, self.parallel)
         device = self.hal.device()
         self.tokenizer = tokenizer or (Tokenizer.from_folder(folder) if folder else None)
-        if engine_config is not None and engine_options:
-            raise ValueError("give engine_config= or engine keywords, not both")
-        self.engine = LLMEngine(self.model, self.hal, engine_config or EngineConfig(**engine_options),
-                                self.tokenizer, publisher=self.parallel.publisher())
+        self.engine = LLMEngine(self.model, self.hal, config, self.tokenizer, publisher=self.parallel.publisher())
         self._ids = itertools.count()
         log.info("LLM: %s on %s, dtype %s", type(self.model).__name__, device, next(self.model.parameters()).dtype)
 

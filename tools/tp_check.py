@@ -11,7 +11,9 @@
 2. decode benchmark: `runtime.bench`'s own `run_cells` (the rows `python -m runtime.bench` writes) at
    batch 1 and 64 for Ouro-1.4B and batch 1 for Huginn-0125 at 32 recurrences, TP=1 (rank 0 alone)
    then TP=2, with fewer new tokens than the standard cells (the median step is steady after a few).
-3. the greedy check in float32, if the time budget allows (shows whether the sharded math is exact).
+3. if the time allows: the greedy check in float32 (whether the sharded math is exact), then the
+   golden cases (tests/data/golden: tiny checkpoints, float32) through `runtime.generate`'s own `run`
+   at parallel.tp=2 (loading slices from safetensors), against their reference greedy tokens.
 
 Rows are appended to DIR/bench.jsonl and DIR/greedy.jsonl as they come; a table is printed last
 (`python tools/tp_check.py --table DIR` prints it again). While rank 0 works alone, rank 1 waits on
@@ -45,8 +47,8 @@ from runtime.step_plan import Follower  # noqa: E402
 class Task(NamedTuple):
     """Rank 0 -> rank 1 on the control channel: what both do next with the shards of `model`."""
 
-    kind: str            # "greedy" | "bench" | "done"
-    model: str           # key of `configs(...)`
+    kind: str            # "greedy" | "bench" | "golden" | "done"
+    model: str           # key of `configs(...)`; "golden": the case's name
 
 
 def parse_args() -> argparse.Namespace:
@@ -65,6 +67,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fp32", choices=["auto", "yes", "no"], default="auto",
                    help="the float32 greedy check; auto: if at most --fp32-before-s seconds are spent by then")
     p.add_argument("--fp32-before-s", type=float, default=140.0)
+    p.add_argument("--golden", choices=["auto", "yes", "no"], default="auto",
+                   help="the golden cases at TP=2; auto: if at most --golden-before-s seconds are spent by then")
+    p.add_argument("--golden-before-s", type=float, default=170.0)
     p.add_argument("--graphs", choices=["auto", "false"], default="auto")
     p.add_argument("--matmul-size", type=int, default=8192)
     p.add_argument("--collective-timeout-s", type=float, default=180.0)
@@ -163,6 +168,46 @@ def greedy_report(ref: dict[str, Any], tp: dict[str, Any], cfg: Any) -> dict[str
     return row
 
 
+# ----- golden cases through runtime.generate -------------------------------------------------------
+GOLDEN = ROOT / "tests" / "data" / "golden"
+
+
+def golden_names() -> list[str]:
+    return sorted(p.name for p in GOLDEN.iterdir() if (p / "golden.json").is_file())
+
+
+def golden_case(name: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    return json.loads((GOLDEN / name / "golden.json").read_text()), load_file(str(GOLDEN / name / "golden.safetensors"))
+
+
+def golden_generate(name: str, args: argparse.Namespace) -> list[list[int]]:
+    """`runtime.generate`'s job at parallel.tp=2 on a golden case (every rank; rank 0 gets the tokens)."""
+    from hydra import compose, initialize_config_dir
+
+    from runtime.cli import CONF_DIR
+    from runtime.generate import run
+
+    meta, tensors = golden_case(name)
+    ids = [tensors[f"prompt_{i}"].tolist() for i in range(meta["num_prompts"])]
+    loops = meta.get("greedy_num_steps")
+    overrides = [f"hal={args.hal}", "model=none", f"model.path={GOLDEN / name}", f"prompt_ids={ids}",
+                 f"max_tokens={meta['greedy_new_tokens']}", "model.dtype=float32", "ignore_eos=true",
+                 "temperature=0", "init_scale=0", "parallel.tp=2", *([f"model.num_loops={loops}"] if loops else [])]
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+        cfg = compose("generate", overrides=overrides)
+    return [r["token_ids"] for r in run(cfg)]
+
+
+def golden_report(name: str, tokens: list[list[int]]) -> dict[str, Any]:
+    meta, tensors = golden_case(name)
+    expected = [tensors[f"greedy_{i}"].tolist() for i in range(meta["num_prompts"])]
+    same = sum(a == b for a, b in zip(tokens, expected))
+    return {"golden": name, "tp": 2, "dtype": "float32", "prompts": len(expected), "identical": same,
+            "verdict": "PASS" if same == len(expected) else "DIFFERENT"}
+
+
 # ----- the phases ---------------------------------------------------------------------------------
 def model_name(cfg: Any) -> str:
     return Path(str(cfg.model.path)).name if cfg.model.path else cfg.model.name
@@ -193,6 +238,8 @@ def tp1_greedy(cfg: Any, hal: Any, args: argparse.Namespace) -> dict[str, Any]:
 def tp2_task(task: Task, cfgs: dict[str, Any], hal: Any, parallel: ParallelState, args: argparse.Namespace,
              ref: dict[str, Any] | None) -> Any:
     """Run on every rank: the shards of `task.model`, then rank 0 drives and the others follow."""
+    if task.kind == "golden":
+        return golden_generate(task.model, args)
     cfg = cfgs[task.model]
     model = build(cfg, hal, parallel)
     try:
@@ -259,6 +306,12 @@ def drive(args: argparse.Namespace, cfgs: dict[str, Any], hal: Any, parallel: Pa
         greedy("ouro32")
     else:
         print(f"[tp_check] float32 greedy skipped ({spent:.0f}s spent; --fp32 {args.fp32})", flush=True)
+    spent = time.monotonic() - start
+    if args.golden == "yes" or (args.golden == "auto" and spent < args.golden_before_s):
+        for name in golden_names():
+            log("greedy.jsonl", golden_report(name, tp2("golden", name)))
+    else:
+        print(f"[tp_check] golden cases skipped ({spent:.0f}s spent; --golden {args.golden})", flush=True)
     parallel.channel.send(Task("done", ""))
 
 
@@ -289,6 +342,10 @@ def main() -> None:
 # ----- the table ----------------------------------------------------------------------------------
 def print_table(out: Path) -> None:
     for line in _read(out / "greedy.jsonl"):
+        if "golden" in line:
+            print(f"golden {line['golden']} float32 TP=2 via runtime.generate: {line['verdict']} "
+                  f"{line['identical']}/{line['prompts']} prompts give the reference greedy tokens")
+            continue
         print(f"greedy {line['model']} {line['dtype']}: {line['verdict']} {line['identical']}/{line['prompts']} "
               f"prompts identical over {line['new_tokens']} tokens (TP=2 graphs={line['graphs']}); prompt "
               f"logits max |TP=2 - TP=1| {line['prompt_logits_max_diff']} (scale {line['prompt_logits_scale']}), "

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Tensor parallelism on 2 GPUs (the nvidia-h200-x2 kind) in one call, about 2-4 minutes:
 #   TP=2 vs TP=1 greedy at the Ouro-1.4B shape (random bf16 weights), the decode benchmark at batch
-#   1 and 64 (Ouro-1.4B) and batch 1 (Huginn-0125, 32 recurrences) at TP=1 and TP=2, then the same
-#   greedy check in float32 if time allows; one torchrun launch of tools/tp_check.py (its docstring
-#   says what each phase does). If that launch fails before the TP=2 benchmark rows exist (a
-#   collective that decode graphs cannot capture, say), it runs once more with graphs=false.
+#   1 and 64 (Ouro-1.4B) and batch 1 (Huginn-0125, 32 recurrences) at TP=1 and TP=2, then if time
+#   allows the greedy check in float32 and the golden cases through runtime.generate at parallel.tp=2;
+#   one torchrun launch of tools/tp_check.py (its docstring says what each phase does). If that launch
+#   fails before the TP=2 benchmark rows exist (a collective that decode graphs cannot capture, say),
+#   it runs once more with graphs=false.
 # Usage (Hydra, OmegaConf and antlr4 as .whl/*.whl, see ../shared/device/README.md):
 #   bash tools/tp_check.sh                # results in $OUT (default .out/tp): log.txt, greedy.jsonl, bench.jsonl
 # A CPU dry run of the whole script (gloo, the golden tiny configs):
@@ -51,7 +52,7 @@ if [ $rc -ne 0 ]; then
   left=$((TOTAL_S - SECONDS))
   if ! grep -q '"tp": 2' "$OUT/bench.jsonl" 2>/dev/null && [ "$left" -ge 100 ]; then
     echo "== again with graphs=false (TP=1 benchmark rows already there are kept)"
-    launch "$left" --graphs false --fp32 no "$@"
+    launch "$left" --graphs false --fp32 no --golden no "$@"
     rc=$?
   fi
 fi
