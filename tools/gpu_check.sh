@@ -10,7 +10,9 @@ OUT=${OUT:-$PWD/.out/gpu}
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
 BENCH="$OUT/bench.jsonl"
-if ls .whl/*.whl >/dev/null 2>&1; then   # Hydra and friends, brought as wheels (../shared/device/README.md)
+if [ -d /tmp/site/hydra ]; then          # installed already (several checks share one machine)
+  export PYTHONPATH=/tmp/site:.
+elif ls .whl/*.whl >/dev/null 2>&1; then   # Hydra and friends, brought as wheels (../shared/device/README.md)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:.
 else
@@ -56,7 +58,7 @@ for phase in $PHASES; do
       run "speculation equality" 180 python3 -m pytest tests/cuda/test_speculation_cuda.py -q -s -rs \
         -p no:cacheprovider -k "ouro_1_4b_shape and float32" ;;
     sweep)   # tok/s against batch, full and shared KV (docs/throughput.png); 32 new tokens per request suffice
-      for kv in full shared; do
+      for kv in ${SWEEP_KV:-full shared}; do
         bench model=ouro-1.4b kv_mode=$kv 'workload=[b1,b8,b32,b64,b128]' workloads.b1.new=64 \
           workloads.b8.new=32 workloads.b32.new=32 workloads.b64.new=32 workloads.b128.new=32
       done ;;

@@ -18,7 +18,9 @@ OUT=${OUT:-$PWD/.out/tp}
 mkdir -p "$OUT"
 rm -f "$OUT/bench.jsonl" "$OUT/greedy.jsonl" "$OUT/log.txt"
 PY=${PYTHON:-python3}
-if ls .whl/*.whl >/dev/null 2>&1; then
+if [ -d /tmp/site/hydra ]; then
+  export PYTHONPATH=/tmp/site
+elif ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site
 fi
