@@ -23,6 +23,7 @@ class Caps:
     num_compute_units: int = 1                 # SMs / CUs / AI cores / CPU threads
     graphs: bool = False                       # Graph.capture records device work (not eager replay)
     graph_needs_host_update: bool = False      # Ascend: lengths are host values baked into graphs
+    graph_collectives: bool = False            # graphs may capture collectives on dist_backend (NCCL)
     uva: bool = False                          # host_buffer is zero-copy mapped into the device
     attention_backends: tuple[str, ...] = ()   # in order of preference
     kv_block_sizes: tuple[int, ...] = (16,)    # paged-KV block sizes the backends take; first = default

@@ -39,17 +39,20 @@ CONFIGS = Path(__file__).resolve().parent.parent / "zoo" / "configs"
 HF_REFERENCE_MS_PER_STEP = {("ouro-1.4b", 1): 130.0, ("ouro-1.4b", 64): 127.0}
 
 
-def build_model(cfg: Any, device: torch.device):
+def build_model(cfg: Any, device: torch.device, parallel: Any = None):
+    """The model (this rank's shard under tensor parallelism: `parallel` from `runtime.parallel`)."""
     import zoo
 
+    shard_args = parallel.shard_args() if parallel is not None else {}
     if cfg.weights == "random":
         source = cfg.model.path or cfg.model.name
         config = Path(source) / "config.json" if Path(str(source)).is_dir() else CONFIGS / f"{source}.json"
         if not config.is_file():
             raise ValueError(f"no config for {source!r}: give model=<name with zoo/configs/NAME.json> or model.path=DIR")
-        return zoo.from_config(config, dtype=cfg.dtype, device=device, seed=0)
+        return zoo.from_config(config, dtype=cfg.dtype, device=device, seed=0, **shard_args)
     if cfg.weights == "checkpoint":
-        return zoo.from_pretrained(cfg.model.path or cfg.model.name, dtype=cfg.dtype, device=device)
+        return zoo.from_pretrained(cfg.model.path or cfg.model.name, dtype=cfg.dtype, device=device,
+                                   **shard_args)
     raise ValueError(f"weights must be 'random' or 'checkpoint', got {cfg.weights!r}")
 
 
@@ -146,14 +149,30 @@ def step_costs(engine: Any, cell: dict[str, int], num_loops: int | None, repeats
 
 
 def run(cfg: Any) -> list[dict[str, Any]]:
+    """Every workload cell (rank 0 of a tensor-parallel run measures; the other ranks follow)."""
     import hal as hal_registry
-    from runtime.engine import LLMEngine
-    from runtime.roofline import H200_BANDWIDTH, decode_floor, measure_matmul_rate, model_costs, prefill_floor
+    from runtime.parallel import init_from_cli
+    from runtime.step_plan import Follower
 
     hal = hal_registry.get(cfg.hal.name, device_index=cfg.hal.device_index,
                            attention_backend=cfg.hal.attention_backend)
+    parallel = init_from_cli(hal, cfg)
+    try:
+        model = build_model(cfg, hal.device(), parallel)
+        if not parallel.is_driver:
+            with torch.inference_mode():
+                Follower(model, hal, parallel.channel).run()
+            return []
+        return run_cells(cfg, hal, model, parallel)
+    finally:
+        parallel.shutdown()
+
+
+def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, Any]]:
+    from runtime.engine import LLMEngine
+    from runtime.roofline import H200_BANDWIDTH, decode_floor, measure_matmul_rate, model_costs, prefill_floor
+
     device = hal.device()
-    model = build_model(cfg, device)
     name = Path(str(cfg.model.path)).name if cfg.model.path else cfg.model.name
     num_loops = cfg.model.num_loops or model.default_num_loops
     rate = measure_matmul_rate(device, model.lm_head.weight.dtype, size=cfg.matmul_size)
@@ -173,12 +192,12 @@ def run(cfg: Any) -> list[dict[str, Any]]:
             max_model_len=max(cell["prompt"] + cell["new"], cell.get("late_prompt", 0) + 1) + 16 + 2 * spec.num_tokens,
             gpu_memory_utilization=cfg.gpu_memory_utilization, num_kv_blocks=cfg.num_kv_blocks,
             graphs=cfg.graphs, speculative=spec, async_scheduling=cfg.async_scheduling,
-            wavefront_prefill=cfg.wavefront_prefill))
+            wavefront_prefill=cfg.wavefront_prefill), publisher=parallel.publisher())
         if cfg.warmup:
             # same prompt length: kernels compile (and graphs capture) outside the timed cell
             run_cell(engine, {"batch": min(cell["batch"], 2), "prompt": cell["prompt"], "new": 4}, num_loops, seed=1)
-        row = {"workload": workload, "model": name, "hal": hal.name, "kv_mode": cfg.kv_mode,
-               "kv_dtype": cfg.kv_dtype, "weights_dtype": cfg.weights_dtype,
+        row = {"workload": workload, "model": name, "hal": hal.name, "tp": parallel.world_size,
+               "kv_mode": cfg.kv_mode, "kv_dtype": cfg.kv_dtype, "weights_dtype": cfg.weights_dtype,
                # which FP8 GEMM the CUDA Hal was told to use (hal/cuda/fp8.py), for comparing the paths
                **({"fp8_gemm": os.environ.get("LOOPSTACK_FP8_GEMM", "auto")} if cfg.weights_dtype == "fp8" else {}),
                "max_num_batched_tokens": cfg.max_num_batched_tokens, "async_scheduling": cfg.async_scheduling,
@@ -205,6 +224,7 @@ def run(cfg: Any) -> list[dict[str, Any]]:
             row["speedup_vs_hf"] = round(hf / row["decode_ms_step"], 1)
         results.append(row)
         print(json.dumps(row), flush=True)
+        engine.close()
         del engine, runner
         gc.collect()                     # the runner and its graphs reference each other
         hal.empty_cache()

@@ -12,7 +12,8 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from runtime.config import BenchConfig, EngineConfig, GenerateConfig, HalConfig, ModelConfig, ServeConfig
+from runtime.config import (BenchConfig, EngineConfig, GenerateConfig, HalConfig, ModelConfig, ParallelConfig,
+                            ServeConfig)
 
 HERE = Path(__file__).resolve().parent
 # conf/ sits beside the packages in a checkout and inside runtime/ in an installed wheel
@@ -51,6 +52,7 @@ def register_schemas() -> None:
     store.store(group="schema", name="serve", node=ServeConfig)
     store.store(group="schema", name="hal", node=HalConfig)
     store.store(group="schema", name="model", node=ModelConfig)
+    store.store(group="schema", name="parallel", node=ParallelConfig)
     store.store(group="schema", name="engine", node=mutable_schema(EngineConfig))
     store.store(group="schema", name="server", node=mutable_schema(ServerConfig, SERVER_FIELDS_FROM_MODEL))
 

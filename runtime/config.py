@@ -185,9 +185,19 @@ class HalConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """`parallel.tp=N`: N-way tensor parallelism, one process per rank started by torchrun (every CLI
+    that loads a model takes it: generate, bench, serve; see `runtime.parallel.init_distributed`)."""
+
+    tp: int = 1
+    idle_timeout_s: float = 7 * 24 * 3600.0   # how long ranks > 0 wait for rank 0's next step
+
+
+@dataclass
 class BenchConfig:
     hal: Any = None
     model: Any = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     weights: str = "random"
     dtype: str = "bfloat16"
     workload: Any = "b1"
@@ -212,6 +222,7 @@ class BenchConfig:
 class GenerateConfig:
     hal: Any = None
     model: Any = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     prompt: Any = None                    # a string or a list of strings
     prompt_ids: Any = None                # a list of token ids or a list of such lists
     max_tokens: int = 64
@@ -234,6 +245,7 @@ class GenerateConfig:
 class ServeConfig:
     hal: Any = None
     model: Any = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     host: str = "127.0.0.1"
     port: int = 8000
     server: Any = None                    # runtime.server.config.ServerConfig's fields

@@ -30,6 +30,7 @@ from runtime.sampler import make_generator
 from runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from runtime.sequence import PLACEHOLDER, Request, RequestStatus
 from runtime.speculation import Speculator
+from runtime.step_plan import PlanPublisher, check_supported
 from runtime.swap import SwapSpace
 from runtime.tokenizer import Tokenizer
 from zoo.base import LoopedCausalLM
@@ -38,12 +39,21 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine:
+    """`publisher` (tensor parallelism, rank 0: `ParallelState.publisher()`) sends every scheduled
+    step to the other ranks, which run the same model runner on their shards; call `close()` when
+    done so they free their KV cache."""
+
     def __init__(self, model: LoopedCausalLM, hal: Hal, config: EngineConfig | None = None,
-                 tokenizer: Tokenizer | None = None, extra_stop_token_ids: Iterable[int] = ()) -> None:
+                 tokenizer: Tokenizer | None = None, extra_stop_token_ids: Iterable[int] = (),
+                 publisher: PlanPublisher | None = None) -> None:
         self.model, self.hal, self.tokenizer = model, hal, tokenizer
         self.config = config or EngineConfig()
         self.max_model_len = min(self.config.max_model_len or model.max_seq_len, model.max_seq_len)
         self.max_loops = max(model.default_num_loops, 1)
+        self.publisher = publisher
+        if publisher is not None:          # followers build their runner now: its KV sizing is collective
+            check_supported(self.config)
+            publisher.open(self.config, self.max_model_len, self.max_loops)
         self.runner = ModelRunner(model, hal, self.config, self.max_model_len, self.max_loops)
         cfg = self.config
         self.blocks = BlockManager(self.runner.num_blocks, self.runner.block_size, cfg.enable_prefix_caching)
@@ -75,6 +85,8 @@ class LLMEngine:
         other requests are unaffected either way."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self.publisher is not None:
+            params = self.publisher.seeded(params)
         if not prompt_token_ids:
             raise ValueError("empty prompt: give at least one token")
         vocab = self.model.config.vocab_size
@@ -140,6 +152,8 @@ class LLMEngine:
         """Run one batch; return the outputs of requests that produced a token or finished (async:
         of the previous batch, whose tokens the host reads while this one runs)."""
         plan = self.scheduler.schedule()
+        if self.publisher is not None:           # tensor parallelism: the other ranks run this step too
+            self.publisher.publish(plan, self.requests, self.blocks, self.scheduler.swapped)
         self._move_preempted(plan)
         launched = self._launch(plan) if not plan.is_empty else None
         if not self.config.async_scheduling:
@@ -227,6 +241,12 @@ class LLMEngine:
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, tokens, text,
                              request.is_finished, request.status.value if request.is_finished else None,
                              request.loops_per_token[:n], metrics=request.metrics)
+
+    def close(self) -> None:
+        """Release the other tensor-parallel ranks' runners (a no-op on one rank)."""
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
 
     @torch.inference_mode()
     def run_until_done(self) -> list[RequestOutput]:

@@ -58,7 +58,8 @@ def prompts_from(cfg: Any, default_prompt: str | None = None) -> list[Any]:
 
 def run(cfg: Any) -> list[dict[str, Any]]:
     """The job behind the CLI, callable without Hydra: returns one dict per prompt."""
-    from runtime.llm import LLM
+    from runtime.llm import LLM, follow
+    from runtime.parallel import init_from_cli
 
     if cfg.output not in ("text", "json"):
         raise UsageError(f"output must be 'text' or 'json', got {cfg.output!r}")
@@ -70,12 +71,23 @@ def run(cfg: Any) -> list[dict[str, Any]]:
         raise UsageError("chat=true renders text through the chat template: give prompt=, not prompt_ids=")
     params = sampling_params(cfg)
     hal_options = {"device_index": cfg.hal.device_index, "attention_backend": cfg.hal.attention_backend}
-    llm = LLM(source, hal=_hal(cfg.hal.name, hal_options), dtype=cfg.model.dtype, **engine_options(cfg))
-    if cfg.chat:
-        conversations = [[{"role": "user", "content": p}] for p in prompts]
-        outputs = llm.chat(conversations, params, enable_thinking=cfg.enable_thinking)
-    else:
-        outputs = llm.generate(prompts, params)
+    hal = _hal(cfg.hal.name, hal_options)
+    parallel = init_from_cli(hal, cfg)
+    try:
+        if not parallel.is_driver:                 # tensor parallelism: rank 0 prints, the others compute
+            follow(source, hal, cfg.model.dtype, parallel)
+            return []
+        llm = LLM(source, hal=hal, dtype=cfg.model.dtype, parallel=parallel, **engine_options(cfg))
+        try:
+            if cfg.chat:
+                conversations = [[{"role": "user", "content": p}] for p in prompts]
+                outputs = llm.chat(conversations, params, enable_thinking=cfg.enable_thinking)
+            else:
+                outputs = llm.generate(prompts, params)
+        finally:
+            llm.close()
+    finally:
+        parallel.shutdown()
     results = []
     for out in outputs:
         results.append({"prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids,

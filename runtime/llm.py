@@ -15,8 +15,12 @@ from runtime.chat import Message, apply_chat_template
 from runtime.config import EngineConfig, SamplingParams
 from runtime.engine import LLMEngine
 from runtime.outputs import RequestOutput
+from runtime.parallel import ParallelState
+from runtime.step_plan import Follower, check_supported
 from runtime.tokenizer import Tokenizer
 from zoo.base import LoopedCausalLM
+from zoo.parallel import tensor_parallel
+from zoo.sharding import shard
 
 log = logging.getLogger(__name__)
 
@@ -31,26 +35,36 @@ class LLM:
     cache) or an already built zoo model. `dtype=None` keeps the checkpoint's dtype. Engine options
     (`kv_mode`, `max_num_seqs`, `max_num_batched_tokens`, `num_kv_blocks`, ...) are the fields of
     `runtime.config.EngineConfig`, given as keywords or as `engine_config=`.
+
+    Tensor parallelism: `parallel` from `runtime.parallel.init_distributed` (under torchrun). The LLM
+    lives on rank 0 and loads its shard; every other rank calls `follow(...)` with the same model
+    and dtype. `close()` releases the other ranks' KV caches; `parallel.shutdown()` ends them.
     """
 
     def __init__(self, model: str | os.PathLike | LoopedCausalLM, hal: str | Hal = "auto",
                  dtype: torch.dtype | str | None = None, tokenizer: Tokenizer | None = None,
-                 engine_config: EngineConfig | None = None, **engine_options) -> None:
+                 engine_config: EngineConfig | None = None, parallel: ParallelState | None = None,
+                 **engine_options) -> None:
         self.hal = hal_registry.get(hal) if isinstance(hal, str) else hal
-        device = self.hal.device()
-        if isinstance(model, LoopedCausalLM):
-            self.model = model.to(device=device, dtype=zoo.as_dtype(dtype)) if dtype else model.to(device)
-            folder = getattr(model, "name_or_path", None)
-        else:
-            folder = zoo.resolve_checkpoint(model)
-            self.model = zoo.from_pretrained(folder, dtype=dtype, device=device)
-        self.tokenizer = tokenizer or (Tokenizer.from_folder(folder) if folder else None)
+        self.parallel = parallel or ParallelState()
+        if not self.parallel.is_driver:
+            raise ValueError(f"LLM runs on rank 0 only; rank {self.parallel.rank} calls "
+                             f"runtime.llm.follow(...)")
         if engine_config is not None and engine_options:
             raise ValueError("give engine_config= or engine keywords, not both")
-        self.engine = LLMEngine(self.model, self.hal, engine_config or EngineConfig(**engine_options),
-                                self.tokenizer)
+        config = engine_config or EngineConfig(**engine_options)
+        if self.parallel.is_parallel:
+            check_supported(config)                 # before loading a model for nothing
+        self.model, folder = load_model(model, self.hal, dtype, self.parallel)
+        device = self.hal.device()
+        self.tokenizer = tokenizer or (Tokenizer.from_folder(folder) if folder else None)
+        self.engine = LLMEngine(self.model, self.hal, config, self.tokenizer, publisher=self.parallel.publisher())
         self._ids = itertools.count()
         log.info("LLM: %s on %s, dtype %s", type(self.model).__name__, device, next(self.model.parameters()).dtype)
+
+    def close(self) -> None:
+        """Free the other tensor-parallel ranks' runners (a no-op on one rank)."""
+        self.engine.close()
 
     def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -113,6 +127,29 @@ class LLM:
         prompts = [apply_chat_template(self.tokenizer, conversation, enable_thinking=enable_thinking)
                    for conversation in conversations]
         return self.generate(prompts, sampling_params)
+
+
+def load_model(model: str | os.PathLike | LoopedCausalLM, hal: Hal, dtype: torch.dtype | str | None,
+               parallel: ParallelState) -> tuple[LoopedCausalLM, str | os.PathLike | None]:
+    """The model on the Hal's device (this rank's shard under tensor parallelism) and its folder."""
+    device = hal.device()
+    if isinstance(model, LoopedCausalLM):
+        model = model.to(device=device, dtype=zoo.as_dtype(dtype)) if dtype else model.to(device)
+        if parallel.is_parallel and tensor_parallel(model) is None:
+            shard(model, parallel.rank, parallel.world_size, parallel.comm)
+        return model, getattr(model, "name_or_path", None)
+    folder = zoo.resolve_checkpoint(model)
+    return zoo.from_pretrained(folder, dtype=dtype, device=device, **parallel.shard_args()), folder
+
+
+def follow(model: str | os.PathLike | LoopedCausalLM, hal: str | Hal, dtype: torch.dtype | str | None,
+           parallel: ParallelState) -> None:
+    """What ranks other than 0 of a tensor-parallel run do instead of building an `LLM`: load this
+    rank's shard of the same model and execute rank 0's steps until it shuts down."""
+    hal = hal_registry.get(hal) if isinstance(hal, str) else hal
+    loaded, _ = load_model(model, hal, dtype, parallel)
+    with torch.inference_mode():
+        Follower(loaded, hal, parallel.channel).run()
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -13,6 +13,7 @@ from torch import nn
 
 from runtime.kv_cache import num_request_planes
 from zoo.base import LoopedCausalLM
+from zoo.parallel import rank_heads
 
 H200_BANDWIDTH = 4.27e12          # bytes/s, device-to-device copy measured on the H200 (read + write)
 
@@ -74,11 +75,12 @@ def model_costs(model: LoopedCausalLM, num_loops: int, kv_mode: str = "full",
     skip = {id(t) for m in loop + head + embeddings for t, _ in _weights(m)}
     once, once_bytes = _count([model], skip)
     spec = model.kv_spec
+    num_heads, num_kv_heads = rank_heads(model)        # per GPU under tensor parallelism
     if kv_bytes_per_layer_token is None:
-        kv_bytes_per_layer_token = 2 * spec.num_kv_heads * spec.head_dim * next(model.parameters()).element_size()
+        kv_bytes_per_layer_token = 2 * num_kv_heads * spec.head_dim * next(model.parameters()).element_size()
     kv_layers = model.num_kv_layers(num_request_planes(kv_mode, spec.num_fixed_planes, num_loops))
     attn_calls = model.num_kv_layers(num_request_planes("full", spec.num_fixed_planes, num_loops))
-    attn_flops = attn_calls * 4 * model.num_attention_heads * spec.head_dim      # QK^T and PV, 2 FLOPs each
+    attn_flops = attn_calls * 4 * num_heads * spec.head_dim      # QK^T and PV, 2 FLOPs each
     (loop_n, loop_b), (head_n, head_b) = _count(loop), _count(head)
     return ModelCosts(loop_n, once, head_n, kv_layers * kv_bytes_per_layer_token, attn_flops, loop_b,
                       once_bytes, head_b)

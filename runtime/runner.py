@@ -18,11 +18,13 @@ from runtime.config import EngineConfig
 from runtime.context import PagedContext
 from runtime.kv_cache import BlockManager, num_request_planes
 from runtime.loops import SeqPlan, run_loops
+from runtime.parallel import agree_min, capture_allowed
 from runtime.quantization import prepare_weights, resolve_kv_dtype
 from runtime.sampler import sample_batch, sample_tokens
 from runtime.scheduler import ScheduledRequest
 from runtime.sequence import PLACEHOLDER
 from zoo.base import LoopedCausalLM
+from zoo.parallel import rank_heads
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +59,10 @@ class ModelRunner:
         self.dtype = param.dtype
         spec = model.kv_spec
         self.kv_spec = spec
+        num_heads, num_kv_heads = rank_heads(model)          # this rank's heads under tensor parallelism
         kv_dtype = resolve_kv_dtype(config.kv_dtype, hal)
         quantized = {} if kv_dtype is None else {"kv_dtype": kv_dtype}     # Hals without 8-bit KV keep working
-        self.backend = hal.attention(model.num_attention_heads, spec.num_kv_heads, spec.head_dim, self.dtype,
+        self.backend = hal.attention(num_heads, num_kv_heads, spec.head_dim, self.dtype,
                                      block_size=config.block_size, **quantized)
         self.block_size = self.backend.block_size
         log.info("attention backend %s (%s)", self.backend.name, self.backend.caps.reason)
@@ -68,7 +71,8 @@ class ModelRunner:
         self.bytes_per_block = per_layer * spec.layers_per_plane
         max_planes = num_request_planes(config.kv_mode, spec.num_fixed_planes, max_loops)
         useful = config.max_num_seqs * math.ceil(max_model_len / self.block_size) * max_planes
-        self.num_blocks = plan_num_blocks(hal, config, self.bytes_per_block, useful)
+        num_blocks = plan_num_blocks(hal, config, self.bytes_per_block, useful)
+        self.num_blocks = agree_min(model, num_blocks, self.device)   # tensor parallel: block ids are shared
         # scratch blocks past the pool, which graph padding rows write and read, so padded rows need
         # no special slot values in any backend's kernels; one slot per row of the largest batch, as
         # some KV writes (Ascend's npu_scatter_pa_kv_cache) require the slots of one call to be unique
@@ -87,7 +91,7 @@ class ModelRunner:
             from runtime.graphs import DecodeGraphs
 
             # on by default where the Hal records device work; off = the same padded path, eager
-            capture = self.hal.caps.graphs if config.graphs is None else config.graphs
+            capture = capture_allowed(hal, model, config.graphs)
             self.graphs = DecodeGraphs(self, config.max_num_seqs, max_model_len, capture=capture,
                                        num_copies=2 if config.async_scheduling else 1)
         self.readback = Readback(hal, config.max_num_seqs)       # async scheduling: sampled tokens to host

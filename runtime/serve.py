@@ -41,8 +41,9 @@ def server_config(cfg: Any) -> Any:
                         default_exit_threshold=cfg.model.exit_threshold)
 
 
-def make_app(cfg: Any) -> Any:
-    """The app the command line would serve, without Hydra or a socket (tests call this)."""
+def make_app(cfg: Any, hal: Any = None, parallel: Any = None) -> Any:
+    """The app the command line would serve, without Hydra or a socket (tests call this). Under
+    tensor parallelism (`parallel`, rank 0) the engine sends its steps to the other ranks."""
     if not (cfg.model.path or cfg.model.name):
         raise UsageError(no_model_message())
     try:
@@ -54,8 +55,8 @@ def make_app(cfg: Any) -> Any:
 
     engine_config = EngineConfig(**OmegaConf.to_container(cfg.engine))
     config = server_config(cfg)
-    llm = LLM(cfg.model.path or cfg.model.name, hal=make_hal(cfg.hal), dtype=cfg.model.dtype,
-              engine_config=engine_config)
+    llm = LLM(cfg.model.path or cfg.model.name, hal=hal or make_hal(cfg.hal), dtype=cfg.model.dtype,
+              engine_config=engine_config, parallel=parallel)
     return build_app(llm.engine, config)
 
 
@@ -65,8 +66,14 @@ register_schemas()
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="serve")
 def _main(cfg: DictConfig) -> None:
     logging.basicConfig(level=cfg.log_level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    from runtime.parallel import ParallelState
+
+    parallel = ParallelState()
     try:
-        app = make_app(cfg)
+        app = _start(cfg)
+        if app is None:                         # a follower rank of a tensor-parallel run: done
+            return
+        parallel = app.state.parallel
     except UsageError as exc:
         print(exc, file=sys.stderr)
         sys.exit(2)
@@ -79,7 +86,33 @@ def _main(cfg: DictConfig) -> None:
     from runtime.server.http_server import make_server
 
     log.info("serving %s on http://%s:%d/v1", app.state.model_name, cfg.host, cfg.port)
-    make_server(app, cfg.host, cfg.port, cfg.server.shutdown_timeout_s, str(cfg.log_level).lower()).run()
+    try:
+        make_server(app, cfg.host, cfg.port, cfg.server.shutdown_timeout_s, str(cfg.log_level).lower()).run()
+    finally:
+        parallel.shutdown()                     # the engine thread has stopped: release the other ranks
+
+
+def _start(cfg: Any) -> Any:
+    """The app on rank 0 (or without tensor parallelism); None on the other ranks, after they have
+    followed rank 0's engine until it stopped."""
+    from runtime.llm import follow
+    from runtime.parallel import init_from_cli
+
+    if not (cfg.model.path or cfg.model.name):
+        raise UsageError(no_model_message())
+    hal = make_hal(cfg.hal)
+    parallel = init_from_cli(hal, cfg)           # parallel.tp=N under torchrun
+    try:
+        if not parallel.is_driver:
+            follow(cfg.model.path or cfg.model.name, hal, cfg.model.dtype, parallel)
+            parallel.shutdown()
+            return None
+        app = make_app(cfg, hal, parallel)
+    except BaseException:
+        parallel.shutdown()
+        raise
+    app.state.parallel = parallel
+    return app
 
 
 def main() -> None:

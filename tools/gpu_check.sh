@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call on the NVIDIA machine: the cuda-marked tests, the conformance
 # suite, the kernel benchmark, the engine benchmark cells and a profile of a decode step.
-#   tools/gpu_check.sh [phase ...]     phases: conformance tests kernels bench models profile spec fp8
-#                                      (default: conformance tests kernels bench models profile)
+#   tools/gpu_check.sh [phase ...]     phases: conformance tests kernels bench models profile spec
+#                                      specasync sweep fp8 (default: the first six)
 # Logs go to $OUT/gpu_check.log, benchmark rows to $OUT/bench.jsonl; a short table is printed last.
 set -u
 cd "$(dirname "$0")/.."
@@ -10,7 +10,9 @@ OUT=${OUT:-$PWD/.out/gpu}
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
 BENCH="$OUT/bench.jsonl"
-if ls .whl/*.whl >/dev/null 2>&1; then   # Hydra and friends, brought as wheels (../shared/device/README.md)
+if [ -d /tmp/site/hydra ]; then          # installed already (several checks share one machine)
+  export PYTHONPATH=/tmp/site:.
+elif ls .whl/*.whl >/dev/null 2>&1; then   # Hydra and friends, brought as wheels (../shared/device/README.md)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:.
 else
@@ -52,6 +54,14 @@ for phase in $PHASES; do
       bench model=nanbeige4.2-3b 'workload=[b1]' ;;
     profile)
       run "profile b1" 90 python3 tools/profile_step.py --model ouro-1.4b --batch 1 --context 256 --rows 20 ;;
+    specasync)   # sync and async speculation equal plain decoding at the Ouro-1.4B shape (float32)
+      run "speculation equality" 180 python3 -m pytest tests/cuda/test_speculation_cuda.py -q -s -rs \
+        -p no:cacheprovider -k "ouro_1_4b_shape and float32" ;;
+    sweep)   # tok/s against batch, full and shared KV (docs/throughput.png); 32 new tokens per request suffice
+      for kv in ${SWEEP_KV:-full shared}; do
+        bench model=ouro-1.4b kv_mode=$kv 'workload=[b1,b8,b32,b64,b128]' workloads.b1.new=64 \
+          workloads.b8.new=32 workloads.b32.new=32 workloads.b64.new=32 workloads.b128.new=32
+      done ;;
     spec) bench model=ouro-1.4b 'workload=[b1,b8,b32]' speculative.num_tokens=4 speculative.draft_loops=2 ;;
     fp8)   # issue 14: FP8 KV and FP8 weights (docs/fp8.md); bf16 rows come from the bench phase
       run "pytest fp8" 240 python3 -m pytest tests/cuda/test_fp8_cuda.py -q -rs -s -p no:cacheprovider

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from zoo.base import CausalLMOutput, DenseContext, ForwardContext, KVSpec, LoopedCausalLM, as_dtype, dense_hal
-from zoo.loading import (HUB_IDS, CheckpointError, default_dtype, load_weights, read_config, resolve_checkpoint,
-                          stored_dtype)
+from zoo.loading import (HUB_IDS, CheckpointError, build_on_meta, load_weights, read_config,
+                         resolve_checkpoint, stored_dtype)
+from zoo.random_weights import fill_random
 from zoo.saving import save_pretrained
 
 # config.json model_type -> model class
@@ -68,40 +69,50 @@ def _checkpoint_dtype(cfg: Any, folder: Path | None = None) -> torch.dtype:
 
 
 def from_config(config: dict[str, Any] | str | os.PathLike, dtype: torch.dtype | str | None = None,
-                device: torch.device | str | None = None, seed: int | None = None) -> LoopedCausalLM:
+                device: torch.device | str | None = None, seed: int | None = None, tp_rank: int = 0,
+                tp_size: int = 1, comm: Any = None) -> LoopedCausalLM:
     """A randomly initialised model of the config's shape (for tests and benchmarks). Works on
-    `torch.device("meta")`, where no memory is allocated."""
+    `torch.device("meta")`, where no memory is allocated. Weights are drawn per tensor from `seed`
+    (`zoo.random_weights`; seed None draws one from torch's global RNG), so `tp_size > 1` gives rank
+    `tp_rank` exactly its slice of the `tp_size=1` model; `comm` carries the collectives (default:
+    the world group of the device's Hal)."""
     cls, cfg = build(config)
     dtype = as_dtype(dtype) or _checkpoint_dtype(cfg)
     device = torch.device(device) if device is not None else torch.device("cpu")
-    if seed is not None:
-        torch.manual_seed(seed)
-    with torch.device(device), default_dtype(dtype):
-        model = cls(cfg)
+    model = build_on_meta(cls, cfg, dtype)
+    _shard(model, tp_rank, tp_size, comm, device)
     if device.type != "meta":
-        model.apply(_init_weights(getattr(cfg, "initializer_range", 0.02)))
+        if seed is None:
+            seed = int(torch.randint(1 << 62, ()))
+        fill_random(model, seed, getattr(cfg, "initializer_range", 0.02), dtype, device)
         dense_hal(device)
     return model.eval()
 
 
-def _init_weights(std: float):
-    def init(module: torch.nn.Module) -> None:
-        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
-            torch.nn.init.normal_(module.weight, std=std)
-            if getattr(module, "bias", None) is not None:
-                torch.nn.init.zeros_(module.bias)
-    return init
+def _shard(model: LoopedCausalLM, tp_rank: int, tp_size: int, comm: Any, device: torch.device) -> None:
+    if tp_size == 1 and tp_rank == 0:
+        return
+    from zoo.sharding import shard
+
+    if comm is None and device.type != "meta":
+        import hal
+
+        comm = hal.for_device(device).comm()
+    shard(model, tp_rank, tp_size, comm)
 
 
 def from_pretrained(path_or_name: str | os.PathLike, dtype: torch.dtype | str | None = None,
-                    device: torch.device | str | None = None, weights_dtype: str | None = None) -> LoopedCausalLM:
+                    device: torch.device | str | None = None, tp_rank: int = 0, tp_size: int = 1,
+                    comm: Any = None, weights_dtype: str | None = None) -> LoopedCausalLM:
     """Load a released checkpoint (a folder, a known name like "ouro-1.4b", or a hub id in the local
-    cache). `dtype=None` keeps the checkpoint's `torch_dtype`; `device=None` means the CPU.
+    cache). `dtype=None` keeps the checkpoint's `torch_dtype`; `device=None` means the CPU. With
+    `tp_size > 1` the model is rank `tp_rank`'s tensor-parallel part (`zoo.sharding.shard`) and only
+    its slices are read from the files; `comm` as in `from_config`.
 
     FP8: a pre-quantized checkpoint (compressed-tensors or `quant_method: fp8`, zoo/fp8_loading.py)
     loads its FP8 linears as `zoo.fp8.Fp8Linear`s; `weights_dtype="fp8"` quantizes a bf16/fp32
     checkpoint's linears per output channel as it loads (zoo/fp8.py). `dtype` is then the dtype of
-    everything else (embeddings, norms, activations). Inference only."""
+    everything else (embeddings, norms, activations). Inference only; one device (not with tp_size > 1)."""
     from zoo.fp8 import quantize_fp8
     from zoo.fp8_loading import FP8_STORED, load_fp8_checkpoint, read_scheme, stored_dtypes
 
@@ -112,9 +123,14 @@ def from_pretrained(path_or_name: str | os.PathLike, dtype: torch.dtype | str | 
     cls, cfg = build(raw)
     dtype = as_dtype(dtype) or _checkpoint_dtype(cfg, folder)
     device = torch.device(device) if device is not None else torch.device("cpu")
-    with torch.device("meta"):
-        model = cls(cfg)
-    if read_scheme(raw) is not None or FP8_STORED in stored_dtypes(folder).values():
+    model = build_on_meta(cls, cfg)
+    is_fp8 = read_scheme(raw) is not None or FP8_STORED in stored_dtypes(folder).values()
+    if tp_size > 1 and (is_fp8 or weights_dtype == "fp8"):
+        raise ValueError("FP8 weights are not implemented with tensor parallelism (the row-parallel "
+                         "linears would stay unquantized); load the bf16 checkpoint with weights_dtype=auto "
+                         "for parallel.tp > 1, or run FP8 on one device")
+    _shard(model, tp_rank, tp_size, comm, device)
+    if is_fp8:
         load_fp8_checkpoint(model, folder, dtype, device)
     else:
         load_weights(model, folder, dtype, device)

@@ -15,6 +15,9 @@ from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
+from torch.overrides import TorchFunctionMode
+
+from zoo.parallel import ShardSpec, read_shard
 
 log = logging.getLogger(__name__)
 
@@ -147,12 +150,41 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+# torch.nn.init's random draws (and the tensor methods they call); on the meta device they would
+# only cost time: their meta kernels import torch._dynamo, seconds of CPU in every process
+_INIT_DRAWS = frozenset({"normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+                         "xavier_normal_", "trunc_normal_", "orthogonal_"})
+
+
+class SkipMetaInit(TorchFunctionMode):
+    """Modules built on the meta device skip their init draws (the loaders fill the weights)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        first = args[0] if args else kwargs.get("tensor")        # torch.nn.init passes it by name
+        is_meta = isinstance(first, torch.Tensor) and first.is_meta
+        if is_meta and getattr(func, "__name__", None) in _INIT_DRAWS:
+            return first
+        return func(*args, **kwargs)
+
+
+def build_on_meta(cls: type, cfg: Any, dtype: torch.dtype | None = None) -> Any:
+    """`cls(cfg)` with every tensor on the meta device (no memory; parameters in `dtype`)."""
+    with torch.device("meta"), default_dtype(dtype or torch.get_default_dtype()), SkipMetaInit():
+        return cls(cfg)
+
+
 def load_weights(model: torch.nn.Module, folder: str | os.PathLike, dtype: torch.dtype,
                  device: torch.device) -> None:
     """Fill `model` (built on the meta device) from the folder's safetensors, strictly: every
-    parameter present with its shape, nothing unknown left over."""
+    parameter present with its shape, nothing unknown left over. A tensor-parallel model
+    (`zoo.sharding.shard`) gets only its rank's slices: each is read from the file with
+    `get_slice`, so no rank ever holds a whole sharded tensor."""
     files = safetensors_files(folder)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
+    tp = getattr(model, "tensor_parallel", None)
+    specs: dict[str, ShardSpec] = tp.specs if tp is not None else {}
+    local = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
+    expected = {name: specs[name].full_shape if name in specs else shape for name, shape in local.items()}
     tied = dict(getattr(model, "tied_weights", {}))
     ignored = ("inv_freq", "freqs_cis", *getattr(model, "ignored_checkpoint_keys", ()))
 
@@ -176,7 +208,7 @@ def load_weights(model: torch.nn.Module, folder: str | os.PathLike, dtype: torch
 
     # one source file per parameter: an alias stored twice is read once
     to_read = {n: n if n in stored else tied[n] for n in expected if not (n in tied and tied[n] in expected)}
-    total_bytes = sum(_numel(expected[n]) for n in to_read) * torch.finfo(dtype).bits // 8
+    total_bytes = sum(_numel(local[n]) for n in to_read) * torch.finfo(dtype).bits // 8
     state: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[str]] = {}
     for param, source in to_read.items():
@@ -185,7 +217,12 @@ def load_weights(model: torch.nn.Module, folder: str | os.PathLike, dtype: torch
         for file, params in by_file.items():
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for param in params:
-                    tensor = f.get_tensor(to_read[param]).to(device=device, dtype=dtype)
+                    source = to_read[param]
+                    if param in specs:
+                        tensor = read_shard(lambda index: f.get_slice(source)[index], specs[param])
+                    else:
+                        tensor = f.get_tensor(source)
+                    tensor = tensor.to(device=device, dtype=dtype)
                     state[param] = tensor
                     bar.update(tensor.numel() * tensor.element_size())
     model.load_state_dict(state, strict=False, assign=True)

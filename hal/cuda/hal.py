@@ -50,6 +50,7 @@ class CudaHal(Hal):
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
     backend_order: tuple[str, ...] = ("triton", "torch")
     kv_block_sizes: tuple[int, ...] = (16,)
+    graph_collectives: bool = True  # NCCL collectives are capturable in CUDA graphs (tensor-parallel decode)
 
     def __init__(self, device_index: int | None = None, attention_backend: str = "auto") -> None:
         attention.check_known(attention_backend, self.backend_order, self.name)
@@ -85,7 +86,8 @@ class CudaHal(Hal):
         facts = self.facts
         usable = tuple(n for n in self.backend_order if n != "triton" or attention.triton_status()[0])
         return Caps(arch=facts.arch, warp_size=facts.warp_size, num_compute_units=facts.num_compute_units,
-                    graphs=True, graph_needs_host_update=False, uva=self.uva().is_mapped,
+                    graphs=True, graph_needs_host_update=False, graph_collectives=self.graph_collectives,
+                    uva=self.uva().is_mapped,
                     attention_backends=usable, kv_block_sizes=self.kv_block_sizes, head_dims=None,
                     fp8_dtype=facts.fp8_dtype, dtypes=facts.dtypes,
                     kv_quant_dtypes=(facts.fp8_dtype,) if facts.fp8_dtype is not None else ())

@@ -21,6 +21,7 @@ from hal.kernels.attention import paged_attention
 from hal.kernels.configs import KernelConfig, configs_for
 from hal.kernels.kv_write import write_kv
 from hal.kernels.launch import target_of
+from hal.kernels.staging import StagingRing
 from hal.paged import block_table_array, query_start_loc, slot_mapping
 
 DEFAULT_CPU_COMPUTE_UNITS = 4     # the interpreter has no SMs; enough to exercise the context split
@@ -63,7 +64,7 @@ class TritonPagedAttention(AttentionBackend):
             raise ValueError(f"triton attention takes head_dim <= {MAX_HEAD_DIM}, not {head_dim}; "
                              "use the torch backend")
         self.configs = configs if configs is not None else configs_for(target_of(torch.device(device)).arch)
-        self._staging: dict[int, list[torch.Tensor]] = {}
+        self._staging: dict[int, StagingRing] = {}
         self.num_compute_units = num_compute_units or device_compute_units(torch.device(device))
 
     @property
@@ -96,8 +97,7 @@ class TritonPagedAttention(AttentionBackend):
         if capacity is not None:
             # pinned host mirrors: update_meta stages each step's values there and copies them
             # asynchronously into these same device tensors, whose addresses graphs captured
-            self._staging[id(tensors[0])] = [torch.from_numpy(a).pin_memory() if self.device.type != "cpu"
-                                             else torch.from_numpy(a).clone() for a in arrays]
+            self._staging[id(tensors[0])] = StagingRing(arrays, self.device)
         return TritonMeta(*tensors, max_query_len=max(batch.query_lens, default=0),
                           max_seq_len=capacity.max_seq_len if capacity else max(batch.seq_lens, default=0))
 
@@ -108,12 +108,7 @@ class TritonPagedAttention(AttentionBackend):
             raise ValueError("update_meta needs a meta built with a capacity (build_meta(batch, capacity))")
         if max(batch.query_lens, default=0) != meta.max_query_len:
             raise ValueError("a captured meta takes batches with the same max query length")
-        arrays = self._host_arrays(batch, meta.block_tables.shape[-1])
-        for host, device, array in zip(staging, meta[:4], arrays):
-            if array.shape != tuple(device.shape):
-                raise ValueError(f"batch shape {array.shape} does not fit the captured meta {tuple(device.shape)}")
-            host.copy_(torch.from_numpy(array))
-            device.copy_(host, non_blocking=True)
+        staging.stage(self._host_arrays(batch, meta.block_tables.shape[-1]), meta[:4])
         return []
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: TritonMeta,

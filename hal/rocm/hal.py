@@ -67,6 +67,7 @@ class RocmHal(CudaHal):
     name = "rocm"
     visible_devices_env = "HIP_VISIBLE_DEVICES"
     backend_order = ("triton", "torch")
+    graph_collectives = False  # RCCL under hipGraph capture is unvalidated here: TP decode runs eagerly
 
     def __init__(self, device_index: int | None = None, attention_backend: str = "auto") -> None:
         refuse_flash_attention(attention_backend)
