@@ -187,7 +187,8 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
         options = engine_options(cfg)
         spec = options["speculative"]
         engine = LLMEngine(model, hal, EngineConfig(
-            kv_mode=cfg.kv_mode, kv_dtype=options["kv_dtype"], weights_dtype=options["weights_dtype"], max_num_seqs=max(cell["batch"] + (1 if cell.get("late_prompt") else 0), 1),
+            kv_mode=cfg.kv_mode, kv_dtype=options["kv_dtype"], weights_dtype=options["weights_dtype"],
+            max_num_seqs=max(cell["batch"] + (1 if cell.get("late_prompt") else 0), 1),
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=max(cell["prompt"] + cell["new"], cell.get("late_prompt", 0) + 1) + 16 + 2 * spec.num_tokens,
             gpu_memory_utilization=cfg.gpu_memory_utilization, num_kv_blocks=cfg.num_kv_blocks,
@@ -199,7 +200,8 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
         row = {"workload": workload, "model": name, "hal": hal.name, "tp": parallel.world_size,
                "kv_mode": cfg.kv_mode, "kv_dtype": cfg.kv_dtype, "weights_dtype": cfg.weights_dtype,
                # which FP8 GEMM the CUDA Hal was told to use (hal/cuda/fp8.py), for comparing the paths
-               **({"fp8_gemm": os.environ.get("LOOPSTACK_FP8_GEMM", "auto")} if cfg.weights_dtype == "fp8" else {}),
+               **({"fp8_gemm": os.environ.get("LOOPSTACK_FP8_GEMM", "auto")}
+                  if cfg.weights_dtype == "fp8" else {}),
                "max_num_batched_tokens": cfg.max_num_batched_tokens, "async_scheduling": cfg.async_scheduling,
                "wavefront_prefill": cfg.wavefront_prefill,
                "loops": num_loops, "dtype": cfg.dtype, "weights": cfg.weights,

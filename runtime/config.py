@@ -99,7 +99,7 @@ class EngineConfig:
     watermark_blocks: int = 0                # free blocks kept back at admission
     graphs: Optional[bool] = None            # decode graphs; None: on where the Hal captures device work
     fuse_projections: bool = True            # q|k|v and gate|up as one GEMM each (zoo/fuse.py)
-    kv_dtype: str = "auto"                   # auto (model dtype) | fp8 (the Hal's format) | int8 | fp8_e4m3fn | fp8_e4m3fnuz
+    kv_dtype: str = "auto"                   # auto (model dtype) | fp8 (the Hal's) | int8 | fp8_e4m3fn(uz)
     weights_dtype: str = "auto"              # auto (as loaded) | fp8 (per-channel FP8 linears, zoo/fp8.py)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)   # a dict is accepted too
     # scheduling features (docs/scheduling.md)
@@ -128,7 +128,8 @@ class EngineConfig:
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.weights_dtype not in WEIGHTS_DTYPES:
-            raise ValueError(f"weights_dtype must be one of {', '.join(WEIGHTS_DTYPES)}, got {self.weights_dtype!r}")
+            raise ValueError(f"weights_dtype must be one of {', '.join(WEIGHTS_DTYPES)}, "
+                             f"got {self.weights_dtype!r}")
         if self.kv_mode not in KV_MODES:
             raise ValueError(f"kv_mode must be one of {', '.join(KV_MODES)}, got {self.kv_mode!r}")
         if self.preemption_mode not in ("recompute", "swap"):

@@ -125,7 +125,8 @@ def run_config(subject: Subject, config: Config, forced: list[list[int]] | None)
         longest = max(map(len, subject.prompts)) + subject.new_tokens + 1
         engine = LLMEngine(model, hal.get("cpu"), EngineConfig(
             kv_dtype=config.kv, weights_dtype=weights, max_num_seqs=len(subject.prompts), max_model_len=longest))
-        params = SamplingParams(max_tokens=subject.new_tokens, temperature=0.0, ignore_eos=True, **subject.sampling)
+        params = SamplingParams(max_tokens=subject.new_tokens, temperature=0.0, ignore_eos=True,
+                                **subject.sampling)
         for i, prompt in enumerate(subject.prompts):
             engine.add_request(str(i), prompt, params)
         done = {o.request_id: o.token_ids for o in engine.run_until_done()}
@@ -164,12 +165,14 @@ def compare(subject: Subject, got: dict[str, Any], ref: dict[str, Any]) -> dict[
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--subjects", default="golden,ouro-tiny,real-shape")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names of " + ", ".join(CONFIGS))
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help="comma-separated names of " + ", ".join(CONFIGS))
     parser.add_argument("--out", default="", help="also write the rows as JSON")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     rows = []
-    print("| subject | configuration | logit mean/std | logit max/std | top-1 (forced) | greedy agree | first diff |")
+    print("| subject | configuration | logit mean/std | logit max/std | top-1 (forced) | greedy agree "
+          "| first diff |")
     print("|---|---|---|---|---|---|---|")
     for subject in subjects(args.subjects.split(",")):
         start = time.time()

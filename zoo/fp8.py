@@ -63,7 +63,8 @@ def quantize_matrix(w: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -
     return Fp8Weight(*quantize(w.detach(), dtype))
 
 
-def convert_format(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def convert_format(weight: torch.Tensor, scale: torch.Tensor,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The same FP8 weight in another FP8 format. e4m3fn -> e4m3fnuz (MI300) keeps every value: the
     fnuz bit pattern means half the fn value (exponent bias 8, not 7), so the bits stay and the scale
     doubles; fn's -0 (fnuz's NaN) becomes +0. Other directions dequantize and requantize."""

@@ -50,8 +50,8 @@ class Int8FusedAttention(FusedAttention):
         """`[2, NB, block_size, KVH * D]` int8."""
         num_blocks = kv_cache.shape[1] // self.block_bytes
         width = self.num_kv_heads * self.head_dim
-        return kv_cache[:, :num_blocks * self.value_bytes].view(torch.int8).view(2, num_blocks, self.block_size,
-                                                                                 width)
+        values = kv_cache[:, :num_blocks * self.value_bytes].view(torch.int8)
+        return values.view(2, num_blocks, self.block_size, width)
 
     def scales(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """`[2, NB, KVH, block_size]` float32."""
@@ -63,7 +63,7 @@ class Int8FusedAttention(FusedAttention):
         return self.values(kv_cache), self.scales(kv_cache)
 
     def _at(self, slots: torch.Tensor) -> tuple[torch.Tensor, slice, torch.Tensor]:
-        """Index of `slots: [N]` into one half's scales `[NB, KVH, bs]`: `scales[half][index]` is `[N, KVH]`."""
+        """Index of `slots: [N]` into one half's scales `[NB, KVH, bs]` (`scales[half][index]`: `[N, KVH]`)."""
         slots = slots.long()
         return slots // self.block_size, slice(None), slots % self.block_size
 
@@ -87,7 +87,7 @@ class Int8FusedAttention(FusedAttention):
             k, v, slots = k.index_select(0, rows), v.index_select(0, rows), slots.index_select(0, rows)
         if not slots.shape[0]:
             return
-        (qk, k_scale), (qv, v_scale) = quantize(k, torch.int8), quantize(v, torch.int8)    # [T, KVH, D], [T, KVH]
+        (qk, k_scale), (qv, v_scale) = quantize(k, torch.int8), quantize(v, torch.int8)   # [T, KVH, D], [T, KVH]
         values = self.values(kv_cache).unflatten(-1, (self.num_kv_heads, self.head_dim))
         self.ops.scatter_kv(qk.contiguous(), qv.contiguous(), values[0], values[1], slots)
         scales, at = self.scales(kv_cache), self._at(slots)
@@ -109,11 +109,12 @@ class Int8FusedAttention(FusedAttention):
             table = meta.block_tables[plane]                                         # [S, max_blocks]
             gathered = table.flatten().long()
             key, value = (self._dequantize_blocks(values[i], scales[i], gathered) for i in (0, 1))
-            renumbered = torch.arange(gathered.shape[0], dtype=torch.int32, device=table.device).view(table.shape)
+            renumbered = torch.arange(gathered.shape[0], dtype=torch.int32,
+                                      device=table.device).view(table.shape)
             out = self.ops.fused_infer_attention(
-                query, key, value, atten_mask=self.mask, block_table=renumbered, cum_query_lens=meta.cum_query_lens,
-                kv_lens=meta.kv_lens[plane], num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                scale=scale, block_size=self.block_size)
+                query, key, value, atten_mask=self.mask, block_table=renumbered,
+                cum_query_lens=meta.cum_query_lens, kv_lens=meta.kv_lens[plane], num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads, scale=scale, block_size=self.block_size)
             if self.ops.capturing:
                 self._note_capture(meta, "fused_infer_attention", plane)
         rows = meta.unused_rows[plane]
@@ -121,7 +122,8 @@ class Int8FusedAttention(FusedAttention):
             out = out.index_fill(0, rows, 0)
         return out.to(q.dtype)
 
-    def _dequantize_blocks(self, values: torch.Tensor, scales: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    def _dequantize_blocks(self, values: torch.Tensor, scales: torch.Tensor,
+                           blocks: torch.Tensor) -> torch.Tensor:
         """Blocks `blocks: [N]` of one half as `[N, block_size, KVH * D]` in the model dtype (contiguous)."""
         rows = values[blocks].unflatten(-1, (self.num_kv_heads, self.head_dim))        # [N, bs, KVH, D]
         out = dequantize(rows, scales[blocks].transpose(1, 2), self.dtype)            # scales [N, bs, KVH]

@@ -30,7 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KERNEL_NAMES = ("attention_prefill", "attention_decode", "attention_prefill_fp32", "attention_decode_fp32",
-                "attention_prefill_fp8", "attention_reduce", "kv_write", "rms_norm", "rotary", "silu_and_mul", "fp8_linear")
+                "attention_prefill_fp8", "attention_reduce", "kv_write", "rms_norm", "rotary", "silu_and_mul",
+                "fp8_linear")
 
 
 @dataclass(frozen=True)

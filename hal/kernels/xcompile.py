@@ -122,7 +122,8 @@ def _fp8_linear(config: KernelConfig, target: str, fp8: torch.dtype, num_rows: i
     x = torch.empty(num_rows, 2048, dtype=SHAPE["dtype"])
     weight = torch.empty(2 * 5632, 2048, dtype=fp8)
     scale = torch.empty(2 * 5632, dtype=torch.float32)
-    return fp8_linear_launch(x, weight, scale, None, torch.empty(num_rows, 2 * 5632, dtype=x.dtype), config, target)
+    out = torch.empty(num_rows, 2 * 5632, dtype=x.dtype)
+    return fp8_linear_launch(x, weight, scale, None, out, config, target)
 
 
 def _rms_norm(config: KernelConfig, target: str, residual: bool) -> Launch:

@@ -66,7 +66,8 @@ def test_quantizing_write_stores_the_reference_bytes(kv_dtype):
 
 
 @pytest.mark.parametrize("kv_dtype,dtype", [(torch.float8_e4m3fn, torch.bfloat16),
-                                             (torch.float8_e4m3fnuz, torch.float32)], ids=["e4m3fn-bf16", "e4m3fnuz-fp32"])
+                                             (torch.float8_e4m3fnuz, torch.float32)],
+                         ids=["e4m3fn-bf16", "e4m3fnuz-fp32"])
 def test_fp8_attention_matches_reference(kv_dtype, dtype):
     """Prefill, chunked prefill and decode over an FP8 cache: the kernel applies each key's scales
     inside the products; the reference dequantizes first."""

@@ -46,7 +46,8 @@ def test_fp8_linear_error_and_fused_rows():
     fuse_projections(attn)
     assert quantize_fp8(attn) == 2                           # qkv (its parts view it) and o_proj
     assert isinstance(attn.qkv, Fp8Weight) and isinstance(attn.k_proj, Fp8Linear)
-    assert torch.equal(attn.qkv.weight.view(torch.uint8), torch.cat([s.weight for s in separate]).view(torch.uint8))
+    together = torch.cat([s.weight for s in separate])
+    assert torch.equal(attn.qkv.weight.view(torch.uint8), together.view(torch.uint8))
     assert attn.k_proj.weight.data_ptr() == attn.qkv.weight[48:].data_ptr()           # views, no copy
 
 
