@@ -93,14 +93,14 @@ def build(name: str, num_heads: int, num_kv_heads: int, head_dim: int, dtype: to
           device: torch.device, block_size: int, configs: dict[str, Any] | None,
           kv_dtype: torch.dtype | None = None) -> AttentionBackend:
     """Construct the chosen backend; the Triton one gets the Hal's per-arch kernel configs."""
+    quantized = {} if kv_dtype is None else {"kv_dtype": kv_dtype}
     if name == "triton":
         from hal.kernels.backend import TritonPagedAttention
 
         return TritonPagedAttention(num_heads, num_kv_heads, head_dim, dtype, device, block_size,
-                                    configs=configs, kv_dtype=kv_dtype)
+                                    configs=configs, **quantized)
     if name == "torch":
-        return TorchPagedAttention(num_heads, num_kv_heads, head_dim, dtype, device, block_size,
-                                   kv_dtype=kv_dtype)
+        return TorchPagedAttention(num_heads, num_kv_heads, head_dim, dtype, device, block_size, **quantized)
     raise ValueError(f"no attention backend {name!r}")
 
 

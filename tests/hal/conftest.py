@@ -69,8 +69,8 @@ def fake_kernels(monkeypatch):
     class TritonPagedAttention(TorchPagedAttention):
         name = "triton"
 
-        def __init__(self, num_heads, num_kv_heads, head_dim, dtype, device, block_size, configs=None):
-            super().__init__(num_heads, num_kv_heads, head_dim, dtype, device, block_size)
+        def __init__(self, num_heads, num_kv_heads, head_dim, dtype, device, block_size, configs=None, **kv):
+            super().__init__(num_heads, num_kv_heads, head_dim, dtype, device, block_size, **kv)
             self.configs = configs
 
     modules = {
@@ -80,6 +80,7 @@ def fake_kernels(monkeypatch):
         "hal.kernels.ops": _module("hal.kernels.ops", fused_ops=lambda configs=None: {
             "rms_norm": lambda *a: "rms_norm", "rotary": lambda *a: "rotary",
             "silu_and_mul": lambda *a: "silu_and_mul"}),
+        "hal.kernels.fp8_linear": _module("hal.kernels.fp8_linear", fp8_linear=lambda *a: "triton fp8_linear"),
     }
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
