@@ -92,7 +92,7 @@ def _run(model, prompts, params, **config):
 def test_every_kv_mode_and_path(kv_mode, single_thread):
     """Each path against the plain engine over the same FP8 cache: a slot's scale depends only on its
     own token, so paging, chunking, shared prefix blocks, swapping blocks to host and back, the
-    last_exited copy into deeper planes and graph padding rows change nothing. (Shared mode: a
+    last_exited copy into deeper planes, speculation's rewrites and graph padding rows change nothing. (Shared mode: a
     token's KV depends on how prompts are chunked, so there only decode-side paths are compared.)"""
     case = golden_case("ouro-tiny")
     model = zoo.from_pretrained(case.path, dtype="float32")
@@ -111,6 +111,8 @@ def test_every_kv_mode_and_path(kv_mode, single_thread):
         variants["graphs"] = dict(graphs=True)
     if kv_mode != "shared":
         variants |= {"chunked": dict(max_num_batched_tokens=5), "prefix": dict(enable_prefix_caching=True)}
+    if kv_mode == "full":                            # rejected drafts' rows are rewritten, scales with them
+        variants["speculation"] = dict(speculative={"num_tokens": 2, "draft_loops": 1})
     for label, extra in variants.items():
         config = dict(kv_mode=kv_mode, block_size=4, max_num_batched_tokens=256) | extra
         tokens, counts, engine = _run(model, prompts, params, **config)
