@@ -3,7 +3,7 @@
     python tools/plot_throughput.py BENCH.jsonl [...] --out docs/throughput.png
 
 Reads the rows `runtime.bench` appends with `output=` (one JSON object per cell); keeps the
-non-speculative decode cells of one model and draws measured tok/s (solid) beside the floor's
+plain decode cells of one model (bf16, one GPU, no speculation, sync scheduling) and draws measured tok/s (solid) beside the floor's
 tok/s (dashed: batch / the cell's floor time, runtime/roofline.py). Needs matplotlib, which the
 project itself does not depend on (`pip install matplotlib`).
 """
@@ -14,6 +14,8 @@ import json
 import math
 from collections import defaultdict
 
+PLAIN = ("off", "auto", "auto", False, 1)   # no speculation, bf16 KV and weights, sync scheduling, one GPU
+
 
 def load_rows(paths: list[str], model: str) -> dict[str, dict[int, dict]]:
     """{kv_mode: {batch: row}}; a later file's row replaces an earlier one of the same cell."""
@@ -22,7 +24,9 @@ def load_rows(paths: list[str], model: str) -> dict[str, dict[int, dict]]:
         for line in open(path):
             row = json.loads(line)
             ms = row.get("decode_ms_step")
-            if row.get("model") != model or row.get("spec", "off") != "off" or ms is None or math.isnan(ms):
+            variant = (row.get("spec", "off"), row.get("kv_dtype", "auto"), row.get("weights_dtype", "auto"),
+                       bool(row.get("async_scheduling")), row.get("tp", 1))
+            if row.get("model") != model or variant != PLAIN or ms is None or math.isnan(ms):
                 continue
             cells[row.get("kv_mode", "full")][int(row["batch"])] = row
     return cells
@@ -41,7 +45,7 @@ def main() -> None:
 
     cells = load_rows(args.bench, args.model)
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    for kv_mode, color in (("full", "tab:blue"), ("shared", "tab:orange")):
+    for kv_mode, color, dy in (("full", "tab:blue", -12), ("shared", "tab:orange", 6)):
         rows = [cells[kv_mode][b] for b in sorted(cells.get(kv_mode, {}))]
         if not rows:
             continue
@@ -51,7 +55,7 @@ def main() -> None:
                 label=f"kv_mode={kv_mode}, floor")
         for r in rows:
             ax.annotate(f"{r['decode_tok_s']:.0f}", (r["batch"], r["decode_tok_s"]), textcoords="offset points",
-                        xytext=(4, -12), fontsize=7, color=color)
+                        xytext=(4, dy), fontsize=7, color=color)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("concurrent requests (batch)")
