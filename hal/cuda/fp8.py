@@ -4,8 +4,9 @@ weight `q: [N, K]` in the Hal's FP8 format and one float32 scale per output chan
 Two paths, chosen per call from the shapes and dtypes (no device value is read, so graphs capture
 either):
 - W8A8 through `torch._scaled_mm` (NVIDIA sm_89+ only, bf16 activations, K and N multiples of 16):
-  each row of x is quantized to e4m3fn on the device (`scale = absmax / 448`), and cuBLASLt runs the
-  product on the FP8 tensor cores with row-wise scales on both sides, out in bf16. The activation
+  each row of x is quantized to e4m3fn on the device (`scale = absmax / 448`; one Triton launch,
+  `hal.kernels.fp8_linear.quantize_rows`), and cuBLASLt runs the product on the FP8 tensor cores
+  with row-wise scales on both sides, out in bf16. The activation
   rounding adds error on top of the weights' (docs/fp8.md measures both).
 - W8A16 through the Triton kernel of hal/kernels/fp8_linear.py otherwise: FP8 weight tiles widen to
   x's dtype, x is not quantized. ROCm always takes this path: it is the one compile-checked for
@@ -39,9 +40,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """W8A8: `x: [M, K]` bf16, e4m3fn `weight: [N, K]`, `scale: [N]` float32 -> `[M, N]` bf16."""
-    xq, x_scale = quantize_rows(x)
+                     bias: torch.Tensor | None = None, quantize: Callable[..., Any] | None = None) -> torch.Tensor:
+    """W8A8: `x: [M, K]` bf16, e4m3fn `weight: [N, K]`, `scale: [N]` float32 -> `[M, N]` bf16.
+    `quantize`: the per-row activation quantization (default: `quantize_rows` in torch)."""
+    xq, x_scale = (quantize or quantize_rows)(x)
     # weight.t() is [K, N] column-major, the layout cuBLASLt takes for the second operand
     y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1).contiguous(),
                          out_dtype=x.dtype)
@@ -63,21 +65,24 @@ def fp8_linear_op(arch: str, configs: dict[str, Any] | None, has_triton: bool) -
     if choice == "scaled_mm" and not nvidia_fp8:
         raise ValueError(f"{GEMM_ENV}=scaled_mm: torch._scaled_mm needs an NVIDIA GPU of sm_89 or later, "
                          f"this is {arch}; unset {GEMM_ENV}")
-    triton_linear = None
-    if has_triton and choice != "scaled_mm":
-        from hal.kernels.fp8_linear import fp8_linear
+    triton_linear, quantize = None, None
+    if has_triton:
+        from hal.kernels import fp8_linear as kernels
 
-        config = (configs or {}).get("fp8_linear")
+        config, row_config = (configs or {}).get("fp8_linear"), (configs or {}).get("rms_norm")
 
-        def triton_linear(x, weight, scale, bias=None):
-            return fp8_linear(x, weight, scale, bias, config)
+        def quantize(x):                      # one launch instead of torch's six (per linear, per step)
+            return kernels.quantize_rows(x, torch.float8_e4m3fn, row_config)
+        if choice != "scaled_mm":
+            def triton_linear(x, weight, scale, bias=None):
+                return kernels.fp8_linear(x, weight, scale, bias, config)
     if not use_scaled_mm:
         return triton_linear
 
     def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         if takes_scaled_mm(x, weight):
-            return scaled_mm_linear(x, weight, scale, bias)
+            return scaled_mm_linear(x, weight, scale, bias, quantize)
         if triton_linear is not None:
             return triton_linear(x, weight, scale, bias)
         return dequantized_linear(x, weight, scale, bias)

@@ -1,6 +1,7 @@
 """FP8-weight linear for GPUs without (or not using) `torch._scaled_mm`: `y = x @ (q * scale).T`
 with the weight `q: [N, K]` in FP8 and one float32 scale per output channel, activations in
-bf16/fp16/fp32 (W8A16).
+bf16/fp16/fp32 (W8A16). Also the per-row activation quantization of the `_scaled_mm` path
+(`quantize_rows`: one launch where torch needs six).
 
 A program owns a `BLOCK_M x BLOCK_N` tile of y and walks K in steps of `BLOCK_K`: the FP8 weight tile
 is loaded (half the bytes of bf16, which is what decode at small M is bound by), widened to x's dtype
@@ -17,7 +18,7 @@ import triton.language as tl
 
 from hal.kernels.attention import dot_precision
 from hal.kernels.configs import KernelConfig
-from hal.kernels.launch import Launch, backend_of, check_device, launch_options, run_launch
+from hal.kernels.launch import Launch, backend_of, check_device, launch_options, next_pow2, run_launch
 
 BLOCK_K = 64
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -75,3 +76,40 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
         config = config or KernelConfig(16, 32, 4, 1)
         run_launch(fp8_linear_launch(x, weight.contiguous(), scale, bias, out, config, backend_of(x.device)))
     return out
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_cols, stride_x, stride_q, QMAX: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """One row per program, held whole in registers: `scale = max(absmax, 1e-12) / QMAX`, then
+    `clamp(x / scale)` rounded to FP8; both divisions correctly rounded, as torch's."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < num_cols, other=0.0).to(tl.float32)    # [K]
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), 1e-12), QMAX)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX)
+    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=cols < num_cols)
+    tl.store(scale_ptr + row, scale)
+
+
+def quantize_rows_launch(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, config: KernelConfig,
+                         target: str) -> Launch:
+    """x `[M, K]`, out `[M, K]` FP8, scale `[M, 1]` float32; `config.num_warps` per row."""
+    from hal.kv_quant import quant_max
+
+    return Launch(_quantize_rows_kernel, (x.shape[0],), (x, out, scale, x.shape[1], x.stride(0), out.stride(0)),
+                  dict(QMAX=quant_max(out.dtype), BLOCK=next_pow2(x.shape[1]), **launch_options(config, target)))
+
+
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
+                  config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x: [M, K]` -> (`[M, K]` in FP8 `dtype`, float32 scales `[M, 1]`), one scale per row: the
+    same bytes as `hal.cuda.fp8.quantize_rows` in torch, in one launch."""
+    check_device(x)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+    if x.shape[0]:
+        run_launch(quantize_rows_launch(x, out, scale, config or KernelConfig(1, 1, 4, 1), backend_of(x.device)))
+    return out, scale

@@ -126,6 +126,14 @@ def _fp8_linear(config: KernelConfig, target: str, fp8: torch.dtype, num_rows: i
     return fp8_linear_launch(x, weight, scale, None, out, config, target)
 
 
+def _quantize_rows(config: KernelConfig, target: str, fp8: torch.dtype) -> Launch:
+    """The W8A8 path's activation quantization of 64 rows of Ouro-1.4B's MLP input (5632)."""
+    from hal.kernels.fp8_linear import quantize_rows_launch
+
+    x = torch.empty(64, 5632, dtype=SHAPE["dtype"])
+    return quantize_rows_launch(x, torch.empty(x.shape, dtype=fp8), torch.empty(64, 1), config, target)
+
+
 def _rms_norm(config: KernelConfig, target: str, residual: bool) -> Launch:
     from hal.kernels.ops import rms_norm_launch
 
@@ -187,6 +195,7 @@ def _fp8_cases(fmt: str, fp8: torch.dtype) -> tuple[Case, ...]:
              lambda c, t: _attention(c, t, num_seqs=64, query_len=1, num_splits=1, kv_dtype=fp8)),
         Case(f"kv_write/{fmt}", "kv_write", False, False, lambda c, t: _kv_write(c, t, kv_dtype=fp8)),
         Case(f"fp8_linear/{fmt}", "fp8_linear", True, False, lambda c, t: _fp8_linear(c, t, fp8, num_rows=1)),
+        Case(f"fp8_quantize_rows/{fmt}", "rms_norm", False, False, lambda c, t: _quantize_rows(c, t, fp8)),
     )
 
 

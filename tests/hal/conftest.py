@@ -13,6 +13,7 @@ import torch
 from hal.cpu.attention import TorchPagedAttention
 from hal.cuda import attention
 from hal.cuda import host_buffer as buffers
+from hal.cuda.fp8 import quantize_rows
 
 ENV_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", buffers.UVA_ENV)
 
@@ -80,7 +81,8 @@ def fake_kernels(monkeypatch):
         "hal.kernels.ops": _module("hal.kernels.ops", fused_ops=lambda configs=None: {
             "rms_norm": lambda *a: "rms_norm", "rotary": lambda *a: "rotary",
             "silu_and_mul": lambda *a: "silu_and_mul"}),
-        "hal.kernels.fp8_linear": _module("hal.kernels.fp8_linear", fp8_linear=lambda *a: "triton fp8_linear"),
+        "hal.kernels.fp8_linear": _module("hal.kernels.fp8_linear", fp8_linear=lambda *a: "triton fp8_linear",
+                                          quantize_rows=lambda x, dtype, config=None: quantize_rows(x)),
     }
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)

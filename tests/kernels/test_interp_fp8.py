@@ -16,7 +16,7 @@ from hal.cpu import CpuHal
 from hal.cpu.attention import TorchPagedAttention
 from hal.kernels.backend import TritonPagedAttention
 from hal.kernels.configs import KernelConfig, configs_for
-from hal.kernels.fp8_linear import fp8_linear
+from hal.kernels.fp8_linear import fp8_linear, quantize_rows
 from hal.kv_quant import quantize
 from runtime import SamplingParams
 from runtime.config import EngineConfig
@@ -114,6 +114,18 @@ def test_fp8_linear_kernel_matches_dequantized_matmul(fp8, dtype, shape):
     assert out.dtype == dtype and out.shape == (m, n)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2 * ref.abs().max().item()
     assert (out.float() - ref).abs().max().item() <= tolerance
+
+
+def test_row_quantization_kernel_equals_torch():
+    """The W8A8 path's activation quantization (one launch): torch's bytes and scales exactly."""
+    from hal.cuda.fp8 import quantize_rows as torch_quantize_rows
+
+    x = (torch.randn(5, 200) * torch.rand(5, 1) * 30).bfloat16()
+    x[2] = 0.0
+    q, scale = quantize_rows(x)
+    want_q, want_scale = torch_quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (5, 1)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
 
 
 class TritonFp8OnCpu(CpuHal):
