@@ -29,7 +29,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from runtime.config import EngineConfig, SamplingParams
-from runtime.cli import CONF_DIR, register_schemas
+from runtime.cli import CONF_DIR, clear_errors, register_schemas
 from runtime.generate import engine_options
 
 log = logging.getLogger("runtime.bench")
@@ -70,7 +70,7 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
     hal.synchronize()
     hal.reset_peak_memory()
     start = time.perf_counter()
-    step_times, prefill_done, first_token_at = [], None, 0.0
+    step_times, prefill_done = [], None
     seen: dict[str, int] = {}
     decode_tokens, decode_s, metrics = 0, 0.0, []
     late: dict[str, Any] = {}
@@ -239,13 +239,8 @@ register_schemas()
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="bench")
 def _main(cfg: DictConfig) -> None:
     logging.basicConfig(level=cfg.log_level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
-    try:
+    with clear_errors(cfg.log_level):
         results = run(cfg)
-    except (ValueError, RuntimeError, OSError) as exc:
-        if cfg.log_level == "DEBUG":
-            raise
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
     if cfg.output:
         with open(cfg.output, "a") as f:
             for row in results:

@@ -5,7 +5,9 @@ Only the entry points import this module; the rest of the runtime takes plain co
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,23 @@ CONF_DIR = next(p for p in (HERE / "conf", HERE.parent / "conf") if (p / "genera
 
 class UsageError(Exception):
     """Bad arguments: printed as one message, exit status 2."""
+
+
+@contextlib.contextmanager
+def clear_errors(log_level: str):
+    """Bad input ends the command with one line, not a traceback: a `UsageError` exits 2, a
+    ValueError/RuntimeError/OSError (missing checkpoint, unknown hal, bad option) exits 1.
+    `log_level=DEBUG` keeps the traceback of the latter."""
+    try:
+        yield
+    except UsageError as exc:
+        print(exc, file=sys.stderr)
+        sys.exit(2)
+    except (ValueError, RuntimeError, OSError) as exc:
+        if str(log_level).upper() == "DEBUG":
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
 
 
 def mutable_schema(cls: type, exclude: tuple[str, ...] = ()) -> type:

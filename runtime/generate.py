@@ -9,7 +9,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from runtime.cli import CONF_DIR, UsageError, known_models, register_schemas
+from runtime.cli import CONF_DIR, UsageError, clear_errors, known_models, register_schemas
 from runtime.config import SamplingParams, SpeculativeConfig
 
 log = logging.getLogger("runtime.generate")
@@ -142,17 +142,8 @@ register_schemas()
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="generate")
 def _main(cfg: DictConfig) -> None:
     logging.basicConfig(level=cfg.log_level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
-    try:
+    with clear_errors(cfg.log_level):
         print_results(run(cfg), cfg.output)
-    except UsageError as exc:
-        print(exc, file=sys.stderr)
-        sys.exit(2)
-    except (ValueError, RuntimeError, OSError) as exc:
-        # clear one-line errors (missing checkpoint, unknown hal, bad input), not tracebacks
-        if cfg.log_level == "DEBUG":
-            raise
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from runtime.cli import CONF_DIR, UsageError, known_models, make_hal, register_schemas
+from runtime.cli import CONF_DIR, UsageError, clear_errors, known_models, make_hal, register_schemas
 from runtime.config import EngineConfig
 
 log = logging.getLogger("runtime.serve")
@@ -66,23 +66,11 @@ register_schemas()
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="serve")
 def _main(cfg: DictConfig) -> None:
     logging.basicConfig(level=cfg.log_level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
-    from runtime.parallel import ParallelState
-
-    parallel = ParallelState()
-    try:
+    with clear_errors(cfg.log_level):
         app = _start(cfg)
-        if app is None:                         # a follower rank of a tensor-parallel run: done
-            return
-        parallel = app.state.parallel
-    except UsageError as exc:
-        print(exc, file=sys.stderr)
-        sys.exit(2)
-    except (ValueError, RuntimeError, OSError) as exc:
-        # clear one-line errors (missing checkpoint, unknown hal, bad engine option), not tracebacks
-        if cfg.log_level == "DEBUG":
-            raise
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
+    if app is None:                             # a follower rank of a tensor-parallel run: done
+        return
+    parallel = app.state.parallel
     from runtime.server.http_server import make_server
 
     log.info("serving %s on http://%s:%d/v1", app.state.model_name, cfg.host, cfg.port)

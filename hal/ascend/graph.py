@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from hal.ascend.ops import CALL_SITES, AscendOps, GraphCall
+from hal.cpu.hal import copy_into
 
 
 def check_host_params(calls: Sequence[GraphCall], host_params: Sequence[dict[str, Any]]) -> None:
@@ -137,19 +138,8 @@ class SimGraph(AscendGraph):
                                    f"{len(self.records)} attention calls; call "
                                    f"graph.update(backend.update_meta(meta, batch)) first")
         with self.ops.lib.replaying(self.records):
-            _copy_into(self.outputs, self.fn())
+            copy_into(self.outputs, self.fn())
         self.is_updated = False
-
-
-def _copy_into(dst: Any, src: Any) -> None:
-    if isinstance(dst, torch.Tensor):
-        dst.copy_(src)
-    elif isinstance(dst, (tuple, list)):
-        for d, s in zip(dst, src):
-            _copy_into(d, s)
-    elif isinstance(dst, dict):
-        for key in dst:
-            _copy_into(dst[key], src[key])
 
 
 class StagedHostBuffer:

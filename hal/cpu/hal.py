@@ -89,21 +89,23 @@ class EagerGraph:
     def replay(self) -> None:
         if self.fn is None:
             raise RuntimeError("replay before capture")
-        _copy_into(self.outputs, self.fn())
+        copy_into(self.outputs, self.fn())
 
     def update(self, host_params: Sequence[dict[str, Any]]) -> None:
         pass
 
 
-def _copy_into(dst: Any, src: Any) -> None:
+def copy_into(dst: Any, src: Any) -> None:
+    """Copy `src` into the same-structured tensors of `dst` (nested tuples, lists, dicts): a host
+    graph's replay refreshes the outputs its callers hold."""
     if isinstance(dst, torch.Tensor):
         dst.copy_(src)
     elif isinstance(dst, (tuple, list)):
         for d, s in zip(dst, src):
-            _copy_into(d, s)
+            copy_into(d, s)
     elif isinstance(dst, dict):
         for key in dst:
-            _copy_into(dst[key], src[key])
+            copy_into(dst[key], src[key])
 
 
 class CpuHal(Hal):
