@@ -3,7 +3,8 @@
     python tools/plot_throughput.py BENCH.jsonl [...] --out docs/throughput.png
 
 Reads the rows `runtime.bench` appends with `output=` (one JSON object per cell); keeps the
-plain decode cells of one model (bf16, one GPU, no speculation, sync scheduling) and draws measured tok/s (solid) beside the floor's
+plain decode cells of one model (bf16, one GPU, no speculation, sync scheduling) and draws
+measured tok/s (solid) beside the floor's
 tok/s (dashed: batch / the cell's floor time, runtime/roofline.py). Needs matplotlib, which the
 project itself does not depend on (`pip install matplotlib`).
 """
