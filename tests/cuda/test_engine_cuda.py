@@ -15,14 +15,6 @@ from runtime.engine import LLMEngine
 pytestmark = pytest.mark.cuda
 
 
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
-
-
 def _golden_params(case):
     kwargs = dict(max_tokens=case.meta["greedy_new_tokens"], temperature=0.0, ignore_eos=True,
                   num_loops=case.meta.get("greedy_num_steps"))

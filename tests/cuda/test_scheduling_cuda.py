@@ -4,7 +4,6 @@ decode graph) equals synchronous scheduling at the real Ouro-1.4B shape in bf16 
 import random
 
 import pytest
-import torch
 
 import hal
 import zoo
@@ -14,14 +13,6 @@ from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
 
 pytestmark = pytest.mark.cuda
-
-
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 @pytest.mark.parametrize("preemption", ["swap", "recompute"])

@@ -15,14 +15,6 @@ from runtime.engine import LLMEngine
 pytestmark = pytest.mark.cuda
 
 
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
-
-
 def _generate(model, gpu, prompts, params, spec, **config):
     engine = LLMEngine(model, gpu, EngineConfig(speculative=spec, **config))
     for i, p in enumerate(prompts):
