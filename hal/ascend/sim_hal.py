@@ -9,8 +9,7 @@ they would on a 910B.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -18,17 +17,19 @@ from hal.ascend import detect
 from hal.ascend.graph import SimGraph, StagedHostBuffer
 from hal.ascend.hal import BACKENDS, BLOCK_SIZE, FUSED_HEAD_DIMS, KV_QUANT_DTYPES, AscendHal
 from hal.ascend.ops import AscendOps
-from hal.base import Caps, MemInfo
+from hal.base import Caps
+from hal.cpu.hal import HostDevice
 
 ANY_SHAPE_BLOCK_MULTIPLE = 16           # what the simulated op checks with the shape limits lifted
 
 
-class SimAscendHal(AscendHal):
+class SimAscendHal(HostDevice, AscendHal):
     """hal=ascend on the CPU: the Ascend code paths with `hal.ascend.sim` in place of torch_npu."""
 
     device_type = "cpu"
     dist_backend = "gloo"
     is_simulated = True
+    device_label = "simulated Ascend Hal"
 
     def __init__(self, device_index: int | None = None, attention_backend: str = "auto",
                  simulate: bool | None = None, sim_any_shape: bool | None = None) -> None:
@@ -65,50 +66,6 @@ class SimAscendHal(AscendHal):
     def versions(self) -> dict[str, str]:
         return {"torch_npu": "not used: CPU simulation of the torch-npu 2.13.0 op schemas",
                 "mode": "any-shape" if self.any_shape else "strict"}
-
-    def device(self, index: int | None = None) -> torch.device:
-        return torch.device("cpu")
-
-    def device_count(self) -> int:
-        return 1
-
-    def set_device(self, index: int) -> None:
-        if index != 0:
-            raise ValueError(f"the simulated Ascend Hal has one device (0), not {index}")
-
-    def stream(self, priority: int = 0) -> Any:
-        from hal.cpu.hal import CpuStream
-
-        return CpuStream()
-
-    def current_stream(self) -> Any:
-        return self.stream()
-
-    @contextlib.contextmanager
-    def use_stream(self, stream: Any) -> Iterator[None]:
-        yield
-
-    def event(self, enable_timing: bool = False) -> Any:
-        from hal.cpu.hal import CpuEvent
-
-        return CpuEvent(enable_timing)
-
-    def synchronize(self) -> None:
-        pass
-
-    def mem_info(self) -> MemInfo:
-        from hal.cpu import CpuHal
-
-        return CpuHal().mem_info()
-
-    def memory_stats(self) -> dict[str, int]:
-        return {"allocated": 0, "reserved": 0, "peak_allocated": 0}
-
-    def reset_peak_memory(self) -> None:
-        pass
-
-    def empty_cache(self) -> None:
-        pass
 
     def host_buffer(self, shape: Sequence[int], dtype: torch.dtype) -> StagedHostBuffer:
         return StagedHostBuffer(shape, dtype, self.device(), pin=False)

@@ -108,22 +108,11 @@ def copy_into(dst: Any, src: Any) -> None:
             copy_into(dst[key], src[key])
 
 
-class CpuHal(Hal):
-    name = "cpu"
-    device_type = "cpu"
-    dist_backend = "gloo"
-    visible_devices_env = None
+class HostDevice:
+    """The device side of a Hal that runs on the host (the CPU reference, the simulated Ascend Hal):
+    one device, streams and events that are no-ops, host memory for the memory queries."""
 
-    @classmethod
-    def is_available(cls) -> bool:
-        return True
-
-    @property
-    def caps(self) -> Caps:
-        return Caps(arch="cpu", warp_size=None, num_compute_units=torch.get_num_threads(), graphs=False,
-                    graph_needs_host_update=False, uva=True, attention_backends=("torch",),
-                    kv_block_sizes=(16,), head_dims=None, fp8_dtype=torch.float8_e4m3fn,
-                    kv_quant_dtypes=(torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.int8))
+    device_label = "CPU Hal"
 
     def device(self, index: int | None = None) -> torch.device:
         return torch.device("cpu")
@@ -133,7 +122,7 @@ class CpuHal(Hal):
 
     def set_device(self, index: int) -> None:
         if index != 0:
-            raise ValueError(f"the CPU Hal has one device (0), not {index}")
+            raise ValueError(f"the {self.device_label} has one device (0), not {index}")
 
     def stream(self, priority: int = 0) -> CpuStream:
         return CpuStream()
@@ -167,6 +156,24 @@ class CpuHal(Hal):
 
     def empty_cache(self) -> None:
         pass
+
+
+class CpuHal(HostDevice, Hal):
+    name = "cpu"
+    device_type = "cpu"
+    dist_backend = "gloo"
+    visible_devices_env = None
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return True
+
+    @property
+    def caps(self) -> Caps:
+        return Caps(arch="cpu", warp_size=None, num_compute_units=torch.get_num_threads(), graphs=False,
+                    graph_needs_host_update=False, uva=True, attention_backends=("torch",),
+                    kv_block_sizes=(16,), head_dims=None, fp8_dtype=torch.float8_e4m3fn,
+                    kv_quant_dtypes=(torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.int8))
 
     def host_buffer(self, shape: Sequence[int], dtype: torch.dtype) -> CpuHostBuffer:
         return CpuHostBuffer(shape, dtype)
