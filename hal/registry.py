@@ -21,6 +21,7 @@ BUILTIN = {
     "cuda": "hal.cuda:CudaHal",
     "rocm": "hal.rocm:RocmHal",
     "ascend": "hal.ascend:AscendHal",
+    "ascend-sim": "hal.ascend.sim:SimAscendHal",
 }
 DETECT_ORDER = ("ascend", "rocm", "cuda")   # accelerators first; out-of-tree vendors next; cpu last
 
@@ -68,13 +69,16 @@ def detect() -> str:
 
 def get(name: str = "auto", **options: Any) -> Hal:
     """A Hal instance by name ("auto" detects). Options go to the Hal's constructor
-    (`device_index`, `attention_backend`, vendor-specific ones such as `simulate`)."""
+    (`device_index`, `attention_backend`, vendor-specific ones such as `sim_any_shape`)."""
     if name == "auto":
         name = detect()
         log.info("hal=auto chose %s", name)
     cls = get_class(name)
-    # `simulate=True` asks a Hal that can simulate its hardware on the CPU (ascend) for that
-    if not cls.is_available() and not options.get("simulate"):
+    substitute = cls.substitute()
+    if substitute is not None:
+        log.info("hal=%s stands for hal=%s here", name, substitute)
+        name, cls = substitute, get_class(substitute)
+    if not cls.is_available():
         raise RuntimeError(f"hal {name!r} is not available on this machine; "
                            f"available here: {', '.join(n for n in names() if _available(n))}")
     return cls(**options)

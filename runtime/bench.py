@@ -6,7 +6,7 @@ the floors then count the bytes those actually move.
 
 With `speculative.num_tokens=K` (and `speculative.draft_loops`, `speculative.mode`) the cell decodes
 speculatively and also reports the acceptance, and the cost of one draft pass, one verify pass and
-one plain decode step at the cell's batch with the break-even acceptance rate (runtime/spec_costs.py).
+one plain decode step at the cell's batch with the break-even acceptance rate (runtime/speculation/costs.py).
 
 Random weights are built from the model's released config.json (zoo/configs/) directly on the
 device, without a checkpoint file: a fixed-depth forward runs at the same speed on any weights.
@@ -40,7 +40,7 @@ HF_REFERENCE_MS_PER_STEP = {("ouro-1.4b", 1): 130.0, ("ouro-1.4b", 64): 127.0}
 
 
 def build_model(cfg: Any, device: torch.device, parallel: Any = None):
-    """The model (this rank's shard under tensor parallelism: `parallel` from `runtime.parallel`)."""
+    """The model (this rank's shard under tensor parallelism: `parallel` from `runtime.parallel.state`)."""
     import zoo
 
     shard_args = parallel.shard_args() if parallel is not None else {}
@@ -131,8 +131,8 @@ def late_summary(cell: dict[str, int], late: dict[str, Any]) -> dict[str, Any]:
 
 def step_costs(engine: Any, cell: dict[str, int], num_loops: int | None, repeats: int = 10) -> dict[str, Any]:
     """Speculation: one draft pass, one verify pass and one plain decode step at the cell's batch and
-    prompt length (runtime/spec_costs.py), on prefilled requests that are then dropped."""
-    from runtime.spec_costs import measure_step_costs
+    prompt length (runtime/speculation/costs.py), on prefilled requests that are then dropped."""
+    from runtime.speculation.costs import measure_step_costs
 
     gen = torch.Generator().manual_seed(2)
     params = SamplingParams(max_tokens=cell["new"] + 1, temperature=0.0, ignore_eos=True, num_loops=num_loops)
@@ -151,8 +151,8 @@ def step_costs(engine: Any, cell: dict[str, int], num_loops: int | None, repeats
 def run(cfg: Any) -> list[dict[str, Any]]:
     """Every workload cell (rank 0 of a tensor-parallel run measures; the other ranks follow)."""
     import hal as hal_registry
-    from runtime.parallel import init_from_cli
-    from runtime.step_plan import Follower
+    from runtime.parallel.state import init_from_cli
+    from runtime.parallel.step_plan import Follower
 
     hal = hal_registry.get(cfg.hal.name, device_index=cfg.hal.device_index,
                            attention_backend=cfg.hal.attention_backend)
@@ -169,7 +169,7 @@ def run(cfg: Any) -> list[dict[str, Any]]:
 
 
 def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, Any]]:
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
     from runtime.roofline import H200_BANDWIDTH, decode_floor, measure_matmul_rate, model_costs, prefill_floor
 
     device = hal.device()

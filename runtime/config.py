@@ -63,7 +63,7 @@ SPECULATIVE_MODES = ("sync", "async")
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Self-speculative decoding (runtime/speculation.py): the model with `draft_loops` loops drafts
+    """Self-speculative decoding (runtime/speculation/speculator.py): the model with `draft_loops` loops drafts
     `num_tokens` tokens, the full depth verifies them in one pass. `num_tokens=0` turns it off.
     `mode=async` drafts the next round on a second stream while the current one is verified."""
 
@@ -88,7 +88,7 @@ class SpeculativeConfig:
 class EngineConfig:
     """How the engine runs a model: KV layout and memory, batching limits."""
 
-    kv_mode: str = "full"                    # full | last_exited | shared (see runtime/kv_cache.py)
+    kv_mode: str = "full"                    # full | last_exited | shared (see runtime/engine/kv_cache.py)
     block_size: Optional[int] = None         # None: the Hal's preferred paged-KV block size
     num_kv_blocks: Optional[int] = None      # explicit pool size; else sized from memory
     kv_cache_memory_bytes: Optional[int] = None   # explicit KV budget; else from gpu_memory_utilization
@@ -111,7 +111,7 @@ class EngineConfig:
     wavefront_prefill: bool = False          # long prompts' chunks advance through the loops as a wavefront
 
     def __post_init__(self) -> None:
-        from runtime.kv_cache import KV_MODES
+        from runtime.engine.kv_cache import KV_MODES
 
         if not isinstance(self.speculative, SpeculativeConfig):
             object.__setattr__(self, "speculative", SpeculativeConfig(**dict(self.speculative or {})))
@@ -123,7 +123,7 @@ class EngineConfig:
                              "kv_mode=shared a token's KV depends on how tokens are grouped into steps, so "
                              "verification would not reproduce non-speculative outputs")
 
-        from runtime.quantization import KV_DTYPES, WEIGHTS_DTYPES
+        from runtime.execution.quantization import KV_DTYPES, WEIGHTS_DTYPES
 
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
@@ -188,7 +188,7 @@ class HalConfig:
 @dataclass
 class ParallelConfig:
     """`parallel.tp=N`: N-way tensor parallelism, one process per rank started by torchrun (every CLI
-    that loads a model takes it: generate, bench, serve; see `runtime.parallel.init_distributed`)."""
+    that loads a model takes it: generate, bench, serve; see `runtime.parallel.state.init_distributed`)."""
 
     tp: int = 1
     idle_timeout_s: float = 7 * 24 * 3600.0   # how long ranks > 0 wait for rank 0's next step

@@ -59,7 +59,7 @@ def prompts_from(cfg: Any, default_prompt: str | None = None) -> list[Any]:
 def run(cfg: Any) -> list[dict[str, Any]]:
     """The job behind the CLI, callable without Hydra: returns one dict per prompt."""
     from runtime.llm import LLM, follow
-    from runtime.parallel import init_from_cli
+    from runtime.parallel.state import init_from_cli
 
     if cfg.output not in ("text", "json"):
         raise UsageError(f"output must be 'text' or 'json', got {cfg.output!r}")

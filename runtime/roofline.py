@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from runtime.kv_cache import num_request_planes
+from runtime.engine.kv_cache import num_request_planes
 from zoo.base import LoopedCausalLM
 from zoo.parallel import rank_heads
 

@@ -84,7 +84,7 @@ def _start(cfg: Any) -> Any:
     """The app on rank 0 (or without tensor parallelism); None on the other ranks, after they have
     followed rank 0's engine until it stopped."""
     from runtime.llm import follow
-    from runtime.parallel import init_from_cli
+    from runtime.parallel.state import init_from_cli
 
     if not (cfg.model.path or cfg.model.name):
         raise UsageError(no_model_message())

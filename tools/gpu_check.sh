@@ -43,9 +43,9 @@ for phase in $PHASES; do
         --report /tmp/ouro-tiny-report --device cuda --max-minutes 3 --max-epochs 20 --shard-mb 12 --no-progress
       cp /tmp/ouro-tiny/*.safetensors "$OUT/" 2>/dev/null
       tar -C /tmp -czf "$OUT/ouro-tiny-rest.tgz" --exclude='*.safetensors' ouro-tiny ouro-tiny-report 2>/dev/null ;;
-    conformance) run conformance 300 python3 -m hal.conformance hal=cuda ;;
+    conformance) run conformance 300 python3 -m runtime.conformance hal=cuda ;;
     tests) run "pytest -m cuda" 240 python3 -m pytest tests -m cuda -q -rs -p no:cacheprovider -x ;;
-    kernels) run "kernel bench" 240 python3 -c "from hal.kernels.bench import bench_kernels; bench_kernels()" ;;
+    kernels) run "kernel bench" 240 python3 tools/kernel_bench.py ;;
     bench)
       bench model=ouro-1.4b 'workload=[b1,b64,b128,prefill8k]'
       bench model=ouro-1.4b kv_mode=shared 'workload=[b128]' ;;

@@ -36,7 +36,7 @@ def apply_patch(name: str | None) -> None:
     import torch
 
     from hal.cuda import graph as cuda_graph
-    from runtime import graphs
+    from runtime.execution import graphs
 
     if name in ("stream", "warm"):
         def capture(self, fn):
@@ -69,7 +69,7 @@ def run_case(spec: dict) -> None:
     import hal
     import zoo
     from runtime.config import EngineConfig, SamplingParams
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
 
     gpu = hal.get("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False

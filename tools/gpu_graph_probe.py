@@ -97,8 +97,8 @@ def decode_step_bisect() -> None:
 
     import zoo
     from runtime.config import EngineConfig, SamplingParams
-    from runtime.engine import LLMEngine
-    from runtime.graphs import DecodeGraphs
+    from runtime.engine.llm_engine import LLMEngine
+    from runtime.execution.graphs import DecodeGraphs
 
     gpu = hal.get(__import__("os").environ.get("PROBE_HAL", "cuda"))
     config = json.loads((Path(__file__).resolve().parent.parent / "zoo/configs/ouro-1.4b.json").read_text())
@@ -135,7 +135,7 @@ def multi_step() -> None:
 
     import zoo
     from runtime.config import EngineConfig, SamplingParams
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
 
     gpu = hal.get(os.environ.get("PROBE_HAL", "cuda"))
     config = json.loads((Path(__file__).resolve().parent.parent / "zoo/configs/ouro-1.4b.json").read_text())
@@ -165,7 +165,7 @@ def patch_variant(name: str) -> None:
 
     from hal.cuda import graph as cuda_graph
     from hal.kernels import backend as triton_backend
-    from runtime import graphs
+    from runtime.execution import graphs
 
     if name == "sync-before-replay":
         replay = cuda_graph.CudaGraph.replay

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from hal.kv_quant import dequantize, quantize
+from hal.common.kv_quant import dequantize, quantize
 from zoo.layers import inference_op
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)

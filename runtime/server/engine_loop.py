@@ -25,8 +25,8 @@ from typing import NamedTuple, Sequence
 import torch
 
 from runtime.config import SamplingParams
-from runtime.engine import LLMEngine
-from runtime.outputs import RequestOutput
+from runtime.engine.llm_engine import LLMEngine
+from runtime.engine.outputs import RequestOutput
 from runtime.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)

@@ -18,11 +18,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from runtime.config import SamplingParams
-from runtime.chat import apply_chat_template
+from runtime.text.chat import apply_chat_template
 from runtime.server.engine_loop import EngineLoop, NewRequest, Overloaded, ShuttingDown
 from runtime.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, unsupported_field
 from runtime.server.text import TextStream
-from runtime.tokenizer import Tokenizer
+from runtime.text.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass

@@ -10,7 +10,7 @@ import zoo
 from helpers import CONFIGS, golden_case, golden_names
 from runtime import SamplingParams
 from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.cuda
 

@@ -10,14 +10,14 @@ import hal
 import zoo
 from hal.ascend.quant_attention import Int8FusedAttention
 from hal.base import PagedBatch
-from hal.kv_quant import fake_quantize
+from hal.common.kv_quant import fake_quantize
 from runtime import SamplingParams
 from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 
 
 def sim(**kwargs):
-    return hal.get("ascend", simulate=True, sim_any_shape=True, **kwargs)
+    return hal.get("ascend-sim", sim_any_shape=True, **kwargs)
 
 
 def test_int8_cache_layout_round_trips(single_thread):

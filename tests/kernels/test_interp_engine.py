@@ -5,11 +5,11 @@ import torch
 import zoo
 from hal.cpu import CpuHal
 from hal.kernels.backend import TritonPagedAttention
-from hal.kernels.testing import interpreter
+from interp import interpreter
 from helpers import golden_case
 from runtime import SamplingParams
 from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 
 
 class TritonOnCpu(CpuHal):

@@ -13,14 +13,14 @@ from paged_cases import random_case
 
 import zoo
 from hal.cpu import CpuHal
-from hal.cpu.attention import TorchPagedAttention
+from hal.common.torch_attention import TorchPagedAttention
 from hal.kernels.backend import TritonPagedAttention
 from hal.kernels.configs import KernelConfig, configs_for
 from hal.kernels.fp8_linear import fp8_linear, quantize_rows
-from hal.kv_quant import quantize
+from hal.common.kv_quant import quantize
 from runtime import SamplingParams
 from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.usefixtures("interpreted")
 

@@ -11,8 +11,8 @@ import zoo
 from helpers import golden_case, golden_names
 from runtime import SamplingParams
 from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
-from runtime.reference import generate_reference
+from runtime.engine.llm_engine import LLMEngine
+from runtime.execution.reference import generate_reference
 
 CPU = hal.get("cpu")
 

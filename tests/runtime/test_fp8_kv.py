@@ -1,4 +1,4 @@
-"""An 8-bit KV cache on the CPU reference (hal/kv_quant.py, emulated with torch's float8 dtypes):
+"""An 8-bit KV cache on the CPU reference (hal/common/kv_quant.py, emulated with torch's float8 dtypes):
 the engine equals the simple path run with the same rounding, in every KV mode and through paging,
 chunked prefill, the prefix cache, swap preemption and the decode-graph path; the logit error
 against the float32 golden outputs is bounded, and the greedy agreement is printed."""
@@ -14,12 +14,12 @@ import hal
 import zoo
 from hal.base import Caps
 from hal.cpu import CpuHal
-from hal.cpu.attention import TorchPagedAttention
-from hal.kv_quant import QUANT_MAX, RowLayout, fake_quantize, quantize
+from hal.common.torch_attention import TorchPagedAttention
+from hal.common.kv_quant import QUANT_MAX, RowLayout, fake_quantize, quantize
 from runtime import SamplingParams
 from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
-from runtime.reference import CachedContext, forward_step, generate_reference
+from runtime.engine.llm_engine import LLMEngine
+from runtime.execution.reference import CachedContext, forward_step, generate_reference
 from zoo.fp8 import quantize_fp8
 
 CPU = hal.get("cpu")

@@ -4,7 +4,7 @@ import torch
 
 from helpers import golden_case, golden_names
 from runtime import LLM, SamplingParams
-from runtime.sampler import filtered_probs, make_generator, sample_token
+from runtime.execution.sampler import filtered_probs, make_generator, sample_token
 
 OURO = golden_names("ouro")
 # loops and initial state of each golden greedy run, as SamplingParams fields

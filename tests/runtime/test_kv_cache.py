@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from runtime.kv_cache import BlockManager, num_request_planes, physical_plane
+from runtime.engine.kv_cache import BlockManager, num_request_planes, physical_plane
 
 
 def test_planes_per_mode():
@@ -70,7 +70,7 @@ def test_no_leak_after_thousands_of_random_operations():
 
 # ----- prefix caching: reference counts, names per plane, LRU eviction ------------------------
 def keys_for(tokens, block_size, num_planes, salt=b"s"):
-    from runtime.prefix_cache import chain_digest
+    from runtime.engine.prefix_cache import chain_digest
 
     digests, parent = [], salt
     for j in range(len(tokens) // block_size):
@@ -158,8 +158,8 @@ def test_prefix_cache_random_operations_keep_counts_exact():
 
 def test_loop_planes_are_shared_across_loop_counts_but_fixed_planes_are_not():
     from runtime.config import SamplingParams
-    from runtime.prefix_cache import PrefixPolicy
-    from runtime.sequence import Request
+    from runtime.engine.prefix_cache import PrefixPolicy
+    from runtime.engine.sequence import Request
 
     policy = PrefixPolicy(block_size=2, kv_mode="full", num_fixed_planes=1)     # Huginn-like: 1 fixed plane
     prompt = [random.Random(4).randrange(1, 99) for _ in range(7)]

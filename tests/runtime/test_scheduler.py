@@ -2,9 +2,9 @@
 import pytest
 
 from runtime.config import SamplingParams
-from runtime.kv_cache import BlockManager
-from runtime.scheduler import Scheduler, SchedulerConfig
-from runtime.sequence import Request, RequestStatus
+from runtime.engine.kv_cache import BlockManager
+from runtime.engine.scheduler import Scheduler, SchedulerConfig
+from runtime.engine.sequence import Request, RequestStatus
 
 
 def make(rid, prompt_len, planes=2):
@@ -188,7 +188,7 @@ def test_a_prompt_that_fits_the_budget_is_not_a_wavefront():
 
 
 def test_async_placeholders_cap_scheduling_at_max_tokens():
-    from runtime.sequence import PLACEHOLDER
+    from runtime.engine.sequence import PLACEHOLDER
 
     s = Scheduler(SchedulerConfig(), BlockManager(100, 4))
     r = make_p("a", 3, 0, max_tokens=2)

@@ -10,13 +10,13 @@ import hal
 import zoo
 from helpers import golden_case, golden_names
 from runtime import SamplingParams
-from runtime.acceptance import accept_greedy, keyed_uniform, rejection_sample, sample_with_uniform
+from runtime.speculation.acceptance import accept_greedy, keyed_uniform, rejection_sample, sample_with_uniform
 from runtime.config import EngineConfig, SpeculativeConfig
-from runtime.engine import LLMEngine
-from runtime.kv_cache import BlockManager
-from runtime.sampler import filtered_probs
-from runtime.scheduler import Scheduler, SchedulerConfig
-from runtime.sequence import Request
+from runtime.engine.llm_engine import LLMEngine
+from runtime.engine.kv_cache import BlockManager
+from runtime.execution.sampler import filtered_probs
+from runtime.engine.scheduler import Scheduler, SchedulerConfig
+from runtime.engine.sequence import Request
 from test_engine import random_ouro, run_engine
 
 CPU = hal.get("cpu")
@@ -303,7 +303,7 @@ def test_engine_sampling_follows_the_target_distribution(mode):
 
 # ----- costs --------------------------------------------------------------------------------------
 def test_step_costs_leave_requests_unchanged_and_break_even_is_consistent():
-    from runtime.spec_costs import break_even_acceptance, measure_step_costs, tokens_per_round
+    from runtime.speculation.costs import break_even_acceptance, measure_step_costs, tokens_per_round
 
     case = golden_case("ouro-tiny")
     model = zoo.from_pretrained(case.path, dtype="float32")

@@ -13,7 +13,7 @@ pytest.importorskip("fastapi", reason=SERVE_EXTRA)
 import hal
 from live_server import LiveServer
 from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 from runtime.server.app import build_app
 from runtime.server.config import ServerConfig
 
