@@ -172,10 +172,9 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
     from runtime.engine.llm_engine import LLMEngine
     from runtime.roofline import H200_BANDWIDTH, decode_floor, measure_matmul_rate, model_costs, prefill_floor
 
-    device = hal.device()
     name = Path(str(cfg.model.path)).name if cfg.model.path else cfg.model.name
     num_loops = cfg.model.num_loops or model.default_num_loops
-    rate = measure_matmul_rate(device, model.lm_head.weight.dtype, size=cfg.matmul_size)
+    rate = measure_matmul_rate(hal, model.lm_head.weight.dtype, size=cfg.matmul_size)
     log.info("matmul rate %.0f TFLOP/s", rate / 1e12)
     results = []
     workloads = cfg.workload if isinstance(cfg.workload, (list, tuple)) or OmegaConf.is_list(cfg.workload) \
@@ -222,7 +221,7 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
                     "prefill_vs_floor": round(pre.seconds / row["prefill_s"], 3),
                     "matmul_tflops": round(rate / 1e12, 1)})
         hf = HF_REFERENCE_MS_PER_STEP.get((name, cell["batch"]))
-        if hf and cfg.kv_mode == "full":
+        if hf and engine.runner.layout.is_exact:
             row["speedup_vs_hf"] = round(hf / row["decode_ms_step"], 1)
         results.append(row)
         print(json.dumps(row), flush=True)

@@ -111,7 +111,7 @@ class EngineConfig:
     wavefront_prefill: bool = False          # long prompts' chunks advance through the loops as a wavefront
 
     def __post_init__(self) -> None:
-        from runtime.engine.kv_cache import KV_MODES
+        from runtime.engine.planes import KV_MODES
 
         if not isinstance(self.speculative, SpeculativeConfig):
             object.__setattr__(self, "speculative", SpeculativeConfig(**dict(self.speculative or {})))

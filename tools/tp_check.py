@@ -122,7 +122,7 @@ def prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
 def dense_logits(model: Any, ids: list[list[int]]) -> torch.Tensor:
     """`[B, T, V]` float32 logits of the prompts (a collective forward on a sharded model)."""
     batch = torch.tensor(ids, device=next(model.parameters()).device)
-    kwargs = {"init_scale": 0.0} if hasattr(model, "initial_state") else {}
+    kwargs = {"init_scale": 0.0} if model.has_initial_state else {}
     with torch.inference_mode():
         return model(batch, **kwargs).logits.float()
 

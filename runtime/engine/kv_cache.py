@@ -1,9 +1,8 @@
 """Paged KV bookkeeping: a pool of fixed-size blocks and one block table per KV plane per request.
 
 Pure Python (no tensors), so it is tested exactly on the CPU. A block holds `block_size` tokens of
-one plane for every layer slot of that plane; all planes draw from one pool. KV modes decide how
-many planes a request owns: `full` and `last_exited` one per loop (plus the model's fixed planes),
-`shared` a single loop plane that every loop overwrites.
+one plane for every layer slot of that plane; all planes draw from one pool. How many planes a
+request owns is the `PlaneLayout`'s answer (runtime/engine/planes.py).
 
 Blocks carry reference counts: with prefix caching (runtime/engine/prefix_cache.py) several requests'
 tables may hold the same block. An unreferenced block that holds cached content stays named until
@@ -15,21 +14,6 @@ from collections import deque
 from typing import NamedTuple, Sequence
 
 from runtime.engine.prefix_cache import NO_HIT, BlockKey, PrefixCache, PrefixHit
-
-KV_MODES = ("full", "last_exited", "shared")
-
-
-def num_request_planes(kv_mode: str, num_fixed_planes: int, num_loops: int) -> int:
-    """KV planes a request with `num_loops` loops owns."""
-    if kv_mode not in KV_MODES:
-        raise ValueError(f"kv_mode must be one of {', '.join(KV_MODES)}, got {kv_mode!r}")
-    return num_fixed_planes + (1 if kv_mode == "shared" else num_loops)
-
-
-def physical_plane(kv_mode: str, num_fixed_planes: int, plane: int) -> int:
-    """Where a model's logical plane lives: in `shared` mode every loop plane is one plane."""
-    return min(plane, num_fixed_planes) if kv_mode == "shared" else plane
-
 
 class CacheUsage(NamedTuple):
     num_blocks: int

@@ -22,7 +22,7 @@ import torch
 from hal.base import Hal
 from runtime.execution.async_step import PendingStep, StepResult
 from runtime.config import EngineConfig, SamplingParams
-from runtime.engine.kv_cache import BlockManager, num_request_planes
+from runtime.engine.kv_cache import BlockManager
 from runtime.engine.outputs import RequestOutput
 from runtime.engine.prefix_cache import PrefixPolicy
 from runtime.execution.runner import ModelRunner
@@ -63,7 +63,7 @@ class LLMEngine:
         sched = SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.watermark_blocks,
                                 cfg.scheduling_policy, cfg.preemption_mode, max_swap_blocks,
                                 cfg.wavefront_prefill)
-        prefix = PrefixPolicy(self.runner.block_size, cfg.kv_mode, model.kv_spec.num_fixed_planes)
+        prefix = PrefixPolicy(self.runner.block_size, self.runner.layout)
         self.scheduler = Scheduler(sched, self.blocks, prefix)
         self.swap = SwapSpace(hal, self.runner.backend, self.runner.kv_caches)
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None     # async: the launched step
@@ -104,7 +104,7 @@ class LLMEngine:
         request = Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params, num_loops=num_loops,
             exit_threshold=threshold,
-            num_planes=num_request_planes(self.config.kv_mode, self.model.kv_spec.num_fixed_planes, num_loops),
+            num_planes=self.runner.layout.num_planes(num_loops),
             stop_token_ids=frozenset() if params.ignore_eos else self.default_stop_token_ids,
             max_seq_len=self.max_model_len, prompt=prompt, generator=make_generator(params, self.runner.device),
             priority=params.priority if priority is None else int(priority),
@@ -130,7 +130,7 @@ class LLMEngine:
         initial state, unless init_scale=0)."""
         if not self.config.enable_prefix_caching:
             return None
-        if getattr(self.model, "initial_state", None) is not None and params.init_scale != 0:
+        if self.model.has_initial_state and params.init_scale != 0:
             return None
         return b"loopstack"
 

@@ -68,7 +68,7 @@ def test_golden_greedy_with_speculation(name, mode):
     if mode == "sync":
         assert counters.num_draft_token_loops == verified * (depth // 2)
     # draft passes and uniform verify passes replayed the padded static-buffer (graph) path
-    assert {key[0] for key in engine.speculator.graphs.captured} == {"draft", "verify"}
+    assert {key[0] for key in engine.runner.graphs.captured} >= {"draft", "verify"}
     engine.blocks.check_invariants()
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
