@@ -20,7 +20,8 @@ from runtime.engine.kv_cache import BlockManager, num_request_planes
 from runtime.execution.loops import SeqPlan, run_loops
 from runtime.parallel.state import agree_min, capture_allowed
 from runtime.execution.quantization import prepare_weights, resolve_kv_dtype
-from runtime.execution.sampler import sample_batch, sample_tokens
+from runtime.execution.logprobs import StepLogprobs, prompt_logits, prompt_rows
+from runtime.execution.sampler import SamplingTensors, sample
 from runtime.engine.scheduler import ScheduledRequest
 from runtime.engine.sequence import PLACEHOLDER
 from zoo.base import LoopedCausalLM
@@ -110,6 +111,7 @@ class ModelRunner:
         """Run one step. Async scheduling: input tokens still unknown to the host (`PLACEHOLDER`)
         are taken on the device from `input_ids_from_device` (the previous step), and `deferred=True`
         leaves the sampled tokens on the device (a `PendingStep` the host reads one step later)."""
+        self.fed = input_ids_from_device        # sampling: penalties read tokens still on the device
         if any(item.is_wave for item in scheduled):
             from runtime.execution.wavefront import execute_wave
 
@@ -163,22 +165,31 @@ class ModelRunner:
             self.model.coda(result.state, ctx, rows=torch.zeros(0, dtype=torch.long, device=self.device))
         if result.exits and self.config.kv_mode == "last_exited":
             self._fill_skipped_planes(result.exits, scheduled, plans, blocks)
+        # prompt logprobs (runtime/execution/logprobs.py): the coda on the chunk rows that predict prompt tokens
+        wanted = prompt_rows(scheduled)
+        prompt = (wanted, prompt_logits(self.model, result.state, ctx, wanted)) if wanted else None
         return self.finish_step(logits, [scheduled[i].request for i in sample_seqs], result.sample_loops, row,
-                                deferred)
+                                deferred, prompt)
 
     def finish_step(self, logits: torch.Tensor | None, requests: Sequence, loops: Sequence[int],
-                    num_rows: int, deferred: bool) -> StepResult | PendingStep:
+                    num_rows: int, deferred: bool, prompt=None) -> StepResult | PendingStep:
         """Sample `logits: [R, V]` (one row per request of `requests`): to host ints now, or `deferred`
-        on the device with an asynchronous copy to host (read by `PendingStep.result()`)."""
+        on the device with an asynchronous copy to host (read by `PendingStep.result()`). Log-
+        probabilities, where requests asked (`prompt`: prompt rows and their logits), come along."""
+        tokens = self._sample(logits, requests) if requests else None
+        logprobs = StepLogprobs.compute(logits, tokens, requests, prompt)
         if deferred:
-            tokens = sample_tokens(logits, requests) if requests else None
-            return PendingStep(self.readback, tokens, [r.request_id for r in requests], list(loops), num_rows)
-        tokens = self._sample(logits, requests) if requests else []
-        return StepResult({r.request_id: (t, n) for r, t, n in zip(requests, tokens, loops)}, num_rows)
+            return PendingStep(self.readback, tokens, [r.request_id for r in requests], list(loops), num_rows,
+                               logprobs)
+        sampled, prompt_lp = logprobs.to_host() if logprobs is not None else (None, None)
+        values = tokens.tolist() if tokens is not None else []          # the step's one host sync
+        return StepResult({r.request_id: (t, n) for r, t, n in zip(requests, values, loops)}, num_rows,
+                          sampled, prompt_lp)
 
-    def _sample(self, logits: torch.Tensor, requests: Sequence) -> list[int]:
-        """Next tokens for `logits: [R, V]`, sampled on the device with one host sync."""
-        return sample_batch(logits, [r.params for r in requests], [r.generator for r in requests])
+    def _sample(self, logits: torch.Tensor, requests: Sequence) -> torch.Tensor:
+        """Next tokens `[R]` for `logits: [R, V]`, on the device (runtime/execution/sampler.py)."""
+        tensors = SamplingTensors.build(requests, self.device, logits.shape[-1], getattr(self, "fed", None))
+        return sample(logits, tensors)
 
     def _initial_state_fn(self, scheduled: Sequence[ScheduledRequest]):
         """Per-request initial loop states for models that draw one (Huginn), or None."""
