@@ -308,7 +308,7 @@ class LLMEngine:
 
     def _apply(self, plan: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         """The host learns a step's tokens: append them, check stops, finish, offer blocks to the cache."""
-        outputs, reported = [], set()
+        outputs, groups = [], {}
         for request in {item.request.request_id: item.request for item in plan.scheduled}.values():
             if request.is_finished:
                 continue                        # async: stopped a step earlier; this step's work is discarded
@@ -343,11 +343,12 @@ class LLMEngine:
                 self._finish(request, status)
             if sampled is None:
                 continue
-            group = request.group
-            if group is None:
+            if request.group is None:
                 outputs.append(self.output_of(request))
-            elif group.request_id not in reported and (group.best_of == group.n or group.finished):
-                reported.add(group.request_id)
+            else:                               # once per step, after all its samples of the step
+                groups.setdefault(request.group.request_id, request)
+        for request in groups.values():
+            if request.group.best_of == request.group.n or request.group.finished:
                 outputs.append(self.output_of(request))
         return outputs
 

@@ -72,15 +72,15 @@ class StepLogprobs(NamedTuple):
             index = torch.tensor(wanted, dtype=torch.long).to(logits.device, non_blocking=True)
             k = max(_num_logprobs(requests[i]) for i in wanted)
             sampled = compute_logprobs(logits.index_select(0, index), tokens.index_select(0, index), k)
-        prompt_lp = None
+        prompt_lp, spans = None, []
         if prompt is not None:
             rows, values = prompt
             targets = torch.tensor(rows.targets, dtype=torch.long).to(values.device, non_blocking=True)
-            prompt_lp = compute_logprobs(values, targets, max(k for *_, k in rows.spans))
+            prompt_lp, spans = compute_logprobs(values, targets, max(k for *_, k in rows.spans)), rows.spans
         if sampled is None and prompt_lp is None:
             return None
         return cls(sampled, [requests[i].request_id for i in wanted],
-                   [_num_logprobs(requests[i]) for i in wanted], prompt_lp, prompt.spans if prompt else [])
+                   [_num_logprobs(requests[i]) for i in wanted], prompt_lp, spans)
 
     def to_host(self) -> tuple[dict[str, TokenLogprobs], dict[str, tuple[int, list[TokenLogprobs]]]]:
         """({request id: its sampled token's logprobs}, {request id: (first prompt index, per token)})."""
