@@ -194,9 +194,9 @@ def test_bench_runs_fp8_cells(single_thread):
 
     path = golden_case("ouro-tiny").path
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("bench", overrides=["hal=cpu", f"model.path={path}", "weights=checkpoint", "dtype=float32",
-                                          "workload=tiny", "matmul_size=64", "num_kv_blocks=64", "warmup=false",
-                                          "kv_dtype=fp8", "weights_dtype=fp8"])
+        cfg = compose("bench", overrides=["hal=cpu", f"model.path={path}", "weights=checkpoint", "model.dtype=float32",
+                                          "workload=tiny", "matmul_size=64", "engine.num_kv_blocks=64",
+                                          "warmup=false", "engine.kv_dtype=fp8", "engine.weights_dtype=fp8"])
     (row,) = run(cfg)
     assert (row["kv_dtype"], row["weights_dtype"]) == ("fp8", "fp8") and row["decode_tok_s"] > 0
     model = zoo.from_pretrained(path, dtype="float32")

@@ -330,8 +330,9 @@ def test_bench_reports_speculation():
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("bench", overrides=["hal=cpu", f"model.path={golden_case('ouro-tiny').path}",
-                                          "weights=checkpoint", "dtype=float32", "workload=tiny", "matmul_size=64",
-                                          "num_kv_blocks=200", "warmup=false", "speculative.num_tokens=2"])
+                                          "weights=checkpoint", "model.dtype=float32", "workload=tiny", "matmul_size=64",
+                                          "engine.num_kv_blocks=200", "warmup=false",
+                                          "engine.speculative.num_tokens=2"])
     (row,) = run(cfg)
     assert row["spec"] == "K=2,d=1,sync" and 0 <= row["acceptance_rate"] <= 1 and row["decode_tok_s"] > 0
     assert row["round_ms"] > 0 and "break_even_acceptance" in row
