@@ -48,7 +48,8 @@ class Penalties(NamedTuple):
 class SamplingTensors:
     """The per-row settings of one batch of R rows, on the device."""
 
-    temperature: torch.Tensor            # [R] float32; 1.0 on greedy rows (never divided by 0)
+    # None when every row is greedy (only the processors below apply)
+    temperature: torch.Tensor | None     # [R] float32; 1.0 on greedy rows (never divided by 0)
     greedy: torch.Tensor                 # [R] bool
     top_k: torch.Tensor                  # [R] int64; <= 0 or >= V: off
     top_p: torch.Tensor                  # [R] float32; 1.0: off
@@ -94,17 +95,19 @@ class SamplingTensors:
         top_k = [p.top_k if s else 0 for p, s in zip(params, sampled)]
         top_p = [p.top_p if s else 1.0 for p, s in zip(params, sampled)]
         seeds = [p.seed if (s and p.seed is not None) else None for p, s in zip(params, sampled)]
-        return cls(
-            temperature=tensor([p.temperature if s else 1.0 for p, s in zip(params, sampled)], torch.float32),
-            greedy=tensor([not s for s in sampled], torch.bool),
-            top_k=tensor(top_k, torch.long), top_p=tensor(top_p, torch.float32),
-            seeded=tensor([s is not None for s in seeds], torch.bool),
-            seeds=tensor([s or 0 for s in seeds], torch.long),
-            positions=tensor([len(r.prompt_token_ids) + len(r.output_token_ids) for r in rows], torch.long),
-            bias=bias, banned=banned, penalties=penalties,
-            all_greedy=not any(sampled), any_top_k=any(0 < k < vocab_size for k in top_k),
-            any_top_p=any(p < 1.0 for p in top_p), any_seeded=any(s is not None for s in seeds),
-            any_unseeded=any(s and seed is None for s, seed in zip(sampled, seeds)))
+        flags = dict(all_greedy=not any(sampled), any_top_k=any(0 < k < vocab_size for k in top_k),
+                     any_top_p=any(p < 1.0 for p in top_p), any_seeded=any(s is not None for s in seeds),
+                     any_unseeded=any(s and seed is None for s, seed in zip(sampled, seeds)))
+        if flags["all_greedy"]:              # the argmax needs no per-row tensors (no copies to the device)
+            return cls(None, None, None, None, None, None, None, bias, banned, penalties, **flags)
+        # two host-to-device copies for the per-row values: one float32, one int64 table
+        floats = tensor([[p.temperature if s else 1.0, tp, float(not s)] for p, s, tp in zip(params, sampled, top_p)],
+                        torch.float32)
+        ints = tensor([[k, s or 0, int(s is not None), len(r.prompt_token_ids) + len(r.output_token_ids)]
+                       for k, s, r in zip(top_k, seeds, rows)], torch.long)
+        return cls(temperature=floats[:, 0], greedy=floats[:, 2] > 0, top_k=ints[:, 0], top_p=floats[:, 1],
+                   seeded=ints[:, 2] > 0, seeds=ints[:, 1], positions=ints[:, 3], bias=bias, banned=banned,
+                   penalties=penalties, **flags)
 
 
 def _penalties(rows: Sequence[Any], params: Sequence[SamplingParams], vocab_size: int, tensor,
