@@ -48,7 +48,7 @@ for phase in $PHASES; do
     kernels) run "kernel bench" 240 python3 tools/kernel_bench.py ;;
     bench)
       bench model=ouro-1.4b 'workload=[b1,b64,b128,prefill8k]'
-      bench model=ouro-1.4b kv_mode=shared 'workload=[b128]' ;;
+      bench model=ouro-1.4b engine.kv_mode=shared 'workload=[b128]' ;;
     models)
       bench model=huginn-0125 'workload=[b1]'
       bench model=nanbeige4.2-3b 'workload=[b1]' ;;
@@ -67,17 +67,17 @@ for phase in $PHASES; do
         -p no:cacheprovider -k "ouro_1_4b_shape and float32" ;;
     sweep)   # tok/s against batch, full and shared KV (docs/throughput.png); 32 new tokens per request suffice
       for kv in ${SWEEP_KV:-full shared}; do
-        bench model=ouro-1.4b kv_mode=$kv 'workload=[b1,b8,b32,b64,b128]' workloads.b1.new=64 \
+        bench model=ouro-1.4b engine.kv_mode=$kv 'workload=[b1,b8,b32,b64,b128]' workloads.b1.new=64 \
           workloads.b8.new=32 workloads.b32.new=32 workloads.b64.new=32 workloads.b128.new=32
       done ;;
-    spec) bench model=ouro-1.4b 'workload=[b1,b8,b32]' speculative.num_tokens=4 speculative.draft_loops=2 ;;
+    spec) bench model=ouro-1.4b 'workload=[b1,b8,b32]' engine.speculative.num_tokens=4 engine.speculative.draft_loops=2 ;;
     fp8)   # issue 14: FP8 KV and FP8 weights (docs/fp8.md); bf16 rows come from the bench phase
       run "pytest fp8" 240 python3 -m pytest tests/cuda/test_fp8_cuda.py -q -rs -s -p no:cacheprovider
-      bench model=ouro-1.4b kv_dtype=fp8 'workload=[b1,b64,b128,prefill8k]'
-      bench model=ouro-1.4b kv_dtype=fp8 kv_mode=shared 'workload=[b128]'
-      bench model=ouro-1.4b weights_dtype=fp8 'workload=[b1]'
-      bench model=ouro-1.4b kv_dtype=fp8 weights_dtype=fp8 'workload=[b1]'
-      LOOPSTACK_FP8_GEMM=triton bench model=ouro-1.4b weights_dtype=fp8 'workload=[b1]' ;;
+      bench model=ouro-1.4b engine.kv_dtype=fp8 'workload=[b1,b64,b128,prefill8k]'
+      bench model=ouro-1.4b engine.kv_dtype=fp8 engine.kv_mode=shared 'workload=[b128]'
+      bench model=ouro-1.4b engine.weights_dtype=fp8 'workload=[b1]'
+      bench model=ouro-1.4b engine.kv_dtype=fp8 engine.weights_dtype=fp8 'workload=[b1]'
+      LOOPSTACK_FP8_GEMM=triton bench model=ouro-1.4b engine.weights_dtype=fp8 'workload=[b1]' ;;
     *) echo "unknown phase $phase" ;;
   esac
 done

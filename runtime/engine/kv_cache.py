@@ -103,6 +103,20 @@ class BlockManager:
             while len(table) < target:
                 table.append(self._take())
 
+    def fork(self, parent_id: str, child_id: str, num_blocks: int) -> int:
+        """A new request `child_id` starts with the parent's first `num_blocks` blocks of every plane
+        (n > 1: samples share their prompt's KV); they gain a reference, so either may finish first.
+        Returns the blocks per plane shared (fewer when the parent holds fewer)."""
+        assert child_id not in self.tables, f"request {child_id} already holds blocks"
+        tables = self.tables.get(parent_id)
+        shared = min([num_blocks] + [len(t) for t in tables]) if tables else 0
+        if shared <= 0:
+            return 0
+        self.tables[child_id] = [list(t[:shared]) for t in tables]
+        for block in (b for t in self.tables[child_id] for b in t):
+            self.ref_counts[block] += 1
+        return shared
+
     def _take(self) -> int:
         block = self.free_blocks.popleft() if self.free_blocks else self.cache.evict_oldest()
         self.ref_counts[block] = 1
@@ -161,7 +175,6 @@ class BlockManager:
         for b in held:
             counts[b] += 1
         assert counts == self.ref_counts, "a KV block's reference count is wrong"
-        assert self.cache is not None or max(counts, default=0) <= 1, "a KV block is owned twice"
         evictable = list(self.cache.evictable) if self.cache else []
         unreferenced = sorted(list(self.free_blocks) + evictable)
         assert unreferenced == [b for b in range(self.num_blocks) if counts[b] == 0], "a KV block leaked"

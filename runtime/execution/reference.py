@@ -85,7 +85,7 @@ def generate_reference(model: LoopedCausalLM, prompt_ids: list[int], params: Sam
         ctx.begin_step(torch.arange(position, position + ids.shape[0], device=device)[None])
         logits, exit_loops = forward_step(model, ids, ctx, num_loops, threshold)
         position += ids.shape[0]
-        token = sample_token(logits[-1], params, ctx.generator)
+        token = sample_token(logits[-1], params, prompt_ids, out, stops)
         out.append(token)
         loops.append(int(exit_loops[-1]))
         if token in stops:

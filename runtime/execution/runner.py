@@ -31,7 +31,8 @@ from runtime.execution.async_step import PendingStep, Readback, StepResult, feed
 from runtime.execution.graphs import PassGraphs
 from runtime.execution.loops import SeqPlan, run_loops
 from runtime.execution.quantization import prepare_weights, resolve_kv_dtype
-from runtime.execution.sampler import sample_batch, sample_tokens
+from runtime.execution.logprobs import StepLogprobs, prompt_logits, prompt_rows
+from runtime.execution.sampler import SamplingTensors, sample
 from runtime.execution.step_inputs import PassEnv, SeqSlice, describe, place, shifted_tables
 from runtime.parallel.state import agree_min, capture_allowed
 from zoo.base import LoopedCausalLM, ModelOps
@@ -161,7 +162,8 @@ class ModelRunner:
         self.num_decode_replays += 1
         logits = self.graphs.run(("decode", self.graphs.bucket(len(scheduled)), loops, copy),
                                  decode_program(self.model, loops), host, 1, self.layout.num_planes(loops), ids)
-        return self.finish_step(logits[:len(scheduled)], requests, [loops] * len(requests), len(scheduled), deferred)
+        return self.finish_step(logits[:len(scheduled)], requests, [loops] * len(requests), len(scheduled), deferred,
+                                fed_from=fed_from)
 
     def _execute_eager(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager,
                        fed_from: PendingStep | None, deferred: bool) -> StepResult | PendingStep:
@@ -216,7 +218,10 @@ class ModelRunner:
         loops = [scheduled[i].request.num_loops if scheduled[i].is_wave else n
                  for i, n in zip(sample_seqs, result.sample_loops)]
         requests = [scheduled[i].request for i in sample_seqs]
-        return self.finish_step(logits if sample_seqs else None, requests, loops, row, deferred)
+        # prompt logprobs (runtime/execution/logprobs.py): the coda on the chunk rows that predict prompt tokens
+        wanted = prompt_rows(scheduled)
+        prompt = (wanted, prompt_logits(model, result.state, ctx, wanted)) if wanted else None
+        return self.finish_step(logits if sample_seqs else None, requests, loops, row, deferred, prompt, fed_from)
 
     def _enter(self, ids: torch.Tensor, ctx, scheduled: Sequence[ScheduledRequest], entering: list[int],
                starts: list[int]) -> torch.Tensor:
@@ -241,18 +246,25 @@ class ModelRunner:
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     def finish_step(self, logits: torch.Tensor | None, requests: Sequence, loops: Sequence[int],
-                    num_rows: int, deferred: bool) -> StepResult | PendingStep:
+                    num_rows: int, deferred: bool, prompt=None, fed_from: PendingStep | None = None
+                    ) -> StepResult | PendingStep:
         """Sample `logits: [R, V]` (one row per request of `requests`): to host ints now, or `deferred`
-        on the device with an asynchronous copy to host (read by `PendingStep.result()`)."""
+        on the device with an asynchronous copy to host (read by `PendingStep.result()`). Log-
+        probabilities, where requests asked (`prompt`: prompt rows and their logits), come along.
+        `fed_from`: the step whose tokens are still on the device (penalties count them)."""
+        tokens = self.sample(logits, requests, fed_from) if requests else None
+        logprobs = StepLogprobs.compute(logits, tokens, requests, prompt)
         if deferred:
-            tokens = sample_tokens(logits, requests) if requests else None
-            return PendingStep(self.readback, tokens, [r.request_id for r in requests], list(loops), num_rows)
-        tokens = self.sample(logits, requests) if requests else []
-        return StepResult({r.request_id: (t, n) for r, t, n in zip(requests, tokens, loops)}, num_rows)
+            return PendingStep(self.readback, tokens, [r.request_id for r in requests], list(loops), num_rows,
+                               logprobs)
+        sampled, prompt_lp = logprobs.to_host() if logprobs is not None else (None, None)
+        values = tokens.tolist() if tokens is not None else []          # the step's one host sync
+        return StepResult({r.request_id: (t, n) for r, t, n in zip(requests, values, loops)}, num_rows,
+                          sampled, prompt_lp)
 
-    def sample(self, logits: torch.Tensor, requests: Sequence) -> list[int]:
-        """Next tokens for `logits: [R, V]`, sampled on the device with one host sync."""
-        return sample_batch(logits, [r.params for r in requests], [r.generator for r in requests])
+    def sample(self, logits: torch.Tensor, requests: Sequence, fed_from: PendingStep | None = None) -> torch.Tensor:
+        """Next tokens `[R]` for `logits: [R, V]`, on the device (runtime/execution/sampler.py)."""
+        return sample(logits, SamplingTensors.build(requests, self.device, logits.shape[-1], fed_from))
 
     def fill_skipped_planes(self, exits: list[tuple[int, int]], scheduled: Sequence[ScheduledRequest],
                             plans: Sequence[SeqPlan], blocks: BlockManager) -> None:
