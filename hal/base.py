@@ -103,18 +103,22 @@ class AttnCaps(NamedTuple):
 
 
 class PagedBatch(NamedTuple):
-    """Host description of one attention batch over the paged cache (Python ints, no tensors).
+    """Host description of one attention batch over the paged cache (host values, no tensors).
 
     Sequence i contributes `query_lens[i]` new tokens, the last ones of its `seq_lens[i]` tokens,
     so the new tokens sit at positions `seq_lens[i] - query_lens[i] ... seq_lens[i] - 1`. Tokens
     are packed sequence after sequence ("varlen", no padding). `block_tables[p][i]` lists the
-    cache blocks of sequence i in KV plane p; every plane shares one block pool.
+    cache blocks of sequence i in KV plane p; every plane shares one block pool. The tables are
+    either nested lists, or (a runtime's persistent batch) one int32 array `[P, S, B]` whose rows are
+    valid up to `table_lengths[p, i]` (then `table_lengths` is given; read both through
+    `hal.common.paged`). `query_lens` and `seq_lens` may be int arrays.
     """
 
     query_lens: Sequence[int]
     seq_lens: Sequence[int]
-    block_tables: Sequence[Sequence[Sequence[int]]]   # [plane][seq][block]
+    block_tables: Sequence[Sequence[Sequence[int]]]   # [plane][seq][block], or int32 [P, S, B]
     block_size: int
+    table_lengths: Any = None                          # int [P, S] when block_tables is an array
 
 
 class MetaCapacity(NamedTuple):

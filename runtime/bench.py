@@ -56,11 +56,21 @@ def build_model(cfg: Any, device: torch.device, parallel: Any = None):
     raise ValueError(f"weights must be 'random' or 'checkpoint', got {cfg.weights!r}")
 
 
-def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int = 0) -> dict[str, Any]:
+def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int = 0,
+             profile_steps: int = 0) -> dict[str, Any]:
     """Prefill `batch` prompts of `prompt` random tokens, then decode `new` tokens each. With
     `late_prompt: N` one more prompt of N tokens arrives once the batch decodes: its time to first
-    token and the decode step time while it prefills are reported (chunked vs wavefront prefill)."""
+    token and the decode step time while it prefills are reported (chunked vs wavefront prefill).
+
+    Beside the wall time per decode step, device events around each step's work give the device
+    time per step and the time the device sat idle between steps waiting for the host
+    (`runtime.execution.step_timer`). `profile_steps > 0` runs that many decode steps of this very
+    loop under torch.profiler and prints where the device time went."""
+    from runtime.execution.step_timer import StepTimer
+
     hal = engine.hal
+    engine.timer = StepTimer(hal)
+    profiler = None
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.model.config.vocab_size
     params = SamplingParams(max_tokens=cell["new"], temperature=0.0, ignore_eos=True, num_loops=num_loops)
@@ -99,6 +109,9 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
         elif outs:
             step_times.append((t1 - t0, len(outs)))
             decode_tokens, decode_s = decode_tokens + new, decode_s + (t1 - t0)
+            profiler = _profile(profiler, len(step_times), profile_steps, hal)
+    if profiler is not None:
+        _profile(profiler, 0, 0, hal)
     total = time.perf_counter() - start
     # steady state: steps where every request of the cell decodes (requests that prefilled in
     # later chunks finish later, and the last steps run smaller batches); skip graph captures
@@ -114,6 +127,12 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
            "decode_steps": len(step_times), "full_batch_steps": len(full), "total_s": round(total, 3),
            "peak_mem_gib": round(hal.memory_stats()["peak_allocated"] / 2**30, 2),
            **(late_summary(cell, late) if late else {})}
+    timing = engine.timer.summary(cell["batch"])
+    engine.timer = None
+    if timing is not None:
+        # device time per full decode step, and how long the device waited for the host between steps
+        row.update({"device_ms_step": round(timing.device_ms, 3), "device_idle_ms_step": round(timing.idle_ms, 3),
+                    "wall_vs_device": round(ms / timing.device_ms, 3)})
     drafted = sum(m.num_draft_tokens for m in metrics)
     if drafted:
         rounds = sum(m.num_spec_rounds for m in metrics)
@@ -121,6 +140,29 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
         row.update({"acceptance_rate": round(sum(m.num_accepted_tokens for m in metrics) / drafted, 4),
                     "mean_accepted_length": round(sum(m.num_accepted_tokens for m in metrics) / rounds, 3)})
     return row
+
+
+PROFILE_FROM_STEP = 8          # decode steps before the profiled ones (graphs captured, caches warm)
+
+
+def _profile(profiler: Any, step: int, num_steps: int, hal: Any) -> Any:
+    """Start torch.profiler at decode step PROFILE_FROM_STEP, stop `num_steps` later and print the
+    device kernels by total time (the benchmark loop itself, host scheduling included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if profiler is None and num_steps and step == PROFILE_FROM_STEP:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if hal.device().type == "cuda" else [])
+        profiler = profile(activities=activities)
+        profiler.__enter__()
+        return profiler
+    if profiler is not None and (step == 0 or step >= PROFILE_FROM_STEP + num_steps):
+        hal.synchronize()
+        profiler.__exit__(None, None, None)
+        sort = "cuda_time_total" if hal.device().type == "cuda" else "cpu_time_total"
+        print(f"===== profile of {num_steps} decode steps of the benchmark loop", flush=True)
+        print(profiler.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60), flush=True)
+        return None
+    return profiler
 
 
 def late_summary(cell: dict[str, int], late: dict[str, Any]) -> dict[str, Any]:
@@ -196,11 +238,11 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
                **({"fp8_gemm": os.environ.get("LOOPSTACK_FP8_GEMM", "auto")}
                   if config.weights_dtype == "fp8" else {}),
                "max_num_batched_tokens": config.max_num_batched_tokens,
-               "async_scheduling": config.async_scheduling, "wavefront_prefill": config.wavefront_prefill,
+               "async_scheduling": engine.config.async_scheduling, "wavefront_prefill": config.wavefront_prefill,
                "loops": num_loops, "dtype": cfg.model.dtype, "weights": cfg.weights,
                "graphs": engine.runner.graphs is not None and engine.runner.graphs.capture,
                "spec": f"K={spec.num_tokens},d={spec.draft_loops},{spec.mode}" if spec.is_enabled else "off",
-               **run_cell(engine, cell, num_loops)}
+               **run_cell(engine, cell, num_loops, profile_steps=cfg.profile)}
         if spec.is_enabled:
             row.update(step_costs(engine, cell, num_loops))
         runner = engine.runner           # the cache's own bytes per token and layer (8-bit KV: with its scales)

@@ -1,6 +1,7 @@
 """Frozen configuration dataclasses: per-request sampling, and the Hydra schemas of the CLIs."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
@@ -207,7 +208,9 @@ class EngineConfig:
     preemption_mode: str = "recompute"       # recompute (drop KV, prefill again) | swap (KV to host and back)
     swap_space_bytes: int = 4 << 30          # host memory for swapped-out KV (at most the device pool's size)
     scheduling_policy: str = "fcfs"          # fcfs | priority (SamplingParams.priority, lower = first)
-    async_scheduling: bool = False           # plan step t+1 while the device runs step t
+    # plan step t+1 while the device runs step t; None: on where the device runs apart from the host
+    # and nothing refuses it (speculation, tensor parallelism), off on the CPU (`resolve_async`)
+    async_scheduling: Optional[bool] = None
     wavefront_prefill: bool = False          # long prompts' chunks advance through the loops as a wavefront
 
     max_num_loops: int = 64                  # the deepest num_loops a request (or model.num_loops) may ask for
@@ -249,6 +252,8 @@ class EngineConfig:
         integer("max_model_len", 2, optional=True)
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling must be true, false or null (auto), got {self.async_scheduling!r}")
         if self.speculative.is_enabled and self.async_scheduling:
             raise ValueError("async_scheduling=true does not combine with speculative decoding: set "
                              "async_scheduling=false (speculation overlaps its own work with speculative.mode=async)")
@@ -312,6 +317,7 @@ class BenchConfig:
     workload: Any = "b1"
     warmup: bool = True
     matmul_size: int = 8192
+    profile: int = 0                       # decode steps of each cell to run under torch.profiler (0: none)
     output: Optional[str] = None
     log_level: str = "WARNING"
     workloads: Any = None
@@ -357,3 +363,14 @@ class ServeConfig:
     port: int = 8000
     server: Any = None                    # runtime.server.config.ServerConfig's fields
     log_level: str = "INFO"
+
+
+def resolve_async(config: "EngineConfig", device_type: str, is_parallel: bool) -> "EngineConfig":
+    """`async_scheduling=None` decided: on where the device runs apart from the host (a GPU, an NPU)
+    and nothing refuses it, so the host plans step t+1 while step t runs (outputs are the same);
+    off on the CPU, where there is nothing to overlap, with speculation (it overlaps its own work)
+    and under tensor parallelism (rank 0 would plan before it knows the tokens the others replay)."""
+    if config.async_scheduling is not None:
+        return config
+    on = device_type != "cpu" and not config.speculative.is_enabled and not is_parallel
+    return dataclasses.replace(config, async_scheduling=on)

@@ -40,7 +40,7 @@ from runtime import SamplingParams  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
 from runtime.engine.llm_engine import LLMEngine  # noqa: E402
 from runtime.execution.reference import CachedContext, forward_step  # noqa: E402
-from zoo import layers  # noqa: E402
+from hal.cpu import CpuHal  # noqa: E402
 
 FN, FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
 TEXT = ["A fool and his money", "In the beginning God created", "You will meet a tall dark stranger",
@@ -113,37 +113,36 @@ def subjects(names: list[str]) -> list[Subject]:
     return out
 
 
+class W8A8CpuHal(CpuHal):
+    """The CPU Hal whose fp8_linear quantizes activations too (W8A8, as `torch._scaled_mm` does)."""
+
+    def op(self, name: str):
+        return w8a8_linear if name == "fp8_linear" else super().op(name)
+
+
 def run_config(subject: Subject, config: Config, forced: list[list[int]] | None) -> dict[str, Any]:
     """Greedy tokens through the engine, then the teacher-forced logits of `forced` (or of the
     greedy sequences themselves when None) through the same quantized model and cache rounding."""
     model = subject.load(config.dtype)
     weights = "auto" if config.weights == "auto" else "fp8"
-    saved = layers._FUSED.get(("fp8_linear", "cpu"), "unset")
-    if config.weights == "w8a8":
-        layers._FUSED[("fp8_linear", "cpu")] = w8a8_linear
-    try:
-        longest = max(map(len, subject.prompts)) + subject.new_tokens + 1
-        engine = LLMEngine(model, hal.get("cpu"), EngineConfig(
-            kv_dtype=config.kv, weights_dtype=weights, max_num_seqs=len(subject.prompts), max_model_len=longest))
-        params = SamplingParams(max_tokens=subject.new_tokens, temperature=0.0, ignore_eos=True,
-                                **subject.sampling)
-        for i, prompt in enumerate(subject.prompts):
-            engine.add_request(str(i), prompt, params)
-        done = {o.request_id: o.token_ids for o in engine.run_until_done()}
-        greedy = [done[str(i)] for i in range(len(subject.prompts))]
-        kv_dtype = engine.runner.backend.kv_dtype if config.kv != "auto" else None
-        sequences = forced or [p + g for p, g in zip(subject.prompts, greedy)]
-        logits = []
-        for ids in sequences:
-            ctx = CachedContext(None, subject.sampling.get("init_scale"), kv_dtype)
-            ctx.begin_step(torch.arange(len(ids))[None])
-            loops = subject.sampling.get("num_loops") or model.default_num_loops
-            logits.append(forward_step(model, torch.tensor(ids), ctx, loops, 1.0)[0])
-    finally:
-        if saved == "unset":
-            layers._FUSED.pop(("fp8_linear", "cpu"), None)
-        else:
-            layers._FUSED[("fp8_linear", "cpu")] = saved
+    # W8A8: the CPU Hal with the activation-quantizing linear as its fp8_linear op (the engine binds it)
+    device_hal = W8A8CpuHal() if config.weights == "w8a8" else hal.get("cpu")
+    longest = max(map(len, subject.prompts)) + subject.new_tokens + 1
+    engine = LLMEngine(model, device_hal, EngineConfig(
+        kv_dtype=config.kv, weights_dtype=weights, max_num_seqs=len(subject.prompts), max_model_len=longest))
+    params = SamplingParams(max_tokens=subject.new_tokens, temperature=0.0, ignore_eos=True, **subject.sampling)
+    for i, prompt in enumerate(subject.prompts):
+        engine.add_request(str(i), prompt, params)
+    done = {o.request_id: o.token_ids for o in engine.run_until_done()}
+    greedy = [done[str(i)] for i in range(len(subject.prompts))]
+    kv_dtype = engine.runner.backend.kv_dtype if config.kv != "auto" else None
+    sequences = forced or [p + g for p, g in zip(subject.prompts, greedy)]
+    logits = []
+    for ids in sequences:
+        ctx = CachedContext(None, subject.sampling.get("init_scale"), kv_dtype, engine.runner.ops)
+        ctx.begin_step(torch.arange(len(ids))[None])
+        loops = subject.sampling.get("num_loops") or model.default_num_loops
+        logits.append(forward_step(model, torch.tensor(ids), ctx, loops, 1.0)[0])
     return {"greedy": greedy, "logits": logits, "sequences": sequences}
 
 

@@ -19,7 +19,7 @@ import torch
 from hal.ascend.ops import MASK_SIZE, AscendOps
 from hal.base import AttentionBackend, AttnCaps, MetaCapacity, PagedBatch
 from hal.common.torch_attention import TorchPagedAttention
-from hal.common.paged import block_table_array, slot_mapping
+from hal.common.paged import block_table_array, slot_mapping, table_lengths
 
 
 @dataclass
@@ -81,13 +81,14 @@ class FusedAttention(AttentionBackend):
         KV slots (graph steps, whose padding rows are the runtime's; eager steps skip the cost)."""
         if batch.block_size != self.block_size:
             raise ValueError(f"batch block_size {batch.block_size} != backend block_size {self.block_size}")
-        bs, query_lens, seq_lens = self.block_size, list(batch.query_lens), list(batch.seq_lens)
-        in_use = [[0 < s <= len(t) * bs for t, s in zip(plane, seq_lens)] for plane in batch.block_tables]
+        bs, query_lens, seq_lens = self.block_size, [int(q) for q in batch.query_lens], [int(s) for s in batch.seq_lens]
+        lengths = table_lengths(batch)                                           # [P, S]
+        in_use = [[0 < s <= n * bs for n, s in zip(plane, seq_lens)] for plane in lengths.tolist()]
         # a sequence without KV in a plane attends its own queries over block 0 (valid for the kernel)
         # and its output rows are zeroed afterwards, as the CPU reference leaves them
         kv_lens = [[s if used else q for used, q, s in zip(flags, query_lens, seq_lens)] for flags in in_use]
         unused_need = [-(-q // bs) for flags in in_use for used, q in zip(flags, query_lens) if not used]
-        widest = max([len(t) for plane in batch.block_tables for t in plane] + unused_need + [1])
+        widest = max([int(lengths.max()) if lengths.size else 0] + unused_need + [1])
         if max_blocks and widest > max_blocks:
             raise ValueError(f"a block table needs {widest} blocks, the meta has room for {max_blocks} "
                              f"(MetaCapacity.max_blocks_per_seq)")

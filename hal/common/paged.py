@@ -1,4 +1,8 @@
-"""Host-side arithmetic of the paged KV cache, shared by every attention backend."""
+"""Host-side arithmetic of the paged KV cache, shared by every attention backend.
+
+A `PagedBatch`'s block tables are nested lists or one array with its table lengths; these helpers
+read either, so backends never index the tables themselves.
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -15,8 +19,24 @@ def query_start_loc(batch: PagedBatch) -> np.ndarray:
 
 def token_positions(batch: PagedBatch) -> np.ndarray:
     """Position of every packed query token in its sequence, `[T]` (int64)."""
-    parts = [np.arange(s - q, s, dtype=np.int64) for q, s in zip(batch.query_lens, batch.seq_lens)]
+    query_lens = np.asarray(batch.query_lens, dtype=np.int64)
+    seq_lens = np.asarray(batch.seq_lens, dtype=np.int64)
+    if len(query_lens) and (query_lens == 1).all():          # decode: one token per sequence
+        return seq_lens - 1
+    parts = [np.arange(s - q, s, dtype=np.int64) for q, s in zip(query_lens, seq_lens)]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def num_planes(batch: PagedBatch) -> int:
+    return len(batch.block_tables)
+
+
+def table_lengths(batch: PagedBatch) -> np.ndarray:
+    """Blocks per table `[num_planes, num_seqs]` (int64)."""
+    if batch.table_lengths is not None:
+        return np.asarray(batch.table_lengths, dtype=np.int64)
+    return np.array([[len(t) for t in plane] for plane in batch.block_tables], dtype=np.int64).reshape(
+        len(batch.block_tables), len(batch.query_lens))
 
 
 def block_table_array(batch: PagedBatch, max_blocks: int | None = None) -> np.ndarray:
@@ -24,12 +44,19 @@ def block_table_array(batch: PagedBatch, max_blocks: int | None = None) -> np.nd
 
     Padding entries are never read: kernels stop at `seq_lens[i]`.
     """
-    num_planes, num_seqs = len(batch.block_tables), len(batch.query_lens)
-    widest = max((len(t) for plane in batch.block_tables for t in plane), default=0)
+    lengths = table_lengths(batch)
+    widest = int(lengths.max()) if lengths.size else 0
     max_blocks = max(widest, 1) if max_blocks is None else max_blocks
     if widest > max_blocks:
         raise ValueError(f"a block table has {widest} blocks, more than max_blocks={max_blocks}")
-    out = np.zeros((num_planes, num_seqs, max_blocks), dtype=np.int32)
+    if isinstance(batch.block_tables, np.ndarray):
+        tables = batch.block_tables
+        if tables.shape[2] >= max_blocks:
+            return np.ascontiguousarray(tables[:, :, :max_blocks], dtype=np.int32)
+        out = np.zeros((*tables.shape[:2], max_blocks), dtype=np.int32)
+        out[:, :, :tables.shape[2]] = tables
+        return out
+    out = np.zeros((len(batch.block_tables), len(batch.query_lens), max_blocks), dtype=np.int32)
     for p, plane in enumerate(batch.block_tables):
         for i, table in enumerate(plane):
             out[p, i, :len(table)] = table
@@ -46,7 +73,7 @@ def slot_mapping(batch: PagedBatch) -> np.ndarray:
     positions = token_positions(batch)
     seq_of_token = np.repeat(np.arange(len(batch.query_lens)), batch.query_lens)
     tables = block_table_array(batch)                                   # [P, S, B]
-    lengths = np.array([[len(t) for t in plane] for plane in batch.block_tables], dtype=np.int64)
+    lengths = table_lengths(batch)
     if tables.shape[1] == 0:
         return np.zeros((tables.shape[0], 0), dtype=np.int64)
     block_idx = positions // bs                                         # [T]

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from hal.base import AttentionBackend, AttnCaps, MetaCapacity, PagedBatch, dense_attention
-from hal.common.paged import block_table_array, query_start_loc, slot_mapping
+from hal.common.paged import block_table_array, query_start_loc, slot_mapping, table_lengths
 
 
 @dataclass
@@ -42,7 +42,7 @@ class TorchPagedAttention(AttentionBackend):
         return CpuMeta(
             query_start=query_start_loc(batch).tolist(),
             seq_lens=list(batch.seq_lens),
-            num_blocks=[[len(t) for t in plane] for plane in batch.block_tables],
+            num_blocks=table_lengths(batch).tolist(),
             block_tables=torch.from_numpy(block_table_array(batch)).to(self.device, torch.int64),
             slot_mapping=torch.from_numpy(slot_mapping(batch)).to(self.device),
         )

@@ -21,7 +21,7 @@ from hal.kernels.attention import paged_attention
 from hal.kernels.configs import KernelConfig, configs_for
 from hal.kernels.kv_write import write_kv
 from hal.kernels.launch import target_of
-from hal.kernels.staging import StagingRing
+from hal.common.staging import StagingRing
 from hal.common.paged import block_table_array, query_start_loc, slot_mapping
 
 DEFAULT_CPU_COMPUTE_UNITS = 4     # the interpreter has no SMs; enough to exercise the context split

@@ -30,6 +30,8 @@ class BlockManager:
         self.tables: dict[str, list[list[int]]] = {}     # request id -> [plane][block]
         self.cache = PrefixCache() if enable_prefix_caching else None
         self.num_registered: dict[str, int] = {}         # request id -> leading blocks offered to the cache
+        # requests whose tables changed since the runner's persistent batch last looked (it clears this)
+        self.changed: set[str] = set()
 
     # ----- queries --------------------------------------------------------------------------
     @property
@@ -91,6 +93,7 @@ class BlockManager:
             raise MemoryError(f"request {request_id} needs {needed} KV blocks, {self.num_free_blocks} are free")
         if request_id not in self.tables:
             assert not hit.tables or len(hit.tables) == num_planes
+            self.changed.add(request_id)
             self.tables[request_id] = [list(t) for t in hit.tables] or [[] for _ in range(num_planes)]
             for block in (b for t in hit.tables for b in t):
                 if self.ref_counts[block] == 0:
@@ -99,6 +102,8 @@ class BlockManager:
         tables = self.tables[request_id]
         assert len(tables) == num_planes, "a request's plane count cannot change"
         target = self.blocks_per_plane(num_tokens)
+        if len(tables[0]) < target:
+            self.changed.add(request_id)
         for table in tables:
             while len(table) < target:
                 table.append(self._take())
@@ -113,6 +118,7 @@ class BlockManager:
         if shared <= 0:
             return 0
         self.tables[child_id] = [list(t[:shared]) for t in tables]
+        self.changed.add(child_id)
         for block in (b for t in self.tables[child_id] for b in t):
             self.ref_counts[block] += 1
         return shared
@@ -132,6 +138,8 @@ class BlockManager:
             return 0
         keep = self.blocks_per_plane(num_tokens)
         dropped = [b for table in tables for b in table[keep:]]
+        if dropped:
+            self.changed.add(request_id)
         for table in tables:
             del table[keep:]
         self._release(dropped)
@@ -142,6 +150,7 @@ class BlockManager:
         return to the pool: named ones stay cached (evictable, the tail of a table first)."""
         tables = self.tables.pop(request_id, [])
         self.num_registered.pop(request_id, None)
+        self.changed.add(request_id)
         self._release([b for table in tables for b in table])
         return sum(len(t) for t in tables)
 

@@ -23,7 +23,7 @@ import torch
 
 from hal.base import Hal
 from runtime.execution.async_step import PendingStep, StepResult
-from runtime.config import EngineConfig, SamplingParams
+from runtime.config import EngineConfig, SamplingParams, resolve_async
 from runtime.engine.kv_cache import BlockManager
 from runtime.engine.outputs import CompletionOutput, RequestOutput
 from runtime.engine.prefix_cache import PrefixPolicy
@@ -70,7 +70,8 @@ class LLMEngine:
                  tokenizer: Tokenizer | None = None, extra_stop_token_ids: Iterable[int] = (),
                  publisher: PlanPublisher | None = None) -> None:
         self.model, self.hal, self.tokenizer = model, hal, tokenizer
-        self.config = config or EngineConfig()
+        self.config = resolve_async(config or EngineConfig(), hal.device().type, publisher is not None)
+        log.info("scheduling: %s", "one step ahead (async)" if self.config.async_scheduling else "synchronous")
         # the context: the model's positions (or engine.max_model_len); a request ends there ("length")
         self.context_len = min(self.config.max_model_len or model.max_seq_len, model.max_seq_len)
         self.max_model_len = self.context_len    # the longest request at the model's depth the cache holds
@@ -103,6 +104,8 @@ class LLMEngine:
         self.groups: dict[str, SampleGroup] = {}       # n > 1: request id -> its samples
         self.num_steps = 0
         self.num_computed_tokens = 0
+        # benchmarks: a runtime.execution.step_timer.StepTimer records device events around each step
+        self.timer = None
 
     def _fit_context_to_cache(self) -> None:
         """The longest request (at the model's depth) the KV cache can ever hold is known now:
@@ -289,6 +292,8 @@ class LLMEngine:
         plain = [item for item in plan.scheduled if not item.num_draft_tokens]
         sampling = [item.request for item in plain if item.samples]
         fed = self._in_flight[1] if self._in_flight is not None else None
+        if self.timer is not None:
+            self.timer.start(len(plan.scheduled) if all(i.num_tokens == 1 for i in plan.scheduled) else None)
         result = self.runner.execute(plain, self.blocks, input_ids_from_device=fed,
                                      deferred=self.config.async_scheduling) if plain else StepResult({}, 0)
         if drafting:                            # speculation rounds (never with async scheduling)
@@ -298,6 +303,8 @@ class LLMEngine:
                 item.request.num_computed_tokens += len(committed)      # t0 and the kept drafts
                 result.sampled[item.request.request_id] = [(t, item.request.num_loops) for t in committed]
             self.num_computed_tokens += spec.num_tokens
+        if self.timer is not None:
+            self.timer.stop()
         self.num_steps += 1
         self.num_computed_tokens += sum(item.num_new_tokens for item in plain)
         self.scheduler.advance(plain)

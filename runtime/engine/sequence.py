@@ -110,6 +110,19 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Tokens `[start, stop)` of prompt + output, without copying the whole sequence."""
+        num_prompt = len(self.prompt_token_ids)
+        if stop <= num_prompt:
+            return self.prompt_token_ids[start:stop]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:stop - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - num_prompt]
+
+    def token_at(self, position: int) -> int:
+        num_prompt = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < num_prompt else self.output_token_ids[position - num_prompt]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

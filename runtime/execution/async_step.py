@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from hal.base import Hal
-from runtime.engine.sequence import PLACEHOLDER
 
 
 class StepResult(NamedTuple):
@@ -48,8 +48,9 @@ class PendingStep:
     """A launched step: `tokens: [R]` (device, int64) are its sampled tokens in `request_ids` order."""
 
     def __init__(self, readback: Readback, tokens: torch.Tensor | None, request_ids: Sequence[str],
-                 loops: Sequence[int], num_tokens: int, logprobs: Any = None) -> None:
+                 loops: Sequence[int], num_tokens: int, logprobs: Any = None, rows: Any = None) -> None:
         self.tokens, self.num_tokens = tokens, num_tokens
+        self.rows = rows                         # persistent-batch rows of the requests (a decode step), or None
         self.logprobs = logprobs                 # a StepLogprobs on the device, read with the tokens
         self.request_ids, self.loops = list(request_ids), list(loops)
         self.row_of = {rid: i for i, rid in enumerate(self.request_ids)}
@@ -68,18 +69,22 @@ class PendingStep:
         return StepResult(sampled, self.num_tokens, logprobs, prompt)
 
 
-def feed_tokens(token_ids: list[int], fed: Sequence[tuple[int, str]], source: PendingStep | None,
+def feed_tokens(token_ids: Sequence[int], fed: Sequence[tuple[int, str]], source: PendingStep | None,
                 device: torch.device) -> torch.Tensor:
     """Token ids `[T]` on the device; each `(row, request id)` in `fed` is a placeholder that takes
-    the token `source` sampled for that request, by a device-side copy."""
+    the token `source` sampled for that request, by a device-side copy. Every host value goes by
+    non-blocking copies: a launch never waits for the step in flight."""
+    ids = _to_device(token_ids, device)
     if fed:
         if source is None or any(rid not in source.row_of for _, rid in fed):
             raise RuntimeError("a placeholder input token without the step that samples it "
                                "(an async scheduling bug)")
-        token_ids = [0 if t == PLACEHOLDER else t for t in token_ids]
-    ids = torch.tensor(token_ids, dtype=torch.long, device=device)
-    if fed:
-        rows = torch.tensor([row for row, _ in fed], dtype=torch.long, device=device)
-        src = torch.tensor([source.row_of[rid] for _, rid in fed], dtype=torch.long, device=device)
+        rows = _to_device([row for row, _ in fed], device)
+        src = _to_device([source.row_of[rid] for _, rid in fed], device)
         ids.index_copy_(0, rows, source.tokens.index_select(0, src))
     return ids
+
+
+def _to_device(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    host = torch.as_tensor(np.asarray(values, dtype=np.int64))
+    return host.to(device, non_blocking=True) if device.type != "cpu" else host.clone()

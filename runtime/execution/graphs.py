@@ -19,10 +19,12 @@ import logging
 import math
 from typing import Any, Callable, NamedTuple
 
+import numpy as np
 import torch
 
 from hal.base import Hal, MetaCapacity
 from hal.common.graph import EagerGraph
+from hal.common.staging import StagingRing
 from runtime.execution.context import PagedContext
 from runtime.execution.step_inputs import HostInputs, PassEnv, context, draw_initial_states, pad
 
@@ -41,6 +43,8 @@ class Captured(NamedTuple):
     initial_state: torch.Tensor | None  # [1, N, D] Huginn's initial states, drawn eagerly per replay
     ctx: PagedContext
     outputs: Any                        # overwritten in place by every replay
+    fed_from: torch.Tensor              # [N] int64: where each row's token is in the previous step's (-1: host)
+    staging: StagingRing                # pinned host mirrors of the host-written inputs (no blocking copies)
 
 
 class PassGraphs:
@@ -61,10 +65,12 @@ class PassGraphs:
         return self.buckets[bisect.bisect_left(self.buckets, num_seqs)]
 
     def run(self, key: tuple, program: Program, host: HostInputs, width: int, num_planes: int,
-            inputs: torch.Tensor | None = None, state_width: int | None = None) -> Any:
+            inputs: torch.Tensor | None = None, state_width: int | None = None, fed_from: Any = None) -> Any:
         """Replay (capturing on first use) the pass `key` over `host` (sequences of `width` tokens),
         padded to its bucket. `inputs`: the real rows' ids `[n]` or states `[n, X]` on the device;
-        None takes the ids from `host`. `state_width`: X for passes that start from states."""
+        None takes the ids from `host`, where `host.fed` rows take theirs from `fed_from` (a
+        `PendingStep`: async scheduling) on the device. `state_width`: X for passes that start from
+        states. Host values reach the device through pinned mirrors: the host never waits here."""
         bucket = self.bucket(host.num_seqs)
         full = pad(host, bucket, width, self.env)
         cap = self.captured.get(key)
@@ -72,9 +78,15 @@ class PassGraphs:
             cap = self.captured[key] = self._capture(program, bucket, width, num_planes, state_width, repr(key))
         num_rows = host.num_tokens
         if inputs is None:
-            inputs = torch.tensor(host.token_ids, dtype=torch.long)
-        cap.inputs[0, :num_rows].copy_(inputs, non_blocking=True)
-        cap.positions[0].copy_(torch.tensor(full.positions, dtype=torch.long), non_blocking=True)
+            src = fed_rows(host, fed_from, len(full.positions))
+            cap.staging.stage([np.asarray(full.token_ids, dtype=np.int64), np.asarray(full.positions, dtype=np.int64),
+                               src], [cap.inputs[0], cap.positions[0], cap.fed_from])
+            if host.fed:
+                fed = cap.fed_from.clamp(min=0)
+                cap.inputs[0].copy_(torch.where(cap.fed_from >= 0, fed_from.tokens.index_select(0, fed), cap.inputs[0]))
+        else:
+            cap.inputs[0, :num_rows].copy_(inputs, non_blocking=True)
+            cap.staging.stage([np.asarray(full.positions, dtype=np.int64)], [cap.positions[0]])
         if cap.initial_state is not None:
             cap.initial_state[:, :num_rows].copy_(
                 draw_initial_states(self.env.model, host.draws, self.env.dtype, self.env.device))
@@ -90,7 +102,7 @@ class PassGraphs:
         num_rows = bucket * width
         capacity = MetaCapacity(bucket, num_rows, self.max_blocks, num_planes, self.max_model_len)
         meta = env.backend.build_meta(host.batch, capacity)
-        positions = torch.tensor([host.positions], dtype=torch.long, device=env.device)
+        positions = torch.as_tensor(np.asarray(host.positions, dtype=np.int64)).to(env.device)[None]
         if state_width is None:
             inputs = torch.zeros(1, num_rows, dtype=torch.long, device=env.device)
         else:
@@ -100,6 +112,9 @@ class PassGraphs:
             initial_state = torch.zeros(1, num_rows, env.model.initial_state_width, dtype=env.dtype,
                                         device=env.device)
         ctx = context(env, host, positions, meta=meta, initial_state=initial_state)
+        fed_from = torch.full((num_rows,), -1, dtype=torch.long, device=env.device)
+        mirrors = [np.zeros(num_rows, dtype=np.int64)] * (3 if state_width is None else 1)
+        staging = StagingRing(mirrors, env.device)
 
         def step() -> Any:
             ctx.clear_cached()
@@ -112,7 +127,28 @@ class PassGraphs:
             graph = self.hal.graph() if self.capture else EagerGraph()
             outputs = graph.capture(step)
         log.info("captured a pass: %s, batch %d", what, bucket)
-        return Captured(graph, inputs, positions, initial_state, ctx, outputs)
+        return Captured(graph, inputs, positions, initial_state, ctx, outputs, fed_from, staging)
+
+
+def fed_rows(host: HostInputs, source: Any, num_rows: int) -> np.ndarray:
+    """`[num_rows]` int64: for each row whose token the device supplies (`host.fed`), its row in the
+    step `source` sampled; -1 elsewhere. Rows of the persistent batch map by array; others by id."""
+    src = np.full(num_rows, -1, dtype=np.int64)
+    if not host.fed:
+        return src
+    if source is None:
+        raise RuntimeError("a placeholder input token without the step that samples it (an async scheduling bug)")
+    rows = [row for row, _ in host.fed]
+    if host.rows is not None and source.rows is not None:
+        where = np.full(max(int(host.rows.max()), int(source.rows.max())) + 1, -1, dtype=np.int64)
+        where[source.rows] = np.arange(len(source.rows))
+        src[rows] = where[host.rows[rows]]
+    else:
+        src[rows] = [source.row_of[rid] for _, rid in host.fed]
+    if (src[rows] < 0).any():
+        raise RuntimeError("a placeholder input token whose request the previous step did not sample "
+                           "(an async scheduling bug)")
+    return src
 
 
 def _empty_batch(num_planes: int, block_size: int):

@@ -6,7 +6,10 @@ of the pool in the backend's layout; a block id means the same block in every on
 
 `execute` runs every kind of step through one path: a pure decode step (every request computes one
 token and samples it, all at the same depth, no early exit) replays a captured pass
-(runtime/execution/graphs.py); any other step runs eagerly, packed: prompts, prompt chunks and
+(runtime/execution/graphs.py), its rows kept across steps in the persistent batch
+(runtime/execution/input_batch.py); a step that is one short prompt (or its last chunk) replays a
+captured prefill of a token-count bucket, so a short prompt costs its weight reads rather than a
+thousand small launches; any other step runs eagerly, packed: prompts, prompt chunks and
 decodes together, and wavefront segments (`ScheduledRequest.is_wave`, docs/scheduling.md). A wavefront
 segment runs one loop at its `depth`: the model runs it as loop 0 over the tables of plane
 `fixed + depth` (`step_inputs.shifted_tables`), which relies on the looped-model contract (a loop's
@@ -29,11 +32,13 @@ from runtime.engine.planes import PlaneLayout
 from runtime.engine.scheduler import ScheduledRequest
 from runtime.execution.async_step import PendingStep, Readback, StepResult, feed_tokens
 from runtime.execution.graphs import PassGraphs
+from runtime.execution.input_batch import InputBatch
 from runtime.execution.loops import SeqPlan, run_loops
 from runtime.execution.quantization import prepare_weights, resolve_kv_dtype
 from runtime.execution.logprobs import StepLogprobs, prompt_logits, prompt_rows
 from runtime.execution.sampler import SamplingTensors, sample
-from runtime.execution.step_inputs import PassEnv, SeqSlice, describe, place, shifted_tables
+from runtime.execution.step_inputs import (PassEnv, SeqSlice, describe, describe_rows, extend, place,
+                                           shifted_tables)
 from runtime.parallel.state import agree_min, capture_allowed
 from zoo.base import LoopedCausalLM, ModelOps
 from zoo.parallel import rank_heads
@@ -55,6 +60,20 @@ def plan_num_blocks(hal: Hal, config: EngineConfig, bytes_per_block: int, max_bl
         raise MemoryError(f"no memory left for the KV cache (budget {budget / 2**20:.0f} MiB, "
                           f"{bytes_per_block} bytes per block); raise gpu_memory_utilization or set num_kv_blocks")
     return int(num_blocks)
+
+
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)    # token counts of captured prefills
+
+
+def prefill_program(model: LoopedCausalLM, num_loops: int, sample_row: torch.Tensor):
+    """A prefill pass of one sequence: prelude, every loop, the head on row `sample_row` (`[1]`, the
+    last real token; a static buffer) -> logits `[1, V]` float32."""
+    def run(ids: torch.Tensor, ctx) -> torch.Tensor:
+        state = model.prelude(ids, ctx)
+        for depth in range(num_loops):
+            state = model.loop(state, depth, ctx)
+        return model.coda(state, ctx, rows=sample_row)[0].float()
+    return run
 
 
 def decode_program(model: LoopedCausalLM, num_loops: int):
@@ -96,9 +115,12 @@ class ModelRunner:
         num_blocks = plan_num_blocks(hal, config, self.bytes_per_block, useful)
         self.num_blocks = agree_min(model, num_blocks, self.device)   # tensor parallel: block ids are shared
         # scratch slots past the pool, which the padding rows of captured passes write and read, so
-        # padded rows need no special slot values in any backend's kernels (step_inputs.pad): one per
-        # token of the widest captured pass (a verify pass: the drafts and the token before them)
-        num_scratch_slots = config.max_num_seqs * (config.speculative.num_tokens + 1)
+        # padded rows need no special slot values in any backend's kernels (step_inputs.pad): enough
+        # for the largest captured pass (a verify pass: the drafts and the token before them, per
+        # sequence; a prefill capture: one sequence of the widest bucket)
+        self.prefill_buckets = [b for b in PREFILL_BUCKETS if b <= config.max_num_batched_tokens]
+        num_scratch_slots = max(config.max_num_seqs * (config.speculative.num_tokens + 1),
+                                max(self.prefill_buckets, default=0))
         cache_blocks = self.num_blocks + math.ceil(num_scratch_slots / self.block_size)
         self.kv_caches = [torch.zeros(self.backend.kv_cache_shape(cache_blocks), dtype=self.backend.kv_cache_dtype,
                                       device=self.device) for _ in range(spec.layers_per_plane)]
@@ -118,11 +140,17 @@ class ModelRunner:
         # copies of each graph, used in turn, so that never touches the replay in flight
         self.num_graph_copies = 2 if config.async_scheduling else 1
         self.num_decode_replays = 0
+        # decode rows that persist across steps: a captured step's host work grows with what changed
+        self.input_batch = InputBatch(config.max_num_seqs, self.layout.num_planes(max_loops),
+                                      math.ceil(max_model_len / self.block_size))
         self.readback = Readback(hal, config.max_num_seqs)       # async scheduling: sampled tokens to host
         self.wave_states: dict[tuple[str, int], torch.Tensor] = {}  # wavefront segments' states between steps
+        self.prefill_rows: dict[tuple, torch.Tensor] = {}           # captured prefills' sample-row buffers
 
     def forget(self, request_id: str) -> None:
-        """Drop what the runner keeps for a request (wavefront states) once it finished or lost its KV."""
+        """Drop what the runner keeps for a request (its persistent row, wavefront states) once it
+        finished or lost its KV."""
+        self.input_batch.release(request_id)
         for key in [k for k in self.wave_states if k[0] == request_id]:
             del self.wave_states[key]
 
@@ -134,9 +162,23 @@ class ModelRunner:
         """Run one step. Async scheduling: input tokens still unknown to the host (`PLACEHOLDER`)
         are taken on the device from `input_ids_from_device` (the previous step), and `deferred=True`
         leaves the sampled tokens on the device (a `PendingStep` the host reads one step later)."""
+        self.input_batch.sync(blocks)
         if self.is_graph_step(scheduled):
             return self._execute_captured(scheduled, blocks, input_ids_from_device, deferred)
+        if self.prefill_bucket(scheduled) is not None:
+            return self._execute_prefill(scheduled, blocks, input_ids_from_device, deferred)
         return self._execute_eager(scheduled, blocks, input_ids_from_device, deferred)
+
+    def prefill_bucket(self, scheduled: Sequence[ScheduledRequest]) -> int | None:
+        """The captured prefill width for a step that is one prompt's last (or only) chunk, or None."""
+        if self.graphs is None or len(scheduled) != 1:
+            return None
+        item = scheduled[0]
+        req = item.request
+        if (item.is_wave or not item.samples or item.num_tokens < 2 or req.exit_threshold < 1.0
+                or req.params.prompt_logprobs is not None):
+            return None
+        return next((b for b in self.prefill_buckets if b >= item.num_tokens), None)
 
     def is_graph_step(self, scheduled: Sequence[ScheduledRequest]) -> bool:
         """A pure decode step that a captured pass can run (see the module docstring)."""
@@ -144,7 +186,8 @@ class ModelRunner:
             return False
         loops = scheduled[0].request.num_loops
         return all(item.num_tokens == 1 and item.samples and not item.is_wave and item.request.num_loops == loops
-                   and item.request.exit_threshold >= 1.0 for item in scheduled)
+                   and item.request.exit_threshold >= 1.0 and item.request.num_planes <= self.input_batch.tables.shape[0]
+                   for item in scheduled)
 
     def slice_of(self, item: ScheduledRequest, blocks: BlockManager) -> SeqSlice:
         req = item.request
@@ -156,14 +199,30 @@ class ModelRunner:
                           fed_from: PendingStep | None, deferred: bool) -> StepResult | PendingStep:
         requests = [item.request for item in scheduled]
         loops = requests[0].num_loops
-        host = describe([self.slice_of(item, blocks) for item in scheduled], requests[0].num_planes, self.block_size)
-        ids = feed_tokens(host.token_ids, host.fed, fed_from, self.device) if host.fed else None
+        batch = self.input_batch
+        rows = batch.rows(requests, blocks)
+        host = describe_rows(batch.tables, batch.lengths, rows, requests, requests[0].num_planes, self.block_size)
         copy = self.num_decode_replays % self.num_graph_copies
         self.num_decode_replays += 1
         logits = self.graphs.run(("decode", self.graphs.bucket(len(scheduled)), loops, copy),
-                                 decode_program(self.model, loops), host, 1, self.layout.num_planes(loops), ids)
+                                 decode_program(self.model, loops), host, 1, self.layout.num_planes(loops),
+                                 fed_from=fed_from)
         return self.finish_step(logits[:len(scheduled)], requests, [loops] * len(requests), len(scheduled), deferred,
-                                fed_from=fed_from)
+                                fed_from=fed_from, rows=rows)
+
+    def _execute_prefill(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager,
+                         fed_from: PendingStep | None, deferred: bool) -> StepResult | PendingStep:
+        item = scheduled[0]
+        req, bucket = item.request, self.prefill_bucket(scheduled)
+        host = extend(describe([self.slice_of(item, blocks)], req.num_planes, self.block_size), bucket, self.env)
+        key = ("prefill", bucket, req.num_loops, self.layout.num_planes(req.num_loops))
+        if key not in self.prefill_rows:
+            self.prefill_rows[key] = torch.zeros(1, dtype=torch.long, device=self.device)
+        sample_row = self.prefill_rows[key]
+        sample_row.copy_(torch.tensor([item.num_tokens - 1]), non_blocking=True)
+        logits = self.graphs.run(key, prefill_program(self.model, req.num_loops, sample_row), host, bucket,
+                                 key[3], fed_from=fed_from)
+        return self.finish_step(logits, [req], [req.num_loops], item.num_tokens, deferred, fed_from=fed_from)
 
     def _execute_eager(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager,
                        fed_from: PendingStep | None, deferred: bool) -> StepResult | PendingStep:
@@ -243,11 +302,11 @@ class ModelRunner:
         return torch.cat(parts, dim=1)
 
     def _rows(self, rows: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
+        return torch.as_tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
 
     def finish_step(self, logits: torch.Tensor | None, requests: Sequence, loops: Sequence[int],
-                    num_rows: int, deferred: bool, prompt=None, fed_from: PendingStep | None = None
-                    ) -> StepResult | PendingStep:
+                    num_rows: int, deferred: bool, prompt=None, fed_from: PendingStep | None = None,
+                    rows=None) -> StepResult | PendingStep:
         """Sample `logits: [R, V]` (one row per request of `requests`): to host ints now, or `deferred`
         on the device with an asynchronous copy to host (read by `PendingStep.result()`). Log-
         probabilities, where requests asked (`prompt`: prompt rows and their logits), come along.
@@ -256,7 +315,7 @@ class ModelRunner:
         logprobs = StepLogprobs.compute(logits, tokens, requests, prompt)
         if deferred:
             return PendingStep(self.readback, tokens, [r.request_id for r in requests], list(loops), num_rows,
-                               logprobs)
+                               logprobs, rows)
         sampled, prompt_lp = logprobs.to_host() if logprobs is not None else (None, None)
         values = tokens.tolist() if tokens is not None else []          # the step's one host sync
         return StepResult({r.request_id: (t, n) for r, t, n in zip(requests, values, loops)}, num_rows,

@@ -141,7 +141,7 @@ def apply_processors(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     if t.bias is not None:
         logits = logits.index_put(t.bias[:2], t.bias[2], accumulate=True)
     if t.banned is not None:
-        logits = logits.index_put(t.banned, torch.tensor(float("-inf"), device=logits.device))
+        logits = logits.index_put(t.banned, torch.full((), float("-inf"), device=logits.device))
     if t.penalties is not None:
         p = t.penalties
         num_rows, vocab = logits.shape

@@ -3,14 +3,16 @@ attention metadata and the context, for every kind of pass (mixed prefill/decode
 segments, decode graphs, speculation drafts and verifies).
 
 Each sequence's share of a pass is a `SeqSlice`. `describe` turns the slices into host lists
-(`HostInputs`), `pad` adds the padding rows of a captured pass, and the result is placed on the
+(`HostInputs`); a decode step over the persistent batch gets the same from arrays without a loop
+over rows (`describe_rows`); `pad` adds the padding rows of a captured pass, and the result is placed on the
 device either as fresh tensors with fresh metadata (`place`) or into a captured pass's static
-buffers (`graphs.Captured.refill`). Everything else about a pass (which stages run) belongs to its caller.
+buffers (`graphs.PassGraphs.run`). Everything else about a pass (which stages run) belongs to its caller.
 """
 from __future__ import annotations
 
 from typing import Any, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from hal.base import AttentionBackend, PagedBatch
@@ -45,11 +47,12 @@ class SeqSlice(NamedTuple):
 
 
 class HostInputs(NamedTuple):
-    token_ids: list[int]                       # [T] (0 for padding); PLACEHOLDER: the device supplies it
-    fed: list[tuple[int, str]]                 # (row, request id) of every PLACEHOLDER (async scheduling)
-    positions: list[int]                       # [T]
+    token_ids: Sequence[int]                   # [T] (0 for padding and for fed rows)
+    fed: list[tuple[int, str]]                 # (row, request id) of every token the device supplies (async)
+    positions: Sequence[int]                   # [T]
     batch: PagedBatch
     draws: list[tuple[Any, int]]               # (request or None, rows): initial-state draws per sequence
+    rows: np.ndarray | None = None             # persistent-batch rows of the sequences (`describe_rows`)
 
     @property
     def num_seqs(self) -> int:
@@ -73,7 +76,7 @@ def describe(slices: Sequence[SeqSlice], num_planes: int, block_size: int, with_
     query_lens, seq_lens = [], []
     for s in slices:
         if with_tokens:
-            ids = s.request.all_token_ids[s.start:s.start + s.num_tokens]
+            ids = s.request.token_ids(s.start, s.start + s.num_tokens)
             if ids[-1] == PLACEHOLDER:         # async: only a request's newest token can be unknown
                 fed.append((len(token_ids) + s.num_tokens - 1, s.request.request_id))
                 ids = [*ids[:-1], 0]
@@ -86,25 +89,58 @@ def describe(slices: Sequence[SeqSlice], num_planes: int, block_size: int, with_
     return HostInputs(token_ids, fed, positions, PagedBatch(query_lens, seq_lens, by_plane, block_size), draws)
 
 
+def describe_rows(tables: np.ndarray, lengths: np.ndarray, rows: np.ndarray, requests: Sequence[Any],
+                  num_planes: int, block_size: int) -> HostInputs:
+    """Host inputs of a decode step (one token per request) whose block tables are rows `rows` of the
+    persistent batch's arrays (`tables: [P, R, B]`, `lengths: [P, R]`): arrays, no loop over rows
+    but the reads of each request's position and token."""
+    from runtime.engine.sequence import PLACEHOLDER
+
+    n = len(requests)
+    positions = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64, count=n)
+    token_ids = np.fromiter((r.token_at(p) for r, p in zip(requests, positions.tolist())), dtype=np.int64, count=n)
+    unknown = np.flatnonzero(token_ids == PLACEHOLDER).tolist()
+    token_ids[unknown] = 0
+    batch = PagedBatch(np.ones(n, dtype=np.int64), positions + 1, tables[:num_planes, rows], block_size,
+                       lengths[:num_planes, rows])
+    return HostInputs(token_ids, [(i, requests[i].request_id) for i in unknown], positions, batch,
+                      [(r, 1) for r in requests], rows)
+
+
 def pad(host: HostInputs, num_seqs: int, width: int, env: PassEnv) -> HostInputs:
     """`host` padded to `num_seqs` sequences of `width` tokens each (a captured pass's fixed shape;
-    the real sequences must already be `width` wide). Padding row r owns scratch slots
-    `[r * width, (r + 1) * width)` past the pool: it touches nobody's KV, and no two rows write the
-    same slot (some KV writes, Ascend's `npu_scatter_pa_kv_cache`, require unique slots per call)."""
+    the real sequences must already be `width` wide), its tables as one array. Padding row r owns
+    scratch slots `[r * width, (r + 1) * width)` past the pool: it touches nobody's KV, and no two
+    rows write the same slot (some KV writes, Ascend's `npu_scatter_pa_kv_cache`, require unique
+    slots per call)."""
+    from hal.common.paged import block_table_array, table_lengths
+
     batch, bs = host.batch, env.block_size
-    extra = range(host.num_seqs, num_seqs)
-    assert num_seqs * width <= env.num_scratch_slots, "padding needs more scratch slots than the runner made"
-    query_lens, seq_lens, tables, positions = list(batch.query_lens), list(batch.seq_lens), [], []
-    for r in extra:
-        first = r * width                                   # scratch slot of the row's first token
-        start = first % bs
-        query_lens.append(width)
-        seq_lens.append(start + width)
-        tables.append([env.scratch_block + b for b in range(first // bs, (first + width - 1) // bs + 1)])
-        positions.extend(range(start, start + width))
-    by_plane = [list(plane) + tables for plane in batch.block_tables]
-    return HostInputs(host.token_ids + [0] * (len(extra) * width), host.fed, host.positions + positions,
-                      PagedBatch(query_lens, seq_lens, by_plane, bs), host.draws + [(None, width)] * len(extra))
+    num_real, num_planes = host.num_seqs, len(batch.block_tables)
+    assert num_seqs == num_real or num_seqs * width <= env.num_scratch_slots, \
+        "padding needs more scratch slots than the runner made"
+    pad_rows = np.arange(num_real, num_seqs, dtype=np.int64)
+    first = pad_rows * width                                    # scratch slot of each padding row's first token
+    starts = first % bs
+    span = (width + bs - 1) // bs + 1                           # blocks a padding row's slots may cross
+    pad_tables = env.scratch_block + first[:, None] // bs + np.arange(span)[None, :]          # [pad, span]
+    pad_lengths = (first + width - 1) // bs - first // bs + 1                                   # [pad]
+    real = block_table_array(batch)                                                          # [P, n, B]
+    width_blocks = max(real.shape[2], span)
+    tables = np.zeros((num_planes, num_seqs, width_blocks), dtype=np.int32)
+    tables[:, :num_real, :real.shape[2]] = real
+    tables[:, num_real:, :span] = pad_tables[None]
+    lengths = np.zeros((num_planes, num_seqs), dtype=np.int64)
+    lengths[:, :num_real] = table_lengths(batch)
+    lengths[:, num_real:] = pad_lengths[None]
+    query_lens = np.concatenate([np.asarray(batch.query_lens, dtype=np.int64), np.full(len(pad_rows), width)])
+    seq_lens = np.concatenate([np.asarray(batch.seq_lens, dtype=np.int64), starts + width])
+    positions = np.concatenate([np.asarray(host.positions, dtype=np.int64),
+                                (starts[:, None] + np.arange(width)[None, :]).reshape(-1)])
+    token_ids = np.concatenate([np.asarray(host.token_ids, dtype=np.int64),
+                                np.zeros(len(pad_rows) * width, dtype=np.int64)])
+    return HostInputs(token_ids, host.fed, positions, PagedBatch(query_lens, seq_lens, tables, bs, lengths),
+                      host.draws + [(None, width)] * len(pad_rows), host.rows)
 
 
 def place(env: PassEnv, host: HostInputs, fed_from: Any = None, ids: torch.Tensor | None = None) -> StepInputs:
@@ -116,7 +152,7 @@ def place(env: PassEnv, host: HostInputs, fed_from: Any = None, ids: torch.Tenso
     if ids is None:
         ids = feed_tokens(host.token_ids, host.fed, fed_from, env.device)
     ids = ids[None]
-    positions = torch.tensor(host.positions, dtype=torch.long, device=env.device)[None]
+    positions = torch.as_tensor(np.asarray(host.positions, dtype=np.int64)).to(env.device, non_blocking=True)[None]
     return StepInputs(ids, positions, context(env, host, positions))
 
 
@@ -125,6 +161,27 @@ def context(env: PassEnv, host: HostInputs, positions: torch.Tensor, meta: Any =
     """The attention context of a pass: fresh metadata for `host`, or a captured pass's `meta` and
     static `initial_state` buffer."""
     return PagedContext(env, host.batch, positions, host.draws, meta=meta, static_initial_state=initial_state)
+
+
+def extend(host: HostInputs, num_tokens: int, env: PassEnv) -> HostInputs:
+    """`host`'s one sequence lengthened to `num_tokens` query tokens (a captured prefill's fixed
+    width). The extra tokens come after the real ones, so causal attention keeps them out of the
+    real rows; past the sequence's blocks their tables continue in scratch blocks (the pass sees a
+    whole sequence; nobody's KV is touched), and inside its last block they sit past its computed
+    tokens, whose KV every later step rewrites before reading it. They draw no initial state: a
+    request's random numbers stay those of its real tokens."""
+    batch, bs = host.batch, env.block_size
+    assert host.num_seqs == 1 and host.num_tokens <= num_tokens
+    extra = num_tokens - host.num_tokens
+    end = int(batch.seq_lens[0])
+    need = -(-(end + extra) // bs)
+    tables = [[list(plane[0]) + [env.scratch_block + j for j in range(max(0, need - len(plane[0])))]]
+              for plane in batch.block_tables]
+    assert need - len(batch.block_tables[0][0]) <= env.num_scratch_slots // bs, "too few scratch blocks"
+    return host._replace(token_ids=list(host.token_ids) + [0] * extra,
+                         positions=list(host.positions) + list(range(end, end + extra)),
+                         batch=batch._replace(query_lens=[num_tokens], seq_lens=[end + extra], block_tables=tables),
+                         draws=host.draws + ([(None, extra)] if extra else []))
 
 
 def draw_initial_states(model: LoopedCausalLM, draws: Sequence[tuple[Any, int]], dtype: torch.dtype,

@@ -196,6 +196,7 @@ class Follower:
         self.speculator: Any = None
         self.requests: dict[str, Request] = {}
         self.tables: dict[str, list[list[int]]] = {}
+        self.changed: set[str] = set()                    # requests whose tables changed (the runner's rows)
         self.sampled: dict[str, list[int]] = {}           # our last step's tokens per request, to check
         self.num_steps = 0
         self.num_checked_tokens = 0                       # ours that equalled rank 0's
@@ -232,7 +233,7 @@ class Follower:
 
     def _release(self) -> None:
         self.runner = self.swap = self.speculator = None
-        self.requests, self.tables, self.sampled = {}, {}, {}
+        self.requests, self.tables, self.sampled, self.changed = {}, {}, {}, set()
 
     # ----- the block manager as the runner and the speculator see it ----------------------
     def block_tables(self, request_id: str) -> list[list[int]]:
@@ -244,6 +245,7 @@ class Follower:
         keep = -(-num_tokens // self.runner.block_size)
         tables = self.tables.get(request_id, [])
         dropped = sum(max(0, len(table) - keep) for table in tables)
+        self.changed.add(request_id)
         for table in tables:
             del table[keep:]
         return dropped
@@ -252,6 +254,7 @@ class Follower:
         for rid in plan.finished:                   # as the engine's `_finish`
             self.requests.pop(rid, None)
             self.tables.pop(rid, None)
+            self.changed.add(rid)
             self.sampled.pop(rid, None)
             self.swap.drop(rid)
             self.runner.forget(rid)
@@ -275,6 +278,8 @@ class Follower:
                 self._check(item.request_id, item.new_token_ids)
                 request.output_token_ids.extend(item.new_token_ids)
             request.num_computed_tokens = item.num_computed_tokens
+            if item.reset_tables or item.tables is not None:
+                self.changed.add(item.request_id)
             if item.reset_tables:
                 self.tables[item.request_id] = [list(t) for t in item.tables]
             elif item.tables is not None:

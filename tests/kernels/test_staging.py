@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hal.kernels.staging import StagingRing
+from hal.common.staging import StagingRing
 
 
 class FakeEvent:
