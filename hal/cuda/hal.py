@@ -202,7 +202,8 @@ class CudaHal(Hal):
                 has_fp8 = self.facts.fp8_dtype is not None
                 self._ops[name] = fp8_linear_op(self.facts.arch, configs, has_triton) if has_fp8 else None
             else:
-                self._ops[name] = attention.fused_op(name, configs)
+                units = self.facts.num_compute_units if name in attention.GEMV_OPS else None
+                self._ops[name] = attention.fused_op(name, configs, units)
         return self._ops[name]
 
     def _log_once(self, key: Any, message: str, *args: Any) -> None:
