@@ -193,6 +193,14 @@ class AttentionBackend(ABC):
         """Causal attention of the packed queries `q: [T, H, D]` over plane `plane` (which
         already holds this step's keys). Returns `[T, H, D]` in q's dtype."""
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: Any,
+               plane: int, scale: float) -> torch.Tensor:
+        """`write_kv(k, v)` then `forward(q)`: what a layer does each step. A backend may attend over
+        the fresh `k, v` directly where the plane holds nothing older for any sequence (prefill
+        without context), as long as the result is the same attention."""
+        self.write_kv(k, v, kv_cache, meta, plane)
+        return self.forward(q, kv_cache, meta, plane, scale)
+
     def slot_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """The cache as `[2, num_blocks * block_size, ...]` (K then V, everything one slot stores:
         `[KVH, D]` values, or a quantized cache's byte row); the default fits every layout whose

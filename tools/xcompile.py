@@ -155,6 +155,18 @@ def _rotary(config: KernelConfig, target: str, interleaved: bool) -> Launch:
                          torch.empty_like(q), torch.empty_like(k), interleaved, config, target)
 
 
+def _rotary_kv_write(config: KernelConfig, target: str, interleaved: bool) -> Launch:
+    from hal.kernels.rotary_kv import rotary_kv_write_launch
+
+    s = SHAPE
+    qkv = torch.empty(4, s["num_heads"] + 2 * s["num_kv_heads"], s["head_dim"], dtype=s["dtype"])
+    q, k, v = qkv[:, :16], qkv[:, 16:32], qkv[:, 32:]            # views of the fused projection
+    cache = torch.empty(2, 8, s["page_size"], s["num_kv_heads"], s["head_dim"], dtype=s["dtype"])
+    return rotary_kv_write_launch(q, k, v, torch.zeros(4, dtype=torch.int64), torch.empty(s["head_dim"] // 2),
+                                  cache, torch.zeros(4, dtype=torch.int64), torch.empty_like(q), interleaved,
+                                  config, target)
+
+
 def _silu_and_mul(config: KernelConfig, target: str) -> Launch:
     from hal.kernels.ops import silu_and_mul_launch
 
@@ -210,6 +222,8 @@ CASES = {c.name: c for c in (
     Case("rotary/neox", "rotary", False, False, lambda c, t: _rotary(c, t, interleaved=False)),
     Case("rotary/gptj", "rotary", False, False, lambda c, t: _rotary(c, t, interleaved=True)),
     Case("silu_and_mul", "silu_and_mul", False, False, _silu_and_mul),
+    Case("rotary_kv_write/neox", "rotary", False, False, lambda c, t: _rotary_kv_write(c, t, interleaved=False)),
+    Case("rotary_kv_write/gptj", "rotary", False, False, lambda c, t: _rotary_kv_write(c, t, interleaved=True)),
     *(Case(name, key, key == "gemv", False,
            lambda c, t, a=(rows, n, k, pro, res): _gemv(c, t, *a[:4], out_residual=a[4]))
       for name, key, rows, n, k, pro, res in GEMV_CASES),

@@ -92,14 +92,15 @@ def choose(requested: str | None, order: Sequence[str], head_dim: int, dtype: to
 
 def build(name: str, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
           device: torch.device, block_size: int, configs: dict[str, Any] | None,
-          kv_dtype: torch.dtype | None = None) -> AttentionBackend:
-    """Construct the chosen backend; the Triton one gets the Hal's per-arch kernel configs."""
+          kv_dtype: torch.dtype | None = None, fresh_attention: str | None = None) -> AttentionBackend:
+    """Construct the chosen backend; the Triton one gets the Hal's per-arch kernel configs and the
+    Hal's way to attend prefills without context (`hal.kernels.fresh`: "flash", "sdpa" or None)."""
     quantized = {} if kv_dtype is None else {"kv_dtype": kv_dtype}
     if name == "triton":
         from hal.kernels.backend import TritonPagedAttention
 
         return TritonPagedAttention(num_heads, num_kv_heads, head_dim, dtype, device, block_size,
-                                    configs=configs, **quantized)
+                                    configs=configs, fresh_attention=fresh_attention, **quantized)
     if name == "torch":
         return TorchPagedAttention(num_heads, num_kv_heads, head_dim, dtype, device, block_size, **quantized)
     raise ValueError(f"no attention backend {name!r}")

@@ -41,8 +41,7 @@ class PagedContext:
         # q: [1, T, H, D]; k, v: [1, T, KVH, D] (packed tokens, batch dim 1)
         p = physical_plane(self.kv_mode, self.num_fixed_planes, plane)
         cache = self.kv_caches[layer]
-        self.backend.write_kv(k[0], v[0], cache, self.meta, p)
-        return self.backend.forward(q[0], cache, self.meta, p, scale)[None]
+        return self.backend.attend(q[0], k[0], v[0], cache, self.meta, p, scale)[None]
 
     def token_rows(self, seqs: Sequence[int]) -> torch.Tensor:
         """Packed token rows of the given sequences, `[T_sub]` int64."""
