@@ -43,6 +43,23 @@ class PagedContext:
         cache = self.kv_caches[layer]
         return self.backend.attend(q[0], k[0], v[0], cache, self.meta, p, scale)[None]
 
+    def attend_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plane: int, layer: int, scale: float,
+                      theta: float, interleaved: bool) -> torch.Tensor:
+        """`attend` of q and k rotated at this step's positions: the rotation and the KV write in one
+        kernel where the backend has it (`write_kv_rotary`; bit for bit the separate ops). Batches
+        that attend over their fresh K/V (prefill without context) rotate first: they need k itself."""
+        from zoo.layers import rotate
+
+        fused = getattr(self.backend, "write_kv_rotary", None)
+        if fused is not None and getattr(self.meta, "fresh_lens", None) is None:
+            p = physical_plane(self.kv_mode, self.num_fixed_planes, plane)
+            cache = self.kv_caches[layer]
+            q_rot = fused(q[0], k[0], v[0], cache, self.meta, p, self.positions.flatten(), theta, interleaved)
+            if q_rot is not None:
+                return self.backend.forward(q_rot, cache, self.meta, p, scale)[None]
+        q, k = rotate(q, k, self, q.shape[-1], theta, interleaved)
+        return self.attend(q, k, v, plane, layer, scale)
+
     def token_rows(self, seqs: Sequence[int]) -> torch.Tensor:
         """Packed token rows of the given sequences, `[T_sub]` int64."""
         starts = [0]
