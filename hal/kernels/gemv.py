@@ -44,6 +44,11 @@ from hal.kernels.launch import Launch, backend_of, check_device, launch_options,
 
 NONE, RMS_NORM, SILU_AND_MUL, ADD_NORM, NORM_ADD = 0, 1, 2, 3, 4
 MAX_ROWS = 8                     # decode batches the kernels take; more rows go to the GEMM (cuBLAS)
+# Up to these rows the norms run in the projection's prologue; above, the standalone rms_norm kernel
+# runs first and the projection takes its output (each program recomputes the row statistics, which
+# costs L2 reads in proportion to the rows: tools/decode_kernels_bench.py's "fused" cells decide)
+NORM_PROLOGUE_MAX_ROWS = 8
+SANDWICH_PROLOGUE_MAX_ROWS = 8
 DOT_ROWS = 16                    # tl.dot needs 16 rows: M = 2..8 pads to this
 MAX_SPLIT_K = 16
 MIN_TILES_PER_SPLIT = 2          # a split streams at least this many BLOCK_K tiles
@@ -61,11 +66,8 @@ def _norm(v, inv, w_ptr, ks, k_mask, DT: tl.constexpr):
 
 
 @triton.jit
-def _stream(x_ptr, res_ptr, res_norm_ptr, rows, ks, mask, k_mask, inv_src, stride_xm, stride_rm,
-            PROLOGUE: tl.constexpr, DT: tl.constexpr):
-    """The residual stream h of ADD_NORM (`r + norm(x)`) or NORM_ADD (`norm(x + r)`) at [rows, ks]."""
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-    r = tl.load(res_ptr + rows[:, None] * stride_rm + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+def _stream_of(x, r, inv_src, res_norm_ptr, ks, k_mask, PROLOGUE: tl.constexpr, DT: tl.constexpr):
+    """The residual stream h of ADD_NORM (`r + norm(x)`) or NORM_ADD (`norm(x + r)`) from x, r (fp32)."""
     if PROLOGUE == 3:
         h = (r + _norm(x, inv_src, res_norm_ptr, ks, k_mask, DT)).to(DT).to(tl.float32)
     else:
@@ -74,33 +76,61 @@ def _stream(x_ptr, res_ptr, res_norm_ptr, rows, ks, mask, k_mask, inv_src, strid
 
 
 @triton.jit
+def _stream(x_ptr, res_ptr, res_norm_ptr, rows, ks, mask, k_mask, inv_src, stride_xm, stride_rm,
+            PROLOGUE: tl.constexpr, DT: tl.constexpr):
+    """h (see `_stream_of`) at [rows, ks], loaded from x and r."""
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(res_ptr + rows[:, None] * stride_rm + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+    return _stream_of(x, r, inv_src, res_norm_ptr, ks, k_mask, PROLOGUE, DT)
+
+
+@triton.jit
 def _row_stats(x_ptr, res_ptr, res_norm_ptr, rows, row_mask, K, eps, stride_xm, stride_rm,
                PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr, STATS_BLOCK: tl.constexpr,
-               DT: tl.constexpr):
+               ONE_PASS: tl.constexpr, DT: tl.constexpr):
     """rsqrt(mean(v^2) + eps) per row: (inv_src, inv_stream). inv_src is that of x (RMS_NORM,
-    ADD_NORM) or of x + r (NORM_ADD); inv_stream that of the residual stream h (ADD_NORM, NORM_ADD)."""
-    sq = tl.zeros([BLOCK_M], tl.float32)
-    for k0 in range(0, K, STATS_BLOCK):
-        ks = k0 + tl.arange(0, STATS_BLOCK)
+    ADD_NORM) or of x + r (NORM_ADD); inv_stream that of the residual stream h (ADD_NORM, NORM_ADD).
+    With ONE_PASS the rows fit one STATS_BLOCK tile: loaded once, both statistics from registers
+    (one L2 round trip before the product can start, not two)."""
+    if ONE_PASS:
+        ks = tl.arange(0, STATS_BLOCK)
         k_mask = ks < K
         mask = row_mask[:, None] & k_mask[None, :]
-        v = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        v = x
+        r = x
+        if PROLOGUE >= 3:
+            r = tl.load(res_ptr + rows[:, None] * stride_rm + ks[None, :], mask=mask, other=0.0).to(tl.float32)
         if PROLOGUE == 4:
-            r = tl.load(res_ptr + rows[:, None] * stride_rm + ks[None, :], mask=mask, other=0.0)
-            v = (v + r.to(tl.float32)).to(DT).to(tl.float32)
-        sq += tl.sum(v * v, 1)
-    inv_src = tl.math.rsqrt(sq / K + eps)
-    inv_stream = inv_src
-    if PROLOGUE >= 3:
+            v = (x + r).to(DT).to(tl.float32)
+        inv_src = tl.math.rsqrt(tl.sum(v * v, 1) / K + eps)
+        inv_stream = inv_src
+        if PROLOGUE >= 3:
+            h = _stream_of(x, r, inv_src, res_norm_ptr, ks, k_mask, PROLOGUE, DT)
+            inv_stream = tl.math.rsqrt(tl.sum(h * h, 1) / K + eps)
+    else:
         sq = tl.zeros([BLOCK_M], tl.float32)
         for k0 in range(0, K, STATS_BLOCK):
             ks = k0 + tl.arange(0, STATS_BLOCK)
             k_mask = ks < K
             mask = row_mask[:, None] & k_mask[None, :]
-            h = _stream(x_ptr, res_ptr, res_norm_ptr, rows, ks, mask, k_mask, inv_src, stride_xm, stride_rm,
-                        PROLOGUE, DT)
-            sq += tl.sum(h * h, 1)
-        inv_stream = tl.math.rsqrt(sq / K + eps)
+            v = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+            if PROLOGUE == 4:
+                r = tl.load(res_ptr + rows[:, None] * stride_rm + ks[None, :], mask=mask, other=0.0)
+                v = (v + r.to(tl.float32)).to(DT).to(tl.float32)
+            sq += tl.sum(v * v, 1)
+        inv_src = tl.math.rsqrt(sq / K + eps)
+        inv_stream = inv_src
+        if PROLOGUE >= 3:
+            sq = tl.zeros([BLOCK_M], tl.float32)
+            for k0 in range(0, K, STATS_BLOCK):
+                ks = k0 + tl.arange(0, STATS_BLOCK)
+                k_mask = ks < K
+                mask = row_mask[:, None] & k_mask[None, :]
+                h = _stream(x_ptr, res_ptr, res_norm_ptr, rows, ks, mask, k_mask, inv_src, stride_xm, stride_rm,
+                            PROLOGUE, DT)
+                sq += tl.sum(h * h, 1)
+            inv_stream = tl.math.rsqrt(sq / K + eps)
     return inv_src, inv_stream
 
 
@@ -156,10 +186,10 @@ def _gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, res_no
                  stride_xm, stride_rm, stride_sm, stride_wn, stride_om, stride_orm,
                  PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STATS_BLOCK: tl.constexpr,
-                 SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr):
+                 ONE_PASS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr):
     """out `[M, N]` = prologue(x) `[M, K]` @ w `[N, K]`.T (+ out_res); see the module docstring.
     Grid `(cdiv(N, BLOCK_N), SPLIT_K)`; the split-K partials go to part `[SPLIT_K, M, N]` fp32."""
-    DT: tl.constexpr = out_ptr.dtype.element_ty
+    DT = out_ptr.dtype.element_ty                    # bf16 or fp16: x, weights and outputs share it
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -180,7 +210,7 @@ def _gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, res_no
     inv_stream = inv_src
     if PROLOGUE == 1 or PROLOGUE >= 3:
         inv_src, inv_stream = _row_stats(x_ptr, res_ptr, res_norm_ptr, rows, row_mask, K, eps, stride_xm,
-                                         stride_rm, PROLOGUE, BLOCK_M, STATS_BLOCK, DT)
+                                         stride_rm, PROLOGUE, BLOCK_M, STATS_BLOCK, ONE_PASS, DT)
     stream_rows = tl.where(pid_n == 0, M, 0)          # the first column block writes h
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -276,7 +306,8 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config
         rows, n, k, eps, p.k_per_split,
         x.stride(0), res.stride(0), stream.stride(0), weight.stride(0), out.stride(0), out_res.stride(0)), dict(
         PROLOGUE=prologue, ADD_RESIDUAL=out_residual is not None, BLOCK_M=p.block_m, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, STATS_BLOCK=min(next_pow2(k), STATS_ELEMENTS // p.block_m), SPLIT_K=p.split_k,
+        BLOCK_K=config.block_k, STATS_BLOCK=min(next_pow2(k), STATS_ELEMENTS // p.block_m),
+        ONE_PASS=next_pow2(k) <= STATS_ELEMENTS // p.block_m, SPLIT_K=p.split_k,
         EVEN_K=k % config.block_k == 0, PREFETCH=p.block_m == 1 and config.num_stages > 1,
         **launch_options(config, target)))
 
@@ -335,7 +366,10 @@ class Gemv:
         """`linear(rms_norm(x, norm_weight, eps), weight)`."""
         if not self._fits(x, weight, norm_weight):
             return torch.nn.functional.linear(self._rms_norm(x, norm_weight, eps), weight)
-        return self._run(_rows(x), weight, RMS_NORM, eps=eps, norm_weight=norm_weight).view(*x.shape[:-1], -1)
+        x2 = _rows(x)
+        if x2.shape[0] > NORM_PROLOGUE_MAX_ROWS:
+            return self._run(_rows(self._rms_norm(x2, norm_weight, eps)), weight, NONE).view(*x.shape[:-1], -1)
+        return self._run(x2, weight, RMS_NORM, eps=eps, norm_weight=norm_weight).view(*x.shape[:-1], -1)
 
     def silu_mul_linear(self, x: torch.Tensor, weight: torch.Tensor,
                         residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -359,6 +393,10 @@ class Gemv:
                 h = self._rms_norm(x, post_norm_weight, eps, residual)
             return torch.nn.functional.linear(self._rms_norm(h, norm_weight, eps), weight), h
         x2 = _rows(x)
+        if x2.shape[0] > SANDWICH_PROLOGUE_MAX_ROWS:       # the stream in its own launch, then one norm
+            h = self._rms_norm(x + residual, post_norm_weight, eps) if sum_first else \
+                self._rms_norm(x, post_norm_weight, eps, residual)
+            return self.rms_norm_linear(h, norm_weight, eps, weight), h
         h = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
         y = self._run(x2, weight, NORM_ADD if sum_first else ADD_NORM, eps=eps, norm_weight=norm_weight,
                       residual=_rows(residual), res_norm_weight=post_norm_weight, stream_out=h)

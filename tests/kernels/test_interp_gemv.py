@@ -56,8 +56,14 @@ def _permutation(n: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.eye(n, dtype=dtype)[torch.randperm(n)]
 
 
+@pytest.mark.parametrize("stats", ["one-pass", "chunked"])
 @pytest.mark.parametrize("path", PATHS, ids=list(PATHS))
-def test_prologues_feed_the_product_what_torch_computes(path):
+def test_prologues_feed_the_product_what_torch_computes(path, stats, monkeypatch):
+    """Row statistics from one tile in registers, or in chunks over K (rows wider than STATS_ELEMENTS)."""
+    if stats == "chunked":
+        if path not in ("fma", "dot"):
+            pytest.skip("one chunked case per product path")
+        monkeypatch.setattr(gemv, "STATS_ELEMENTS", 32)
     config = PATHS[path]
     k = 96
     eye = _permutation(k, torch.bfloat16)
@@ -97,6 +103,22 @@ def test_products_round_once(path, dtype):
         gate_up = torch.randn(rows, 2 * k).to(dtype)
         _assert_product(ops.silu_mul_linear(gate_up, weight, out_res), silu_and_mul_ref(gate_up), weight,
                         f"{path} silu_and_mul +residual", out_res)
+
+
+def test_prologue_switches_give_the_same_function(monkeypatch):
+    """Above NORM_PROLOGUE_MAX_ROWS / SANDWICH_PROLOGUE_MAX_ROWS the norms run as their own launch
+    first: the same values (up to the statistics' sum order)."""
+    ops = _ops(DOT)
+    k = 64
+    eye = _permutation(k, torch.bfloat16)
+    x, residual = torch.randn(3, k).bfloat16(), torch.randn(3, k).bfloat16()
+    w1, w2 = torch.randn(k).bfloat16(), torch.randn(k).bfloat16()
+    fused = ops.rms_norm_linear(x, w1, 1e-6, eye), *ops.norm_residual_linear(x, residual, w1, w2, 1e-6, eye)
+    monkeypatch.setattr(gemv, "NORM_PROLOGUE_MAX_ROWS", 0)
+    monkeypatch.setattr(gemv, "SANDWICH_PROLOGUE_MAX_ROWS", 0)
+    split = ops.rms_norm_linear(x, w1, 1e-6, eye), *ops.norm_residual_linear(x, residual, w1, w2, 1e-6, eye)
+    for a, b in zip(fused, split):
+        _assert_bits(a, b, "prologue vs own launch")
 
 
 def test_split_k_is_deterministic_and_leaves_counters_zero():
