@@ -300,22 +300,38 @@ def prefill_cells(bench: Bench, configs) -> None:
 
 
 def sweep_cells(bench: Bench, base: dict[str, KernelConfig]) -> None:
-    """5. Launch configs of gemv_m1 (M = 1) and gemv (M = 2..8)."""
+    """5. Launch configs of gemv_m1 (M = 1) and gemv (M = 8, then 2 and 4) on the plain projections,
+    and of gemv_m1 on gate|up with Ouro's sandwich prologue (its L2 re-reads shrink with wider blocks)."""
     from hal.kernels.gemv import Gemv
 
-    for name in SWEEP_SHAPES:
-        n, k = SHAPES[name]
-        w = Weights(n, k, bench.device)
-        for m, sweep in ((1, M1_SWEEP), *((m, ROWS_SWEEP) for m in ROWS if m > 1)):
+    def label(config: KernelConfig) -> str:
+        return (f"{'fma' if config.block_m == 1 else 'dot'} n{config.block_n} k{config.block_k} "
+                f"w{config.num_warps} s{config.num_stages} sk{config.split_k}")
+
+    order = [(1, M1_SWEEP)] + [(m, ROWS_SWEEP) for m in sorted(ROWS, key=lambda m: (m != max(ROWS), m)) if m > 1]
+    for m, sweep in order:
+        for name in SWEEP_SHAPES:
+            n, k = SHAPES[name]
+            w = Weights(n, k, bench.device)
             xs = [_randn(m, k, device=bench.device) for _ in w.copies]
             for config in sweep:
                 ops = Gemv({**base, "gemv_m1": config, "gemv": config}, bench.device_units)
-                label = (f"{'fma' if config.block_m == 1 else 'dot'} n{config.block_n} k{config.block_k} "
-                         f"w{config.num_warps} s{config.num_stages} sk{config.split_k}")
-                bench.cell("sweep", name, m, label, lambda ops=ops, xs=xs: [
+                bench.cell("sweep", name, m, label(config), lambda ops=ops, xs=xs: [
                     lambda x=x, wt=wt: ops.linear(x, wt) for x, wt in zip(xs, w.copies)], w.bytes + 2 * m * (n + k),
                     lambda ops=ops, xs=xs: _rel_err(ops.linear(xs[0], w.copies[0]), xs[0].float() @ w.copies[0].float().T))
-        del w
+            del w
+        if m == 1 and "gate_up" in SHAPES:
+            n, k = SHAPES["gate_up"]
+            w = Weights(n, k, bench.device)
+            xs = [_randn(1, k, device=bench.device) for _ in w.copies]
+            res = [_randn(1, k, device=bench.device) for _ in w.copies]
+            post_w, norm_w = _randn(k, device=bench.device), _randn(k, device=bench.device)
+            for config in sweep:
+                ops = Gemv({**base, "gemv_m1": config, "gemv": config}, bench.device_units)
+                bench.cell("sweep", "gate_up+nrl", 1, label(config), lambda ops=ops: [
+                    lambda x=x, r=r, wt=wt: ops.norm_residual_linear(x, r, post_w, norm_w, 1e-6, wt)
+                    for x, r, wt in zip(xs, res, w.copies)], w.bytes + 2 * (3 * k + n))
+            del w
 
 
 def summary(bench: Bench) -> list[str]:
@@ -345,6 +361,9 @@ def summary(bench: Bench) -> list[str]:
                 step["cublas"] += (cub or math.nan) * times
                 step["gemv"] += (gem or math.nan) * times
                 step["floor"] += floor * times
+    best, label = us("sweep", "gate_up+nrl", 1, best=True)
+    if best:
+        lines.append(f"# gate_up with the sandwich prologue (norm_residual_linear), M=1: best {best:.2f} us ({label})")
     lines.append(f"# batch-1 step, projections only ({LAYER_LOOPS} layer-loops + lm_head): cuBLAS "
                  f"{step['cublas'] / 1e3:.2f} ms, gemv {step['gemv'] / 1e3:.2f} ms, floor {step['floor'] / 1e3:.2f} ms")
     if bench.skipped:

@@ -60,6 +60,6 @@ def test_decode_kernels_bench_runs_every_group_at_toy_shapes(monkeypatch):
     checked = [r.err for r in bench.rows if r.err is not None]
     assert checked and max(checked) < 1e-2, lines
     failed = [r for r in bench.rows if r.note.startswith("ERROR")]
-    assert [(r.rows, " k0 " in r.variant) for r in failed] == [(1, True)]      # the block_k=0 config
+    assert [(r.shape, " k0 " in r.variant) for r in failed] == [("o", True), ("gate_up+nrl", True)]   # block_k=0
     assert any(line.startswith("# batch-1 step") for line in lines)
     assert any("fresh vs paged output rel err" in line for line in lines)
