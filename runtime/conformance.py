@@ -13,7 +13,6 @@ or wherever `LOOPSTACK_GOLDEN` points.
 """
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import sys
@@ -53,7 +52,7 @@ def _check_case(hal: Hal, case: Path, meta: dict) -> None:
         for key in (k for k in tensors if k.startswith(f"logits_{i}_steps")):   # Huginn: per recurrence count
             expected[int(key.rsplit("steps", 1)[1])] = tensors[key]
         for loops, want_logits in expected.items():
-            kwargs = {"init_scale": 0.0} if "init_scale" in inspect.signature(llm.model.forward).parameters else {}
+            kwargs = {"init_scale": 0.0} if llm.model.has_initial_state else {}
             with torch.no_grad():
                 logits = llm.model(ids, num_loops=loops, **kwargs).logits[0]
             err = (logits.float().cpu() - want_logits).abs().max().item()

@@ -22,10 +22,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from safetensors import safe_open
 
 from zoo.fp8 import Fp8Linear
-from zoo.loading import CheckpointError, load_weights, safetensors_files
+from zoo.loading import CheckpointError, load_weights, open_safetensors, safetensors_files
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +65,7 @@ def stored_dtypes(folder: str | Path) -> dict[str, str]:
     """Tensor name -> safetensors dtype string ("F8_E4M3", "BF16", ...) over every weight file."""
     out: dict[str, str] = {}
     for file in safetensors_files(folder):
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             out.update({name: f.get_slice(name).get_dtype() for name in f.keys()})
     return out
 
@@ -74,7 +73,7 @@ def stored_dtypes(folder: str | Path) -> dict[str, str]:
 def _read(folder: str | Path, names: set[str]) -> dict[str, torch.Tensor]:
     found: dict[str, torch.Tensor] = {}
     for file in safetensors_files(folder):
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             found.update({n: f.get_tensor(n) for n in names & set(f.keys())})
     return found
 

@@ -1,28 +1,20 @@
-"""Layers shared by the zoo's families: RMSNorm, rotary embeddings, SwiGLU, Llama-style attention."""
+"""Layers shared by the zoo's families: RMSNorm, rotary embeddings, SwiGLU, Llama-style attention.
+
+Each layer computes with the Hal of the forward it runs in (`ctx.ops`: its fused ops where it has
+them); without a context, plain torch. The torch expressions here define what the fused ops compute.
+"""
 from __future__ import annotations
 
-import os
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from zoo.base import ForwardContext
-
-_FUSED: dict[tuple[str, str], Callable[..., Any] | None] = {}
+from zoo.base import PLAIN_OPS, ForwardContext, ModelOps
 
 
-def inference_op(name: str, x: torch.Tensor) -> Callable[..., Any] | None:
-    """The Hal's fused op `name` for `x`'s device when no gradient is being recorded, else None
-    (training always takes the differentiable torch expressions)."""
-    if torch.is_grad_enabled() or os.environ.get("LOOPSTACK_FUSED_OPS", "1") == "0":
-        return None
-    key = (name, x.device.type)
-    if key not in _FUSED:
-        import hal
-
-        _FUSED[key] = hal.for_device(x.device).op(name) if hasattr(hal.for_device(x.device), "op") else None
-    return _FUSED[key]
+def ops_of(ctx: ForwardContext | None) -> ModelOps:
+    return PLAIN_OPS if ctx is None else ctx.ops
 
 
 class RMSNorm(nn.Module):
@@ -37,8 +29,9 @@ class RMSNorm(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        fused = inference_op("rms_norm", x)
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        fused = ops_of(ctx).op("rms_norm")
         if fused is not None:
             return fused(x, self.weight, self.eps, residual)
         x32 = x.float()
@@ -47,9 +40,9 @@ class RMSNorm(nn.Module):
         return y if residual is None else residual + y
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
     """`silu(a) * b` for `x = cat(a, b)` on the last dim."""
-    fused = inference_op("silu_and_mul", x)
+    fused = ops_of(ctx).op("silu_and_mul")
     if fused is not None:
         return fused(x)
     gate, up = x.chunk(2, dim=-1)
@@ -60,7 +53,7 @@ def rotate(q: torch.Tensor, k: torch.Tensor, ctx: ForwardContext, head_dim: int,
            interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding of `q: [B, T, H, D]`, `k: [B, T, KVH, D]` at `ctx.positions`; NeoX halves or
     adjacent pairs (`interleaved`)."""
-    fused = inference_op("rotary", q)
+    fused = ctx.ops.op("rotary")
     if fused is not None and q.shape[-1] == head_dim:
         q2, k2 = fused(q.flatten(0, 1), k.flatten(0, 1), ctx.positions.flatten(), theta, interleaved)
         return q2.view_as(q), k2.view_as(k)
@@ -93,9 +86,9 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return out.flatten(-2).to(x.dtype)
 
 
-def fused_linear(x: torch.Tensor, weight: Any) -> torch.Tensor:
+def fused_linear(x: torch.Tensor, weight: Any, ctx: ForwardContext | None = None) -> torch.Tensor:
     """`x @ weight.T` for a fused projection matrix; an FP8 one (zoo/fp8.py) applies itself."""
-    return nn.functional.linear(x, weight) if isinstance(weight, torch.Tensor) else weight(x)
+    return nn.functional.linear(x, weight) if isinstance(weight, torch.Tensor) else weight(x, ops_of(ctx))
 
 
 def linear_weight(module: Any) -> torch.Tensor | None:
@@ -109,24 +102,24 @@ def linear_weight(module: Any) -> torch.Tensor | None:
     return None
 
 
-def project(x: torch.Tensor, weight: Any, norm: RMSNorm | None = None,
+def project(x: torch.Tensor, weight: Any, ctx: ForwardContext | None, norm: RMSNorm | None = None,
             residual: torch.Tensor | None = None) -> torch.Tensor:
-    """`linear(norm(x), weight) (+ residual)` (norm optional), one fused decode projection where the
+    """`linear(norm(x), weight) (+ residual)` (norm optional): one fused decode projection where the
     Hal has it (`rms_norm_linear` / `linear`), else the layers' own torch code. `weight` is a
     matrix, an FP8 matrix or a linear module."""
     plain = linear_weight(weight)
     if plain is not None:
         if norm is not None and residual is None:
-            fused = inference_op("rms_norm_linear", x)
+            fused = ops_of(ctx).op("rms_norm_linear")
             if fused is not None:
                 return fused(x, norm.weight, norm.eps, plain)
         elif norm is None:
-            fused = inference_op("linear", x)
+            fused = ops_of(ctx).op("linear")
             if fused is not None:
                 return fused(x, plain, residual)
     if norm is not None:
-        x = norm(x)
-    y = fused_linear(x, weight)
+        x = norm(x, ctx)
+    y = weight(x) if isinstance(weight, nn.Module) else fused_linear(x, weight, ctx)
     return y if residual is None else residual + y
 
 
@@ -141,39 +134,40 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.gate_up: Any = None                   # [2I, hidden] tensor (or FP8 matrix) once fused
 
-    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None,
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None, norm: RMSNorm | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """`down(silu(gate(n(x))) * up(n(x)))` with `n = norm` (or none), `+ residual` when given: the
         norm runs in the gate|up projection's prologue, SwiGLU in the down projection's, the residual
         add in its epilogue, where the Hal has those ops (decode batches)."""
         if self.gate_up is None:
-            x = norm(x) if norm is not None else x
+            x = norm(x, ctx) if norm is not None else x
             y = self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
             return y if residual is None else residual + y
-        return self.down(project(x, self.gate_up, norm), residual)
+        return self.down(project(x, self.gate_up, ctx, norm), ctx, residual)
 
-    def down(self, gate_up: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def down(self, gate_up: torch.Tensor, ctx: ForwardContext | None = None,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
         """`down(silu(gate) * up) (+ residual)` of the gate|up projection's output `[..., 2I]`."""
         weight = linear_weight(self.down_proj)
-        fused = inference_op("silu_mul_linear", gate_up) if weight is not None else None
+        fused = ops_of(ctx).op("silu_mul_linear") if weight is not None else None
         if fused is not None:
             return fused(gate_up, weight, residual)
-        y = self.down_proj(silu_and_mul(gate_up))
+        y = self.down_proj(silu_and_mul(gate_up, ctx))
         return y if residual is None else residual + y
 
-    def forward_sandwich(self, x: torch.Tensor, residual: torch.Tensor, post_norm: RMSNorm,
-                         norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_sandwich(self, x: torch.Tensor, residual: torch.Tensor, post_norm: RMSNorm, norm: RMSNorm,
+                         ctx: ForwardContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Sandwich norms around a sublayer boundary (Ouro): the residual stream
         `h = residual + post_norm(x)` of the sublayer before, then `self(norm(h))`. Returns
         `(mlp output, h)`; the two norms run in the gate|up projection's prologue where the Hal
         has `norm_residual_linear`."""
         weight = linear_weight(self.gate_up)
-        fused = inference_op("norm_residual_linear", x) if weight is not None else None
+        fused = ops_of(ctx).op("norm_residual_linear") if weight is not None else None
         if fused is None or post_norm.eps != norm.eps:
-            h = post_norm(x, residual=residual)
-            return self(h, norm), h
+            h = post_norm(x, ctx, residual=residual)
+            return self(h, ctx, norm), h
         gate_up, h = fused(x, residual, post_norm.weight, norm.weight, norm.eps, weight)
-        return self.down(gate_up), h
+        return self.down(gate_up, ctx), h
 
 
 class GQAttention(nn.Module):
@@ -192,13 +186,14 @@ class GQAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
         self.qkv: Any = None                       # q|k|v as one matrix after zoo.fuse.fuse_projections
 
-    def project(self, x: torch.Tensor, norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, ctx: ForwardContext | None = None, norm: RMSNorm | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of `norm(x)` (the input norm in the q|k|v projection's prologue where fused)."""
         if self.qkv is not None:
             sizes = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                      self.num_kv_heads * self.head_dim)
-            return project(x, self.qkv, norm).split(sizes, dim=-1)
-        x = norm(x) if norm is not None else x
+            return project(x, self.qkv, ctx, norm).split(sizes, dim=-1)
+        x = norm(x, ctx) if norm is not None else x
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def rope(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,12 +210,12 @@ class GQAttention(nn.Module):
         """`o_proj(attention(norm(x))) (+ residual)`; `norm` and `residual` fold into the projections
         where the Hal has the ops (decode batches)."""
         # x: [B, T, hidden]
-        q, k, v = self.project(x, norm)
+        q, k, v = self.project(x, ctx, norm)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))                  # [B, T, H, D]
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))               # [B, T, KVH, D]
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         out = attend_rotary(q, k, v, ctx, plane, layer, self.scale, self.head_dim, self.rope_theta, False)
-        return project(out.flatten(-2), self.o_proj, residual=residual)
+        return project(out.flatten(-2), self.o_proj, ctx, residual=residual)
 
 
 def attend_rotary(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, plane: int, layer: int,
@@ -228,7 +223,7 @@ def attend_rotary(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Forwar
     """`ctx.attend` of the rotated q and k. A context with `attend_rotary` (the runtime's paged one)
     rotates and writes the KV cache in one kernel where its backend can; others get `rotate` first."""
     fused = getattr(ctx, "attend_rotary", None)
-    if fused is not None and q.shape[-1] == head_dim and inference_op("rotary", q) is not None:
+    if fused is not None and q.shape[-1] == head_dim and ctx.ops.op("rotary") is not None:
         return fused(q, k, v, plane, layer, scale, theta, interleaved)
     q, k = rotate(q, k, ctx, head_dim, theta, interleaved)
     return ctx.attend(q, k, v, plane, layer, scale)

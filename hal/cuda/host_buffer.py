@@ -16,7 +16,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from hal.common.host_buffer import StagedHostBuffer, check_shape, dirty_rows
+from hal.common.host_buffer import StagedHostBuffer, check_shape, dirty_rows  # noqa: F401 (the Hal builds buffers.StagedHostBuffer)
 
 UVA_ENV = "LOOPSTACK_UVA"
 PROBE_LEN = 256                      # int32 values the probe writes on the host and reads on the device

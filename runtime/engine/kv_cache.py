@@ -1,9 +1,8 @@
 """Paged KV bookkeeping: a pool of fixed-size blocks and one block table per KV plane per request.
 
 Pure Python (no tensors), so it is tested exactly on the CPU. A block holds `block_size` tokens of
-one plane for every layer slot of that plane; all planes draw from one pool. KV modes decide how
-many planes a request owns: `full` and `last_exited` one per loop (plus the model's fixed planes),
-`shared` a single loop plane that every loop overwrites.
+one plane for every layer slot of that plane; all planes draw from one pool. How many planes a
+request owns is the `PlaneLayout`'s answer (runtime/engine/planes.py).
 
 Blocks carry reference counts: with prefix caching (runtime/engine/prefix_cache.py) several requests'
 tables may hold the same block. An unreferenced block that holds cached content stays named until
@@ -15,21 +14,6 @@ from collections import deque
 from typing import NamedTuple, Sequence
 
 from runtime.engine.prefix_cache import NO_HIT, BlockKey, PrefixCache, PrefixHit
-
-KV_MODES = ("full", "last_exited", "shared")
-
-
-def num_request_planes(kv_mode: str, num_fixed_planes: int, num_loops: int) -> int:
-    """KV planes a request with `num_loops` loops owns."""
-    if kv_mode not in KV_MODES:
-        raise ValueError(f"kv_mode must be one of {', '.join(KV_MODES)}, got {kv_mode!r}")
-    return num_fixed_planes + (1 if kv_mode == "shared" else num_loops)
-
-
-def physical_plane(kv_mode: str, num_fixed_planes: int, plane: int) -> int:
-    """Where a model's logical plane lives: in `shared` mode every loop plane is one plane."""
-    return min(plane, num_fixed_planes) if kv_mode == "shared" else plane
-
 
 class CacheUsage(NamedTuple):
     num_blocks: int
@@ -119,6 +103,20 @@ class BlockManager:
             while len(table) < target:
                 table.append(self._take())
 
+    def fork(self, parent_id: str, child_id: str, num_blocks: int) -> int:
+        """A new request `child_id` starts with the parent's first `num_blocks` blocks of every plane
+        (n > 1: samples share their prompt's KV); they gain a reference, so either may finish first.
+        Returns the blocks per plane shared (fewer when the parent holds fewer)."""
+        assert child_id not in self.tables, f"request {child_id} already holds blocks"
+        tables = self.tables.get(parent_id)
+        shared = min([num_blocks] + [len(t) for t in tables]) if tables else 0
+        if shared <= 0:
+            return 0
+        self.tables[child_id] = [list(t[:shared]) for t in tables]
+        for block in (b for t in self.tables[child_id] for b in t):
+            self.ref_counts[block] += 1
+        return shared
+
     def _take(self) -> int:
         block = self.free_blocks.popleft() if self.free_blocks else self.cache.evict_oldest()
         self.ref_counts[block] = 1
@@ -177,7 +175,6 @@ class BlockManager:
         for b in held:
             counts[b] += 1
         assert counts == self.ref_counts, "a KV block's reference count is wrong"
-        assert self.cache is not None or max(counts, default=0) <= 1, "a KV block is owned twice"
         evictable = list(self.cache.evictable) if self.cache else []
         unreferenced = sorted(list(self.free_blocks) + evictable)
         assert unreferenced == [b for b in range(self.num_blocks) if counts[b] == 0], "a KV block leaked"

@@ -16,6 +16,7 @@ import struct
 from collections import OrderedDict
 from typing import Hashable, NamedTuple, Sequence
 
+from runtime.engine.planes import PlaneLayout
 from runtime.engine.sequence import PLACEHOLDER, Request
 
 BlockKey = Hashable
@@ -30,8 +31,9 @@ def chain_digest(parent: bytes, token_ids: Sequence[int]) -> bytes:
 class PrefixPolicy:
     """Names of a request's blocks and how many of its tokens may be cached (engine settings)."""
 
-    def __init__(self, block_size: int, kv_mode: str, num_fixed_planes: int) -> None:
-        self.block_size, self.kv_mode, self.num_fixed_planes = block_size, kv_mode, num_fixed_planes
+    def __init__(self, block_size: int, layout: PlaneLayout) -> None:
+        self.block_size, self.layout = block_size, layout
+        self.num_fixed_planes = layout.num_fixed_planes
 
     def block_keys(self, request: Request, num_blocks: int) -> list[list[BlockKey]]:
         """Keys `[plane][block]` of the request's first `num_blocks` full blocks (tokens must be known)."""
@@ -50,7 +52,7 @@ class PrefixPolicy:
     def cacheable_len(self, request: Request) -> int:
         """Leading tokens whose KV is final and equal to what a fresh prefill would compute."""
         n = min(request.num_settled_tokens, len(request.prompt_token_ids) + request.num_resolved_outputs)
-        if request.exit_threshold < 1.0 and (self.kv_mode != "full" or self.num_fixed_planes):
+        if request.exit_threshold < 1.0 and (self.layout.stops_early or self.num_fixed_planes):
             # a decoding token that exited early has copied KV in the planes it skipped (last_exited),
             # and a sampled row's coda KV comes from its exit loop: keep to the plain prompt rows
             n = min(n, len(request.prompt_token_ids) - 1)

@@ -11,7 +11,7 @@ others decode. Features (docs/scheduling.md):
   preempt running requests of strictly lower priority to get a slot or blocks;
 - prefix caching: an admitted request starts from the cached blocks of its longest cached prefix;
 - wavefront prefill: a prompt that does not fit the step's budget enters the loops chunk by chunk,
-  each chunk running one loop per step (`ScheduledRequest.is_wave`), see runtime/execution/wavefront.py.
+  each chunk running one loop per step (`ScheduledRequest.is_wave`), see runtime/execution/runner.py.
 """
 from __future__ import annotations
 
@@ -105,15 +105,55 @@ class Scheduler:
         return (request.priority if self.config.policy == "priority" else 0, request.arrival_seq)
 
     def add(self, request: Request) -> None:
-        if not self.blocks.fits_at_all(request.num_planes, request.num_tokens + 1):
+        """Queue a new request. Raises MemoryError when it could not finish even with the whole KV
+        cache to itself: its prompt plus max_tokens (within its context) must fit, so an admitted
+        request is never preempted forever for lack of room."""
+        total = self.max_request_tokens(request)
+        if not self.blocks.fits_at_all(request.num_planes, total):
+            per_plane = self.blocks.num_blocks // request.num_planes * self.blocks.block_size
             raise MemoryError(
-                f"request {request.request_id} needs {request.num_planes} KV planes x "
-                f"{self.blocks.blocks_per_plane(request.num_tokens + 1)} blocks, more than the whole cache "
-                f"({self.blocks.num_blocks} blocks); shorten the prompt, use fewer loops or kv_mode=shared, "
-                f"or give the KV cache more memory")
+                f"request {request.request_id} needs {total} tokens of KV (a prompt of "
+                f"{len(request.prompt_token_ids)} + max_tokens {request.params.max_tokens}) in each of its "
+                f"{request.num_planes} KV planes, {request.num_planes} x {self.blocks.blocks_per_plane(total)} "
+                f"blocks, more than the whole cache ({self.blocks.num_blocks} blocks of {self.blocks.block_size} "
+                f"tokens, at most {per_plane} tokens per plane): lower max_tokens, shorten the prompt, use fewer "
+                f"loops or kv_mode=shared, or give the KV cache more memory (engine.num_kv_blocks, "
+                f"engine.gpu_memory_utilization)")
         request.arrival_seq = self._num_arrived
         self._num_arrived += 1
         bisect.insort(self.waiting, request, key=self._key)
+
+    @staticmethod
+    def max_request_tokens(request: Request) -> int:
+        """The most tokens the request can hold in the cache: prompt + max_tokens, within its context."""
+        return min(len(request.prompt_token_ids) + request.params.max_tokens, request.max_seq_len)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Queue `child`, another sample of `parent`'s prompt (n > 1), starting from the parent's
+        full prompt blocks (shared, reference counted); it computes the rest of the prompt itself
+        (less than a block) and samples from its own logits. It waits at the parent's place in the
+        queue. Until admitted it holds those blocks; under pressure they are released
+        (`_release_waiting`) and it prefills from scratch."""
+        bs = self.blocks.block_size
+        wanted = (len(parent.prompt_token_ids) - 1) // bs
+        shared = self.blocks.fork(parent.request_id, child.request_id, wanted) \
+            if parent.num_settled_tokens >= wanted * bs else 0
+        child.num_computed_tokens = shared * bs
+        child.metrics.num_cached_tokens = shared * bs
+        child.arrival_seq = parent.arrival_seq
+        bisect.insort(self.waiting, child, key=self._key)
+
+    def _release_waiting(self, keep: Request | None = None) -> bool:
+        """Drop the blocks that waiting requests hold (forked samples not yet admitted); they will
+        prefill from scratch. Returns whether anything was released."""
+        released = False
+        for request in self.waiting:
+            if request is not keep and request.request_id in self.blocks.tables \
+                    and request.request_id not in self.swapped:
+                self.blocks.free(request.request_id)
+                request.num_computed_tokens = 0
+                released = True
+        return released
 
     # ----- the step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -158,6 +198,8 @@ class Scheduler:
             while not self._admissible(request, total, hit):
                 victim = self._victim(request, set(), lower_only=True)
                 if victim is None:
+                    if not self.running and self._release_waiting(keep=request):
+                        continue                 # blocks held by queued samples stood in the way
                     break
                 self._preempt(victim)
                 hit = self._prefix_hit(request)
@@ -167,8 +209,11 @@ class Scheduler:
         return self._out
 
     def _admissible(self, request: Request, total: int, hit: PrefixHit) -> bool:
+        # the watermark keeps room for running requests to grow; with none running it would only
+        # keep a request that fits out forever
+        reserve = self.config.watermark_blocks if self.running else 0
         return len(self.running) < self.config.max_num_seqs and self.blocks.can_allocate(
-            request.request_id, request.num_planes, total, reserve=self.config.watermark_blocks, hit=hit)
+            request.request_id, request.num_planes, total, reserve=reserve, hit=hit)
 
     def _admit(self, request: Request, base: int, total: int, hit: PrefixHit) -> None:
         self.waiting.pop(0)
@@ -205,6 +250,8 @@ class Scheduler:
     def _prefix_hit(self, request: Request) -> PrefixHit:
         if self.prefix is None or request.cache_salt is None or request.num_computed_tokens:
             return NO_HIT
+        if request.params.prompt_logprobs is not None:      # every prompt row's logits are needed
+            return NO_HIT
         return self.blocks.match_prefix(self.prefix.block_keys(request, self.prefix.max_hit_blocks(request)))
 
     # ----- wavefront prefill ----------------------------------------------------------------
@@ -238,6 +285,8 @@ class Scheduler:
         while not self.blocks.can_allocate(rid, planes, total):
             victim = self._victim(request, done)
             if victim is None:
+                if self._release_waiting():
+                    continue
                 self._preempt(request)
                 return False
             self._preempt(victim)

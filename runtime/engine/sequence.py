@@ -17,7 +17,7 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"            # scheduled every step until it finishes
     FINISHED_STOPPED = "stop"      # produced a stop token
     FINISHED_LENGTH = "length"     # reached max_tokens or the model's context
-    FINISHED_ABORTED = "abort"     # aborted by the caller
+    FINISHED_ABORTED = "abort"     # aborted by the caller (the server reports it as an error, not a finish reason)
     FINISHED_ERROR = "error"       # rejected (e.g. larger than the whole KV cache)
 
     @property
@@ -91,6 +91,20 @@ class Request:
     cache_salt: bytes | None = None      # prefix caching: None = this request's KV is never shared
     block_hashes: list[bytes] = field(default_factory=list)     # chain digests of its full blocks so far
     wave_chunks: list[WaveChunk] = field(default_factory=list)  # wavefront prefill: chunks still looping
+    # log-probabilities (runtime/execution/logprobs.py): of each resolved output token when asked
+    logprobs: list[Any] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: list[Any] | None = None     # per prompt token (None for the first), when asked
+    rank_by_logprob: bool = False        # best_of: the engine ranks samples by their logprobs
+    sample_index: int = 0                # n > 1: which sample of its group this is
+    group: Any = None                    # n > 1: the runtime.engine.llm_engine.SampleGroup it belongs to
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top-k the sampler reports for each sampled token (0: only the token's own), or None."""
+        if self.params.logprobs is not None:
+            return self.params.logprobs
+        return 0 if self.rank_by_logprob else None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -18,6 +18,9 @@ from runtime.engine.sequence import PLACEHOLDER
 class StepResult(NamedTuple):
     sampled: dict[str, tuple[int, int]]     # request id -> (token, loops its logits came from)
     num_tokens: int                         # rows computed this step
+    # requests that asked: request id -> its sampled token's logprobs (runtime/execution/logprobs.py)
+    logprobs: dict[str, Any] | None = None
+    prompt_logprobs: dict[str, tuple[int, list]] | None = None   # request id -> (first prompt index, per token)
 
 
 class Readback:
@@ -45,8 +48,9 @@ class PendingStep:
     """A launched step: `tokens: [R]` (device, int64) are its sampled tokens in `request_ids` order."""
 
     def __init__(self, readback: Readback, tokens: torch.Tensor | None, request_ids: Sequence[str],
-                 loops: Sequence[int], num_tokens: int) -> None:
+                 loops: Sequence[int], num_tokens: int, logprobs: Any = None) -> None:
         self.tokens, self.num_tokens = tokens, num_tokens
+        self.logprobs = logprobs                 # a StepLogprobs on the device, read with the tokens
         self.request_ids, self.loops = list(request_ids), list(loops)
         self.row_of = {rid: i for i, rid in enumerate(self.request_ids)}
         self._host, self._event = readback.start(tokens) if tokens is not None else (None, None)
@@ -54,11 +58,14 @@ class PendingStep:
     def result(self) -> StepResult:
         """Wait for this step's copy only (later steps may still run) and return its tokens."""
         if self._host is None:
-            return StepResult({}, self.num_tokens)
+            logprobs, prompt = self.logprobs.to_host() if self.logprobs is not None else (None, None)
+            return StepResult({}, self.num_tokens, logprobs, prompt)
         self._event.synchronize()
+        # logprobs (only when a request asked): a plain device-to-host read, after this step's event
+        logprobs, prompt = self.logprobs.to_host() if self.logprobs is not None else (None, None)
         values = self._host.tolist()
         sampled = {rid: (t, n) for rid, t, n in zip(self.request_ids, values, self.loops)}
-        return StepResult(sampled, self.num_tokens)
+        return StepResult(sampled, self.num_tokens, logprobs, prompt)
 
 
 def feed_tokens(token_ids: list[int], fed: Sequence[tuple[int, str]], source: PendingStep | None,

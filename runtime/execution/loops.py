@@ -2,12 +2,9 @@
 
 Every sequence of a step runs `num_loops` loops (its request's setting). With an exit threshold
 below 1 (Ouro's gate) the logits of a sampled token come from the first loop whose cumulative
-exit probability reaches the threshold (never before `min_loops`):
-- kv_mode `full`: every loop still runs, so every plane's KV is exact (the reference semantics);
-- kv_mode `last_exited`/`shared`: a decoding token really stops at its exit loop, saving the deeper
-  loops; in `last_exited` its KV is then copied into the planes it skipped (`exits`), so later
-  tokens find it there. Prompt tokens always run every loop: later prompt tokens read their KV
-  at every depth within the same step.
+exit probability reaches the threshold (never before `min_loops`). Whether a decoding token then
+really stops there (`SeqPlan.can_stop_early`) is the KV layout's answer (runtime/engine/planes.py);
+tokens that did are reported in `exits`, so the runner can fill the planes they skipped.
 """
 from __future__ import annotations
 
@@ -15,8 +12,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from zoo.base import LoopedCausalLM
-from zoo.ouro.model import exit_distribution, first_exit_step
+from zoo.base import LoopedCausalLM, exit_distribution, first_exit_step
 
 
 class SeqPlan(NamedTuple):
@@ -116,7 +112,7 @@ def run_loops(model: LoopedCausalLM, state: torch.Tensor, ctx, plans: Sequence[S
 
 def first_exit_step_bounded(pdf: torch.Tensor, threshold: torch.Tensor, min_loops: torch.Tensor,
                             num_loops: torch.Tensor) -> torch.Tensor:
-    """`zoo.ouro.first_exit_step` per row with its own threshold, min_loops and loop count.
+    """`zoo.base.first_exit_step` per row with its own threshold, min_loops and loop count.
     `pdf: [R, L]` over the loops that ran (rows with fewer loops are padded past their end)."""
     if bool((num_loops == pdf.shape[-1]).all()) and bool((min_loops <= 1).all()) and threshold.unique().numel() == 1:
         return first_exit_step(pdf, float(threshold[0]))

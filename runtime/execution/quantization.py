@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from hal.base import Hal
+from zoo.base import ModelOps
 from hal.common.kv_quant import KV_DTYPE_NAMES
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ def resolve_kv_dtype(name: str, hal: Hal) -> torch.dtype | None:
     return dtype
 
 
-def prepare_weights(model: nn.Module, hal: Hal, weights_dtype: str) -> None:
+def prepare_weights(model: nn.Module, ops: ModelOps, weights_dtype: str) -> None:
     """`weights_dtype=fp8`: swap the model's linears for per-output-channel FP8 ones in the Hal's
     format (after `fuse_projections`, so fused matrices are quantized as one). Models loaded with FP8
     weights (a pre-quantized checkpoint, or `zoo.from_pretrained(..., weights_dtype="fp8")`) are
@@ -57,9 +58,10 @@ def prepare_weights(model: nn.Module, hal: Hal, weights_dtype: str) -> None:
 
     if weights_dtype == "auto" and not has_fp8_weights(model):
         return
+    hal = ops.hal
     fp8 = hal.caps.fp8_dtype
     if fp8 is None:
         raise ValueError(f"weights_dtype=fp8 (or an FP8 checkpoint): hal {hal.name} ({hal.caps.arch}) has no FP8 "
                          f"format (Caps.fp8_dtype is None); load the bf16 checkpoint with weights_dtype=auto")
-    num = quantize_fp8(model, fp8)
+    num = quantize_fp8(model, fp8, ops)
     log.info("FP8 weights (%s, per output channel): %d linears", fp8, num)

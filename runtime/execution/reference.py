@@ -7,39 +7,31 @@ threshold.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import torch
 
-import hal
 from hal.common.kv_quant import fake_quantize
 from runtime.config import SamplingParams
 from runtime.execution.sampler import make_generator, sample_token
-from zoo.base import LoopedCausalLM
-from zoo.ouro.model import exit_distribution, first_exit_step
+from zoo.base import PLAIN_OPS, LoopedCausalLM, ModelOps, PassCache, exit_distribution, first_exit_step
 
 
-class CachedContext:
+class CachedContext(PassCache):
     """A growing dense KV cache per (plane, layer); attention is bottom-right causal. With an 8-bit
     `kv_dtype` every new token's K and V are rounded as a quantized paged cache stores them
     (hal/common/kv_quant.py: per token and head, fixed when written), so the engine with `kv_dtype` set
-    must give this path's tokens."""
+    must give this path's tokens. `ops` is the Hal to compute with (default plain torch)."""
 
     def __init__(self, generator: torch.Generator | None = None, init_scale: float | None = None,
-                 kv_dtype: torch.dtype | None = None) -> None:
+                 kv_dtype: torch.dtype | None = None, ops: ModelOps | None = None) -> None:
+        super().__init__()
+        self.ops = ops or PLAIN_OPS
         self.kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.positions = torch.zeros(1, 0, dtype=torch.long)
         self.generator, self.init_scale, self.kv_dtype = generator, init_scale, kv_dtype
-        self._cache: dict[Any, Any] = {}
 
     def begin_step(self, positions: torch.Tensor) -> None:
         self.positions = positions
-        self._cache = {}
-
-    def cached(self, key: Any, fn: Callable[[], Any]) -> Any:
-        if key not in self._cache:
-            self._cache[key] = fn()
-        return self._cache[key]
+        self.clear_cached()
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plane: int, layer: int,
                scale: float) -> torch.Tensor:
@@ -50,9 +42,11 @@ class CachedContext:
             past_k, past_v = self.kv[(plane, layer)]
             k, v = torch.cat([past_k, k], dim=1), torch.cat([past_v, v], dim=1)
         self.kv[(plane, layer)] = (k, v)
-        out = hal.for_device(q.device).dense(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             scale=scale, causal=True)
+        out = self.ops.dense(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, causal=True)
         return out.transpose(1, 2)
+
+    def initial_state(self, model: LoopedCausalLM, e: torch.Tensor) -> torch.Tensor:
+        return model.initial_state(e, self.init_scale, self.generator)
 
 
 @torch.no_grad()
@@ -76,22 +70,22 @@ def forward_step(model: LoopedCausalLM, ids: torch.Tensor, ctx: CachedContext, n
 
 
 def generate_reference(model: LoopedCausalLM, prompt_ids: list[int], params: SamplingParams,
-                       stop_token_ids: tuple[int, ...] = (),
-                       kv_dtype: torch.dtype | None = None) -> tuple[list[int], str, list[int]]:
-    """Generate for one prompt (`kv_dtype`: see `CachedContext`). Returns (token ids, finish reason,
-    loops per token)."""
+                       stop_token_ids: tuple[int, ...] = (), kv_dtype: torch.dtype | None = None,
+                       ops: ModelOps | None = None) -> tuple[list[int], str, list[int]]:
+    """Generate for one prompt (`kv_dtype`, `ops`: see `CachedContext`). Returns (token ids, finish
+    reason, loops per token)."""
     device = next(model.parameters()).device
     num_loops = params.num_loops or model.default_num_loops
     threshold = model.default_exit_threshold if params.exit_threshold is None else params.exit_threshold
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(stop_token_ids))
-    ctx = CachedContext(make_generator(params, device), params.init_scale, kv_dtype)
+    ctx = CachedContext(make_generator(params, device), params.init_scale, kv_dtype, ops)
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)
     position, out, loops = 0, [], []
     while True:
         ctx.begin_step(torch.arange(position, position + ids.shape[0], device=device)[None])
         logits, exit_loops = forward_step(model, ids, ctx, num_loops, threshold)
         position += ids.shape[0]
-        token = sample_token(logits[-1], params, ctx.generator)
+        token = sample_token(logits[-1], params, prompt_ids, out, stops)
         out.append(token)
         loops.append(int(exit_loops[-1]))
         if token in stops:

@@ -64,6 +64,7 @@ class NewRequest(NamedTuple):
     num_loops: int
     exit_threshold: float
     num_planes: int
+    stop_token_ids: frozenset[int] = frozenset()     # the engine's stops (min_tokens masks them)
 
 
 class PlanItem(NamedTuple):
@@ -96,11 +97,11 @@ def check_supported(config: EngineConfig) -> None:
     """Raise a ValueError naming the fix for engine features the followers cannot replay."""
     refused = []
     if config.async_scheduling:
-        refused.append(("async scheduling", "async_scheduling=false"))
+        refused.append(("async scheduling", "engine.async_scheduling=false"))
     if config.speculative.is_enabled and config.speculative.mode != "sync":
-        refused.append(("asynchronous speculation", "speculative.mode=sync"))
+        refused.append(("asynchronous speculation", "engine.speculative.mode=sync"))
     if config.weights_dtype == "fp8":          # the row-parallel linears are not FP8 linears (docs/fp8.md)
-        refused.append(("FP8 weights", "weights_dtype=auto"))
+        refused.append(("FP8 weights", "engine.weights_dtype=auto"))
     if refused:
         raise ValueError(f"{' and '.join(w for w, _ in refused)} not implemented with tensor parallelism "
                          f"(rank 0 would plan work before the other ranks can know it); set "
@@ -155,7 +156,8 @@ class PlanPublisher:
             request, rid = item.request, item.request.request_id
             if rid not in self.known:
                 new_requests.append(NewRequest(rid, list(request.prompt_token_ids), request.params,
-                                               request.num_loops, request.exit_threshold, request.num_planes))
+                                               request.num_loops, request.exit_threshold, request.num_planes,
+                                               request.stop_token_ids))
                 self.known[rid] = request
                 self.sent_tokens[rid] = len(request.prompt_token_ids)
             sent = self.sent_tokens[rid] - len(request.prompt_token_ids)
@@ -264,7 +266,8 @@ class Follower:
         for new in plan.new_requests:
             self.requests[new.request_id] = Request(
                 new.request_id, list(new.prompt_token_ids), new.params, new.num_loops, new.exit_threshold,
-                new.num_planes, generator=make_generator(new.params, self.runner.device))
+                new.num_planes, stop_token_ids=new.stop_token_ids,
+                generator=make_generator(new.params, self.runner.device))
         plain, drafting = [], []
         for item in plan.items:
             request = self.requests[item.request_id]

@@ -76,11 +76,10 @@ def measure_step_costs(engine: Any, repeats: int = 10) -> dict[str, Any]:
     starts = [r.num_computed_tokens for r in requests]
 
     def draft(k: int, guess: bool):
-        return draft_tokens(runner, requests, first, starts, [k] * len(requests), blocks, loops, num_drafts, guess,
-                            spec.graphs)
+        return draft_tokens(runner, requests, first, starts, [k] * len(requests), blocks, loops, num_drafts, guess)
 
     def verify(drafted):
-        return spec._verify(drafted, blocks).argmax(-1).tolist()       # the host sync a round ends with
+        return spec.verify(drafted, blocks).argmax(-1).tolist()       # the host sync a round ends with
 
     drafted = draft(num_drafts, False)
     items = [ScheduledRequest(r, 1) for r in requests]

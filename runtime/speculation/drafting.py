@@ -13,11 +13,9 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from hal.base import PagedBatch
-from runtime.speculation.acceptance import DRAFT, keyed_uniforms, sample_with_uniform
-from runtime.execution.context import PagedContext
 from runtime.execution.sampler import filtered_probs
-from runtime.engine.scheduler import ScheduledRequest
+from runtime.execution.step_inputs import SeqSlice, describe, place
+from runtime.speculation.acceptance import DRAFT, keyed_uniforms, sample_with_uniform
 
 
 class DraftBatch(NamedTuple):
@@ -64,31 +62,45 @@ class DraftBatch(NamedTuple):
                           torch.cat([p.states for p in parts]), probs, guess)
 
 
+def draft_stages(model, draft_loops: int, ids: torch.Tensor, ctx, rows: torch.Tensor | None = None):
+    """A draft pass: the prelude and loops 0..d-1 over `ids: [1, R]`, then the head on `rows` (all
+    rows when None). Returns the state `[1, R, X]` and the logits `[H, V]` float32."""
+    state = model.prelude(ids, ctx)
+    for depth in range(draft_loops):
+        state = model.loop(state, depth, ctx)
+    return state, model.coda(state, ctx, rows=rows)[0].float()
+
+
 def draft_tokens(runner, requests: list, first_tokens: torch.Tensor, starts: list[int], num_drafts: list[int],
-                 blocks, draft_loops: int, max_drafts: int, with_guess: bool, graphs=None) -> DraftBatch:
+                 blocks, draft_loops: int, max_drafts: int, with_guess: bool, use_graphs: bool = True) -> DraftBatch:
     """Draft `num_drafts[b]` tokens after `first_tokens: [B]` (at positions `starts`) for each request,
     in max(num_drafts) + 1 passes; with `with_guess` the last pass of a request runs the head too.
-    With `graphs` (runtime/speculation/graphs.py) every pass replays a captured graph."""
-    device, num_seqs = runner.device, len(requests)
-    fixed = runner.kv_spec.num_fixed_planes
-    planes = fixed + draft_loops                        # the only planes a draft pass touches
+    With `use_graphs` (and a runner that captures) every pass replays a captured graph."""
+    env, num_seqs = runner.env, len(requests)
+    device = env.device
+    planes = env.layout.num_fixed_planes + draft_loops       # the only planes a draft pass touches
     tables = [blocks.block_tables(r.request_id)[:planes] for r in requests]
+    graphs = runner.graphs if use_graphs else None
     tokens = torch.zeros(num_seqs, max_drafts, dtype=torch.long, device=device)
     guess = torch.zeros(num_seqs, dtype=torch.long, device=device) if with_guess else None
     states = probs = None
     current = first_tokens.clone()                                                  # [B]
     for j in range(max(num_drafts) + 1):
         active = [b for b in range(num_seqs) if num_drafts[b] >= j]
-        positions = [starts[b] + j for b in active]
+        host = describe([SeqSlice(requests[b], starts[b] + j, 1, tables[b]) for b in active], planes,
+                        env.block_size, with_tokens=False)
         ids = current.index_select(0, _long(active, device))                                  # [R]
         heads = [i for i, b in enumerate(active) if j < num_drafts[b] or with_guess]
-        if graphs is not None:
-            state, logits = graphs.draft_pass([requests[b] for b in active], ids, positions,
-                                              [tables[b] for b in active])                    # [R, X], [R, V]
+        if graphs is not None and graphs.bucket(len(active)) is not None:
+            key = ("draft", graphs.bucket(len(active)), draft_loops)
+            program = lambda x, ctx: draft_stages(runner.model, draft_loops, x, ctx)       # noqa: E731
+            state, logits = graphs.run(key, program, host, 1, planes, ids)          # [1, B, X], [B, V]
+            state = state[:, :len(active)]
             logits = logits.index_select(0, _long(heads, device)) if heads else None
         else:
-            state, logits = _draft_pass(runner, [requests[b] for b in active], ids, positions,
-                                        [tables[b] for b in active], draft_loops, heads)
+            ctx = place(env, host, ids=ids).ctx
+            state, logits = draft_stages(runner.model, draft_loops, ids[None], ctx, _long(heads, device))
+        state = state[0]
         if states is None:
             states = state.new_empty(num_seqs, max_drafts + 1, state.shape[-1])
         states[_long(active, device), j] = state
@@ -110,23 +122,6 @@ def draft_tokens(runner, requests: list, first_tokens: torch.Tensor, starts: lis
             kept = dist.index_select(0, _long([s for s, _ in keep], device))
             probs[_long([b for _, b in keep], device), j] = kept
     return DraftBatch(list(requests), list(starts), list(num_drafts), tokens, states, probs, guess)
-
-
-def _draft_pass(runner, requests: list, ids: torch.Tensor, positions: list[int], tables: list,
-                draft_loops: int, heads: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One unpadded draft pass: state `[R, X]` and the head's logits `[H, V]` of rows `heads`."""
-    model, device = runner.model, runner.device
-    planes = len(tables[0])
-    batch = PagedBatch([1] * len(requests), [p + 1 for p in positions],
-                       [[t[p] for t in tables] for p in range(planes)], runner.block_size)
-    ctx = PagedContext(runner.backend, runner.kv_caches, batch, _long(positions, device)[None],
-                       runner.config.kv_mode, runner.kv_spec.num_fixed_planes,
-                       runner._initial_state_fn([ScheduledRequest(r, 1) for r in requests]))
-    state = model.prelude(ids[None], ctx)                                             # [1, R, X]
-    for depth in range(draft_loops):
-        state = model.loop(state, depth, ctx)
-    logits = model.coda(state, ctx, rows=_long(heads, device))[0].float() if heads else None
-    return state[0], logits
 
 
 def pick_tokens(logits: torch.Tensor, requests: list, positions: list[int]

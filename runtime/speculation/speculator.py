@@ -29,13 +29,12 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from hal.base import PagedBatch
 from runtime.speculation.acceptance import judge_round
 from runtime.config import SpeculativeConfig
-from runtime.execution.context import PagedContext
 from runtime.speculation.drafting import DraftBatch, draft_tokens
 from runtime.engine.kv_cache import BlockManager
 from runtime.execution.loops import SeqPlan, run_loops
+from runtime.execution.step_inputs import SeqSlice, describe, place
 from runtime.engine.scheduler import ScheduledRequest
 from runtime.engine.sequence import Request
 
@@ -81,11 +80,6 @@ class Speculator:
         self.side_stream = self.hal.stream() if self.is_async else None
         self.side_done = None            # event after the last work issued on the side stream
         self.counters = SpecCounters()
-        self.graphs = None
-        if runner.graphs is not None:
-            from runtime.speculation.graphs import SpecGraphs
-
-            self.graphs = SpecGraphs(runner, config.draft_loops, config.num_tokens)
 
     # ----- one round for every speculating request of a step ------------------------------
     @torch.inference_mode()
@@ -107,7 +101,7 @@ class Speculator:
         draft = parts[0] if len(parts) == 1 else DraftBatch.concat(parts)
         drafted = self.hal.event()
         drafted.record()
-        logits = self._verify(draft, blocks)
+        logits = self.verify(draft, blocks)
         ahead = self._draft_ahead(draft, blocks, drafted) if self.is_async else None
         drafts, num_accepted, finals, guesses = judge_round(draft, logits)
 
@@ -158,34 +152,36 @@ class Speculator:
     def _draft(self, requests: list[Request], first_tokens: torch.Tensor, starts: list[int],
                num_drafts: list[int], blocks: BlockManager, use_graphs: bool = True) -> DraftBatch:
         draft = draft_tokens(self.runner, requests, first_tokens, starts, num_drafts, blocks,
-                             self.config.draft_loops, self.config.num_tokens, self.is_async,
-                             self.graphs if use_graphs else None)
+                             self.config.draft_loops, self.config.num_tokens, self.is_async, use_graphs)
         self.counters.num_draft_loop_passes += (max(num_drafts) + 1) * self.config.draft_loops
         self.counters.num_draft_token_loops += sum(k + 1 for k in num_drafts) * self.config.draft_loops
         return draft
 
-    def _verify(self, draft: DraftBatch, blocks: BlockManager) -> torch.Tensor:
+    def verify(self, draft: DraftBatch, blocks: BlockManager) -> torch.Tensor:
         """Target logits `[N, V]` (float32) of the k + 1 positions of every request, packed."""
-        runner, model, loops = self.runner, self.model, self.config.draft_loops
-        self.counters.num_verify_loop_passes += max(r.num_loops for r in draft.requests) - loops
-        self.counters.num_verify_token_loops += sum((k + 1) * (r.num_loops - loops)
+        env, model, first = self.runner.env, self.model, self.config.draft_loops
+        self.counters.num_verify_loop_passes += max(r.num_loops for r in draft.requests) - first
+        self.counters.num_verify_token_loops += sum((k + 1) * (r.num_loops - first)
                                                     for k, r in zip(draft.num_drafts, draft.requests))
-        if self.graphs is not None and self.graphs.can_verify(draft):
-            return self.graphs.verify(draft, [blocks.block_tables(r.request_id) for r in draft.requests])
+        tables = [blocks.block_tables(r.request_id) for r in draft.requests]
+        slices = [SeqSlice(r, s, k + 1, t) for r, s, k, t in zip(draft.requests, draft.starts, draft.num_drafts, tables)]
+        num_planes = max(len(t) for t in tables)
+        host = describe(slices, num_planes, env.block_size, with_tokens=False)
         width = draft.states.shape[1]
+        graphs, loops = self.runner.graphs, draft.requests[0].num_loops
+        uniform = (all(k + 1 == width for k in draft.num_drafts) and all(r.num_loops == loops for r in draft.requests))
+        if graphs is not None and uniform and graphs.bucket(len(slices)) is not None:
+            # a uniform round (every request at K drafts and the same depth): one captured pass
+            key = ("verify", graphs.bucket(len(slices)), first, loops)
+            program = lambda states, ctx: verify_stages(model, first, loops, states, ctx)    # noqa: E731
+            logits = graphs.run(key, program, host, width, num_planes, draft.states.flatten(0, 1),
+                                state_width=draft.states.shape[-1])
+            return logits[:host.num_tokens]
         rows = [b * width + j for b, k in enumerate(draft.num_drafts) for j in range(k + 1)]
         state = draft.states.flatten(0, 1).index_select(0, self._tensor(rows))[None]       # [1, N, X]
-        tables = [blocks.block_tables(r.request_id) for r in draft.requests]
-        num_planes = max(len(t) for t in tables)
-        batch = PagedBatch([k + 1 for k in draft.num_drafts],
-                           [s + k + 1 for s, k in zip(draft.starts, draft.num_drafts)],
-                           [[t[p] if p < len(t) else [] for t in tables] for p in range(num_planes)],
-                           runner.block_size)
-        positions = [s + j for s, k in zip(draft.starts, draft.num_drafts) for j in range(k + 1)]
-        ctx = PagedContext(runner.backend, runner.kv_caches, batch, self._tensor(positions)[None],
-                           runner.config.kv_mode, runner.kv_spec.num_fixed_planes)
+        ctx = place(env, host, ids=self._tensor([0] * host.num_tokens)).ctx
         plans = [SeqPlan(r.num_loops, 1.0, 1, None, False) for r in draft.requests]
-        state = run_loops(model, state, ctx, plans, first_loop=loops).state
+        state = run_loops(model, state, ctx, plans, first_loop=first).state
         return model.coda(state, ctx)[0].float()
 
     def _draft_ahead(self, draft: DraftBatch, blocks: BlockManager,
@@ -225,3 +221,12 @@ class Speculator:
 
     def _tensor(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.runner.device, non_blocking=True)
+
+
+def verify_stages(model, first_loop: int, num_loops: int, states: torch.Tensor, ctx) -> torch.Tensor:
+    """A uniform verify pass: loops `first_loop .. num_loops - 1` from the draft's `states: [1, N, X]`,
+    then the head on every row -> logits `[N, V]` float32."""
+    state = states
+    for depth in range(first_loop, num_loops):
+        state = model.loop(state, depth, ctx)
+    return model.coda(state, ctx)[0].float()

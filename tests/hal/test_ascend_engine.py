@@ -64,11 +64,11 @@ def test_golden_greedy_with_decode_graphs(name, graph_log, single_thread):
     got = generate(engine, case)
     assert got == [case.greedy(i) for i in range(case.num_prompts)]
 
-    captured = engine.runner.graphs.graphs              # (bucket, loops, copy) -> capture
+    captured = engine.runner.graphs.captured              # ("decode", bucket, loops, copy) -> capture
     wanted_buckets = {4, 2, 1} if case.num_prompts == 3 else {2, 1}
-    assert {bucket for bucket, _, _ in captured} == wanted_buckets
+    assert {bucket for _, bucket, _, _ in captured} == wanted_buckets
     num_replays = 0
-    for (bucket, _, _), cap in captured.items():
+    for (_, bucket, _, _), cap in captured.items():
         calls, log = cap.graph.calls, graph_log[cap.graph]
         planes = len(cap.ctx.batch.block_tables)
         assert calls and {c.plane for c in calls} == set(range(planes)), (bucket, calls)

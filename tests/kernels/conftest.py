@@ -12,7 +12,7 @@ import importlib.util
 
 import pytest
 
-XCOMPILE_TABLE = pytest.StashKey[str]()
+from xcompile_report import XCOMPILE_TABLE
 
 if importlib.util.find_spec("triton") is None:     # triton ships for Linux only (pyproject: dev extra)
     collect_ignore_glob = ["test_*.py"]

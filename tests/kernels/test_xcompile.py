@@ -5,7 +5,7 @@ session (`xcompile.compile_case`)."""
 from __future__ import annotations
 
 import pytest
-from conftest import XCOMPILE_TABLE
+from xcompile_report import XCOMPILE_TABLE
 
 import xcompile
 from hal.kernels.configs import KernelConfig, all_configs

@@ -142,8 +142,8 @@ def test_speculation_rounds_replay_on_the_follower():
 
 
 @pytest.mark.parametrize("config, fix", [
-    ({"async_scheduling": True}, "async_scheduling=false"),
-    ({"speculative": SpeculativeConfig(2, 1, "async")}, "speculative.mode=sync")])
+    ({"async_scheduling": True}, "engine.async_scheduling=false"),
+    ({"speculative": SpeculativeConfig(2, 1, "async")}, "engine.speculative.mode=sync")])
 def test_what_followers_cannot_replay_is_refused(config, fix):
     follower = Follower(zoo.from_config(TINY_OURO, dtype="float32", seed=1), CPU, None)
     with pytest.raises(ValueError, match=f"not implemented with tensor parallelism.*set {fix}"):

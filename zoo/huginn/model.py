@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zoo.base import CausalLMOutput, DenseContext, ForwardContext, KVSpec, LoopedCausalLM, causal_lm_loss
+from zoo.base import (CausalLMOutput, DenseContext, ForwardContext, KVSpec, LoopedCausalLM, ModelOps,
+                       causal_lm_loss)
 from zoo.huginn.config import HuginnConfig
-from zoo.layers import RMSNorm, attend_rotary, inference_op, linear_weight, project, rope_tables, silu_and_mul
+from zoo.layers import RMSNorm, attend_rotary, linear_weight, ops_of, project, rope_tables, silu_and_mul
 
 
 class HuginnAttention(nn.Module):
@@ -44,7 +45,7 @@ class HuginnAttention(nn.Module):
                 norm: RMSNorm | None = None) -> torch.Tensor:
         """`proj(attention(norm(x)))`; the norm runs in the q|k|v projection where fused (decode)."""
         # x: [B, T, n_embd]
-        q, k, v = project(x, self.Wqkv, norm).split(self.split, dim=-1)
+        q, k, v = project(x, self.Wqkv, ctx, norm).split(self.split, dim=-1)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))                   # [B, T, H, D]
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))                # [B, T, KVH, D]
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
@@ -52,7 +53,7 @@ class HuginnAttention(nn.Module):
             q, k = q + self.qk_bias[0], k + self.qk_bias[1]
         out = attend_rotary(q, k, v, ctx, plane, layer, self.head_dim ** -0.5, self.head_dim, self.rope_base,
                             True)                                              # [B, T, H, D]
-        return project(out.flatten(-2), self.proj)
+        return project(out.flatten(-2), self.proj, ctx)
 
 
 class GatedMLP(nn.Module):
@@ -63,27 +64,27 @@ class GatedMLP(nn.Module):
         self.fc = nn.Linear(cfg.n_embd, 2 * cfg.intermediate_size, bias=False)
         self.proj = nn.Linear(cfg.intermediate_size, cfg.n_embd, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.fc(x))
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        return self.down(self.fc(x), ctx)
 
-    def down(self, fc_out: torch.Tensor) -> torch.Tensor:
+    def down(self, fc_out: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         """`proj(silu(a) * b)` of the fc output `[..., 2I]` (SwiGLU in proj's prologue where fused)."""
         weight = linear_weight(self.proj)
-        fused = inference_op("silu_mul_linear", fc_out) if weight is not None else None
-        return fused(fc_out, weight) if fused is not None else self.proj(silu_and_mul(fc_out))
+        fused = ops_of(ctx).op("silu_mul_linear") if weight is not None else None
+        return fused(fc_out, weight) if fused is not None else self.proj(silu_and_mul(fc_out, ctx))
 
-    def forward_sandwich(self, x: torch.Tensor, residual: torch.Tensor, post_norm: RMSNorm,
-                         norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_sandwich(self, x: torch.Tensor, residual: torch.Tensor, post_norm: RMSNorm, norm: RMSNorm,
+                         ctx: ForwardContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The sandwich block's boundary: `h = post_norm(x + residual)`, then `self(norm(h))`. Returns
         `(mlp output, h)`; both norms run in the fc projection's prologue where the Hal has
         `norm_residual_linear` (decode)."""
         weight = linear_weight(self.fc)
-        fused = inference_op("norm_residual_linear", x) if weight is not None else None
+        fused = ops_of(ctx).op("norm_residual_linear") if weight is not None else None
         if fused is None or post_norm.eps != norm.eps:
-            h = post_norm(x + residual)
-            return self.down(project(h, self.fc, norm)), h
+            h = post_norm(x + residual, ctx)
+            return self.down(project(h, self.fc, ctx, norm), ctx), h
         fc_out, h = fused(x, residual, post_norm.weight, norm.weight, norm.eps, weight, sum_first=True)
-        return self.down(fc_out), h
+        return self.down(fc_out, ctx), h
 
 
 class SandwichBlock(nn.Module):
@@ -100,10 +101,10 @@ class SandwichBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, plane: int, layer: int) -> torch.Tensor:
         # x = n2(attn(n1(x)) + x); n4(mlp(n3(x)) + x), with n1 in the q|k|v projection and n2, n3 in
-        # the fc projection when the Hal has those fused ops (decode)
+        # the fc projection when the context's Hal has those fused ops (decode)
         attn = self.attn(x, ctx, plane, layer, norm=self.norm_1)
-        mlp, x = self.mlp.forward_sandwich(attn, x, self.norm_2, self.norm_3)
-        return self.norm_4(mlp + x)
+        mlp, x = self.mlp.forward_sandwich(attn, x, self.norm_2, self.norm_3, ctx)
+        return self.norm_4(mlp + x, ctx)
 
 
 class HuginnTransformer(nn.Module):
@@ -176,6 +177,12 @@ class HuginnForCausalLM(LoopedCausalLM):
     def loop_modules(self) -> list[nn.Module]:
         return [self.transformer.adapter, self.transformer.core_block]
 
+    has_initial_state = True
+
+    @property
+    def initial_state_width(self) -> int:
+        return self.config.n_embd
+
     def initial_state(self, e: torch.Tensor, init_scale: float | None = None,
                       generator: torch.Generator | None = None) -> torch.Tensor:
         """The recurrence's starting state for prelude output `e: [B, T, n_embd]`: a normal truncated
@@ -192,19 +199,13 @@ class HuginnForCausalLM(LoopedCausalLM):
 
     # ----- the four stages ------------------------------------------------------------------
     def prelude(self, input_ids: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
-        """`[B, T]` ids -> state `[B, T, 2 * n_embd]` = cat(initial state, prelude output). Reads
-        `ctx.init_scale` and `ctx.generator` when the context has them, or uses `ctx.initial_state(e)`
-        (the runtime's per-request draws) when it has that."""
+        """`[B, T]` ids -> state `[B, T, 2 * n_embd]` = cat(initial state, prelude output); the context
+        draws the initial state (`ForwardContext.initial_state`)."""
         ctx = ctx or DenseContext.for_tokens(input_ids)
         e = self.transformer.wte(input_ids) * self.config.embed_scale              # [B, T, n_embd]
         for i, block in enumerate(self.transformer.prelude):
             e = block(e, ctx, 0, i)
-        per_request = getattr(ctx, "initial_state", None)          # the runtime: one draw per request
-        if per_request is not None:
-            s = per_request(e)
-        else:
-            s = self.initial_state(e, getattr(ctx, "init_scale", None), getattr(ctx, "generator", None))
-        return torch.cat([s, e], dim=-1)
+        return torch.cat([ctx.initial_state(self, e), e], dim=-1)
 
     def loop(self, state: torch.Tensor, depth: int, ctx: ForwardContext | None = None) -> torch.Tensor:
         ctx = ctx or DenseContext.for_tokens(state)
@@ -217,35 +218,41 @@ class HuginnForCausalLM(LoopedCausalLM):
     def coda(self, state: torch.Tensor, ctx: ForwardContext | None = None,
              rows: torch.Tensor | None = None) -> torch.Tensor:
         ctx = ctx or DenseContext.for_tokens(state)
-        x = self.transformer.ln_f(state[..., :self.config.n_embd])
+        x = self.transformer.ln_f(state[..., :self.config.n_embd], ctx)
         first_slot = self.config.n_layers_in_prelude
         for i, block in enumerate(self.transformer.coda):           # every row: the coda writes KV
             x = block(x, ctx, 0, first_slot + i)
         if rows is not None:
             x = x.index_select(1, rows)
-        return self.lm_head(self.transformer.ln_f(x))                            # [B, R, V]
+        return self.lm_head(self.transformer.ln_f(x, ctx))                            # [B, R, V]
 
     # ----- training / reference forward ----------------------------------------------------
     def forward(self, input_ids: torch.Tensor, num_loops: int | tuple[int, int] | None = None,
-                labels: torch.Tensor | None = None, init_scale: float | None = None,
-                generator: torch.Generator | None = None,
-                exit_threshold: float | None = None) -> CausalLMOutput:
+                labels: torch.Tensor | None = None, exit_threshold: float | None = None,
+                return_step_logits: bool = False, ops: ModelOps | None = None,
+                init_scale: float | None = None, generator: torch.Generator | None = None) -> CausalLMOutput:
         """`input_ids: [B, T]`. `num_loops` defaults to `mean_recurrence` in training and eval alike (the
         reference samples it in train mode; pass it explicitly, or `(no_grad_loops, grad_loops)` to
         backpropagate through the last loops only). `init_scale`/`generator` set the random initial
         state. With `labels` the loss is the causal-shifted cross entropy (labels = input_ids works),
-        like the other families; the reference's own loss does not shift."""
+        like the other families; the reference's own loss does not shift. `return_step_logits` also
+        returns the coda's logits after every loop (`[S, B, T, V]`); `ops` is the Hal to compute with."""
         if exit_threshold is not None and exit_threshold < 1.0:
             raise ValueError("Huginn has no exit gate: exit_threshold must be None or 1.0")
         no_grad_loops, grad_loops = split_num_loops(num_loops, self.config.mean_recurrence)
-        ctx = DenseContext.for_tokens(input_ids)
-        ctx.init_scale, ctx.generator = init_scale, generator
+        ctx = DenseContext.for_tokens(input_ids, ops, init_scale=init_scale, generator=generator)
         state = self.prelude(input_ids, ctx)
+        steps = []
         with torch.no_grad():
             for depth in range(no_grad_loops):
                 state = self.loop(state, depth, ctx)
+                if return_step_logits:
+                    steps.append(self.coda(state, ctx))
         for depth in range(no_grad_loops, no_grad_loops + grad_loops):
             state = self.run_loop(state, depth, ctx)
-        logits = self.coda(state, ctx)
+            if return_step_logits:
+                steps.append(self.coda(state, ctx))
+        logits = steps[-1] if steps else self.coda(state, ctx)
         loss = causal_lm_loss(logits, labels) if labels is not None else None
-        return CausalLMOutput(logits=logits, loss=loss, num_loops=no_grad_loops + grad_loops)
+        return CausalLMOutput(logits=logits, loss=loss, num_loops=no_grad_loops + grad_loops,
+                              step_logits=torch.stack(steps) if steps else None)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zoo.base import CausalLMOutput, DenseContext, ForwardContext, KVSpec, LoopedCausalLM, causal_lm_loss
+from zoo.base import (CausalLMOutput, DenseContext, ForwardContext, KVSpec, LoopedCausalLM, ModelOps,
+                       causal_lm_loss, exit_distribution, first_exit_step)
 from zoo.layers import GQAttention, RMSNorm, SwiGLU
 from zoo.ouro.config import OuroConfig
 from zoo.training import expected_exit_loss
@@ -33,10 +34,10 @@ class OuroDecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, ctx: ForwardContext, plane: int, layer: int) -> torch.Tensor:
         # h: [B, T, hidden]. h = h + norm_a2(attn(norm_a1(h))); h + norm_m2(mlp(norm_m1(h))), where
         # norm_a1 runs in the q|k|v projection and norm_a2 + residual + norm_m1 in the gate|up
-        # projection when the Hal has those fused ops (decode)
+        # projection when the context's Hal has those fused ops (decode)
         attn = self.self_attn(h, ctx, plane, layer, norm=self.input_layernorm)
-        mlp, h = self.mlp.forward_sandwich(attn, h, self.input_layernorm_2, self.post_attention_layernorm)
-        return self.post_attention_layernorm_2(mlp, residual=h)
+        mlp, h = self.mlp.forward_sandwich(attn, h, self.input_layernorm_2, self.post_attention_layernorm, ctx)
+        return self.post_attention_layernorm_2(mlp, ctx, residual=h)
 
 
 class OuroModel(nn.Module):
@@ -46,23 +47,6 @@ class OuroModel(nn.Module):
         self.layers = nn.ModuleList(OuroDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.early_exit_gate = nn.Linear(cfg.hidden_size, 1, bias=True)
-
-
-def exit_distribution(hazards: torch.Tensor) -> torch.Tensor:
-    """`hazards: [..., S]` (probability of exiting after loop s given it was reached) ->
-    `p: [..., S]`, p_s = hazard_s * prod_{j<s}(1 - hazard_j); the last loop takes what remains."""
-    survive = torch.cumprod(1 - hazards, dim=-1)                         # P(not exited after s)
-    reached = torch.cat([torch.ones_like(survive[..., :1]), survive[..., :-1]], dim=-1)
-    pdf = hazards * reached
-    return torch.cat([pdf[..., :-1], reached[..., -1:]], dim=-1)
-
-
-def first_exit_step(pdf: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Per token, the first loop whose cumulative exit probability reaches `threshold`
-    (the last loop if none does). `pdf: [..., S]` -> `[...]` int64."""
-    reached = torch.cumsum(pdf, dim=-1) >= threshold
-    reached[..., -1] = True
-    return reached.int().argmax(dim=-1)
 
 
 class OuroForCausalLM(LoopedCausalLM):
@@ -105,7 +89,7 @@ class OuroForCausalLM(LoopedCausalLM):
         ctx = ctx or DenseContext.for_tokens(state)
         for i, layer in enumerate(self.model.layers):
             state = layer(state, ctx, depth, i)
-        return self.model.norm(state)
+        return self.model.norm(state, ctx)
 
     def exit_hazard(self, state: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.model.early_exit_gate(state).float()).squeeze(-1)   # [B, T]
@@ -118,7 +102,7 @@ class OuroForCausalLM(LoopedCausalLM):
 
     # ----- training / reference forward ----------------------------------------------------
     def forward(self, input_ids: torch.Tensor, num_loops: int | None = None, labels: torch.Tensor | None = None,
-                exit_threshold: float | None = None, return_step_logits: bool = False,
+                exit_threshold: float | None = None, return_step_logits: bool = False, ops: ModelOps | None = None,
                 loss_type: str = "expected_logits", entropy_weight: float | None = None) -> CausalLMOutput:
         """`input_ids: [B, T]`. Logits come from the last loop, or with `exit_threshold=q < 1` per
         token from the first loop whose cumulative exit probability reaches q.
@@ -135,7 +119,7 @@ class OuroForCausalLM(LoopedCausalLM):
             raise ValueError("entropy_weight applies to loss_type='expected_loss' only")
         num_loops = num_loops or self.config.total_ut_steps
         threshold = self.config.early_exit_threshold if exit_threshold is None else exit_threshold
-        ctx = DenseContext.for_tokens(input_ids)
+        ctx = DenseContext.for_tokens(input_ids, ops)
         h = self.prelude(input_ids, ctx)
         states, hazards = [], []
         for depth in range(num_loops):
