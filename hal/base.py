@@ -197,6 +197,22 @@ class AttentionBackend(ABC):
         """Causal attention of the packed queries `q: [T, H, D]` over plane `plane` (which
         already holds this step's keys). Returns `[T, H, D]` in q's dtype."""
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: Any,
+               plane: int, scale: float) -> torch.Tensor:
+        """`write_kv(k, v)` then `forward(q)`: what a layer does each step. A backend may attend over
+        the fresh `k, v` directly where the plane holds nothing older for any sequence (prefill
+        without context), as long as the result is the same attention."""
+        self.write_kv(k, v, kv_cache, meta, plane)
+        return self.forward(q, kv_cache, meta, plane, scale)
+
+    def write_kv_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: Any,
+                        plane: int, positions: torch.Tensor, theta: float, interleaved: bool) -> torch.Tensor | None:
+        """Rotary embedding of `q: [T, H, D]` and `k: [T, KVH, D]` at `positions: [T]` (NeoX halves,
+        or adjacent pairs when `interleaved`) and `write_kv` of the rotated k and v, in one kernel;
+        returns the rotated q. None where the backend has no such kernel for this cache or batch:
+        the caller then rotates and calls `attend`."""
+        return None
+
     def slot_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """The cache as `[2, num_blocks * block_size, ...]` (K then V, everything one slot stores:
         `[KVH, D]` values, or a quantized cache's byte row); the default fits every layout whose
@@ -403,6 +419,22 @@ class Hal(ABC):
           FP8 `weight: [N, K]` (`caps.fp8_dtype`) dequantized per output channel by `weight_scale: [N]`
           float32, float32 accumulation, `+ bias`, `y: [M, N]` in x's dtype. An implementation may
           also quantize x per row to FP8 (W8A8 through `torch._scaled_mm`); it says so in its docs.
+
+        Decode projections (a small op folded into the matrix product that follows or precedes it;
+        `x: [..., K]`, `weight: [N, K]`, results `[..., N]` in x's dtype; `norm` is `rms_norm` above):
+        - `linear(x, weight, residual=None) -> y`: `F.linear(x, weight)`, with `residual`
+          `residual + F.linear(x, weight)`.
+        - `rms_norm_linear(x, norm_weight, eps, weight) -> y`: `F.linear(norm(x, norm_weight, eps), weight)`.
+        - `silu_mul_linear(x, weight, residual=None) -> y`: `F.linear(silu_and_mul(x), weight)`
+          (`x: [..., 2K]`), with `residual` `residual + ...`.
+        - `norm_residual_linear(x, residual, post_norm_weight, norm_weight, eps, weight, sum_first=False)
+          -> (y, h)`: the residual stream `h = residual + norm(x, post_norm_weight, eps)` (sandwich
+          norms: Ouro), or with `sum_first` `h = norm(x + residual, post_norm_weight, eps)` (Huginn), and
+          `y = F.linear(norm(h, norm_weight, eps), weight)`.
+        Each rounds where the torch expression rounds (every intermediate in x's dtype); the fused
+        products accumulate in float32 in their own order, so bf16 results differ from the unfused
+        path's by the rounding of that order. Implementations may run the unfused expression for
+        shapes and dtypes they do not fuse (the CUDA/ROCm ones: float32, or more than 8 rows).
         """
         return None
 

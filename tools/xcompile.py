@@ -10,6 +10,8 @@ alignment, integers equal to 1). Checks per compiled kernel:
   * NVIDIA (sm_90, sm_80): `wgmma` in the PTX of the large-tile (prefill) configs on sm_90, an MMA
     otherwise, no spills (`cuobjdump -res-usage`: STACK/LOCAL 0), shared memory within the SM's.
 A table is compiled for the targets that can pick it: each arch's own, "default" for all three.
+The decode projections (hal/kernels/gemv.py) compile at Ouro-1.4B shapes, one prologue each
+(`GEMV_CASES`), and must load the weight in 16-byte vectors.
 The FP8 variants (`FP8_CASES`: attention over an FP8 KV cache, the quantizing KV write, the W8A16
 linear) compile for the arch tables of the targets that have FP8, each in its own format: e4m3fn on
 sm_90 and gfx950, e4m3fnuz on gfx942 (`--fp8`).
@@ -153,12 +155,54 @@ def _rotary(config: KernelConfig, target: str, interleaved: bool) -> Launch:
                          torch.empty_like(q), torch.empty_like(k), interleaved, config, target)
 
 
+def _rotary_kv_write(config: KernelConfig, target: str, interleaved: bool) -> Launch:
+    from hal.kernels.rotary_kv import rotary_kv_write_launch
+
+    s = SHAPE
+    qkv = torch.empty(4, s["num_heads"] + 2 * s["num_kv_heads"], s["head_dim"], dtype=s["dtype"])
+    q, k, v = qkv[:, :16], qkv[:, 16:32], qkv[:, 32:]            # views of the fused projection
+    cache = torch.empty(2, 8, s["page_size"], s["num_kv_heads"], s["head_dim"], dtype=s["dtype"])
+    return rotary_kv_write_launch(q, k, v, torch.zeros(4, dtype=torch.int64), torch.empty(s["head_dim"] // 2),
+                                  cache, torch.zeros(4, dtype=torch.int64), torch.empty_like(q), interleaved,
+                                  config, target)
+
+
 def _silu_and_mul(config: KernelConfig, target: str) -> Launch:
     from hal.kernels.ops import silu_and_mul_launch
 
     x = torch.empty(4, 2 * 5632, dtype=SHAPE["dtype"])
     return silu_and_mul_launch(x, torch.empty(4, 5632, dtype=x.dtype), config, target)
 
+
+def _gemv(config: KernelConfig, target: str, num_rows: int, n: int, k: int, prologue: str,
+          out_residual: bool = False) -> Launch:
+    """A decode projection of hal/kernels/gemv.py at an Ouro-1.4B shape, `num_rows` rows, split-K as
+    the ops plan it for 132 compute units (an H200)."""
+    from hal.kernels import gemv
+
+    mode = getattr(gemv, prologue.upper())
+    x = torch.empty(num_rows, 2 * k if mode == gemv.SILU_AND_MUL else k, dtype=SHAPE["dtype"])
+    weight = torch.empty(n, k, dtype=x.dtype)
+    out = torch.empty(num_rows, n, dtype=x.dtype)
+    rows = torch.empty(num_rows, k, dtype=x.dtype)
+    sandwich = mode in (gemv.ADD_NORM, gemv.NORM_ADD)
+    return gemv.gemv_launch(
+        x, weight, out, config, target, 132, prologue=mode, eps=1e-6,
+        norm_weight=torch.empty(k, dtype=x.dtype), residual=rows if sandwich else None,
+        res_norm_weight=torch.empty(k, dtype=x.dtype), stream_out=rows if sandwich else None,
+        out_residual=torch.empty_like(out) if out_residual else None, workspace=torch.empty(1),
+        counters=torch.empty(1, dtype=torch.int32))
+
+
+# gemv cases: (name, config key, rows, N, K, prologue, residual epilogue); "o" (2048 x 2048) plans split-K
+GEMV_CASES = (
+    ("gemv_m1/o", "gemv_m1", 1, 2048, 2048, "none", False),
+    ("gemv_m1/qkv-rms", "gemv_m1", 1, 6144, 2048, "rms_norm", False),
+    ("gemv_m1/gate_up-add_norm", "gemv_m1", 1, 11264, 2048, "add_norm", False),
+    ("gemv_m1/down-silu-res", "gemv_m1", 1, 2048, 5632, "silu_and_mul", True),
+    ("gemv/qkv-norm_add", "gemv", 8, 6144, 2048, "norm_add", False),
+    ("gemv/down-silu-res", "gemv", 8, 2048, 5632, "silu_and_mul", True),
+)
 
 CASES = {c.name: c for c in (
     Case("attention_prefill", "attention_prefill", True, True,
@@ -178,6 +222,11 @@ CASES = {c.name: c for c in (
     Case("rotary/neox", "rotary", False, False, lambda c, t: _rotary(c, t, interleaved=False)),
     Case("rotary/gptj", "rotary", False, False, lambda c, t: _rotary(c, t, interleaved=True)),
     Case("silu_and_mul", "silu_and_mul", False, False, _silu_and_mul),
+    Case("rotary_kv_write/neox", "rotary", False, False, lambda c, t: _rotary_kv_write(c, t, interleaved=False)),
+    Case("rotary_kv_write/gptj", "rotary", False, False, lambda c, t: _rotary_kv_write(c, t, interleaved=True)),
+    *(Case(name, key, key == "gemv", False,
+           lambda c, t, a=(rows, n, k, pro, res): _gemv(c, t, *a[:4], out_residual=a[4]))
+      for name, key, rows, n, k, pro, res in GEMV_CASES),
 )}
 
 

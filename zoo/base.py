@@ -89,17 +89,31 @@ class ForwardContext(Protocol):
         """Causal attention of `q: [B, T, H, D]` given this step's `k, v: [B, T, KVH, D]`, which the
         context stores in KV plane `plane`, layer slot `layer`. Returns `[B, T, H, D]`."""
 
+    def attend_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plane: int, layer: int, scale: float,
+                      theta: float, interleaved: bool) -> torch.Tensor:
+        """`attend` of q and k rotated (rotary embedding at `positions`, NeoX halves or adjacent pairs
+        when `interleaved`); the runtime fuses the rotation with the KV write where its backend can."""
+
     def initial_state(self, model: "LoopedCausalLM", e: torch.Tensor) -> torch.Tensor:
         """The recurrence's starting state `[B, T, model.initial_state_width]` for the prelude output
         `e` (models with `has_initial_state`). The context decides the draws: one scale and generator
         for the whole call (dense), or each request's own (the runtime)."""
 
 
-class PassCache:
-    """`ForwardContext.cached`: values computed once per forward pass and shared by its loops."""
+class BaseContext:
+    """What every forward context shares: `cached` (values computed once per forward pass and shared
+    by its loops) and `attend_rotary` as rotary then `attend` (a context whose backend fuses the two
+    overrides it)."""
 
     def __init__(self) -> None:
         self._cache: dict[Any, Any] = {}
+
+    def attend_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plane: int, layer: int, scale: float,
+                      theta: float, interleaved: bool) -> torch.Tensor:
+        from zoo.layers import rotate
+
+        q, k = rotate(q, k, self, q.shape[-1], theta, interleaved)
+        return self.attend(q, k, v, plane, layer, scale)
 
     def cached(self, key: Any, fn: Callable[[], Any]) -> Any:
         if key not in self._cache:
@@ -111,7 +125,7 @@ class PassCache:
         self._cache.clear()
 
 
-class DenseContext(PassCache):
+class DenseContext(BaseContext):
     """Plain causal attention over the tokens of this call, no cache: training, tests, references.
     `ops` (default plain torch) is the Hal to compute with; `init_scale` and `generator` are the
     recurrent initial state's draw (`LoopedCausalLM.initial_state`)."""

@@ -91,6 +91,38 @@ def fused_linear(x: torch.Tensor, weight: Any, ctx: ForwardContext | None = None
     return nn.functional.linear(x, weight) if isinstance(weight, torch.Tensor) else weight(x, ops_of(ctx))
 
 
+def linear_weight(module: Any) -> torch.Tensor | None:
+    """The weight the Hal's projection ops take (`linear`, `rms_norm_linear`, ...): a fused matrix
+    that is a plain tensor, or a bias-free `nn.Linear`'s; None for FP8 matrices, tensor-parallel
+    layers (their own collectives) and biased layers, which keep their own forward."""
+    if isinstance(module, torch.Tensor):
+        return module
+    if type(module) is nn.Linear and module.bias is None:
+        return module.weight
+    return None
+
+
+def project(x: torch.Tensor, weight: Any, ctx: ForwardContext | None, norm: RMSNorm | None = None,
+            residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear(norm(x), weight) (+ residual)` (norm optional): one fused decode projection where the
+    Hal has it (`rms_norm_linear` / `linear`), else the layers' own torch code. `weight` is a
+    matrix, an FP8 matrix or a linear module."""
+    plain = linear_weight(weight)
+    if plain is not None:
+        if norm is not None and residual is None:
+            fused = ops_of(ctx).op("rms_norm_linear")
+            if fused is not None:
+                return fused(x, norm.weight, norm.eps, plain)
+        elif norm is None:
+            fused = ops_of(ctx).op("linear")
+            if fused is not None:
+                return fused(x, plain, residual)
+    if norm is not None:
+        x = norm(x, ctx)
+    y = weight(x) if isinstance(weight, nn.Module) else fused_linear(x, weight, ctx)
+    return y if residual is None else residual + y
+
+
 class SwiGLU(nn.Module):
     """`down(silu(gate(x)) * up(x))`, no bias. After `zoo.fuse.fuse_projections`, gate and up are
     one matrix (`gate_up`, a non-persistent buffer whose halves the two weights view)."""
@@ -102,10 +134,40 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.gate_up: Any = None                   # [2I, hidden] tensor (or FP8 matrix) once fused
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
-        if self.gate_up is not None:
-            return self.down_proj(silu_and_mul(fused_linear(x, self.gate_up, ctx), ctx))
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None, norm: RMSNorm | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`down(silu(gate(n(x))) * up(n(x)))` with `n = norm` (or none), `+ residual` when given: the
+        norm runs in the gate|up projection's prologue, SwiGLU in the down projection's, the residual
+        add in its epilogue, where the Hal has those ops (decode batches)."""
+        if self.gate_up is None:
+            x = norm(x, ctx) if norm is not None else x
+            y = self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+            return y if residual is None else residual + y
+        return self.down(project(x, self.gate_up, ctx, norm), ctx, residual)
+
+    def down(self, gate_up: torch.Tensor, ctx: ForwardContext | None = None,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`down(silu(gate) * up) (+ residual)` of the gate|up projection's output `[..., 2I]`."""
+        weight = linear_weight(self.down_proj)
+        fused = ops_of(ctx).op("silu_mul_linear") if weight is not None else None
+        if fused is not None:
+            return fused(gate_up, weight, residual)
+        y = self.down_proj(silu_and_mul(gate_up, ctx))
+        return y if residual is None else residual + y
+
+    def forward_sandwich(self, x: torch.Tensor, residual: torch.Tensor, post_norm: RMSNorm, norm: RMSNorm,
+                         ctx: ForwardContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sandwich norms around a sublayer boundary (Ouro): the residual stream
+        `h = residual + post_norm(x)` of the sublayer before, then `self(norm(h))`. Returns
+        `(mlp output, h)`; the two norms run in the gate|up projection's prologue where the Hal
+        has `norm_residual_linear`."""
+        weight = linear_weight(self.gate_up)
+        fused = ops_of(ctx).op("norm_residual_linear") if weight is not None else None
+        if fused is None or post_norm.eps != norm.eps:
+            h = post_norm(x, ctx, residual=residual)
+            return self(h, ctx, norm), h
+        gate_up, h = fused(x, residual, post_norm.weight, norm.weight, norm.eps, weight)
+        return self.down(gate_up, ctx), h
 
 
 class GQAttention(nn.Module):
@@ -124,12 +186,14 @@ class GQAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
         self.qkv: Any = None                       # q|k|v as one matrix after zoo.fuse.fuse_projections
 
-    def project(self, x: torch.Tensor, ctx: ForwardContext | None = None
+    def project(self, x: torch.Tensor, ctx: ForwardContext | None = None, norm: RMSNorm | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of `norm(x)` (the input norm in the q|k|v projection's prologue where fused)."""
         if self.qkv is not None:
             sizes = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                      self.num_kv_heads * self.head_dim)
-            return fused_linear(x, self.qkv, ctx).split(sizes, dim=-1)
+            return project(x, self.qkv, ctx, norm).split(sizes, dim=-1)
+        x = norm(x, ctx) if norm is not None else x
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def rope(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,12 +205,25 @@ class GQAttention(nn.Module):
         """Fill the context's caches before a checkpointed loop (see `LoopedCausalLM.run_loop`)."""
         self.rope(ctx)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, plane: int, layer: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, plane: int, layer: int, norm: RMSNorm | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`o_proj(attention(norm(x))) (+ residual)`; `norm` and `residual` fold into the projections
+        where the Hal has the ops (decode batches)."""
         # x: [B, T, hidden]
-        q, k, v = self.project(x, ctx)
+        q, k, v = self.project(x, ctx, norm)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))                  # [B, T, H, D]
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))               # [B, T, KVH, D]
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        q, k = rotate(q, k, ctx, self.head_dim, self.rope_theta, interleaved=False)
-        out = ctx.attend(q, k, v, plane, layer, self.scale)                   # [B, T, H, D]
-        return self.o_proj(out.flatten(-2))
+        out = attend_rotary(q, k, v, ctx, plane, layer, self.scale, self.head_dim, self.rope_theta, False)
+        return project(out.flatten(-2), self.o_proj, ctx, residual=residual)
+
+
+def attend_rotary(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, plane: int, layer: int,
+                  scale: float, head_dim: int, theta: float, interleaved: bool) -> torch.Tensor:
+    """`ctx.attend` of the rotated q and k: the context rotates (`ForwardContext.attend_rotary`, in
+    one kernel with the KV write where the runtime's backend can) when the rotation spans the whole
+    head, with the Hal's rotary op in use; otherwise `rotate` here."""
+    if q.shape[-1] == head_dim and ctx.ops.op("rotary") is not None:
+        return ctx.attend_rotary(q, k, v, plane, layer, scale, theta, interleaved)
+    q, k = rotate(q, k, ctx, head_dim, theta, interleaved)
+    return ctx.attend(q, k, v, plane, layer, scale)

@@ -16,6 +16,7 @@ from hal.common.torch_attention import TorchPagedAttention
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_TRITON_HEAD_DIM = 128            # the kernels' tiles are compile-checked up to this; wider go to torch
 FUSED_OPS = ("rms_norm", "rotary", "silu_and_mul")
+GEMV_OPS = ("linear", "rms_norm_linear", "silu_mul_linear", "norm_residual_linear")   # hal/kernels/gemv.py
 TRITON_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
@@ -91,14 +92,15 @@ def choose(requested: str | None, order: Sequence[str], head_dim: int, dtype: to
 
 def build(name: str, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
           device: torch.device, block_size: int, configs: dict[str, Any] | None,
-          kv_dtype: torch.dtype | None = None) -> AttentionBackend:
-    """Construct the chosen backend; the Triton one gets the Hal's per-arch kernel configs."""
+          kv_dtype: torch.dtype | None = None, fresh_attention: str | None = None) -> AttentionBackend:
+    """Construct the chosen backend; the Triton one gets the Hal's per-arch kernel configs and the
+    Hal's way to attend prefills without context (`hal.kernels.fresh`: "flash", "sdpa" or None)."""
     quantized = {} if kv_dtype is None else {"kv_dtype": kv_dtype}
     if name == "triton":
         from hal.kernels.backend import TritonPagedAttention
 
         return TritonPagedAttention(num_heads, num_kv_heads, head_dim, dtype, device, block_size,
-                                    configs=configs, **quantized)
+                                    configs=configs, fresh_attention=fresh_attention, **quantized)
     if name == "torch":
         return TorchPagedAttention(num_heads, num_kv_heads, head_dim, dtype, device, block_size, **quantized)
     raise ValueError(f"no attention backend {name!r}")
@@ -111,10 +113,13 @@ def kernel_configs(arch: str) -> dict[str, Any]:
     return configs_for(arch)
 
 
-def fused_op(name: str, configs: dict[str, Any] | None = None) -> Any:
-    """A Triton fused op by name bound to the arch's launch configs, or None (unknown name, or
-    Triton unusable here)."""
-    if name not in FUSED_OPS or not triton_status()[0]:
+def fused_op(name: str, configs: dict[str, Any] | None = None, num_compute_units: int | None = None) -> Any:
+    """A Triton fused op by name bound to the arch's launch configs (and, for the decode
+    projections, the device's compute units), or None (unknown name, or Triton unusable here)."""
+    if name not in FUSED_OPS + GEMV_OPS or not triton_status()[0]:
         return None
+    if name in GEMV_OPS:
+        gemv = importlib.import_module("hal.kernels.gemv")
+        return gemv.gemv_ops(configs, num_compute_units)[name]
     ops = importlib.import_module("hal.kernels.ops")
     return ops.fused_ops(configs).get(name)

@@ -20,6 +20,7 @@ from hal.cuda import host_buffer as buffers
 from hal.cuda.graph import CudaGraph
 
 log = logging.getLogger(__name__)
+FRESH_PREFILL_ENV = "LOOPSTACK_FRESH_PREFILL"
 
 
 class DeviceFacts(NamedTuple):
@@ -185,7 +186,14 @@ class CudaHal(Hal):
                        self.name, self.facts.arch, choice.name, num_heads, num_kv_heads, choice.reason)
         configs = self.kernel_configs() if choice.name == "triton" else None
         return attention.build(choice.name, num_heads, num_kv_heads, head_dim, dtype, self.device(),
-                               block_size or self.kv_block_sizes[0], configs, kv_dtype)
+                               block_size or self.kv_block_sizes[0], configs, kv_dtype, self.fresh_prefill())
+
+    def fresh_prefill(self) -> str | None:
+        """How the Triton backend attends prefill chunks without context (hal/kernels/fresh.py):
+        torch's varlen flash kernel from Ampere on (`LOOPSTACK_FRESH_PREFILL=0`: the paged kernel)."""
+        if os.environ.get(FRESH_PREFILL_ENV, "1") == "0":
+            return None
+        return "flash" if int(self.facts.arch.removeprefix("sm_")) >= 80 else "sdpa"
 
     def kernel_configs(self) -> dict[str, Any]:
         """Triton launch configs for this device's arch (`hal.kernels.configs.configs_for`):
@@ -202,7 +210,8 @@ class CudaHal(Hal):
                 has_fp8 = self.facts.fp8_dtype is not None
                 self._ops[name] = fp8_linear_op(self.facts.arch, configs, has_triton) if has_fp8 else None
             else:
-                self._ops[name] = attention.fused_op(name, configs)
+                units = self.facts.num_compute_units if name in attention.GEMV_OPS else None
+                self._ops[name] = attention.fused_op(name, configs, units)
         return self._ops[name]
 
     def _log_once(self, key: Any, message: str, *args: Any) -> None:

@@ -3,13 +3,17 @@
   attention.py   paged "unified" attention (prefill, chunked prefill, split-context decode) + reduce
   kv_write.py    K/V scatter into the paged cache by slot mapping
   ops.py         fused small ops: rms_norm (+ residual), rotary (NeoX / GPT-J), silu_and_mul
+  gemv.py        decode projections for 1-8 rows with the small ops folded in (norm / SwiGLU
+                 prologues, residual epilogue, deterministic split-K): the `*linear` Hal ops
+  rotary_kv.py   rotary + the KV write in one launch (TritonPagedAttention.write_kv_rotary)
+  fresh.py       prefill without context over its fresh K/V through torch's flash kernel
   backend.py     TritonPagedAttention, the AttentionBackend over these kernels
   configs.py     launch parameters per arch (the Hals pick the table); launch.py: target + options
 
 Their checks live with the tools and tests: tests/kernels/kernel_reference.py (plain-torch
 references), tests/kernels/interp.py (the Triton interpreter on the CPU), tools/xcompile.py
 (cross-compiles for gfx942/gfx950/sm_90; CI runs it through tests/kernels/test_xcompile.py),
-tools/kernel_bench.py (GPU timings at the Ouro-1.4B shapes).
+tools/kernel_bench.py and tools/decode_kernels_bench.py (GPU timings at the Ouro-1.4B shapes).
 
 Importing this package imports nothing from Triton; the modules above need `triton`.
 """

@@ -4,6 +4,11 @@ Cache layout as the CPU reference, `[2, num_blocks, block_size, KVH, D]`, so cac
 mappings and `read_kv`/`copy_kv` carry over unchanged; an FP8 cache (`kv_dtype`) is the reference's
 byte rows too (hal/common/kv_quant.py), which the kernels read through strided values/scales views.
 
+Prefill chunks without prior context (every sequence of the batch starts at position 0) may attend
+over their fresh K/V through torch's vendor kernel instead (`attend`, `fresh_attention` mode chosen
+by the Hal, hal/kernels/fresh.py); the cache is written all the same. Decode-like batches, 8-bit
+caches and float32 always take the paged kernel.
+
 Graphs: `forward`/`write_kv` read lengths and tables from device tensors only and never sync; the
 launch grid depends on `q.shape[0]`, the number of sequences and `meta.max_query_len`, so a captured
 bucket must keep those fixed (decode buckets: `max_query_len == 1`), and its metadata tensors must
@@ -17,7 +22,8 @@ import numpy as np
 import torch
 
 from hal.base import AttentionBackend, AttnCaps, MetaCapacity, PagedBatch
-from hal.kernels.attention import paged_attention
+from hal.kernels import fresh
+from hal.kernels.attention import DECODE_MAX_QUERY_LEN, paged_attention
 from hal.kernels.configs import KernelConfig, configs_for
 from hal.kernels.kv_write import write_kv
 from hal.kernels.launch import target_of
@@ -36,6 +42,7 @@ class TritonMeta(NamedTuple):
     slot_mapping: torch.Tensor      # [P, T] int64, -1 = do not write
     max_query_len: int              # host ints: pick the config and the context split
     max_seq_len: int
+    fresh_lens: tuple[int, ...] | None = None   # query lengths when the batch takes the fresh path
 
 
 def device_compute_units(device: torch.device) -> int:
@@ -53,7 +60,8 @@ class TritonPagedAttention(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, block_size: int, configs: dict[str, KernelConfig] | None = None,
-                 num_compute_units: int | None = None, kv_dtype: torch.dtype | None = None) -> None:
+                 num_compute_units: int | None = None, kv_dtype: torch.dtype | None = None,
+                 fresh_attention: str | None = None) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, dtype, device, block_size, kv_dtype=kv_dtype)
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"triton attention takes float32, bfloat16 or float16, not {dtype}")
@@ -66,6 +74,9 @@ class TritonPagedAttention(AttentionBackend):
         self.configs = configs if configs is not None else configs_for(target_of(torch.device(device)).arch)
         self._staging: dict[int, StagingRing] = {}
         self.num_compute_units = num_compute_units or device_compute_units(torch.device(device))
+        # "flash" / "sdpa" for prefill without context (hal/kernels/fresh.py), where it serves
+        usable = fresh.usable(fresh_attention, dtype, head_dim, self.kv_layout is not None)
+        self.fresh_attention = fresh_attention if usable else None
 
     @property
     def caps(self) -> AttnCaps:
@@ -98,8 +109,11 @@ class TritonPagedAttention(AttentionBackend):
             # pinned host mirrors: update_meta stages each step's values there and copies them
             # asynchronously into these same device tensors, whose addresses graphs captured
             self._staging[id(tensors[0])] = StagingRing(arrays, self.device)
+        is_fresh = capacity is None and fresh.takes(self.fresh_attention, batch.query_lens, batch.seq_lens,
+                                                    DECODE_MAX_QUERY_LEN)
         return TritonMeta(*tensors, max_query_len=max(batch.query_lens, default=0),
-                          max_seq_len=capacity.max_seq_len if capacity else max(batch.seq_lens, default=0))
+                          max_seq_len=capacity.max_seq_len if capacity else max(batch.seq_lens, default=0),
+                          fresh_lens=tuple(batch.query_lens) if is_fresh else None)
 
     def update_meta(self, meta: TritonMeta, batch: PagedBatch) -> list[dict]:
         """Refill a capacity-built `meta` in place: same shapes (the captured bucket), new values."""
@@ -115,6 +129,28 @@ class TritonPagedAttention(AttentionBackend):
                  plane: int) -> None:
         values, scales = self._views(kv_cache)
         write_kv(k, v, values, meta.slot_mapping[plane], self.configs["kv_write"], scales)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: TritonMeta,
+               plane: int, scale: float) -> torch.Tensor:
+        """`write_kv`, then `forward`; a batch of prefills without context (`meta.fresh_lens`)
+        attends over its fresh k, v through torch's vendor kernel instead of reading the cache back."""
+        self.write_kv(k, v, kv_cache, meta, plane)
+        if meta.fresh_lens is not None:
+            return fresh.attention(self.fresh_attention, q, k, v, meta.query_start_loc, meta.fresh_lens, scale)
+        return self.forward(q, kv_cache, meta, plane, scale)
+
+    def write_kv_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                        meta: TritonMeta, plane: int, positions: torch.Tensor, theta: float,
+                        interleaved: bool) -> torch.Tensor | None:
+        """Rotary embedding of q `[T, H, D]` and k `[T, KVH, D]` at `positions: [T]` with the KV
+        write of plane `plane` in one launch (hal/kernels/rotary_kv.py); returns the rotated q. None
+        where this backend cannot fuse them (8-bit caches): the caller then rotates and `write_kv`s."""
+        if self.kv_layout is not None or meta.fresh_lens is not None:    # fresh batches attend over k itself
+            return None
+        from hal.kernels.rotary_kv import rotary_kv_write
+
+        return rotary_kv_write(q, k, v, positions, theta, interleaved, kv_cache, meta.slot_mapping[plane],
+                               self.configs["rotary"])
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: TritonMeta, plane: int,
                 scale: float) -> torch.Tensor:

@@ -18,6 +18,9 @@ callers; nothing else chooses tiles. Keys of a table are kernel names:
   rms_norm, rotary    one row / one token per program (num_warps only)
   silu_and_mul        block_n = columns per program
   fp8_linear          W8A16 linear (FP8 weights, hal/kernels/fp8_linear.py): block_m x block_n output tile
+  gemv_m1, gemv       decode projections (hal/kernels/gemv.py) of one row / of 2..8 rows: block_n output
+                      columns and block_k of K per step; block_m 1 = fp32 FMAs (one row only), 16 =
+                      tl.dot on rows padded to 16; split_k splits K (0: enough programs for every SM)
 
 AMD-only keys (`waves_per_eu`, `matrix_instr_nonkdim`, `kpack`) are passed to a launch only when
 it targets an AMD GPU (see `hal.kernels.launch`). On AMD `num_stages` 2 enables the stream
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 
 KERNEL_NAMES = ("attention_prefill", "attention_decode", "attention_prefill_fp32", "attention_decode_fp32",
                 "attention_prefill_fp8", "attention_reduce", "kv_write", "rms_norm", "rotary", "silu_and_mul",
-                "fp8_linear")
+                "fp8_linear", "gemv_m1", "gemv")
 
 
 @dataclass(frozen=True)
@@ -45,12 +48,17 @@ class KernelConfig:
     waves_per_eu: int = 0          # AMD only (0 = compiler default)
     matrix_instr_nonkdim: int = 0  # AMD MFMA tile, 16 or 32 (0 = default)
     kpack: int = 1                 # AMD only (must be 1 on gfx950)
+    block_k: int = 0               # reduction elements per step (gemv; 0 = unused)
+    split_k: int = 1               # programs sharing one output tile's K (gemv; 0 = auto)
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "num_warps"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"KernelConfig.{name}={value} must be a power of two")
+        if self.block_k & (self.block_k - 1) or self.split_k < 0:
+            raise ValueError(f"KernelConfig.block_k={self.block_k} must be a power of two (or 0), "
+                             f"split_k={self.split_k} >= 0")
         if self.matrix_instr_nonkdim not in (0, 16, 32):
             raise ValueError(f"matrix_instr_nonkdim={self.matrix_instr_nonkdim} must be 0, 16 or 32")
 
@@ -68,6 +76,10 @@ def _small_ops(num_warps: int, num_stages: int, block_n: int = 1024, **amd: int)
     }
 
 
+def _gemv(m1: KernelConfig, rows: KernelConfig) -> dict[str, KernelConfig]:
+    return {"gemv_m1": m1, "gemv": rows}
+
+
 def _fp32_attention(prefill: KernelConfig, decode: KernelConfig) -> dict[str, KernelConfig]:
     return {"attention_prefill_fp32": prefill, "attention_decode_fp32": decode}
 
@@ -81,6 +93,11 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         "attention_prefill_fp8": KernelConfig(128, 64, 8, 3),
         **_fp32_attention(KernelConfig(16, 32, 4, 2), KernelConfig(16, 32, 4, 2)),
         **_small_ops(4, 1),
+        # one row: 16 x 256 bf16 = 8 KiB of weight per program and step, the next step's in flight
+        # (stages 2: a register prefetch); 2..8 rows: 32 x 256 per stage, 4 cp.async stages; split-K
+        # until 132 SMs have a program each (tools/decode_kernels_bench.py sweeps the alternatives)
+        **_gemv(KernelConfig(1, 16, 4, 2, block_k=256, split_k=0),
+                KernelConfig(16, 32, 4, 4, block_k=256, split_k=0)),
     },
     # A100: mma.sync; 164 KiB shared memory per SM, so two stages for the prefill tiles.
     "sm_80": {
@@ -89,6 +106,8 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         "attention_prefill_fp8": KernelConfig(128, 64, 8, 2),
         **_fp32_attention(KernelConfig(16, 32, 4, 2), KernelConfig(16, 32, 4, 2)),
         **_small_ops(4, 1),
+        **_gemv(KernelConfig(1, 16, 4, 2, block_k=256, split_k=0),
+                KernelConfig(16, 32, 4, 3, block_k=256, split_k=0)),
     },
     # MI300X: 8 waves on 128 query rows keep the prefill tile in 256 VGPRs without spills at
     # waves_per_eu=2; decode takes 32-key tiles (64-bit K/V pointers cost VGPRs) for 4 waves/SIMD.
@@ -101,6 +120,8 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         "attention_prefill_fp8": KernelConfig(128, 32, 8, 1, waves_per_eu=2, matrix_instr_nonkdim=16),
         **_fp32_attention(KernelConfig(64, 32, 4, 1), KernelConfig(16, 32, 4, 1)),
         **_small_ops(4, 1, block_n=2048),
+        **_gemv(KernelConfig(1, 16, 4, 2, block_k=256, split_k=0),
+                KernelConfig(16, 32, 4, 2, block_k=128, split_k=0, matrix_instr_nonkdim=16)),
     },
     # MI350X: same tiles (same VGPR file); 160 KiB LDS; kpack is deprecated there (forced to 1).
     "gfx950": {
@@ -109,6 +130,8 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         "attention_prefill_fp8": KernelConfig(128, 32, 8, 1, waves_per_eu=2, matrix_instr_nonkdim=16),
         **_fp32_attention(KernelConfig(64, 32, 4, 1), KernelConfig(16, 32, 4, 1)),
         **_small_ops(4, 1, block_n=2048),
+        **_gemv(KernelConfig(1, 16, 4, 2, block_k=256, split_k=0),
+                KernelConfig(16, 32, 4, 2, block_k=128, split_k=0, matrix_instr_nonkdim=16)),
     },
     # Anything else (other GPUs, the CPU interpreter): small tiles that fit every target.
     "default": {
@@ -117,6 +140,8 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         "attention_prefill_fp8": KernelConfig(64, 32, 4, 1),
         **_fp32_attention(KernelConfig(16, 32, 4, 1), KernelConfig(16, 32, 4, 1)),
         **_small_ops(4, 1),
+        **_gemv(KernelConfig(1, 16, 4, 1, block_k=256, split_k=0),
+                KernelConfig(16, 32, 4, 2, block_k=128, split_k=0)),
     },
 }
 

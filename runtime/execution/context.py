@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from hal.base import PagedBatch
-from zoo.base import PassCache
+from zoo.base import BaseContext
 
 if TYPE_CHECKING:
     from runtime.execution.step_inputs import PassEnv
     from zoo.base import LoopedCausalLM
 
 
-class PagedContext(PassCache):
+class PagedContext(BaseContext):
     def __init__(self, env: "PassEnv", batch: PagedBatch, positions: torch.Tensor,
                  draws: Sequence[tuple[Any, int]], meta: Any = None,
                  static_initial_state: torch.Tensor | None = None) -> None:
@@ -36,9 +36,21 @@ class PagedContext(PassCache):
         # q: [1, T, H, D]; k, v: [1, T, KVH, D] (packed tokens, batch dim 1)
         env = self.env
         p = env.layout.physical(plane)
+        return env.backend.attend(q[0], k[0], v[0], env.kv_caches[layer], self.meta, p, scale)[None]
+
+    def attend_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plane: int, layer: int, scale: float,
+                      theta: float, interleaved: bool) -> torch.Tensor:
+        """`attend` of q and k rotated at this pass's positions: the rotation and the KV write in one
+        kernel where the backend has it (`write_kv_rotary`; bit for bit the separate ops). Batches
+        that attend over their fresh K/V (prefill without context) rotate first: they need k itself."""
+        env = self.env
+        p = env.layout.physical(plane)
         cache = env.kv_caches[layer]
-        env.backend.write_kv(k[0], v[0], cache, self.meta, p)
-        return env.backend.forward(q[0], cache, self.meta, p, scale)[None]
+        q_rot = env.backend.write_kv_rotary(q[0], k[0], v[0], cache, self.meta, p, self.positions.flatten(), theta,
+                                            interleaved)
+        if q_rot is not None:
+            return env.backend.forward(q_rot, cache, self.meta, p, scale)[None]
+        return super().attend_rotary(q, k, v, plane, layer, scale, theta, interleaved)
 
     def initial_state(self, model: "LoopedCausalLM", e: torch.Tensor) -> torch.Tensor:
         """Huginn: each request's own draw (or, in a captured pass, the buffer drawn before replay)."""

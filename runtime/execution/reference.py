@@ -12,10 +12,10 @@ import torch
 from hal.common.kv_quant import fake_quantize
 from runtime.config import SamplingParams
 from runtime.execution.sampler import make_generator, sample_token
-from zoo.base import PLAIN_OPS, LoopedCausalLM, ModelOps, PassCache, exit_distribution, first_exit_step
+from zoo.base import PLAIN_OPS, LoopedCausalLM, ModelOps, BaseContext, exit_distribution, first_exit_step
 
 
-class CachedContext(PassCache):
+class CachedContext(BaseContext):
     """A growing dense KV cache per (plane, layer); attention is bottom-right causal. With an 8-bit
     `kv_dtype` every new token's K and V are rounded as a quantized paged cache stores them
     (hal/common/kv_quant.py: per token and head, fixed when written), so the engine with `kv_dtype` set

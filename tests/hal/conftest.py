@@ -70,9 +70,10 @@ def fake_kernels(monkeypatch):
     class TritonPagedAttention(TorchPagedAttention):
         name = "triton"
 
-        def __init__(self, num_heads, num_kv_heads, head_dim, dtype, device, block_size, configs=None, **kv):
+        def __init__(self, num_heads, num_kv_heads, head_dim, dtype, device, block_size, configs=None,
+                     fresh_attention=None, **kv):
             super().__init__(num_heads, num_kv_heads, head_dim, dtype, device, block_size, **kv)
-            self.configs = configs
+            self.configs, self.fresh_attention = configs, fresh_attention
 
     modules = {
         "hal.kernels": _module("hal.kernels", __path__=[]),

@@ -63,6 +63,7 @@ def test_triton_backend_gets_the_arch_configs(simulate, fake_kernels, caplog, ar
     assert backend.name == "triton" and backend.block_size == 16 and backend.device == torch.device("cuda", 0)
     assert fake_kernels.configs_for == [name] and backend.configs == {"paged_decode": ("config-for", name)}
     assert "attention triton" in caplog.text and "auto: first of (triton, torch)" in caplog.text
+    assert backend.fresh_attention == "sdpa"              # prefill without context: SDPA per sequence
 
 
 def test_without_triton_auto_takes_torch_and_says_why(simulate, no_triton, caplog):

@@ -140,8 +140,10 @@ def interpreter() -> Iterator[None]:
     """Triton kernels launched inside run in the interpreter (CPU tensors), with the bf16 fixes."""
     # imported first: `triton.jit` under TRITON_INTERPRET=1 would make them interpreter-only for good
     import hal.kernels.attention
+    import hal.kernels.gemv
     import hal.kernels.kv_write
-    import hal.kernels.ops  # noqa: F401
+    import hal.kernels.ops
+    import hal.kernels.rotary_kv  # noqa: F401
 
     with _env("TRITON_INTERPRET", "1"), _patched(JITFunction, _jit_patches()), \
             _patched(interp.InterpreterBuilder, _builder_patches()):

@@ -31,3 +31,35 @@ def test_bench_runs_every_cell_at_toy_shapes(monkeypatch):
     errors = [float(r["note"].split("max err ")[1].split()[0]) for r in rows if "max err" in r["note"]]
     assert errors and max(errors) < 3e-2, rows          # the bench checks attention against the reference
     assert any(line.startswith("# best for") for line in lines)
+
+
+def test_decode_kernels_bench_runs_every_group_at_toy_shapes(monkeypatch):
+    """tools/decode_kernels_bench.py (the lead's H200 call) at toy shapes: every group runs, checks
+    its cells, prints the summary; a failing cell is a row, not a crash."""
+    import decode_kernels_bench as dkb
+    from hal.kernels import fresh
+
+    monkeypatch.setattr(dkb, "SHAPES", {"qkv": (96, 64), "o": (64, 64), "gate_up": (80, 64), "down": (64, 48),
+                                        "lm_head": (128, 64)})
+    monkeypatch.setattr(dkb, "ROWS", (1, 3))
+    monkeypatch.setattr(dkb, "HEADS", 4)
+    monkeypatch.setattr(dkb, "KV_HEADS", 2)
+    monkeypatch.setattr(dkb, "HEAD_DIM", 32)
+    monkeypatch.setattr(dkb, "PREFILL_TOKENS", 48)
+    monkeypatch.setattr(dkb, "SWEEP_SHAPES", ("o",))
+    monkeypatch.setattr(dkb, "M1_SWEEP", [dkb.M1_SWEEP[0], KernelConfig(1, 16, 4, 2)])  # block_k 0: fails
+    monkeypatch.setattr(dkb, "ROWS_SWEEP", dkb.ROWS_SWEEP[:1])
+    monkeypatch.setattr(dkb, "L2_BYTES", 1)
+    monkeypatch.setattr(dkb, "time_calls", lambda calls: ([c() for c in calls], (10.0, "graph"))[1])
+    monkeypatch.setattr(fresh, "_flash_varlen", lambda q, k, v, cu, *a, scale: (
+        fresh.attention("sdpa", q, k, v, cu, (cu[1:] - cu[:-1]).tolist(), scale),))
+    lines: list[str] = []
+    bench = dkb.run("cpu", budget_s=600, print_fn=lines.append)
+    groups = {r.group for r in bench.rows if r.us}
+    assert groups == {"proj", "fused", "rope+kv", "prefill", "sweep"}, lines
+    checked = [r.err for r in bench.rows if r.err is not None]
+    assert checked and max(checked) < 1e-2, lines
+    failed = [r for r in bench.rows if r.note.startswith("ERROR")]
+    assert [(r.shape, " k0 " in r.variant) for r in failed] == [("o", True), ("gate_up+nrl", True)]   # block_k=0
+    assert any(line.startswith("# batch-1 step") for line in lines)
+    assert any("fresh vs paged output rel err" in line for line in lines)

@@ -39,6 +39,8 @@ def test_tables_compile_clean(table, target, reports, record_property):
             assert r.mma.startswith(expected), f"{r.case} on {target}: {r.mma}"
         if r.case.startswith("attention") and r.case != "attention_reduce":
             assert r.vec16, f"{r.case} on {target}: K/V loads are not 16-byte vectors"
+        if r.case.startswith("gemv"):
+            assert r.vec16, f"{r.case} on {target}: weight loads are not 16-byte vectors"
 
 
 @pytest.mark.parametrize("target", ["gfx942", "gfx950"])

@@ -17,7 +17,7 @@ from torch import nn
 from zoo.base import (CausalLMOutput, DenseContext, ForwardContext, KVSpec, LoopedCausalLM, ModelOps,
                        causal_lm_loss)
 from zoo.huginn.config import HuginnConfig
-from zoo.layers import RMSNorm, rope_tables, rotate, silu_and_mul
+from zoo.layers import RMSNorm, attend_rotary, linear_weight, ops_of, project, rope_tables, silu_and_mul
 
 
 class HuginnAttention(nn.Module):
@@ -41,17 +41,19 @@ class HuginnAttention(nn.Module):
         ctx.cached(("rope", self.head_dim, self.rope_base),
                    lambda: rope_tables(ctx.positions, self.head_dim, self.rope_base))
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, plane: int, layer: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, plane: int, layer: int,
+                norm: RMSNorm | None = None) -> torch.Tensor:
+        """`proj(attention(norm(x)))`; the norm runs in the q|k|v projection where fused (decode)."""
         # x: [B, T, n_embd]
-        q, k, v = self.Wqkv(x).split(self.split, dim=-1)
+        q, k, v = project(x, self.Wqkv, ctx, norm).split(self.split, dim=-1)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))                   # [B, T, H, D]
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))                # [B, T, KVH, D]
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.qk_bias is not None:
             q, k = q + self.qk_bias[0], k + self.qk_bias[1]
-        q, k = rotate(q, k, ctx, self.head_dim, self.rope_base, interleaved=True)
-        out = ctx.attend(q, k, v, plane, layer, self.head_dim ** -0.5)         # [B, T, H, D]
-        return self.proj(out.flatten(-2))
+        out = attend_rotary(q, k, v, ctx, plane, layer, self.head_dim ** -0.5, self.head_dim, self.rope_base,
+                            True)                                              # [B, T, H, D]
+        return project(out.flatten(-2), self.proj, ctx)
 
 
 class GatedMLP(nn.Module):
@@ -63,7 +65,26 @@ class GatedMLP(nn.Module):
         self.proj = nn.Linear(cfg.intermediate_size, cfg.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
-        return self.proj(silu_and_mul(self.fc(x), ctx))
+        return self.down(self.fc(x), ctx)
+
+    def down(self, fc_out: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        """`proj(silu(a) * b)` of the fc output `[..., 2I]` (SwiGLU in proj's prologue where fused)."""
+        weight = linear_weight(self.proj)
+        fused = ops_of(ctx).op("silu_mul_linear") if weight is not None else None
+        return fused(fc_out, weight) if fused is not None else self.proj(silu_and_mul(fc_out, ctx))
+
+    def forward_sandwich(self, x: torch.Tensor, residual: torch.Tensor, post_norm: RMSNorm, norm: RMSNorm,
+                         ctx: ForwardContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sandwich block's boundary: `h = post_norm(x + residual)`, then `self(norm(h))`. Returns
+        `(mlp output, h)`; both norms run in the fc projection's prologue where the Hal has
+        `norm_residual_linear` (decode)."""
+        weight = linear_weight(self.fc)
+        fused = ops_of(ctx).op("norm_residual_linear") if weight is not None else None
+        if fused is None or post_norm.eps != norm.eps:
+            h = post_norm(x + residual, ctx)
+            return self.down(project(h, self.fc, ctx, norm), ctx), h
+        fc_out, h = fused(x, residual, post_norm.weight, norm.weight, norm.eps, weight, sum_first=True)
+        return self.down(fc_out, ctx), h
 
 
 class SandwichBlock(nn.Module):
@@ -79,8 +100,11 @@ class SandwichBlock(nn.Module):
         self.norm_4 = RMSNorm(cfg.n_embd, cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, plane: int, layer: int) -> torch.Tensor:
-        x = self.norm_2(self.attn(self.norm_1(x, ctx), ctx, plane, layer) + x, ctx)
-        return self.norm_4(self.mlp(self.norm_3(x, ctx), ctx) + x, ctx)
+        # x = n2(attn(n1(x)) + x); n4(mlp(n3(x)) + x), with n1 in the q|k|v projection and n2, n3 in
+        # the fc projection when the context's Hal has those fused ops (decode)
+        attn = self.attn(x, ctx, plane, layer, norm=self.norm_1)
+        mlp, x = self.mlp.forward_sandwich(attn, x, self.norm_2, self.norm_3, ctx)
+        return self.norm_4(mlp + x, ctx)
 
 
 class HuginnTransformer(nn.Module):

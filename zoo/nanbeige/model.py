@@ -31,8 +31,10 @@ class NanbeigeDecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext, plane: int, layer: int) -> torch.Tensor:
         # h: [B, T, hidden]
-        h = h + self.self_attn(self.input_layernorm(h, ctx), ctx, plane, layer)
-        return h + self.mlp(self.post_attention_layernorm(h, ctx), ctx)
+        # the norms run in the q|k|v and gate|up projections, the residual adds in the o and down
+        # projections, when the context's Hal has those fused ops (decode)
+        h = self.self_attn(h, ctx, plane, layer, norm=self.input_layernorm, residual=h)
+        return self.mlp(h, ctx, norm=self.post_attention_layernorm, residual=h)
 
 
 class NanbeigeModel(nn.Module):

@@ -32,9 +32,12 @@ class OuroDecoderLayer(nn.Module):
         self.post_attention_layernorm_2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext, plane: int, layer: int) -> torch.Tensor:
-        # h: [B, T, hidden]
-        h = self.input_layernorm_2(self.self_attn(self.input_layernorm(h, ctx), ctx, plane, layer), ctx, residual=h)
-        return self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(h, ctx), ctx), ctx, residual=h)
+        # h: [B, T, hidden]. h = h + norm_a2(attn(norm_a1(h))); h + norm_m2(mlp(norm_m1(h))), where
+        # norm_a1 runs in the q|k|v projection and norm_a2 + residual + norm_m1 in the gate|up
+        # projection when the context's Hal has those fused ops (decode)
+        attn = self.self_attn(h, ctx, plane, layer, norm=self.input_layernorm)
+        mlp, h = self.mlp.forward_sandwich(attn, h, self.input_layernorm_2, self.post_attention_layernorm, ctx)
+        return self.post_attention_layernorm_2(mlp, ctx, residual=h)
 
 
 class OuroModel(nn.Module):

@@ -1,0 +1,67 @@
+"""Causal attention of prefill chunks that have no prior context, on their freshly computed K/V
+through torch's vendor kernels, instead of the paged Triton kernel reading them back from the cache.
+
+Why: such a chunk attends only to itself, so K and V are already contiguous in the projection's
+output; torch's flash kernel runs there at about twice the paged Triton kernel's rate (8k tokens,
+one layer-plane on the H200: 550 us vs 1,140 us, docs/benchmarks.md). The cache is still written
+(by `write_kv`), for the decode steps that follow.
+
+Modes (the Hal chooses; hal/ never tests the vendor here):
+  "flash"  every sequence of the batch in one varlen call of `aten::_flash_attention_forward`
+           (cumulative query offsets = the metadata's `query_start_loc`): CUDA builds of torch
+  "sdpa"   `scaled_dot_product_attention(is_causal=True)` per sequence (torch picks its fastest
+           backend): ROCm builds, and the CPU where tests check the routing
+Both take 16-bit q/k/v only; float32 (golden and conformance runs) stays on the Triton kernel.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+MODES = ("flash", "sdpa")
+DTYPES = (torch.bfloat16, torch.float16)
+MAX_SDPA_SEQS = 16                # "sdpa" launches once per sequence: more go to the paged kernel
+
+
+def _flash_varlen(*args, **kwargs):
+    # (query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask,
+    #  *, scale): the same positional schema from torch 2.3 to 2.13; GQA (KVH divides H) is native
+    return torch.ops.aten._flash_attention_forward(*args, **kwargs)
+
+
+def usable(mode: str | None, dtype: torch.dtype, head_dim: int, quantized: bool) -> bool:
+    """Whether prefill without context may take `mode` for this backend's shape."""
+    return mode in MODES and dtype in DTYPES and head_dim % 8 == 0 and head_dim <= 256 and not quantized
+
+
+def takes(mode: str | None, query_lens: Sequence[int], seq_lens: Sequence[int], decode_max_query_len: int) -> bool:
+    """Whether a batch goes to the fresh path: every sequence is a prefill chunk without prior
+    context (query_len == seq_len) and the batch is not decode-like (graphs capture decode batches
+    only; those keep the paged kernel)."""
+    if mode not in MODES or not query_lens or max(query_lens) <= decode_max_query_len:
+        return False
+    if mode == "sdpa" and len(query_lens) > MAX_SDPA_SEQS:
+        return False
+    return all(q == s for q, s in zip(query_lens, seq_lens))
+
+
+def attention(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: torch.Tensor,
+              query_lens: Sequence[int], scale: float) -> torch.Tensor:
+    """Causal attention of packed sequences over themselves: q `[T, H, D]`, k and v `[T, KVH, D]`,
+    `query_start_loc: [S + 1]` int32 (device), `query_lens` the same on the host. Returns `[T, H, D]`."""
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if mode == "flash":
+        max_len = max(query_lens)
+        return _flash_varlen(q, k, v, query_start_loc, query_start_loc, max_len, max_len, 0.0, True, False,
+                             scale=scale)[0]
+    out = torch.empty_like(q)
+    start = 0
+    for n in query_lens:        # [T, H, D] -> [1, H, T, D] views, one causal SDPA per sequence
+        qs, ks, vs = (t[start:start + n].transpose(0, 1)[None] for t in (q, k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                             enable_gqa=q.shape[1] != k.shape[1])
+        out[start:start + n] = y[0].transpose(0, 1)
+        start += n
+    return out

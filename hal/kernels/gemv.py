@@ -1,0 +1,434 @@
+"""Skinny GEMMs for decode: `y = prologue(x) @ W.T (+ residual)` for M = 1..8 rows, streaming the
+weight `W: [N, K]` once, with the small ops around a projection folded in.
+
+Why: at batch 1-8 a decode step is a stream of weight reads (10.1 GB per Ouro-1.4B step), cut into
+about 12 launches per layer and loop. A projection that normalises its own input (RMSNorm in the
+prologue), applies SwiGLU on the way in, or adds the residual on the way out saves the launch and
+the round trip of the op it absorbs.
+
+Prologues (`PROLOGUE`, what the kernel feeds the product instead of x; every step rounds where
+zoo/layers.py rounds, so the input equals the unfused torch input up to the rounding of the fp32
+row statistics):
+  0 NONE          x
+  1 RMS_NORM      norm(x; w_in)                                 (pre-norm projections)
+  2 SILU_AND_MUL  silu(x[:, :K]) * x[:, K:]                     (the down projection after gate|up)
+  3 ADD_NORM      h = r + norm(x; w_res); norm(h; w_in)         (Ouro's sandwich: post-norm, then pre-norm)
+  4 NORM_ADD      h = norm(x + r; w_res); norm(h; w_in)         (Huginn's sandwich block)
+with norm(v; w) = w * (v * rsqrt(mean(v^2) + eps)).to(dtype) (Llama RMSNorm). ADD_NORM and NORM_ADD
+also write the residual stream h (the programs of the first column block do, for their K range).
+Epilogue: `ADD_RESIDUAL` returns `residual + y` (each rounded as torch rounds `h + proj(x)`).
+
+Tiling. A program owns `BLOCK_N` output columns and a `1 / SPLIT_K` share of K. With `BLOCK_M == 1`
+(M = 1) it multiplies in fp32 FMAs over a `[BLOCK_N, BLOCK_K]` tile (16-byte loads along K, one
+reduction at the end); with `BLOCK_M == 16` (M = 2..16, rows past M masked) it takes `tl.dot` (the
+loads then go through the software pipeline, `num_stages` deep). Row statistics of the norm
+prologues are computed per program over the whole row (x is M x K elements, in L2: small beside the
+program's BLOCK_N x K weight bytes). Split-K is deterministic: every split writes its fp32 partial,
+and the last split to arrive at a column block (an atomic counter, reset by that program) sums the
+partials in split order and runs the epilogue. So the result depends on the config and the shape,
+never on timing: graphs on and off, and any run, give the same bits.
+
+Grid `(cdiv(N, BLOCK_N), SPLIT_K)`.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from hal.kernels.configs import KernelConfig, configs_for
+from hal.kernels.launch import Launch, backend_of, check_device, launch_options, next_pow2, run_launch
+
+NONE, RMS_NORM, SILU_AND_MUL, ADD_NORM, NORM_ADD = 0, 1, 2, 3, 4
+MAX_ROWS = 8                     # decode batches the kernels take; more rows go to the GEMM (cuBLAS)
+# Up to these rows the norms run in the projection's prologue; above, the standalone rms_norm kernel
+# runs first and the projection takes its output (each program recomputes the row statistics, which
+# costs L2 reads in proportion to the rows: tools/decode_kernels_bench.py's "fused" cells decide)
+NORM_PROLOGUE_MAX_ROWS = 8
+SANDWICH_PROLOGUE_MAX_ROWS = 8
+DOT_ROWS = 16                    # tl.dot needs 16 rows: M = 2..8 pads to this
+MAX_SPLIT_K = 16
+MIN_TILES_PER_SPLIT = 2          # a split streams at least this many BLOCK_K tiles
+STATS_ELEMENTS = 8192            # elements of x per step of the row-statistics pass
+COUNTER_SLOTS = 1 << 16          # column blocks a split-K launch may have (N / BLOCK_N)
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _norm(v, inv, w_ptr, ks, k_mask, DT: tl.constexpr):
+    """Llama RMSNorm's rounding: `v * inv` in fp32, cast to DT, times the weight, cast to DT.
+    v `[R, K]` fp32, inv `[R]`; returns fp32 values representable in DT."""
+    w = tl.load(w_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+    return (w[None, :] * (v * inv[:, None]).to(DT).to(tl.float32)).to(DT).to(tl.float32)
+
+
+@triton.jit
+def _stream_of(x, r, inv_src, res_norm_ptr, ks, k_mask, PROLOGUE: tl.constexpr, DT: tl.constexpr):
+    """The residual stream h of ADD_NORM (`r + norm(x)`) or NORM_ADD (`norm(x + r)`) from x, r (fp32)."""
+    if PROLOGUE == 3:
+        h = (r + _norm(x, inv_src, res_norm_ptr, ks, k_mask, DT)).to(DT).to(tl.float32)
+    else:
+        h = _norm((x + r).to(DT).to(tl.float32), inv_src, res_norm_ptr, ks, k_mask, DT)
+    return h
+
+
+@triton.jit
+def _stream(x_ptr, res_ptr, res_norm_ptr, rows, ks, mask, k_mask, inv_src, stride_xm, stride_rm,
+            PROLOGUE: tl.constexpr, DT: tl.constexpr):
+    """h (see `_stream_of`) at [rows, ks], loaded from x and r."""
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(res_ptr + rows[:, None] * stride_rm + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+    return _stream_of(x, r, inv_src, res_norm_ptr, ks, k_mask, PROLOGUE, DT)
+
+
+@triton.jit
+def _row_stats(x_ptr, res_ptr, res_norm_ptr, rows, row_mask, K, eps, stride_xm, stride_rm,
+               PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr, STATS_BLOCK: tl.constexpr,
+               ONE_PASS: tl.constexpr, DT: tl.constexpr):
+    """rsqrt(mean(v^2) + eps) per row: (inv_src, inv_stream). inv_src is that of x (RMS_NORM,
+    ADD_NORM) or of x + r (NORM_ADD); inv_stream that of the residual stream h (ADD_NORM, NORM_ADD).
+    With ONE_PASS the rows fit one STATS_BLOCK tile: loaded once, both statistics from registers
+    (one L2 round trip before the product can start, not two)."""
+    if ONE_PASS:
+        ks = tl.arange(0, STATS_BLOCK)
+        k_mask = ks < K
+        mask = row_mask[:, None] & k_mask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        v = x
+        r = x
+        if PROLOGUE >= 3:
+            r = tl.load(res_ptr + rows[:, None] * stride_rm + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        if PROLOGUE == 4:
+            v = (x + r).to(DT).to(tl.float32)
+        inv_src = tl.math.rsqrt(tl.sum(v * v, 1) / K + eps)
+        inv_stream = inv_src
+        if PROLOGUE >= 3:
+            h = _stream_of(x, r, inv_src, res_norm_ptr, ks, k_mask, PROLOGUE, DT)
+            inv_stream = tl.math.rsqrt(tl.sum(h * h, 1) / K + eps)
+    else:
+        sq = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in range(0, K, STATS_BLOCK):
+            ks = k0 + tl.arange(0, STATS_BLOCK)
+            k_mask = ks < K
+            mask = row_mask[:, None] & k_mask[None, :]
+            v = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+            if PROLOGUE == 4:
+                r = tl.load(res_ptr + rows[:, None] * stride_rm + ks[None, :], mask=mask, other=0.0)
+                v = (v + r.to(tl.float32)).to(DT).to(tl.float32)
+            sq += tl.sum(v * v, 1)
+        inv_src = tl.math.rsqrt(sq / K + eps)
+        inv_stream = inv_src
+        if PROLOGUE >= 3:
+            sq = tl.zeros([BLOCK_M], tl.float32)
+            for k0 in range(0, K, STATS_BLOCK):
+                ks = k0 + tl.arange(0, STATS_BLOCK)
+                k_mask = ks < K
+                mask = row_mask[:, None] & k_mask[None, :]
+                h = _stream(x_ptr, res_ptr, res_norm_ptr, rows, ks, mask, k_mask, inv_src, stride_xm, stride_rm,
+                            PROLOGUE, DT)
+                sq += tl.sum(h * h, 1)
+            inv_stream = tl.math.rsqrt(sq / K + eps)
+    return inv_src, inv_stream
+
+
+@triton.jit
+def _input_tile(x_ptr, res_ptr, in_norm_ptr, res_norm_ptr, stream_ptr, rows, row_mask, ks, k_mask, K,
+                inv_src, inv_stream, stream_rows, stride_xm, stride_rm, stride_sm,
+                PROLOGUE: tl.constexpr, DT: tl.constexpr):
+    """What the product reads instead of x at [rows, ks]: `[R, BLOCK_K]` in DT."""
+    mask = row_mask[:, None] & k_mask[None, :]
+    src = x_ptr + rows[:, None] * stride_xm + ks[None, :]
+    if PROLOGUE == 0:
+        a = tl.load(src, mask=mask, other=0.0)
+    elif PROLOGUE == 1:
+        a = _norm(tl.load(src, mask=mask, other=0.0).to(tl.float32), inv_src, in_norm_ptr, ks, k_mask, DT)
+    elif PROLOGUE == 2:
+        gate = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(src + K, mask=mask, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32)     # torch rounds silu first
+        a = act * up
+    else:
+        h = _stream(x_ptr, res_ptr, res_norm_ptr, rows, ks, mask, k_mask, inv_src, stride_xm, stride_rm,
+                    PROLOGUE, DT)
+        tl.store(stream_ptr + rows[:, None] * stride_sm + ks[None, :], h.to(DT),
+                 mask=(rows < stream_rows)[:, None] & k_mask[None, :])
+        a = _norm(h, inv_stream, in_norm_ptr, ks, k_mask, DT)
+    return a.to(DT)
+
+
+@triton.jit
+def _weight_rows(w_cols, cols, col_limit, ks, k_hi, EVEN_K: tl.constexpr):
+    """The FMA path's weight tile `[BLOCK_N, BLOCK_K]` at K offsets ks; columns >= col_limit read as
+    zeros (col_limit 0: a prefetch past the end, which loads nothing)."""
+    if EVEN_K:                # full tiles: the mask is constant along K, so loads stay 16-byte vectors
+        mask = (cols < col_limit)[:, None]
+    else:
+        mask = (cols < col_limit)[:, None] & (ks < k_hi)[None, :]
+    return tl.load(w_cols[:, None] + ks[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_out(out_ptr, out_res_ptr, acc, rows, cols, mask, stride_om, stride_orm,
+               ADD_RESIDUAL: tl.constexpr, DT: tl.constexpr):
+    y = acc.to(DT)
+    if ADD_RESIDUAL:          # torch: residual + proj(x), both in DT
+        res = tl.load(out_res_ptr + rows[:, None] * stride_orm + cols[None, :], mask=mask, other=0.0)
+        y = (res.to(tl.float32) + y.to(tl.float32)).to(DT)
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], y, mask=mask)
+
+
+@triton.jit
+def _gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, res_norm_ptr, out_res_ptr,
+                 part_ptr, count_ptr, M, N, K, eps, k_per_split,
+                 stride_xm, stride_rm, stride_sm, stride_wn, stride_om, stride_orm,
+                 PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STATS_BLOCK: tl.constexpr,
+                 ONE_PASS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr):
+    """out `[M, N]` = prologue(x) `[M, K]` @ w `[N, K]`.T (+ out_res); see the module docstring.
+    Grid `(cdiv(N, BLOCK_N), SPLIT_K)`; the split-K partials go to part `[SPLIT_K, M, N]` fp32."""
+    DT = out_ptr.dtype.element_ty                    # bf16 or fp16: x, weights and outputs share it
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    w_cols = w_ptr + cols.to(tl.int64) * stride_wn                                 # [BLOCK_N] row starts
+    if BLOCK_M == 1:
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        if PREFETCH:          # the first weight tile is in flight while the row statistics are computed
+            w_next = _weight_rows(w_cols, cols, tl.where(k_lo < k_hi, N, 0), k_lo + tl.arange(0, BLOCK_K),
+                                  k_hi, EVEN_K)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    inv_src = tl.zeros([BLOCK_M], tl.float32)
+    inv_stream = inv_src
+    if PROLOGUE == 1 or PROLOGUE >= 3:
+        inv_src, inv_stream = _row_stats(x_ptr, res_ptr, res_norm_ptr, rows, row_mask, K, eps, stride_xm,
+                                         stride_rm, PROLOGUE, BLOCK_M, STATS_BLOCK, ONE_PASS, DT)
+    stream_rows = tl.where(pid_n == 0, M, 0)          # the first column block writes h
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:            # K is a multiple of BLOCK_K: no mask along the loads' vector axis
+            k_mask = tl.full([BLOCK_K], 1, tl.int1)
+        else:
+            k_mask = ks < k_hi
+        if BLOCK_M == 1:
+            if PREFETCH:      # registers double-buffer the weight: tile k0 + BLOCK_K is in flight while
+                w = w_next    # tile k0 is multiplied (the pipeliner only stages loads that feed tl.dot)
+                w_next = _weight_rows(w_cols, cols, tl.where(k0 + BLOCK_K < k_hi, N, 0), ks + BLOCK_K, k_hi,
+                                      EVEN_K)
+            else:
+                w = _weight_rows(w_cols, cols, N, ks, k_hi, EVEN_K)
+        a = _input_tile(x_ptr, res_ptr, in_norm_ptr, res_norm_ptr, stream_ptr, rows, row_mask, ks, k_mask, K,
+                        inv_src, inv_stream, stream_rows, stride_xm, stride_rm, stride_sm, PROLOGUE, DT)
+        if BLOCK_M == 1:
+            acc2 += w.to(tl.float32) * a.to(tl.float32)                            # [BLOCK_N, BLOCK_K]
+        else:
+            w = tl.load(w_cols[None, :] + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            acc = tl.dot(a, w, acc)                                                # [BLOCK_M, BLOCK_N]
+    if BLOCK_M == 1:
+        acc = tl.sum(acc2, 1)[None, :]
+    mask = row_mask[:, None] & col_mask[None, :]
+    if SPLIT_K == 1:
+        _store_out(out_ptr, out_res_ptr, acc, rows, cols, mask, stride_om, stride_orm, ADD_RESIDUAL, DT)
+    else:
+        parts = part_ptr + (rows[:, None] * N + cols[None, :])                     # split 0's [M, N]
+        tl.store(parts + pid_k * M * N, acc, mask=mask)
+        tl.debug_barrier()                    # every thread's partial is written before the release
+        arrived = tl.atomic_add(count_ptr + pid_n, 1)                              # acq_rel, device scope
+        if arrived == SPLIT_K - 1:           # the last split of this column block: sum in split order
+            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            _store_out(out_ptr, out_res_ptr, total, rows, cols, mask, stride_om, stride_orm, ADD_RESIDUAL, DT)
+            tl.atomic_xchg(count_ptr + pid_n, 0)                                   # ready for the next launch
+
+
+class Plan(NamedTuple):
+    """Host-side choices of one launch (they depend on the shape and the config only)."""
+
+    block_m: int
+    split_k: int
+    k_per_split: int             # a multiple of block_k
+
+
+def config_key(num_rows: int) -> str:
+    """Table key: "gemv_m1" for one row (the FMA path), "gemv" for 2..MAX_ROWS rows (tl.dot)."""
+    return "gemv_m1" if num_rows == 1 else "gemv"
+
+
+def plan(num_rows: int, n: int, k: int, config: KernelConfig, num_compute_units: int) -> Plan:
+    """Split-K and row block for an `[num_rows, k] x [n, k]` product. `config.split_k == 0` picks
+    the smallest power of two that gives every compute unit a program, keeping at least
+    MIN_TILES_PER_SPLIT tiles of K per split."""
+    block_m = 1 if config.block_m == 1 and num_rows == 1 else DOT_ROWS
+    k_tiles = -(-k // config.block_k)
+    split = config.split_k
+    if split == 0:
+        col_blocks = -(-n // config.block_n)
+        split = 1
+        while (col_blocks * split < num_compute_units and split < MAX_SPLIT_K
+               and k_tiles // (2 * split) >= MIN_TILES_PER_SPLIT):
+            split *= 2
+    split = max(1, min(split, k_tiles))
+    tiles_per_split = -(-k_tiles // split)
+    return Plan(block_m, -(-k_tiles // tiles_per_split), tiles_per_split * config.block_k)
+
+
+def gemv_launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: KernelConfig, target: str,
+                num_compute_units: int, *, prologue: int = NONE, eps: float = 0.0,
+                norm_weight: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                res_norm_weight: torch.Tensor | None = None, stream_out: torch.Tensor | None = None,
+                out_residual: torch.Tensor | None = None, workspace: torch.Tensor | None = None,
+                counters: torch.Tensor | None = None) -> Launch:
+    """The launch of `out [M, N] = prologue(x) @ weight.T (+ out_residual)`; x `[M, K]` (`[M, 2K]`
+    for SILU_AND_MUL), weight `[N, K]`, all rows with unit stride along K. Split-K launches need
+    `workspace` (>= split * M * N float32) and `counters` (int32 zeros, >= cdiv(N, block_n))."""
+    rows, n = out.shape
+    k = weight.shape[1]
+    p = plan(rows, n, k, config, num_compute_units)
+    if p.split_k > 1 and (workspace is None or counters is None):
+        raise ValueError("a split-K gemv needs a workspace and counters")
+    unused = x                                         # pointers a prologue never reads (constexpr-dead)
+    res = residual if residual is not None else unused
+    stream = stream_out if stream_out is not None else out
+    out_res = out_residual if out_residual is not None else out
+    return Launch(_gemv_kernel, (-(-n // config.block_n), p.split_k), (
+        out, x, weight, res, stream,
+        norm_weight if norm_weight is not None else weight, res_norm_weight if res_norm_weight is not None else weight,
+        out_res, workspace if workspace is not None else out, counters if counters is not None else out,
+        rows, n, k, eps, p.k_per_split,
+        x.stride(0), res.stride(0), stream.stride(0), weight.stride(0), out.stride(0), out_res.stride(0)), dict(
+        PROLOGUE=prologue, ADD_RESIDUAL=out_residual is not None, BLOCK_M=p.block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, STATS_BLOCK=min(next_pow2(k), STATS_ELEMENTS // p.block_m),
+        ONE_PASS=next_pow2(k) <= STATS_ELEMENTS // p.block_m, SPLIT_K=p.split_k,
+        EVEN_K=k % config.block_k == 0, PREFETCH=p.block_m == 1 and config.num_stages > 1,
+        **launch_options(config, target)))
+
+
+# ----- the ops --------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=8)
+def _counters(device: torch.device) -> torch.Tensor:
+    """Split-K arrival counters of `device`, zero between launches (the last split resets its own).
+    Launches on one stream run one after another, so one set per device serves them all."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("the gemv split-K counters must be allocated before graph capture: "
+                           "run the step once eagerly first (as the decode graphs do)")
+    return torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+
+
+class Gemv:
+    """The fused projection ops bound to one config table and device size (what `Hal.op` returns).
+    Each computes the kernel for bf16/fp16 inputs of at most MAX_ROWS rows, and otherwise the unfused
+    path (`hal.kernels.ops` small ops + `torch.nn.functional.linear`), bit for bit what the model's
+    torch code computes through the Hal's other ops."""
+
+    def __init__(self, configs: dict[str, KernelConfig] | None = None, num_compute_units: int | None = None):
+        self.configs = configs or configs_for("default")
+        self.num_compute_units = num_compute_units
+
+    def _fits(self, x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor | None) -> bool:
+        rows = x.numel() // x.shape[-1] if x.dim() else 0
+        dtypes = {t.dtype for t in (x, weight, *others) if t is not None}
+        return (0 < rows <= MAX_ROWS and len(dtypes) == 1 and x.dtype in KERNEL_DTYPES
+                and weight.dim() == 2 and weight.stride(-1) == 1)
+
+    def _run(self, x2: torch.Tensor, weight: torch.Tensor, prologue: int, **kw) -> torch.Tensor:
+        check_device(x2)
+        rows, n = x2.shape[0], weight.shape[0]
+        out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
+        config = self.configs[config_key(rows)]
+        units = self.num_compute_units or _compute_units(x2.device)
+        p = plan(rows, n, weight.shape[1], config, units)
+        if p.split_k > 1:
+            kw["workspace"] = torch.empty(p.split_k * rows * n, dtype=torch.float32, device=x2.device)
+            kw["counters"] = _counters(x2.device)
+        run_launch(gemv_launch(x2, weight, out, config, backend_of(x2.device), units, prologue=prologue, **kw))
+        return out
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`linear(x, weight) (+ residual)`."""
+        if not self._fits(x, weight, residual):
+            y = torch.nn.functional.linear(x, weight)
+            return y if residual is None else residual + y
+        out_res = None if residual is None else _rows(residual)
+        return self._run(_rows(x), weight, NONE, out_residual=out_res).view(*x.shape[:-1], -1)
+
+    def rms_norm_linear(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor) -> torch.Tensor:
+        """`linear(rms_norm(x, norm_weight, eps), weight)`."""
+        if not self._fits(x, weight, norm_weight):
+            return torch.nn.functional.linear(self._rms_norm(x, norm_weight, eps), weight)
+        x2 = _rows(x)
+        if x2.shape[0] > NORM_PROLOGUE_MAX_ROWS:
+            return self._run(_rows(self._rms_norm(x2, norm_weight, eps)), weight, NONE).view(*x.shape[:-1], -1)
+        return self._run(x2, weight, RMS_NORM, eps=eps, norm_weight=norm_weight).view(*x.shape[:-1], -1)
+
+    def silu_mul_linear(self, x: torch.Tensor, weight: torch.Tensor,
+                        residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`linear(silu_and_mul(x), weight) (+ residual)`; x `[..., 2K]` = gate | up."""
+        if x.shape[-1] != 2 * weight.shape[-1] or not self._fits(x, weight, residual):
+            y = torch.nn.functional.linear(self._silu_and_mul(x), weight)
+            return y if residual is None else residual + y
+        out_res = None if residual is None else _rows(residual)
+        return self._run(_rows(x), weight, SILU_AND_MUL, out_residual=out_res).view(*x.shape[:-1], -1)
+
+    def norm_residual_linear(self, x: torch.Tensor, residual: torch.Tensor, post_norm_weight: torch.Tensor,
+                             norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                             sum_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(linear(rms_norm(h, norm_weight, eps), weight), h)` with the residual stream
+        `h = residual + rms_norm(x, post_norm_weight, eps)` (sandwich norms, Ouro), or with
+        `sum_first`, `h = rms_norm(x + residual, post_norm_weight, eps)` (Huginn)."""
+        if not self._fits(x, weight, residual, post_norm_weight, norm_weight) or residual.shape != x.shape:
+            if sum_first:
+                h = self._rms_norm(x + residual, post_norm_weight, eps)
+            else:
+                h = self._rms_norm(x, post_norm_weight, eps, residual)
+            return torch.nn.functional.linear(self._rms_norm(h, norm_weight, eps), weight), h
+        x2 = _rows(x)
+        if x2.shape[0] > SANDWICH_PROLOGUE_MAX_ROWS:       # the stream in its own launch, then one norm
+            h = self._rms_norm(x + residual, post_norm_weight, eps) if sum_first else \
+                self._rms_norm(x, post_norm_weight, eps, residual)
+            return self.rms_norm_linear(h, norm_weight, eps, weight), h
+        h = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+        y = self._run(x2, weight, NORM_ADD if sum_first else ADD_NORM, eps=eps, norm_weight=norm_weight,
+                      residual=_rows(residual), res_norm_weight=post_norm_weight, stream_out=h)
+        return y.view(*x.shape[:-1], -1), h.view(x.shape)
+
+    # the unfused path: the same kernels the model's RMSNorm and silu_and_mul take through the Hal
+    def _rms_norm(self, x, weight, eps, residual=None):
+        from hal.kernels.ops import rms_norm
+
+        return rms_norm(x, weight, eps, residual, self.configs)
+
+    def _silu_and_mul(self, x):
+        from hal.kernels.ops import silu_and_mul
+
+        return silu_and_mul(x, self.configs)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """`[..., K]` -> `[M, K]` with unit stride along K."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _compute_units(device: torch.device) -> int:
+    from hal.kernels.backend import device_compute_units
+
+    return device_compute_units(device)
+
+
+def gemv_ops(configs: dict[str, KernelConfig] | None = None,
+             num_compute_units: int | None = None) -> dict[str, object]:
+    """The ops by the names `Hal.op` uses, bound to one config table."""
+    g = Gemv(configs, num_compute_units)
+    return {"linear": g.linear, "rms_norm_linear": g.rms_norm_linear, "silu_mul_linear": g.silu_mul_linear,
+            "norm_residual_linear": g.norm_residual_linear}

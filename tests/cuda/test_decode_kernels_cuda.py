@@ -1,0 +1,111 @@
+"""On an NVIDIA GPU: the decode kernels of issue 19 at the Ouro-1.4B shapes against their torch
+definitions (the CPU suite runs the same code in the Triton interpreter at toy shapes): the
+projections and their prologues, split-K determinism and graph capture, rotary + KV write, and
+prefill without context through torch's flash kernel. Nothing here has run yet."""
+import pytest
+import torch
+
+import hal
+from hal.base import PagedBatch
+from hal.kernels.backend import TritonPagedAttention
+from hal.kernels.kv_write import write_kv
+from hal.kernels.ops import rms_norm, rotary, silu_and_mul
+from hal.kernels.rotary_kv import rotary_kv_write
+
+pytestmark = pytest.mark.cuda
+
+SHAPES = {"qkv": (6144, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632)}
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    return hal.get("cuda")
+
+
+def _randn(*shape, scale=1.0):
+    return (torch.randn(*shape, device="cuda") * scale).bfloat16()
+
+
+def _rel(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
+def test_projections_match_the_fp32_product_and_repeat_bit_for_bit(gpu, shape, rows):
+    n, k = SHAPES[shape]
+    weight, x = _randn(n, k, scale=k ** -0.5), _randn(rows, k)
+    linear = gpu.op("linear")
+    out = linear(x, weight)
+    assert _rel(out, x.float() @ weight.float().T) < 8e-3
+    assert torch.equal(out, linear(x, weight))                       # split-K sums in a fixed order
+    residual = _randn(rows, n)
+    assert _rel(linear(x, weight, residual), residual.float() + (x.float() @ weight.float().T)) < 8e-3
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_prologues_equal_the_unfused_kernels(gpu, rows):
+    """A permutation weight returns the prologue's output exactly: it must be what the unfused
+    kernels compute (up to an ulp where the row statistics' sum order moves a rounding)."""
+    k = 2048
+    eye = torch.eye(k, device="cuda", dtype=torch.bfloat16)[torch.randperm(k, device="cuda")]
+    x, res = _randn(rows, k, scale=3), _randn(rows, k)
+    w1, w2 = _randn(k), _randn(k)
+    pairs = [(gpu.op("rms_norm_linear")(x, w1, 1e-6, eye), rms_norm(x, w1, 1e-6) @ eye.T)]
+    y, h = gpu.op("norm_residual_linear")(x, res, w1, w2, 1e-6, eye)
+    h_ref = rms_norm(x, w1, 1e-6, res)
+    pairs += [(h, h_ref), (y, rms_norm(h_ref, w2, 1e-6) @ eye.T)]
+    gate_up = _randn(rows, 2 * k, scale=2)
+    pairs.append((gpu.op("silu_mul_linear")(gate_up, eye), silu_and_mul(gate_up) @ eye.T))
+    for out, ref in pairs:
+        ulp = ref.float().abs().clamp_min(1e-30) * 2 ** -7
+        assert ((out.float() - ref.float()).abs() <= ulp * 1.01).all()
+        assert (out == ref).float().mean().item() > 0.98
+
+
+def test_split_k_projection_replays_in_a_graph(gpu):
+    n, k = SHAPES["o"]                                                # 128 column blocks: split-K on 132 SMs
+    weight, x = _randn(n, k, scale=k ** -0.5), _randn(1, k)
+    linear = gpu.op("linear")
+    eager = linear(x, weight)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = linear(x, weight)
+    for _ in range(3):
+        graph.replay()
+        assert torch.equal(captured, eager)
+
+
+def test_rotary_kv_write_equals_rotary_then_write_kv(gpu):
+    tokens, heads, kv_heads, dim = 8, 16, 16, 128
+    qkv = _randn(tokens, heads + 2 * kv_heads, dim)
+    q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+    positions = torch.randint(0, 60000, (tokens,), device="cuda")
+    slots = torch.randperm(256, device="cuda")[:tokens]
+    configs = gpu.kernel_configs()
+    fused_cache = torch.zeros(2, 16, 16, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    plain_cache = fused_cache.clone()
+    q_fused = rotary_kv_write(q, k, v, positions, 1e6, False, fused_cache, slots, configs["rotary"])
+    q_plain, k_plain = rotary(q, k, positions, 1e6, False, configs)
+    write_kv(k_plain, v, plain_cache, slots, configs["kv_write"])
+    assert torch.equal(q_fused, q_plain) and torch.equal(fused_cache, plain_cache)
+
+
+@pytest.mark.parametrize("lens", [[8192], [1024] * 8, [700, 33, 2000]])
+def test_fresh_prefill_matches_the_paged_kernel(gpu, lens):
+    backend = gpu.attention(16, 16, 128, torch.bfloat16)
+    assert backend.fresh_attention == "flash"
+    paged = TritonPagedAttention(16, 16, 128, torch.bfloat16, backend.device, 16, configs=backend.configs)
+    page, tables, nxt = 16, [], 0
+    for n in lens:
+        tables.append(list(range(nxt, nxt + -(-n // page))))
+        nxt += -(-n // page)
+    batch = PagedBatch(lens, lens, [tables], page)
+    q, k, v = _randn(sum(lens), 16, 128), _randn(sum(lens), 16, 128), _randn(sum(lens), 16, 128)
+    caches = [torch.zeros(backend.kv_cache_shape(nxt), device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    meta = backend.build_meta(batch)
+    assert meta.fresh_lens == tuple(lens)
+    out = backend.attend(q, k, v, caches[0], meta, 0, 128 ** -0.5)
+    ref = paged.attend(q, k, v, caches[1], paged.build_meta(batch), 0, 128 ** -0.5)
+    assert torch.equal(caches[0], caches[1])
+    assert _rel(out, ref) < 1e-2

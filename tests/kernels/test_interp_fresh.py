@@ -1,0 +1,103 @@
+"""Rotary + KV write in one kernel (hal/kernels/rotary_kv.py) and prefill without context on the
+fresh K/V (hal/kernels/fresh.py, `TritonPagedAttention.attend`), under the Triton interpreter."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hal.base import PagedBatch
+from hal.kernels import fresh
+from hal.kernels.backend import TritonPagedAttention
+from hal.kernels.configs import KernelConfig, configs_for
+from hal.kernels.kv_write import write_kv
+from hal.kernels.ops import rotary
+from hal.kernels.rotary_kv import rotary_kv_write
+
+pytestmark = pytest.mark.usefixtures("interpreted")
+
+CPU = torch.device("cpu")
+ROTARY = KernelConfig(1, 1, 4, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 32), (6, 2, 40)])
+def test_rotary_kv_write_is_rotary_then_write_kv_bit_for_bit(dtype, interleaved, heads, kv_heads, head_dim):
+    tokens, page = 5, 4
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim).to(dtype)        # views of one projection
+    q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+    positions = torch.randint(0, 3000, (tokens,))
+    slots = torch.tensor([9, -1, 0, 14, 3])                                      # -1: no write
+    fused_cache = torch.full((2, 4, page, kv_heads, head_dim), float("nan")).to(dtype)
+    plain_cache = fused_cache.clone()
+    q_fused = rotary_kv_write(q, k, v, positions, 1e4, interleaved, fused_cache, slots, ROTARY)
+    q_plain, k_plain = rotary(q, k, positions, 1e4, interleaved)
+    write_kv(k_plain, v, plain_cache, slots, KernelConfig(1, 1, 4, 1))
+    assert torch.equal(q_fused, q_plain)
+    assert torch.equal(fused_cache.nan_to_num(7.0), plain_cache.nan_to_num(7.0))
+
+
+def _backend(mode, dtype=torch.bfloat16, heads=4, kv_heads=2, head_dim=32, **kw):
+    return TritonPagedAttention(heads, kv_heads, head_dim, dtype, CPU, 4, configs=configs_for("default"),
+                                num_compute_units=4, fresh_attention=mode, **kw)
+
+
+def _batch(query_lens, seq_lens, page=4):
+    tables, nxt = [], 0
+    for s in seq_lens:
+        n = -(-s // page)
+        tables.append(list(range(nxt, nxt + n)))
+        nxt += n
+    return PagedBatch(query_lens, seq_lens, [tables], page), nxt
+
+
+def test_only_batches_of_fresh_prefills_take_the_fresh_path():
+    backend = _backend("sdpa")
+    assert backend.build_meta(_batch([12, 9], [12, 9])[0]).fresh_lens == (12, 9)
+    assert backend.build_meta(_batch([12, 1], [12, 30])[0]).fresh_lens is None          # a decode row
+    assert backend.build_meta(_batch([12], [20])[0]).fresh_lens is None                 # a later chunk
+    assert backend.build_meta(_batch([1, 1], [1, 1])[0]).fresh_lens is None             # decode-like
+    assert _backend(None).build_meta(_batch([12], [12])[0]).fresh_lens is None
+    assert _backend("flash", dtype=torch.float32).fresh_attention is None                # golden runs
+    assert _backend("sdpa", kv_dtype=torch.float8_e4m3fn).fresh_attention is None        # reads FP8 back
+    many = [9] * (fresh.MAX_SDPA_SEQS + 1)
+    assert _backend("sdpa").build_meta(_batch(many, many)[0]).fresh_lens is None
+    assert _backend("flash").build_meta(_batch(many, many)[0]).fresh_lens == tuple(many)
+
+
+@pytest.mark.parametrize("mode", ["sdpa", "flash"])
+def test_fresh_path_writes_the_cache_and_matches_the_paged_kernel(mode, monkeypatch):
+    calls = []
+
+    def flash_on_cpu(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, scale):
+        # the varlen entry point is CUDA-only: check the call, answer with per-sequence SDPA
+        calls.append((cu_q.tolist(), cu_k.tolist(), max_q, max_k, dropout, causal, debug))
+        lens = (cu_q[1:] - cu_q[:-1]).tolist()
+        return (fresh.attention("sdpa", q, k, v, cu_q, lens, scale),)
+
+    monkeypatch.setattr(fresh, "_flash_varlen", flash_on_cpu)
+    lens = [13, 6, 20]
+    batch, num_blocks = _batch(lens, lens)
+    backend, paged = _backend(mode), _backend(None)
+    q = torch.randn(sum(lens), 4, 32).bfloat16()
+    k, v = torch.randn(sum(lens), 2, 32).bfloat16(), torch.randn(sum(lens), 2, 32).bfloat16()
+    caches = [torch.zeros(b.kv_cache_shape(num_blocks), dtype=torch.bfloat16) for b in (backend, paged)]
+    out = backend.attend(q, k, v, caches[0], backend.build_meta(batch), 0, 0.2)
+    ref = paged.attend(q, k, v, caches[1], paged.build_meta(batch), 0, 0.2)
+    assert torch.equal(caches[0], caches[1])
+    assert (out.float() - ref.float()).abs().max().item() < 2e-2
+    if mode == "flash":
+        assert calls == [([0, 13, 19, 39], [0, 13, 19, 39], 20, 20, 0.0, True, False)]
+
+
+def test_write_kv_rotary_declines_quantized_caches():
+    backend = _backend(None, kv_dtype=torch.float8_e4m3fn)
+    meta = backend.build_meta(_batch([3], [3])[0])
+    q, k = torch.randn(3, 4, 32).bfloat16(), torch.randn(3, 2, 32).bfloat16()
+    cache = torch.zeros(backend.kv_cache_shape(1), dtype=backend.kv_cache_dtype)
+    assert backend.write_kv_rotary(q, k, k, cache, meta, 0, torch.arange(3), 1e4, False) is None
+    plain = _backend(None)
+    cache = torch.zeros(plain.kv_cache_shape(1), dtype=torch.bfloat16)
+    meta = plain.build_meta(_batch([3], [3])[0])
+    q_rot = plain.write_kv_rotary(q, k, k, cache, meta, 0, torch.arange(3), 1e4, False)
+    assert torch.equal(q_rot, rotary(q, k, torch.arange(3), 1e4, False)[0])

@@ -1,0 +1,113 @@
+"""The zoo families with every fused decode op of the CUDA/ROCm Hals (hal/kernels, run by the Triton
+interpreter): the wiring in zoo/layers.py and the families, through the dense context and through
+the engine's paged context with graphs."""
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+import zoo
+from zoo.base import ModelOps
+from zoo.fuse import fuse_projections
+from hal.cpu import CpuHal
+from hal.kernels.backend import TritonPagedAttention
+from hal.kernels.configs import configs_for
+from hal.kernels.gemv import gemv_ops
+from hal.kernels.ops import fused_ops
+from helpers import golden_case
+from runtime import SamplingParams
+from runtime.config import EngineConfig
+from runtime.engine.llm_engine import LLMEngine
+
+pytestmark = pytest.mark.usefixtures("interpreted")
+
+SMALL_OPS = ("rms_norm", "rotary", "silu_and_mul")
+PROJECTION_OPS = ("linear", "rms_norm_linear", "silu_mul_linear", "norm_residual_linear")
+CASES = ["ouro-tiny-gqa-bf16", "nanbeige-tiny", "huginn-tiny"]
+
+
+class TritonOpsOnCpu(CpuHal):
+    """The CPU Hal with the CUDA/ROCm Hals' Triton ops `names` (interpreted) and Triton attention;
+    `calls` counts the ops' calls by name."""
+
+    def __init__(self, names=SMALL_OPS + PROJECTION_OPS):
+        super().__init__()
+        self.names, self.calls = tuple(names), collections.Counter()
+        self.table = {**fused_ops(configs_for("default")), **gemv_ops(configs_for("default"), 4)}
+
+    def op(self, name):
+        if name not in self.names:
+            return None
+        fn = self.table[name]
+
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    def attention(self, num_heads, num_kv_heads, head_dim, dtype, block_size=None, backend=None, kv_dtype=None):
+        return TritonPagedAttention(num_heads, num_kv_heads, head_dim, dtype, self.device(), block_size or 16)
+
+
+def _model(name: str, dtype: str):
+    model = zoo.from_pretrained(golden_case(name).path, dtype=dtype)
+    return fuse_projections(model.eval())
+
+
+def _logits(model, ids: torch.Tensor, hal=None) -> torch.Tensor:
+    kwargs = {"init_scale": 0.0} if "init_scale" in model.forward.__code__.co_varnames else {}
+    with torch.inference_mode():
+        return model(ids, ops=ModelOps(hal), **kwargs).logits.float()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_projection_ops_are_the_unfused_path_in_float32(name):
+    """float32 (golden runs): the projection ops take the unfused kernels, bit for bit."""
+    model = _model(name, "float32")
+    ids = torch.tensor([golden_case(name).prompt(0)[:6]])
+    plain = _logits(model, ids, TritonOpsOnCpu(SMALL_OPS))
+    hal = TritonOpsOnCpu()
+    assert torch.equal(_logits(model, ids, hal), plain)
+    assert {"rms_norm_linear", "silu_mul_linear"} <= set(hal.calls), hal.calls
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_fused_bf16_is_as_close_to_float32_as_unfused(name):
+    """bf16 decode-sized batches (6 rows) through the fused kernels: no further from the float32
+    logits than the unfused bf16 path (the kernels round where torch rounds; only sum orders differ)."""
+    ids = torch.tensor([golden_case(name).prompt(0)[:6]])
+    truth = _logits(_model(name, "float32"), ids)
+    model = _model(name, "bfloat16")
+    plain_err = (_logits(model, ids, TritonOpsOnCpu(SMALL_OPS)) - truth).abs().max().item()
+    hal = TritonOpsOnCpu()
+    fused_err = (_logits(model, ids, hal) - truth).abs().max().item()
+    sandwich = {"ouro-tiny-gqa-bf16", "huginn-tiny"}
+    expected = {"rms_norm_linear", "silu_mul_linear"} | ({"norm_residual_linear"} if name in sandwich else {"linear"})
+    assert expected <= set(hal.calls), hal.calls
+    assert fused_err <= 1.5 * plain_err + 2e-2, f"{name}: fused {fused_err:.3g} vs unfused {plain_err:.3g}"
+
+
+def test_engine_with_fused_ops_graphs_equal_eager_bf16(monkeypatch):
+    """Decode through every fused op and the rotary + KV-write kernel: graphs on and off give the
+    same tokens (the same kernels either way)."""
+    case = golden_case("ouro-tiny-gqa-bf16")
+    model = _model(case.name, "bfloat16")
+    fused_writes = collections.Counter()
+    write = TritonPagedAttention.write_kv_rotary
+
+    def counted_write(self, *args):
+        fused_writes["write_kv_rotary"] += 1
+        return write(self, *args)
+
+    monkeypatch.setattr(TritonPagedAttention, "write_kv_rotary", counted_write)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, num_loops=1)   # the interpreter is slow
+    outs, hal = {}, TritonOpsOnCpu()
+    with torch.inference_mode():
+        for graphs in (False, True):
+            engine = LLMEngine(model, hal, EngineConfig(block_size=4, max_num_batched_tokens=16, graphs=graphs))
+            engine.add_request("0", case.prompt(0)[:5], params)
+            outs[graphs] = [o.token_ids for o in engine.run_until_done()]
+    assert outs[True] == outs[False]
+    assert fused_writes["write_kv_rotary"] and hal.calls["norm_residual_linear"], (fused_writes, hal.calls)

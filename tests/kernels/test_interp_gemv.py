@@ -1,0 +1,195 @@
+"""The decode projections of hal/kernels/gemv.py under the Triton interpreter, against the torch
+expressions that define them (`Hal.op`'s docstring) and the zoo layers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hal.kernels import gemv
+from hal.kernels.configs import KernelConfig, all_configs, configs_for
+from kernel_reference import rms_norm_ref, silu_and_mul_ref
+
+pytestmark = pytest.mark.usefixtures("interpreted")
+
+# small tiles so the interpreter runs several column blocks and K steps; every path once:
+# FMA (one row) with and without the register prefetch, tl.dot (rows padded to 16), split-K
+FMA = KernelConfig(1, 16, 4, 1, block_k=32, split_k=1)
+FMA_PREFETCH_SPLIT = KernelConfig(1, 16, 4, 2, block_k=32, split_k=3)
+DOT = KernelConfig(16, 16, 4, 2, block_k=32, split_k=1)
+DOT_SPLIT = KernelConfig(16, 32, 4, 2, block_k=16, split_k=0)
+PATHS = {"fma": FMA, "fma-prefetch-split3": FMA_PREFETCH_SPLIT, "dot": DOT, "dot-autosplit": DOT_SPLIT}
+
+
+def _ops(config: KernelConfig) -> gemv.Gemv:
+    return gemv.Gemv({**configs_for("default"), "gemv_m1": config, "gemv": config}, num_compute_units=16)
+
+
+def _rows_for(config: KernelConfig) -> list[int]:
+    return [1] if config.block_m == 1 else [1, 3, 8]
+
+
+def _assert_bits(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """At most one ulp apart and nearly all bits equal: the row statistics are fp32 sums in another
+    order than torch's, which can move a rounding by one ulp now and then."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape, f"{what}: {out.dtype}{tuple(out.shape)}"
+    ulp = ref.float().abs().clamp_min(1e-30) * 2 ** -7
+    assert ((out.float() - ref.float()).abs() <= ulp * 1.01).all(), f"{what}: more than one ulp off"
+    assert (out == ref).float().mean().item() >= 0.98, f"{what}: too few bits equal"
+
+
+def _assert_product(out: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, what: str,
+                    residual: torch.Tensor | None = None) -> None:
+    """`out` is the fp32 product of the exact input `a` rounded once (plus the residual, rounded as
+    torch rounds `residual + y`): within one ulp of the float64 truth."""
+    ref = a.double() @ weight.double().T
+    if residual is not None:
+        ref = residual.double() + ref.to(out.dtype).double()
+    assert torch.isfinite(out).all(), what
+    err = (out.double() - ref).abs()
+    tol = ref.abs().clamp_min(1e-3) * 2 ** -7 + 1e-4
+    assert (err <= tol).all(), f"{what}: error {err.max().item():.3g}"
+
+
+def _permutation(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """A permutation matrix: the product returns the (permuted) input exactly, so the prologue's
+    output can be compared bit for bit."""
+    return torch.eye(n, dtype=dtype)[torch.randperm(n)]
+
+
+@pytest.mark.parametrize("stats", ["one-pass", "chunked"])
+@pytest.mark.parametrize("path", PATHS, ids=list(PATHS))
+def test_prologues_feed_the_product_what_torch_computes(path, stats, monkeypatch):
+    """Row statistics from one tile in registers, or in chunks over K (rows wider than STATS_ELEMENTS)."""
+    if stats == "chunked":
+        if path not in ("fma", "dot"):
+            pytest.skip("one chunked case per product path")
+        monkeypatch.setattr(gemv, "STATS_ELEMENTS", 32)
+    config = PATHS[path]
+    k = 96
+    eye = _permutation(k, torch.bfloat16)
+    norm_w, post_w = torch.randn(k).bfloat16(), torch.randn(k).bfloat16()
+    ops = _ops(config)
+    for rows in _rows_for(config):
+        x, residual = (torch.randn(rows, k) * 3).bfloat16(), torch.randn(rows, k).bfloat16()
+        gate_up = (torch.randn(rows, 2 * k) * 2).bfloat16()
+        _assert_bits(ops.linear(x, eye), x @ eye.T, f"{path} linear rows={rows}")
+        _assert_bits(ops.rms_norm_linear(x, norm_w, 1e-6, eye), rms_norm_ref(x, norm_w, 1e-6) @ eye.T,
+                     f"{path} rms_norm rows={rows}")
+        _assert_bits(ops.silu_mul_linear(gate_up, eye), silu_and_mul_ref(gate_up) @ eye.T,
+                     f"{path} silu_and_mul rows={rows}")
+        for sum_first in (False, True):
+            y, h = ops.norm_residual_linear(x, residual, post_w, norm_w, 1e-6, eye, sum_first=sum_first)
+            h_ref = rms_norm_ref(x + residual, post_w, 1e-6) if sum_first else rms_norm_ref(x, post_w, 1e-6, residual)
+            _assert_bits(h, h_ref, f"{path} stream sum_first={sum_first} rows={rows}")
+            _assert_bits(y, rms_norm_ref(h_ref, norm_w, 1e-6) @ eye.T, f"{path} sandwich rows={rows}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("path", PATHS, ids=list(PATHS))
+def test_products_round_once(path, dtype):
+    """Random weights, K not a multiple of the tile (masked tail), N not a multiple of the block."""
+    config = PATHS[path]
+    n, k = 72, 200
+    weight = (torch.randn(n, k) / k ** 0.5).to(dtype)
+    ops = _ops(config)
+    for rows in _rows_for(config):
+        x = torch.randn(2, rows, k).to(dtype)[1]                   # a view with an offset
+        out_res = torch.randn(rows, n).to(dtype)
+        _assert_product(ops.linear(x, weight), x, weight, f"{path} linear")
+        _assert_product(ops.linear(x, weight, out_res), x, weight, f"{path} +residual", out_res)
+        norm_w = torch.randn(k).to(dtype)
+        _assert_product(ops.rms_norm_linear(x, norm_w, 1e-5, weight), rms_norm_ref(x, norm_w, 1e-5), weight,
+                        f"{path} rms_norm")
+        gate_up = torch.randn(rows, 2 * k).to(dtype)
+        _assert_product(ops.silu_mul_linear(gate_up, weight, out_res), silu_and_mul_ref(gate_up), weight,
+                        f"{path} silu_and_mul +residual", out_res)
+
+
+def test_prologue_switches_give_the_same_function(monkeypatch):
+    """Above NORM_PROLOGUE_MAX_ROWS / SANDWICH_PROLOGUE_MAX_ROWS the norms run as their own launch
+    first: the same values (up to the statistics' sum order)."""
+    ops = _ops(DOT)
+    k = 64
+    eye = _permutation(k, torch.bfloat16)
+    x, residual = torch.randn(3, k).bfloat16(), torch.randn(3, k).bfloat16()
+    w1, w2 = torch.randn(k).bfloat16(), torch.randn(k).bfloat16()
+    fused = ops.rms_norm_linear(x, w1, 1e-6, eye), *ops.norm_residual_linear(x, residual, w1, w2, 1e-6, eye)
+    monkeypatch.setattr(gemv, "NORM_PROLOGUE_MAX_ROWS", 0)
+    monkeypatch.setattr(gemv, "SANDWICH_PROLOGUE_MAX_ROWS", 0)
+    split = ops.rms_norm_linear(x, w1, 1e-6, eye), *ops.norm_residual_linear(x, residual, w1, w2, 1e-6, eye)
+    for a, b in zip(fused, split):
+        _assert_bits(a, b, "prologue vs own launch")
+
+
+def test_split_k_is_deterministic_and_leaves_counters_zero():
+    ops = _ops(FMA_PREFETCH_SPLIT)
+    weight = torch.randn(48, 160).bfloat16()
+    x = torch.randn(1, 160).bfloat16()
+    first = ops.linear(x, weight)
+    assert torch.equal(first, ops.linear(x, weight))
+    assert gemv.plan(1, 48, 160, FMA_PREFETCH_SPLIT, 16).split_k == 3
+    assert not gemv._counters(torch.device("cpu")).any()
+
+
+def test_rows_do_not_depend_on_their_neighbours():
+    """A padded decode bucket (graphs) and the same rows alone compute the same bits per row."""
+    ops = _ops(DOT)
+    weight = torch.randn(64, 128).bfloat16()
+    x = torch.randn(8, 128).bfloat16()
+    assert torch.equal(ops.linear(x, weight)[:3], ops.linear(x[:3], weight))
+    assert torch.equal(ops.rms_norm_linear(x, weight[0], 1e-6, weight)[2:5],
+                       ops.rms_norm_linear(x[2:5], weight[0], 1e-6, weight))
+
+
+def test_other_shapes_and_dtypes_take_the_unfused_path_bit_for_bit():
+    """More than MAX_ROWS rows, or float32: the small-op kernels and F.linear, exactly the path the
+    model takes without these ops."""
+    from hal.kernels.ops import rms_norm, silu_and_mul
+
+    ops = _ops(FMA)
+    for dtype, rows in ((torch.bfloat16, gemv.MAX_ROWS + 1), (torch.float32, 1)):
+        x, residual = torch.randn(rows, 64).to(dtype), torch.randn(rows, 64).to(dtype)
+        weight, w1, w2 = torch.randn(32, 64).to(dtype), torch.randn(64).to(dtype), torch.randn(64).to(dtype)
+        linear = torch.nn.functional.linear
+        assert torch.equal(ops.linear(x, weight, residual[:, :32]), residual[:, :32] + linear(x, weight))
+        assert torch.equal(ops.rms_norm_linear(x, w1, 1e-6, weight), linear(rms_norm(x, w1, 1e-6), weight))
+        gate_up = torch.randn(rows, 128).to(dtype)
+        assert torch.equal(ops.silu_mul_linear(gate_up, weight), linear(silu_and_mul(gate_up), weight))
+        y, h = ops.norm_residual_linear(x, residual, w1, w2, 1e-6, weight)
+        assert torch.equal(h, rms_norm(x, w1, 1e-6, residual))
+        assert torch.equal(y, linear(rms_norm(h, w2, 1e-6), weight))
+        y, h = ops.norm_residual_linear(x, residual, w1, w2, 1e-6, weight, sum_first=True)
+        assert torch.equal(h, rms_norm(x + residual, w1, 1e-6))
+
+
+def test_every_gemv_config_a_hal_can_choose():
+    """Each distinct gemv config of every arch table, at a toy shape (one row and three)."""
+    configs = {c for table in all_configs().values() for key, c in table.items() if key.startswith("gemv")}
+    weight = (torch.randn(40, 1040) / 32).bfloat16()
+    norm_w = torch.randn(1040).bfloat16()
+    for config in configs:
+        ops = _ops(config)
+        for rows in (1, 3):
+            x = torch.randn(rows, 1040).bfloat16()
+            _assert_product(ops.rms_norm_linear(x, norm_w, 1e-6, weight), rms_norm_ref(x, norm_w, 1e-6), weight,
+                            f"{config} rows={rows}")
+
+
+def test_plan_fills_the_device_and_keeps_splits_whole():
+    sm90 = all_configs()["sm_90"]
+    assert gemv.plan(1, 2048, 2048, sm90["gemv_m1"], 132) == gemv.Plan(1, 2, 1024)     # o_proj: 128 blocks
+    assert gemv.plan(1, 6144, 2048, sm90["gemv_m1"], 132).split_k == 1                # q|k|v: 384 blocks
+    assert gemv.plan(4, 2048, 5632, sm90["gemv"], 132).split_k == 4                   # down: 64 blocks
+    for rows, n, k in ((1, 2048, 5632), (8, 2048, 5632), (1, 49152, 2048)):
+        p = gemv.plan(rows, n, k, sm90[gemv.config_key(rows)], 132)
+        block_k = sm90[gemv.config_key(rows)].block_k
+        assert p.k_per_split % block_k == 0 and (p.split_k - 1) * p.k_per_split < k <= p.split_k * p.k_per_split
+    assert gemv.plan(3, 64, 64, FMA, 8).block_m == gemv.DOT_ROWS                      # FMA is one row only
+
+
+def test_hal_registers_the_ops_by_name():
+    from hal.cuda import attention
+
+    for name in attention.GEMV_OPS:
+        assert callable(attention.fused_op(name, configs_for("sm_90"), 132))
+    assert set(gemv.gemv_ops()) == set(attention.GEMV_OPS)
