@@ -17,7 +17,7 @@ TRAILING_SPACE = re.compile(r"[ \t]+\n")
 
 def tidy(text: str) -> str:
     """Trailing spaces off, at most one blank line in a row, no blank lines at the ends."""
-    return BLANK_RUNS.sub("\n\n", TRAILING_SPACE.sub("\n", text.replace("\r\n", "\n"))).strip("\n")
+    return BLANK_RUNS.sub("\n\n", TRAILING_SPACE.sub("\n", text.replace("\r\n", "\n"))).rstrip().lstrip("\n")
 
 
 # ----- reStructuredText ---------------------------------------------------------------------------
@@ -93,7 +93,7 @@ def rst_to_text(text: str) -> str:
 
 
 # ----- POD ----------------------------------------------------------------------------------------
-POD_CODE = re.compile(r"([A-Z])<(<+)\s(.*?)\s\2>", re.S)            # C<< a->b >>
+POD_CODE = re.compile(r"([A-Z])<<+\s+(.*?)\s+>>+", re.S)              # C<< a->b >>
 POD_SIMPLE = re.compile(r"([A-Z])<([^<>]*)>")
 POD_ESCAPES = {"lt": "<", "gt": ">", "verbar": "|", "sol": "/", "quot": '"', "amp": "&", "apos": "'"}
 
@@ -118,7 +118,7 @@ def pod_code(letter: str, inner: str) -> str:
 
 
 def pod_inline(text: str) -> str:
-    text = POD_CODE.sub(lambda m: pod_code(m.group(1), m.group(3)), text)
+    text = POD_CODE.sub(lambda m: pod_code(m.group(1), m.group(2)), text)
     for _ in range(8):                                               # nested codes, innermost first
         new = POD_SIMPLE.sub(lambda m: pod_code(m.group(1), m.group(2)), text)
         if new == text:
