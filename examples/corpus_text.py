@@ -199,7 +199,7 @@ SKIPPED_MARKS = {"navheader", "navfooter", "nav", "navigation", "hd", "ft", "sid
                  "toc", "toc-backref", "skip", "docnav", "copyright", "legalnotice", "indexterm",
                  "nosearch", "fancy_toc", "menu", "searchmenu", "page-header", "path", "quickview", "toplang",
                  "bottomlang", "top", "column2", "gtoc", "header-container", "api_metadata", "menu-bar",
-                 "search-wrapper", "searchresults-outer"}
+                 "search-wrapper", "searchresults-outer", "nav-panel"}
 
 PRE_MARK = "\x00"
 LIST_MARK_ALONE = re.compile(r"^\* *\n+(?=\S)", re.M)
@@ -225,7 +225,8 @@ class _TextExtractor(HTMLParser):
         for key, value in attrs:
             if key in ("id", "class") and value:
                 marks.update(value.lower().split())
-        skipped = tag in SKIPPED_TAGS or bool(marks & SKIPPED_MARKS)
+        # texi2any's navigation is a div of class "header"; mdBook's headings are links of that class
+        skipped = tag in SKIPPED_TAGS or bool(marks & SKIPPED_MARKS) or tag == "div" and "header" in marks
         self.stack.append((tag, skipped))
         if tag in BLOCK_TAGS and not self.skipping:
             self.parts.append("\n\n" if tag not in ("li", "dd", "tr") else "\n")

@@ -15,7 +15,8 @@ Every source is a Debian main package, fetched with `apt-get download` and unpac
   (AsciiDoc), the Debian Administrator's Handbook (English), the Debian Reference, the Debian
   Policy, the GNU coding and maintainer standards, SQLite's documentation, the GIMP User Manual,
   Vim's help files, the Advanced Bash-Scripting Guide, the Zsh manual, the Apache HTTP Server
-  manual (English), the SQLAlchemy, Sphinx, CMake and Node.js manuals, and Rust's books.
+  manual (English), the SQLAlchemy, Sphinx, CMake and Node.js manuals, Rust's books, the GNU Octave,
+  Maxima and pandas manuals, and Erlang/OTP's guides and references.
 
 Documents are de-duplicated across all sources (same text up to whitespace), then split: a document
 goes to `valid.txt` when its SHA-256 says so, about 5%, else to `train.txt` (documents separated by a
@@ -209,6 +210,26 @@ def rust_documents(root: Path) -> list[str]:
                           html_to_text, lambda rel: rel.endswith(("print.html", "toc.html")))
 
 
+def math_documents(root: Path) -> list[str]:
+    """The GNU Octave and Maxima manuals (texi2any HTML, one page per node) and the pandas user
+    guide and reference (its Sphinx sources)."""
+    return (page_documents(root / "usr/share/doc/octave/octave.html", ("*.html",), html_to_text,
+                           lambda rel: "Index" in rel or rel == "index.html")
+            + page_documents(root / "usr/share/doc/maxima-doc/html", ("*.html",), html_to_text,
+                             lambda rel: "Index" in rel or rel in ("index.html", "maxima_toc.html"))
+            + page_documents(root / "usr/share/doc/python-pandas-doc/html/_sources", ("**/*.rst.txt",),
+                             rst_to_text))
+
+
+def erlang_documents(root: Path) -> list[str]:
+    """Erlang/OTP's guides (system documentation) and each application's user guide and reference."""
+    folder = root / "usr/share/doc/erlang-doc"
+    return (page_documents(folder / "doc", ("**/*.html",), html_to_text,
+                           lambda rel: rel.endswith(("index.html", "man_index.html", "applications.html")))
+            + page_documents(folder / "lib", ("*/doc/html/*.html",), html_to_text,
+                             lambda rel: rel.endswith(("index.html", "_toc.html", "release_notes.html"))))
+
+
 class Source(NamedTuple):
     name: str
     packages: tuple[str, ...]        # unpacked into one root, so that bible-kjv finds its text
@@ -245,6 +266,9 @@ SOURCES = (
            "Expat (SQLAlchemy, Node.js), BSD-2-Clause (Sphinx), BSD-3-Clause (CMake; the notice is in "
            "cmake-data's copyright file)"),
     Source("rust", ("rust-doc",), rust_documents, "MIT or Apache-2.0 (Rust's documentation)"),
+    Source("math", ("octave-doc", "maxima-doc", "python-pandas-doc"), math_documents,
+           "GPL-3+ (Octave manual), GPL-2 (Maxima manual), BSD-3-Clause (pandas)"),
+    Source("erlang", ("erlang-doc",), erlang_documents, "Apache-2.0 (Erlang/OTP documentation)"),
 )
 
 
