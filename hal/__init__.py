@@ -1,10 +1,10 @@
-"""loopstack's hardware abstraction layer: `hal.get("cuda")`, `hal.detect()`, `hal.for_device(t.device)`."""
+"""loopstack's hardware abstraction layer: `hal.get("cuda")`, `hal.detect()`, `hal.names()`."""
 from hal.base import (AttentionBackend, AttnCaps, Caps, Comm, Graph, Hal, HostBuffer, MemInfo, MetaCapacity,
                       PagedBatch, dense_attention)
-from hal.registry import ENTRY_POINT_GROUP, UnknownHalError, detect, for_device, get, get_class, names, platform_of
+from hal.registry import ENTRY_POINT_GROUP, UnknownHalError, detect, get, get_class, names, platform_of
 
 __all__ = [
     "AttentionBackend", "AttnCaps", "Caps", "Comm", "Graph", "Hal", "HostBuffer", "MemInfo", "MetaCapacity", "PagedBatch",
-    "dense_attention", "ENTRY_POINT_GROUP", "UnknownHalError", "detect", "for_device", "get", "get_class",
+    "dense_attention", "ENTRY_POINT_GROUP", "UnknownHalError", "detect", "get", "get_class",
     "names", "platform_of",
 ]

@@ -29,7 +29,7 @@ class Caps:
     kv_block_sizes: tuple[int, ...] = (16,)    # paged-KV block sizes the backends take; first = default
     head_dims: tuple[int, ...] | None = None   # head dims the fast attention path takes; None = any
     fp8_dtype: torch.dtype | None = None       # e4m3fn (H100/H200, gfx950), e4m3fnuz (gfx942)
-    kv_quant_dtypes: tuple[torch.dtype, ...] = ()   # 8-bit KV formats attention reads (hal/kv_quant.py)
+    kv_quant_dtypes: tuple[torch.dtype, ...] = ()   # 8-bit KV formats attention reads (hal/common/kv_quant.py)
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -136,7 +136,7 @@ class AttentionBackend(ABC):
     `PagedBatch` into whatever the kernels need once per step; `forward` and `write_kv` then take a
     plane index so that all loops and layers share that one metadata object.
 
-    `kv_dtype` (an 8-bit format of `hal.kv_quant.QUANT_MAX`, or None for `dtype`) quantizes the cache:
+    `kv_dtype` (an 8-bit format of `hal.common.kv_quant.QUANT_MAX`, or None for `dtype`) quantizes the cache:
     `write_kv` stores each token's K and V with one scale per KV head, `forward` dequantizes on load,
     `read_kv` returns dequantized values; caches are then raw bytes (`kv_cache_dtype` uint8) in
     `kv_layout` unless the backend documents its own.
@@ -146,7 +146,7 @@ class AttentionBackend(ABC):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, block_size: int, *, kv_dtype: torch.dtype | None = None) -> None:
-        from hal.kv_quant import RowLayout, is_quantized
+        from hal.common.kv_quant import RowLayout, is_quantized
 
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
@@ -270,6 +270,12 @@ class Hal(ABC):
     @abstractmethod
     def caps(self) -> Caps: ...
 
+    @classmethod
+    def substitute(cls) -> str | None:
+        """Another registered Hal to build instead of this one (`hal.get` follows it), e.g. the
+        Ascend simulation when `LOOPSTACK_ASCEND_SIM=1`; None: this one."""
+        return None
+
     # ----- device and streams ---------------------------------------------------------------
     def device(self, index: int | None = None) -> torch.device:
         """The torch device this Hal computes on (index defaults to the configured one)."""
@@ -342,7 +348,7 @@ class Hal(ABC):
     # ----- collectives ----------------------------------------------------------------------
     def comm(self, group: Any = None) -> Comm:
         """Collectives over `group` (default: the world group) on `dist_backend`."""
-        from hal.comm import TorchDistComm
+        from hal.common.comm import TorchDistComm
 
         return TorchDistComm(group)
 

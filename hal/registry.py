@@ -1,11 +1,11 @@
 """Hal names -> classes: the built-ins plus any vendor package registered under the entry-point
-group `loopstack.hal`; `detect()` picks the first available; this is the one place that decides
-which platform a torch device belongs to."""
+group `loopstack.hal`; `detect()` picks the first available; `platform_of` is the one place that
+decides which platform a torch device belongs to. Models never look a Hal up here: whoever runs
+them hands theirs over (`zoo.base.ModelOps`)."""
 from __future__ import annotations
 
 import importlib
 import logging
-from functools import lru_cache
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -21,6 +21,7 @@ BUILTIN = {
     "cuda": "hal.cuda:CudaHal",
     "rocm": "hal.rocm:RocmHal",
     "ascend": "hal.ascend:AscendHal",
+    "ascend-sim": "hal.ascend.sim:SimAscendHal",
 }
 DETECT_ORDER = ("ascend", "rocm", "cuda")   # accelerators first; out-of-tree vendors next; cpu last
 
@@ -68,13 +69,16 @@ def detect() -> str:
 
 def get(name: str = "auto", **options: Any) -> Hal:
     """A Hal instance by name ("auto" detects). Options go to the Hal's constructor
-    (`device_index`, `attention_backend`, vendor-specific ones such as `simulate`)."""
+    (`device_index`, `attention_backend`, vendor-specific ones such as `sim_any_shape`)."""
     if name == "auto":
         name = detect()
         log.info("hal=auto chose %s", name)
     cls = get_class(name)
-    # `simulate=True` asks a Hal that can simulate its hardware on the CPU (ascend) for that
-    if not cls.is_available() and not options.get("simulate"):
+    substitute = cls.substitute()
+    if substitute is not None:
+        log.info("hal=%s stands for hal=%s here", name, substitute)
+        name, cls = substitute, get_class(substitute)
+    if not cls.is_available():
         raise RuntimeError(f"hal {name!r} is not available on this machine; "
                            f"available here: {', '.join(n for n in names() if _available(n))}")
     return cls(**options)
@@ -95,26 +99,3 @@ def platform_of(device: torch.device | str) -> str:
     if device_type == "npu":
         return "ascend"
     return device_type
-
-
-@lru_cache(maxsize=None)
-def _for_platform(name: str) -> Hal:
-    try:
-        return get(name)
-    except (NotImplementedError, RuntimeError, UnknownHalError):
-        return get("cpu") if name == "cpu" else _Fallback()
-
-
-def for_device(device: torch.device | str) -> Hal:
-    """The Hal that owns tensors on `device` (used by models for dense attention)."""
-    return _for_platform(platform_of(device))
-
-
-class _Fallback:
-    """Device-generic dense attention while a vendor Hal is not installed (plain torch SDPA)."""
-
-    def dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-              causal: bool = True) -> torch.Tensor:
-        from hal.base import dense_attention
-
-        return dense_attention(q, k, v, scale=scale, causal=causal)

@@ -1,6 +1,6 @@
 """loopstack's inference runtime: `from runtime import LLM, SamplingParams`."""
 from runtime.config import SamplingParams
 from runtime.llm import LLM
-from runtime.outputs import RequestOutput
+from runtime.engine.outputs import RequestOutput
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]

@@ -1,12 +1,13 @@
 """`python -m runtime.bench hal=cuda model=ouro-1.4b weights=random workload=[b1,b64]`: throughput of
 the engine per workload cell, next to the roofline floor, one JSON line per cell.
 
-`kv_dtype=fp8` and `weights_dtype=fp8` run the cells over an FP8 KV cache and FP8 linears (docs/fp8.md);
-the floors then count the bytes those actually move.
+Engine options are the `engine:` node shared with runtime.generate and runtime.serve (README
+"Options"). `engine.kv_dtype=fp8` and `engine.weights_dtype=fp8` run the cells over an FP8 KV cache
+and FP8 linears (docs/fp8.md); the floors then count the bytes those actually move.
 
-With `speculative.num_tokens=K` (and `speculative.draft_loops`, `speculative.mode`) the cell decodes
+With `engine.speculative.num_tokens=K` (and `.draft_loops`, `.mode`) the cell decodes
 speculatively and also reports the acceptance, and the cost of one draft pass, one verify pass and
-one plain decode step at the cell's batch with the break-even acceptance rate (runtime/spec_costs.py).
+one plain decode step at the cell's batch with the break-even acceptance rate (runtime/speculation/costs.py).
 
 Random weights are built from the model's released config.json (zoo/configs/) directly on the
 device, without a checkpoint file: a fixed-depth forward runs at the same speed on any weights.
@@ -28,9 +29,8 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from runtime.config import EngineConfig, SamplingParams
-from runtime.cli import CONF_DIR, clear_errors, register_schemas
-from runtime.generate import engine_options
+from runtime.config import SamplingParams
+from runtime.cli import CONF_DIR, check_spellings, clear_errors, engine_config, make_hal, register_schemas
 
 log = logging.getLogger("runtime.bench")
 CONFIGS = Path(__file__).resolve().parent.parent / "zoo" / "configs"
@@ -40,7 +40,7 @@ HF_REFERENCE_MS_PER_STEP = {("ouro-1.4b", 1): 130.0, ("ouro-1.4b", 64): 127.0}
 
 
 def build_model(cfg: Any, device: torch.device, parallel: Any = None):
-    """The model (this rank's shard under tensor parallelism: `parallel` from `runtime.parallel`)."""
+    """The model (this rank's shard under tensor parallelism: `parallel` from `runtime.parallel.state`)."""
     import zoo
 
     shard_args = parallel.shard_args() if parallel is not None else {}
@@ -49,9 +49,9 @@ def build_model(cfg: Any, device: torch.device, parallel: Any = None):
         config = Path(source) / "config.json" if Path(str(source)).is_dir() else CONFIGS / f"{source}.json"
         if not config.is_file():
             raise ValueError(f"no config for {source!r}: give model=<name with zoo/configs/NAME.json> or model.path=DIR")
-        return zoo.from_config(config, dtype=cfg.dtype, device=device, seed=0, **shard_args)
+        return zoo.from_config(config, dtype=cfg.model.dtype, device=device, seed=0, **shard_args)
     if cfg.weights == "checkpoint":
-        return zoo.from_pretrained(cfg.model.path or cfg.model.name, dtype=cfg.dtype, device=device,
+        return zoo.from_pretrained(cfg.model.path or cfg.model.name, dtype=cfg.model.dtype, device=device,
                                    **shard_args)
     raise ValueError(f"weights must be 'random' or 'checkpoint', got {cfg.weights!r}")
 
@@ -131,8 +131,8 @@ def late_summary(cell: dict[str, int], late: dict[str, Any]) -> dict[str, Any]:
 
 def step_costs(engine: Any, cell: dict[str, int], num_loops: int | None, repeats: int = 10) -> dict[str, Any]:
     """Speculation: one draft pass, one verify pass and one plain decode step at the cell's batch and
-    prompt length (runtime/spec_costs.py), on prefilled requests that are then dropped."""
-    from runtime.spec_costs import measure_step_costs
+    prompt length (runtime/speculation/costs.py), on prefilled requests that are then dropped."""
+    from runtime.speculation.costs import measure_step_costs
 
     gen = torch.Generator().manual_seed(2)
     params = SamplingParams(max_tokens=cell["new"] + 1, temperature=0.0, ignore_eos=True, num_loops=num_loops)
@@ -150,12 +150,11 @@ def step_costs(engine: Any, cell: dict[str, int], num_loops: int | None, repeats
 
 def run(cfg: Any) -> list[dict[str, Any]]:
     """Every workload cell (rank 0 of a tensor-parallel run measures; the other ranks follow)."""
-    import hal as hal_registry
-    from runtime.parallel import init_from_cli
-    from runtime.step_plan import Follower
+    from runtime.parallel.state import init_from_cli
+    from runtime.parallel.step_plan import Follower
 
-    hal = hal_registry.get(cfg.hal.name, device_index=cfg.hal.device_index,
-                           attention_backend=cfg.hal.attention_backend)
+    engine_config(cfg)                       # bad engine options fail before a model is built
+    hal = make_hal(cfg.hal)
     parallel = init_from_cli(hal, cfg)
     try:
         model = build_model(cfg, hal.device(), parallel)
@@ -169,13 +168,12 @@ def run(cfg: Any) -> list[dict[str, Any]]:
 
 
 def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, Any]]:
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
     from runtime.roofline import H200_BANDWIDTH, decode_floor, measure_matmul_rate, model_costs, prefill_floor
 
-    device = hal.device()
     name = Path(str(cfg.model.path)).name if cfg.model.path else cfg.model.name
     num_loops = cfg.model.num_loops or model.default_num_loops
-    rate = measure_matmul_rate(device, model.lm_head.weight.dtype, size=cfg.matmul_size)
+    rate = measure_matmul_rate(hal, model.lm_head.weight.dtype, size=cfg.matmul_size)
     log.info("matmul rate %.0f TFLOP/s", rate / 1e12)
     results = []
     workloads = cfg.workload if isinstance(cfg.workload, (list, tuple)) or OmegaConf.is_list(cfg.workload) \
@@ -184,27 +182,22 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
         if workload not in cfg.workloads:
             raise ValueError(f"unknown workload {workload!r}; known: {', '.join(cfg.workloads)}")
         cell = dict(cfg.workloads[workload])
-        options = engine_options(cfg)
-        spec = options["speculative"]
-        engine = LLMEngine(model, hal, EngineConfig(
-            kv_mode=cfg.kv_mode, kv_dtype=options["kv_dtype"], weights_dtype=options["weights_dtype"],
-            max_num_seqs=max(cell["batch"] + (1 if cell.get("late_prompt") else 0), 1),
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=max(cell["prompt"] + cell["new"], cell.get("late_prompt", 0) + 1) + 16 + 2 * spec.num_tokens,
-            gpu_memory_utilization=cfg.gpu_memory_utilization, num_kv_blocks=cfg.num_kv_blocks,
-            graphs=cfg.graphs, speculative=spec, async_scheduling=cfg.async_scheduling,
-            wavefront_prefill=cfg.wavefront_prefill), publisher=parallel.publisher())
+        spec = engine_config(cfg).speculative
+        config = engine_config(
+            cfg, max_num_seqs=max(cell["batch"] + (1 if cell.get("late_prompt") else 0), 1),
+            max_model_len=max(cell["prompt"] + cell["new"], cell.get("late_prompt", 0) + 1) + 16 + 2 * spec.num_tokens)
+        engine = LLMEngine(model, hal, config, publisher=parallel.publisher())
         if cfg.warmup:
             # same prompt length: kernels compile (and graphs capture) outside the timed cell
             run_cell(engine, {"batch": min(cell["batch"], 2), "prompt": cell["prompt"], "new": 4}, num_loops, seed=1)
         row = {"workload": workload, "model": name, "hal": hal.name, "tp": parallel.world_size,
-               "kv_mode": cfg.kv_mode, "kv_dtype": cfg.kv_dtype, "weights_dtype": cfg.weights_dtype,
+               "kv_mode": config.kv_mode, "kv_dtype": config.kv_dtype, "weights_dtype": config.weights_dtype,
                # which FP8 GEMM the CUDA Hal was told to use (hal/cuda/fp8.py), for comparing the paths
                **({"fp8_gemm": os.environ.get("LOOPSTACK_FP8_GEMM", "auto")}
-                  if cfg.weights_dtype == "fp8" else {}),
-               "max_num_batched_tokens": cfg.max_num_batched_tokens, "async_scheduling": cfg.async_scheduling,
-               "wavefront_prefill": cfg.wavefront_prefill,
-               "loops": num_loops, "dtype": cfg.dtype, "weights": cfg.weights,
+                  if config.weights_dtype == "fp8" else {}),
+               "max_num_batched_tokens": config.max_num_batched_tokens,
+               "async_scheduling": config.async_scheduling, "wavefront_prefill": config.wavefront_prefill,
+               "loops": num_loops, "dtype": cfg.model.dtype, "weights": cfg.weights,
                "graphs": engine.runner.graphs is not None and engine.runner.graphs.capture,
                "spec": f"K={spec.num_tokens},d={spec.draft_loops},{spec.mode}" if spec.is_enabled else "off",
                **run_cell(engine, cell, num_loops)}
@@ -212,7 +205,7 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
             row.update(step_costs(engine, cell, num_loops))
         runner = engine.runner           # the cache's own bytes per token and layer (8-bit KV: with its scales)
         kv_bytes = runner.bytes_per_block // (runner.block_size * model.kv_spec.layers_per_plane)
-        costs = model_costs(model, num_loops, cfg.kv_mode, kv_bytes)
+        costs = model_costs(model, num_loops, config.kv_mode, kv_bytes)
         context = cell["prompt"] + cell["new"] // 2
         floor = decode_floor(costs, num_loops, cell["batch"], context, H200_BANDWIDTH, rate)
         pre = prefill_floor(costs, num_loops, cell["prompt"], cell["batch"], H200_BANDWIDTH, rate)
@@ -222,7 +215,7 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
                     "prefill_vs_floor": round(pre.seconds / row["prefill_s"], 3),
                     "matmul_tflops": round(rate / 1e12, 1)})
         hf = HF_REFERENCE_MS_PER_STEP.get((name, cell["batch"]))
-        if hf and cfg.kv_mode == "full":
+        if hf and engine.runner.layout.is_exact:
             row["speedup_vs_hf"] = round(hf / row["decode_ms_step"], 1)
         results.append(row)
         print(json.dumps(row), flush=True)
@@ -248,6 +241,7 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    check_spellings(sys.argv[1:])
     _main()
 
 

@@ -1,5 +1,7 @@
-"""What the Hydra entry points (`runtime.generate`, `runtime.serve`) share: where conf/ is, the
-schemas they register, the usage error, the known model names, and the Hal from a `hal:` node.
+"""What the Hydra entry points (`runtime.generate`, `runtime.serve`, `runtime.bench`) share: where
+conf/ is, the schemas they register, the usage error, the known model names and the default one,
+the old option spellings and their new names, and the Hal, the EngineConfig and the sampling
+defaults built from the config nodes (one function each, used by all three).
 
 Only the entry points import this module; the rest of the runtime takes plain config objects.
 """
@@ -16,6 +18,10 @@ from hydra.core.config_store import ConfigStore
 
 from runtime.config import (BenchConfig, EngineConfig, GenerateConfig, HalConfig, ModelConfig, ParallelConfig,
                             ServeConfig)
+
+# no model given: the packaged tiny model (when the install has it), as `runtime.generate` and
+# `runtime.serve` both do
+DEFAULT_MODEL = "ouro-tiny"
 
 HERE = Path(__file__).resolve().parent
 # conf/ sits beside the packages in a checkout and inside runtime/ in an installed wheel
@@ -36,7 +42,7 @@ def clear_errors(log_level: str):
     except UsageError as exc:
         print(exc, file=sys.stderr)
         sys.exit(2)
-    except (ValueError, RuntimeError, OSError) as exc:
+    except (ValueError, RuntimeError, OSError, MemoryError, OverflowError) as exc:
         if str(log_level).upper() == "DEBUG":
             raise
         print(f"error: {exc}", file=sys.stderr)
@@ -81,8 +87,73 @@ def known_models() -> list[str]:
 
 
 def make_hal(hal_cfg: Any) -> Any:
-    """The Hal a `hal:` node names (hal=cpu, hal.device_index=1, ...)."""
+    """The Hal a `hal:` node names (hal=cpu, hal.device_index=1, ...): the one place the CLIs build it."""
     import hal
 
     return hal.get(hal_cfg.name, device_index=hal_cfg.device_index,
                    attention_backend=hal_cfg.attention_backend)
+
+
+def engine_config(cfg: Any, **overrides: Any) -> EngineConfig:
+    """The `EngineConfig` of the `engine:` node (plus `overrides`); a bad value is a UsageError
+    naming the setting (`engine.max_num_seqs must be ...`)."""
+    from omegaconf import OmegaConf
+
+    node = cfg.engine
+    fields = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node or {})
+    try:
+        return EngineConfig(**{**fields, **overrides})
+    except ValueError as exc:
+        raise UsageError(f"error: engine.{exc}") from None
+
+
+def default_model() -> str | None:
+    """The model of a CLI given none: the packaged ouro-tiny where this install has it."""
+    from zoo.loading import packaged_checkpoint
+
+    return DEFAULT_MODEL if packaged_checkpoint(DEFAULT_MODEL) else None
+
+
+def model_source(cfg: Any) -> str | None:
+    """What the `model:` node points at (a folder or a name), else the default model, else None."""
+    return cfg.model.path or cfg.model.name or default_model()
+
+
+def check_model_node(model: Any, engine: EngineConfig) -> None:
+    """The `model:` node's depth settings against the engine's limits, before anything loads."""
+    loops = model.get("num_loops")
+    if loops is not None and not (isinstance(loops, int) and 1 <= loops <= engine.max_num_loops):
+        raise UsageError(f"error: model.num_loops={loops} is outside 1..{engine.max_num_loops}; pick a depth in that "
+                         f"range (the limit is engine.max_num_loops)")
+    threshold = model.get("exit_threshold")
+    if threshold is not None and not 0 < threshold <= 1:
+        raise UsageError(f"error: model.exit_threshold={threshold} must be in (0, 1] (1 = every loop)")
+
+
+def check_port(port: Any) -> None:
+    if not (isinstance(port, int) and 0 <= port <= 65535):
+        raise UsageError(f"error: port={port} is not a TCP port; use 1..65535 (or 0 for any free port)")
+
+
+# ----- one spelling per option: the names the three CLIs used before they shared one engine node
+def old_spellings() -> dict[str, str]:
+    """Old option -> its name now: every EngineConfig field at the top level is `engine.<field>`."""
+    renames = {f.name: f"engine.{f.name}" for f in dataclasses.fields(EngineConfig)}
+    renames.update({"dtype": "model.dtype", "weights_dtype": "engine.weights_dtype",
+                    "server.max_num_loops": "engine.max_num_loops"})
+    return renames
+
+
+def check_spellings(argv: list[str]) -> None:
+    """Exit with one line naming the new spelling when an override uses an old one (`kv_mode=shared`
+    is `engine.kv_mode=shared` now)."""
+    renames = old_spellings()
+    for arg in argv:
+        key = arg.split("=", 1)[0].lstrip("+~")
+        head = key.split(".", 1)[0]
+        new = renames.get(key) or (f"engine.{key}" if head == "speculative" else None)
+        if new is not None and "=" in arg:
+            value = arg.split("=", 1)[1]
+            print(f"error: {key}= is spelled {new}= now ({new}={value}); the three CLIs share one engine "
+                  f"schema, see the README's Options", file=sys.stderr)
+            sys.exit(2)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 
 @dataclass(frozen=True)
@@ -11,7 +11,23 @@ class SamplingParams:
     """Per-request generation settings (vLLM's names; the looped-model fields last).
 
     `temperature=0` is greedy. `top_k <= 0` and `top_p=1` disable those filters. `seed` makes
-    sampling (and Huginn's random initial state) reproducible per request, greedy included.
+    sampling (and Huginn's random initial state) reproducible per request, greedy included; a
+    seeded request's tokens do not depend on what else is in the batch.
+
+    The logits of a step pass, in this order: `logit_bias` (token id -> added to its logit),
+    `min_tokens` (stop tokens masked until that many tokens were generated), `repetition_penalty`
+    (> 1 discourages every token of the prompt and the output: a positive logit is divided by it,
+    a negative one multiplied), `frequency_penalty` (subtracted once per earlier occurrence in the
+    output) and `presence_penalty` (subtracted once if it occurred), then temperature, top-k, top-p.
+    Greedy requests take the argmax after the penalties.
+
+    `n` samples are returned per prompt (they share the prompt's KV); with `best_of > n`, `best_of`
+    are generated and the `n` of highest mean log-probability per token are returned. `logprobs=k`
+    reports the sampled token's log-probability and the k most likely tokens at each generated
+    position; `prompt_logprobs=k` the same for every prompt token after the first. Log-probabilities
+    are those of the model's own distribution (log_softmax of the logits the token was sampled from,
+    before penalties and temperature).
+
     `num_loops` and `exit_threshold` default to the model's own values when None. `init_scale`
     scales Huginn's random initial state (None: the reference's 1.0; 0.0: a zero state).
     `priority` orders requests under `scheduling_policy="priority"`: lower is more urgent (vLLM's
@@ -25,6 +41,15 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()    # a {token id: bias} dict is accepted too
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     num_loops: int | None = None
     exit_threshold: float | None = None
     min_loops: int = 1
@@ -33,15 +58,44 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         problems = []
-        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
-            problems.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+
+        def integer(name: str, low: int, allow_none: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
+                problems.append(f"{name} must be an integer >= {low}, got {value!r}")
+
+        integer("max_tokens", 1)
+        integer("n", 1)
+        integer("best_of", 1, allow_none=True)
+        integer("min_tokens", 0)
+        integer("logprobs", 0, allow_none=True)
+        integer("prompt_logprobs", 0, allow_none=True)
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             problems.append(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.num_loops is not None and self.num_loops < 1:
-            problems.append(f"num_loops must be >= 1, got {self.num_loops!r}")
+        if not isinstance(self.top_k, int):
+            problems.append(f"top_k must be an integer (0 or -1: off), got {self.top_k!r}")
+        if self.best_of is not None and isinstance(self.n, int) and isinstance(self.best_of, int) \
+                and self.best_of < self.n:
+            problems.append(f"best_of ({self.best_of}) must be >= n ({self.n})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (math.isfinite(getattr(self, name)) and -2 <= getattr(self, name) <= 2):
+                problems.append(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            problems.append(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
+        bad_bias = [(t, b) for t, b in self.logit_bias if t < 0 or not -100 <= b <= 100]
+        if bad_bias:
+            problems.append(f"logit_bias takes token ids >= 0 with biases in [-100, 100], got {bad_bias[:3]}")
+        if isinstance(self.max_tokens, int) and isinstance(self.min_tokens, int) and self.min_tokens > self.max_tokens:
+            problems.append(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.num_loops is not None and not (isinstance(self.num_loops, int) and self.num_loops >= 1):
+            problems.append(f"num_loops must be an integer >= 1, got {self.num_loops!r}")
         if self.exit_threshold is not None and not 0 < self.exit_threshold <= 1:
             problems.append(f"exit_threshold must be in (0, 1], got {self.exit_threshold!r}")
         if self.init_scale is not None and not (self.init_scale >= 0 and math.isfinite(self.init_scale)):
@@ -57,13 +111,59 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def num_samples(self) -> int:
+        """Sequences generated for the prompt (`best_of`, else `n`)."""
+        return self.best_of or self.n
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1)
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether anything but temperature / top-k / top-p acts on the logits."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """The sampling settings a request gets for what it leaves out: the model's generation_config
+    (`conf/model/*.yaml`), else greedy with no filters. The CLI and the server both use these, so the
+    same prompt gives the same text through either."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    @classmethod
+    def from_model(cls, model_node: Any) -> "SamplingDefaults":
+        """From a `model:` config node (its temperature / top_p / top_k; None = not set)."""
+        get = (lambda k: model_node.get(k)) if hasattr(model_node, "get") else (lambda k: getattr(model_node, k, None))
+        base = cls()
+        return cls(*(base_value if get(k) is None else get(k)
+                     for k, base_value in (("temperature", base.temperature), ("top_p", base.top_p),
+                                           ("top_k", base.top_k))))
+
+    def resolve(self, temperature: float | None = None, top_p: float | None = None,
+                top_k: int | None = None) -> dict[str, Any]:
+        """Keywords for `SamplingParams`: each given value wins over the default."""
+        return {"temperature": self.temperature if temperature is None else temperature,
+                "top_p": self.top_p if top_p is None else top_p,
+                "top_k": self.top_k if top_k is None else top_k}
+
+    def describe(self) -> str:
+        if self.temperature == 0:
+            return "greedy (temperature 0)"
+        return f"temperature {self.temperature}, top_p {self.top_p}, top_k {self.top_k or 'off'}"
+
 
 SPECULATIVE_MODES = ("sync", "async")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Self-speculative decoding (runtime/speculation.py): the model with `draft_loops` loops drafts
+    """Self-speculative decoding (runtime/speculation/speculator.py): the model with `draft_loops` loops drafts
     `num_tokens` tokens, the full depth verifies them in one pass. `num_tokens=0` turns it off.
     `mode=async` drafts the next round on a second stream while the current one is verified."""
 
@@ -88,7 +188,7 @@ class SpeculativeConfig:
 class EngineConfig:
     """How the engine runs a model: KV layout and memory, batching limits."""
 
-    kv_mode: str = "full"                    # full | last_exited | shared (see runtime/kv_cache.py)
+    kv_mode: str = "full"                    # full | last_exited | shared (see runtime/engine/kv_cache.py)
     block_size: Optional[int] = None         # None: the Hal's preferred paged-KV block size
     num_kv_blocks: Optional[int] = None      # explicit pool size; else sized from memory
     kv_cache_memory_bytes: Optional[int] = None   # explicit KV budget; else from gpu_memory_utilization
@@ -110,34 +210,52 @@ class EngineConfig:
     async_scheduling: bool = False           # plan step t+1 while the device runs step t
     wavefront_prefill: bool = False          # long prompts' chunks advance through the loops as a wavefront
 
+    max_num_loops: int = 64                  # the deepest num_loops a request (or model.num_loops) may ask for
+
     def __post_init__(self) -> None:
-        from runtime.kv_cache import KV_MODES
+        """Every bad value is refused with a message that starts with the setting's name (the CLIs
+        prefix it with `engine.`) and says what is allowed."""
+        from runtime.engine.planes import KV_MODES
+        from runtime.execution.quantization import KV_DTYPES, WEIGHTS_DTYPES
 
         if not isinstance(self.speculative, SpeculativeConfig):
             object.__setattr__(self, "speculative", SpeculativeConfig(**dict(self.speculative or {})))
+
+        def integer(name: str, low: int, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if optional and value is None:
+                return
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
+                raise ValueError(f"{name} must be an integer >= {low}{' (or null: automatic)' if optional else ''}"
+                                 f", got {value!r}")
+
+        def one_of(name: str, allowed: tuple[str, ...]) -> None:
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+
+        one_of("kv_mode", KV_MODES)
+        one_of("kv_dtype", KV_DTYPES)
+        one_of("weights_dtype", WEIGHTS_DTYPES)
+        one_of("preemption_mode", ("recompute", "swap"))
+        one_of("scheduling_policy", ("fcfs", "priority"))
+        integer("max_num_seqs", 1)
+        integer("max_num_batched_tokens", 1)
+        integer("max_num_loops", 1)
+        integer("watermark_blocks", 0)
+        integer("swap_space_bytes", 0)
+        integer("block_size", 1, optional=True)
+        integer("num_kv_blocks", 1, optional=True)
+        integer("kv_cache_memory_bytes", 1, optional=True)
+        integer("max_model_len", 2, optional=True)
+        if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.speculative.is_enabled and self.async_scheduling:
-            raise ValueError("speculative decoding runs with synchronous scheduling: set async_scheduling=false "
-                             "(speculation overlaps its own work with speculative.mode=async)")
+            raise ValueError("async_scheduling=true does not combine with speculative decoding: set "
+                             "async_scheduling=false (speculation overlaps its own work with speculative.mode=async)")
         if self.speculative.is_enabled and self.kv_mode == "shared":
-            raise ValueError("speculative decoding needs one KV plane per loop (kv_mode=full or last_exited): in "
-                             "kv_mode=shared a token's KV depends on how tokens are grouped into steps, so "
+            raise ValueError("speculative.num_tokens > 0 needs one KV plane per loop (kv_mode=full or last_exited): "
+                             "in kv_mode=shared a token's KV depends on how tokens are grouped into steps, so "
                              "verification would not reproduce non-speculative outputs")
-
-        from runtime.quantization import KV_DTYPES, WEIGHTS_DTYPES
-
-        if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
-        if self.weights_dtype not in WEIGHTS_DTYPES:
-            raise ValueError(f"weights_dtype must be one of {', '.join(WEIGHTS_DTYPES)}, "
-                             f"got {self.weights_dtype!r}")
-        if self.kv_mode not in KV_MODES:
-            raise ValueError(f"kv_mode must be one of {', '.join(KV_MODES)}, got {self.kv_mode!r}")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', not {self.scheduling_policy!r}")
-        if self.swap_space_bytes < 0:
-            raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
         # shared mode: the one loop plane holds the final loop's KV, whose value depends on how the
         # prompt was chunked; a cached prefix or a wavefront would change outputs (docs/scheduling.md)
         if self.enable_prefix_caching and self.kv_mode == "shared":
@@ -148,10 +266,6 @@ class EngineConfig:
             raise ValueError("wavefront_prefill needs kv_mode 'full' or 'last_exited': in 'shared' mode "
                              "every loop writes the same plane, so chunks at different loops would overwrite "
                              "each other; turn wavefront_prefill off or use kv_mode=full")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 
 
 # ----- Hydra schemas (runtime/cli.py registers them; YAML files in conf/ fill them) -------------
@@ -170,15 +284,6 @@ class ModelConfig:
 
 
 @dataclass
-class SpeculativeOptions:
-    """`speculative.*` on the command line (Hydra needs a mutable node); see `SpeculativeConfig`."""
-
-    num_tokens: int = 0
-    draft_loops: int = 1
-    mode: str = "sync"
-
-
-@dataclass
 class HalConfig:
     name: str = "auto"
     device_index: Optional[int] = None
@@ -188,41 +293,35 @@ class HalConfig:
 @dataclass
 class ParallelConfig:
     """`parallel.tp=N`: N-way tensor parallelism, one process per rank started by torchrun (every CLI
-    that loads a model takes it: generate, bench, serve; see `runtime.parallel.init_distributed`)."""
+    that loads a model takes it: generate, bench, serve; see `runtime.parallel.state.init_distributed`)."""
 
     tp: int = 1
     idle_timeout_s: float = 7 * 24 * 3600.0   # how long ranks > 0 wait for rank 0's next step
 
 
+# The three CLIs compose one `engine:` node (EngineConfig's fields, `runtime/cli.py`'s schema) and
+# one `model:` node, so every engine option is spelled the same in each: engine.kv_mode=,
+# engine.speculative.num_tokens=, model.dtype= (README "Options").
 @dataclass
 class BenchConfig:
     hal: Any = None
     model: Any = None
+    engine: Any = None                     # EngineConfig's fields (each cell sets max_num_seqs, max_model_len)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     weights: str = "random"
-    dtype: str = "bfloat16"
     workload: Any = "b1"
-    kv_mode: str = "full"
-    max_num_batched_tokens: int = 8192
-    gpu_memory_utilization: float = 0.9
-    num_kv_blocks: Optional[int] = None
-    async_scheduling: bool = False
-    wavefront_prefill: bool = False
     warmup: bool = True
     matmul_size: int = 8192
     output: Optional[str] = None
     log_level: str = "WARNING"
     workloads: Any = None
-    speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
-    graphs: Optional[bool] = None          # decode graphs; None: on where the Hal captures device work
-    kv_dtype: str = "auto"                 # EngineConfig.kv_dtype: auto | fp8 | int8 | fp8_e4m3fn | fp8_e4m3fnuz
-    weights_dtype: str = "auto"            # EngineConfig.weights_dtype: auto | fp8
 
 
 @dataclass
 class GenerateConfig:
     hal: Any = None
     model: Any = None
+    engine: Any = None                    # EngineConfig's fields
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     prompt: Any = None                    # a string or a list of strings
     prompt_ids: Any = None                # a list of token ids or a list of such lists
@@ -231,24 +330,30 @@ class GenerateConfig:
     top_p: Optional[float] = None         # None: model.top_p, else 1.0
     top_k: Optional[int] = None           # None: model.top_k, else 0
     seed: Optional[int] = None
+    n: int = 1                            # samples per prompt (they share the prompt's KV)
+    best_of: Optional[int] = None         # generate this many, print the n of highest mean logprob
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Any = None                # {token id: bias}
+    min_tokens: int = 0
+    logprobs: Optional[int] = None        # output=json: each token's logprob and the top k
+    prompt_logprobs: Optional[int] = None
     init_scale: Optional[float] = None    # Huginn's initial-state scale; None: the reference's 1.0
     ignore_eos: bool = False
     chat: bool = False                    # render each prompt as a user turn with the chat template
     enable_thinking: bool = False         # chat: open the assistant turn with <think>
     output: str = "text"                  # text | json
     log_level: str = "WARNING"
-    speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
-    kv_dtype: str = "auto"                # EngineConfig.kv_dtype (docs/fp8.md)
-    weights_dtype: str = "auto"           # EngineConfig.weights_dtype (docs/fp8.md)
 
 
 @dataclass
 class ServeConfig:
     hal: Any = None
     model: Any = None
+    engine: Any = None                    # EngineConfig's fields
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     host: str = "127.0.0.1"
     port: int = 8000
     server: Any = None                    # runtime.server.config.ServerConfig's fields
-    engine: Any = None                    # EngineConfig's fields
     log_level: str = "INFO"

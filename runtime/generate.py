@@ -9,12 +9,13 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from runtime.cli import CONF_DIR, UsageError, clear_errors, known_models, register_schemas
-from runtime.config import SamplingParams, SpeculativeConfig
+from runtime.cli import (CONF_DIR, DEFAULT_MODEL, UsageError, check_model_node, check_spellings, clear_errors,
+                         default_model, engine_config, known_models, make_hal, model_source,  # noqa: F401
+                         register_schemas)
+from runtime.config import SamplingDefaults, SamplingParams
 
 log = logging.getLogger("runtime.generate")
 # no model and no prompt given: the packaged tiny model continues this (when the install has it)
-DEFAULT_MODEL = "ouro-tiny"
 DEFAULT_PROMPT = "The meaning of life is"
 
 
@@ -28,13 +29,6 @@ def no_model_message() -> str:
               "  python -m runtime.generate model.path=/path/to/checkpoint prompt_ids=[1,2,3] max_tokens=8",
               "Download a checkpoint first with e.g. `huggingface-cli download ByteDance/Ouro-1.4B`."]
     return "\n".join(lines)
-
-
-def default_model() -> str | None:
-    """The model of a bare `python -m runtime.generate`: the packaged ouro-tiny where this install has it."""
-    from zoo.loading import packaged_checkpoint
-
-    return DEFAULT_MODEL if packaged_checkpoint(DEFAULT_MODEL) else None
 
 
 def prompts_from(cfg: Any, default_prompt: str | None = None) -> list[Any]:
@@ -59,25 +53,26 @@ def prompts_from(cfg: Any, default_prompt: str | None = None) -> list[Any]:
 def run(cfg: Any) -> list[dict[str, Any]]:
     """The job behind the CLI, callable without Hydra: returns one dict per prompt."""
     from runtime.llm import LLM, follow
-    from runtime.parallel import init_from_cli
+    from runtime.parallel.state import init_from_cli
 
     if cfg.output not in ("text", "json"):
         raise UsageError(f"output must be 'text' or 'json', got {cfg.output!r}")
-    source = cfg.model.path or cfg.model.name or default_model()
+    source = model_source(cfg)
     if not source:
         raise UsageError(no_model_message())
     prompts = prompts_from(cfg, DEFAULT_PROMPT if source == DEFAULT_MODEL else None)
     if cfg.chat and cfg.prompt_ids is not None:
         raise UsageError("chat=true renders text through the chat template: give prompt=, not prompt_ids=")
+    engine = engine_config(cfg)
+    check_model_node(cfg.model, engine)
     params = sampling_params(cfg)
-    hal_options = {"device_index": cfg.hal.device_index, "attention_backend": cfg.hal.attention_backend}
-    hal = _hal(cfg.hal.name, hal_options)
+    hal = make_hal(cfg.hal)
     parallel = init_from_cli(hal, cfg)
     try:
         if not parallel.is_driver:                 # tensor parallelism: rank 0 prints, the others compute
             follow(source, hal, cfg.model.dtype, parallel)
             return []
-        llm = LLM(source, hal=hal, dtype=cfg.model.dtype, parallel=parallel, **engine_options(cfg))
+        llm = LLM(source, hal=hal, dtype=cfg.model.dtype, parallel=parallel, engine_config=engine)
         try:
             if cfg.chat:
                 conversations = [[{"role": "user", "content": p}] for p in prompts]
@@ -88,52 +83,62 @@ def run(cfg: Any) -> list[dict[str, Any]]:
             llm.close()
     finally:
         parallel.shutdown()
-    results = []
-    for out in outputs:
-        results.append({"prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids,
-                        "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason})
-        if out.metrics is not None and out.metrics.num_spec_rounds:
-            results[-1].update(acceptance_rate=out.metrics.acceptance_rate,
-                               mean_accepted_length=out.metrics.mean_accepted_length)
-    return results
+    return [result_of(out) for out in outputs]
 
 
-def engine_options(cfg: Any) -> dict[str, Any]:
-    """`EngineConfig` keywords from the command line (`speculative.*`, `kv_dtype`, `weights_dtype`)."""
-    spec = cfg.speculative
-    return {"speculative": SpeculativeConfig(int(spec.num_tokens), int(spec.draft_loops), str(spec.mode)),
-            "kv_dtype": str(cfg.get("kv_dtype", "auto")), "weights_dtype": str(cfg.get("weights_dtype", "auto"))}
-
-
-def _first_set(*values: Any) -> Any:
-    return next((v for v in values if v is not None), None)
+def result_of(out: Any) -> dict[str, Any]:
+    """One prompt's JSON result: its first sample's fields, every sample under "samples" when n > 1,
+    logprobs as [token, logprob, rank, [[token, logprob], ...]] lists when asked."""
+    result = {"prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids,
+              "text": out.text, "finish_reason": out.finish_reason}
+    if out.error:
+        result["error"] = out.error
+    if out.logprobs is not None:
+        result["logprobs"] = [list(lp) for lp in out.logprobs]
+    if out.prompt_logprobs is not None:
+        result["prompt_logprobs"] = [list(lp) if lp else None for lp in out.prompt_logprobs]
+    if len(out.outputs) > 1:
+        result["samples"] = [{"index": s.index, "token_ids": s.token_ids, "text": s.text,
+                              "finish_reason": s.finish_reason, "cumulative_logprob": s.cumulative_logprob}
+                             for s in out.outputs]
+    if out.metrics is not None and out.metrics.num_spec_rounds:
+        result.update(acceptance_rate=out.metrics.acceptance_rate,
+                      mean_accepted_length=out.metrics.mean_accepted_length)
+    return result
 
 
 def sampling_params(cfg: Any) -> SamplingParams:
     """The request's settings: each of temperature / top_p / top_k from the command line when given,
-    else the model config's (the checkpoint's generation_config), else greedy / off."""
-    return SamplingParams(
-        max_tokens=cfg.max_tokens, temperature=_first_set(cfg.temperature, cfg.model.temperature, 0.0),
-        top_p=_first_set(cfg.top_p, cfg.model.top_p, 1.0), top_k=_first_set(cfg.top_k, cfg.model.top_k, 0),
-        seed=cfg.seed, init_scale=cfg.init_scale, ignore_eos=cfg.ignore_eos,
-        stop_token_ids=tuple(cfg.model.stop_token_ids), num_loops=cfg.model.num_loops,
-        exit_threshold=cfg.model.exit_threshold)
-
-
-def _hal(name: str, options: dict[str, Any]) -> Any:
-    import hal
-
-    return hal.get(name, **options)
+    else the model config's (the checkpoint's generation_config), else greedy / off; the server
+    applies the same defaults (`SamplingDefaults`)."""
+    bias = cfg.get("logit_bias")
+    bias = OmegaConf.to_object(bias) if OmegaConf.is_config(bias) else (bias or {})
+    try:
+        return SamplingParams(
+            max_tokens=cfg.max_tokens, **SamplingDefaults.from_model(cfg.model).resolve(cfg.temperature, cfg.top_p,
+                                                                                        cfg.top_k),
+            seed=cfg.seed, init_scale=cfg.init_scale, ignore_eos=cfg.ignore_eos,
+            n=cfg.get("n", 1), best_of=cfg.get("best_of"), presence_penalty=cfg.get("presence_penalty", 0.0),
+            frequency_penalty=cfg.get("frequency_penalty", 0.0),
+            repetition_penalty=cfg.get("repetition_penalty", 1.0), logit_bias=bias,
+            min_tokens=cfg.get("min_tokens", 0), logprobs=cfg.get("logprobs"),
+            prompt_logprobs=cfg.get("prompt_logprobs"),
+            stop_token_ids=tuple(cfg.model.stop_token_ids), num_loops=cfg.model.num_loops,
+            exit_threshold=cfg.model.exit_threshold)
+    except ValueError as exc:
+        raise UsageError(f"error: {exc}") from None
 
 
 def print_results(results: list[dict[str, Any]], output: str) -> None:
     for result in results:
         if output == "json":
             print(json.dumps(result), flush=True)
-        elif result["text"] or result["prompt"] is not None:
-            print(result["text"], flush=True)
-        else:  # no tokenizer: show ids
-            print(" ".join(map(str, result["token_ids"])), flush=True)
+            continue
+        for sample in result.get("samples", [result]):
+            if sample["text"] or result["prompt"] is not None:
+                print(sample["text"], flush=True)
+            else:  # no tokenizer: show ids
+                print(" ".join(map(str, sample["token_ids"])), flush=True)
 
 
 register_schemas()
@@ -147,6 +152,7 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    check_spellings(sys.argv[1:])
     _main()
 
 

@@ -11,13 +11,13 @@ import torch
 import hal as hal_registry
 import zoo
 from hal.base import Hal
-from runtime.chat import Message, apply_chat_template
+from runtime.text.chat import Message, apply_chat_template
 from runtime.config import EngineConfig, SamplingParams
-from runtime.engine import LLMEngine
-from runtime.outputs import RequestOutput
-from runtime.parallel import ParallelState
-from runtime.step_plan import Follower, check_supported
-from runtime.tokenizer import Tokenizer
+from runtime.engine.llm_engine import LLMEngine
+from runtime.engine.outputs import RequestOutput
+from runtime.parallel.state import ParallelState
+from runtime.parallel.step_plan import Follower, check_supported
+from runtime.text.tokenizer import Tokenizer
 from zoo.base import LoopedCausalLM
 from zoo.parallel import tensor_parallel
 from zoo.sharding import shard
@@ -36,7 +36,7 @@ class LLM:
     (`kv_mode`, `max_num_seqs`, `max_num_batched_tokens`, `num_kv_blocks`, ...) are the fields of
     `runtime.config.EngineConfig`, given as keywords or as `engine_config=`.
 
-    Tensor parallelism: `parallel` from `runtime.parallel.init_distributed` (under torchrun). The LLM
+    Tensor parallelism: `parallel` from `runtime.parallel.state.init_distributed` (under torchrun). The LLM
     lives on rank 0 and loads its shard; every other rank calls `follow(...)` with the same model
     and dtype. `close()` releases the other ranks' KV caches; `parallel.shutdown()` ends them.
     """

@@ -9,9 +9,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
+from hal.base import Hal
 from torch import nn
 
-from runtime.kv_cache import num_request_planes
+from runtime.engine.planes import PlaneLayout
 from zoo.base import LoopedCausalLM
 from zoo.parallel import rank_heads
 
@@ -78,8 +80,8 @@ def model_costs(model: LoopedCausalLM, num_loops: int, kv_mode: str = "full",
     num_heads, num_kv_heads = rank_heads(model)        # per GPU under tensor parallelism
     if kv_bytes_per_layer_token is None:
         kv_bytes_per_layer_token = 2 * num_kv_heads * spec.head_dim * next(model.parameters()).element_size()
-    kv_layers = model.num_kv_layers(num_request_planes(kv_mode, spec.num_fixed_planes, num_loops))
-    attn_calls = model.num_kv_layers(num_request_planes("full", spec.num_fixed_planes, num_loops))
+    kv_layers = model.num_kv_layers(PlaneLayout(kv_mode, spec.num_fixed_planes).num_planes(num_loops))
+    attn_calls = model.num_kv_layers(spec.num_planes(num_loops))       # every loop attends, whatever it keeps
     attn_flops = attn_calls * 4 * num_heads * spec.head_dim      # QK^T and PV, 2 FLOPs each
     (loop_n, loop_b), (head_n, head_b) = _count(loop), _count(head)
     return ModelCosts(loop_n, once, head_n, kv_layers * kv_bytes_per_layer_token, attn_flops, loop_b,
@@ -110,25 +112,18 @@ def prefill_floor(costs: ModelCosts, num_loops: int, prompt_len: int, num_seqs: 
     return Floor(bytes_moved, flops, bytes_moved / bandwidth, flops / matmul_rate)
 
 
-def measure_matmul_rate(device: torch.device, dtype: torch.dtype, size: int = 8192, repeats: int = 10) -> float:
-    """FLOP/s of one large square matmul on random data (the compute ceiling for the floors)."""
+def measure_matmul_rate(hal: Hal, dtype: torch.dtype, size: int = 8192, repeats: int = 10) -> float:
+    """FLOP/s of one large square matmul on random data on the Hal's device (the compute ceiling for
+    the floors)."""
     import time
 
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
+    a = torch.randn(size, size, device=hal.device(), dtype=dtype)
+    b = torch.randn(size, size, device=hal.device(), dtype=dtype)
     for _ in range(3):
         a @ b
-    _sync(device)
+    hal.synchronize()
     start = time.perf_counter()
     for _ in range(repeats):
         a @ b
-    _sync(device)
+    hal.synchronize()
     return 2 * size**3 * repeats / (time.perf_counter() - start)
-
-
-def _sync(device: torch.device) -> None:
-    from hal.registry import for_device
-
-    hal = for_device(device)
-    if hasattr(hal, "synchronize"):
-        hal.synchronize()

@@ -1,9 +1,12 @@
 """`python -m runtime.serve hal=cpu model=ouro-1.4b host=127.0.0.1 port=8000`: the OpenAI-compatible
 HTTP server (Hydra config `conf/serve.yaml`; FastAPI + uvicorn from the `serve` extra).
 
-Engine options go under `engine.` (engine.kv_mode=shared engine.max_num_seqs=64), server limits under
-`server.` (server.max_num_requests=256 server.model_name=ouro). SIGINT / SIGTERM stop it gracefully:
-no new connections, in-flight requests get `server.shutdown_timeout_s` to finish, the rest are aborted.
+Engine options go under `engine.` (engine.kv_mode=shared engine.max_num_seqs=64: the node runtime.generate
+and runtime.bench share), server limits under `server.` (server.max_num_requests=256 server.model_name=ouro).
+Without `model=` it serves the packaged ouro-tiny, as runtime.generate does. Requests that leave out
+temperature / top_p / top_k get the model's generation_config (conf/model/*.yaml), as the CLI does.
+SIGINT / SIGTERM stop it gracefully: new requests get 503, in-flight requests get
+`server.shutdown_timeout_s` to finish, the rest are aborted.
 """
 from __future__ import annotations
 
@@ -15,8 +18,9 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from runtime.cli import CONF_DIR, UsageError, clear_errors, known_models, make_hal, register_schemas
-from runtime.config import EngineConfig
+from runtime.cli import (CONF_DIR, UsageError, check_model_node, check_port, check_spellings, clear_errors,
+                         engine_config, known_models, make_hal, model_source, register_schemas)
+from runtime.config import SamplingDefaults
 
 log = logging.getLogger("runtime.serve")
 
@@ -34,17 +38,22 @@ def server_config(cfg: Any) -> Any:
     from runtime.server.config import ServerConfig
 
     fields = OmegaConf.to_container(cfg.server) if OmegaConf.is_config(cfg.server) else dict(cfg.server)
-    source = cfg.model.path or cfg.model.name
+    source = model_source(cfg)
     fields["model_name"] = fields.get("model_name") or cfg.model.name or Path(str(source)).name
-    return ServerConfig(**fields, stop_token_ids=tuple(cfg.model.stop_token_ids),
-                        default_num_loops=cfg.model.num_loops,
-                        default_exit_threshold=cfg.model.exit_threshold)
+    try:
+        return ServerConfig(**fields, stop_token_ids=tuple(cfg.model.stop_token_ids),
+                            default_num_loops=cfg.model.num_loops,
+                            default_exit_threshold=cfg.model.exit_threshold,
+                            sampling=SamplingDefaults.from_model(cfg.model))
+    except ValueError as exc:
+        raise UsageError(f"error: server.{exc}") from None
 
 
 def make_app(cfg: Any, hal: Any = None, parallel: Any = None) -> Any:
     """The app the command line would serve, without Hydra or a socket (tests call this). Under
     tensor parallelism (`parallel`, rank 0) the engine sends its steps to the other ranks."""
-    if not (cfg.model.path or cfg.model.name):
+    source = model_source(cfg)
+    if not source:
         raise UsageError(no_model_message())
     try:
         from runtime.server.app import build_app
@@ -53,10 +62,11 @@ def make_app(cfg: Any, hal: Any = None, parallel: Any = None) -> Any:
                          f"pip install 'loopstack[serve]'") from None
     from runtime.llm import LLM
 
-    engine_config = EngineConfig(**OmegaConf.to_container(cfg.engine))
+    engine = engine_config(cfg)
+    check_model_node(cfg.model, engine)
     config = server_config(cfg)
-    llm = LLM(cfg.model.path or cfg.model.name, hal=hal or make_hal(cfg.hal), dtype=cfg.model.dtype,
-              engine_config=engine_config, parallel=parallel)
+    llm = LLM(source, hal=hal or make_hal(cfg.hal), dtype=cfg.model.dtype, engine_config=engine,
+              parallel=parallel)
     return build_app(llm.engine, config)
 
 
@@ -84,15 +94,19 @@ def _start(cfg: Any) -> Any:
     """The app on rank 0 (or without tensor parallelism); None on the other ranks, after they have
     followed rank 0's engine until it stopped."""
     from runtime.llm import follow
-    from runtime.parallel import init_from_cli
+    from runtime.parallel.state import init_from_cli
 
-    if not (cfg.model.path or cfg.model.name):
+    source = model_source(cfg)
+    if not source:
         raise UsageError(no_model_message())
+    check_port(cfg.port)
+    check_model_node(cfg.model, engine_config(cfg))
+    server_config(cfg)                           # bad server options fail before a model loads
     hal = make_hal(cfg.hal)
     parallel = init_from_cli(hal, cfg)           # parallel.tp=N under torchrun
     try:
         if not parallel.is_driver:
-            follow(cfg.model.path or cfg.model.name, hal, cfg.model.dtype, parallel)
+            follow(source, hal, cfg.model.dtype, parallel)
             parallel.shutdown()
             return None
         app = make_app(cfg, hal, parallel)
@@ -104,6 +118,7 @@ def _start(cfg: Any) -> Any:
 
 
 def main() -> None:
+    check_spellings(sys.argv[1:])
     _main()
 
 

@@ -38,8 +38,8 @@ import zoo  # noqa: E402
 from hal.cuda.fp8 import quantize_rows, scaled_mm_linear  # noqa: E402
 from runtime import SamplingParams  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
-from runtime.engine import LLMEngine  # noqa: E402
-from runtime.reference import CachedContext, forward_step  # noqa: E402
+from runtime.engine.llm_engine import LLMEngine  # noqa: E402
+from runtime.execution.reference import CachedContext, forward_step  # noqa: E402
 from zoo import layers  # noqa: E402
 
 FN, FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
@@ -96,7 +96,7 @@ def subjects(names: list[str]) -> list[Subject]:
             out.append(Subject(case.name, lambda d, c=case: zoo.from_pretrained(c, dtype=d), prompts,
                                meta["greedy_new_tokens"], extra))
     if "ouro-tiny" in names:
-        from runtime.tokenizer import Tokenizer
+        from runtime.text.tokenizer import Tokenizer
         from zoo.loading import packaged_checkpoint
 
         folder = packaged_checkpoint("ouro-tiny")

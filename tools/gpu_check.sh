@@ -2,7 +2,7 @@
 # The whole GPU check in one call on the NVIDIA machine: the cuda-marked tests, the conformance
 # suite, the kernel benchmark, the engine benchmark cells and a profile of a decode step.
 #   tools/gpu_check.sh [phase ...]     phases: conformance tests kernels bench models profile spec
-#                                      specasync sweep fp8 (default: the first six)
+#                                      specasync sweep fp8 cells peer profile64 (default: the first six)
 # Logs go to $OUT/gpu_check.log, benchmark rows to $OUT/bench.jsonl; a short table is printed last.
 set -u
 cd "$(dirname "$0")/.."
@@ -47,33 +47,41 @@ for phase in $PHASES; do
         --entropy-anneal 0.5 --eval-every 200 --eval-tokens 262144 --shard-mb 15 --no-progress --no-samples
       cp /tmp/ouro-tiny/*.safetensors "$OUT/" 2>/dev/null
       tar -C /tmp -czf "$OUT/ouro-tiny-rest.tgz" --exclude='*.safetensors' ouro-tiny ouro-tiny-report 2>/dev/null ;;
-    conformance) run conformance 300 python3 -m hal.conformance hal=cuda ;;
+    conformance) run conformance 300 python3 -m runtime.conformance hal=cuda ;;
     tests) run "pytest -m cuda" 240 python3 -m pytest tests -m cuda -q -rs -p no:cacheprovider -x ;;
-    kernels) run "kernel bench" 240 python3 -c "from hal.kernels.bench import bench_kernels; bench_kernels()" ;;
+    kernels) run "kernel bench" 240 python3 tools/kernel_bench.py ;;
     bench)
       bench model=ouro-1.4b 'workload=[b1,b64,b128,prefill8k]'
-      bench model=ouro-1.4b kv_mode=shared 'workload=[b128]' ;;
+      bench model=ouro-1.4b engine.kv_mode=shared 'workload=[b128]' ;;
     models)
       bench model=huginn-0125 'workload=[b1]'
       bench model=nanbeige4.2-3b 'workload=[b1]' ;;
     profile)
       run "profile b1" 90 python3 tools/profile_step.py --model ouro-1.4b --batch 1 --context 256 --rows 20 ;;
+    profile64)
+      run "profile b64" 90 python3 tools/profile_step.py --model ouro-1.4b --batch 64 --context 1024 --rows 25 ;;
+    cells)   # the cells the issues quote: batch 1, 64 and 128 at the Ouro-1.4B shape
+      bench model=ouro-1.4b 'workload=[b1,b64,b128]' ;;
+    peer)    # the compiled gpt-fast-style decode (../shared/bench, copied to .peer): the bar to beat
+      MODES=${PEER_MODES:-default} run "compiled peer" 240 python3 .peer/compiled_ouro.py zoo/configs/ouro-1.4b.json \
+        1:256 64:1024 128:1024
+      grep '^{' "$LOG" | grep '"mode"' > "$OUT/peer.jsonl" ;;
     specasync)   # sync and async speculation equal plain decoding at the Ouro-1.4B shape (float32)
       run "speculation equality" 180 python3 -m pytest tests/cuda/test_speculation_cuda.py -q -s -rs \
         -p no:cacheprovider -k "ouro_1_4b_shape and float32" ;;
     sweep)   # tok/s against batch, full and shared KV (docs/throughput.png); 32 new tokens per request suffice
       for kv in ${SWEEP_KV:-full shared}; do
-        bench model=ouro-1.4b kv_mode=$kv 'workload=[b1,b8,b32,b64,b128]' workloads.b1.new=64 \
+        bench model=ouro-1.4b engine.kv_mode=$kv 'workload=[b1,b8,b32,b64,b128]' workloads.b1.new=64 \
           workloads.b8.new=32 workloads.b32.new=32 workloads.b64.new=32 workloads.b128.new=32
       done ;;
-    spec) bench model=ouro-1.4b 'workload=[b1,b8,b32]' speculative.num_tokens=4 speculative.draft_loops=2 ;;
+    spec) bench model=ouro-1.4b 'workload=[b1,b8,b32]' engine.speculative.num_tokens=4 engine.speculative.draft_loops=2 ;;
     fp8)   # issue 14: FP8 KV and FP8 weights (docs/fp8.md); bf16 rows come from the bench phase
       run "pytest fp8" 240 python3 -m pytest tests/cuda/test_fp8_cuda.py -q -rs -s -p no:cacheprovider
-      bench model=ouro-1.4b kv_dtype=fp8 'workload=[b1,b64,b128,prefill8k]'
-      bench model=ouro-1.4b kv_dtype=fp8 kv_mode=shared 'workload=[b128]'
-      bench model=ouro-1.4b weights_dtype=fp8 'workload=[b1]'
-      bench model=ouro-1.4b kv_dtype=fp8 weights_dtype=fp8 'workload=[b1]'
-      LOOPSTACK_FP8_GEMM=triton bench model=ouro-1.4b weights_dtype=fp8 'workload=[b1]' ;;
+      bench model=ouro-1.4b engine.kv_dtype=fp8 'workload=[b1,b64,b128,prefill8k]'
+      bench model=ouro-1.4b engine.kv_dtype=fp8 engine.kv_mode=shared 'workload=[b128]'
+      bench model=ouro-1.4b engine.weights_dtype=fp8 'workload=[b1]'
+      bench model=ouro-1.4b engine.kv_dtype=fp8 engine.weights_dtype=fp8 'workload=[b1]'
+      LOOPSTACK_FP8_GEMM=triton bench model=ouro-1.4b engine.weights_dtype=fp8 'workload=[b1]' ;;
     *) echo "unknown phase $phase" ;;
   esac
 done

@@ -14,7 +14,7 @@ import torch
 import hal
 import zoo
 from runtime.config import EngineConfig, SamplingParams
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 
 CONFIGS = Path(__file__).resolve().parent.parent / "zoo" / "configs"
 

@@ -40,8 +40,8 @@ sys.path.insert(0, str(ROOT))
 import hal as hal_registry  # noqa: E402
 from runtime import SamplingParams  # noqa: E402
 from runtime.llm import LLM, follow  # noqa: E402
-from runtime.parallel import ParallelState, init_distributed  # noqa: E402
-from runtime.step_plan import Follower  # noqa: E402
+from runtime.parallel.state import ParallelState, init_distributed  # noqa: E402
+from runtime.parallel.step_plan import Follower  # noqa: E402
 
 
 class Task(NamedTuple):
@@ -96,9 +96,9 @@ def bench_config(args: argparse.Namespace, model: str, dtype: str, workloads: di
     from runtime.cli import CONF_DIR
 
     chosen = ["model=none", f"model.path={model}"] if Path(model).is_dir() else [f"model={model}"]
-    overrides = [f"hal={args.hal}", *chosen, f"dtype={dtype}", f"matmul_size={args.matmul_size}",
+    overrides = [f"hal={args.hal}", *chosen, f"model.dtype={dtype}", f"matmul_size={args.matmul_size}",
                  *([f"model.num_loops={loops}"] if loops else []),
-                 *(["graphs=false"] if args.graphs == "false" else [])]
+                 *(["engine.graphs=false"] if args.graphs == "false" else [])]
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
         cfg = compose("bench", overrides=overrides)
     with open_dict(cfg):
@@ -122,7 +122,7 @@ def prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
 def dense_logits(model: Any, ids: list[list[int]]) -> torch.Tensor:
     """`[B, T, V]` float32 logits of the prompts (a collective forward on a sharded model)."""
     batch = torch.tensor(ids, device=next(model.parameters()).device)
-    kwargs = {"init_scale": 0.0} if hasattr(model, "initial_state") else {}
+    kwargs = {"init_scale": 0.0} if model.has_initial_state else {}
     with torch.inference_mode():
         return model(batch, **kwargs).logits.float()
 
@@ -141,7 +141,7 @@ def generate(model: Any, hal: Any, parallel: ParallelState, args: argparse.Names
     """Greedy tokens of every prompt through the engine, and whether decode steps were captured."""
     params = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True, init_scale=0.0)
     engine = {"max_num_seqs": len(ids), "max_model_len": args.prompt_len + args.new + 16,
-              "kv_cache_memory_bytes": 4 << 30, "graphs": False if cfg.graphs is False else None}
+              "kv_cache_memory_bytes": 4 << 30, "graphs": False if cfg.engine.graphs is False else None}
     llm = LLM(model, hal=hal, parallel=parallel, **engine)
     try:
         tokens = [o.token_ids for o in llm.generate(ids, params)]
@@ -154,7 +154,7 @@ def generate(model: Any, hal: Any, parallel: ParallelState, args: argparse.Names
 def greedy_report(ref: dict[str, Any], tp: dict[str, Any], cfg: Any) -> dict[str, Any]:
     diff = (ref["logits"] - tp["logits"]).abs().max().item()
     agree = (ref["logits"].argmax(-1) == tp["logits"].argmax(-1)).float().mean().item()
-    row = {"model": model_name(cfg), "dtype": cfg.dtype, "tp": 2, "graphs": tp["graphs"], "tp1_graphs": ref["graphs"],
+    row = {"model": model_name(cfg), "dtype": cfg.model.dtype, "tp": 2, "graphs": tp["graphs"], "tp1_graphs": ref["graphs"],
            "prompts": len(ref["tokens"]), "new_tokens": len(ref["tokens"][0]),
            "prompt_logits_max_diff": round(diff, 5), "prompt_logits_scale": round(ref["logits"].abs().max().item(), 3),
            "prompt_argmax_agreement": round(agree, 5), "divergences": []}

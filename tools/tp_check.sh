@@ -5,7 +5,7 @@
 #   allows the greedy check in float32 and the golden cases through runtime.generate at parallel.tp=2;
 #   one torchrun launch of tools/tp_check.py (its docstring says what each phase does). If that launch
 #   fails before the TP=2 benchmark rows exist (a collective that decode graphs cannot capture, say),
-#   it runs once more with graphs=false.
+#   it runs once more with engine.graphs=false.
 # Usage (Hydra, OmegaConf and antlr4 as .whl/*.whl, see ../shared/device/README.md):
 #   bash tools/tp_check.sh                # results in $OUT (default .out/tp): log.txt, greedy.jsonl, bench.jsonl
 # A CPU dry run of the whole script (gloo, the golden tiny configs):
@@ -53,7 +53,7 @@ if [ $rc -ne 0 ]; then
   tail -n 25 "$OUT/log.txt"
   left=$((TOTAL_S - SECONDS))
   if ! grep -q '"tp": 2' "$OUT/bench.jsonl" 2>/dev/null && [ "$left" -ge 100 ]; then
-    echo "== again with graphs=false (TP=1 benchmark rows already there are kept)"
+    echo "== again with engine.graphs=false (TP=1 benchmark rows already there are kept)"
     launch "$left" --graphs false --fp32 no --golden no "$@"
     rc=$?
   fi

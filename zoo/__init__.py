@@ -1,7 +1,8 @@
 """loopstack's model zoo: looped-depth LMs as plain, trainable `nn.Module`s.
 
     model = zoo.from_pretrained("path/to/Ouro-1.4B", dtype="bfloat16", device="cuda")
-    model = zoo.from_config("config.json", device=torch.device("meta"))   # random weights, any shape
+    with torch.device("meta"):                                            # any shape, no memory
+        model = zoo.from_config("config.json")
     zoo.save_pretrained(model, "out/folder", dtype="bfloat16")              # the layout from_pretrained reads
     from zoo.training import expected_exit_loss, sample_num_loops          # Ouro objective, Huginn-style depth
 """
@@ -15,7 +16,8 @@ from typing import Any
 
 import torch
 
-from zoo.base import CausalLMOutput, DenseContext, ForwardContext, KVSpec, LoopedCausalLM, as_dtype, dense_hal
+from zoo.base import (CausalLMOutput, DenseContext, ForwardContext, KVSpec, LoopedCausalLM, ModelOps, as_dtype,
+                       exit_distribution, first_exit_step)
 from zoo.loading import (HUB_IDS, CheckpointError, build_on_meta, load_weights, read_config,
                          resolve_checkpoint, stored_dtype)
 from zoo.random_weights import fill_random
@@ -29,8 +31,8 @@ FAMILIES = {
 }
 
 __all__ = ["CausalLMOutput", "CheckpointError", "DenseContext", "ForwardContext", "HUB_IDS", "KVSpec",
-           "LoopedCausalLM", "as_dtype", "from_config", "from_pretrained", "model_class", "resolve_checkpoint",
-           "save_pretrained"]
+           "LoopedCausalLM", "ModelOps", "as_dtype", "exit_distribution", "first_exit_step", "from_config",
+           "from_pretrained", "model_class", "resolve_checkpoint", "save_pretrained"]
 
 
 def model_class(model_type: str) -> type[LoopedCausalLM]:
@@ -71,21 +73,20 @@ def _checkpoint_dtype(cfg: Any, folder: Path | None = None) -> torch.dtype:
 def from_config(config: dict[str, Any] | str | os.PathLike, dtype: torch.dtype | str | None = None,
                 device: torch.device | str | None = None, seed: int | None = None, tp_rank: int = 0,
                 tp_size: int = 1, comm: Any = None) -> LoopedCausalLM:
-    """A randomly initialised model of the config's shape (for tests and benchmarks). Works on
-    `torch.device("meta")`, where no memory is allocated. Weights are drawn per tensor from `seed`
+    """A randomly initialised model of the config's shape (for tests and benchmarks), on `device`
+    (default: torch's default device, so `with torch.device("meta"):` builds it without memory). Weights are drawn per tensor from `seed`
     (`zoo.random_weights`; seed None draws one from torch's global RNG), so `tp_size > 1` gives rank
     `tp_rank` exactly its slice of the `tp_size=1` model; `comm` carries the collectives (default:
     the world group of the device's Hal)."""
     cls, cfg = build(config)
     dtype = as_dtype(dtype) or _checkpoint_dtype(cfg)
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    device = torch.device(device) if device is not None else torch.get_default_device()
     model = build_on_meta(cls, cfg, dtype)
     _shard(model, tp_rank, tp_size, comm, device)
     if device.type != "meta":
         if seed is None:
-            seed = int(torch.randint(1 << 62, ()))
+            seed = int(torch.randint(1 << 62, (), device="cpu"))
         fill_random(model, seed, getattr(cfg, "initializer_range", 0.02), dtype, device)
-        dense_hal(device)
     return model.eval()
 
 
@@ -95,9 +96,9 @@ def _shard(model: LoopedCausalLM, tp_rank: int, tp_size: int, comm: Any, device:
     from zoo.sharding import shard
 
     if comm is None and device.type != "meta":
-        import hal
+        from hal.common.comm import TorchDistComm
 
-        comm = hal.for_device(device).comm()
+        comm = TorchDistComm()                 # the world group of torch.distributed
     shard(model, tp_rank, tp_size, comm)
 
 
@@ -136,6 +137,5 @@ def from_pretrained(path_or_name: str | os.PathLike, dtype: torch.dtype | str | 
         load_weights(model, folder, dtype, device)
     if weights_dtype == "fp8":
         quantize_fp8(model)
-    dense_hal(device)
     model.name_or_path = str(folder)
     return model.eval()

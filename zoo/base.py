@@ -1,4 +1,5 @@
-"""The looped-model contract every zoo family implements, and the dense (training) context.
+"""The looped-model contract every zoo family implements, the context a forward runs in, and the
+dense (training) context.
 
 A looped model runs four stages, so the runtime can control depth without knowing the family:
 
@@ -8,11 +9,14 @@ A looped model runs four stages, so the runtime can control depth without knowin
     coda(state, ctx, rows)  -> logits  # Huginn: ln_f, coda blocks, ln_f, head; others: head
 
 `state` is a tensor `[B, T, X]` whose rows are tokens; the runtime may select rows between loops.
-`ctx` carries token positions, per-step caches (rotary tables) and attention: the dense causal
-context below for training and tests, or the runtime's paged context for serving.
+`ctx` carries token positions, per-step caches (rotary tables), attention, the recurrent initial
+state's draws, and `ops`: the Hal the forward computes with (dense attention, fused ops). The dense
+causal context below serves training and tests; the runtime's paged context serves inference. A
+model never looks a Hal up by itself: whoever runs it hands the ops over in the context.
 """
 from __future__ import annotations
 
+import os
 from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Protocol
@@ -20,8 +24,38 @@ from typing import Any, Callable, NamedTuple, Protocol
 import torch
 from torch import nn
 
-import hal
-from hal.registry import platform_of
+from hal.base import dense_attention
+
+FUSED_OPS_ENV = "LOOPSTACK_FUSED_OPS"      # 0: every layer takes its plain torch expression
+
+
+class ModelOps:
+    """What a forward needs from a Hal: `dense` attention and fused ops by name (`Hal.op`), looked
+    up once. `ModelOps()` (no Hal) is plain torch. Fused ops apply only while no gradient is
+    recorded: training always takes the differentiable torch expressions."""
+
+    def __init__(self, hal: Any = None, fused: bool | None = None) -> None:
+        self.hal = hal
+        self.is_fused = os.environ.get(FUSED_OPS_ENV, "1") != "0" if fused is None else fused
+        self._ops: dict[str, Callable[..., Any] | None] = {}
+
+    def dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+              causal: bool = True) -> torch.Tensor:
+        """Causal attention without a cache, `q: [B, H, T, D]`, `k, v: [B, KVH, S, D]` (`Hal.dense`)."""
+        if self.hal is None:
+            return dense_attention(q, k, v, scale=scale, causal=causal)
+        return self.hal.dense(q, k, v, scale=scale, causal=causal)
+
+    def op(self, name: str) -> Callable[..., Any] | None:
+        """The Hal's fused op `name`, or None: then the caller runs the plain torch expression."""
+        if self.hal is None or not self.is_fused or torch.is_grad_enabled():
+            return None
+        if name not in self._ops:
+            self._ops[name] = self.hal.op(name)
+        return self._ops[name]
+
+
+PLAIN_OPS = ModelOps()           # plain torch: what a forward uses when nobody hands it a Hal
 
 
 class KVSpec(NamedTuple):
@@ -45,6 +79,7 @@ class ForwardContext(Protocol):
     """What a model needs from whoever runs it."""
 
     positions: torch.Tensor   # [B, T] int64 position of every token in its sequence
+    ops: ModelOps             # the Hal this forward computes with
 
     def cached(self, key: Any, fn: Callable[[], Any]) -> Any:
         """`fn()` computed once per forward pass (rotary tables shared by every loop)."""
@@ -54,49 +89,70 @@ class ForwardContext(Protocol):
         """Causal attention of `q: [B, T, H, D]` given this step's `k, v: [B, T, KVH, D]`, which the
         context stores in KV plane `plane`, layer slot `layer`. Returns `[B, T, H, D]`."""
 
-
-_DENSE_HALS: dict[str, Any] = {}
-
-
-def dense_hal(device: torch.device | str) -> Any:
-    """The Hal whose `dense` attends tensors on `device` (`hal.for_device`), memoised per platform.
-
-    Under `torch.compile` the lookup is a plain dict read. The registry's imports and entry points
-    cannot be traced: a first lookup made while compiling still works, through graph breaks that
-    stay in that compiled code. `zoo.from_config` / `from_pretrained` and any eager forward fill the
-    memo for their device, so `torch.compile(model, fullgraph=True)` works on those models; after
-    moving a model to another kind of device, call `dense_hal(device)` (or one eager forward) first.
-    """
-    name = platform_of(device)
-    found = _DENSE_HALS.get(name)
-    if found is None:
-        found = _DENSE_HALS[name] = hal.for_device(device)
-    return found
+    def initial_state(self, model: "LoopedCausalLM", e: torch.Tensor) -> torch.Tensor:
+        """The recurrence's starting state `[B, T, model.initial_state_width]` for the prelude output
+        `e` (models with `has_initial_state`). The context decides the draws: one scale and generator
+        for the whole call (dense), or each request's own (the runtime)."""
 
 
-class DenseContext:
-    """Plain causal attention over the tokens of this call, no cache: training, tests, references."""
+class PassCache:
+    """`ForwardContext.cached`: values computed once per forward pass and shared by its loops."""
 
-    def __init__(self, positions: torch.Tensor) -> None:
-        self.positions = positions
+    def __init__(self) -> None:
         self._cache: dict[Any, Any] = {}
-
-    @classmethod
-    def for_tokens(cls, x: torch.Tensor) -> "DenseContext":
-        """Positions 0..T-1 for every row of `x: [B, T, ...]`."""
-        batch, seq = x.shape[:2]
-        return cls(torch.arange(seq, device=x.device).expand(batch, seq))
 
     def cached(self, key: Any, fn: Callable[[], Any]) -> Any:
         if key not in self._cache:
             self._cache[key] = fn()
         return self._cache[key]
 
+    def clear_cached(self) -> None:
+        """Forget the pass's values (the next pass has other positions)."""
+        self._cache.clear()
+
+
+class DenseContext(PassCache):
+    """Plain causal attention over the tokens of this call, no cache: training, tests, references.
+    `ops` (default plain torch) is the Hal to compute with; `init_scale` and `generator` are the
+    recurrent initial state's draw (`LoopedCausalLM.initial_state`)."""
+
+    def __init__(self, positions: torch.Tensor, ops: ModelOps | None = None, init_scale: float | None = None,
+                 generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        self.positions = positions
+        self.ops = ops or PLAIN_OPS
+        self.init_scale, self.generator = init_scale, generator
+
+    @classmethod
+    def for_tokens(cls, x: torch.Tensor, ops: ModelOps | None = None, **draw: Any) -> "DenseContext":
+        """Positions 0..T-1 for every row of `x: [B, T, ...]`."""
+        batch, seq = x.shape[:2]
+        return cls(torch.arange(seq, device=x.device).expand(batch, seq), ops, **draw)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plane: int, layer: int,
                scale: float) -> torch.Tensor:
-        out = dense_hal(q.device).dense(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             scale=scale, causal=True)
+        out = self.ops.dense(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, causal=True)
         return out.transpose(1, 2)
+
+    def initial_state(self, model: "LoopedCausalLM", e: torch.Tensor) -> torch.Tensor:
+        return model.initial_state(e, self.init_scale, self.generator)
+
+
+def exit_distribution(hazards: torch.Tensor) -> torch.Tensor:
+    """`hazards: [..., S]` (probability of exiting after loop s given it was reached) ->
+    `p: [..., S]`, p_s = hazard_s * prod_{j<s}(1 - hazard_j); the last loop takes what remains."""
+    survive = torch.cumprod(1 - hazards, dim=-1)                         # P(not exited after s)
+    reached = torch.cat([torch.ones_like(survive[..., :1]), survive[..., :-1]], dim=-1)
+    pdf = hazards * reached
+    return torch.cat([pdf[..., :-1], reached[..., -1:]], dim=-1)
+
+
+def first_exit_step(pdf: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Per token, the first loop whose cumulative exit probability reaches `threshold`
+    (the last loop if none does). `pdf: [..., S]` -> `[...]` int64."""
+    reached = torch.cumsum(pdf, dim=-1) >= threshold
+    reached[..., -1] = True
+    return reached.int().argmax(dim=-1)
 
 
 @dataclass
@@ -131,6 +187,21 @@ class LoopedCausalLM(nn.Module):
     @property
     @abstractmethod
     def default_num_loops(self) -> int: ...
+
+    # a recurrence that starts from a random state (Huginn): see `initial_state`
+    has_initial_state: bool = False
+
+    @property
+    def initial_state_width(self) -> int:
+        """The last dim of `initial_state`'s result (models with `has_initial_state`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no recurrent initial state")
+
+    def initial_state(self, e: torch.Tensor, init_scale: float | None = None,
+                      generator: torch.Generator | None = None) -> torch.Tensor:
+        """The recurrence's starting state for the prelude output `e: [B, T, D]`, drawn with
+        `init_scale` (None: the reference's default; 0: zeros) from `generator` (None: the global
+        RNG). Only models with `has_initial_state` have one."""
+        raise NotImplementedError(f"{type(self).__name__} has no recurrent initial state")
 
     @property
     def default_exit_threshold(self) -> float:

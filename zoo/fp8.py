@@ -5,7 +5,9 @@
 A weight `[N, K]` is stored as FP8 `q` with `scale: [N]`, `w ~ q * scale[:, None]`, where row n's
 scale is `absmax(w[n]) / FP8_MAX` (computed once, at load). The matmul goes through the Hal
 (`Hal.op("fp8_linear")`: `torch._scaled_mm` on CUDA sm_89+, a Triton kernel on other GPUs); without
-one (the CPU, or while a gradient is recorded) it dequantizes and multiplies in float32.
+one (the CPU, or while a gradient is recorded) it dequantizes and multiplies in float32. A fused
+matrix takes the forward context's Hal; an `Fp8Linear` (called like `nn.Linear`, without a
+context) the ops it was bound to by `quantize_fp8(..., ops=...)` (the engine binds its Hal's).
 
 Fused projections (zoo/fuse.py) keep working: a row's scale depends on that row only, so quantizing
 q|k|v as one matrix equals quantizing q, k and v and concatenating, and either order gives the same
@@ -23,8 +25,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from hal.kv_quant import dequantize, quantize
-from zoo.layers import inference_op
+from hal.common.kv_quant import dequantize, quantize
+from zoo.base import PLAIN_OPS, ModelOps
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 SKIP_NAMES = ("lm_head",)
@@ -32,9 +34,10 @@ MIN_OUT_FEATURES = 16
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x: [..., K]` times FP8 `weight: [N, K]` with row scales `scale: [N]` (+ `bias`), in x's dtype."""
-    op = inference_op("fp8_linear", x)
+               bias: torch.Tensor | None = None, ops: ModelOps = PLAIN_OPS) -> torch.Tensor:
+    """`x: [..., K]` times FP8 `weight: [N, K]` with row scales `scale: [N]` (+ `bias`), in x's dtype,
+    through `ops`' fused `fp8_linear` where it has one."""
+    op = ops.op("fp8_linear")
     if op is not None:
         y = op(x.reshape(-1, x.shape[-1]), weight, scale, bias)
         return y.view(*x.shape[:-1], weight.shape[0])
@@ -49,8 +52,8 @@ class Fp8Weight(NamedTuple):
     weight: torch.Tensor            # [N, K] FP8
     scale: torch.Tensor             # [N] float32
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.scale)
+    def __call__(self, x: torch.Tensor, ops: ModelOps = PLAIN_OPS) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.scale, ops=ops)
 
     def to_format(self, dtype: torch.dtype) -> "Fp8Weight":
         return Fp8Weight(*convert_format(self.weight, self.scale, dtype))
@@ -88,6 +91,7 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=dtype, device=device))
         self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, device=device), requires_grad=False) if bias else None
+        self.ops = PLAIN_OPS                       # the Hal to multiply with (`quantize_fp8(..., ops=)`)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, dtype: torch.dtype) -> "Fp8Linear":
@@ -108,7 +112,7 @@ class Fp8Linear(nn.Module):
         self.weight, self.weight_scale = convert_format(self.weight, self.weight_scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.weight_scale, self.bias)
+        return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.ops)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.weight.dtype}, " \
@@ -144,10 +148,10 @@ def _quantizable(name: str, linear: nn.Linear) -> bool:
 
 
 @torch.no_grad()
-def quantize_fp8(model: nn.Module, dtype: torch.dtype = torch.float8_e4m3fn) -> int:
+def quantize_fp8(model: nn.Module, dtype: torch.dtype = torch.float8_e4m3fn, ops: ModelOps | None = None) -> int:
     """Swap the model's linears for `Fp8Linear`s in `dtype` (fused matrices first, quantized as one);
-    FP8 linears already there are converted to `dtype`. In place; returns how many linears or fused
-    matrices are FP8 now."""
+    FP8 linears already there are converted to `dtype`; every FP8 linear multiplies through `ops`
+    (default plain torch). In place; returns how many linears or fused matrices are FP8 now."""
     from zoo.fuse import FUSED_PROJECTIONS
 
     if dtype not in FP8_DTYPES:
@@ -175,6 +179,9 @@ def quantize_fp8(model: nn.Module, dtype: torch.dtype = torch.float8_e4m3fn) -> 
             elif isinstance(child, nn.Linear) and _quantizable(name, child):
                 setattr(parent, name, Fp8Linear.from_linear(child, dtype))
                 count += 1
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            module.ops = ops or PLAIN_OPS
     return count
 
 

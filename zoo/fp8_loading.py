@@ -8,7 +8,7 @@ A linear is FP8 when its `*.weight` is stored as `F8_E4M3`; its scale is
   weight is dequantized block by block and quantized again per output channel (not exact: one more
   rounding to e4m3, logged).
 Static activation and KV scales (`*.input_scale`, `*.k_scale`, `*.v_scale`) are ignored: activations
-stay bf16 or are quantized per row on the fly (hal/cuda/fp8.py), KV per token (hal/kv_quant.py).
+stay bf16 or are quantized per row on the fly (hal/cuda/fp8.py), KV per token (hal/common/kv_quant.py).
 
 Loading goes through the model dtype: every e4m3 value is exact in bf16, fp16 and fp32, so the
 weights are read by `zoo.loading.load_weights` as for any checkpoint and then cast back to e4m3
@@ -22,10 +22,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from safetensors import safe_open
 
 from zoo.fp8 import Fp8Linear
-from zoo.loading import CheckpointError, load_weights, safetensors_files
+from zoo.loading import CheckpointError, load_weights, open_safetensors, safetensors_files
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +65,7 @@ def stored_dtypes(folder: str | Path) -> dict[str, str]:
     """Tensor name -> safetensors dtype string ("F8_E4M3", "BF16", ...) over every weight file."""
     out: dict[str, str] = {}
     for file in safetensors_files(folder):
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             out.update({name: f.get_slice(name).get_dtype() for name in f.keys()})
     return out
 
@@ -74,7 +73,7 @@ def stored_dtypes(folder: str | Path) -> dict[str, str]:
 def _read(folder: str | Path, names: set[str]) -> dict[str, torch.Tensor]:
     found: dict[str, torch.Tensor] = {}
     for file in safetensors_files(folder):
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             found.update({n: f.get_tensor(n) for n in names & set(f.keys())})
     return found
 
@@ -82,7 +81,7 @@ def _read(folder: str | Path, names: set[str]) -> dict[str, torch.Tensor]:
 def per_channel(weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int] | None,
                 is_inverse_block: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`weight: [N, K]` e4m3fn and its stored scale -> (`weight`, `scale: [N]` float32)."""
-    from hal.kv_quant import quantize
+    from hal.common.kv_quant import quantize
 
     rows, cols = weight.shape
     scale = scale.float()

@@ -1,28 +1,20 @@
-"""Layers shared by the zoo's families: RMSNorm, rotary embeddings, SwiGLU, Llama-style attention."""
+"""Layers shared by the zoo's families: RMSNorm, rotary embeddings, SwiGLU, Llama-style attention.
+
+Each layer computes with the Hal of the forward it runs in (`ctx.ops`: its fused ops where it has
+them); without a context, plain torch. The torch expressions here define what the fused ops compute.
+"""
 from __future__ import annotations
 
-import os
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from zoo.base import ForwardContext
-
-_FUSED: dict[tuple[str, str], Callable[..., Any] | None] = {}
+from zoo.base import PLAIN_OPS, ForwardContext, ModelOps
 
 
-def inference_op(name: str, x: torch.Tensor) -> Callable[..., Any] | None:
-    """The Hal's fused op `name` for `x`'s device when no gradient is being recorded, else None
-    (training always takes the differentiable torch expressions)."""
-    if torch.is_grad_enabled() or os.environ.get("LOOPSTACK_FUSED_OPS", "1") == "0":
-        return None
-    key = (name, x.device.type)
-    if key not in _FUSED:
-        import hal
-
-        _FUSED[key] = hal.for_device(x.device).op(name) if hasattr(hal.for_device(x.device), "op") else None
-    return _FUSED[key]
+def ops_of(ctx: ForwardContext | None) -> ModelOps:
+    return PLAIN_OPS if ctx is None else ctx.ops
 
 
 class RMSNorm(nn.Module):
@@ -37,8 +29,9 @@ class RMSNorm(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        fused = inference_op("rms_norm", x)
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        fused = ops_of(ctx).op("rms_norm")
         if fused is not None:
             return fused(x, self.weight, self.eps, residual)
         x32 = x.float()
@@ -47,9 +40,9 @@ class RMSNorm(nn.Module):
         return y if residual is None else residual + y
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
     """`silu(a) * b` for `x = cat(a, b)` on the last dim."""
-    fused = inference_op("silu_and_mul", x)
+    fused = ops_of(ctx).op("silu_and_mul")
     if fused is not None:
         return fused(x)
     gate, up = x.chunk(2, dim=-1)
@@ -60,7 +53,7 @@ def rotate(q: torch.Tensor, k: torch.Tensor, ctx: ForwardContext, head_dim: int,
            interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding of `q: [B, T, H, D]`, `k: [B, T, KVH, D]` at `ctx.positions`; NeoX halves or
     adjacent pairs (`interleaved`)."""
-    fused = inference_op("rotary", q)
+    fused = ctx.ops.op("rotary")
     if fused is not None and q.shape[-1] == head_dim:
         q2, k2 = fused(q.flatten(0, 1), k.flatten(0, 1), ctx.positions.flatten(), theta, interleaved)
         return q2.view_as(q), k2.view_as(k)
@@ -93,9 +86,9 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return out.flatten(-2).to(x.dtype)
 
 
-def fused_linear(x: torch.Tensor, weight: Any) -> torch.Tensor:
+def fused_linear(x: torch.Tensor, weight: Any, ctx: ForwardContext | None = None) -> torch.Tensor:
     """`x @ weight.T` for a fused projection matrix; an FP8 one (zoo/fp8.py) applies itself."""
-    return nn.functional.linear(x, weight) if isinstance(weight, torch.Tensor) else weight(x)
+    return nn.functional.linear(x, weight) if isinstance(weight, torch.Tensor) else weight(x, ops_of(ctx))
 
 
 class SwiGLU(nn.Module):
@@ -109,9 +102,9 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.gate_up: Any = None                   # [2I, hidden] tensor (or FP8 matrix) once fused
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         if self.gate_up is not None:
-            return self.down_proj(silu_and_mul(fused_linear(x, self.gate_up)))
+            return self.down_proj(silu_and_mul(fused_linear(x, self.gate_up, ctx), ctx))
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -131,11 +124,12 @@ class GQAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
         self.qkv: Any = None                       # q|k|v as one matrix after zoo.fuse.fuse_projections
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, ctx: ForwardContext | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.qkv is not None:
             sizes = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                      self.num_kv_heads * self.head_dim)
-            return fused_linear(x, self.qkv).split(sizes, dim=-1)
+            return fused_linear(x, self.qkv, ctx).split(sizes, dim=-1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def rope(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +143,7 @@ class GQAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, plane: int, layer: int) -> torch.Tensor:
         # x: [B, T, hidden]
-        q, k, v = self.project(x)
+        q, k, v = self.project(x, ctx)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))                  # [B, T, H, D]
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))               # [B, T, KVH, D]
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))

@@ -130,9 +130,28 @@ def safetensors_files(folder: str | os.PathLike) -> list[Path]:
     raise CheckpointError(f"{folder} has no *.safetensors weight files")
 
 
+@contextmanager
+def open_safetensors(file: Path, device: str = "cpu") -> Iterator[Any]:
+    """`safe_open` with a `CheckpointError` naming the file and the fix when it is not a complete
+    safetensors file (a truncated or interrupted download, random bytes, another format)."""
+    try:
+        size = file.stat().st_size
+        with safe_open(str(file), framework="pt", device=device) as f:
+            yield f
+    except CheckpointError:
+        raise
+    except Exception as exc:       # SafetensorError, OSError, or a failed read of a short file
+        if isinstance(exc, OSError) and not file.exists():
+            raise
+        raise CheckpointError(
+            f"{file} is not a readable safetensors file ({size} bytes; {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else 'no detail'}): it is probably truncated or corrupt, "
+            f"e.g. an interrupted download; download the checkpoint again") from None
+
+
 def stored_dtype(folder: str | os.PathLike) -> torch.dtype:
     """The floating dtype most of the checkpoint's weights are stored in."""
-    with safe_open(str(safetensors_files(folder)[0]), framework="pt") as f:
+    with open_safetensors(safetensors_files(folder)[0]) as f:
         names = list(f.keys())
         kinds = [f.get_slice(n).get_dtype() for n in names[:64]]
     by_name = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -190,7 +209,7 @@ def load_weights(model: torch.nn.Module, folder: str | os.PathLike, dtype: torch
 
     stored: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             for name in f.keys():
                 stored[name] = (file, tuple(f.get_slice(name).get_shape()))
 
@@ -215,7 +234,7 @@ def load_weights(model: torch.nn.Module, folder: str | os.PathLike, dtype: torch
         by_file.setdefault(stored[source][0], []).append(param)
     with _progress(total_bytes, f"loading {Path(folder).name}") as bar:
         for file, params in by_file.items():
-            with safe_open(str(file), framework="pt", device="cpu") as f:
+            with open_safetensors(file) as f:
                 for param in params:
                     source = to_read[param]
                     if param in specs:

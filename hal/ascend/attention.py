@@ -16,11 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from hal.ascend.ops import AscendOps
-from hal.ascend.sim_attention import MASK_SIZE
+from hal.ascend.ops import MASK_SIZE, AscendOps
 from hal.base import AttentionBackend, AttnCaps, MetaCapacity, PagedBatch
-from hal.cpu.attention import TorchPagedAttention
-from hal.paged import block_table_array, slot_mapping
+from hal.common.torch_attention import TorchPagedAttention
+from hal.common.paged import block_table_array, slot_mapping
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from hal.ascend.ops import CALL_SITES, AscendOps, GraphCall
-from hal.cpu.hal import copy_into
+from hal.common.graph import copy_into
 
 
 def check_host_params(calls: Sequence[GraphCall], host_params: Sequence[dict[str, Any]]) -> None:
@@ -100,7 +100,7 @@ class NpuGraph(AscendGraph):
 
 
 class SimGraph(AscendGraph):
-    """Eager replay on the CPU with the NPU's update contract (see `hal.ascend.sim`)."""
+    """Eager replay on the CPU with the NPU's update contract (see `hal.ascend.sim.npu`)."""
 
     def __init__(self, ops: AscendOps) -> None:
         super().__init__(ops)
@@ -121,7 +121,7 @@ class SimGraph(AscendGraph):
         return self.outputs
 
     def _update(self, host_params: list[dict[str, Any]]) -> None:
-        from hal.ascend.sim import SimRecord
+        from hal.ascend.sim.npu import SimRecord
 
         # what NPUGraph.update does: replace the keys each record was captured with
         self.records[:] = [SimRecord(r.op, {k: p.get(k, v) for k, v in r.host_args.items()})
@@ -129,7 +129,7 @@ class SimGraph(AscendGraph):
         self.is_updated = True
 
     def _replay(self) -> None:
-        from hal.ascend.sim import GraphReplayError
+        from hal.ascend.sim.npu import GraphReplayError
 
         if self.fn is None:
             raise RuntimeError("replay before capture")
@@ -140,28 +140,3 @@ class SimGraph(AscendGraph):
         with self.ops.lib.replaying(self.records):
             copy_into(self.outputs, self.fn())
         self.is_updated = False
-
-
-class StagedHostBuffer:
-    """`hal.base.HostBuffer` without UVA: a host tensor (pinned on the NPU) and a device tensor at a
-    fixed address; `device_view()` copies the rows marked dirty since the last view, asynchronously
-    on the current stream. Rows written but not marked stay stale on the device (also in simulation)."""
-
-    def __init__(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device, pin: bool) -> None:
-        self.host = torch.zeros(tuple(shape), dtype=dtype, pin_memory=pin)
-        self.device = torch.zeros(tuple(shape), dtype=dtype, device=device)
-        self.is_pinned = pin
-        self.dirty: tuple[int, int] | None = None
-
-    def mark_dirty(self, lo: int = 0, hi: int | None = None) -> None:
-        hi = self.host.shape[0] if hi is None else hi
-        self.dirty = (lo, hi) if self.dirty is None else (min(lo, self.dirty[0]), max(hi, self.dirty[1]))
-
-    def device_view(self) -> torch.Tensor:
-        if self.dirty is not None:
-            lo, hi = self.dirty
-            # the host rows must stay unchanged until this copy has run: write the next step's rows
-            # after the step that reads these has been issued and synchronized (the runner's sample)
-            self.device[lo:hi].copy_(self.host[lo:hi], non_blocking=self.is_pinned)
-            self.dirty = None
-        return self.device

@@ -1,11 +1,9 @@
-"""The Ascend Hal (910B through torch_npu) and its CPU simulation.
+"""The Ascend Hal (910B through torch_npu).
 
 `AscendHal()` drives an NPU: torch.npu streams/events/memory, NPUGraph with host-parameter
-updates, HCCL, a staged host buffer, fused-infer attention. `AscendHal(simulate=True)` (or env
-`LOOPSTACK_ASCEND_SIM=1`) returns a `hal.ascend.sim_hal.SimAscendHal`: the same attention
-backends and fused ops, run through `hal.ascend.sim` on CPU tensors, with graphs replayed eagerly
-under the NPU's update contract, gloo for collectives. torch_npu is imported lazily, on first
-device use.
+updates, HCCL, a staged host buffer, fused-infer attention. torch_npu is imported lazily, on first
+device use. Its CPU simulation is a Hal of its own, `hal=ascend-sim` (`hal/ascend/sim/`); env
+`LOOPSTACK_ASCEND_SIM=1` makes `hal=ascend` mean it (`AscendHal.substitute`).
 """
 from __future__ import annotations
 
@@ -18,9 +16,10 @@ import torch
 from hal.ascend import detect
 from hal.ascend.attention import FallbackAttention, FusedAttention
 from hal.ascend.fused import make_op
-from hal.ascend.graph import NpuGraph, StagedHostBuffer
+from hal.ascend.graph import NpuGraph
 from hal.ascend.ops import AscendOps
 from hal.base import AttentionBackend, Caps, Hal, MemInfo
+from hal.common.host_buffer import StagedHostBuffer
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +35,8 @@ def _import_torch_npu() -> Any:
         import torch_npu  # noqa: F401  (registers the "npu" device and torch.npu)
     except ImportError as exc:
         raise RuntimeError(f"hal 'ascend' needs torch_npu with CANN: {exc}. Install the torch-npu release "
-                           f"that matches your torch and run CANN's set_env.sh; or set {detect.SIM_ENV}=1 "
-                           f"to simulate on the CPU") from exc
+                           f"that matches your torch and run CANN's set_env.sh; or use hal=ascend-sim "
+                           f"(or {detect.SIM_ENV}=1) to simulate on the CPU") from exc
     return torch_npu
 
 
@@ -48,18 +47,8 @@ class AscendHal(Hal):
     visible_devices_env = detect.VISIBLE_DEVICES_ENV
     is_simulated = False
 
-    def __new__(cls, *args: Any, simulate: bool | None = None, **kwargs: Any) -> "AscendHal":
-        if cls is AscendHal and (detect.env_flag(detect.SIM_ENV) if simulate is None else simulate):
-            from hal.ascend.sim_hal import SimAscendHal
-
-            cls = SimAscendHal
-        return super().__new__(cls)
-
-    def __init__(self, device_index: int | None = None, attention_backend: str = "auto",
-                 simulate: bool | None = None, sim_any_shape: bool | None = None) -> None:
+    def __init__(self, device_index: int | None = None, attention_backend: str = "auto") -> None:
         super().__init__(device_index, attention_backend)
-        if sim_any_shape and not self.is_simulated:
-            raise ValueError("sim_any_shape applies to the simulation only (simulate=True)")
         self._ops: AscendOps | None = None
         self._pool: Any = None
         self._logged: set[tuple[Any, ...]] = set()
@@ -67,6 +56,10 @@ class AscendHal(Hal):
     @classmethod
     def is_available(cls) -> bool:
         return detect.env_flag(detect.SIM_ENV) or detect.npu_present()
+
+    @classmethod
+    def substitute(cls) -> str | None:
+        return "ascend-sim" if detect.env_flag(detect.SIM_ENV) else None
 
     @property
     def ops(self) -> AscendOps:
@@ -189,7 +182,7 @@ class AscendHal(Hal):
                   block_size: int | None = None, backend: str | None = None,
                   kv_dtype: torch.dtype | None = None) -> AttentionBackend:
         """`kv_dtype=torch.int8` quantizes the KV cache (hal/ascend/quant_attention.py; the 910B has no
-        FP8); the torch fallback keeps hal/kv_quant.py's row layout."""
+        FP8); the torch fallback keeps hal/common/kv_quant.py's row layout."""
         requested = backend or self.attention_backend_name
         if requested not in ("auto", *BACKENDS):
             raise ValueError(f"unknown Ascend attention backend {requested!r}; choose auto or one of "

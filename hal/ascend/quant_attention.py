@@ -1,7 +1,7 @@
 """Int8 KV cache on Ascend (the 910B has no FP8): what `hal.attention(..., kv_dtype=torch.int8)` builds
 for the fused backends.
 
-Quantization as everywhere (hal/kv_quant.py): one float32 scale per (token, KV head), `absmax / 127`,
+Quantization as everywhere (hal/common/kv_quant.py): one float32 scale per (token, KV head), `absmax / 127`,
 fixed when the token is written. Layout, chosen for the fused op's paged antiquant (mode 5, "per-token
 + per-head, scales managed by page attention"): one uint8 tensor per layer `[2, num_blocks *
 block_bytes]`, K then V, each half holding
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from hal.ascend.attention import AscendMeta, FusedAttention
-from hal.kv_quant import dequantize, quantize
+from hal.common.kv_quant import dequantize, quantize
 
 SITE = "fused_infer_attention_int8"
 

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from hal.ascend.ops import CALL_SITES, AscendOps
-from hal.ascend.sim_hal import SimAscendHal
+from hal.ascend.sim.hal import SimAscendHal
 from hal.base import PagedBatch
 
 NO_META_KERNEL = "no fake impl or Meta kernel registered"
@@ -34,7 +34,7 @@ class CheckHal(SimAscendHal):
     """The Ascend Hal's code paths with a chosen op provider on a chosen device (meta, cpu)."""
 
     def __init__(self, lib: Any, device: str) -> None:
-        super().__init__(simulate=True)
+        super().__init__()
         self._ops = AscendOps(lib)
         self._device = torch.device(device)
 
@@ -227,7 +227,7 @@ def main() -> int:
     import torch_npu
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from hal.ascend.sim import SimNpu
+    from hal.ascend.sim.npu import SimNpu
 
     print(f"torch {torch.__version__}, torch_npu {torch_npu.__version__}")
     problems = schema_drift(torch_npu)

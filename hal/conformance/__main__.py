@@ -1,6 +1,8 @@
 """`python -m hal.conformance hal=<name> [only=check1,check2] [attention_backend=NAME]`: run the
 conformance checks and print the versions, one line per check, and the acceptance level reached
-(R0 smoke .. R3 numerics, see `report.py`); exit status 1 if any check fails.
+(R0 smoke .. R3 numerics, see `report.py`); exit status 1 if any check fails. The R3 check runs the
+golden cases through the engine: it comes from the installed runtime (`checks.engine_checks`), or
+run `python -m runtime.conformance`, which passes it in.
 
 (A tiny key=value parser instead of Hydra, so a vendor engineer can run this with nothing but torch.)
 """
@@ -13,16 +15,17 @@ import sys
 import torch
 
 import hal
-from hal.conformance.checks import CHECKS, run_all
+from hal.conformance.checks import CHECKS, engine_checks, run_all
 from hal.conformance.report import format_levels, level_statuses, versions
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], extra: dict | None = None, program: str = "hal.conformance") -> int:
+    checks = {**CHECKS, **(engine_checks() if extra is None else extra)}
     args = dict(a.split("=", 1) for a in argv if "=" in a)
     keys = ("hal", "only", "device_index", "attention_backend")
     unknown = [a for a in argv if "=" not in a or a.split("=", 1)[0] not in keys]
     if unknown:
-        print(f"usage: python -m hal.conformance hal=<{'|'.join(['auto', *hal.names()])}> [only=a,b] "
+        print(f"usage: python -m {program} hal=<{'|'.join(['auto', *hal.names()])}> [only=a,b] "
               f"[device_index=N] [attention_backend=NAME]; not understood: {' '.join(unknown)}", file=sys.stderr)
         return 2
     name = args.get("hal", "auto")
@@ -46,14 +49,17 @@ def main(argv: list[str]) -> int:
     vendor_versions = instance.versions()
     if vendor_versions:
         print(f"{instance.name} versions: " + " ".join(f"{k}={v}" for k, v in vendor_versions.items()))
-    results = run_all(instance, args["only"].split(",") if "only" in args else None)
+    results = run_all(instance, args["only"].split(",") if "only" in args else None, checks)
     for r in results:
         print(f"{r.status:4s}  {r.name}" + (f"\n      {r.detail}" if r.detail else ""))
     failed = [r.name for r in results if r.status == "FAIL"]
     passed = sum(r.status == "PASS" for r in results)
     print(f"{passed}/{len(results)} passed" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
-    for line in format_levels(level_statuses(results, CHECKS)):
+    for line in format_levels(level_statuses(results, [*checks, "golden_greedy"])):
         print(line)
+    if "golden_greedy" not in checks:
+        print("(R3 runs the golden cases through the engine: install loopstack, or run "
+              "python -m runtime.conformance)")
     return 1 if failed else 0
 
 

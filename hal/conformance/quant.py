@@ -2,7 +2,7 @@
 (`caps.kv_quant_dtypes`, `op("fp8_linear")`); skipped where it declares none.
 
 KV: the Hal's backend and the CPU reference each write the same keys and values into an 8-bit cache
-of the same format; what `read_kv` gives back must agree (same quantization rule, hal/kv_quant.py)
+of the same format; what `read_kv` gives back must agree (same quantization rule, hal/common/kv_quant.py)
 and attention over the cache must match the reference's within the dtype's tolerance.
 FP8 linear: `y = x @ (q * scale).T` within e4m3's rounding of the activations (an implementation may
 quantize x per row, W8A8) plus the dtype's, against float64 on the dequantized weight.
@@ -15,8 +15,8 @@ import torch
 
 from hal.base import Hal
 from hal.conformance.checks import TOLERANCE, SkipCheck, _history_batch, _max_err, _random_batch
-from hal.cpu.attention import TorchPagedAttention
-from hal.kv_quant import quantize
+from hal.common.torch_attention import TorchPagedAttention
+from hal.common.kv_quant import quantize
 
 
 def check_quantized_kv(hal: Hal) -> str:

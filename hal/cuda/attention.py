@@ -11,7 +11,7 @@ from typing import Any, NamedTuple, Sequence
 import torch
 
 from hal.base import AttentionBackend
-from hal.cpu.attention import TorchPagedAttention
+from hal.common.torch_attention import TorchPagedAttention
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_TRITON_HEAD_DIM = 128            # the kernels' tiles are compile-checked up to this; wider go to torch

@@ -4,8 +4,8 @@ Two kinds, chosen once per Hal by `decide_uva`:
 - `MappedHostBuffer`: pinned host memory whose device address (cudaHostGetDevicePointer /
   hipHostGetDevicePointer) is wrapped as a torch device tensor. Kernels read the host memory
   directly, so there is no copy at all and `mark_dirty` does nothing.
-- `StagedHostBuffer`: pinned host memory plus a device tensor at a fixed address; `device_view()`
-  enqueues one asynchronous copy of the rows marked dirty since the last call.
+- `StagedHostBuffer` (hal/common/host_buffer.py): pinned host memory plus a device tensor at a
+  fixed address; `device_view()` enqueues one asynchronous copy of the rows marked dirty.
 
 Either way the host rows are read by the device *when the work that uses them runs*, so the
 caller must not overwrite rows that queued work still needs (double-buffer, or wait on an event).
@@ -15,6 +15,8 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
+
+from hal.common.host_buffer import StagedHostBuffer, check_shape, dirty_rows  # noqa: F401 (the Hal builds buffers.StagedHostBuffer)
 
 UVA_ENV = "LOOPSTACK_UVA"
 PROBE_LEN = 256                      # int32 values the probe writes on the host and reads on the device
@@ -27,20 +29,6 @@ class UvaDecision(NamedTuple):
 
 class MappingError(RuntimeError):
     pass
-
-
-def _rows(lo: int, hi: int | None, num_rows: int) -> tuple[int, int]:
-    hi = num_rows if hi is None else hi
-    if not 0 <= lo <= hi <= num_rows:
-        raise IndexError(f"mark_dirty({lo}, {hi}) is outside rows [0, {num_rows}]")
-    return lo, hi
-
-
-def _check_shape(shape: Sequence[int]) -> tuple[int, ...]:
-    shape = tuple(int(s) for s in shape)
-    if not shape or any(s <= 0 for s in shape):
-        raise ValueError(f"host_buffer shape {shape} must have at least one dimension and no empty ones")
-    return shape
 
 
 class _CudaArray:
@@ -71,7 +59,7 @@ class MappedHostBuffer:
 
     def __init__(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device,
                  device_pointer: Callable[[int], int]) -> None:
-        shape = _check_shape(shape)
+        shape = check_shape(shape)
         with torch.cuda.device(device):
             torch.zeros(1, device=device)        # the primary context must exist: pinned memory is tied to it
             self.host = torch.zeros(shape, dtype=dtype, pin_memory=True)         # [rows, ...]
@@ -81,35 +69,10 @@ class MappedHostBuffer:
         self._view = flat.view(dtype).view(shape)
 
     def mark_dirty(self, lo: int = 0, hi: int | None = None) -> None:
-        _rows(lo, hi, self.host.shape[0])          # nothing to copy: the device reads host memory
+        dirty_rows(lo, hi, self.host.shape[0])          # nothing to copy: the device reads host memory
 
     def device_view(self) -> torch.Tensor:
         return self._view
-
-
-class StagedHostBuffer:
-    """Pinned host rows copied into a fixed device tensor: only the rows marked dirty, once,
-    asynchronously on the current stream when `device_view()` is called."""
-
-    def __init__(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> None:
-        shape = _check_shape(shape)
-        self.host = torch.zeros(shape, dtype=dtype, pin_memory=device.type != "cpu")   # [rows, ...]
-        self._device = torch.zeros(shape, dtype=dtype, device=device)
-        self._dirty = (0, 0)                     # rows [lo, hi) written since the last copy
-
-    def mark_dirty(self, lo: int = 0, hi: int | None = None) -> None:
-        lo, hi = _rows(lo, hi, self.host.shape[0])
-        if hi == lo:
-            return
-        old_lo, old_hi = self._dirty
-        self._dirty = (lo, hi) if old_lo == old_hi else (min(lo, old_lo), max(hi, old_hi))
-
-    def device_view(self) -> torch.Tensor:
-        lo, hi = self._dirty
-        if hi > lo:
-            self._device[lo:hi].copy_(self.host[lo:hi], non_blocking=True)
-            self._dirty = (0, 0)
-        return self._device
 
 
 def probe_mapping(make_mapped: Callable[[Sequence[int], torch.dtype], Any]) -> UvaDecision:

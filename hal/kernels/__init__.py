@@ -5,9 +5,11 @@
   ops.py         fused small ops: rms_norm (+ residual), rotary (NeoX / GPT-J), silu_and_mul
   backend.py     TritonPagedAttention, the AttentionBackend over these kernels
   configs.py     launch parameters per arch (the Hals pick the table); launch.py: target + options
-  reference.py   plain-torch references;  testing.py  running them in the Triton interpreter
-  xcompile.py    cross-compile checks for gfx942/gfx950/sm_90 (python -m hal.kernels.xcompile)
-  bench.py       GPU timings at the Ouro-1.4B shapes (bench_kernels())
+
+Their checks live with the tools and tests: tests/kernels/kernel_reference.py (plain-torch
+references), tests/kernels/interp.py (the Triton interpreter on the CPU), tools/xcompile.py
+(cross-compiles for gfx942/gfx950/sm_90; CI runs it through tests/kernels/test_xcompile.py),
+tools/kernel_bench.py (GPU timings at the Ouro-1.4B shapes).
 
 Importing this package imports nothing from Triton; the modules above need `triton`.
 """

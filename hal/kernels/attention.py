@@ -21,7 +21,7 @@ of tokens, sequences, splits): CUDA/HIP graphs stay valid as long as a captured 
 Precision: products on the tensor cores with fp32 accumulation; bf16 P for the PV product (as in
 FlashAttention); fp32 caches use 3xTF32 on NVIDIA and fp32 MFMA on AMD (`dot_precision`).
 
-8-bit caches (`KV_QUANT`, hal/kv_quant.py): K and V tiles load as FP8 and widen to q's dtype (exact),
+8-bit caches (`KV_QUANT`, hal/common/kv_quant.py): K and V tiles load as FP8 and widen to q's dtype (exact),
 and every key's scale is applied where it factors out of the products: QK^T column n times
 `k_scale[n]`, and P's column n times `v_scale[n]` before the PV product. The softmax sums stay the
 unscaled P's.
@@ -228,7 +228,7 @@ def attention_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
 
     q `[T, H, D]`; kv_cache `[2, NB, page, KVH, D]`; block_table `[S, max_blocks]` int32 (one plane);
     seq_lens `[S]` int32 (cached tokens incl. this step's); query_start_loc `[S + 1]` int32.
-    kv_scales `[2, NB, page, KVH]` float32 for an 8-bit kv_cache (`hal.kv_quant.RowLayout` views).
+    kv_scales `[2, NB, page, KVH]` float32 for an 8-bit kv_cache (`hal.common.kv_quant.RowLayout` views).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, _ = kv_cache.shape

@@ -2,7 +2,7 @@
 
 Cache layout as the CPU reference, `[2, num_blocks, block_size, KVH, D]`, so caches, slot
 mappings and `read_kv`/`copy_kv` carry over unchanged; an FP8 cache (`kv_dtype`) is the reference's
-byte rows too (hal/kv_quant.py), which the kernels read through strided values/scales views.
+byte rows too (hal/common/kv_quant.py), which the kernels read through strided values/scales views.
 
 Graphs: `forward`/`write_kv` read lengths and tables from device tensors only and never sync; the
 launch grid depends on `q.shape[0]`, the number of sequences and `meta.max_query_len`, so a captured
@@ -22,7 +22,7 @@ from hal.kernels.configs import KernelConfig, configs_for
 from hal.kernels.kv_write import write_kv
 from hal.kernels.launch import target_of
 from hal.kernels.staging import StagingRing
-from hal.paged import block_table_array, query_start_loc, slot_mapping
+from hal.common.paged import block_table_array, query_start_loc, slot_mapping
 
 DEFAULT_CPU_COMPUTE_UNITS = 4     # the interpreter has no SMs; enough to exercise the context split
 MAX_HEAD_DIM = 128

@@ -11,7 +11,7 @@ callers; nothing else chooses tiles. Keys of a table are kernel names:
   attention_*_fp32    the same for float32 caches (golden and conformance runs, not speed): fp32 tiles
                       take twice the registers and shared memory, and on NVIDIA the products run as
                       3xTF32 (fp32-level error), which needs more registers still
-  attention_prefill_fp8  attention_prefill for 16-bit queries over an FP8 KV cache (hal/kv_quant.py): the
+  attention_prefill_fp8  attention_prefill for 16-bit queries over an FP8 KV cache (hal/common/kv_quant.py): the
                       K/V tiles widen from FP8 in registers, which the largest AMD tiles cannot spare
   attention_reduce    merges the context splits of attention_decode (num_warps only)
   kv_write            scatter of new K/V rows into the paged cache: block_m tokens per program
@@ -22,7 +22,7 @@ callers; nothing else chooses tiles. Keys of a table are kernel names:
 AMD-only keys (`waves_per_eu`, `matrix_instr_nonkdim`, `kpack`) are passed to a launch only when
 it targets an AMD GPU (see `hal.kernels.launch`). On AMD `num_stages` 2 enables the stream
 pipeliner (LDS double buffering); NVIDIA uses 2-4 cp.async stages. Every entry is cross-compiled
-for its targets on the CPU (`python -m hal.kernels.xcompile`): no spills, no scratch, LDS/shared
+for its targets on the CPU (`python tools/xcompile.py`): no spills, no scratch, LDS/shared
 within the limit, MFMA/wgmma present where expected. None of it has been timed on AMD hardware.
 """
 from __future__ import annotations

@@ -95,7 +95,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_cols, stride_x, stride_q,
 def quantize_rows_launch(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, config: KernelConfig,
                          target: str) -> Launch:
     """x `[M, K]`, out `[M, K]` FP8, scale `[M, 1]` float32; `config.num_warps` per row."""
-    from hal.kv_quant import quant_max
+    from hal.common.kv_quant import quant_max
 
     return Launch(_quantize_rows_kernel, (x.shape[0],), (x, out, scale, x.shape[1], x.stride(0), out.stride(0)),
                   dict(QMAX=quant_max(out.dtype), BLOCK=next_pow2(x.shape[1]), **launch_options(config, target)))

@@ -2,7 +2,7 @@
 
 A program moves the `[KVH, D]` key and value rows of `block_m` tokens (each token's rows are one
 contiguous run of KVH * D elements in the cache: 16-byte vectors at head dims that are multiples of 8).
-An 8-bit cache (hal/kv_quant.py) quantizes on the way: per (token, KV head) `scale = absmax / QMAX`,
+An 8-bit cache (hal/common/kv_quant.py) quantizes on the way: per (token, KV head) `scale = absmax / QMAX`,
 values `x / scale` rounded to FP8, both divisions correctly rounded (`div_rn`) so the stored bytes
 equal the torch reference's.
 """
@@ -79,7 +79,7 @@ def kv_write_launch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, sl
                     config: KernelConfig, target: str, kv_scales: torch.Tensor | None = None) -> Launch:
     """k, v `[T, KVH, D]`; kv_cache `[2, NB, page, KVH, D]`; slot_mapping `[T]` int64 (one plane).
     `config.block_m` tokens per program. With `kv_scales: [2, NB, page, KVH]` float32, `kv_cache`
-    holds 8-bit values (`hal.kv_quant.RowLayout` views) and the write quantizes."""
+    holds 8-bit values (`hal.common.kv_quant.RowLayout` views) and the write quantizes."""
     num_tokens, num_kv_heads, head_dim = k.shape
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     grid = (-(-num_tokens // config.block_m),)
@@ -91,7 +91,7 @@ def kv_write_launch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, sl
     if kv_scales is None:
         return Launch(_kv_write_kernel, grid, (k, v, key_cache, value_cache, slot_mapping, slot_mapping.stride(0),
                                                num_tokens, *strides), shape)
-    from hal.kv_quant import quant_max
+    from hal.common.kv_quant import quant_max
 
     return Launch(_kv_write_quant_kernel, grid, (
         k, v, key_cache, value_cache, kv_scales[0], kv_scales[1], slot_mapping, slot_mapping.stride(0), num_tokens,

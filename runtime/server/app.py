@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -23,13 +24,13 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 from runtime.server.config import ServerConfig
 from runtime.server.engine_loop import EngineLoop
 from runtime.server.generation import Generation
 from runtime.server.metrics import CONTENT_TYPE, ServerMetrics
-from runtime.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, error_body,
-                                     parse_request)
+from runtime.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                     TokenizeRequest, error_body, parse_request)
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,8 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
     loop = EngineLoop(engine, metrics, config.max_num_requests)
     model_name = config.model_name or _folder_name(engine) or "default"
     generation = Generation(loop, engine.tokenizer, model_name, config)
+    log.info("serving %s: requests that leave sampling out get the model's defaults: %s", model_name,
+             config.sampling.describe())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -93,14 +96,51 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
+        sampling = dataclasses.asdict(config.sampling)
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "loopstack", "max_model_len": engine.max_model_len}]}
+                                            "owned_by": "loopstack", "max_model_len": engine.max_model_len,
+                                            "max_num_loops": engine.config.max_num_loops,
+                                            "sampling_defaults": sampling}]}
 
     @app.get("/health")
     async def health() -> Response:
-        if loop.is_alive:
+        if loop.is_accepting:
             return JSONResponse({"status": "ok", "requests_in_flight": loop.num_in_flight})
-        return JSONResponse(error_body("the engine loop is not running", "service_unavailable"), 503)
+        message = "the server is shutting down" if loop.is_alive else "the engine loop is not running"
+        return JSONResponse(error_body(message, "service_unavailable"), 503,
+                            headers={"Retry-After": str(config.retry_after_s)})
+
+    # the tokenizer, for clients that count or build token ids themselves (lm-eval's remote tokenizer)
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await guarded(request, lambda: tokenizer_call(request, "tokenize"))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await guarded(request, lambda: tokenizer_call(request, "detokenize"))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> Response:
+        return await guarded(request, lambda: tokenizer_call(request, "info"))
+
+    async def tokenizer_call(request: Request, what: str) -> Response:
+        tokenizer = engine.tokenizer
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer.json", code="no_tokenizer")
+        if what == "info":
+            return JSONResponse({**{k: tokenizer.special_token(k) for k in ("bos_token", "eos_token", "pad_token")},
+                                 "chat_template": tokenizer.chat_template, "model_max_length": engine.max_model_len,
+                                 "vocab_size": tokenizer.vocab_size})
+        cls = TokenizeRequest if what == "tokenize" else DetokenizeRequest
+        body = parse_request(cls, await read_json(request, config.max_body_bytes))
+        if what == "tokenize":
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
+        vocab = engine.model.config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids out of range [0, {vocab}): {bad[:5]}", param="tokens")
+        return JSONResponse({"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

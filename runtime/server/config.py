@@ -1,11 +1,13 @@
 """`ServerConfig`: the HTTP layer's limits and defaults (the engine has its own `EngineConfig`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
+from runtime.config import SamplingDefaults
+
 # filled from the `model:` config node by runtime.serve, not part of the `server:` node
-SERVER_FIELDS_FROM_MODEL = ("stop_token_ids", "default_num_loops", "default_exit_threshold")
+SERVER_FIELDS_FROM_MODEL = ("stop_token_ids", "default_num_loops", "default_exit_threshold", "sampling")
 
 
 @dataclass(frozen=True)
@@ -21,17 +23,20 @@ class ServerConfig:
     retry_after_s: int = 1                  # the Retry-After of a 429 / 503
     max_body_bytes: int = 1 << 20           # larger request bodies get 413
     default_max_tokens: int = 256           # when a request gives no max_tokens (capped by the context)
-    max_num_loops: int = 64                 # the largest num_loops a request may ask for
     max_num_stop_strings: int = 16
     shutdown_timeout_s: float = 30.0        # at shutdown, how long in-flight requests may still run
     stop_token_ids: tuple[int, ...] = ()    # besides the tokenizer's / config's eos (the model node's)
     default_num_loops: Optional[int] = None       # None: the model's own depth
     default_exit_threshold: Optional[float] = None  # None: the model's own threshold
+    # what a request leaves out: the model's generation_config, as runtime.generate applies it
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        for name in ("max_num_requests", "max_body_bytes", "default_max_tokens", "max_num_loops"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        if self.retry_after_s < 0:
-            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s!r}")
+        for name in ("max_num_requests", "max_body_bytes", "default_max_tokens", "max_num_stop_strings"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not (isinstance(self.retry_after_s, int) and self.retry_after_s >= 0):
+            raise ValueError(f"retry_after_s must be an integer >= 0, got {self.retry_after_s!r}")
+        if not self.shutdown_timeout_s >= 0:
+            raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s!r}")

@@ -25,8 +25,8 @@ from typing import NamedTuple, Sequence
 import torch
 
 from runtime.config import SamplingParams
-from runtime.engine import LLMEngine
-from runtime.outputs import RequestOutput
+from runtime.engine.llm_engine import LLMEngine
+from runtime.engine.outputs import RequestOutput
 from runtime.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -109,6 +109,11 @@ class EngineLoop:
     @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def is_accepting(self) -> bool:
+        """False once shutdown began: new requests get 503 while admitted ones drain."""
+        return self._is_accepting and self.is_alive
 
     @property
     def num_in_flight(self) -> int:
@@ -265,13 +270,12 @@ class EngineLoop:
     def _abort(self, request_id: str, finish_reason: str = "abort", error: str | None = None) -> None:
         if request_id not in self._sinks:
             return                               # already finished (or withdrawn)
-        request = self.engine.requests.get(request_id)
         out = RequestOutput(request_id, None, [], finished=True, finish_reason=finish_reason, error=error)
         try:
+            known = self.engine.output_for(request_id, finish_reason)
             self.engine.abort(request_id)
-            if request is not None:
-                out = dataclasses.replace(self.engine.output_of(request), finished=True,
-                                          finish_reason=finish_reason, error=error)
+            if known is not None:
+                out = dataclasses.replace(known, error=error)
         except Exception:                        # the engine is broken; the request still gets its answer
             log.exception("could not abort %s", request_id)
         finally:

@@ -1,10 +1,11 @@
 """uvicorn with a shutdown that is graceful for generation requests.
 
-On SIGINT / SIGTERM (or `server.should_exit = True`) uvicorn stops accepting connections and waits
-for open ones. A generation request can outlast any sensible wait, so the engine loop is told at the
-same moment: it keeps stepping admitted requests for `shutdown_timeout_s`, then aborts the rest,
-whose streams end properly (a last chunk with finish_reason "abort", then `[DONE]`) and whose plain
-requests get 503. uvicorn's own timeout, a little longer, is only a backstop.
+On SIGINT / SIGTERM (or `server.should_exit = True`) the engine loop stops admitting requests and
+keeps stepping the admitted ones for `shutdown_timeout_s`, then aborts the rest: their streams end
+properly (a last chunk with an OpenAI finish_reason, an error object, then `[DONE]`) and their plain
+requests get 503. Meanwhile the server still accepts connections, so a new request gets 503 with
+`Retry-After` rather than "connection refused". Only then does uvicorn stop listening and wait for
+open connections; its own timeout, a little longer, is only a backstop.
 """
 from __future__ import annotations
 
@@ -26,11 +27,11 @@ class GracefulServer(uvicorn.Server):
         self._drain: asyncio.Future | None = None
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        # not awaited here: uvicorn closes its listeners and waits for connections meanwhile
+        # drain first, still listening: requests arriving now are answered 503 (the loop refuses them)
         self._drain = asyncio.ensure_future(asyncio.to_thread(
             self.engine_loop.shutdown, drain_timeout_s=self.shutdown_timeout_s))
-        await super().shutdown(sockets)
         await self._drain
+        await super().shutdown(sockets)
 
 
 def make_server(app: Any, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout_s: float = 30.0,

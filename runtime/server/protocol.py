@@ -1,9 +1,9 @@
 """The OpenAI request bodies we accept (pydantic, strict types) and the OpenAI error object.
 
 Fields follow the OpenAI API, plus the looped-model extras `num_loops` / `exit_threshold` and
-vLLM's `top_k`, `ignore_eos`, `stop_token_ids`, `chat_template_kwargs`. Unknown fields are
-rejected (a typo such as `num_loop` must not be silently ignored); OpenAI fields we do not
-implement are accepted only at their neutral value (`n=1`, penalties 0, no logprobs, ...).
+vLLM's `top_k`, `min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
+`chat_template_kwargs`. Unknown fields are rejected (a typo such as `num_loop` must not be silently
+ignored); OpenAI fields we do not implement (`suffix`, `tools`) are accepted only at their neutral value.
 """
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20        # OpenAI's limit for logprobs / top_logprobs
+MAX_N = 16               # samples per prompt (n, best_of)
+# the roles OpenAI's chat API defines; anything else is most likely a client bug
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 class APIError(Exception):
@@ -50,12 +54,13 @@ class _GenerationRequest(_Body):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
-    # OpenAI fields accepted only at their neutral value (see `unsupported_field`)
-    n: Optional[int] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
+    n: Optional[int] = Field(None, ge=1, le=MAX_N)
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    logit_bias: Optional[dict[str, float]] = None      # token id (as a string) -> bias in [-100, 100]
     # looped-model and vLLM extras
+    repetition_penalty: Optional[float] = Field(None, gt=0)
+    min_tokens: Optional[int] = Field(None, ge=0)
     num_loops: Optional[int] = Field(None, ge=1)
     exit_threshold: Optional[float] = Field(None, gt=0, le=1)
     ignore_eos: bool = False
@@ -70,8 +75,8 @@ class CompletionRequest(_GenerationRequest):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     echo: Optional[bool] = None
     suffix: Optional[str] = None
-    best_of: Optional[int] = None
-    logprobs: Optional[int] = None
+    best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 class TextPart(_Body):
@@ -82,7 +87,7 @@ class TextPart(_Body):
 class ChatMessage(BaseModel):
     # extra keys (name, tool_calls, ...) pass through to the chat template
     model_config = ConfigDict(extra="allow", strict=True)
-    role: str
+    role: Literal[CHAT_ROLES]
     content: Union[str, list[TextPart], None] = None
 
     def as_template_input(self) -> dict[str, Any]:
@@ -96,16 +101,25 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: Optional[list[Any]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
+class TokenizeRequest(_Body):
+    prompt: str
+    add_special_tokens: bool = False
+    model: Optional[str] = None
+
+
+class DetokenizeRequest(_Body):
+    tokens: list[int]
+    model: Optional[str] = None
+
+
 def unsupported_field(request: _GenerationRequest) -> str | None:
     """The first OpenAI field set to something this server does not implement, if any."""
-    neutral = {"n": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-               "logit_bias": (None, {}), "logprobs": (None, False, 0), "top_logprobs": (None, 0),
-               "echo": (None, False), "suffix": (None,), "best_of": (None, 1), "tools": (None, [])}
+    neutral = {"suffix": (None,), "tools": (None, [])}
     for name, allowed in neutral.items():
         if name in type(request).model_fields and getattr(request, name) not in allowed:
             return name

@@ -32,11 +32,12 @@ class TextStream:
         self.text = ""                 # the answer so far: the latest text, cut at a stop string
         self.is_stopped = False
 
-    def update(self, text: str, is_finished: bool) -> TextDelta:
-        """`text` is the whole output decoded so far; `is_finished` says no token follows."""
+    def update(self, text: str, is_finished: bool, check_stop: bool = True) -> TextDelta:
+        """`text` is the whole output decoded so far; `is_finished` says no token follows.
+        `check_stop=False` (before min_tokens) lets stop strings pass."""
         if self.is_stopped:
             return TextDelta("", True)
-        cut = self._find_stop(text)
+        cut = self._find_stop(text) if check_stop else None
         if cut is not None:
             self.is_stopped, self.text = True, text[:cut]
             return TextDelta(self._extend(self.text), True)

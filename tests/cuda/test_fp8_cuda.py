@@ -12,7 +12,7 @@ from hal.conformance.quant import check_fp8_linear, check_quantized_kv
 from helpers import CONFIGS, golden_case, golden_names
 from runtime import SamplingParams
 from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.cuda
 
@@ -81,7 +81,7 @@ def test_fp8_paths_at_ouro_1_4b_shape(gpu):
 
 def test_scaled_mm_and_triton_fp8_linear_agree(gpu, monkeypatch):
     from hal.cuda.fp8 import GEMM_ENV, fp8_linear_op
-    from hal.kv_quant import quantize
+    from hal.common.kv_quant import quantize
 
     x = torch.randn(64, 2048, device=gpu.device(), dtype=torch.bfloat16)
     weight, scale = quantize(torch.randn(11264, 2048, device=gpu.device()) * 0.02, torch.float8_e4m3fn)

@@ -10,7 +10,7 @@ import zoo
 from helpers import CONFIGS, golden_case, golden_names
 from runtime import SamplingParams
 from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.cuda
 
@@ -54,5 +54,5 @@ def test_async_equals_sync_at_the_real_shape_bf16():
             engine.add_request(str(i), prompt, params)
         outs = {o.request_id: o.token_ids for o in engine.run_until_done()}
         results[async_] = [outs[str(i)] for i in range(len(prompts))]
-        assert engine.runner.graphs.graphs
+        assert engine.runner.graphs.captured
     assert results[True] == results[False]

@@ -10,7 +10,7 @@ import zoo
 from helpers import CONFIGS, golden_case, golden_names
 from runtime import SamplingParams
 from runtime.config import EngineConfig, SpeculativeConfig
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.cuda
 
@@ -61,7 +61,7 @@ def test_speculation_equals_plain_decoding_at_ouro_1_4b_shape(dtype):
 
 
 def test_step_costs_are_measured():
-    from runtime.spec_costs import measure_step_costs
+    from runtime.speculation.costs import measure_step_costs
 
     gpu = hal.get("cuda")
     model = zoo.from_config(CONFIGS / "ouro-1.4b.json", dtype="bfloat16", device=gpu.device(), seed=0)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hal.cpu.attention import TorchPagedAttention
+from hal.common.torch_attention import TorchPagedAttention
 from hal.cuda import attention
 from hal.cuda import host_buffer as buffers
 from hal.cuda.fp8 import quantize_rows

@@ -10,14 +10,14 @@ from helpers import golden_case, golden_names, single_thread  # noqa: F401 (fixt
 import hal
 import zoo
 from hal.ascend.graph import SimGraph
-from hal.ascend.sim import GraphReplayError
+from hal.ascend.sim.npu import GraphReplayError
 from runtime import SamplingParams
 from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 
 
 def sim_engine(model, any_shape=True, **config):
-    h = hal.get("ascend", simulate=True, sim_any_shape=any_shape)
+    h = hal.get("ascend-sim", sim_any_shape=any_shape)
     # 3 prompts, a budget of 8 tokens a step: prefill is chunked and overlaps the first decodes, so
     # requests finish apart and decode batches of 3 (padded to bucket 4), 2 and 1 all occur
     defaults = dict(block_size=16 if any_shape else None, max_num_batched_tokens=8, max_num_seqs=4)
@@ -64,11 +64,11 @@ def test_golden_greedy_with_decode_graphs(name, graph_log, single_thread):
     got = generate(engine, case)
     assert got == [case.greedy(i) for i in range(case.num_prompts)]
 
-    captured = engine.runner.graphs.graphs              # (bucket, loops, copy) -> capture
+    captured = engine.runner.graphs.captured              # ("decode", bucket, loops, copy) -> capture
     wanted_buckets = {4, 2, 1} if case.num_prompts == 3 else {2, 1}
-    assert {bucket for bucket, _, _ in captured} == wanted_buckets
+    assert {bucket for _, bucket, _, _ in captured} == wanted_buckets
     num_replays = 0
-    for (bucket, _, _), cap in captured.items():
+    for (_, bucket, _, _), cap in captured.items():
         calls, log = cap.graph.calls, graph_log[cap.graph]
         planes = len(cap.ctx.batch.block_tables)
         assert calls and {c.plane for c in calls} == set(range(planes)), (bucket, calls)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hal
-from hal.ascend.sim import GraphReplayError
+from hal.ascend.sim.npu import GraphReplayError
 from hal.base import MetaCapacity, PagedBatch
 
 TABLES = [[[0], [1, 2, 8], [3]], [[4], [5, 6, 9], [7]]]      # [plane][seq][block]
@@ -22,7 +22,7 @@ def ascend_hal(where: str):
     """"sim": the strict simulation; "sim-any": shape limits lifted; "npu": the real Hal."""
     if where == "npu":
         return hal.get("ascend")
-    return hal.get("ascend", simulate=True, sim_any_shape=where == "sim-any")
+    return hal.get("ascend-sim", sim_any_shape=where == "sim-any")
 
 
 class Step:
@@ -159,7 +159,7 @@ def test_each_meta_returns_the_calls_captured_with_it():
 
 
 def test_graph_without_attention_needs_no_host_params():
-    h = hal.get("ascend", simulate=True)
+    h = hal.get("ascend-sim")
     x = torch.randn(4, 8)
     graph = h.graph()
     out = graph.capture(lambda: x.relu() * 2)
@@ -171,7 +171,7 @@ def test_graph_without_attention_needs_no_host_params():
 
 
 def test_staged_host_buffer_copies_only_marked_rows():
-    buf = hal.get("ascend", simulate=True).host_buffer((4, 3), torch.int32)
+    buf = hal.get("ascend-sim").host_buffer((4, 3), torch.int32)
     view = buf.device_view()
     values = torch.randint(1, 100, (4, 3), dtype=torch.int32)
     buf.host.copy_(values)

@@ -11,17 +11,18 @@ from helpers import ROOT
 import hal
 from hal.ascend import detect
 from hal.ascend.hal import AscendHal
-from hal.ascend.sim_hal import SimAscendHal
+from hal.ascend.sim.hal import SimAscendHal
 from hal.conformance import CHECKS
+from runtime.conformance import check_golden_greedy
 
 
 def test_identity_and_caps():
     assert (AscendHal.name, AscendHal.device_type, AscendHal.dist_backend, AscendHal.visible_devices_env) == \
         ("ascend", "npu", "hccl", "ASCEND_RT_VISIBLE_DEVICES")
-    caps = hal.get("ascend", simulate=True).caps
+    caps = hal.get("ascend-sim").caps
     assert caps.graphs and caps.graph_needs_host_update and not caps.uva
     assert caps.kv_block_sizes == (128,) and caps.head_dims == (128,) and caps.fp8_dtype is None
-    assert hal.get("ascend", simulate=True, sim_any_shape=True).caps.head_dims is None
+    assert hal.get("ascend-sim", sim_any_shape=True).caps.head_dims is None
 
 
 @pytest.fixture
@@ -49,7 +50,7 @@ def test_detection_rule(monkeypatch, no_sim_env, installed, davinci, npu_smi, vi
 def test_detection_and_simulation_never_import_torch_npu(monkeypatch, no_sim_env):
     sys.modules.pop("torch_npu", None)
     AscendHal.is_available()
-    h = hal.get("ascend", simulate=True)
+    h = hal.get("ascend-sim")
     h.attention(8, 2, 128, torch.bfloat16)
     assert "torch_npu" not in sys.modules
     if not detect.npu_present():
@@ -57,12 +58,13 @@ def test_detection_and_simulation_never_import_torch_npu(monkeypatch, no_sim_env
             hal.get("ascend")
     monkeypatch.setenv(detect.SIM_ENV, "1")
     assert hal.get_class("ascend").is_available() and isinstance(hal.get("ascend"), SimAscendHal)
-    with pytest.raises(ValueError, match="simulation only"):
-        AscendHal(simulate=False, sim_any_shape=True)
+    assert hal.get("ascend-sim").name == "ascend-sim"
+    with pytest.raises(TypeError):
+        AscendHal(sim_any_shape=True)          # a simulation option: the real Hal does not take it
 
 
 def test_backend_choice_is_logged_and_explicit_requests_are_strict(caplog):
-    h = hal.get("ascend", simulate=True)
+    h = hal.get("ascend-sim")
     with caplog.at_level(logging.INFO, logger="hal.ascend.hal"):
         fused = h.attention(16, 2, 128, torch.bfloat16)
         h.attention(16, 2, 128, torch.bfloat16)
@@ -77,7 +79,7 @@ def test_backend_choice_is_logged_and_explicit_requests_are_strict(caplog):
         h.attention(4, 2, 64, torch.bfloat16, backend="fia")
     with pytest.raises(ValueError, match="unknown Ascend attention backend"):
         h.attention(4, 2, 128, torch.bfloat16, backend="flash")
-    any_shape = hal.get("ascend", simulate=True, sim_any_shape=True)
+    any_shape = hal.get("ascend-sim", sim_any_shape=True)
     assert any_shape.attention(4, 2, 64, torch.float32).name == "fia"
     # pages of 16: the simulation's lifted limit only; the 910B's fused op takes multiples of 128
     assert any_shape.attention(4, 2, 64, torch.float32, block_size=16).name == "fia"
@@ -86,24 +88,29 @@ def test_backend_choice_is_logged_and_explicit_requests_are_strict(caplog):
     assert h.op("rms_norm") and h.op("rotary") and h.op("silu_and_mul") and h.op("gelu") is None
 
 
-@pytest.mark.parametrize("check", sorted(CHECKS))
+ALL = {**CHECKS, "golden_greedy": check_golden_greedy}
+
+
+@pytest.mark.parametrize("check", sorted(ALL))
 def test_conformance_strict_simulation(check):
-    CHECKS[check](hal.get("ascend", simulate=True))
+    ALL[check](hal.get("ascend-sim"))
 
 
 @pytest.mark.parametrize("check", ["paged_attention", "kv_round_trip", "graph_replay"])
 def test_conformance_any_shape_simulation(check):
     """Every SHAPES entry (head dims 16..128, float32 and bf16, GQA) through the fused TND path."""
-    h = hal.get("ascend", simulate=True, sim_any_shape=True)
+    h = hal.get("ascend-sim", sim_any_shape=True)
     CHECKS[check](h)
     if check == "paged_attention":
         assert h.ops.counts["fused_infer_attention"] >= 20
 
 
 def test_conformance_cli_prints_versions(monkeypatch):
-    env = {**__import__("os").environ, detect.SIM_ENV: "1"}
-    command = [sys.executable, "-m", "hal.conformance", "hal=ascend", "only=host_buffer,graph_replay"]
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "arch=Ascend910B-sim" in proc.stdout and "versions: torch_npu=not used" in proc.stdout
-    assert "2/2 passed" in proc.stdout
+    """`hal=ascend-sim`, and `hal=ascend` with the env alias, run the simulation."""
+    for name, extra in (("ascend-sim", {}), ("ascend", {detect.SIM_ENV: "1"})):
+        env = {**__import__("os").environ, **extra}
+        command = [sys.executable, "-m", "hal.conformance", f"hal={name}", "only=host_buffer,graph_replay"]
+        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "arch=Ascend910B-sim" in proc.stdout and "versions: torch_npu=not used" in proc.stdout
+        assert "2/2 passed" in proc.stdout

@@ -10,14 +10,14 @@ import hal
 import zoo
 from hal.ascend.quant_attention import Int8FusedAttention
 from hal.base import PagedBatch
-from hal.kv_quant import fake_quantize
+from hal.common.kv_quant import fake_quantize
 from runtime import SamplingParams
 from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 
 
 def sim(**kwargs):
-    return hal.get("ascend", simulate=True, sim_any_shape=True, **kwargs)
+    return hal.get("ascend-sim", sim_any_shape=True, **kwargs)
 
 
 def test_int8_cache_layout_round_trips(single_thread):
@@ -56,7 +56,7 @@ def test_int8_engine_equals_the_cpu_int8_engine(name, single_thread):
             engine.add_request(str(i), case.prompt(i), params)
         tokens[label] = {o.request_id: o.token_ids for o in engine.run_until_done()}
     backend = engine.runner.backend
-    assert backend.name == "fia+int8" and engine.runner.graphs.graphs
+    assert backend.name == "fia+int8" and engine.runner.graphs.captured
     assert backend.ops.counts["fused_infer_attention_int8"] and backend.ops.counts["fused_infer_attention"]
     assert tokens["ascend"] == tokens["cpu"]
     with pytest.raises(ValueError, match=r"Use one of those \(kv_dtype=int8 on Ascend\)"):

@@ -7,7 +7,7 @@ import torch
 from helpers import ROOT
 
 from hal.ascend import ops, schema_check, schemas
-from hal.ascend.sim import GRAPH_UPDATABLE, SimNpu
+from hal.ascend.sim.npu import GRAPH_UPDATABLE, SimNpu
 
 
 def test_every_call_site_has_a_recorded_schema_and_a_simulation():

@@ -9,16 +9,16 @@ import torch
 
 import hal
 from hal.ascend.schemas import SchemaError
-from hal.ascend.sim import SimNpu
-from hal.ascend.sim_attention import NpuOpError
+from hal.ascend.sim.npu import SimNpu
+from hal.ascend.sim.attention import NpuOpError
 from hal.base import PagedBatch
-from hal.cpu.attention import TorchPagedAttention
-from hal.paged import token_positions
+from hal.common.torch_attention import TorchPagedAttention
+from hal.common.paged import token_positions
 from zoo.layers import RMSNorm, apply_rope_half, apply_rope_interleaved, rope_tables
 
 
 def sim_hal(any_shape: bool):
-    return hal.get("ascend", simulate=True, sim_any_shape=any_shape)
+    return hal.get("ascend-sim", sim_any_shape=any_shape)
 
 
 def ascend_hal(where: str):

@@ -5,8 +5,8 @@ import random
 import torch
 
 from hal.base import PagedBatch
-from hal.cpu.attention import TorchPagedAttention
-from hal.paged import slot_mapping, token_positions
+from hal.common.torch_attention import TorchPagedAttention
+from hal.common.paged import slot_mapping, token_positions
 
 
 def naive(q, k, v, q_pos, scale):

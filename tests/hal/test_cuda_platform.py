@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hal
-from hal.cpu.attention import TorchPagedAttention
+from hal.common.torch_attention import TorchPagedAttention
 from hal.cuda import CudaHal, driver
 from hal.cuda import host_buffer as buffers
 from hal.rocm import RocmHal

@@ -3,10 +3,10 @@ attention reads, which backend takes them, and which FP8 GEMM `op("fp8_linear")`
 import pytest
 import torch
 
-from hal.cpu.attention import TorchPagedAttention
+from hal.common.torch_attention import TorchPagedAttention
 from hal.cuda import CudaHal
 from hal.cuda.fp8 import GEMM_ENV
-from hal.kv_quant import quantize
+from hal.common.kv_quant import quantize
 from hal.rocm import RocmHal
 
 FN, FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz

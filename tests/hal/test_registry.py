@@ -15,7 +15,7 @@ def test_builtin_names_and_cpu():
 
 
 def test_unknown_hal_lists_the_known_ones():
-    with pytest.raises(hal.UnknownHalError, match="known: auto, ascend, cpu, cuda, rocm"):
+    with pytest.raises(hal.UnknownHalError, match="known: auto, ascend, ascend-sim, cpu, cuda, rocm"):
         hal.get("foo")
 
 

@@ -12,7 +12,7 @@ import importlib.util
 
 import pytest
 
-XCOMPILE_TABLE = pytest.StashKey[str]()
+from xcompile_report import XCOMPILE_TABLE
 
 if importlib.util.find_spec("triton") is None:     # triton ships for Linux only (pyproject: dev extra)
     collect_ignore_glob = ["test_*.py"]
@@ -21,7 +21,7 @@ if importlib.util.find_spec("triton") is None:     # triton ships for Linux only
 @pytest.fixture(scope="module")
 def interpreted():
     """Run the kernels launched by this module's tests in the Triton interpreter (with bf16 fixes)."""
-    from hal.kernels.testing import interpreter
+    from interp import interpreter
 
     with interpreter():
         yield

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 
 from hal.base import PagedBatch
-from hal.cpu.attention import TorchPagedAttention
+from hal.common.torch_attention import TorchPagedAttention
 
 
 class PagedCase(NamedTuple):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hal.kernels import bench
+import kernel_bench as bench
 from hal.kernels.configs import KernelConfig
 
 pytestmark = pytest.mark.usefixtures("interpreted")

@@ -101,7 +101,7 @@ def test_interpreter_context_leaves_triton_as_it_found_it():
     from triton.runtime.jit import JITFunction
 
     from hal.kernels.ops import silu_and_mul
-    from hal.kernels.testing import interpreter
+    from interp import interpreter
 
     owners = {"core": tl.core, "tensor": tl.core.tensor, "math": tl.math, "jit": JITFunction,
               "builder": interp.InterpreterBuilder}

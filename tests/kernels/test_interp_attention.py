@@ -10,7 +10,7 @@ from paged_cases import random_case, run_both
 from hal.kernels.attention import config_key, num_kv_splits
 from hal.kernels.backend import TritonPagedAttention
 from hal.kernels.configs import KernelConfig, all_configs, configs_for
-from hal.kernels.reference import write_kv_ref
+from kernel_reference import write_kv_ref
 
 pytestmark = pytest.mark.usefixtures("interpreted")
 

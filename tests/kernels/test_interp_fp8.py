@@ -13,14 +13,14 @@ from paged_cases import random_case
 
 import zoo
 from hal.cpu import CpuHal
-from hal.cpu.attention import TorchPagedAttention
+from hal.common.torch_attention import TorchPagedAttention
 from hal.kernels.backend import TritonPagedAttention
 from hal.kernels.configs import KernelConfig, configs_for
 from hal.kernels.fp8_linear import fp8_linear, quantize_rows
-from hal.kv_quant import quantize
+from hal.common.kv_quant import quantize
 from runtime import SamplingParams
 from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.usefixtures("interpreted")
 
@@ -152,5 +152,5 @@ def test_engine_over_an_fp8_cache_through_triton_with_graphs():
             engine.add_request(str(i), case.prompt(i), params)
         tokens[label] = {o.request_id: o.token_ids for o in engine.run_until_done()}
         if label == "triton":
-            assert engine.runner.backend.kv_layout is not None and engine.runner.graphs.graphs
+            assert engine.runner.backend.kv_layout is not None and engine.runner.graphs.captured
     assert tokens["triton"] == tokens["cpu"]

@@ -1,13 +1,13 @@
 """Cross-compile checks: every kernel in every config a Hal can choose compiles for gfx942, gfx950
 and sm_90 (the arch tables also for sm_80) without spills or scratch, within LDS/shared limits, with
 MFMA / wgmma where expected. All compile-heavy tests live in this module; compiles are cached for the
-session (`hal.kernels.xcompile.compile_case`)."""
+session (`xcompile.compile_case`)."""
 from __future__ import annotations
 
 import pytest
-from conftest import XCOMPILE_TABLE
+from xcompile_report import XCOMPILE_TABLE
 
-from hal.kernels import xcompile
+import xcompile
 from hal.kernels.configs import KernelConfig, all_configs
 
 PAIRS = [(table, target) for table in all_configs() for target in xcompile.TABLE_TARGETS[table]]
@@ -45,7 +45,7 @@ def test_tables_compile_clean(table, target, reports, record_property):
 def test_fp8_kernels_compile_clean(target, reports, record_property):
     """Attention over an FP8 KV cache, the quantizing KV write and the W8A16 linear, each in the
     target's own format (e4m3fnuz on gfx942, e4m3fn on gfx950), in its arch table. (sm_90 compiles
-    clean too, `python -m hal.kernels.xcompile --fp8 --targets sm_90`; left to the H200 run to save
+    clean too, `python -m xcompile --fp8 --targets sm_90`; left to the H200 run to save
     10 s of CI.)"""
     rows = xcompile.check_fp8((target,))
     reports.extend(rows)

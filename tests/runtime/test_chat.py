@@ -12,8 +12,8 @@ from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_t
 
 import zoo
 from helpers import ROOT
-from runtime.chat import ChatTemplateError, apply_chat_template, render_chat
-from runtime.tokenizer import Tokenizer
+from runtime.text.chat import ChatTemplateError, apply_chat_template, render_chat
+from runtime.text.tokenizer import Tokenizer
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")

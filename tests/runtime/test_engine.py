@@ -11,8 +11,8 @@ import zoo
 from helpers import golden_case, golden_names
 from runtime import SamplingParams
 from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
-from runtime.reference import generate_reference
+from runtime.engine.llm_engine import LLMEngine
+from runtime.execution.reference import generate_reference
 
 CPU = hal.get("cpu")
 
@@ -148,8 +148,8 @@ def test_last_exited_skips_loops_and_fills_the_skipped_planes():
     engine = engine_for(model, kv_mode="last_exited", block_size=4)
     engine.add_request("a", case.prompt(1), params)
     copied = []
-    original = engine.runner._fill_skipped_planes
-    engine.runner._fill_skipped_planes = lambda *a: (copied.append(a[0]), original(*a))
+    original = engine.runner.fill_skipped_planes
+    engine.runner.fill_skipped_planes = lambda *a: (copied.append(a[0]), original(*a))
     out = engine.run_until_done()[0]
     assert min(out.loops_per_token[1:]) < model.default_num_loops      # decode tokens really exited
     assert copied, "no skipped plane was filled"
@@ -232,5 +232,5 @@ def test_decode_graphs_give_the_same_tokens(seed):
         engine = engine_for(model, block_size=4, graphs=graphs, max_num_seqs=6)
         results[graphs] = [o.token_ids for o in run_engine(engine, prompts, params, arrive_every=1)]
         if graphs:
-            assert engine.runner.graphs.graphs, "no decode graph was used"
+            assert engine.runner.graphs.captured, "no decode graph was used"
     assert results[True] == results[False]

@@ -1,4 +1,4 @@
-"""An 8-bit KV cache on the CPU reference (hal/kv_quant.py, emulated with torch's float8 dtypes):
+"""An 8-bit KV cache on the CPU reference (hal/common/kv_quant.py, emulated with torch's float8 dtypes):
 the engine equals the simple path run with the same rounding, in every KV mode and through paging,
 chunked prefill, the prefix cache, swap preemption and the decode-graph path; the logit error
 against the float32 golden outputs is bounded, and the greedy agreement is printed."""
@@ -14,12 +14,12 @@ import hal
 import zoo
 from hal.base import Caps
 from hal.cpu import CpuHal
-from hal.cpu.attention import TorchPagedAttention
-from hal.kv_quant import QUANT_MAX, RowLayout, fake_quantize, quantize
+from hal.common.torch_attention import TorchPagedAttention
+from hal.common.kv_quant import QUANT_MAX, RowLayout, fake_quantize, quantize
 from runtime import SamplingParams
 from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
-from runtime.reference import CachedContext, forward_step, generate_reference
+from runtime.engine.llm_engine import LLMEngine
+from runtime.execution.reference import CachedContext, forward_step, generate_reference
 from zoo.fp8 import quantize_fp8
 
 CPU = hal.get("cpu")
@@ -120,7 +120,7 @@ def test_every_kv_mode_and_path(kv_mode, single_thread):
         if label == "swap":
             assert counts["swap_out"] and counts["swap_in"], "no request was swapped"
         if label == "graphs":
-            assert engine.runner.graphs.graphs, "the decode-graph path was not used"
+            assert engine.runner.graphs.captured, "the decode-graph path was not used"
     if kv_mode == "full":
         assert plain == [generate_reference(model, p, params, kv_dtype=FP8)[0] for p in prompts]
     fp32 = LLMEngine(model, CPU, EngineConfig(kv_mode=kv_mode, block_size=16, max_num_seqs=4))
@@ -151,8 +151,8 @@ def test_logit_error_is_bounded(single_thread):
                 f"{name} prompt {i}: mean {err.mean():.3f}, max {err.max():.3f}, logit std {std:.3f}"
         engine = LLMEngine(model, CPU, EngineConfig(kv_dtype="fp8", block_size=4))
         seen = []
-        sample = engine.runner._sample
-        engine.runner._sample = lambda rows, reqs: seen.append(rows.clone()) or sample(rows, reqs)
+        sample = engine.runner.sample
+        engine.runner.sample = lambda rows, reqs, *fed: seen.append(rows.clone()) or sample(rows, reqs, *fed)
         engine.add_request("0", case.prompt(i), SamplingParams(max_tokens=1, temperature=0, num_loops=loops,
                                                                init_scale=0.0))
         engine.run_until_done()
@@ -194,9 +194,9 @@ def test_bench_runs_fp8_cells(single_thread):
 
     path = golden_case("ouro-tiny").path
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("bench", overrides=["hal=cpu", f"model.path={path}", "weights=checkpoint", "dtype=float32",
-                                          "workload=tiny", "matmul_size=64", "num_kv_blocks=64", "warmup=false",
-                                          "kv_dtype=fp8", "weights_dtype=fp8"])
+        cfg = compose("bench", overrides=["hal=cpu", f"model.path={path}", "weights=checkpoint", "model.dtype=float32",
+                                          "workload=tiny", "matmul_size=64", "engine.num_kv_blocks=64",
+                                          "warmup=false", "engine.kv_dtype=fp8", "engine.weights_dtype=fp8"])
     (row,) = run(cfg)
     assert (row["kv_dtype"], row["weights_dtype"]) == ("fp8", "fp8") and row["decode_tok_s"] > 0
     model = zoo.from_pretrained(path, dtype="float32")

@@ -4,7 +4,7 @@ import torch
 
 from helpers import golden_case, golden_names
 from runtime import LLM, SamplingParams
-from runtime.sampler import filtered_probs, make_generator, sample_token
+from runtime.execution.sampler import filtered_probs, make_generator, sample_token
 
 OURO = golden_names("ouro")
 # loops and initial state of each golden greedy run, as SamplingParams fields
@@ -74,7 +74,7 @@ def test_filters():
     assert probs[2:].sum() == 0 and torch.isclose(probs.sum(), torch.tensor(1.0))
     probs = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.5))
     assert probs.tolist() == [1.0, 0.0, 0.0, 0.0]            # the top token alone reaches 0.5 (p=0.64)
-    assert sample_token(logits, SamplingParams(temperature=0), None) == 0
+    assert sample_token(logits, SamplingParams(temperature=0)) == 0
 
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(num_loops=0),

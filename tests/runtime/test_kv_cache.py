@@ -3,18 +3,22 @@ import random
 
 import pytest
 
-from runtime.kv_cache import BlockManager, num_request_planes, physical_plane
+from runtime.engine.kv_cache import BlockManager
+from runtime.engine.planes import PlaneLayout
 
 
 def test_planes_per_mode():
-    assert num_request_planes("full", 0, 4) == 4
-    assert num_request_planes("last_exited", 1, 4) == 5
-    assert num_request_planes("shared", 0, 4) == 1
-    assert num_request_planes("shared", 1, 32) == 2
-    assert [physical_plane("shared", 1, p) for p in range(4)] == [0, 1, 1, 1]
-    assert [physical_plane("full", 1, p) for p in range(4)] == [0, 1, 2, 3]
+    assert PlaneLayout("full", 0).num_planes(4) == 4
+    assert PlaneLayout("last_exited", 1).num_planes(4) == 5
+    assert PlaneLayout("shared", 0).num_planes(4) == 1
+    assert PlaneLayout("shared", 1).num_planes(32) == 2
+    assert [PlaneLayout("shared", 1).physical(p) for p in range(4)] == [0, 1, 1, 1]
+    assert [PlaneLayout("full", 1).physical(p) for p in range(4)] == [0, 1, 2, 3]
+    assert list(PlaneLayout("last_exited", 1).skipped_planes(1, 4)) == [3, 4]     # loops 2, 3 after plane 0
+    assert not PlaneLayout("full", 0).skipped_planes(0, 4) and not PlaneLayout("shared", 0).skipped_planes(0, 4)
+    assert [PlaneLayout(m, 0).stops_early for m in ("full", "last_exited", "shared")] == [False, True, True]
     with pytest.raises(ValueError, match="kv_mode"):
-        num_request_planes("bogus", 0, 4)
+        PlaneLayout("bogus", 0)
 
 
 def test_incremental_growth_and_exact_counts():
@@ -70,7 +74,7 @@ def test_no_leak_after_thousands_of_random_operations():
 
 # ----- prefix caching: reference counts, names per plane, LRU eviction ------------------------
 def keys_for(tokens, block_size, num_planes, salt=b"s"):
-    from runtime.prefix_cache import chain_digest
+    from runtime.engine.prefix_cache import chain_digest
 
     digests, parent = [], salt
     for j in range(len(tokens) // block_size):
@@ -158,10 +162,10 @@ def test_prefix_cache_random_operations_keep_counts_exact():
 
 def test_loop_planes_are_shared_across_loop_counts_but_fixed_planes_are_not():
     from runtime.config import SamplingParams
-    from runtime.prefix_cache import PrefixPolicy
-    from runtime.sequence import Request
+    from runtime.engine.prefix_cache import PrefixPolicy
+    from runtime.engine.sequence import Request
 
-    policy = PrefixPolicy(block_size=2, kv_mode="full", num_fixed_planes=1)     # Huginn-like: 1 fixed plane
+    policy = PrefixPolicy(block_size=2, layout=PlaneLayout("full", num_fixed_planes=1))     # Huginn-like: 1 fixed plane
     prompt = [random.Random(4).randrange(1, 99) for _ in range(7)]
     two, four = (Request(f"r{n}", prompt, SamplingParams(), num_loops=n, exit_threshold=1.0, num_planes=1 + n,
                          cache_salt=b"s") for n in (2, 4))

@@ -2,13 +2,13 @@
 import pytest
 
 from runtime.config import SamplingParams
-from runtime.kv_cache import BlockManager
-from runtime.scheduler import Scheduler, SchedulerConfig
-from runtime.sequence import Request, RequestStatus
+from runtime.engine.kv_cache import BlockManager
+from runtime.engine.scheduler import Scheduler, SchedulerConfig
+from runtime.engine.sequence import Request, RequestStatus
 
 
-def make(rid, prompt_len, planes=2):
-    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=100), num_loops=planes,
+def make(rid, prompt_len, planes=2, max_tokens=100):
+    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), num_loops=planes,
                    exit_threshold=1.0, num_planes=planes)
 
 
@@ -53,7 +53,7 @@ def test_fifo_admission_and_max_num_seqs():
 def test_preempts_the_newest_when_blocks_run_out_and_recomputes():
     bm = BlockManager(6, 4)                      # 2 planes per request
     s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), bm)
-    a, b = make("a", 4), make("b", 4)
+    a, b = make("a", 4, max_tokens=8), make("b", 4, max_tokens=8)
     s.add(a)
     s.add(b)
     advance(s.schedule())                       # a, b: 1 block per plane each; 2 free
@@ -68,8 +68,10 @@ def test_request_larger_than_the_cache_is_rejected_alone():
     bm = BlockManager(4, 4)
     s = Scheduler(SchedulerConfig(), bm)
     with pytest.raises(MemoryError, match="more than the whole cache"):
-        s.add(make("big", 20))
-    s.add(make("ok", 3))
+        s.add(make("big", 20, max_tokens=1))
+    with pytest.raises(MemoryError, match="lower max_tokens"):       # the prompt fits, its answer would not
+        s.add(make("long answer", 3, max_tokens=6))
+    s.add(make("ok", 3, max_tokens=5))
     assert len(s.waiting) == 1
 
 
@@ -123,7 +125,7 @@ def test_swap_preemption_keeps_computed_tokens_and_returns_the_same_block_count(
     bm = BlockManager(6, 4)
     s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, preemption_mode="swap",
                                   max_swap_blocks=8), bm)
-    a, b = make("a", 4), make("b", 4)
+    a, b = make("a", 4, max_tokens=8), make("b", 4, max_tokens=8)
     s.add(a)
     s.add(b)
     advance(s.schedule())
@@ -142,7 +144,7 @@ def test_swap_preemption_keeps_computed_tokens_and_returns_the_same_block_count(
 def test_swap_space_exhausted_falls_back_to_recompute():
     s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, preemption_mode="swap",
                                   max_swap_blocks=1), BlockManager(6, 4))
-    a, b = make("a", 4), make("b", 4)
+    a, b = make("a", 4, max_tokens=8), make("b", 4, max_tokens=8)
     s.add(a)
     s.add(b)
     advance(s.schedule())
@@ -161,7 +163,7 @@ def engine_advance(s, out):
 def test_wavefront_chunks_run_one_loop_per_step_and_sample_after_the_last():
     s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4, wavefront=True),
                   BlockManager(100, 2))
-    r = make_p("w", 10, 0, planes=3, loops=3)
+    r = make_p("w", 10, 0, planes=3, loops=3, max_tokens=50)
     s.add(r)
     steps = []
     while not r.output_token_ids:
@@ -183,12 +185,12 @@ def test_wavefront_chunks_run_one_loop_per_step_and_sample_after_the_last():
 
 def test_a_prompt_that_fits_the_budget_is_not_a_wavefront():
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=16, wavefront=True), BlockManager(100, 2))
-    s.add(make_p("w", 10, 0, planes=3, loops=3))
+    s.add(make_p("w", 10, 0, planes=3, loops=3, max_tokens=50))
     assert [(i.num_tokens, i.is_wave) for i in s.schedule().scheduled] == [(10, False)]
 
 
 def test_async_placeholders_cap_scheduling_at_max_tokens():
-    from runtime.sequence import PLACEHOLDER
+    from runtime.engine.sequence import PLACEHOLDER
 
     s = Scheduler(SchedulerConfig(), BlockManager(100, 4))
     r = make_p("a", 3, 0, max_tokens=2)

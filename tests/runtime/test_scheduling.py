@@ -14,8 +14,8 @@ import hal
 import zoo
 from runtime import SamplingParams
 from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
-from runtime.reference import generate_reference
+from runtime.engine.llm_engine import LLMEngine
+from runtime.execution.reference import generate_reference
 
 CPU = hal.get("cpu")
 ALL_ON = dict(enable_prefix_caching=True, scheduling_policy="priority", async_scheduling=True,

@@ -1,4 +1,4 @@
-"""Step plans (runtime.step_plan): a follower that only sees rank 0's plans runs exactly rank 0's
+"""Step plans (runtime.parallel.step_plan): a follower that only sees rank 0's plans runs exactly rank 0's
 steps (same batches, block ids, KV moves, sampled tokens) through preemption (recompute and swap),
 chunked and wavefront prefill, prefix caching, early exit, seeded sampling and speculation rounds;
 it notices when its tokens differ; what it cannot replay is refused. In-process, without collectives."""
@@ -12,8 +12,8 @@ import zoo
 from helpers import golden_case, single_thread  # noqa: F401 (fixture)
 from runtime import SamplingParams
 from runtime.config import EngineConfig, SpeculativeConfig
-from runtime.engine import LLMEngine
-from runtime.step_plan import Follower, PlanPublisher, StepPlan, TensorParallelMismatch
+from runtime.engine.llm_engine import LLMEngine
+from runtime.parallel.step_plan import Follower, PlanPublisher, StepPlan, TensorParallelMismatch
 from test_speculation import damp_loops
 
 CPU = hal.get("cpu")
@@ -142,8 +142,8 @@ def test_speculation_rounds_replay_on_the_follower():
 
 
 @pytest.mark.parametrize("config, fix", [
-    ({"async_scheduling": True}, "async_scheduling=false"),
-    ({"speculative": SpeculativeConfig(2, 1, "async")}, "speculative.mode=sync")])
+    ({"async_scheduling": True}, "engine.async_scheduling=false"),
+    ({"speculative": SpeculativeConfig(2, 1, "async")}, "engine.speculative.mode=sync")])
 def test_what_followers_cannot_replay_is_refused(config, fix):
     follower = Follower(zoo.from_config(TINY_OURO, dtype="float32", seed=1), CPU, None)
     with pytest.raises(ValueError, match=f"not implemented with tensor parallelism.*set {fix}"):

@@ -13,7 +13,7 @@ import torch
 
 import hal
 from helpers import ROOT, golden_case
-from runtime.parallel import ParallelState, init_distributed
+from runtime.parallel.state import ParallelState, init_distributed
 
 WORKER = ROOT / "tests" / "runtime" / "tp_worker.py"
 sys.path.insert(0, str(WORKER.parent))

@@ -19,7 +19,7 @@ import zoo
 from helpers import golden_case, golden_names
 from runtime import SamplingParams
 from runtime.llm import LLM, follow
-from runtime.parallel import ParallelState, init_distributed
+from runtime.parallel.state import ParallelState, init_distributed
 
 MQA_OURO = {"model_type": "ouro", "vocab_size": 61, "hidden_size": 32, "intermediate_size": 48,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 8,

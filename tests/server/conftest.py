@@ -17,8 +17,8 @@ import zoo
 from helpers import GOLDEN
 from live_server import LiveServer, write_tokenizer
 from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
-from runtime.tokenizer import Tokenizer
+from runtime.engine.llm_engine import LLMEngine
+from runtime.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
 from helpers import ROOT
-from runtime.cli import CONF_DIR
+from runtime.cli import CONF_DIR, UsageError
 from runtime.serve import make_app
 
 
@@ -45,8 +45,10 @@ def test_bad_options_are_refused(checkpoint):
         composed("engine.max_num_seqs=abc")
     with pytest.raises(ConfigCompositionException, match="max_num_request"):
         composed("server.max_num_request=3")                      # a typo
-    with pytest.raises(ValueError, match="kv_mode"):
+    with pytest.raises(UsageError, match="engine.kv_mode must be one of"):
         make_app(composed("hal=cpu", f"model.path={checkpoint}", "engine.kv_mode=bogus"))
+    with pytest.raises(UsageError, match="model.num_loops=1000 is outside 1..64"):
+        make_app(composed("hal=cpu", f"model.path={checkpoint}", "model.num_loops=1000"))
 
 
 def run_cli(*args, cwd, **options):
@@ -55,11 +57,15 @@ def run_cli(*args, cwd, **options):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **options)
 
 
-def test_no_model_explains_how_to_pick_one(tmp_path):
-    proc = run_cli("hal=cpu", cwd=tmp_path)
-    _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 2
-    assert "model.path=" in stderr and "ouro-1.4b" in stderr and "Traceback" not in stderr
+def test_no_model_serves_the_packaged_one_or_explains_how_to_pick_one(tmp_path, monkeypatch):
+    import zoo.loading
+
+    if zoo.loading.packaged_checkpoint("ouro-tiny") is not None:
+        app = make_app(composed("hal=cpu", "engine.num_kv_blocks=64"))
+        assert app.state.model_name == "ouro-tiny"
+    monkeypatch.setattr(zoo.loading, "PACKAGED_DIR", tmp_path)       # an install without it
+    with pytest.raises(UsageError, match="model.path="):
+        make_app(composed("hal=cpu"))
 
 
 def test_the_command_line_serves_and_stops_on_sigterm(checkpoint, tmp_path):

@@ -13,7 +13,7 @@ pytest.importorskip("fastapi", reason=SERVE_EXTRA)
 import hal
 from live_server import LiveServer
 from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 from runtime.server.app import build_app
 from runtime.server.config import ServerConfig
 
@@ -54,10 +54,23 @@ BAD_INPUTS = [
     ("seed negative", "POST", "/v1/completions", {**OK, "seed": -1}, 400, "seed"),
     ("stream a string", "POST", "/v1/completions", {**OK, "stream": "yes"}, 400, "stream"),
     ("unknown field (typo)", "POST", "/v1/completions", {**OK, "num_loop": 2}, 400, "num_loop"),
-    ("n > 1", "POST", "/v1/completions", {**OK, "n": 2}, 400, "n"),
-    ("logprobs", "POST", "/v1/completions", {**OK, "logprobs": 1}, 400, "logprobs"),
-    ("echo", "POST", "/v1/completions", {**OK, "echo": True}, 400, "echo"),
-    ("presence_penalty", "POST", "/v1/completions", {**OK, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("n 0", "POST", "/v1/completions", {**OK, "n": 0}, 400, "n"),
+    ("n over the limit", "POST", "/v1/completions", {**OK, "n": 1000}, 400, "n"),
+    ("best_of below n", "POST", "/v1/completions", {**OK, "n": 3, "best_of": 2}, 400, "best_of"),
+    ("best_of > n streamed", "POST", "/v1/completions", {**OK, "best_of": 2, "stream": True}, 400, "best_of"),
+    ("logprobs over 20", "POST", "/v1/completions", {**OK, "logprobs": 21}, 400, "logprobs"),
+    ("logprobs negative", "POST", "/v1/completions", {**OK, "logprobs": -1}, 400, "logprobs"),
+    ("suffix", "POST", "/v1/completions", {**OK, "suffix": "x"}, 400, "suffix"),
+    ("presence_penalty 3", "POST", "/v1/completions", {**OK, "presence_penalty": 3}, 400, "presence_penalty"),
+    ("frequency_penalty -3", "POST", "/v1/completions", {**OK, "frequency_penalty": -3}, 400,
+     "frequency_penalty"),
+    ("repetition_penalty 0", "POST", "/v1/completions", {**OK, "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("logit_bias key not a token id", "POST", "/v1/completions", {**OK, "logit_bias": {"cat": 5}}, 400,
+     "logit_bias"),
+    ("logit_bias value over 100", "POST", "/v1/completions", {**OK, "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("logit_bias token outside the vocabulary", "POST", "/v1/completions", {**OK, "logit_bias": {"100000": 1}},
+     400, "logit_bias"),
+    ("min_tokens over max_tokens", "POST", "/v1/completions", {**OK, "min_tokens": 5}, 400, None),
     ("num_loops 0", "POST", "/v1/completions", {**OK, "num_loops": 0}, 400, "num_loops"),
     ("num_loops over the limit", "POST", "/v1/completions", {**OK, "num_loops": 1000}, 400, "num_loops"),
     ("exit_threshold 1.5", "POST", "/v1/completions", {**OK, "exit_threshold": 1.5}, 400, "exit_threshold"),
@@ -74,6 +87,12 @@ BAD_INPUTS = [
      400, "messages.0.content"),
     ("chat: prompt field", "POST", "/v1/chat/completions", {**CHAT, "prompt": "hi"}, 400, "prompt"),
     ("chat: tools", "POST", "/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("chat: unknown role", "POST", "/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "hi"}]},
+     400, "messages.0.role"),
+    ("chat: top_logprobs without logprobs", "POST", "/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400,
+     "top_logprobs"),
+    ("chat: top_logprobs over 20", "POST", "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 30},
+     400, "top_logprobs"),
     ("chat: max_completion_tokens over the context", "POST", "/v1/chat/completions",
      {**CHAT, "max_completion_tokens": 10_000}, 400, "max_completion_tokens"),
     ("body over the limit", "POST", "/v1/completions", {**OK, "prompt": "a " * MAX_BODY_BYTES}, 413, None),
@@ -85,8 +104,8 @@ BAD_INPUTS = [
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tokenizer):
-    engine = LLMEngine(tiny_model, hal.get("cpu"), EngineConfig(num_kv_blocks=256), tokenizer)
-    config = ServerConfig(model_name="tiny", max_body_bytes=MAX_BODY_BYTES, max_num_loops=8)
+    engine = LLMEngine(tiny_model, hal.get("cpu"), EngineConfig(num_kv_blocks=256, max_num_loops=8), tokenizer)
+    config = ServerConfig(model_name="tiny", max_body_bytes=MAX_BODY_BYTES)
     live = LiveServer(build_app(engine, config)).start()
     yield live
     live.stop()

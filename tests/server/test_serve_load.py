@@ -148,9 +148,16 @@ def test_graceful_shutdown_lets_an_open_stream_finish(make_engine, live_server):
             payloads = sse_payloads([next(line for line in lines if line.startswith("data: "))])
             stopper = threading.Thread(target=server.stop)
             stopper.start()
-            wait_until(lambda: not _accepts_connections(server.port), what="the listening socket to close")
+            # while in-flight requests drain, the server still listens: a new request gets 503 + Retry-After
+            wait_until(lambda: not server.loop.is_accepting, what="the drain to start")
+            with httpx.Client(base_url=server.url, timeout=60) as other:
+                late = other.post("/v1/completions", json=completion(max_tokens=2))
+                health = other.get("/health")
+            assert late.status_code == 503 and late.headers["Retry-After"] == "1"
+            assert late.json()["error"]["code"] == "shutting_down" and health.status_code == 503
             payloads += sse_payloads(lines)
     stopper.join(60)
+    assert not _accepts_connections(server.port)
     assert payloads[-1] == "[DONE]"
     assert payloads[-2]["usage"]["completion_tokens"] == 40
     assert [p["choices"][0]["finish_reason"] for p in payloads[:-2]][-1] == "length"
@@ -171,9 +178,10 @@ def test_shutdown_aborts_what_outlives_the_grace_period(make_engine, live_server
             stopper.start()
             payloads += sse_payloads(lines)
     stopper.join(60)
-    assert payloads[-1] == "[DONE]"                      # the stream ends properly, cut short
-    assert payloads[-2]["choices"][0]["finish_reason"] == "abort"
-    assert sum(1 for p in payloads[:-1] if p["choices"][0]["text"]) < LONG["max_tokens"]
+    assert payloads[-1] == "[DONE]"                      # the stream ends properly, cut short:
+    assert payloads[-2]["error"]["code"] == "shutting_down"            # an error object says why,
+    assert payloads[-3]["choices"][0]["finish_reason"] == "length"     # after an OpenAI finish_reason
+    assert sum(1 for p in payloads[:-2] if p["choices"][0]["text"]) < LONG["max_tokens"]
     assert not stopper.is_alive() and not server.loop.is_alive
     engine.blocks.check_invariants()
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks and not engine.has_unfinished_requests()

@@ -15,9 +15,9 @@ import hal
 from live_server import LiveServer
 from runtime import LLM, SamplingParams
 from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 from runtime.server.app import build_app
-from runtime.chat import apply_chat_template
+from runtime.text.chat import apply_chat_template
 from runtime.server.config import ServerConfig
 
 PROMPTS = ["the cat sat on", "hello, how are you?", "loops make a small model"]

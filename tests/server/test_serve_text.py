@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from live_server import CHAT_TEMPLATE
-from runtime.chat import ChatTemplateError, apply_chat_template
+from runtime.text.chat import ChatTemplateError, apply_chat_template
 from runtime.server.text import REPLACEMENT, TextStream
-from runtime.tokenizer import Tokenizer
+from runtime.text.tokenizer import Tokenizer
 
 
 def stream_ids(tokenizer, ids, stop=()) -> tuple[list[str], TextStream]:

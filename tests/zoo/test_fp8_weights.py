@@ -14,8 +14,8 @@ import zoo
 from hal.cuda.fp8 import quantize_rows, scaled_mm_linear
 from runtime import SamplingParams
 from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
-from runtime.reference import generate_reference
+from runtime.engine.llm_engine import LLMEngine
+from runtime.execution.reference import generate_reference
 from zoo.fp8 import Fp8Linear, Fp8Weight, convert_format, quantize_fp8, quantize_matrix
 from zoo.fuse import fuse_projections
 from zoo.layers import GQAttention

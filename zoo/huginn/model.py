@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zoo.base import CausalLMOutput, DenseContext, ForwardContext, KVSpec, LoopedCausalLM, causal_lm_loss
+from zoo.base import (CausalLMOutput, DenseContext, ForwardContext, KVSpec, LoopedCausalLM, ModelOps,
+                       causal_lm_loss)
 from zoo.huginn.config import HuginnConfig
 from zoo.layers import RMSNorm, rope_tables, rotate, silu_and_mul
 
@@ -61,8 +62,8 @@ class GatedMLP(nn.Module):
         self.fc = nn.Linear(cfg.n_embd, 2 * cfg.intermediate_size, bias=False)
         self.proj = nn.Linear(cfg.intermediate_size, cfg.n_embd, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(silu_and_mul(self.fc(x)))
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        return self.proj(silu_and_mul(self.fc(x), ctx))
 
 
 class SandwichBlock(nn.Module):
@@ -78,8 +79,8 @@ class SandwichBlock(nn.Module):
         self.norm_4 = RMSNorm(cfg.n_embd, cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, plane: int, layer: int) -> torch.Tensor:
-        x = self.norm_2(self.attn(self.norm_1(x), ctx, plane, layer) + x)
-        return self.norm_4(self.mlp(self.norm_3(x)) + x)
+        x = self.norm_2(self.attn(self.norm_1(x, ctx), ctx, plane, layer) + x, ctx)
+        return self.norm_4(self.mlp(self.norm_3(x, ctx), ctx) + x, ctx)
 
 
 class HuginnTransformer(nn.Module):
@@ -152,6 +153,12 @@ class HuginnForCausalLM(LoopedCausalLM):
     def loop_modules(self) -> list[nn.Module]:
         return [self.transformer.adapter, self.transformer.core_block]
 
+    has_initial_state = True
+
+    @property
+    def initial_state_width(self) -> int:
+        return self.config.n_embd
+
     def initial_state(self, e: torch.Tensor, init_scale: float | None = None,
                       generator: torch.Generator | None = None) -> torch.Tensor:
         """The recurrence's starting state for prelude output `e: [B, T, n_embd]`: a normal truncated
@@ -168,19 +175,13 @@ class HuginnForCausalLM(LoopedCausalLM):
 
     # ----- the four stages ------------------------------------------------------------------
     def prelude(self, input_ids: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
-        """`[B, T]` ids -> state `[B, T, 2 * n_embd]` = cat(initial state, prelude output). Reads
-        `ctx.init_scale` and `ctx.generator` when the context has them, or uses `ctx.initial_state(e)`
-        (the runtime's per-request draws) when it has that."""
+        """`[B, T]` ids -> state `[B, T, 2 * n_embd]` = cat(initial state, prelude output); the context
+        draws the initial state (`ForwardContext.initial_state`)."""
         ctx = ctx or DenseContext.for_tokens(input_ids)
         e = self.transformer.wte(input_ids) * self.config.embed_scale              # [B, T, n_embd]
         for i, block in enumerate(self.transformer.prelude):
             e = block(e, ctx, 0, i)
-        per_request = getattr(ctx, "initial_state", None)          # the runtime: one draw per request
-        if per_request is not None:
-            s = per_request(e)
-        else:
-            s = self.initial_state(e, getattr(ctx, "init_scale", None), getattr(ctx, "generator", None))
-        return torch.cat([s, e], dim=-1)
+        return torch.cat([ctx.initial_state(self, e), e], dim=-1)
 
     def loop(self, state: torch.Tensor, depth: int, ctx: ForwardContext | None = None) -> torch.Tensor:
         ctx = ctx or DenseContext.for_tokens(state)
@@ -193,35 +194,41 @@ class HuginnForCausalLM(LoopedCausalLM):
     def coda(self, state: torch.Tensor, ctx: ForwardContext | None = None,
              rows: torch.Tensor | None = None) -> torch.Tensor:
         ctx = ctx or DenseContext.for_tokens(state)
-        x = self.transformer.ln_f(state[..., :self.config.n_embd])
+        x = self.transformer.ln_f(state[..., :self.config.n_embd], ctx)
         first_slot = self.config.n_layers_in_prelude
         for i, block in enumerate(self.transformer.coda):           # every row: the coda writes KV
             x = block(x, ctx, 0, first_slot + i)
         if rows is not None:
             x = x.index_select(1, rows)
-        return self.lm_head(self.transformer.ln_f(x))                            # [B, R, V]
+        return self.lm_head(self.transformer.ln_f(x, ctx))                            # [B, R, V]
 
     # ----- training / reference forward ----------------------------------------------------
     def forward(self, input_ids: torch.Tensor, num_loops: int | tuple[int, int] | None = None,
-                labels: torch.Tensor | None = None, init_scale: float | None = None,
-                generator: torch.Generator | None = None,
-                exit_threshold: float | None = None) -> CausalLMOutput:
+                labels: torch.Tensor | None = None, exit_threshold: float | None = None,
+                return_step_logits: bool = False, ops: ModelOps | None = None,
+                init_scale: float | None = None, generator: torch.Generator | None = None) -> CausalLMOutput:
         """`input_ids: [B, T]`. `num_loops` defaults to `mean_recurrence` in training and eval alike (the
         reference samples it in train mode; pass it explicitly, or `(no_grad_loops, grad_loops)` to
         backpropagate through the last loops only). `init_scale`/`generator` set the random initial
         state. With `labels` the loss is the causal-shifted cross entropy (labels = input_ids works),
-        like the other families; the reference's own loss does not shift."""
+        like the other families; the reference's own loss does not shift. `return_step_logits` also
+        returns the coda's logits after every loop (`[S, B, T, V]`); `ops` is the Hal to compute with."""
         if exit_threshold is not None and exit_threshold < 1.0:
             raise ValueError("Huginn has no exit gate: exit_threshold must be None or 1.0")
         no_grad_loops, grad_loops = split_num_loops(num_loops, self.config.mean_recurrence)
-        ctx = DenseContext.for_tokens(input_ids)
-        ctx.init_scale, ctx.generator = init_scale, generator
+        ctx = DenseContext.for_tokens(input_ids, ops, init_scale=init_scale, generator=generator)
         state = self.prelude(input_ids, ctx)
+        steps = []
         with torch.no_grad():
             for depth in range(no_grad_loops):
                 state = self.loop(state, depth, ctx)
+                if return_step_logits:
+                    steps.append(self.coda(state, ctx))
         for depth in range(no_grad_loops, no_grad_loops + grad_loops):
             state = self.run_loop(state, depth, ctx)
-        logits = self.coda(state, ctx)
+            if return_step_logits:
+                steps.append(self.coda(state, ctx))
+        logits = steps[-1] if steps else self.coda(state, ctx)
         loss = causal_lm_loss(logits, labels) if labels is not None else None
-        return CausalLMOutput(logits=logits, loss=loss, num_loops=no_grad_loops + grad_loops)
+        return CausalLMOutput(logits=logits, loss=loss, num_loops=no_grad_loops + grad_loops,
+                              step_logits=torch.stack(steps) if steps else None)

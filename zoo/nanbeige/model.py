@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zoo.base import CausalLMOutput, DenseContext, ForwardContext, KVSpec, LoopedCausalLM, causal_lm_loss
+from zoo.base import (CausalLMOutput, DenseContext, ForwardContext, KVSpec, LoopedCausalLM, ModelOps,
+                       causal_lm_loss)
 from zoo.layers import GQAttention, RMSNorm, SwiGLU
 from zoo.nanbeige.config import NanbeigeConfig
 
@@ -30,8 +31,8 @@ class NanbeigeDecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext, plane: int, layer: int) -> torch.Tensor:
         # h: [B, T, hidden]
-        h = h + self.self_attn(self.input_layernorm(h), ctx, plane, layer)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.self_attn(self.input_layernorm(h, ctx), ctx, plane, layer)
+        return h + self.mlp(self.post_attention_layernorm(h, ctx), ctx)
 
 
 class NanbeigeModel(nn.Module):
@@ -81,7 +82,7 @@ class NanbeigeForCausalLM(LoopedCausalLM):
         ctx = ctx or DenseContext.for_tokens(state)
         for i, layer in enumerate(self.model.layers):
             state = layer(state, ctx, depth, i)
-        return self.model.norm(state)
+        return self.model.norm(state, ctx)
 
     def coda(self, state: torch.Tensor, ctx: ForwardContext | None = None,
              rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,16 +92,23 @@ class NanbeigeForCausalLM(LoopedCausalLM):
 
     # ----- training / reference forward ----------------------------------------------------
     def forward(self, input_ids: torch.Tensor, num_loops: int | None = None,
-                labels: torch.Tensor | None = None, exit_threshold: float | None = None) -> CausalLMOutput:
+                labels: torch.Tensor | None = None, exit_threshold: float | None = None,
+                return_step_logits: bool = False, ops: ModelOps | None = None) -> CausalLMOutput:
         """`input_ids: [B, T]`; logits after `num_loops` (default `config.num_loops`) passes of the
-        layer stack. With `labels` the loss is the causal-shifted cross entropy (labels = input_ids)."""
+        layer stack. With `labels` the loss is the causal-shifted cross entropy (labels = input_ids).
+        `return_step_logits` also returns the head's logits after every loop (`[S, B, T, V]`); `ops`
+        is the Hal to compute with."""
         if exit_threshold is not None and exit_threshold < 1.0:
             raise ValueError("Nanbeige has no exit gate: exit_threshold must be None or 1.0")
         num_loops = num_loops or self.config.num_loops
-        ctx = DenseContext.for_tokens(input_ids)
+        ctx = DenseContext.for_tokens(input_ids, ops)
         h = self.prelude(input_ids, ctx)
+        steps = []
         for depth in range(num_loops):
             h = self.run_loop(h, depth, ctx)
-        logits = self.coda(h, ctx)
+            if return_step_logits:
+                steps.append(self.coda(h, ctx))
+        logits = steps[-1] if steps else self.coda(h, ctx)
         loss = causal_lm_loss(logits, labels) if labels is not None else None
-        return CausalLMOutput(logits=logits, loss=loss, num_loops=num_loops)
+        return CausalLMOutput(logits=logits, loss=loss, num_loops=num_loops,
+                              step_logits=torch.stack(steps) if steps else None)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zoo.base import CausalLMOutput, DenseContext, ForwardContext, KVSpec, LoopedCausalLM, causal_lm_loss
+from zoo.base import (CausalLMOutput, DenseContext, ForwardContext, KVSpec, LoopedCausalLM, ModelOps,
+                       causal_lm_loss, exit_distribution, first_exit_step)
 from zoo.layers import GQAttention, RMSNorm, SwiGLU
 from zoo.ouro.config import OuroConfig
 from zoo.training import expected_exit_loss
@@ -32,8 +33,8 @@ class OuroDecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext, plane: int, layer: int) -> torch.Tensor:
         # h: [B, T, hidden]
-        h = self.input_layernorm_2(self.self_attn(self.input_layernorm(h), ctx, plane, layer), residual=h)
-        return self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(h)), residual=h)
+        h = self.input_layernorm_2(self.self_attn(self.input_layernorm(h, ctx), ctx, plane, layer), ctx, residual=h)
+        return self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(h, ctx), ctx), ctx, residual=h)
 
 
 class OuroModel(nn.Module):
@@ -43,23 +44,6 @@ class OuroModel(nn.Module):
         self.layers = nn.ModuleList(OuroDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.early_exit_gate = nn.Linear(cfg.hidden_size, 1, bias=True)
-
-
-def exit_distribution(hazards: torch.Tensor) -> torch.Tensor:
-    """`hazards: [..., S]` (probability of exiting after loop s given it was reached) ->
-    `p: [..., S]`, p_s = hazard_s * prod_{j<s}(1 - hazard_j); the last loop takes what remains."""
-    survive = torch.cumprod(1 - hazards, dim=-1)                         # P(not exited after s)
-    reached = torch.cat([torch.ones_like(survive[..., :1]), survive[..., :-1]], dim=-1)
-    pdf = hazards * reached
-    return torch.cat([pdf[..., :-1], reached[..., -1:]], dim=-1)
-
-
-def first_exit_step(pdf: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Per token, the first loop whose cumulative exit probability reaches `threshold`
-    (the last loop if none does). `pdf: [..., S]` -> `[...]` int64."""
-    reached = torch.cumsum(pdf, dim=-1) >= threshold
-    reached[..., -1] = True
-    return reached.int().argmax(dim=-1)
 
 
 class OuroForCausalLM(LoopedCausalLM):
@@ -102,7 +86,7 @@ class OuroForCausalLM(LoopedCausalLM):
         ctx = ctx or DenseContext.for_tokens(state)
         for i, layer in enumerate(self.model.layers):
             state = layer(state, ctx, depth, i)
-        return self.model.norm(state)
+        return self.model.norm(state, ctx)
 
     def exit_hazard(self, state: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.model.early_exit_gate(state).float()).squeeze(-1)   # [B, T]
@@ -115,7 +99,7 @@ class OuroForCausalLM(LoopedCausalLM):
 
     # ----- training / reference forward ----------------------------------------------------
     def forward(self, input_ids: torch.Tensor, num_loops: int | None = None, labels: torch.Tensor | None = None,
-                exit_threshold: float | None = None, return_step_logits: bool = False,
+                exit_threshold: float | None = None, return_step_logits: bool = False, ops: ModelOps | None = None,
                 loss_type: str = "expected_logits", entropy_weight: float | None = None) -> CausalLMOutput:
         """`input_ids: [B, T]`. Logits come from the last loop, or with `exit_threshold=q < 1` per
         token from the first loop whose cumulative exit probability reaches q.
@@ -132,7 +116,7 @@ class OuroForCausalLM(LoopedCausalLM):
             raise ValueError("entropy_weight applies to loss_type='expected_loss' only")
         num_loops = num_loops or self.config.total_ut_steps
         threshold = self.config.early_exit_threshold if exit_threshold is None else exit_threshold
-        ctx = DenseContext.for_tokens(input_ids)
+        ctx = DenseContext.for_tokens(input_ids, ops)
         h = self.prelude(input_ids, ctx)
         states, hazards = [], []
         for depth in range(num_loops):

@@ -1,0 +1,41 @@
+"""The eager graph: `hal.base.Graph` for Hals that do not record device work (the CPU, simulations)."""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+
+class EagerGraph:
+    """Replays by re-running the captured function and copying into the first outputs, so code
+    written for device graphs (static outputs updated in place) runs unchanged."""
+
+    def __init__(self) -> None:
+        self.fn: Callable[[], Any] | None = None
+        self.outputs: Any = None
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        self.fn = fn
+        self.outputs = fn()
+        return self.outputs
+
+    def replay(self) -> None:
+        if self.fn is None:
+            raise RuntimeError("replay before capture")
+        copy_into(self.outputs, self.fn())
+
+    def update(self, host_params: Sequence[dict[str, Any]]) -> None:
+        pass
+
+
+def copy_into(dst: Any, src: Any) -> None:
+    """Copy `src` into the same-structured tensors of `dst` (nested tuples, lists, dicts): a host
+    graph's replay refreshes the outputs its callers hold."""
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    elif isinstance(dst, (tuple, list)):
+        for d, s in zip(dst, src):
+            copy_into(d, s)
+    elif isinstance(dst, dict):
+        for key in dst:
+            copy_into(dst[key], src[key])

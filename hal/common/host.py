@@ -1,0 +1,120 @@
+"""The device side of a Hal that runs on the host: one device, streams and events that are correct
+no-ops (work on the host is issued in program order), host memory for the memory queries. The CPU
+Hal and the simulated Ascend Hal share it."""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from hal.base import MemInfo
+
+
+class CpuStream:
+    """Work on the CPU is issued in program order, so a stream is only a name."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_event(self, event: "CpuEvent") -> None:
+        pass
+
+    def wait_stream(self, stream: "CpuStream") -> None:
+        pass
+
+    def __enter__(self) -> "CpuStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+class CpuEvent:
+    """Recorded work is already done when `record` returns; timing uses the host clock."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.enable_timing = enable_timing
+        self.time_ns: int | None = None
+
+    def record(self, stream: CpuStream | None = None) -> None:
+        self.time_ns = time.perf_counter_ns()
+
+    def wait(self, stream: CpuStream | None = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: "CpuEvent") -> float:
+        if not (self.enable_timing and self.time_ns is not None and end.time_ns is not None):
+            raise RuntimeError("elapsed_time needs two recorded events created with enable_timing=True")
+        return (end.time_ns - self.time_ns) / 1e6
+
+
+class CpuHostBuffer:
+    """Host and device are the same memory."""
+
+    def __init__(self, shape: Sequence[int], dtype: torch.dtype) -> None:
+        self.host = torch.zeros(tuple(shape), dtype=dtype)
+
+    def mark_dirty(self, lo: int = 0, hi: int | None = None) -> None:
+        pass
+
+    def device_view(self) -> torch.Tensor:
+        return self.host
+
+
+class HostDevice:
+    """The device side of a Hal that runs on the host (the CPU reference, the simulated Ascend Hal):
+    one device, streams and events that are no-ops, host memory for the memory queries."""
+
+    device_label = "CPU Hal"
+
+    def device(self, index: int | None = None) -> torch.device:
+        return torch.device("cpu")
+
+    def device_count(self) -> int:
+        return 1
+
+    def set_device(self, index: int) -> None:
+        if index != 0:
+            raise ValueError(f"the {self.device_label} has one device (0), not {index}")
+
+    def stream(self, priority: int = 0) -> CpuStream:
+        return CpuStream()
+
+    def current_stream(self) -> CpuStream:
+        return CpuStream()
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: Any) -> Iterator[None]:
+        yield
+
+    def event(self, enable_timing: bool = False) -> CpuEvent:
+        return CpuEvent(enable_timing)
+
+    def synchronize(self) -> None:
+        pass
+
+    def mem_info(self) -> MemInfo:
+        try:
+            pages, page_size = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+            total = os.sysconf("SC_PHYS_PAGES") * page_size
+            return MemInfo(pages * page_size, total)
+        except (ValueError, OSError, AttributeError):
+            return MemInfo(8 << 30, 16 << 30)
+
+    def memory_stats(self) -> dict[str, int]:
+        return {"allocated": 0, "reserved": 0, "peak_allocated": 0}
+
+    def reset_peak_memory(self) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass

@@ -1,0 +1,425 @@
+"""`LLMEngine`: add_request / step / abort over the scheduler, block manager and model runner.
+
+Each `step()` schedules up to `max_num_batched_tokens` new tokens across running and waiting
+requests, runs them as one packed batch, samples, and returns the outputs of the requests that
+advanced. It is single-threaded; a server drives it from one loop. With speculative decoding on,
+decoding requests that draft run as one speculation round instead (runtime/speculation/speculator.py) and may
+advance by several tokens.
+
+With `async_scheduling` a step launches step t+1 before it reads step t's tokens: the scheduler
+plans t+1 as if every request sampled at t got its token (a `PLACEHOLDER` the runner fills on the
+device), and the host catches up one step later, so stop checks apply one step late: a request
+that stopped at t has its t+1 work discarded. Outputs equal the synchronous engine's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from hal.base import Hal
+from runtime.execution.async_step import PendingStep, StepResult
+from runtime.config import EngineConfig, SamplingParams
+from runtime.engine.kv_cache import BlockManager
+from runtime.engine.outputs import CompletionOutput, RequestOutput
+from runtime.engine.prefix_cache import PrefixPolicy
+from runtime.execution.runner import ModelRunner
+from runtime.execution.keyed_random import derive_seed
+from runtime.execution.sampler import make_generator
+from runtime.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from runtime.engine.sequence import PLACEHOLDER, Request, RequestMetrics, RequestStatus
+from runtime.speculation.speculator import Speculator
+from runtime.parallel.step_plan import PlanPublisher, check_supported
+from runtime.engine.swap import SwapSpace
+from runtime.text.tokenizer import Tokenizer
+from zoo.base import LoopedCausalLM
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SampleGroup:
+    """The samples of one request with `n > 1` or `best_of > 1`. Sample 0 runs first under the
+    caller's request id; the others are forked from it once its prompt is computed (they share the
+    prompt's KV blocks) under ids `"<id>#<i>"`. With `best_of > n` the n samples of highest mean
+    logprob per token are returned, once all have finished."""
+
+    request_id: str
+    n: int
+    best_of: int
+    samples: list[Request] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.samples) == self.best_of and all(r.is_finished for r in self.samples)
+
+    def child_id(self, index: int) -> str:
+        return f"{self.request_id}#{index}"
+
+
+class LLMEngine:
+    """`publisher` (tensor parallelism, rank 0: `ParallelState.publisher()`) sends every scheduled
+    step to the other ranks, which run the same model runner on their shards; call `close()` when
+    done so they free their KV cache."""
+
+    def __init__(self, model: LoopedCausalLM, hal: Hal, config: EngineConfig | None = None,
+                 tokenizer: Tokenizer | None = None, extra_stop_token_ids: Iterable[int] = (),
+                 publisher: PlanPublisher | None = None) -> None:
+        self.model, self.hal, self.tokenizer = model, hal, tokenizer
+        self.config = config or EngineConfig()
+        # the context: the model's positions (or engine.max_model_len); a request ends there ("length")
+        self.context_len = min(self.config.max_model_len or model.max_seq_len, model.max_seq_len)
+        self.max_model_len = self.context_len    # the longest request at the model's depth the cache holds
+        self.max_loops = max(model.default_num_loops, 1)
+        self.publisher = publisher
+        if publisher is not None:          # followers build their runner now: its KV sizing is collective
+            check_supported(self.config)
+            publisher.open(self.config, self.max_model_len, self.max_loops)
+        self.runner = ModelRunner(model, hal, self.config, self.max_model_len, self.max_loops)
+        self._fit_context_to_cache()
+        cfg = self.config
+        self.blocks = BlockManager(self.runner.num_blocks, self.runner.block_size, cfg.enable_prefix_caching)
+        max_swap_blocks = 0
+        if cfg.preemption_mode == "swap":
+            max_swap_blocks = min(cfg.swap_space_bytes // self.runner.bytes_per_block, self.runner.num_blocks)
+        sched = SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.watermark_blocks,
+                                cfg.scheduling_policy, cfg.preemption_mode, max_swap_blocks,
+                                cfg.wavefront_prefill)
+        prefix = PrefixPolicy(self.runner.block_size, self.runner.layout)
+        self.scheduler = Scheduler(sched, self.blocks, prefix)
+        self.swap = SwapSpace(hal, self.runner.backend, self.runner.kv_caches)
+        self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None     # async: the launched step
+        spec = cfg.speculative
+        self.speculator = Speculator(self.runner, spec) if spec.is_enabled else None
+        stops = list(model.stop_token_ids()) + list(extra_stop_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            stops.append(tokenizer.eos_token_id)
+        self.default_stop_token_ids = frozenset(stops)
+        self.requests: dict[str, Request] = {}
+        self.groups: dict[str, SampleGroup] = {}       # n > 1: request id -> its samples
+        self.num_steps = 0
+        self.num_computed_tokens = 0
+
+    def _fit_context_to_cache(self) -> None:
+        """The longest request (at the model's depth) the KV cache can ever hold is known now:
+        `max_model_len` is capped to it, with a log line; when the setting asked for more, or the
+        cache cannot hold even a short request, the engine refuses to start, naming what to change."""
+        planes = self.runner.layout.num_planes(self.max_loops)
+        bs, num_blocks = self.runner.block_size, self.runner.num_blocks
+        fit = num_blocks // planes * bs
+        if fit >= self.max_model_len:
+            return
+        more_memory = ("give the KV cache more memory (engine.num_kv_blocks, engine.kv_cache_memory_bytes or "
+                       "engine.gpu_memory_utilization), lower engine.max_num_seqs, or use engine.kv_mode=shared")
+        where = (f"the KV cache has {num_blocks} blocks of {bs} tokens and a request with {self.max_loops} loops "
+                 f"uses {planes} KV planes, so one request holds at most {fit} tokens")
+        if fit < 2:
+            raise ValueError(f"{where}: nothing can run; {more_memory}")
+        if self.config.max_model_len is not None:
+            raise ValueError(f"engine.max_model_len={self.config.max_model_len} does not fit: {where}; set "
+                             f"engine.max_model_len={fit} or less, or {more_memory}")
+        log.warning("max_model_len capped from %d to %d tokens: %s; longer requests are refused at "
+                    "admission", self.max_model_len, fit, where)
+        self.max_model_len = fit
+
+    # ----- requests -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, priority: int | None = None) -> Request:
+        """Queue a request (`priority` overrides `params.priority`; lower = more urgent). Raises
+        ValueError for bad input and MemoryError when the request could never fit in the KV cache;
+        other requests are unaffected either way."""
+        if request_id in self.requests or request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if self.publisher is not None:
+            params = self.publisher.seeded(params)
+        self._check_features(params)
+        if not prompt_token_ids:
+            raise ValueError("empty prompt: give at least one token")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if len(prompt_token_ids) >= self.context_len:
+            raise ValueError(f"prompt of {len(prompt_token_ids)} tokens does not fit the model's context "
+                             f"of {self.context_len} tokens (one position must remain for the answer)")
+        num_loops = params.num_loops or self.model.default_num_loops
+        if num_loops > self.config.max_num_loops:
+            raise ValueError(f"num_loops={num_loops} is above the limit of {self.config.max_num_loops} loops "
+                             f"(engine.max_num_loops): ask for fewer loops or raise engine.max_num_loops")
+        bad_bias = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad_bias:
+            raise ValueError(f"logit_bias names token ids outside the vocabulary of {vocab}: {bad_bias[:5]}")
+        if num_loops > self.max_loops:
+            self._grow_max_loops(num_loops)
+        threshold = self.model.default_exit_threshold if params.exit_threshold is None else params.exit_threshold
+        num_speculative = self._num_speculative_tokens(num_loops, threshold, params)
+        group = None
+        if params.num_samples > 1:
+            group = SampleGroup(request_id, params.n, params.num_samples)
+            taken = [group.child_id(i) for i in range(1, group.best_of) if group.child_id(i) in self.requests]
+            if taken:
+                raise ValueError(f"request id {taken[0]!r} (a sample of {request_id!r}) is already in use")
+            params = dataclasses.replace(params, n=1, best_of=None)
+        request = Request(
+            request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params, num_loops=num_loops,
+            exit_threshold=threshold,
+            num_planes=self.runner.layout.num_planes(num_loops),
+            stop_token_ids=frozenset() if params.ignore_eos else self.default_stop_token_ids,
+            max_seq_len=self.context_len, prompt=prompt, generator=make_generator(params, self.runner.device),
+            priority=params.priority if priority is None else int(priority),
+            cache_salt=self._cache_salt(params), num_speculative_tokens=num_speculative)
+        self.scheduler.add(request)          # MemoryError if it could never fit
+        self.requests[request_id] = request
+        if group is not None:
+            request.group, request.rank_by_logprob = group, group.best_of > group.n
+            group.samples.append(request)
+            self.groups[request_id] = group
+        return request
+
+    def _check_features(self, params: SamplingParams) -> None:
+        if params.prompt_logprobs is not None and self.config.wavefront_prefill:
+            raise ValueError("prompt_logprobs needs every prompt chunk to run all loops in one step: set "
+                             "engine.wavefront_prefill=false")
+
+    def _fork(self, parent: Request) -> None:
+        """n > 1: sample 0 computed its prompt; queue the other samples, sharing its prompt blocks."""
+        group = parent.group
+        for index in range(len(group.samples), group.best_of):
+            params = parent.params
+            if params.seed is not None:
+                params = dataclasses.replace(params, seed=derive_seed(params.seed, index))
+            child = dataclasses.replace(
+                parent, request_id=group.child_id(index), params=params, output_token_ids=[],
+                loops_per_token=[], num_computed_tokens=0, status=RequestStatus.WAITING,
+                generator=make_generator(params, self.runner.device), speculation=None, error=None,
+                metrics=RequestMetrics(arrival_time=parent.metrics.arrival_time), block_hashes=[],
+                wave_chunks=[], logprobs=[], cumulative_logprob=0.0, prompt_logprobs=None, sample_index=index)
+            self.scheduler.fork(parent, child)
+            self.requests[child.request_id] = child
+            group.samples.append(child)
+
+    def _num_speculative_tokens(self, num_loops: int, exit_threshold: float, params: SamplingParams) -> int:
+        """Draft tokens per round for a request: 0 when speculation is off, the request has no
+        more loops than the draft, or it needs what a speculation round does not compute (logprobs,
+        penalties, logit bias, min_tokens, best_of): it then decodes normally."""
+        spec = self.config.speculative
+        if not spec.is_enabled or num_loops <= spec.draft_loops:
+            return 0
+        if params.changes_logits or params.logprobs is not None or params.best_of not in (None, params.n):
+            return 0
+        if exit_threshold < 1.0:
+            raise ValueError(f"speculative decoding does not support early exit (exit_threshold="
+                             f"{exit_threshold}): set exit_threshold=1.0, or turn speculation off "
+                             f"(speculative.num_tokens=0)")
+        return spec.num_tokens
+
+    def _cache_salt(self, params: SamplingParams) -> bytes | None:
+        """Prefix caching: KV that depends on more than the tokens is never shared (Huginn's random
+        initial state, unless init_scale=0)."""
+        if not self.config.enable_prefix_caching:
+            return None
+        if self.model.has_initial_state and params.init_scale != 0:
+            return None
+        return b"loopstack"
+
+    def _grow_max_loops(self, num_loops: int) -> None:
+        # the pool is shared by all planes; more loops only change how many planes a request takes
+        self.max_loops = num_loops
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (every sample of it) and free its KV blocks (unknown or finished ids are
+        ignored)."""
+        group = self.groups.pop(request_id, None)
+        for request in group.samples if group is not None else [self.requests.get(request_id)]:
+            if request is not None and not request.is_finished:
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+            if request is not None:
+                self.requests.pop(request.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or self._in_flight is not None
+
+    # ----- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return the outputs of requests that produced a token or finished (async:
+        of the previous batch, whose tokens the host reads while this one runs)."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty and self._in_flight is None and self.scheduler.waiting and not self.scheduler.running:
+            return self._fail_unschedulable()
+        if self.publisher is not None:           # tensor parallelism: the other ranks run this step too
+            self.publisher.publish(plan, self.requests, self.blocks, self.scheduler.swapped)
+        self._move_preempted(plan)
+        launched = self._launch(plan) if not plan.is_empty else None
+        if not self.config.async_scheduling:
+            return self._apply(plan, launched) if launched is not None else []
+        done, self._in_flight = self._in_flight, (plan, launched) if launched is not None else None
+        return self._apply(done[0], done[1].result()) if done is not None else []
+
+    def _fail_unschedulable(self) -> list[RequestOutput]:
+        """Nothing runs and the first waiting request still cannot start: it never will (admission
+        should have refused it). Fail it rather than spin."""
+        request = self.scheduler.waiting[0]
+        request.error = (f"request {request.request_id} cannot be scheduled even with the engine idle "
+                         f"({self.blocks.num_free_blocks} of {self.blocks.num_blocks} KV blocks free)")
+        log.error("%s", request.error)
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        return [self.output_of(request)]
+
+    def _move_preempted(self, plan: SchedulerOutput) -> None:
+        """Swap copies (issued before the step that reuses the blocks, in stream order)."""
+        for request in plan.preempted:
+            if request.request_id not in self.scheduler.swapped:
+                self.runner.forget(request.request_id)
+        for copy in plan.swap_out:
+            self.swap.swap_out(copy.request_id, copy.blocks)
+        for copy in plan.swap_in:
+            self.swap.swap_in(copy.request_id, copy.blocks)
+
+    def _launch(self, plan: SchedulerOutput) -> StepResult | PendingStep:
+        """The step's device work; its tokens count as computed from here on."""
+        now = time.monotonic()
+        for item in plan.scheduled:
+            if item.request.metrics.first_scheduled_time is None:
+                item.request.metrics.first_scheduled_time = now
+        drafting = [item for item in plan.scheduled if item.num_draft_tokens]
+        plain = [item for item in plan.scheduled if not item.num_draft_tokens]
+        sampling = [item.request for item in plain if item.samples]
+        fed = self._in_flight[1] if self._in_flight is not None else None
+        result = self.runner.execute(plain, self.blocks, input_ids_from_device=fed,
+                                     deferred=self.config.async_scheduling) if plain else StepResult({}, 0)
+        if drafting:                            # speculation rounds (never with async scheduling)
+            spec = self.speculator.run(drafting, self.blocks)
+            for item in drafting:
+                committed = spec.committed[item.request.request_id]
+                item.request.num_computed_tokens += len(committed)      # t0 and the kept drafts
+                result.sampled[item.request.request_id] = [(t, item.request.num_loops) for t in committed]
+            self.num_computed_tokens += spec.num_tokens
+        self.num_steps += 1
+        self.num_computed_tokens += sum(item.num_new_tokens for item in plain)
+        self.scheduler.advance(plain)
+        if self.config.async_scheduling:
+            for request in sampling:            # the device's token, known to the host one step later
+                request.append_token(PLACEHOLDER, 0)
+        return result
+
+    def _apply(self, plan: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        """The host learns a step's tokens: append them, check stops, finish, offer blocks to the cache."""
+        outputs, groups = [], {}
+        for request in {item.request.request_id: item.request for item in plan.scheduled}.values():
+            if request.is_finished:
+                continue                        # async: stopped a step earlier; this step's work is discarded
+            rid = request.request_id
+            if result.prompt_logprobs and rid in result.prompt_logprobs:
+                first, values = result.prompt_logprobs[rid]
+                if request.prompt_logprobs is None:
+                    request.prompt_logprobs = [None] * len(request.prompt_token_ids)
+                request.prompt_logprobs[first:first + len(values)] = values
+            sampled = result.sampled.get(rid)
+            if sampled is not None and result.logprobs and rid in result.logprobs:
+                request.logprobs.append(result.logprobs[rid])
+                request.cumulative_logprob += result.logprobs[rid].logprob
+            status = None
+            if isinstance(sampled, list):       # a speculation round: a stop token inside it ends it there
+                for token in sampled:
+                    request.append_token(*token)
+                    status = request.check_stop()
+                    if status is not None:
+                        break
+            elif sampled is not None:
+                if self.config.async_scheduling:
+                    status = request.check_stop(request.resolve_token(*sampled))
+                else:
+                    request.append_token(*sampled)
+                    status = request.check_stop()
+            if request.group is not None and request.sample_index == 0 and request.num_resolved_outputs \
+                    and len(request.group.samples) < request.group.best_of:
+                self._fork(request)             # before a stop could free the prompt blocks
+            self.scheduler.cache_blocks(request)
+            if status is not None:
+                self._finish(request, status)
+            if sampled is None:
+                continue
+            if request.group is None:
+                outputs.append(self.output_of(request))
+            else:                               # once per step, after all its samples of the step
+                groups.setdefault(request.group.request_id, request)
+        for request in groups.values():
+            if request.group.best_of == request.group.n or request.group.finished:
+                outputs.append(self.output_of(request))
+        return outputs
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.drop_unresolved()
+        self.scheduler.finish(request, status)
+        self.swap.drop(request.request_id)
+        self.runner.forget(request.request_id)
+        if status != RequestStatus.FINISHED_ABORTED:
+            request.metrics.finished_time = time.monotonic()
+        self.requests.pop(request.request_id, None)
+        if request.group is not None and request.group.finished:
+            self.groups.pop(request.group.request_id, None)
+
+    def output_of(self, request: Request) -> RequestOutput:
+        """The request's output; for a sample of an n > 1 request, the whole request's (every
+        sample so far; with best_of > n, the n best once all have finished)."""
+        group = request.group
+        if group is None:
+            return self._output([request], request.request_id, request.is_finished, request)
+        samples = list(group.samples)
+        if group.best_of > group.n and group.finished:
+            samples = sorted(samples, key=_mean_logprob, reverse=True)[:group.n]
+        done = group.finished
+        return self._output(samples, group.request_id, done, group.samples[0])
+
+    def output_for(self, request_id: str, finish_reason: str | None = None) -> RequestOutput | None:
+        """The latest output of a request by its id (None when the engine does not know it); with
+        `finish_reason`, marked finished with that reason (an abort)."""
+        group = self.groups.get(request_id)
+        request = group.samples[0] if group is not None else self.requests.get(request_id)
+        if request is None:
+            return None
+        out = self.output_of(request)
+        if finish_reason is not None:
+            for sample in out.outputs:
+                sample.finish_reason = sample.finish_reason or finish_reason
+            out.finished, out.finish_reason = True, out.outputs[0].finish_reason
+        return out
+
+    def _output(self, samples: list[Request], request_id: str, finished: bool, first: Request) -> RequestOutput:
+        completions = []
+        for index, request in enumerate(samples):
+            n = request.num_resolved_outputs
+            tokens = request.output_token_ids[:n]
+            text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
+            wants = request.params.logprobs is not None
+            completions.append(CompletionOutput(
+                index, tokens, text, request.status.value if request.is_finished else None,
+                request.loops_per_token[:n], request.logprobs[:n] if wants else None,
+                request.cumulative_logprob if request.num_logprobs is not None else None))
+        head = completions[0]
+        return RequestOutput(request_id, first.prompt, first.prompt_token_ids, head.token_ids, head.text, finished,
+                             head.finish_reason if finished else None, head.loops_per_token,
+                             metrics=first.metrics, error=first.error, logprobs=head.logprobs,
+                             prompt_logprobs=first.prompt_logprobs, outputs=completions)
+
+    def close(self) -> None:
+        """Release the other tensor-parallel ranks' runners (a no-op on one rank)."""
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
+
+    @torch.inference_mode()
+    def run_until_done(self) -> list[RequestOutput]:
+        """Step until every request has finished; the final output of each, in finishing order."""
+        finished = []
+        while self.has_unfinished_requests():
+            finished.extend(o for o in self.step() if o.finished)
+        return finished
+
+
+def _mean_logprob(request: Request) -> float:
+    return request.cumulative_logprob / max(len(request.logprobs), 1)

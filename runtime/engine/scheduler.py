@@ -1,0 +1,362 @@
+"""Continuous batching under a per-step token budget. Pure Python.
+
+Every step the scheduler says how many new tokens each request computes ({request: num_tokens}):
+1 for a decoding request, a chunk of its prompt for a prefilling one. Decoding requests are served
+first, so a long prompt is chunked around them and never stalls them; new requests join while
+others decode. Features (docs/scheduling.md):
+- preemption: when the cache cannot grow a running request, a victim (the newest; under the
+  priority policy the least urgent) gives its blocks back: `recompute` drops its KV (it prefills
+  again later), `swap` has the engine copy its blocks to host memory and back on readmission;
+- priority policy: the waiting queue is ordered by (priority, arrival), and a waiting request may
+  preempt running requests of strictly lower priority to get a slot or blocks;
+- prefix caching: an admitted request starts from the cached blocks of its longest cached prefix;
+- wavefront prefill: a prompt that does not fit the step's budget enters the loops chunk by chunk,
+  each chunk running one loop per step (`ScheduledRequest.is_wave`), see runtime/execution/runner.py.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+from runtime.engine.kv_cache import BlockManager
+from runtime.engine.prefix_cache import NO_HIT, PrefixHit, PrefixPolicy
+from runtime.engine.sequence import Request, RequestStatus, WaveChunk
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256              # requests running at once
+    max_num_batched_tokens: int = 2048   # new tokens per step, prefill chunks included
+    watermark_blocks: int = 0            # free blocks kept back when admitting, to limit preemption
+    policy: str = "fcfs"                 # fcfs | priority
+    preemption_mode: str = "recompute"   # recompute | swap
+    max_swap_blocks: int = 0             # host blocks for swapped-out KV; beyond them, recompute
+    wavefront: bool = False              # wavefront prefill for prompts longer than the step's budget
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+class ScheduledRequest(NamedTuple):
+    request: Request
+    num_tokens: int          # tokens (packed rows) of this item
+    start: int | None = None # wavefront segment: its first token; else request.num_computed_tokens
+    depth: int = 0           # wavefront segment: the one loop it runs (standard items run all loops)
+    is_wave: bool = False
+    num_draft_tokens: int = 0   # speculation: tokens drafted after them and verified in the same step
+
+    @property
+    def first_token(self) -> int:
+        return self.request.num_computed_tokens if self.start is None else self.start
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens this item adds to the request's computed tokens (wave chunks count when they enter)."""
+        return self.num_tokens if self.depth == 0 else 0
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step produces the request's next token (its last uncomputed token is in it)."""
+        req = self.request
+        if self.is_wave:
+            return self.depth == req.num_loops - 1 and self.first_token + self.num_tokens == req.num_tokens
+        return self.num_tokens == req.num_uncomputed_tokens
+
+
+class BlockCopy(NamedTuple):
+    request_id: str
+    blocks: list[int]        # device blocks, plane-major, holding the request's computed tokens
+
+
+class SchedulerOutput(NamedTuple):
+    scheduled: list[ScheduledRequest]
+    preempted: list[Request]
+    swap_out: Sequence[BlockCopy] = ()     # copy these blocks to host before the step (then they are reused)
+    swap_in: Sequence[BlockCopy] = ()      # copy the request's host blocks into these before the step
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 prefix: PrefixPolicy | None = None) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.prefix = prefix if block_manager.cache is not None else None
+        self.waiting: list[Request] = []         # ordered by _key
+        self.running: list[Request] = []
+        self.swapped: dict[str, int] = {}        # request id -> blocks per plane held on the host
+        self.num_swapped_blocks = 0
+        self._num_arrived = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def _key(self, request: Request) -> tuple[int, int]:
+        return (request.priority if self.config.policy == "priority" else 0, request.arrival_seq)
+
+    def add(self, request: Request) -> None:
+        """Queue a new request. Raises MemoryError when it could not finish even with the whole KV
+        cache to itself: its prompt plus max_tokens (within its context) must fit, so an admitted
+        request is never preempted forever for lack of room."""
+        total = self.max_request_tokens(request)
+        if not self.blocks.fits_at_all(request.num_planes, total):
+            per_plane = self.blocks.num_blocks // request.num_planes * self.blocks.block_size
+            raise MemoryError(
+                f"request {request.request_id} needs {total} tokens of KV (a prompt of "
+                f"{len(request.prompt_token_ids)} + max_tokens {request.params.max_tokens}) in each of its "
+                f"{request.num_planes} KV planes, {request.num_planes} x {self.blocks.blocks_per_plane(total)} "
+                f"blocks, more than the whole cache ({self.blocks.num_blocks} blocks of {self.blocks.block_size} "
+                f"tokens, at most {per_plane} tokens per plane): lower max_tokens, shorten the prompt, use fewer "
+                f"loops or kv_mode=shared, or give the KV cache more memory (engine.num_kv_blocks, "
+                f"engine.gpu_memory_utilization)")
+        request.arrival_seq = self._num_arrived
+        self._num_arrived += 1
+        bisect.insort(self.waiting, request, key=self._key)
+
+    @staticmethod
+    def max_request_tokens(request: Request) -> int:
+        """The most tokens the request can hold in the cache: prompt + max_tokens, within its context."""
+        return min(len(request.prompt_token_ids) + request.params.max_tokens, request.max_seq_len)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Queue `child`, another sample of `parent`'s prompt (n > 1), starting from the parent's
+        full prompt blocks (shared, reference counted); it computes the rest of the prompt itself
+        (less than a block) and samples from its own logits. It waits at the parent's place in the
+        queue. Until admitted it holds those blocks; under pressure they are released
+        (`_release_waiting`) and it prefills from scratch."""
+        bs = self.blocks.block_size
+        wanted = (len(parent.prompt_token_ids) - 1) // bs
+        shared = self.blocks.fork(parent.request_id, child.request_id, wanted) \
+            if parent.num_settled_tokens >= wanted * bs else 0
+        child.num_computed_tokens = shared * bs
+        child.metrics.num_cached_tokens = shared * bs
+        child.arrival_seq = parent.arrival_seq
+        bisect.insort(self.waiting, child, key=self._key)
+
+    def _release_waiting(self, keep: Request | None = None) -> bool:
+        """Drop the blocks that waiting requests hold (forked samples not yet admitted); they will
+        prefill from scratch. Returns whether anything was released."""
+        released = False
+        for request in self.waiting:
+            if request is not keep and request.request_id in self.blocks.tables \
+                    and request.request_id not in self.swapped:
+                self.blocks.free(request.request_id)
+                request.num_computed_tokens = 0
+                released = True
+        return released
+
+    # ----- the step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self._budget = self.config.max_num_batched_tokens
+        self._scheduled: list[ScheduledRequest] = []
+        self._out = SchedulerOutput(self._scheduled, [], [], [])     # lists the helpers append to
+        done: set[str] = set()
+
+        # running requests: decodes first, then continuing prefill chunks (by priority first)
+        order = (lambda r: (r.priority, r.is_prefill, r.arrival_seq)) if self.config.policy == "priority" \
+            else (lambda r: r.is_prefill)
+        for request in sorted(self.running, key=order):
+            if request.status != RequestStatus.RUNNING:
+                continue                     # preempted earlier in this step
+            if request.is_length_capped:     # async: it ends once its last token is read; never a victim
+                done.add(request.request_id)
+                continue
+            num_tokens = min(request.num_uncomputed_tokens, self._budget)
+            if request.wave_chunks or (num_tokens and self._wants_wave(request, num_tokens)):
+                self._schedule_wave(request, num_tokens, done)
+            elif num_tokens:
+                num_drafts = self._num_drafts(request, self._budget - num_tokens)
+                if self._grow(request, request.num_computed_tokens + num_tokens, done):
+                    if num_drafts:                  # room for the drafts' KV; fewer drafts rather than a preemption
+                        num_drafts = self._num_drafts(request, self._budget - num_tokens)
+                        self.blocks.allocate(request.request_id, request.num_planes,
+                                             request.num_computed_tokens + num_tokens + num_drafts)
+                    self._add(ScheduledRequest(request, num_tokens, num_draft_tokens=num_drafts))
+            if any(item.request is request for item in self._scheduled[-1:]):
+                done.add(request.request_id)
+
+        # waiting requests join while budget, slots and blocks allow (in queue order: no overtaking);
+        # not after a preemption for memory, nor a request preempted in this very step
+        under_pressure = bool(self._out.preempted)
+        while self.waiting and self._budget > 0 and not under_pressure:
+            request = self.waiting[0]
+            if any(r is request for r in self._out.preempted):
+                break
+            hit = self._prefix_hit(request)
+            base = request.num_computed_tokens or hit.num_blocks * self.blocks.block_size
+            total = base + min(request.num_tokens - base, self._budget)
+            while not self._admissible(request, total, hit):
+                victim = self._victim(request, set(), lower_only=True)
+                if victim is None:
+                    if not self.running and self._release_waiting(keep=request):
+                        continue                 # blocks held by queued samples stood in the way
+                    break
+                self._preempt(victim)
+                hit = self._prefix_hit(request)
+            if not self._admissible(request, total, hit):
+                break
+            self._admit(request, base, total, hit)
+        return self._out
+
+    def _admissible(self, request: Request, total: int, hit: PrefixHit) -> bool:
+        # the watermark keeps room for running requests to grow; with none running it would only
+        # keep a request that fits out forever
+        reserve = self.config.watermark_blocks if self.running else 0
+        return len(self.running) < self.config.max_num_seqs and self.blocks.can_allocate(
+            request.request_id, request.num_planes, total, reserve=reserve, hit=hit)
+
+    def _admit(self, request: Request, base: int, total: int, hit: PrefixHit) -> None:
+        self.waiting.pop(0)
+        if request.num_computed_tokens == 0:
+            request.num_computed_tokens = base
+            request.metrics.num_cached_tokens = base
+        self.blocks.allocate(request.request_id, request.num_planes, total, hit)
+        per_plane = self.swapped.pop(request.request_id, 0)
+        if per_plane:
+            self.num_swapped_blocks -= per_plane * request.num_planes
+            tables = self.blocks.block_tables(request.request_id)
+            blocks = [t[j] for t in tables for j in range(per_plane)]
+            self._out.swap_in.append(BlockCopy(request.request_id, blocks))
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        num_tokens = total - request.num_computed_tokens
+        self._add(ScheduledRequest(request, num_tokens, request.num_computed_tokens, 0, True)
+                  if self._wants_wave(request, num_tokens) else ScheduledRequest(request, num_tokens))
+
+    def _add(self, item: ScheduledRequest) -> None:
+        self._scheduled.append(item)
+        self._budget -= item.num_new_tokens + item.num_draft_tokens
+
+    def _num_drafts(self, request: Request, budget: int) -> int:
+        """Draft tokens for a decoding request: as many as its settings, the budget and the free
+        blocks allow (fewer drafts rather than a preemption; 0 = a plain decode)."""
+        num_drafts = min(request.max_draft_tokens, max(budget, 0))
+        total = request.num_computed_tokens + 1
+        while num_drafts and not self.blocks.can_allocate(request.request_id, request.num_planes,
+                                                          total + num_drafts):
+            num_drafts -= 1
+        return num_drafts
+
+    def _prefix_hit(self, request: Request) -> PrefixHit:
+        if self.prefix is None or request.cache_salt is None or request.num_computed_tokens:
+            return NO_HIT
+        if request.params.prompt_logprobs is not None:      # every prompt row's logits are needed
+            return NO_HIT
+        return self.blocks.match_prefix(self.prefix.block_keys(request, self.prefix.max_hit_blocks(request)))
+
+    # ----- wavefront prefill ----------------------------------------------------------------
+    def _wants_wave(self, request: Request, num_tokens: int) -> bool:
+        """A prompt too long for this step's budget enters as a wavefront (runtime/execution/wavefront.py);
+        requests with early exit keep the standard path (their exit decisions span all loops)."""
+        return (self.config.wavefront and request.num_loops > 1 and request.exit_threshold >= 1.0
+                and num_tokens < request.num_uncomputed_tokens)
+
+    def _schedule_wave(self, request: Request, num_tokens: int, done: set[str]) -> None:
+        """Every in-flight chunk runs its next loop; a new chunk enters when blocks allow (with no
+        chunk in flight, the usual preemption applies; with some, the request just waits for blocks)."""
+        for chunk in request.wave_chunks:
+            self._add(ScheduledRequest(request, chunk.end - chunk.start, chunk.start, chunk.depth, True))
+        if not num_tokens:
+            return
+        total = request.num_computed_tokens + num_tokens
+        if request.wave_chunks:
+            if not self.blocks.can_allocate(request.request_id, request.num_planes, total):
+                return
+            self.blocks.allocate(request.request_id, request.num_planes, total)
+        elif not self._grow(request, total, done):
+            return
+        self._add(ScheduledRequest(request, num_tokens, request.num_computed_tokens, 0, True))
+
+    # ----- memory pressure ------------------------------------------------------------------
+    def _grow(self, request: Request, total: int, done: set[str]) -> bool:
+        """Allocate blocks for `total` tokens, preempting victims as needed; without any, the
+        request itself is preempted (returns False)."""
+        rid, planes = request.request_id, request.num_planes
+        while not self.blocks.can_allocate(rid, planes, total):
+            victim = self._victim(request, done)
+            if victim is None:
+                if self._release_waiting():
+                    continue
+                self._preempt(request)
+                return False
+            self._preempt(victim)
+        self.blocks.allocate(rid, planes, total)
+        return True
+
+    def _victim(self, request: Request, protected: set[str], lower_only: bool = False) -> Request | None:
+        """The running request to preempt for `request`: FCFS the newest (never one already
+        scheduled this step); priority the least urgent, only if less urgent than `request`."""
+        candidates = [r for r in self.running if r is not request and r.request_id not in protected]
+        if self.config.policy != "priority":
+            return None if lower_only or not candidates else candidates[-1]
+        worst = max(candidates, key=self._key, default=None)
+        if worst is None or self._key(worst) < self._key(request):
+            return None
+        return worst if not lower_only or worst.priority > request.priority else None
+
+    def _preempt(self, request: Request) -> None:
+        """Give the request's blocks back: swap its computed KV to host when the mode and the swap
+        space allow (wavefront chunks in flight cannot be swapped), else recompute it later."""
+        rid = request.request_id
+        per_plane = self.blocks.blocks_per_plane(request.num_computed_tokens)
+        if (self.config.preemption_mode == "swap" and per_plane and not request.wave_chunks
+                and self.num_swapped_blocks + per_plane * request.num_planes <= self.config.max_swap_blocks):
+            tables = self.blocks.block_tables(rid)
+            self._out.swap_out.append(BlockCopy(rid, [t[j] for t in tables for j in range(per_plane)]))
+            self.swapped[rid] = per_plane
+            self.num_swapped_blocks += per_plane * request.num_planes
+        else:
+            request.num_computed_tokens = 0
+            request.wave_chunks = []
+        self.blocks.free(rid)
+        self.running.remove(request)
+        request.status = RequestStatus.WAITING
+        request.metrics.num_preemptions += 1
+        bisect.insort(self.waiting, request, key=self._key)
+        self._out.preempted.append(request)
+        # a victim already scheduled this step (priority admission) gives its place back
+        for item in [s for s in self._scheduled if s.request is request]:
+            self._scheduled.remove(item)
+            self._budget += item.num_new_tokens
+
+    # ----- after a step ---------------------------------------------------------------------
+    def advance(self, scheduled: list[ScheduledRequest]) -> None:
+        """The step's tokens are computed (or on their way: stream order keeps them ahead of any
+        later reader). Wavefront chunks move one loop deeper."""
+        for item in scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            if item.is_wave:
+                start = item.first_token
+                chunks = [c for c in request.wave_chunks if c.start != start]
+                if item.depth + 1 < request.num_loops:
+                    chunks.append(WaveChunk(start, start + item.num_tokens, item.depth + 1))
+                request.wave_chunks = sorted(chunks)
+
+    def cache_blocks(self, request: Request) -> None:
+        """Offer the request's settled full blocks to the prefix cache."""
+        if self.prefix is None or request.cache_salt is None or request.request_id not in self.blocks.tables:
+            return
+        num_blocks = self.prefix.cacheable_len(request) // self.blocks.block_size
+        if num_blocks > self.blocks.num_registered.get(request.request_id, 0):
+            self.blocks.register(request.request_id, self.prefix.block_keys(request, num_blocks))
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Mark finished and free its blocks (running, waiting or swapped)."""
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.num_swapped_blocks -= self.swapped.pop(request.request_id, 0) * request.num_planes
+        self.blocks.free(request.request_id)

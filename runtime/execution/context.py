@@ -1,0 +1,69 @@
+"""The runtime's `ForwardContext`: attention over the paged KV cache through the Hal's backend.
+
+One context serves one pass: its metadata (query offsets, lengths, block tables, slot mappings of
+every plane) is built once and shared by all loops and layers. `subset` gives a context over some
+of the pass's sequences (those still looping when others have stopped) with its own metadata.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from hal.base import PagedBatch
+from zoo.base import PassCache
+
+if TYPE_CHECKING:
+    from runtime.execution.step_inputs import PassEnv
+    from zoo.base import LoopedCausalLM
+
+
+class PagedContext(PassCache):
+    def __init__(self, env: "PassEnv", batch: PagedBatch, positions: torch.Tensor,
+                 draws: Sequence[tuple[Any, int]], meta: Any = None,
+                 static_initial_state: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.env, self.batch = env, batch
+        self.ops = env.ops
+        self.positions = positions                        # [1, T]
+        self.draws = draws                                # (request, rows) per sequence
+        self.meta = env.backend.build_meta(batch) if meta is None else meta
+        self.static_initial_state = static_initial_state  # a captured pass: drawn before each replay
+        self._subsets: dict[tuple[int, ...], tuple["PagedContext", torch.Tensor]] = {}
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plane: int, layer: int,
+               scale: float) -> torch.Tensor:
+        # q: [1, T, H, D]; k, v: [1, T, KVH, D] (packed tokens, batch dim 1)
+        env = self.env
+        p = env.layout.physical(plane)
+        cache = env.kv_caches[layer]
+        env.backend.write_kv(k[0], v[0], cache, self.meta, p)
+        return env.backend.forward(q[0], cache, self.meta, p, scale)[None]
+
+    def initial_state(self, model: "LoopedCausalLM", e: torch.Tensor) -> torch.Tensor:
+        """Huginn: each request's own draw (or, in a captured pass, the buffer drawn before replay)."""
+        if self.static_initial_state is not None:
+            return self.static_initial_state
+        from runtime.execution.step_inputs import draw_initial_states
+
+        return draw_initial_states(model, self.draws, e.dtype, e.device)
+
+    def token_rows(self, seqs: Sequence[int]) -> torch.Tensor:
+        """Packed token rows of the given sequences, `[T_sub]` int64."""
+        starts = [0]
+        for n in self.batch.query_lens:
+            starts.append(starts[-1] + n)
+        rows = [r for i in seqs for r in range(starts[i], starts[i + 1])]
+        return torch.tensor(rows, dtype=torch.long, device=self.positions.device)
+
+    def subset(self, seqs: Sequence[int]) -> tuple["PagedContext", torch.Tensor]:
+        """A context over sequences `seqs` of this pass, and their token rows in this context."""
+        key = tuple(seqs)
+        if key not in self._subsets:
+            rows = self.token_rows(seqs)
+            b = self.batch
+            sub_batch = PagedBatch([b.query_lens[i] for i in seqs], [b.seq_lens[i] for i in seqs],
+                                   [[plane[i] for i in seqs] for plane in b.block_tables], b.block_size)
+            sub = PagedContext(self.env, sub_batch, self.positions[:, rows], [self.draws[i] for i in seqs])
+            self._subsets[key] = (sub, rows)
+        return self._subsets[key]

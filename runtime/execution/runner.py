@@ -1,0 +1,284 @@
+"""The model runner: owns the model, the attention backend and the paged KV tensors; turns a
+scheduled step into one forward pass and samples.
+
+KV storage is `layers_per_plane` tensors (one per layer slot of a plane), each holding every block
+of the pool in the backend's layout; a block id means the same block in every one of them.
+
+`execute` runs every kind of step through one path: a pure decode step (every request computes one
+token and samples it, all at the same depth, no early exit) replays a captured pass
+(runtime/execution/graphs.py); any other step runs eagerly, packed: prompts, prompt chunks and
+decodes together, and wavefront segments (`ScheduledRequest.is_wave`, docs/scheduling.md). A wavefront
+segment runs one loop at its `depth`: the model runs it as loop 0 over the tables of plane
+`fixed + depth` (`step_inputs.shifted_tables`), which relies on the looped-model contract (a loop's
+computation depends on its depth only through the KV plane it reads and writes). Rows that enter
+the loops run the prelude; a segment with loops to go keeps its state in `wave_states` until the
+next step; rows that finish their last loop run the coda.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Sequence
+
+import torch
+
+from hal.base import Hal
+from runtime.config import EngineConfig
+from runtime.engine.kv_cache import BlockManager
+from runtime.engine.planes import PlaneLayout
+from runtime.engine.scheduler import ScheduledRequest
+from runtime.execution.async_step import PendingStep, Readback, StepResult, feed_tokens
+from runtime.execution.graphs import PassGraphs
+from runtime.execution.loops import SeqPlan, run_loops
+from runtime.execution.quantization import prepare_weights, resolve_kv_dtype
+from runtime.execution.logprobs import StepLogprobs, prompt_logits, prompt_rows
+from runtime.execution.sampler import SamplingTensors, sample
+from runtime.execution.step_inputs import PassEnv, SeqSlice, describe, place, shifted_tables
+from runtime.parallel.state import agree_min, capture_allowed
+from zoo.base import LoopedCausalLM, ModelOps
+from zoo.parallel import rank_heads
+
+log = logging.getLogger(__name__)
+
+
+def plan_num_blocks(hal: Hal, config: EngineConfig, bytes_per_block: int, max_blocks_useful: int) -> int:
+    """KV pool size: explicit, or what the memory budget allows, capped by what could ever be used."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if config.kv_cache_memory_bytes is not None:
+        budget = config.kv_cache_memory_bytes
+    else:
+        free, total = hal.mem_info()
+        budget = int(free - total * (1.0 - config.gpu_memory_utilization))
+    num_blocks = min(budget // bytes_per_block, max_blocks_useful)
+    if num_blocks < 1:
+        raise MemoryError(f"no memory left for the KV cache (budget {budget / 2**20:.0f} MiB, "
+                          f"{bytes_per_block} bytes per block); raise gpu_memory_utilization or set num_kv_blocks")
+    return int(num_blocks)
+
+
+def decode_program(model: LoopedCausalLM, num_loops: int):
+    """A decode pass: prelude, every loop, the head on every row -> logits `[B, V]` float32."""
+    def run(ids: torch.Tensor, ctx) -> torch.Tensor:
+        state = model.prelude(ids, ctx)
+        for depth in range(num_loops):
+            state = model.loop(state, depth, ctx)
+        return model.coda(state, ctx)[0].float()
+    return run
+
+
+class ModelRunner:
+    def __init__(self, model: LoopedCausalLM, hal: Hal, config: EngineConfig, max_model_len: int,
+                 max_loops: int) -> None:
+        self.model, self.hal, self.config = model, hal, config
+        self.ops = ModelOps(hal)                       # the only Hal the model computes with
+        if config.fuse_projections:
+            from zoo.fuse import fuse_projections
+
+            fuse_projections(model)
+        prepare_weights(model, self.ops, config.weights_dtype)          # FP8 linears (after fusing)
+        self.device = hal.device()
+        self.dtype = next(model.parameters()).dtype
+        spec = model.kv_spec
+        self.kv_spec = spec
+        self.layout = PlaneLayout(config.kv_mode, spec.num_fixed_planes)
+        num_heads, num_kv_heads = rank_heads(model)          # this rank's heads under tensor parallelism
+        kv_dtype = resolve_kv_dtype(config.kv_dtype, hal)
+        quantized = {} if kv_dtype is None else {"kv_dtype": kv_dtype}     # Hals without 8-bit KV keep working
+        self.backend = hal.attention(num_heads, num_kv_heads, spec.head_dim, self.dtype,
+                                     block_size=config.block_size, **quantized)
+        self.block_size = self.backend.block_size
+        log.info("attention backend %s (%s)", self.backend.name, self.backend.caps.reason)
+        # bytes follow the cache's own dtype: an 8-bit KV cache holds twice the blocks of a bf16 one
+        per_layer = math.prod(self.backend.kv_cache_shape(1)) * self.backend.kv_cache_dtype.itemsize
+        self.bytes_per_block = per_layer * spec.layers_per_plane
+        useful = config.max_num_seqs * math.ceil(max_model_len / self.block_size) * self.layout.num_planes(max_loops)
+        num_blocks = plan_num_blocks(hal, config, self.bytes_per_block, useful)
+        self.num_blocks = agree_min(model, num_blocks, self.device)   # tensor parallel: block ids are shared
+        # scratch slots past the pool, which the padding rows of captured passes write and read, so
+        # padded rows need no special slot values in any backend's kernels (step_inputs.pad): one per
+        # token of the widest captured pass (a verify pass: the drafts and the token before them)
+        num_scratch_slots = config.max_num_seqs * (config.speculative.num_tokens + 1)
+        cache_blocks = self.num_blocks + math.ceil(num_scratch_slots / self.block_size)
+        self.kv_caches = [torch.zeros(self.backend.kv_cache_shape(cache_blocks), dtype=self.backend.kv_cache_dtype,
+                                      device=self.device) for _ in range(spec.layers_per_plane)]
+        log.info("KV cache: %d blocks of %d tokens, %.1f MiB, kv_mode=%s, kv_dtype=%s", self.num_blocks,
+                 self.block_size, self.num_blocks * self.bytes_per_block / 2**20, self.layout.kv_mode,
+                 kv_dtype or self.dtype)
+        self.env = PassEnv(model, self.ops, self.backend, self.kv_caches, self.layout, self.device, self.dtype,
+                           self.block_size, self.num_blocks, num_scratch_slots)
+        self.graphs: PassGraphs | None = None
+        if config.graphs and not self.backend.caps.graphs:
+            raise ValueError(f"graphs=true, but attention backend {self.backend.name!r} cannot be captured")
+        if self.backend.caps.graphs:
+            # on by default where the Hal records device work; off = the same padded path, eager
+            self.graphs = PassGraphs(self.env, hal, config.max_num_seqs, max_model_len,
+                                     capture=capture_allowed(hal, model, config.graphs))
+        # async scheduling refills a decode graph's inputs while the previous step may still run: two
+        # copies of each graph, used in turn, so that never touches the replay in flight
+        self.num_graph_copies = 2 if config.async_scheduling else 1
+        self.num_decode_replays = 0
+        self.readback = Readback(hal, config.max_num_seqs)       # async scheduling: sampled tokens to host
+        self.wave_states: dict[tuple[str, int], torch.Tensor] = {}  # wavefront segments' states between steps
+
+    def forget(self, request_id: str) -> None:
+        """Drop what the runner keeps for a request (wavefront states) once it finished or lost its KV."""
+        for key in [k for k in self.wave_states if k[0] == request_id]:
+            del self.wave_states[key]
+
+    # ----- one step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager,
+                input_ids_from_device: PendingStep | None = None,
+                deferred: bool = False) -> StepResult | PendingStep:
+        """Run one step. Async scheduling: input tokens still unknown to the host (`PLACEHOLDER`)
+        are taken on the device from `input_ids_from_device` (the previous step), and `deferred=True`
+        leaves the sampled tokens on the device (a `PendingStep` the host reads one step later)."""
+        if self.is_graph_step(scheduled):
+            return self._execute_captured(scheduled, blocks, input_ids_from_device, deferred)
+        return self._execute_eager(scheduled, blocks, input_ids_from_device, deferred)
+
+    def is_graph_step(self, scheduled: Sequence[ScheduledRequest]) -> bool:
+        """A pure decode step that a captured pass can run (see the module docstring)."""
+        if self.graphs is None or self.graphs.bucket(len(scheduled)) is None:
+            return False
+        loops = scheduled[0].request.num_loops
+        return all(item.num_tokens == 1 and item.samples and not item.is_wave and item.request.num_loops == loops
+                   and item.request.exit_threshold >= 1.0 for item in scheduled)
+
+    def slice_of(self, item: ScheduledRequest, blocks: BlockManager) -> SeqSlice:
+        req = item.request
+        tables = blocks.block_tables(req.request_id)
+        shift = item.depth if item.is_wave else 0
+        return SeqSlice(req, item.first_token, item.num_tokens, shifted_tables(tables, self.kv_spec.num_fixed_planes, shift))
+
+    def _execute_captured(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager,
+                          fed_from: PendingStep | None, deferred: bool) -> StepResult | PendingStep:
+        requests = [item.request for item in scheduled]
+        loops = requests[0].num_loops
+        host = describe([self.slice_of(item, blocks) for item in scheduled], requests[0].num_planes, self.block_size)
+        ids = feed_tokens(host.token_ids, host.fed, fed_from, self.device) if host.fed else None
+        copy = self.num_decode_replays % self.num_graph_copies
+        self.num_decode_replays += 1
+        logits = self.graphs.run(("decode", self.graphs.bucket(len(scheduled)), loops, copy),
+                                 decode_program(self.model, loops), host, 1, self.layout.num_planes(loops), ids)
+        return self.finish_step(logits[:len(scheduled)], requests, [loops] * len(requests), len(scheduled), deferred,
+                                fed_from=fed_from)
+
+    def _execute_eager(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager,
+                       fed_from: PendingStep | None, deferred: bool) -> StepResult | PendingStep:
+        model, fixed = self.model, self.kv_spec.num_fixed_planes
+        slices = [self.slice_of(item, blocks) for item in scheduled]
+        host = describe(slices, max(len(s.tables) for s in slices), self.block_size)
+        inputs = place(self.env, host, fed_from)
+        ctx = inputs.ctx
+        plans, starts, entering, finishing = [], [], [], []
+        row = 0
+        for i, item in enumerate(scheduled):
+            req, n = item.request, item.num_tokens
+            sample_row = row + n - 1 if item.samples else None
+            if item.is_wave:
+                plans.append(SeqPlan(1, 1.0, 1, sample_row, False))
+            else:
+                decoding = n == 1 and item.first_token >= len(req.prompt_token_ids)
+                plans.append(SeqPlan(req.num_loops, req.exit_threshold, req.params.min_loops, sample_row,
+                                     decoding and self.layout.stops_early))
+            if item.depth == 0:
+                entering.append(i)
+            if not item.is_wave or item.depth == req.num_loops - 1:
+                finishing.append(i)
+            starts.append(row)
+            row += n
+
+        state = self._enter(inputs.ids, ctx, scheduled, entering, starts)
+        result = run_loops(model, state, ctx, plans)
+        for i, item in enumerate(scheduled):           # segments with loops to go wait for the next step
+            if item.is_wave and i not in finishing:
+                key = (item.request.request_id, item.first_token)
+                self.wave_states[key] = result.state[:, starts[i]:starts[i] + item.num_tokens]
+
+        sample_seqs = [i for i, p in enumerate(plans) if p.sample_row is not None]
+        sample_rows = [plans[i].sample_row for i in sample_seqs]
+        final = result.state
+        if result.sample_state is not None:
+            final = final.index_copy(1, self._rows(sample_rows), result.sample_state)
+        logits = None
+        if fixed and len(finishing) < len(scheduled):
+            # Huginn's coda writes KV: only rows that finished their loops may run it
+            sub, rows_t = ctx.subset(finishing)
+            finishing_rows = [r for i in finishing for r in range(starts[i], starts[i] + scheduled[i].num_tokens)]
+            where = {r: k for k, r in enumerate(finishing_rows)}
+            if finishing:
+                local = self._rows([where[r] for r in sample_rows])
+                logits = model.coda(final.index_select(1, rows_t), sub, rows=local)[0].float()
+        elif sample_seqs or fixed:
+            logits = model.coda(final, ctx, rows=self._rows(sample_rows))[0].float()     # [R, V]
+        if result.exits and self.layout.fills_skipped:
+            self.fill_skipped_planes(result.exits, scheduled, plans, blocks)
+        loops = [scheduled[i].request.num_loops if scheduled[i].is_wave else n
+                 for i, n in zip(sample_seqs, result.sample_loops)]
+        requests = [scheduled[i].request for i in sample_seqs]
+        # prompt logprobs (runtime/execution/logprobs.py): the coda on the chunk rows that predict prompt tokens
+        wanted = prompt_rows(scheduled)
+        prompt = (wanted, prompt_logits(model, result.state, ctx, wanted)) if wanted else None
+        return self.finish_step(logits if sample_seqs else None, requests, loops, row, deferred, prompt, fed_from)
+
+    def _enter(self, ids: torch.Tensor, ctx, scheduled: Sequence[ScheduledRequest], entering: list[int],
+               starts: list[int]) -> torch.Tensor:
+        """The step's state `[1, T, X]`: the prelude of the entering rows, the saved states of the rest."""
+        if len(entering) == len(scheduled):
+            return self.model.prelude(ids, ctx)
+        parts: list[torch.Tensor | None] = [None] * len(scheduled)
+        if entering:
+            sub, rows_t = ctx.subset(entering)
+            entered = self.model.prelude(ids.index_select(1, rows_t), sub)                   # [1, Te, X]
+            offset = 0
+            for i in entering:
+                n = scheduled[i].num_tokens
+                parts[i] = entered[:, offset:offset + n]
+                offset += n
+        for i, item in enumerate(scheduled):
+            if parts[i] is None:
+                parts[i] = self.wave_states.pop((item.request.request_id, item.first_token))
+        return torch.cat(parts, dim=1)
+
+    def _rows(self, rows: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    def finish_step(self, logits: torch.Tensor | None, requests: Sequence, loops: Sequence[int],
+                    num_rows: int, deferred: bool, prompt=None, fed_from: PendingStep | None = None
+                    ) -> StepResult | PendingStep:
+        """Sample `logits: [R, V]` (one row per request of `requests`): to host ints now, or `deferred`
+        on the device with an asynchronous copy to host (read by `PendingStep.result()`). Log-
+        probabilities, where requests asked (`prompt`: prompt rows and their logits), come along.
+        `fed_from`: the step whose tokens are still on the device (penalties count them)."""
+        tokens = self.sample(logits, requests, fed_from) if requests else None
+        logprobs = StepLogprobs.compute(logits, tokens, requests, prompt)
+        if deferred:
+            return PendingStep(self.readback, tokens, [r.request_id for r in requests], list(loops), num_rows,
+                               logprobs)
+        sampled, prompt_lp = logprobs.to_host() if logprobs is not None else (None, None)
+        values = tokens.tolist() if tokens is not None else []          # the step's one host sync
+        return StepResult({r.request_id: (t, n) for r, t, n in zip(requests, values, loops)}, num_rows,
+                          sampled, prompt_lp)
+
+    def sample(self, logits: torch.Tensor, requests: Sequence, fed_from: PendingStep | None = None) -> torch.Tensor:
+        """Next tokens `[R]` for `logits: [R, V]`, on the device (runtime/execution/sampler.py)."""
+        return sample(logits, SamplingTensors.build(requests, self.device, logits.shape[-1], fed_from))
+
+    def fill_skipped_planes(self, exits: list[tuple[int, int]], scheduled: Sequence[ScheduledRequest],
+                            plans: Sequence[SeqPlan], blocks: BlockManager) -> None:
+        """A token that stopped at its exit loop: copy its KV from the exit plane into every deeper plane."""
+        bs = self.block_size
+        src, dst = [], []
+        for i, loop in exits:
+            req = scheduled[i].request
+            pos = req.num_computed_tokens                      # the decoding token's position
+            tables = blocks.block_tables(req.request_id)
+            slot = lambda plane: tables[plane][pos // bs] * bs + pos % bs
+            exit_plane = self.layout.physical(self.kv_spec.num_fixed_planes + loop)
+            for deeper in self.layout.skipped_planes(loop, plans[i].num_loops):
+                src.append(slot(exit_plane))
+                dst.append(slot(deeper))
+        for cache in self.kv_caches:
+            self.backend.copy_kv(cache, self._rows(src), self._rows(dst))

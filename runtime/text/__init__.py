@@ -1,0 +1,1 @@
+"""Text in and out: `tokenizer.py` (tokenizer.json through `tokenizers`), `chat.py` (chat templates)."""

@@ -1,0 +1,115 @@
+"""Chat templates: a checkpoint's Jinja2 `chat_template` rendered the way Hugging Face tokenizers
+render it (sandboxed, `trim_blocks`/`lstrip_blocks`, `raise_exception`, `tojson`, the special tokens
+as variables), plus the thinking opener for `-Thinking` checkpoints.
+
+    text = apply_chat_template(tokenizer, [{"role": "user", "content": "Hi"}], enable_thinking=True)
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, Mapping, NoReturn, Sequence
+
+from jinja2 import TemplateError, nodes
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+if TYPE_CHECKING:
+    from jinja2 import Template
+
+    from runtime.text.tokenizer import Tokenizer
+
+THINK_OPENER = "<think>"
+
+Message = Mapping[str, Any]
+
+
+class ChatTemplateError(ValueError):
+    """The template could not be rendered for these messages (including its own raise_exception)."""
+
+
+def raise_exception(message: str) -> NoReturn:
+    raise ChatTemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # unlike Jinja2's built-in tojson: no HTML escaping, keyword arguments as json.dumps
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class GenerationTag(Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; rendering
+    keeps its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> list[nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+@lru_cache(maxsize=16)
+def compile_template(source: str) -> Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols", GenerationTag])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except TemplateError as exc:
+        raise ChatTemplateError(f"the chat template does not compile: {exc}") from None
+
+
+def check_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
+    """A list of `{"role": ..., "content": ...}` dicts, or a ValueError that says what is wrong."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise ValueError('messages must be a non-empty list like [{"role": "user", "content": "Hi"}]')
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or "role" not in message:
+            raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {message!r}")
+        out.append(dict(message))
+    return out
+
+
+def render_chat(template: str, messages: Sequence[Message], add_generation_prompt: bool = True,
+                enable_thinking: bool = False, special_tokens: Mapping[str, str] | None = None,
+                **extra: Any) -> str:
+    """The template's text for `messages`. `special_tokens` (bos_token, eos_token, ...) and `extra`
+    (tools, documents, any template-specific switch) become template variables."""
+    variables = {**(special_tokens or {}), **extra}
+    try:
+        return compile_template(template).render(messages=check_messages(messages),
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 enable_thinking=enable_thinking, **variables)
+    except ChatTemplateError:
+        raise
+    except TemplateError as exc:
+        raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from None
+
+
+def apply_chat_template(tokenizer: Tokenizer, messages: Sequence[Message], add_generation_prompt: bool = True,
+                        enable_thinking: bool = False, **extra: Any) -> str:
+    """Render `messages` with the tokenizer's chat template. With `enable_thinking` and a generation
+    prompt, the assistant turn starts with `<think>\\n` (added when the template does not add it
+    itself): the -Thinking checkpoints do not open a thought block unprompted."""
+    template = tokenizer.chat_template
+    if template is None:
+        raise ChatTemplateError("this checkpoint has no chat template (tokenizer_config.json 'chat_template' or "
+                         "chat_template.jinja); pass chat=false and format the prompt yourself")
+    text = render_chat(template, messages, add_generation_prompt, enable_thinking, tokenizer.special_tokens,
+                       **extra)
+    if enable_thinking and add_generation_prompt and not text.rstrip().endswith(THINK_OPENER):
+        if tokenizer.token_id(THINK_OPENER) is None:
+            raise ValueError(f"enable_thinking needs a tokenizer with a {THINK_OPENER} token (a thinking "
+                             f"checkpoint); this one has none")
+        text += THINK_OPENER + "\n"
+    return text

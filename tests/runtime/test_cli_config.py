@@ -1,0 +1,127 @@
+"""One CLI configuration: generate, serve and bench compose one engine node and spell every option
+the same way; old spellings fail with one line naming the new one; bad values (corrupt checkpoints,
+ports, limits, depths) end every CLI with one line, a non-zero status and no traceback."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from helpers import ROOT, golden_case
+from runtime.cli import CONF_DIR, UsageError, check_spellings, engine_config, old_spellings, register_schemas
+from runtime.config import EngineConfig
+
+register_schemas()
+
+ENGINE = ["engine.kv_mode=shared", "engine.max_num_seqs=3", "engine.kv_dtype=int8", "engine.graphs=false",
+          "engine.max_num_batched_tokens=64", "engine.max_num_loops=9", "engine.num_kv_blocks=40"]
+
+
+def composed(name, *overrides):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(name, overrides=list(overrides))
+
+
+@pytest.mark.parametrize("cli", ["generate", "serve", "bench"])
+def test_the_three_clis_share_one_engine_node(cli):
+    config = engine_config(composed(cli, *ENGINE, "model.dtype=float16"))
+    assert (config.kv_mode, config.max_num_seqs, config.kv_dtype, config.graphs, config.max_num_batched_tokens,
+            config.max_num_loops, config.num_kv_blocks) == ("shared", 3, "int8", False, 64, 9, 40)
+    assert composed(cli, "model.dtype=float16").model.dtype == "float16"
+    spec = engine_config(composed(cli, "engine.speculative.num_tokens=2", "engine.speculative.mode=async"))
+    assert (spec.speculative.num_tokens, spec.speculative.mode) == (2, "async")
+
+
+def test_defaults_are_the_engine_configs():
+    defaults = EngineConfig()
+    for cli in ("generate", "serve"):
+        assert engine_config(composed(cli)) == defaults
+    assert engine_config(composed("bench")).max_num_batched_tokens == 8192       # bench's own default
+    assert composed("bench").model.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("old,new", [("kv_mode=shared", "engine.kv_mode=shared"),
+                                     ("speculative.num_tokens=4", "engine.speculative.num_tokens=4"),
+                                     ("kv_dtype=fp8", "engine.kv_dtype=fp8"), ("dtype=float32", "model.dtype=float32"),
+                                     ("weights_dtype=fp8", "engine.weights_dtype=fp8"),
+                                     ("graphs=false", "engine.graphs=false"),
+                                     ("+async_scheduling=true", "engine.async_scheduling=true"),
+                                     ("server.max_num_loops=8", "engine.max_num_loops=8")])
+def test_an_old_spelling_names_the_new_one(old, new, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        check_spellings(["hal=cpu", old])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and new in err and len(err.strip().splitlines()) == 1
+
+
+def test_every_engine_field_has_one_spelling():
+    renames = old_spellings()
+    assert all(renames[name] == f"engine.{name}" for name in EngineConfig.__dataclass_fields__)
+    check_spellings(["engine.kv_mode=shared", "model.dtype=float32", "prompt=kv_mode=x", "max_tokens=3"])
+
+
+def test_bad_engine_values_name_the_setting():
+    with pytest.raises(UsageError, match="engine.max_num_seqs must be an integer >= 1, got 0"):
+        engine_config(composed("generate", "engine.max_num_seqs=0"))
+
+
+# ----- through the command lines: one line, no traceback ----------------------------------------
+def run(module, *args, cwd):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def assert_one_line(proc, *needles):
+    assert proc.returncode != 0, proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.strip().splitlines() if not line.startswith(("INFO", "WARNING"))]
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def broken_checkpoints(tmp_path_factory):
+    source = golden_case("ouro-tiny").path
+    folders = {}
+    data = (source / "model.safetensors").read_bytes()
+    for name, content in (("truncated", data[:len(data) // 3]), ("random", os.urandom(4096))):
+        folder = tmp_path_factory.mktemp(name)
+        shutil.copy(source / "config.json", folder / "config.json")
+        (folder / "model.safetensors").write_bytes(content)
+        folders[name] = folder
+    return folders
+
+
+@pytest.mark.parametrize("kind", ["truncated", "random"])
+@pytest.mark.parametrize("module", ["runtime.generate", "runtime.serve"])
+def test_a_corrupt_checkpoint_is_one_line(module, kind, broken_checkpoints, tmp_path):
+    folder = broken_checkpoints[kind]
+    proc = run(module, "hal=cpu", f"model.path={folder}", "prompt_ids=[1,2]" if module == "runtime.generate"
+               else "port=0", cwd=tmp_path)
+    assert_one_line(proc, str(folder / "model.safetensors"), "download the checkpoint again")
+
+
+@pytest.mark.parametrize("module,args,needles", [
+    ("runtime.serve", ["port=99999"], ["port=99999", "1..65535"]),
+    ("runtime.serve", ["engine.max_num_seqs=0"], ["engine.max_num_seqs", ">= 1"]),
+    ("runtime.generate", ["engine.max_num_seqs=0"], ["engine.max_num_seqs", ">= 1"]),
+    ("runtime.generate", ["model.num_loops=1000"], ["model.num_loops=1000", "engine.max_num_loops"]),
+    ("runtime.serve", ["model.num_loops=1000"], ["model.num_loops=1000", "engine.max_num_loops"]),
+    ("runtime.generate", ["kv_mode=shared"], ["engine.kv_mode=shared"]),
+    ("runtime.bench", ["dtype=float32"], ["model.dtype=float32"]),
+    ("runtime.generate", ["max_tokens=0"], ["max_tokens"]),
+    ("runtime.generate", ["engine.kv_mode=half"], ["engine.kv_mode", "full"]),
+    ("runtime.serve", ["server.max_num_requests=0"], ["server.max_num_requests"]),
+    ("runtime.generate", ["engine.num_kv_blocks=1"], ["KV cache", "engine.num_kv_blocks"]),
+])
+def test_bad_values_end_the_cli_with_one_line(module, args, needles, tmp_path):
+    case = golden_case("ouro-tiny")
+    prompt = ["prompt_ids=[1,2]"] if module == "runtime.generate" else []
+    proc = run(module, "hal=cpu", f"model.path={case.path}", *prompt, *args, cwd=tmp_path)
+    assert_one_line(proc, *needles)

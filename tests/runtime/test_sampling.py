@@ -1,0 +1,247 @@
+"""The batch sampler (runtime/execution/sampler.py) against plain per-row reference computations on
+the logits: penalties, logit_bias and min_tokens as the OpenAI docs describe them, the filters, keyed
+seeded noise that ignores the rest of the batch, and the engine's knobs end to end."""
+from __future__ import annotations
+
+import math
+import random
+from typing import NamedTuple
+
+import pytest
+import torch
+
+import hal
+import zoo
+from helpers import golden_case, single_thread  # noqa: F401 (fixture)
+from runtime.config import EngineConfig, SamplingParams
+from runtime.engine.llm_engine import LLMEngine
+from runtime.execution.reference import generate_reference
+from runtime.execution.sampler import (SamplingTensors, apply_processors, filtered_probs, probabilities, sample,
+                                       sample_token)
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+class Row(NamedTuple):
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    stop_token_ids: tuple[int, ...] = ()
+    request_id: str = "r"
+
+
+def reference_processors(logits: torch.Tensor, row: Row) -> torch.Tensor:
+    """One row, written out token by token as the OpenAI / vLLM docs describe each knob."""
+    out, p = logits.clone().double(), row.params
+    for token, bias in p.logit_bias:
+        out[token] += bias
+    if len(row.output_token_ids) < p.min_tokens:
+        for token in set(p.stop_token_ids) | set(row.stop_token_ids):
+            out[token] = -math.inf
+    seen = set(row.prompt_token_ids) | set(row.output_token_ids)
+    for token in range(out.shape[0]):
+        if token in seen and p.repetition_penalty != 1:
+            out[token] = out[token] / p.repetition_penalty if out[token] > 0 else out[token] * p.repetition_penalty
+        count = row.output_token_ids.count(token)
+        out[token] -= p.frequency_penalty * count + p.presence_penalty * (count > 0)
+    return out
+
+
+def random_row(rng: random.Random, vocab: int) -> Row:
+    params = SamplingParams(
+        max_tokens=50, temperature=rng.choice([0.0, 0.7, 1.3]), top_k=rng.choice([0, 3, 50]),
+        top_p=rng.choice([1.0, 0.8]), presence_penalty=rng.choice([0.0, 0.5, -1.0]),
+        frequency_penalty=rng.choice([0.0, 0.3, 2.0]), repetition_penalty=rng.choice([1.0, 1.3, 0.8]),
+        logit_bias={rng.randrange(vocab): rng.uniform(-100, 100) for _ in range(rng.randrange(3))},
+        min_tokens=rng.choice([0, 5]), stop_token_ids=[rng.randrange(vocab)], seed=rng.randrange(1000))
+    return Row(params, [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))],
+               [rng.randrange(vocab) for _ in range(rng.randrange(8))], (rng.randrange(vocab),))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_processors_equal_the_per_row_reference(seed):
+    rng = random.Random(seed)
+    vocab = 40
+    rows = [random_row(rng, vocab) for _ in range(9)]
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(seed)) * 4
+    got = apply_processors(logits, SamplingTensors.build(rows, torch.device("cpu"), vocab))
+    for i, row in enumerate(rows):
+        want = reference_processors(logits[i], row)
+        assert torch.equal(torch.isinf(got[i]), torch.isinf(want))
+        finite = ~torch.isinf(want)
+        torch.testing.assert_close(got[i][finite].double(), want[finite], atol=1e-4, rtol=1e-5)
+
+
+def test_penalties_and_bias_act_as_documented():
+    logits = torch.tensor([[2.0, 1.0, -1.0, 0.5]])
+    row = lambda **kw: Row(SamplingParams(temperature=0, **kw), [3], [1, 1, 2])       # noqa: E731
+    t = lambda r: apply_processors(logits, SamplingTensors.build([r], torch.device("cpu"), 4))[0].tolist()  # noqa: E731
+    assert t(row(frequency_penalty=0.5)) == [2.0, 0.0, -1.5, 0.5]            # 1 seen twice, 2 once
+    assert t(row(presence_penalty=0.5)) == [2.0, 0.5, -1.5, 0.5]
+    assert t(row(repetition_penalty=2.0)) == [2.0, 0.5, -2.0, 0.25]          # prompt token 3 too
+    assert t(row(logit_bias={0: -100, 2: 50})) == [-98.0, 1.0, 49.0, 0.5]
+    banned = t(Row(SamplingParams(min_tokens=4, stop_token_ids=[0]), [3], [1, 1, 2], (3,)))
+    assert banned[0] == banned[3] == -math.inf and banned[1:3] == [1.0, -1.0]
+    assert t(Row(SamplingParams(min_tokens=3, stop_token_ids=[0]), [3], [1, 1, 2])) == logits[0].tolist()
+
+
+def test_filters_match_the_single_request_distribution():
+    rng = random.Random(0)
+    vocab = 30
+    rows = [random_row(rng, vocab) for _ in range(12)]
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(1)) * 3
+    t = SamplingTensors.build(rows, torch.device("cpu"), vocab)
+    probs = probabilities(logits, t.temperature, t.top_k, t.top_p)
+    for i, row in enumerate(rows):
+        if row.params.is_greedy:
+            continue
+        torch.testing.assert_close(probs[i], filtered_probs(logits[i], row.params))
+        kept = probs[i] > 0
+        if 0 < row.params.top_k < vocab:
+            assert kept.sum() <= row.params.top_k
+        assert torch.isclose(probs[i].sum(), torch.tensor(1.0))
+
+
+def test_a_seeded_row_ignores_the_rest_of_the_batch():
+    vocab = 50
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(2))
+    rows = [Row(SamplingParams(temperature=1.0, seed=s), [1, 2], [3] * s) for s in range(6)]
+    alone = [int(sample(logits[i:i + 1], SamplingTensors.build([rows[i]], torch.device("cpu"), vocab)))
+             for i in range(6)]
+    together = sample(logits, SamplingTensors.build(rows, torch.device("cpu"), vocab)).tolist()
+    shuffled = sample(logits.flip(0), SamplingTensors.build(rows[::-1], torch.device("cpu"), vocab)).tolist()
+    assert alone == together == shuffled[::-1]
+    assert sample_token(logits[2], rows[2].params, rows[2].prompt_token_ids, rows[2].output_token_ids) == alone[2]
+
+
+def test_keyed_noise_draws_from_the_distribution():
+    """Chi-square over a 5-token vocabulary: the first sampled token of 4000 seeds follows p."""
+    logits = torch.tensor([1.0, 0.0, -1.0, 2.0, 0.5])
+    p = torch.softmax(logits, -1)
+    rows = [Row(SamplingParams(temperature=1.0, seed=s), [7], []) for s in range(4000)]
+    tokens = sample(logits.expand(len(rows), -1), SamplingTensors.build(rows, torch.device("cpu"), 5))
+    counts = torch.bincount(tokens, minlength=5).double()
+    expected = p.double() * len(rows)
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 18.5, (chi2, counts.tolist())                   # p = 0.001 at 4 degrees of freedom
+
+
+# ----- end to end ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny():
+    return zoo.from_pretrained(golden_case("ouro-tiny").path, dtype="float32")
+
+
+def run_engine(model, params_list, prompts, **options):
+    options.setdefault("num_kv_blocks", 256)
+    engine = LLMEngine(model, hal.get("cpu"), EngineConfig(**options))
+    for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+        engine.add_request(str(i), prompt, params)
+    outs = {o.request_id: o for o in engine.run_until_done()}
+    engine.blocks.check_invariants()
+    return [outs[str(i)] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_engine_knobs_equal_the_simple_path(tiny, async_scheduling):
+    """Penalties, bias, min_tokens and seeded sampling in one batch give the reference path's tokens,
+    also with async scheduling (penalties read the token still on the device)."""
+    case = golden_case("ouro-tiny")
+    rng = random.Random(5)
+    params = [SamplingParams(max_tokens=10, ignore_eos=True, temperature=t, seed=rng.randrange(100),
+                             repetition_penalty=rp, frequency_penalty=fp, presence_penalty=pp,
+                             logit_bias={rng.randrange(100): 5.0}, min_tokens=mt, stop_token_ids=[s])
+              for t, rp, fp, pp, mt, s in [(0.0, 1.3, 0.0, 0.0, 0, 7), (0.8, 1.0, 1.0, 0.5, 4, 3),
+                                           (1.0, 0.9, 0.0, 1.5, 10, 11), (0.0, 1.0, 2.0, 0.0, 2, 5)]]
+    prompts = [case.prompt(i % case.num_prompts) for i in range(len(params))]
+    outs = run_engine(tiny, params, prompts, async_scheduling=async_scheduling)
+    for out, prompt, p in zip(outs, prompts, params):
+        tokens, reason, _ = generate_reference(tiny, prompt, p)
+        assert out.token_ids == tokens and out.finish_reason == reason
+        assert p.stop_token_ids[0] not in out.token_ids[:p.min_tokens - 1]
+
+
+def test_logit_bias_forces_and_forbids_tokens(tiny):
+    case = golden_case("ouro-tiny")
+    greedy = case.greedy(0)
+    forced, forbidden = run_engine(tiny, [
+        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logit_bias={42: 100}),
+        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logit_bias={greedy[0]: -100})],
+        [case.prompt(0)] * 2)
+    assert forced.token_ids == [42] * 6
+    assert forbidden.token_ids[0] != greedy[0]
+
+
+def test_logprobs_are_the_models_log_softmax(tiny):
+    """Sampled-token and prompt logprobs equal log_softmax of a dense forward, also with chunked
+    prefill and with early exit (the exit loop's logits)."""
+    case = golden_case("ouro-tiny")
+    prompt = case.prompt(1)
+    p = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    for options in (dict(), dict(max_num_batched_tokens=5)):
+        (out,) = run_engine(tiny, [p], [prompt], **options)
+        ids = torch.tensor([prompt + out.token_ids])
+        with torch.no_grad():
+            full = torch.log_softmax(tiny(ids).logits[0].float(), -1)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for i, lp in enumerate(out.prompt_logprobs[1:], start=1):
+            assert lp.token_id == prompt[i] and abs(lp.logprob - float(full[i - 1, prompt[i]])) < 1e-4
+            assert len(lp.top) == 2 and lp.top[0][0] == int(full[i - 1].argmax())
+            assert lp.rank == int((full[i - 1] > full[i - 1, prompt[i]]).sum()) + 1
+        for j, lp in enumerate(out.logprobs):
+            row = full[len(prompt) + j - 1]
+            assert lp.token_id == out.token_ids[j] and lp.rank == 1 and len(lp.top) == 3
+            assert abs(lp.logprob - float(row.max())) < 1e-4
+    early = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=0, exit_threshold=0.5)
+    (out,) = run_engine(tiny, [early], [prompt])
+    assert [lp.rank for lp in out.logprobs] == [1] * 4 and all(lp.logprob <= 0 for lp in out.logprobs)
+
+
+def test_n_samples_share_the_prompt_and_follow_their_seeds(tiny):
+    case = golden_case("ouro-tiny")
+    prompt = case.prompt(0) * 3                                         # a few full blocks of 16
+    p = SamplingParams(max_tokens=8, temperature=1.0, seed=3, n=3, ignore_eos=True)
+    (out,) = run_engine(tiny, [p], [prompt], block_size=16)
+    assert len(out.outputs) == 3 and [s.index for s in out.outputs] == [0, 1, 2]
+    assert len({tuple(s.token_ids) for s in out.outputs}) == 3
+    assert out.token_ids == out.outputs[0].token_ids
+    (single,) = run_engine(tiny, [SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True)],
+                           [prompt], block_size=16)
+    assert single.token_ids == out.outputs[0].token_ids                # sample 0 keeps the request's seed
+    (again,) = run_engine(tiny, [p], [prompt], block_size=16, max_num_seqs=2)
+    assert [s.token_ids for s in again.outputs] == [s.token_ids for s in out.outputs]
+    # greedy samples are equal; forked samples reuse the prompt's full blocks
+    engine = LLMEngine(tiny, hal.get("cpu"), EngineConfig(num_kv_blocks=256, block_size=4))
+    engine.add_request("g", prompt, SamplingParams(max_tokens=3, temperature=0, n=2, ignore_eos=True))
+    (g,) = engine.run_until_done()
+    assert g.outputs[0].token_ids == g.outputs[1].token_ids
+    assert engine.num_computed_tokens == len(prompt) + 3 + 2 * 2     # the fork computes 3 of 15 prompt tokens
+    engine.blocks.check_invariants()
+
+
+def test_best_of_returns_the_n_most_likely_samples(tiny):
+    case = golden_case("ouro-tiny")
+    p = SamplingParams(max_tokens=6, temperature=1.5, seed=11, n=2, best_of=5, ignore_eos=True)
+    (out,) = run_engine(tiny, [p], [case.prompt(1)])
+    assert len(out.outputs) == 2 and out.logprobs is None
+    (pool,) = run_engine(tiny, [SamplingParams(max_tokens=6, temperature=1.5, seed=11, n=5, logprobs=0,
+                                               ignore_eos=True)], [case.prompt(1)])
+    means = sorted((s.cumulative_logprob / len(s.token_ids), s.token_ids) for s in pool.outputs)[::-1]
+    assert [s.token_ids for s in out.outputs] == [tokens for _, tokens in means[:2]]
+
+
+def test_n_with_one_token_and_abort_leave_no_blocks(tiny):
+    case = golden_case("ouro-tiny")
+    engine = LLMEngine(tiny, hal.get("cpu"), EngineConfig(num_kv_blocks=256, block_size=4))
+    engine.add_request("a", case.prompt(0), SamplingParams(max_tokens=1, n=4, seed=0))
+    engine.add_request("b", case.prompt(1), SamplingParams(max_tokens=30, n=3, seed=1, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests() and not any(o.request_id == "a" and o.finished for o in outs):
+        outs += engine.step()
+    engine.abort("b")
+    outs += engine.run_until_done()
+    (a,) = [o for o in outs if o.request_id == "a" and o.finished]
+    assert len(a.outputs) == 4 and all(len(s.token_ids) == 1 for s in a.outputs)
+    assert not engine.has_unfinished_requests() and not engine.groups
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    engine.blocks.check_invariants()

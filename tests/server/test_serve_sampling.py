@@ -1,0 +1,161 @@
+"""The OpenAI client against a live server: logprobs on completions (with and without echo, streamed
+and not) and chat, n samples, penalties and logit_bias, the model's sampling defaults (the same greedy
+text as runtime.generate), and the tokenizer endpoints."""
+from __future__ import annotations
+
+import pytest
+
+SERVE_EXTRA = "needs the serve extra: pip install -e '.[serve]'"
+httpx = pytest.importorskip("httpx", reason=SERVE_EXTRA)
+pytest.importorskip("fastapi", reason=SERVE_EXTRA)
+openai = pytest.importorskip("openai", reason=SERVE_EXTRA)
+from hydra import compose, initialize_config_dir
+
+import hal
+from live_server import LiveServer
+from runtime import LLM, SamplingParams
+from runtime.cli import CONF_DIR
+from runtime.config import EngineConfig, SamplingDefaults
+from runtime.engine.llm_engine import LLMEngine
+from runtime.server.app import build_app
+from runtime.server.config import ServerConfig
+
+PROMPT = "the cat sat on"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tokenizer):
+    engine = LLMEngine(tiny_model, hal.get("cpu"), EngineConfig(num_kv_blocks=512), tokenizer)
+    live = LiveServer(build_app(engine, ServerConfig(model_name="tiny"))).start()
+    yield live
+    live.stop()
+    engine.blocks.check_invariants()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model, tokenizer):
+    llm = LLM(tiny_model, hal="cpu", tokenizer=tokenizer, num_kv_blocks=128)
+    return lambda prompt, **params: llm.generate(prompt, SamplingParams(**params))[0]
+
+
+def test_completion_logprobs_equal_the_offline_ones(client, offline):
+    ref = offline(PROMPT, max_tokens=6, temperature=0, logprobs=2, ignore_eos=True)
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2,
+                                    extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert lp.token_logprobs == pytest.approx([t.logprob for t in ref.logprobs], abs=1e-4)
+    assert all(len(top) <= 2 and max(top.values()) == pytest.approx(v, abs=1e-6)   # greedy: the top token
+               for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert "".join(lp.tokens) == out.choices[0].text and lp.text_offset[0] == 0
+
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0,
+                                            logprobs=2, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [v for c in chunks for ch in c.choices if ch.logprobs for v in ch.logprobs.token_logprobs]
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-6)
+
+
+def test_echo_returns_the_prompt_and_its_logprobs(client, offline, tokenizer):
+    ids = tokenizer.encode(PROMPT)
+    ref = offline(ids, max_tokens=1, temperature=0, logprobs=1, prompt_logprobs=1)
+    out = client.completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert choice.text.startswith(tokenizer.decode(ids)) and len(lp.tokens) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [p.logprob for p in ref.prompt_logprobs[1:]] + [ref.logprobs[0].logprob]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0, echo=True)
+    assert plain.choices[0].text.startswith(PROMPT) and plain.choices[0].logprobs is None
+    chunks = list(client.completions.create(model="tiny", prompt=ids, max_tokens=2, temperature=0, logprobs=0,
+                                            echo=True, stream=True))
+    text = "".join(ch.text for c in chunks for ch in c.choices)
+    entries = [t for c in chunks for ch in c.choices if ch.logprobs for t in ch.logprobs.token_logprobs]
+    assert text.startswith(tokenizer.decode(ids)) and len(entries) == len(ids) + 2 and entries[0] is None
+
+
+def test_chat_logprobs_streamed_and_not(client):
+    messages = [{"role": "user", "content": "hello, how are you?"}]
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                         logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = out.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+    assert content[0].top_logprobs[0].logprob == pytest.approx(content[0].logprob, abs=1e-6)
+    assert "".join(t.token for t in content) == out.choices[0].message.content
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                                 logprobs=True, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [t.logprob for c in chunks for ch in c.choices if ch.logprobs for t in ch.logprobs.content]
+    assert streamed == pytest.approx([t.logprob for t in content], abs=1e-6)
+    none = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert none.choices[0].logprobs is None
+
+
+def test_n_returns_n_choices(client, offline):
+    out = client.completions.create(model="tiny", prompt=[PROMPT, "hello"], max_tokens=5, n=3, seed=4,
+                                    temperature=1.0, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in out.choices) == list(range(6)) and out.usage.completion_tokens == 30
+    first = [c.text for c in sorted(out.choices, key=lambda c: c.index)][:3]
+    assert len(set(first)) > 1
+    assert first[0] == offline(PROMPT, max_tokens=5, temperature=1.0, seed=4, ignore_eos=True).text
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=4, n=2, stream=True))
+    assert {ch.index for c in chunks for ch in c.choices if ch.finish_reason} == {0, 1}
+    best = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, n=2, best_of=4, seed=1,
+                                     temperature=1.0)
+    assert len(best.choices) == 2
+
+
+def test_penalties_and_logit_bias_reach_the_sampler(client, offline, tokenizer):
+    forced = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0,
+                                       logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == tokenizer.decode([42] * 4)
+    options = dict(presence_penalty=1.5, frequency_penalty=1.0)
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True, "repetition_penalty": 1.2}, **options)
+    ref = offline(PROMPT, max_tokens=8, temperature=0, ignore_eos=True, repetition_penalty=1.2, **options)
+    assert out.choices[0].text == ref.text != offline(PROMPT, max_tokens=8, temperature=0, ignore_eos=True).text
+
+
+def test_tokenizer_endpoints(server, tokenizer):
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+        assert ids == tokenizer.encode(PROMPT)
+        assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == tokenizer.decode(ids)
+        info = http.get("/tokenizer_info").json()
+        assert info["eos_token"] == "<|im_end|>" and "chat_template" in info
+        assert http.post("/detokenize", json={"tokens": [10**6]}).status_code == 400
+
+
+def composed(name, *overrides):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(name, overrides=list(overrides))
+
+
+def test_served_defaults_are_the_clis(checkpoint, tiny_model, tokenizer):
+    """A request without temperature gets the model's generation_config, as runtime.generate: for
+    a model whose config sets none (Ouro), greedy, so both give the same text."""
+    from runtime import generate
+    from runtime.serve import make_app
+
+    options = ["hal=cpu", f"model.path={checkpoint}", "model.dtype=float32", "engine.num_kv_blocks=64"]
+    (cli,) = generate.run(composed("generate", *options, f"prompt={PROMPT}", "max_tokens=8", "ignore_eos=true"))
+    app = make_app(composed("serve", *options))
+    with LiveServer(app) as live:
+        http = httpx.Client(base_url=live.url, timeout=60)
+        out = http.post("/v1/completions", json={"model": checkpoint.name, "prompt": PROMPT, "max_tokens": 8,
+                                                 "ignore_eos": True}).json()
+        models = http.get("/v1/models").json()["data"][0]
+    assert out["choices"][0]["text"] == cli["text"]
+    assert models["sampling_defaults"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+    nanbeige = SamplingDefaults.from_model(composed("serve", "model=nanbeige4.2-3b").model)
+    assert nanbeige == SamplingDefaults(0.6, 0.95, 20)
+    engine = LLMEngine(tiny_model, hal.get("cpu"), EngineConfig(num_kv_blocks=64), tokenizer)
+    with LiveServer(build_app(engine, ServerConfig(model_name="tiny", sampling=nanbeige))) as live:
+        models = httpx.get(f"{live.url}/v1/models").json()["data"][0]
+        assert models["sampling_defaults"] == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}

@@ -1,0 +1,393 @@
+"""Cross-compile every hal/kernels kernel in every config a Hal can choose, on the CPU, and check
+the machine code: `python -m xcompile` prints the table (exit 1 on a problem).
+
+Each kernel is built through the same `*_launch` function the Hals call, from small CPU tensors
+with the Ouro-1.4B shape (16 heads, 16 KV heads, head dim 128, bf16, page 16), and compiled with
+`triton.compile` for a `GPUTarget` with the runtime's own argument specialisation (16-byte
+alignment, integers equal to 1). Checks per compiled kernel:
+  * AMD (gfx942, gfx950): MFMA instructions where the kernel has a `tl.dot`, no VGPR spills, no
+    scratch (`.private_segment_fixed_size`), LDS (`metadata.shared`) within the CU's LDS;
+  * NVIDIA (sm_90, sm_80): `wgmma` in the PTX of the large-tile (prefill) configs on sm_90, an MMA
+    otherwise, no spills (`cuobjdump -res-usage`: STACK/LOCAL 0), shared memory within the SM's.
+A table is compiled for the targets that can pick it: each arch's own, "default" for all three.
+The FP8 variants (`FP8_CASES`: attention over an FP8 KV cache, the quantizing KV write, the W8A16
+linear) compile for the arch tables of the targets that have FP8, each in its own format: e4m3fn on
+sm_90 and gfx950, e4m3fnuz on gfx942 (`--fp8`).
+Levels: "compiles for" and "checked in the machine code"; nothing here ran on an AMD GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from hal.kernels.configs import KernelConfig, all_configs
+from hal.kernels.launch import Launch
+
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")     # silences triton 3.9's deprecation warning
+
+
+class Target(NamedTuple):
+    backend: str         # "hip" | "cuda"
+    arch: str | int      # GPUTarget's arch
+    warp_size: int
+    shared_limit: int    # bytes of LDS / shared memory one program may use
+
+
+TARGETS = {
+    "gfx942": Target("hip", "gfx942", 64, 64 * 1024),
+    "gfx950": Target("hip", "gfx950", 64, 160 * 1024),
+    "sm_90": Target("cuda", 90, 32, 227 * 1024),
+    "sm_80": Target("cuda", 80, 32, 163 * 1024),
+}
+TABLE_TARGETS = {"gfx942": ("gfx942",), "gfx950": ("gfx950",), "sm_90": ("sm_90",), "sm_80": ("sm_80",),
+                 "default": ("gfx942", "gfx950", "sm_90")}
+SHAPE = dict(num_heads=16, num_kv_heads=16, head_dim=128, page_size=16, dtype=torch.bfloat16)
+
+
+class Case(NamedTuple):
+    name: str            # "<config key>" or "<config key>/<variant>"
+    config_key: str
+    has_dot: bool
+    wants_wgmma: bool    # large tiles: sm_90 must use wgmma
+    build: Callable[[KernelConfig, str], Launch]   # (config, "hip" | "cuda") -> launch on CPU tensors
+
+
+def _fp8_cache(kv_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, scales) views of an FP8 cache of 8 blocks in `hal.common.kv_quant`'s row layout."""
+    from hal.common.kv_quant import RowLayout
+
+    s = SHAPE
+    layout = RowLayout(s["num_kv_heads"], s["head_dim"], kv_dtype)
+    cache = torch.empty(layout.cache_shape(8, s["page_size"]), dtype=torch.uint8)
+    return layout.values(cache), layout.scales(cache)
+
+
+def _attention(config: KernelConfig, target: str, num_seqs: int, query_len: int, num_splits: int,
+               dtype: torch.dtype = SHAPE["dtype"], kv_dtype: torch.dtype | None = None) -> Launch:
+    from hal.kernels.attention import attention_launches
+
+    s = SHAPE
+    q = torch.empty(num_seqs * query_len, s["num_heads"], s["head_dim"], dtype=dtype)
+    cache = torch.empty(2, 8, s["page_size"], s["num_kv_heads"], s["head_dim"], dtype=dtype)
+    scales = None
+    if kv_dtype is not None:
+        cache, scales = _fp8_cache(kv_dtype)
+    table = torch.zeros(num_seqs, 8, dtype=torch.int32)
+    seq_lens = torch.zeros(num_seqs, dtype=torch.int32)
+    starts = torch.zeros(num_seqs + 1, dtype=torch.int32)
+    return attention_launches(q, cache, table, seq_lens, starts, 0.1, config, num_splits, config,
+                              torch.empty_like(q), target, scales)[0]
+
+
+def _reduce(config: KernelConfig, target: str) -> Launch:
+    from hal.kernels.attention import attention_launches
+
+    s = SHAPE
+    q = torch.empty(1, s["num_heads"], s["head_dim"], dtype=s["dtype"])
+    cache = torch.empty(2, 8, s["page_size"], s["num_kv_heads"], s["head_dim"], dtype=s["dtype"])
+    table, lens = torch.zeros(1, 8, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    return attention_launches(q, cache, table, lens, torch.zeros(2, dtype=torch.int32), 0.1,
+                              KernelConfig(16, 32, 4, 1), 8, config,
+                              torch.empty_like(q), target)[1]
+
+
+def _kv_write(config: KernelConfig, target: str, kv_dtype: torch.dtype | None = None) -> Launch:
+    from hal.kernels.kv_write import kv_write_launch
+
+    s = SHAPE
+    k = torch.empty(4, s["num_kv_heads"], s["head_dim"], dtype=s["dtype"])
+    cache = torch.empty(2, 8, s["page_size"], s["num_kv_heads"], s["head_dim"], dtype=s["dtype"])
+    scales = None
+    if kv_dtype is not None:
+        cache, scales = _fp8_cache(kv_dtype)
+    return kv_write_launch(k, torch.empty_like(k), cache, torch.zeros(4, dtype=torch.int64), config, target,
+                           scales)
+
+
+def _fp8_linear(config: KernelConfig, target: str, fp8: torch.dtype, num_rows: int) -> Launch:
+    """Ouro-1.4B's gate|up projection (2048 -> 2 x 5632) at `num_rows` tokens."""
+    from hal.kernels.fp8_linear import fp8_linear_launch
+
+    x = torch.empty(num_rows, 2048, dtype=SHAPE["dtype"])
+    weight = torch.empty(2 * 5632, 2048, dtype=fp8)
+    scale = torch.empty(2 * 5632, dtype=torch.float32)
+    out = torch.empty(num_rows, 2 * 5632, dtype=x.dtype)
+    return fp8_linear_launch(x, weight, scale, None, out, config, target)
+
+
+def _quantize_rows(config: KernelConfig, target: str, fp8: torch.dtype) -> Launch:
+    """The W8A8 path's activation quantization of 64 rows of Ouro-1.4B's MLP input (5632)."""
+    from hal.kernels.fp8_linear import quantize_rows_launch
+
+    x = torch.empty(64, 5632, dtype=SHAPE["dtype"])
+    return quantize_rows_launch(x, torch.empty(x.shape, dtype=fp8), torch.empty(64, 1), config, target)
+
+
+def _rms_norm(config: KernelConfig, target: str, residual: bool) -> Launch:
+    from hal.kernels.ops import rms_norm_launch
+
+    x = torch.empty(4, 2048, dtype=SHAPE["dtype"])
+    res = torch.empty_like(x) if residual else None
+    weight = torch.empty(2048, dtype=x.dtype)
+    return rms_norm_launch(x, weight, 1e-6, res, torch.empty_like(x), config, target)
+
+
+def _rotary(config: KernelConfig, target: str, interleaved: bool) -> Launch:
+    from hal.kernels.ops import rotary_launch
+
+    s = SHAPE
+    q = torch.empty(4, s["num_heads"], s["head_dim"], dtype=s["dtype"])
+    k = torch.empty(4, s["num_kv_heads"], s["head_dim"], dtype=s["dtype"])
+    return rotary_launch(q, k, torch.zeros(4, dtype=torch.int64), torch.empty(s["head_dim"] // 2),
+                         torch.empty_like(q), torch.empty_like(k), interleaved, config, target)
+
+
+def _silu_and_mul(config: KernelConfig, target: str) -> Launch:
+    from hal.kernels.ops import silu_and_mul_launch
+
+    x = torch.empty(4, 2 * 5632, dtype=SHAPE["dtype"])
+    return silu_and_mul_launch(x, torch.empty(4, 5632, dtype=x.dtype), config, target)
+
+
+CASES = {c.name: c for c in (
+    Case("attention_prefill", "attention_prefill", True, True,
+         lambda c, t: _attention(c, t, num_seqs=2, query_len=256, num_splits=1)),
+    Case("attention_decode/split", "attention_decode", True, False,         # batch 1, long context
+         lambda c, t: _attention(c, t, num_seqs=1, query_len=1, num_splits=8)),
+    Case("attention_decode/batch", "attention_decode", True, False,         # batch 64, no split
+         lambda c, t: _attention(c, t, num_seqs=64, query_len=1, num_splits=1)),
+    Case("attention_prefill_fp32", "attention_prefill_fp32", True, False,   # golden / conformance runs
+         lambda c, t: _attention(c, t, num_seqs=2, query_len=256, num_splits=1, dtype=torch.float32)),
+    Case("attention_decode_fp32", "attention_decode_fp32", True, False,
+         lambda c, t: _attention(c, t, num_seqs=1, query_len=1, num_splits=8, dtype=torch.float32)),
+    Case("attention_reduce", "attention_reduce", False, False, _reduce),
+    Case("kv_write", "kv_write", False, False, _kv_write),
+    Case("rms_norm", "rms_norm", False, False, lambda c, t: _rms_norm(c, t, residual=False)),
+    Case("rms_norm/residual", "rms_norm", False, False, lambda c, t: _rms_norm(c, t, residual=True)),
+    Case("rotary/neox", "rotary", False, False, lambda c, t: _rotary(c, t, interleaved=False)),
+    Case("rotary/gptj", "rotary", False, False, lambda c, t: _rotary(c, t, interleaved=True)),
+    Case("silu_and_mul", "silu_and_mul", False, False, _silu_and_mul),
+)}
+
+
+# FP8 format per target (a gfx942 kernel on e4m3fn values would decode every byte wrongly)
+FP8_FORMATS = {"sm_90": torch.float8_e4m3fn, "gfx950": torch.float8_e4m3fn, "gfx942": torch.float8_e4m3fnuz}
+
+
+def _fp8_cases(fmt: str, fp8: torch.dtype) -> tuple[Case, ...]:
+    return (
+        Case(f"attention_prefill/{fmt}", "attention_prefill_fp8", True, False,
+             lambda c, t: _attention(c, t, num_seqs=2, query_len=256, num_splits=1, kv_dtype=fp8)),
+        Case(f"attention_decode/split-{fmt}", "attention_decode", True, False,
+             lambda c, t: _attention(c, t, num_seqs=1, query_len=1, num_splits=8, kv_dtype=fp8)),
+        Case(f"attention_decode/batch-{fmt}", "attention_decode", True, False,
+             lambda c, t: _attention(c, t, num_seqs=64, query_len=1, num_splits=1, kv_dtype=fp8)),
+        Case(f"kv_write/{fmt}", "kv_write", False, False, lambda c, t: _kv_write(c, t, kv_dtype=fp8)),
+        Case(f"fp8_linear/{fmt}", "fp8_linear", True, False, lambda c, t: _fp8_linear(c, t, fp8, num_rows=1)),
+        Case(f"fp8_quantize_rows/{fmt}", "rms_norm", False, False, lambda c, t: _quantize_rows(c, t, fp8)),
+    )
+
+
+FP8_CASES_BY_FORMAT = {fp8: {c.name: c for c in _fp8_cases(fmt, fp8)}
+                       for fp8, fmt in ((torch.float8_e4m3fn, "e4m3fn"), (torch.float8_e4m3fnuz, "e4m3fnuz"))}
+FP8_CASES = {name: case for cases in FP8_CASES_BY_FORMAT.values() for name, case in cases.items()}
+
+
+def fp8_cases_for(target_name: str) -> list[str]:
+    """The FP8 variants compiled for `target_name`, in its format (none where the target has no FP8)."""
+    return list(FP8_CASES_BY_FORMAT.get(FP8_FORMATS.get(target_name), {}))
+
+
+class Report(NamedTuple):
+    table: str             # config table ("sm_90", "default", ...) or "custom"
+    case: str
+    target: str
+    config: KernelConfig
+    vgpr: int | None       # AMD: VGPRs; NVIDIA: registers per thread
+    agpr: int | None
+    sgpr: int | None
+    spill: int             # AMD: VGPR spills; NVIDIA: spill stack + local bytes
+    scratch: int           # AMD: private segment bytes; NVIDIA: local memory bytes
+    occupancy: int | None  # AMD: waves per SIMD (compiler); NVIDIA: programs per SM (estimate)
+    shared: int            # LDS / shared bytes per program
+    mma: str               # matrix instructions found ("v_mfma_f32_16x16x16_bf16", "wgmma", "mma.sync", "-")
+    vec16: bool            # 16-byte global loads present
+    seconds: float
+    problems: tuple[str, ...]
+
+
+def compile_launch(launch: Launch, target: Target):
+    """`triton.compile` of `launch` for `target`, specialised as the runtime would specialise it."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile, make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    fn = launch.kernel
+    if not isinstance(fn, JITFunction):
+        raise TypeError("xcompile needs compiled kernels: "
+                        "unset TRITON_INTERPRET for this process")
+    gpu_target = GPUTarget(target.backend, target.arch, target.warp_size)
+    backend = make_backend(gpu_target)
+    kwargs = {"debug": False, **launch.kwargs}
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound_args, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization,
+                                                          options)
+    return compile(ASTSource(fn, signature, constexprs, attrs), target=gpu_target, options=options.__dict__)
+
+
+def _int(pattern: str, text: str) -> int | None:
+    match = re.search(pattern, text)
+    return int(match.group(1)) if match else None
+
+
+def _nvidia_resources(cubin: bytes) -> dict[str, int]:
+    """REG / STACK / SHARED / LOCAL of a cubin through the cuobjdump that ships with triton."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    return {key: int(value) for key, value in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text)}
+
+
+def _nvidia_occupancy(regs: int, shared: int, num_warps: int, arch: int) -> int:
+    """Programs per SM from registers (allocated per warp in units of 256), shared memory and warps."""
+    regs_per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    smem = (228 if arch >= 90 else 164) * 1024
+    by_regs = 65536 // (regs_per_warp * num_warps)
+    by_smem = smem // (shared + 1024) if shared else 32      # 1 KiB reserved per program
+    return max(min(by_regs, by_smem, 64 // num_warps, 32), 0)
+
+
+def _problems(case: Case, target_name: str, config: KernelConfig, r: dict) -> tuple[str, ...]:
+    target, out = TARGETS[target_name], []
+    if r["spill"]:
+        out.append(f"register spills ({r['spill']})")
+    if r["scratch"]:
+        out.append(f"scratch/local memory ({r['scratch']} bytes)")
+    if r["shared"] > target.shared_limit:
+        out.append(f"shared/LDS {r['shared']} > {target.shared_limit} bytes")
+    if case.has_dot and target.backend == "hip" and "mfma" not in r["mma"]:
+        out.append("no MFMA for tl.dot")
+    if case.has_dot and target.backend == "cuda" and r["mma"] == "-":
+        out.append("no MMA for tl.dot")
+    if case.wants_wgmma and target_name == "sm_90" and config.block_m >= 64 and "wgmma" not in r["mma"]:
+        out.append("no wgmma in the large-tile config")
+    return tuple(out)
+
+
+def compile_case(case_name: str, config: KernelConfig, target_name: str, table: str = "custom") -> Report:
+    """Compile one case in one config for one target and check it (cached for the process: tables
+    that share a config share the compile)."""
+    return _compile_case(case_name, config, target_name)._replace(table=table)
+
+
+@functools.cache
+def _compile_case(case_name: str, config: KernelConfig, target_name: str) -> Report:
+    table = "custom"
+    case, target = {**CASES, **FP8_CASES}[case_name], TARGETS[target_name]
+    start = time.perf_counter()
+    try:
+        kernel = compile_launch(case.build(config, target.backend), target)
+    except Exception as e:  # a config that does not compile is a finding, not a crash of the table
+        return Report(table, case_name, target_name, config, None, None, None, 0, 0, None, 0, "-", False,
+                      time.perf_counter() - start, (f"compile failed: {type(e).__name__}: {str(e)[:300]}",))
+    shared = int(kernel.metadata.shared)
+    if target.backend == "hip":
+        asm = kernel.asm["amdgcn"]
+        mfma = sorted(set(re.findall(r"v_mfma_\w+", asm)))
+        r = dict(vgpr=_int(r"\.vgpr_count:\s*(\d+)", asm), agpr=_int(r"\.agpr_count:\s*(\d+)", asm),
+                 sgpr=_int(r"\.sgpr_count:\s*(\d+)", asm),
+                 spill=_int(r"\.vgpr_spill_count:\s*(\d+)", asm) or 0,
+                 scratch=_int(r"\.private_segment_fixed_size:\s*(\d+)", asm) or 0,
+                 occupancy=_int(r";\s*Occupancy:\s*(\d+)", asm), shared=shared, mma=",".join(mfma) or "-",
+                 vec16=bool(re.search(r"(global|buffer)_load_dwordx4", asm)))
+    else:
+        ptx, res = kernel.asm["ptx"], _nvidia_resources(kernel.asm["cubin"])
+        mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "-"
+        vec16 = bool(re.search(r"ld\.global[.\w]*\.v4\.b32", ptx)) or "cp.async.cg.shared.global" in ptx
+        r = dict(vgpr=res.get("REG"), agpr=None, sgpr=None, spill=res.get("STACK", 0),
+                 scratch=res.get("LOCAL", 0), shared=shared, mma=mma, vec16=vec16,
+                 occupancy=_nvidia_occupancy(res.get("REG", 0), shared, config.num_warps, int(target.arch)))
+    return Report(table, case_name, target_name, config, seconds=time.perf_counter() - start,
+                  problems=_problems(case, target_name, config, r), **r)
+
+
+def check_all(tables: dict[str, dict[str, KernelConfig]] | None = None,
+              targets: tuple[str, ...] | None = None) -> list[Report]:
+    """Every case of every table on the targets that can pick the table (see TABLE_TARGETS)."""
+    reports = []
+    for table, configs in (tables or all_configs()).items():
+        for target_name in TABLE_TARGETS.get(table, tuple(TARGETS)):
+            if targets and target_name not in targets:
+                continue
+            for case in CASES.values():
+                reports.append(compile_case(case.name, configs[case.config_key], target_name, table))
+    return reports
+
+
+def check_fp8(targets: tuple[str, ...] = tuple(FP8_FORMATS)) -> list[Report]:
+    """The FP8 variants on each target with FP8, in the target's own arch table."""
+    return [compile_case(name, all_configs()[target][FP8_CASES[name].config_key], target, target)
+            for target in targets for name in fp8_cases_for(target)]
+
+
+def format_table(reports: list[Report]) -> str:
+    head = (f"{'table':8} {'kernel':24} {'target':7} {'M x N':9} {'w/s':4} {'vgpr':>5} {'agpr':>5} "
+            f"{'sgpr':>5} {'spill':>5} {'scr':>4} {'occ':>4} {'shared':>7} {'v16':3} {'s':>5}  "
+            "mma / problems")
+    lines = [head, "-" * len(head)]
+    for r in reports:
+        c = r.config
+        tail = r.mma + ("  !! " + "; ".join(r.problems) if r.problems else "")
+        lines.append(f"{r.table:8} {r.case:24} {r.target:7} {f'{c.block_m}x{c.block_n}':9} "
+                     f"{f'{c.num_warps}/{c.num_stages}':4} {_s(r.vgpr):>5} {_s(r.agpr):>5} {_s(r.sgpr):>5} "
+                     f"{r.spill:>5} {r.scratch:>4} {_s(r.occupancy):>4} {r.shared:>7} "
+                     f"{'y' if r.vec16 else 'n':3} "
+                     f"{r.seconds:5.1f}  {tail}")
+    lines.append("occ: AMD waves/SIMD from the compiler; NVIDIA programs/SM estimated from REG/shared/warps. "
+                 "v16: 16-byte global loads (or cp.async) present.")
+    return "\n".join(lines)
+
+
+def _s(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m xcompile",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--targets", default="", help="comma-separated subset of " + ",".join(TARGETS))
+    parser.add_argument("--tables", default="", help="comma-separated subset of " + ",".join(all_configs()))
+    parser.add_argument("--fp8", action="store_true", help="also the FP8 variants (FP8 KV, W8A16 linear)")
+    args = parser.parse_args(argv)
+    tables = all_configs()
+    if args.tables:
+        tables = {name: tables[name] for name in args.tables.split(",")}
+    targets = tuple(args.targets.split(",")) if args.targets else None
+    reports = check_all(tables, targets)
+    if args.fp8:
+        reports += check_fp8(tuple(t for t in FP8_FORMATS if targets is None or t in targets))
+    print(format_table(reports))
+    bad = [r for r in reports if r.problems]
+    print(f"{len(reports)} kernels compiled, {len(bad)} with problems")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
