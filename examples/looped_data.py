@@ -3,13 +3,26 @@
 The corpus folder holds `train.txt` and `valid.txt` (see `prepare_corpus.py`): documents separated
 by a line `<|endoftext|>`. The tokenizer is trained on the train split only and is saved beside
 the checkpoint in the files the runtime reads (`tokenizer.json`, `tokenizer_config.json`).
+
+Tokenizing a large corpus takes minutes on a small machine, so it can be done once, apart:
+
+    PYTHONPATH=. python examples/looped_data.py --corpus .out/corpus --out .out/tokens
+
+writes `tokenizer.json`, `train.u16.xz` and `valid.u16.xz` (the ids as little-endian uint16,
+xz-compressed: about 6 bits a token, small enough to carry to a GPU machine) and `tokens.json`
+(counts, SHA-256 of the corpus files and of the outputs); `train_looped.py --tokens DIR` reads them.
 """
 from __future__ import annotations
 
+import argparse
+import hashlib
 import json
+import lzma
+import time
 from pathlib import Path
 from typing import Iterable, NamedTuple
 
+import numpy as np
 import torch
 
 # ids 0, 1, 2 as in Ouro's own tokenizer: OuroForCausalLM stops generation at ids 0 and 2, so those
@@ -78,18 +91,78 @@ def save_tokenizer(tokenizer, folder: str | Path, model_max_length: int) -> None
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def encode_documents(tokenizer, docs: list[str]) -> torch.Tensor:
-    """`[N]` int64: each document's ids followed by EOS_ID (encoded in parallel by `tokenizers`)."""
-    ids: list[int] = []
-    for encoding in tokenizer.encode_batch(docs, add_special_tokens=False):
-        ids += encoding.ids
-        ids.append(EOS_ID)
-    return torch.tensor(ids, dtype=torch.long)
+def encode_documents(tokenizer, docs: list[str], chunk: int = 2048) -> torch.Tensor:
+    """`[N]` int64: each document's ids followed by EOS_ID (encoded in parallel by `tokenizers`,
+    `chunk` documents at a time so a large corpus never holds all encodings at once)."""
+    parts = [np.zeros(0, dtype=np.int64)]
+    for start in range(0, len(docs), chunk):
+        for encoding in tokenizer.encode_batch(docs[start:start + chunk], add_special_tokens=False):
+            parts += [np.asarray(encoding.ids, dtype=np.int64), np.array([EOS_ID], dtype=np.int64)]
+    return torch.from_numpy(np.concatenate(parts))
 
 
 def encode_corpus(tokenizer, corpus: Corpus, device: torch.device) -> TokenData:
     return TokenData(encode_documents(tokenizer, corpus.train).to(device),
                      encode_documents(tokenizer, corpus.valid).to(device))
+
+
+TOKEN_FILES = {"train": "train.u16.xz", "valid": "valid.u16.xz"}
+
+
+def write_token_file(path: Path, ids: torch.Tensor) -> None:
+    if ids.numel() and int(ids.max()) > np.iinfo(np.uint16).max:
+        raise ValueError(f"token id {int(ids.max())} does not fit uint16")
+    path.write_bytes(lzma.compress(ids.numpy().astype("<u2").tobytes(), preset=6))
+
+
+def read_token_file(path: Path) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(lzma.decompress(path.read_bytes()), dtype="<u2").astype(np.int64))
+
+
+def tokenize_corpus(corpus_dir: str | Path, out: str | Path, vocab_size: int) -> dict:
+    """Train the tokenizer on the train split, encode both splits, write the token folder."""
+    corpus_dir, out = Path(corpus_dir), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    corpus = read_corpus(corpus_dir)
+    tokenizer = train_tokenizer(corpus.train, vocab_size)
+    tokenizer.save(str(out / "tokenizer.json"))
+    print(f"tokenizer: {tokenizer.get_vocab_size()} tokens, {time.time() - start:.0f}s", flush=True)
+    manifest: dict = {"vocab_size": tokenizer.get_vocab_size(), "files": {}, "corpus": {}}
+    for split, docs in (("train", corpus.train), ("valid", corpus.valid)):
+        ids = encode_documents(tokenizer, docs)
+        path = out / TOKEN_FILES[split]
+        write_token_file(path, ids)
+        chars = sum(map(len, docs))
+        manifest["files"][path.name] = {"tokens": ids.numel(), "documents": len(docs),
+                                        "chars_per_token": round(chars / max(ids.numel(), 1), 3),
+                                        "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+        print(f"{split}: {ids.numel():,} tokens, {path.stat().st_size / 1e6:.1f} MB, {time.time() - start:.0f}s",
+              flush=True)
+    for name in ("train.txt", "valid.txt", "corpus.json"):
+        if (corpus_dir / name).is_file():
+            manifest["corpus"][name] = sha256_file(corpus_dir / name)
+    if (corpus_dir / "corpus.json").is_file():                         # packages, licences: travel along
+        manifest["corpus_manifest"] = json.loads((corpus_dir / "corpus.json").read_text())
+    (out / "tokens.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def read_tokens(folder: str | Path, device: torch.device):
+    """(tokenizer, TokenData on `device`, tokens.json) from a folder made by `tokenize_corpus`."""
+    from tokenizers import Tokenizer
+
+    folder = Path(folder)
+    if not (folder / "tokens.json").is_file():
+        raise SystemExit(f"{folder} has no tokens.json; make it with\n"
+                         f"    PYTHONPATH=. python examples/looped_data.py --corpus .out/corpus --out {folder}")
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    data = TokenData(*(read_token_file(folder / TOKEN_FILES[split]).to(device) for split in ("train", "valid")))
+    return tokenizer, data, json.loads((folder / "tokens.json").read_text())
+
+
+def sha256_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def random_windows(tokens: torch.Tensor, batch_size: int, seq_len: int,
@@ -111,3 +184,16 @@ def heldout_windows(tokens: torch.Tensor, seq_len: int, max_tokens: int | None =
     if num_windows == 0:
         raise SystemExit(f"the valid split has {tokens.numel()} tokens, fewer than seq_len={seq_len}")
     return tokens[: num_windows * seq_len].view(num_windows, seq_len)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Train the tokenizer and tokenize a corpus once (see the module doc)")
+    parser.add_argument("--corpus", default=".out/corpus", help="folder with train.txt, valid.txt")
+    parser.add_argument("--out", default=".out/tokens", help="folder for tokenizer.json, *.u16.xz, tokens.json")
+    parser.add_argument("--vocab-size", type=int, default=8192)
+    args = parser.parse_args()
+    print(json.dumps(tokenize_corpus(args.corpus, args.out, args.vocab_size)["files"], indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -15,7 +15,7 @@ the runtime does it; FP8 emulated with torch's float8 dtypes). Per subject and c
 W8A8 is the `torch._scaled_mm` path of hal/cuda/fp8.py (activations rounded to e4m3 per row): bf16
 models run the real op (torch has it on the CPU), float32 ones its emulation.
 Subjects: the four golden cases (tiny random models with deliberately sharp weights: a worst case);
-ouro-tiny, the trained 10.6M model shipped in the package, on text; Ouro-1.4B's real layer shape
+ouro-tiny, the trained model shipped in the package (15.5M since issue 22), on text; Ouro-1.4B's real layer shape
 (hidden 2048, 16 heads x 128, MLP 5632, vocab 49152) with random weights and 2 layers x 4 loops
 (random logits are flat, so their greedy agreement says little; the logit errors are the point).
 """

@@ -38,9 +38,13 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
 for phase in $PHASES; do
   case $phase in
-    train)   # issue 7: the embedded default model; outputs come back as two shards and one tarball
-      run train 230 python3 examples/train_looped.py --corpus .out/corpus --out /tmp/ouro-tiny \
-        --report /tmp/ouro-tiny-report --device cuda --max-minutes 3 --max-epochs 20 --shard-mb 12 --no-progress
+    train)   # issue 22: the packaged model (docs/ouro-tiny.md), from .out/tokens (examples/looped_data.py);
+             # outputs come back as three shards and one tarball
+      run train 500 python3 examples/train_looped.py --tokens .out/tokens --out /tmp/ouro-tiny \
+        --report /tmp/ouro-tiny-report --device cuda --max-minutes 7.5 --reserve-seconds 45 --seq-len 512 \
+        --batch-size 128 --hidden-size 512 --intermediate-size 1152 --num-layers 4 --num-heads 8 --num-loops 4 \
+        --tie-embeddings --lr 1.5e-3 --warmup-steps 200 --entropy-weight 0.05 --entropy-weight-start 1.0 \
+        --entropy-anneal 0.5 --eval-every 200 --eval-tokens 262144 --shard-mb 15 --no-progress --no-samples
       cp /tmp/ouro-tiny/*.safetensors "$OUT/" 2>/dev/null
       tar -C /tmp -czf "$OUT/ouro-tiny-rest.tgz" --exclude='*.safetensors' ouro-tiny ouro-tiny-report 2>/dev/null ;;
     conformance) run conformance 300 python3 -m runtime.conformance hal=cuda ;;

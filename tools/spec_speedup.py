@@ -1,11 +1,13 @@
 """End-to-end speed of self-speculative decoding on the packaged ouro-tiny, against plain decoding.
 
-    python tools/spec_speedup.py [--hal cpu] [--new 128] [--draft-loops 1 2 3]
+    python tools/spec_speedup.py [--hal cpu] [--new 128] [--draft-loops 1 2 3] [--dtype float32]
 
 Greedy continuation of a few KJV-style prompts, one request at a time (batch 1), timed after a
 warm-up; prints tokens/s with speculation off and on (K=4), the acceptance rate, the speed-up, and
 whether the tokens equal plain decoding's. A timing on a shared machine is only as steady as the
-machine: run it alone.
+machine: run it alone. In bf16 (the checkpoint's dtype) a verify pass over K+1 rows and a one-row
+decode step round differently, so a near-tie between the two best tokens (logits closer than
+bf16's resolution) can flip and the texts part there; `--dtype float32` checks exact equality.
 """
 from __future__ import annotations
 
@@ -34,12 +36,17 @@ def main() -> None:
     parser.add_argument("--hal", default="cpu")
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--draft-loops", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--dtype", default=None, help="model dtype (default: the checkpoint's, bfloat16)")
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
     args = parser.parse_args()
     params = SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True)
-    base_rate, base_ids, _ = timed(LLM("ouro-tiny", hal=args.hal), params)
+    kw = {"hal": args.hal, **({"dtype": args.dtype} if args.dtype else {})}
+    base_rate, base_ids, _ = timed(LLM("ouro-tiny", engine_config=EngineConfig(num_kv_blocks=args.num_kv_blocks), **kw),
+                                   params)
     print(f"speculation off: {base_rate:.1f} tok/s")
     for loops in args.draft_loops:
-        llm = LLM("ouro-tiny", hal=args.hal, engine_config=EngineConfig(speculative=SpeculativeConfig(4, loops)))
+        config = EngineConfig(num_kv_blocks=args.num_kv_blocks, speculative=SpeculativeConfig(4, loops))
+        llm = LLM("ouro-tiny", engine_config=config, **kw)
         rate, ids, acceptance = timed(llm, params)
         print(f"K=4, draft_loops={loops}: {rate:.1f} tok/s, acceptance {acceptance:.2f}, "
               f"speed-up {rate / base_rate:.2f}x, tokens {'equal' if ids == base_ids else 'DIFFER'}")

@@ -42,3 +42,27 @@ def test_dedupe_split_and_files_round_trip(tmp_path):
     assert [d for d in reversed(docs) if pc.is_valid(d)] == valid[::-1]
     pc.write_split(tmp_path / "valid.txt", valid)
     assert read_documents(tmp_path / "valid.txt") == valid
+
+
+def test_dedupe_carries_what_earlier_sources_saw():
+    seen = set()
+    assert pc.dedupe(["one page", "two"], seen) == ["one page", "two"]
+    assert pc.dedupe(["one  page", "three"], seen) == ["three"]          # the same text in a second manual
+
+
+def test_sources_name_their_packages_and_licences_once():
+    packages = [p for s in pc.SOURCES for p in s.packages]
+    assert len(packages) == len(set(packages))
+    assert all(s.licence for s in pc.SOURCES)
+    assert len({s.name for s in pc.SOURCES}) == len(pc.SOURCES)
+
+
+def test_page_documents_read_gzip_sort_skip_and_drop_stubs(tmp_path):
+    import gzip
+
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "page.rst.gz").write_bytes(gzip.compress(("Title\n=====\n\n" + "word " * 60).encode()))
+    (tmp_path / "a.rst.gz").write_bytes(gzip.compress(b"stub"))
+    (tmp_path / "skip.rst.gz").write_bytes(gzip.compress(("x " * 200).encode()))
+    docs = pc.page_documents(tmp_path, ("**/*.rst.gz",), pc.rst_to_text, lambda rel: rel.startswith("skip"))
+    assert docs == ["Title\n\n" + ("word " * 60).strip()]

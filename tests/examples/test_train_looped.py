@@ -14,7 +14,8 @@ import train_looped as tl
 import zoo
 from evaluate_looped import evaluate
 from helpers import ROOT, single_thread  # noqa: F401 (fixture)
-from looped_data import EOS_ID, SPECIAL_TOKENS, encode_documents, heldout_windows, read_corpus, train_tokenizer
+from looped_data import (EOS_ID, SPECIAL_TOKENS, encode_documents, heldout_windows, read_corpus, read_token_file,
+                         read_tokens, tokenize_corpus, train_tokenizer)
 from looped_optim import Budget, learning_rate
 from runtime import LLM, SamplingParams
 
@@ -59,6 +60,40 @@ def test_budget_is_the_nearest_of_steps_epochs_and_clock():
     assert Budget(tl.TrainConfig(max_minutes=1.0), time.time() - 61, 1000).progress(0, 0) == 1.0
 
 
+def test_entropy_weight_decays_geometrically_then_stays():
+    cfg = tl.TrainConfig(entropy_weight=0.05, entropy_weight_start=1.0, entropy_anneal=0.5)
+    assert tl.depth_entropy_weight(cfg, 0.0) == pytest.approx(1.0)
+    assert tl.depth_entropy_weight(cfg, 0.25) == pytest.approx((1.0 * 0.05) ** 0.5)
+    assert tl.depth_entropy_weight(cfg, 0.5) == pytest.approx(0.05)
+    assert tl.depth_entropy_weight(cfg, 0.9) == pytest.approx(0.05)
+    assert tl.depth_entropy_weight(tl.TrainConfig(entropy_weight=0.05), 0.0) == 0.05     # no start: constant
+
+
+def test_token_folder_round_trips_ids_and_tokenizer(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus")
+    manifest = tokenize_corpus(corpus, tmp_path / "tokens", vocab_size=300)
+    tokenizer, data, again = read_tokens(tmp_path / "tokens", torch.device("cpu"))
+    docs = read_corpus(corpus)
+    assert torch.equal(data.valid, encode_documents(tokenizer, docs.valid))
+    assert data.train.numel() == manifest["files"]["train.u16.xz"]["tokens"] == again["files"]["train.u16.xz"]["tokens"]
+    assert data.train.dtype == torch.long and int(data.train[-1]) == EOS_ID
+    assert torch.equal(read_token_file(tmp_path / "tokens" / "train.u16.xz"), data.train)
+
+
+def test_exit_histogram_and_exit_loss_agree_with_the_per_token_rule():
+    cfg = tl.TrainConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, seq_len=16)
+    model = zoo.from_config(tl.model_config(cfg, 64), dtype=torch.float32, seed=3)
+    windows = torch.randint(1, 64, (6, 16), generator=torch.Generator().manual_seed(0))
+    result = evaluate(model, windows, batch_size=4, thresholds=(0.5, 1.0))
+    for q, exit in result.exits.items():
+        assert sum(exit["fraction_by_loops"]) == pytest.approx(1.0)
+        out = model(windows, exit_threshold=float(q) if float(q) < 1 else None)
+        ce = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), windows[:, 1:].flatten())
+        assert exit["loss"] == pytest.approx(ce.item(), rel=1e-5)
+    assert result.exits["1.0"]["fraction_by_loops"] == [0.0, 0.0, 0.0, 1.0]     # q=1: the last loop always
+    assert result.exits["1.0"]["loss"] == pytest.approx(result.loss_by_loops[-1], rel=1e-6)
+
+
 def test_arguments_map_onto_the_config_and_need_a_budget():
     cfg = tl.parse_args(["--max-steps", "7", "--no-progress", "--compile", "--lr", "2e-3"])
     assert (cfg.max_steps, cfg.progress, cfg.compile, cfg.lr) == (7, False, True, 2e-3)
@@ -93,14 +128,19 @@ def test_example_runs_end_to_end_on_the_cpu(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "train_looped.py"), "--corpus", str(corpus),
                            "--out", str(out), "--report", str(report), "--max-steps", "30", "--device", "cpu", "--shard-mb", "0.03",
-                           "--no-progress", *TINY_ARGS], env=env, capture_output=True, text=True, timeout=300)
+                           "--no-progress", "--tie-embeddings", "--entropy-weight-start", "0.5", *TINY_ARGS],
+                          env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((report / "metrics.json").read_text())
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    betas = [r["entropy_weight"] for r in metrics["history"]["train"]]
+    assert betas[0] == pytest.approx(0.5, rel=0.1) and betas[-1] == pytest.approx(0.05)   # the depth schedule
     assert metrics["steps"] == 30 and metrics["tokens"] == 30 * 4 * 32
     losses = metrics["heldout_loss_by_loops"]
     assert list(losses) == ["1", "2", "3", "4"] and all(0 < v < 6 for v in losses.values())
     exits = metrics["mean_exit_loops"]
-    assert 1 <= exits["0.5"] <= exits["0.9"] <= 4
+    assert 1 <= exits["0.3"] <= exits["0.5"] <= exits["0.9"] <= 4
+    assert list(metrics["tokens_per_s_by_loops"]) == ["1", "2", "3", "4"]
     assert [e["step"] for e in metrics["history"]["eval"]] == [10, 20, 30]
     assert metrics["history"]["eval"][-1]["loss_by_loops"][0] < 5.0         # it learned (ln 320 = 5.77)
     assert set(metrics["samples"]) == set(tl.SAMPLE_PROMPTS)
