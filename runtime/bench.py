@@ -94,9 +94,11 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
         seen.update({o.request_id: len(o.token_ids) for o in outs})
         metrics += [o.metrics for o in outs if o.finished]
         if prefill_done is None:
-            if engine.scheduler.waiting or any(r.is_prefill for r in engine.scheduler.running):
+            # time to first token: every prompt's first token has reached the host (with async
+            # scheduling that is a step after its launch)
+            if sum(1 for rid, n in seen.items() if n and not rid.endswith("-late")) < cell["batch"]:
                 continue
-            prefill_done = t1 - start          # every prompt computed and its first token sampled
+            prefill_done = t1 - start
             if cell.get("late_prompt"):
                 prompt = torch.randint(1, vocab, (cell["late_prompt"],), generator=gen).tolist()
                 engine.add_request(f"bench-{seed}-late", prompt, dataclasses.replace(params, max_tokens=1))
@@ -119,7 +121,7 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
     decode = full[min(2, len(full) // 4):] or full or [float("nan")]
     ms = statistics.median(decode) * 1e3
     row = {"batch": cell["batch"], "prompt": cell["prompt"], "new_tokens": cell["new"],
-           "prefill_s": round(prefill_done or total, 4),
+           "prefill_s": round(prefill_done or total, 4), "ttft_ms": round((prefill_done or total) * 1e3, 2),
            "prefill_tok_s": round(cell["batch"] * cell["prompt"] / (prefill_done or total), 1),
            "decode_ms_step": round(ms, 3), "decode_tok_s": round(cell["batch"] / ms * 1e3, 1),
            # tokens over the decode steps' total time: what compares speculation with plain decoding

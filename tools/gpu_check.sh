@@ -60,8 +60,11 @@ for phase in $PHASES; do
       run "profile b1" 90 python3 tools/profile_step.py --model ouro-1.4b --batch 1 --context 256 --rows 20 ;;
     profile64)
       run "profile b64" 90 python3 tools/profile_step.py --model ouro-1.4b --batch 64 --context 1024 --rows 25 ;;
-    cells)   # the cells the issues quote: batch 1, 64 and 128 at the Ouro-1.4B shape
-      bench model=ouro-1.4b 'workload=[b1,b64,b128]' ;;
+    cells)   # the cells the issues quote: batch 1, 64 and 128 at the Ouro-1.4B shape; time to first token
+      bench model=ouro-1.4b 'workload=[b1,b64,b128]' profile=4
+      bench model=ouro-1.4b 'workload=[ttft1k,prefill8k]' ;;
+    decodekernels)   # issue 19: the decode projection kernels against cuBLAS and the floor
+      run "decode kernels" 110 python3 tools/decode_kernels_bench.py --budget 90 --out "$OUT/decode_kernels.jsonl" ;;
     peer)    # the compiled gpt-fast-style decode (../shared/bench, copied to .peer): the bar to beat
       MODES=${PEER_MODES:-default} run "compiled peer" 240 python3 .peer/compiled_ouro.py zoo/configs/ouro-1.4b.json \
         1:256 64:1024 128:1024
