@@ -50,11 +50,11 @@ for phase in $PHASES; do
       tar -C /tmp -czf "$OUT/ouro-tiny-rest.tgz" --exclude='*.safetensors' ouro-tiny ouro-tiny-report 2>/dev/null ;;
     finetune)   # issue 22: fine-tune the packaged ouro-tiny so that every loop pays (docs/ouro-tiny.md,
                 # "Fine-tune"); $OUT/ft gets 3 weight shards, finetune.json, depth.png (tools/install_finetuned.py
-                # installs them). FT_TOKENS: a token folder (looped_data.py --subset-of makes a small one)
+                # installs them). FT_TOKENS: a token folder (looped_data.py --subset-of makes a small one); FT_ARGS: more flags
       mkdir -p "$OUT/ft"
       run finetune 150 python3 examples/finetune_looped.py --init zoo/checkpoints/ouro-tiny \
         --tokens "${FT_TOKENS:-.out/tokens}" --out "$OUT/ft" --weights-only --device cuda --max-seconds 125 \
-        --throughput-batches 4
+        --throughput-batches 4 ${FT_ARGS:-}
       grep -E '^(step|finetune|\{)' "$LOG" | tail -n 30 ;;
     conformance) run conformance 300 python3 -m runtime.conformance hal=cuda ;;
     tests) run "pytest -m cuda" 240 python3 -m pytest tests -m cuda -q -rs -p no:cacheprovider -x ;;

@@ -84,7 +84,9 @@ def render_results(m: dict[str, Any]) -> str:
     rows = "| cross entropy (nats/token) | " + " | ".join(f"{v:.4f}" for v in losses) + " |\n"
     rates = m.get("tokens_per_s_by_loops")
     if rates:
-        rows += ("| forward tokens/s, H200 (batch 64 x 512) | "
+        device = m.get("tokens_per_s_device", m.get("device", "")).replace("NVIDIA ", "")
+        batch = m.get("finetune", {}).get("config", {}).get("eval_batch_size", 64) if "finetune" in m else 64
+        rows += (f"| forward tokens/s, {device} (batch {batch} x 512) | "
                  + " | ".join(fmt_int(rates[str(s)]) for s in loops) + " |\n")
     exits = m["exit_by_threshold"]
     qs = list(exits)
@@ -243,6 +245,7 @@ def update_metrics(metrics: dict[str, Any], report: dict[str, Any]) -> dict[str,
     if "tokens_per_s_by_loops" in report:
         metrics["before_finetune"].setdefault("tokens_per_s_by_loops", metrics.get("tokens_per_s_by_loops"))
         metrics["tokens_per_s_by_loops"] = report["tokens_per_s_by_loops"]
+        metrics["tokens_per_s_device"] = report["device"]
     metrics["finetune"] = {k: v for k, v in report.items() if k not in EVAL_KEYS + ("tokens_per_s_by_loops",)}
     for key in ("cpu_check", "samples"):
         if isinstance(metrics.get(key), dict):
