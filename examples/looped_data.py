@@ -11,6 +11,14 @@ Tokenizing a large corpus takes minutes on a small machine, so it can be done on
 writes `tokenizer.json`, `train.u16.xz` and `valid.u16.xz` (the ids as little-endian uint16,
 xz-compressed: about 6 bits a token, small enough to carry to a GPU machine) and `tokens.json`
 (counts, SHA-256 of the corpus files and of the outputs); `train_looped.py --tokens DIR` reads them.
+
+A smaller token folder for a short run elsewhere (a fine-tune on a GPU machine with a transfer limit):
+
+    PYTHONPATH=. python examples/looped_data.py --subset-of .out/tokens --train-tokens 24000000 --out DIR
+
+keeps whole train documents picked at random (seeded) up to about that many tokens, the whole
+held-out split, and a `tokens.json` naming the source and the tokenizer's SHA-256 (no tokenizer
+file: `finetune_looped.py` uses its checkpoint's and checks it is the same).
 """
 from __future__ import annotations
 
@@ -165,6 +173,35 @@ def sha256_file(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def subset_tokens(source: str | Path, out: str | Path, train_tokens: int, seed: int = 0) -> dict:
+    """A token folder with a random subset of `source`'s train documents (whole documents, each
+    with its EOS, drawn in a seeded random order until `train_tokens` are reached, then kept in
+    corpus order) and the same held-out split. Returns the `tokens.json` it writes."""
+    source, out = Path(source), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    ids = read_token_file(source / TOKEN_FILES["train"]).numpy()
+    ends = np.flatnonzero(ids == EOS_ID) + 1                             # one past each document's EOS
+    starts = np.concatenate([[0], ends[:-1]])
+    order = np.random.default_rng(seed).permutation(len(ends))
+    take = np.searchsorted(np.cumsum((ends - starts)[order]), train_tokens) + 1
+    chosen = np.sort(order[:take])
+    subset = torch.from_numpy(np.concatenate([ids[starts[i]:ends[i]] for i in chosen]))
+    write_token_file(out / TOKEN_FILES["train"], subset)
+    valid = out / TOKEN_FILES["valid"]
+    valid.write_bytes((source / TOKEN_FILES["valid"]).read_bytes())
+    old = json.loads((source / "tokens.json").read_text())
+    files = {TOKEN_FILES["train"]: {"tokens": subset.numel(), "documents": len(chosen),
+                                    "bytes": (out / TOKEN_FILES["train"]).stat().st_size,
+                                    "sha256": sha256_file(out / TOKEN_FILES["train"])},
+             TOKEN_FILES["valid"]: old["files"][TOKEN_FILES["valid"]]}
+    manifest = {"vocab_size": old["vocab_size"], "files": files, "tokenizer_sha256": sha256_file(source / "tokenizer.json"),
+                "subset_of": {"train_tokens": int(ids.size), "documents": len(ends), "seed": seed,
+                              "train_sha256": old["files"][TOKEN_FILES["train"]]["sha256"]},
+                "corpus": old.get("corpus", {})}
+    (out / "tokens.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
 def random_windows(tokens: torch.Tensor, batch_size: int, seq_len: int,
                    generator: torch.Generator) -> torch.Tensor:
     """`[batch_size, seq_len]` windows at uniform random offsets, drawn on the tokens' device (no
@@ -174,6 +211,23 @@ def random_windows(tokens: torch.Tensor, batch_size: int, seq_len: int,
     starts = torch.randint(0, tokens.numel() - seq_len + 1, (batch_size,), device=tokens.device,
                            generator=generator)
     return tokens[starts[:, None] + torch.arange(seq_len, device=tokens.device)]
+
+
+def epoch_windows(tokens: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator):
+    """Endless `[batch_size, seq_len]` batches that see every token once an epoch: each epoch cuts
+    the stream into non-overlapping windows at a random offset and visits them in a random order
+    (a short run over a small split wastes none of it; `random_windows` repeats some windows and
+    misses others). `generator` is a CPU generator."""
+    if tokens.numel() < (batch_size + 1) * seq_len:
+        raise SystemExit(f"the train split has {tokens.numel()} tokens, fewer than {batch_size + 1} windows of "
+                         f"{seq_len}")
+    while True:
+        offset = int(torch.randint(0, seq_len, (1,), generator=generator))
+        count = (tokens.numel() - offset) // seq_len
+        windows = tokens[offset:offset + count * seq_len].view(count, seq_len)
+        order = torch.randperm(count, generator=generator).to(tokens.device)
+        for start in range(0, count - batch_size + 1, batch_size):
+            yield windows[order[start:start + batch_size]]
 
 
 def heldout_windows(tokens: torch.Tensor, seq_len: int, max_tokens: int | None = None) -> torch.Tensor:
@@ -191,8 +245,16 @@ def main() -> None:
     parser.add_argument("--corpus", default=".out/corpus", help="folder with train.txt, valid.txt")
     parser.add_argument("--out", default=".out/tokens", help="folder for tokenizer.json, *.u16.xz, tokens.json")
     parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument("--subset-of", default=None, help="a token folder: write a random subset of its train "
+                                                          "documents (and its held-out split) to --out instead")
+    parser.add_argument("--train-tokens", type=int, default=24_000_000, help="with --subset-of: about this many")
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    print(json.dumps(tokenize_corpus(args.corpus, args.out, args.vocab_size)["files"], indent=2))
+    if args.subset_of:
+        manifest = subset_tokens(args.subset_of, args.out, args.train_tokens, args.seed)
+    else:
+        manifest = tokenize_corpus(args.corpus, args.out, args.vocab_size)
+    print(json.dumps(manifest["files"], indent=2))
 
 
 if __name__ == "__main__":

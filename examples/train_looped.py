@@ -92,14 +92,21 @@ class TrainConfig:
     shard_mb: float = 0.0              # > 0: weight files of at most this many MB (a transfer limit)
 
 
-def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for field in dataclasses.fields(TrainConfig):
+def config_parser(config_class: type, description: str) -> argparse.ArgumentParser:
+    """One flag per field of the dataclass `config_class`: `--max-steps` for `max_steps`, typed by
+    the default, `--x/--no-x` for booleans (finetune_looped.py's config is parsed the same way)."""
+    parser = argparse.ArgumentParser(description=description)
+    for field in dataclasses.fields(config_class):
         flag = "--" + field.name.replace("_", "-")
         if isinstance(field.default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
         else:
             parser.add_argument(flag, type=type(field.default), default=field.default)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    parser = config_parser(TrainConfig, __doc__.split("\n\n")[0])
     cfg = TrainConfig(**vars(parser.parse_args(argv)))
     if not (cfg.max_minutes or cfg.max_steps or cfg.max_epochs):
         parser.error("give a budget: --max-minutes, --max-steps or --max-epochs")

@@ -2,7 +2,8 @@
 # The whole GPU check in one call on the NVIDIA machine: the cuda-marked tests, the conformance
 # suite, the kernel benchmark, the engine benchmark cells and a profile of a decode step.
 #   tools/gpu_check.sh [phase ...]     phases: conformance tests kernels bench models profile spec
-#                                      specasync sweep fp8 cells peer profile64 (default: the first six)
+#                                      specasync sweep fp8 cells peer profile64 train finetune
+#                                      (default: the first six)
 # Logs go to $OUT/gpu_check.log, benchmark rows to $OUT/bench.jsonl; a short table is printed last.
 set -u
 cd "$(dirname "$0")/.."
@@ -47,6 +48,14 @@ for phase in $PHASES; do
         --entropy-anneal 0.5 --eval-every 200 --eval-tokens 262144 --shard-mb 15 --no-progress --no-samples
       cp /tmp/ouro-tiny/*.safetensors "$OUT/" 2>/dev/null
       tar -C /tmp -czf "$OUT/ouro-tiny-rest.tgz" --exclude='*.safetensors' ouro-tiny ouro-tiny-report 2>/dev/null ;;
+    finetune)   # issue 22: fine-tune the packaged ouro-tiny so that every loop pays (docs/ouro-tiny.md,
+                # "Fine-tune"); $OUT/ft gets 3 weight shards, finetune.json, depth.png (tools/install_finetuned.py
+                # installs them). FT_TOKENS: a token folder (looped_data.py --subset-of makes a small one); FT_ARGS: more flags
+      mkdir -p "$OUT/ft"
+      run finetune 150 python3 examples/finetune_looped.py --init zoo/checkpoints/ouro-tiny \
+        --tokens "${FT_TOKENS:-.out/tokens}" --out "$OUT/ft" --weights-only --device cuda --max-seconds 125 \
+        --throughput-batches 4 ${FT_ARGS:-}
+      grep -E '^(step|finetune|\{)' "$LOG" | tail -n 30 ;;
     conformance) run conformance 300 python3 -m runtime.conformance hal=cuda ;;
     tests) run "pytest -m cuda" 240 python3 -m pytest tests -m cuda -q -rs -p no:cacheprovider -x ;;
     kernels) run "kernel bench" 240 python3 tools/kernel_bench.py ;;
