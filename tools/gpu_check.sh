@@ -2,7 +2,7 @@
 # The whole GPU check in one call on the NVIDIA machine: the cuda-marked tests, the conformance
 # suite, the kernel benchmark, the engine benchmark cells and a profile of a decode step.
 #   tools/gpu_check.sh [phase ...]     phases: conformance tests kernels bench models profile spec
-#                                      specasync sweep fp8 cells peer profile64 train finetune
+#                                      specasync sweep fp8 cells peer profile64 train finetune spec22
 #                                      (default: the first six)
 # Logs go to $OUT/gpu_check.log, benchmark rows to $OUT/bench.jsonl; a short table is printed last.
 set -u
@@ -57,7 +57,7 @@ for phase in $PHASES; do
         --throughput-batches 4 ${FT_ARGS:-}
       grep -E '^(step|finetune|\{)' "$LOG" | tail -n 30 ;;
     conformance) run conformance 300 python3 -m runtime.conformance hal=cuda ;;
-    tests) run "pytest -m cuda" 240 python3 -m pytest tests -m cuda -q -rs -p no:cacheprovider -x ;;
+    tests) run "pytest -m cuda" 300 python3 -m pytest tests -m cuda -q -rs -p no:cacheprovider ;;
     kernels) run "kernel bench" 240 python3 tools/kernel_bench.py ;;
     bench)
       bench model=ouro-1.4b 'workload=[b1,b64,b128,prefill8k]'
@@ -72,6 +72,21 @@ for phase in $PHASES; do
     cells)   # the cells the issues quote: batch 1, 64 and 128 at the Ouro-1.4B shape; time to first token
       bench model=ouro-1.4b 'workload=[b1,b64,b128]' profile=4
       bench model=ouro-1.4b 'workload=[ttft1k,prefill8k]' ;;
+    spec22)  # issue 22: self-speculation on the packaged ouro-tiny (or the weights the finetune phase
+             # just made), batch 1 and 8, draft depths 1..3 against off; token equality in float32
+      model=zoo/checkpoints/ouro-tiny
+      if ls "$OUT"/ft/*.safetensors >/dev/null 2>&1; then
+        model=/tmp/ouro-tiny-ft; mkdir -p $model
+        cp zoo/checkpoints/ouro-tiny/*.json $model/ && cp "$OUT"/ft/*.safetensors $model/
+      fi
+      echo "spec22 model: $model" | tee -a "$LOG"
+      for spec in "engine.speculative.num_tokens=0" "engine.speculative.num_tokens=4 engine.speculative.draft_loops=1" \
+          "engine.speculative.num_tokens=4 engine.speculative.draft_loops=2" \
+          "engine.speculative.num_tokens=4 engine.speculative.draft_loops=3"; do
+        bench weights=checkpoint model.path=$model model.dtype=bfloat16 'workload=[b1,b8s]' \
+          '+workloads.b8s={batch:8,prompt:128,new:256}' $spec
+      done
+      run "spec_speedup float32" 120 python3 tools/spec_speedup.py --hal cuda --model $model --new 128 --dtype float32 ;;
     decodekernels)   # issue 19: the decode projection kernels against cuBLAS and the floor
       run "decode kernels" 110 python3 tools/decode_kernels_bench.py --budget 90 --out "$OUT/decode_kernels.jsonl" ;;
     peer)    # the compiled gpt-fast-style decode (../shared/bench, copied to .peer): the bar to beat

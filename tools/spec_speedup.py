@@ -1,6 +1,6 @@
 """End-to-end speed of self-speculative decoding on the packaged ouro-tiny, against plain decoding.
 
-    python tools/spec_speedup.py [--hal cpu] [--new 128] [--draft-loops 1 2 3] [--dtype float32]
+    python tools/spec_speedup.py [--hal cpu] [--new 128] [--draft-loops 1 2 3] [--dtype float32] [--model PATH]
 
 Greedy continuation of a few KJV-style prompts, one request at a time (batch 1), timed after a
 warm-up; prints tokens/s with speculation off and on (K=4), the acceptance rate, the speed-up, and
@@ -34,6 +34,7 @@ def timed(llm: LLM, params: SamplingParams) -> tuple[float, list[list[int]], flo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hal", default="cpu")
+    parser.add_argument("--model", default="ouro-tiny", help="a checkpoint folder (default: the packaged ouro-tiny)")
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--draft-loops", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--dtype", default=None, help="model dtype (default: the checkpoint's, bfloat16)")
@@ -41,12 +42,12 @@ def main() -> None:
     args = parser.parse_args()
     params = SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True)
     kw = {"hal": args.hal, **({"dtype": args.dtype} if args.dtype else {})}
-    base_rate, base_ids, _ = timed(LLM("ouro-tiny", engine_config=EngineConfig(num_kv_blocks=args.num_kv_blocks), **kw),
+    base_rate, base_ids, _ = timed(LLM(args.model, engine_config=EngineConfig(num_kv_blocks=args.num_kv_blocks), **kw),
                                    params)
     print(f"speculation off: {base_rate:.1f} tok/s")
     for loops in args.draft_loops:
         config = EngineConfig(num_kv_blocks=args.num_kv_blocks, speculative=SpeculativeConfig(4, loops))
-        llm = LLM("ouro-tiny", engine_config=config, **kw)
+        llm = LLM(args.model, engine_config=config, **kw)
         rate, ids, acceptance = timed(llm, params)
         print(f"K=4, draft_loops={loops}: {rate:.1f} tok/s, acceptance {acceptance:.2f}, "
               f"speed-up {rate / base_rate:.2f}x, tokens {'equal' if ids == base_ids else 'DIFFER'}")

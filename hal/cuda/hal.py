@@ -20,6 +20,8 @@ from hal.cuda import host_buffer as buffers
 from hal.cuda.graph import CudaGraph
 
 log = logging.getLogger(__name__)
+
+DECODE_PROJECTIONS_ENV = "LOOPSTACK_DECODE_PROJECTIONS"
 FRESH_PREFILL_ENV = "LOOPSTACK_FRESH_PREFILL"
 
 
@@ -53,9 +55,14 @@ class CudaHal(Hal):
     kv_block_sizes: tuple[int, ...] = (16,)
     graph_collectives: bool = True  # NCCL collectives are capturable in CUDA graphs (tensor-parallel decode)
 
-    def __init__(self, device_index: int | None = None, attention_backend: str = "auto") -> None:
+    def __init__(self, device_index: int | None = None, attention_backend: str = "auto",
+                 decode_projections: bool | None = None) -> None:
         attention.check_known(attention_backend, self.backend_order, self.name)
         super().__init__(device_index, attention_backend)
+        # the fused decode projections (hal/kernels/gemv.py) measured slower than cuBLAS on an H200
+        # (docs/performance.md): offered only when asked for, here or by LOOPSTACK_DECODE_PROJECTIONS=1
+        self.decode_projections = (os.environ.get(DECODE_PROJECTIONS_ENV, "0") == "1"
+                                   if decode_projections is None else decode_projections)
         self._uva: buffers.UvaDecision | None = None
         self._pool: Any = None
         self._capture_stream: Any = None
@@ -209,6 +216,8 @@ class CudaHal(Hal):
 
                 has_fp8 = self.facts.fp8_dtype is not None
                 self._ops[name] = fp8_linear_op(self.facts.arch, configs, has_triton) if has_fp8 else None
+            elif name in attention.GEMV_OPS and not self.decode_projections:
+                self._ops[name] = None
             else:
                 units = self.facts.num_compute_units if name in attention.GEMV_OPS else None
                 self._ops[name] = attention.fused_op(name, configs, units)

@@ -46,9 +46,11 @@ NONE, RMS_NORM, SILU_AND_MUL, ADD_NORM, NORM_ADD = 0, 1, 2, 3, 4
 MAX_ROWS = 8                     # decode batches the kernels take; more rows go to the GEMM (cuBLAS)
 # Up to these rows the norms run in the projection's prologue; above, the standalone rms_norm kernel
 # runs first and the projection takes its output (each program recomputes the row statistics, which
-# costs L2 reads in proportion to the rows: tools/decode_kernels_bench.py's "fused" cells decide)
-NORM_PROLOGUE_MAX_ROWS = 8
-SANDWICH_PROLOGUE_MAX_ROWS = 8
+# costs L2 reads in proportion to the rows). tools/decode_kernels_bench.py on an H200 (2026-12-01):
+# at 2 rows the prologues took 18-42 us where the separate launches took 12-19 us, and at 4 rows
+# one value of the sandwich prologue was 2 bf16 ulps from the unfused kernels: one row only
+NORM_PROLOGUE_MAX_ROWS = 1
+SANDWICH_PROLOGUE_MAX_ROWS = 1
 DOT_ROWS = 16                    # tl.dot needs 16 rows: M = 2..8 pads to this
 MAX_SPLIT_K = 16
 MIN_TILES_PER_SPLIT = 2          # a split streams at least this many BLOCK_K tiles

@@ -69,10 +69,11 @@ class RocmHal(CudaHal):
     backend_order = ("triton", "torch")
     graph_collectives = False  # RCCL under hipGraph capture is unvalidated here: TP decode runs eagerly
 
-    def __init__(self, device_index: int | None = None, attention_backend: str = "auto") -> None:
+    def __init__(self, device_index: int | None = None, attention_backend: str = "auto",
+                 decode_projections: bool | None = None) -> None:
         refuse_flash_attention(attention_backend)
         sync_visible_devices(os.environ)
-        super().__init__(device_index, attention_backend)
+        super().__init__(device_index, attention_backend, decode_projections)
 
     @classmethod
     def is_available(cls) -> bool:
