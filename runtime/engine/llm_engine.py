@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
@@ -25,8 +24,9 @@ from hal.base import Hal
 from runtime.execution.async_step import PendingStep, StepResult
 from runtime.config import EngineConfig, SamplingParams, resolve_async
 from runtime.engine.kv_cache import BlockManager
-from runtime.engine.outputs import CompletionOutput, RequestOutput
+from runtime.engine.outputs import RequestOutput, request_output
 from runtime.engine.prefix_cache import PrefixPolicy
+from runtime.engine.sample_group import SampleGroup
 from runtime.execution.runner import ModelRunner
 from runtime.execution.keyed_random import derive_seed
 from runtime.execution.sampler import make_generator
@@ -39,26 +39,6 @@ from runtime.text.tokenizer import Tokenizer
 from zoo.base import LoopedCausalLM
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SampleGroup:
-    """The samples of one request with `n > 1` or `best_of > 1`. Sample 0 runs first under the
-    caller's request id; the others are forked from it once its prompt is computed (they share the
-    prompt's KV blocks) under ids `"<id>#<i>"`. With `best_of > n` the n samples of highest mean
-    logprob per token are returned, once all have finished."""
-
-    request_id: str
-    n: int
-    best_of: int
-    samples: list[Request] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return len(self.samples) == self.best_of and all(r.is_finished for r in self.samples)
-
-    def child_id(self, index: int) -> str:
-        return f"{self.request_id}#{index}"
 
 
 class LLMEngine:
@@ -375,12 +355,8 @@ class LLMEngine:
         sample so far; with best_of > n, the n best once all have finished)."""
         group = request.group
         if group is None:
-            return self._output([request], request.request_id, request.is_finished, request)
-        samples = list(group.samples)
-        if group.best_of > group.n and group.finished:
-            samples = sorted(samples, key=_mean_logprob, reverse=True)[:group.n]
-        done = group.finished
-        return self._output(samples, group.request_id, done, group.samples[0])
+            return request_output([request], request.request_id, request.is_finished, self.tokenizer)
+        return request_output(group.reported(), group.request_id, group.finished, self.tokenizer, group.samples[0])
 
     def output_for(self, request_id: str, finish_reason: str | None = None) -> RequestOutput | None:
         """The latest output of a request by its id (None when the engine does not know it); with
@@ -396,23 +372,6 @@ class LLMEngine:
             out.finished, out.finish_reason = True, out.outputs[0].finish_reason
         return out
 
-    def _output(self, samples: list[Request], request_id: str, finished: bool, first: Request) -> RequestOutput:
-        completions = []
-        for index, request in enumerate(samples):
-            n = request.num_resolved_outputs
-            tokens = request.output_token_ids[:n]
-            text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
-            wants = request.params.logprobs is not None
-            completions.append(CompletionOutput(
-                index, tokens, text, request.status.value if request.is_finished else None,
-                request.loops_per_token[:n], request.logprobs[:n] if wants else None,
-                request.cumulative_logprob if request.num_logprobs is not None else None))
-        head = completions[0]
-        return RequestOutput(request_id, first.prompt, first.prompt_token_ids, head.token_ids, head.text, finished,
-                             head.finish_reason if finished else None, head.loops_per_token,
-                             metrics=first.metrics, error=first.error, logprobs=head.logprobs,
-                             prompt_logprobs=first.prompt_logprobs, outputs=completions)
-
     def close(self) -> None:
         """Release the other tensor-parallel ranks' runners (a no-op on one rank)."""
         if self.publisher is not None:
@@ -427,6 +386,3 @@ class LLMEngine:
             finished.extend(o for o in self.step() if o.finished)
         return finished
 
-
-def _mean_logprob(request: Request) -> float:
-    return request.cumulative_logprob / max(len(request.logprobs), 1)

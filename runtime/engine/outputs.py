@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 
 class TokenLogprobs(NamedTuple):
@@ -58,3 +58,26 @@ class RequestOutput:
             self.outputs = [CompletionOutput(0, list(self.token_ids), self.text,
                                              self.finish_reason if self.finished else None,
                                              list(self.loops_per_token), self.logprobs)]
+
+
+def request_output(samples: Sequence[Any], request_id: str, finished: bool, tokenizer: Any = None,
+                   first: Any = None) -> RequestOutput:
+    """The output of a request from its samples (`runtime.engine.sequence.Request`s; `first`, the
+    one that holds the prompt and metrics, defaults to the first): tokens resolved so far, their
+    text through `tokenizer` when there is one, loops and logprobs."""
+    first = first or samples[0]
+    completions = []
+    for index, request in enumerate(samples):
+        n = request.num_resolved_outputs
+        tokens = request.output_token_ids[:n]
+        text = tokenizer.decode(tokens) if tokenizer is not None else ""
+        wants = request.params.logprobs is not None
+        completions.append(CompletionOutput(
+            index, tokens, text, request.status.value if request.is_finished else None,
+            request.loops_per_token[:n], request.logprobs[:n] if wants else None,
+            request.cumulative_logprob if request.num_logprobs is not None else None))
+    head = completions[0]
+    return RequestOutput(request_id, first.prompt, first.prompt_token_ids, head.token_ids, head.text, finished,
+                         head.finish_reason if finished else None, head.loops_per_token,
+                         metrics=first.metrics, error=first.error, logprobs=head.logprobs,
+                         prompt_logprobs=first.prompt_logprobs, outputs=completions)

@@ -97,7 +97,7 @@ class Request:
     prompt_logprobs: list[Any] | None = None     # per prompt token (None for the first), when asked
     rank_by_logprob: bool = False        # best_of: the engine ranks samples by their logprobs
     sample_index: int = 0                # n > 1: which sample of its group this is
-    group: Any = None                    # n > 1: the runtime.engine.llm_engine.SampleGroup it belongs to
+    group: Any = None                    # n > 1: the runtime.engine.sample_group.SampleGroup it belongs to
 
     @property
     def num_logprobs(self) -> int | None:

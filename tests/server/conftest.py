@@ -71,3 +71,26 @@ def live_server():
     for server in servers:
         if server.thread.is_alive():
             server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tokenizer):
+    """A live server over a fresh engine on the tiny model; when the module is done, no KV block
+    may still be held."""
+    from runtime.server.app import build_app
+    from runtime.server.config import ServerConfig
+
+    engine = LLMEngine(tiny_model, hal.get("cpu"), EngineConfig(num_kv_blocks=512), tokenizer)
+    live = LiveServer(build_app(engine, ServerConfig(model_name="tiny"))).start()
+    yield live
+    live.stop()
+    engine.blocks.check_invariants()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official OpenAI client on `server`."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)

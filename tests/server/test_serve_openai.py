@@ -11,32 +11,11 @@ httpx = pytest.importorskip("httpx", reason=SERVE_EXTRA)
 pytest.importorskip("fastapi", reason=SERVE_EXTRA)
 openai = pytest.importorskip("openai", reason=SERVE_EXTRA)
 
-import hal
-from live_server import LiveServer
 from runtime import LLM, SamplingParams
-from runtime.config import EngineConfig
-from runtime.engine.llm_engine import LLMEngine
-from runtime.server.app import build_app
 from runtime.text.chat import apply_chat_template
-from runtime.server.config import ServerConfig
 
 PROMPTS = ["the cat sat on", "hello, how are you?", "loops make a small model"]
 MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model, tokenizer):
-    engine = LLMEngine(tiny_model, hal.get("cpu"), EngineConfig(num_kv_blocks=512), tokenizer)
-    live = LiveServer(build_app(engine, ServerConfig(model_name="tiny"))).start()
-    yield live
-    live.stop()
-    engine.blocks.check_invariants()
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")

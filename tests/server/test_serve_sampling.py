@@ -24,21 +24,6 @@ PROMPT = "the cat sat on"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tokenizer):
-    engine = LLMEngine(tiny_model, hal.get("cpu"), EngineConfig(num_kv_blocks=512), tokenizer)
-    live = LiveServer(build_app(engine, ServerConfig(model_name="tiny"))).start()
-    yield live
-    live.stop()
-    engine.blocks.check_invariants()
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
 def offline(tiny_model, tokenizer):
     llm = LLM(tiny_model, hal="cpu", tokenizer=tokenizer, num_kv_blocks=128)
     return lambda prompt, **params: llm.generate(prompt, SamplingParams(**params))[0]

@@ -1,0 +1,37 @@
+"""A request with `n > 1` or `best_of > 1`: its samples, run as engine requests of their own."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from runtime.engine.sequence import Request
+
+
+@dataclass
+class SampleGroup:
+    """The samples of one request with `n > 1` or `best_of > 1`. Sample 0 runs first under the
+    caller's request id; the others are forked from it once its prompt is computed (they share the
+    prompt's KV blocks) under ids `"<id>#<i>"`. With `best_of > n` the n samples of highest mean
+    logprob per token are returned, once all have finished."""
+
+    request_id: str
+    n: int
+    best_of: int
+    samples: list[Request] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.samples) == self.best_of and all(r.is_finished for r in self.samples)
+
+    def child_id(self, index: int) -> str:
+        return f"{self.request_id}#{index}"
+
+    def reported(self) -> list[Request]:
+        """The samples an output shows: all so far; with best_of > n, once all have finished, the n
+        of highest mean logprob per token."""
+        if self.best_of > self.n and self.finished:
+            return sorted(self.samples, key=mean_logprob, reverse=True)[:self.n]
+        return list(self.samples)
+
+
+def mean_logprob(request: Request) -> float:
+    return request.cumulative_logprob / max(len(request.logprobs), 1)
