@@ -1,7 +1,7 @@
 """Every torch_npu op call the Ascend Hal makes, in one place, so the implementation can be swapped.
 
 Each call site is a small wrapper `fn(lib, ...)` registered in `CALL_SITES`. `lib` is what provides
-the ops: the real `torch_npu` module on an NPU, a `hal.ascend.sim.npu.SimNpu` (the CPU simulation of
+the ops: the real `torch_npu` module on an NPU, a `SimNpu` (hal/ascend/sim/: the CPU simulation of
 exactly these ops) in tests, or `torch_npu` fed meta tensors in the CI schema check. The rest of
 the Hal calls them through an `AscendOps` bound to one lib, which counts calls per site (so the
 checker can prove it covered them all) and keeps the capture log graphs need.
