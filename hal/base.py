@@ -401,6 +401,12 @@ class Hal(ABC):
         prints them. Empty where torch's own version says it all."""
         return {}
 
+    def speed_notes(self, kv_quantized: bool, fp8_weights: bool) -> list[str]:
+        """Where an option asked for is measured slower on this device than leaving it off, one line
+        each naming the faster setting (the engine logs them once at start). Empty where nothing
+        was measured against."""
+        return []
+
     # ----- optional fused ops ---------------------------------------------------------------
     def op(self, name: str) -> Callable[..., Any] | None:
         """A fused op by name, or None: callers then use the plain torch expression. The names and

@@ -3,6 +3,7 @@
 # suite, the kernel benchmark, the engine benchmark cells and a profile of a decode step.
 #   tools/gpu_check.sh [phase ...]     phases: conformance tests kernels bench models profile spec
 #                                      specasync sweep fp8 cells peer profile64 train finetune spec22
+#                                      fp8kernels fp8cells
 #                                      (default: the first six)
 # Logs go to $OUT/gpu_check.log, benchmark rows to $OUT/bench.jsonl; a short table is printed last.
 set -u
@@ -109,6 +110,14 @@ for phase in $PHASES; do
       bench model=ouro-1.4b engine.weights_dtype=fp8 'workload=[b1]'
       bench model=ouro-1.4b engine.kv_dtype=fp8 engine.weights_dtype=fp8 'workload=[b1]'
       LOOPSTACK_FP8_GEMM=triton bench model=ouro-1.4b engine.weights_dtype=fp8 'workload=[b1]' ;;
+    fp8kernels)   # issue 20: the FP8 kernels against their bf16 twins (tools/fp8_kernels_bench.py)
+      run "fp8 kernels" 200 python3 tools/fp8_kernels_bench.py --budget 150 --out "$OUT/fp8_kernels.jsonl" ;;
+    fp8cells)     # issue 20: the acceptance cells, FP8 and bf16 in one call
+      run "pytest fp8" 240 python3 -m pytest tests/cuda/test_fp8_cuda.py -q -rs -p no:cacheprovider
+      bench model=ouro-1.4b 'workload=[b1,b128,prefill8k]'
+      bench model=ouro-1.4b engine.kv_dtype=fp8 'workload=[b1,b128,prefill8k]'
+      bench model=ouro-1.4b engine.kv_dtype=fp8 engine.weights_dtype=fp8 'workload=[b1]'
+      bench model=ouro-1.4b engine.weights_dtype=fp8 'workload=[b1]' ;;
     *) echo "unknown phase $phase" ;;
   esac
 done

@@ -155,16 +155,20 @@ def _rotary(config: KernelConfig, target: str, interleaved: bool) -> Launch:
                          torch.empty_like(q), torch.empty_like(k), interleaved, config, target)
 
 
-def _rotary_kv_write(config: KernelConfig, target: str, interleaved: bool) -> Launch:
+def _rotary_kv_write(config: KernelConfig, target: str, interleaved: bool,
+                     kv_dtype: torch.dtype | None = None) -> Launch:
     from hal.kernels.rotary_kv import rotary_kv_write_launch
 
     s = SHAPE
     qkv = torch.empty(4, s["num_heads"] + 2 * s["num_kv_heads"], s["head_dim"], dtype=s["dtype"])
     q, k, v = qkv[:, :16], qkv[:, 16:32], qkv[:, 32:]            # views of the fused projection
     cache = torch.empty(2, 8, s["page_size"], s["num_kv_heads"], s["head_dim"], dtype=s["dtype"])
+    scales = None
+    if kv_dtype is not None:
+        cache, scales = _fp8_cache(kv_dtype)
     return rotary_kv_write_launch(q, k, v, torch.zeros(4, dtype=torch.int64), torch.empty(s["head_dim"] // 2),
                                   cache, torch.zeros(4, dtype=torch.int64), torch.empty_like(q), interleaved,
-                                  config, target)
+                                  config, target, scales)
 
 
 def _silu_and_mul(config: KernelConfig, target: str) -> Launch:
@@ -175,14 +179,14 @@ def _silu_and_mul(config: KernelConfig, target: str) -> Launch:
 
 
 def _gemv(config: KernelConfig, target: str, num_rows: int, n: int, k: int, prologue: str,
-          out_residual: bool = False) -> Launch:
+          out_residual: bool = False, fp8: torch.dtype | None = None) -> Launch:
     """A decode projection of hal/kernels/gemv.py at an Ouro-1.4B shape, `num_rows` rows, split-K as
-    the ops plan it for 132 compute units (an H200)."""
+    the ops plan it for 132 compute units (an H200); with `fp8`, FP8 weights (W8A16)."""
     from hal.kernels import gemv
 
     mode = getattr(gemv, prologue.upper())
     x = torch.empty(num_rows, 2 * k if mode == gemv.SILU_AND_MUL else k, dtype=SHAPE["dtype"])
-    weight = torch.empty(n, k, dtype=x.dtype)
+    weight = torch.empty(n, k, dtype=fp8 or x.dtype)
     out = torch.empty(num_rows, n, dtype=x.dtype)
     rows = torch.empty(num_rows, k, dtype=x.dtype)
     sandwich = mode in (gemv.ADD_NORM, gemv.NORM_ADD)
@@ -191,7 +195,8 @@ def _gemv(config: KernelConfig, target: str, num_rows: int, n: int, k: int, prol
         norm_weight=torch.empty(k, dtype=x.dtype), residual=rows if sandwich else None,
         res_norm_weight=torch.empty(k, dtype=x.dtype), stream_out=rows if sandwich else None,
         out_residual=torch.empty_like(out) if out_residual else None, workspace=torch.empty(1),
-        counters=torch.empty(1, dtype=torch.int32))
+        counters=torch.empty(1, dtype=torch.int32),
+        weight_scale=torch.empty(n, dtype=torch.float32) if fp8 is not None else None)
 
 
 # gemv cases: (name, config key, rows, N, K, prologue, residual epilogue); "o" (2048 x 2048) plans split-K
@@ -238,12 +243,18 @@ def _fp8_cases(fmt: str, fp8: torch.dtype) -> tuple[Case, ...]:
     return (
         Case(f"attention_prefill/{fmt}", "attention_prefill_fp8", True, False,
              lambda c, t: _attention(c, t, num_seqs=2, query_len=256, num_splits=1, kv_dtype=fp8)),
-        Case(f"attention_decode/split-{fmt}", "attention_decode", True, False,
+        Case(f"attention_decode/split-{fmt}", "attention_decode_fp8", True, False,
              lambda c, t: _attention(c, t, num_seqs=1, query_len=1, num_splits=8, kv_dtype=fp8)),
-        Case(f"attention_decode/batch-{fmt}", "attention_decode", True, False,
+        Case(f"attention_decode/batch-{fmt}", "attention_decode_fp8", True, False,
              lambda c, t: _attention(c, t, num_seqs=64, query_len=1, num_splits=1, kv_dtype=fp8)),
         Case(f"kv_write/{fmt}", "kv_write", False, False, lambda c, t: _kv_write(c, t, kv_dtype=fp8)),
+        Case(f"rotary_kv_write/{fmt}", "rotary", False, False,
+             lambda c, t: _rotary_kv_write(c, t, interleaved=False, kv_dtype=fp8)),
         Case(f"fp8_linear/{fmt}", "fp8_linear", True, False, lambda c, t: _fp8_linear(c, t, fp8, num_rows=1)),
+        Case(f"gemv_m1/qkv-{fmt}", "gemv_m1", False, False,
+             lambda c, t: _gemv(c, t, 1, 6144, 2048, "none", fp8=fp8)),
+        Case(f"gemv/down-res-{fmt}", "gemv", True, False,
+             lambda c, t: _gemv(c, t, 8, 2048, 5632, "none", out_residual=True, fp8=fp8)),
         Case(f"fp8_quantize_rows/{fmt}", "rms_norm", False, False, lambda c, t: _quantize_rows(c, t, fp8)),
     )
 

@@ -1,8 +1,11 @@
 """FP8 linears on CUDA and ROCm (`Hal.op("fp8_linear")`): `y = x @ (q * scale[:, None]).T`, with the
 weight `q: [N, K]` in the Hal's FP8 format and one float32 scale per output channel (zoo/fp8.py).
 
-Two paths, chosen per call from the shapes and dtypes (no device value is read, so graphs capture
-either):
+Three paths, chosen per call from the shapes and dtypes (no device value is read, so graphs capture
+each):
+- W8A16 through the decode GEMV (hal/kernels/gemv.py) for 1..8 rows of bf16/fp16: decode at small
+  batch is bound by the weight bytes, which FP8 halves; quantizing 1..8 activation rows for
+  `_scaled_mm` costs a launch and tensor cores do not help a product this thin.
 - W8A8 through `torch._scaled_mm` (NVIDIA sm_89+ only, bf16 activations, K and N multiples of 16):
   each row of x is quantized to e4m3fn on the device (`scale = absmax / 448`; one Triton launch,
   `hal.kernels.fp8_linear.quantize_rows`), and cuBLASLt runs the product on the FP8 tensor cores
@@ -65,9 +68,13 @@ def fp8_linear_op(arch: str, configs: dict[str, Any] | None, has_triton: bool) -
     if choice == "scaled_mm" and not nvidia_fp8:
         raise ValueError(f"{GEMM_ENV}=scaled_mm: torch._scaled_mm needs an NVIDIA GPU of sm_89 or later, "
                          f"this is {arch}; unset {GEMM_ENV}")
-    triton_linear, quantize = None, None
+    triton_linear, quantize, gemv = None, None, None
     if has_triton:
         from hal.kernels import fp8_linear as kernels
+        from hal.kernels.gemv import Gemv
+
+        if choice == "auto":
+            gemv = Gemv(configs).fp8_linear
 
         config, row_config = (configs or {}).get("fp8_linear"), (configs or {}).get("rms_norm")
 
@@ -76,12 +83,16 @@ def fp8_linear_op(arch: str, configs: dict[str, Any] | None, has_triton: bool) -
         if choice != "scaled_mm":
             def triton_linear(x, weight, scale, bias=None):
                 return kernels.fp8_linear(x, weight, scale, bias, config)
-    if not use_scaled_mm:
+    if gemv is None and not use_scaled_mm:
         return triton_linear
 
     def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-        if takes_scaled_mm(x, weight):
+        if gemv is not None and bias is None:
+            y = gemv(x, weight, scale)
+            if y is not None:
+                return y
+        if use_scaled_mm and takes_scaled_mm(x, weight):
             return scaled_mm_linear(x, weight, scale, bias, quantize)
         if triton_linear is not None:
             return triton_linear(x, weight, scale, bias)
@@ -94,3 +105,21 @@ def dequantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     """The plain torch product (weights dequantized to float32), for operands no kernel takes."""
     y = x.float() @ (weight.float() * scale[:, None]).T
     return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
+# Measured against the bf16 twin in the same run (docs/fp8.md, "Speed"); only archs measured appear.
+SLOWER_THAN_BF16 = {
+    "sm_90": {
+        "kv": "engine.kv_dtype=fp8 decodes slower than the model dtype on this GPU (H200, Ouro-1.4B, "
+              "128 x 1K: {kv_ratio}; the FP8 tiles reach the tensor cores through byte-wise shared-memory "
+              "reads); it holds 1.9x the tokens in the same memory. For speed, leave engine.kv_dtype unset",
+    },
+}
+MEASURED = {"kv_ratio": "0.9x the bf16 tok/s"}
+
+
+def speed_notes(arch: str, kv_quantized: bool, fp8_weights: bool) -> list[str]:
+    """The measured cases where an FP8 option asked for is slower than bf16 on `arch`."""
+    notes = SLOWER_THAN_BF16.get(arch.split(":")[0], {})
+    asked = [key for key, on in (("kv", kv_quantized), ("weights", fp8_weights)) if on and key in notes]
+    return [notes[key].format(**MEASURED) for key in asked]

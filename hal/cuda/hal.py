@@ -207,6 +207,11 @@ class CudaHal(Hal):
         the Hal chooses them, the kernels' callers never do."""
         return attention.kernel_configs(self.facts.arch)
 
+    def speed_notes(self, kv_quantized: bool, fp8_weights: bool) -> list[str]:
+        from hal.cuda.fp8 import speed_notes
+
+        return speed_notes(self.facts.arch, kv_quantized, fp8_weights)
+
     def op(self, name: str) -> Callable[..., Any] | None:
         if name not in self._ops:
             has_triton = attention.triton_status()[0]

@@ -212,11 +212,12 @@ def dot_precision(dtype: torch.dtype, target: str) -> str:
 
 def config_key(kind: str, dtype: torch.dtype, is_quantized: bool = False) -> str:
     """Table key of the attention config: "attention_prefill", "attention_decode_fp32", ...;
-    16-bit prefill over an 8-bit cache has its own ("attention_prefill_fp8": the FP8 -> bf16
-    widening of K/V tiles costs registers the largest AMD tiles do not have)."""
+    16-bit attention over an 8-bit cache has its own ("attention_prefill_fp8": the FP8 -> bf16
+    widening of K/V tiles costs registers the largest AMD tiles do not have; "attention_decode_fp8":
+    see hal/kernels/configs.py)."""
     if dtype == torch.float32:
         return f"attention_{kind}_fp32"
-    return f"attention_{kind}" + ("_fp8" if is_quantized and kind == "prefill" else "")
+    return f"attention_{kind}" + ("_fp8" if is_quantized else "")
 
 
 def attention_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -284,7 +285,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     if q.shape[0] == 0:
         return out
     if max_query_len <= DECODE_MAX_QUERY_LEN:
-        config = configs[config_key("decode", q.dtype)]
+        config = configs[config_key("decode", q.dtype, kv_scales is not None)]
         num_splits = num_kv_splits(seq_lens.shape[0], kv_cache.shape[3], num_compute_units)
     else:
         config, num_splits = configs[config_key("prefill", q.dtype, kv_scales is not None)], 1

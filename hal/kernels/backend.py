@@ -6,8 +6,8 @@ byte rows too (hal/common/kv_quant.py), which the kernels read through strided v
 
 Prefill chunks without prior context (every sequence of the batch starts at position 0) may attend
 over their fresh K/V through torch's vendor kernel instead (`attend`, `fresh_attention` mode chosen
-by the Hal, hal/kernels/fresh.py); the cache is written all the same. Decode-like batches, 8-bit
-caches and float32 always take the paged kernel.
+by the Hal, hal/kernels/fresh.py); the cache is written all the same (over an 8-bit cache they
+attend over its quantized K/V). Decode-like batches and float32 always take the paged kernel.
 
 Graphs: `forward`/`write_kv` read lengths and tables from device tensors only and never sync; the
 launch grid depends on `q.shape[0]`, the number of sequences and `meta.max_query_len`, so a captured
@@ -75,7 +75,7 @@ class TritonPagedAttention(AttentionBackend):
         self._staging: dict[int, StagingRing] = {}
         self.num_compute_units = num_compute_units or device_compute_units(torch.device(device))
         # "flash" / "sdpa" for prefill without context (hal/kernels/fresh.py), where it serves
-        usable = fresh.usable(fresh_attention, dtype, head_dim, self.kv_layout is not None)
+        usable = fresh.usable(fresh_attention, dtype, head_dim)
         self.fresh_attention = fresh_attention if usable else None
 
     @property
@@ -134,23 +134,30 @@ class TritonPagedAttention(AttentionBackend):
                plane: int, scale: float) -> torch.Tensor:
         """`write_kv`, then `forward`; a batch of prefills without context (`meta.fresh_lens`)
         attends over its fresh k, v through torch's vendor kernel instead of reading the cache back."""
-        self.write_kv(k, v, kv_cache, meta, plane)
         if meta.fresh_lens is not None:
+            values, scales = self._views(kv_cache)
+            held = write_kv(k, v, values, meta.slot_mapping[plane], self.configs["kv_write"], scales,
+                            dequantize=True)
+            if held is not None:                  # an 8-bit cache: attend over what it holds (fresh.py)
+                k, v = held
             return fresh.attention(self.fresh_attention, q, k, v, meta.query_start_loc, meta.fresh_lens, scale)
+        self.write_kv(k, v, kv_cache, meta, plane)
         return self.forward(q, kv_cache, meta, plane, scale)
 
     def write_kv_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                         meta: TritonMeta, plane: int, positions: torch.Tensor, theta: float,
                         interleaved: bool) -> torch.Tensor | None:
         """Rotary embedding of q `[T, H, D]` and k `[T, KVH, D]` at `positions: [T]` with the KV
-        write of plane `plane` in one launch (hal/kernels/rotary_kv.py); returns the rotated q. None
-        where this backend cannot fuse them (8-bit caches): the caller then rotates and `write_kv`s."""
-        if self.kv_layout is not None or meta.fresh_lens is not None:    # fresh batches attend over k itself
+        write of plane `plane` in one launch (hal/kernels/rotary_kv.py), an 8-bit cache quantizing;
+        returns the rotated q. None for batches that attend over their fresh k (the caller then
+        rotates and `attend`s)."""
+        if meta.fresh_lens is not None:
             return None
         from hal.kernels.rotary_kv import rotary_kv_write
 
-        return rotary_kv_write(q, k, v, positions, theta, interleaved, kv_cache, meta.slot_mapping[plane],
-                               self.configs["rotary"])
+        values, scales = self._views(kv_cache)
+        return rotary_kv_write(q, k, v, positions, theta, interleaved, values, meta.slot_mapping[plane],
+                               self.configs["rotary"], scales)
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: TritonMeta, plane: int,
                 scale: float) -> torch.Tensor:

@@ -13,6 +13,10 @@ callers; nothing else chooses tiles. Keys of a table are kernel names:
                       3xTF32 (fp32-level error), which needs more registers still
   attention_prefill_fp8  attention_prefill for 16-bit queries over an FP8 KV cache (hal/common/kv_quant.py): the
                       K/V tiles widen from FP8 in registers, which the largest AMD tiles cannot spare
+  attention_decode_fp8  attention_decode over an FP8 KV cache: the FP8 tiles reach the tensor cores
+                      through byte-wise shared-memory reads (no transposing load for 8-bit data), so
+                      wider key tiles pay (H200, tools/fp8_kernels_bench.py: 128 keys 360 us, 64 keys
+                      498 us per layer-plane at 128 x 1K)
   attention_reduce    merges the context splits of attention_decode (num_warps only)
   kv_write            scatter of new K/V rows into the paged cache: block_m tokens per program
   rms_norm, rotary    one row / one token per program (num_warps only)
@@ -33,8 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KERNEL_NAMES = ("attention_prefill", "attention_decode", "attention_prefill_fp32", "attention_decode_fp32",
-                "attention_prefill_fp8", "attention_reduce", "kv_write", "rms_norm", "rotary", "silu_and_mul",
-                "fp8_linear", "gemv_m1", "gemv")
+                "attention_prefill_fp8", "attention_decode_fp8", "attention_reduce", "kv_write", "rms_norm",
+                "rotary", "silu_and_mul", "fp8_linear", "gemv_m1", "gemv")
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,7 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         "attention_prefill": KernelConfig(128, 64, 8, 3),
         "attention_decode": KernelConfig(16, 64, 4, 3),
         "attention_prefill_fp8": KernelConfig(128, 64, 8, 3),
+        "attention_decode_fp8": KernelConfig(16, 128, 4, 3),
         **_fp32_attention(KernelConfig(16, 32, 4, 2), KernelConfig(16, 32, 4, 2)),
         **_small_ops(4, 1),
         # one row: 16 x 256 bf16 = 8 KiB of weight per program and step, the next step's in flight
@@ -104,6 +109,7 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         "attention_prefill": KernelConfig(128, 64, 8, 2),
         "attention_decode": KernelConfig(16, 64, 4, 3),
         "attention_prefill_fp8": KernelConfig(128, 64, 8, 2),
+        "attention_decode_fp8": KernelConfig(16, 64, 4, 3),
         **_fp32_attention(KernelConfig(16, 32, 4, 2), KernelConfig(16, 32, 4, 2)),
         **_small_ops(4, 1),
         **_gemv(KernelConfig(1, 16, 4, 2, block_k=256, split_k=0),
@@ -118,6 +124,7 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         "attention_prefill": KernelConfig(128, 64, 8, 2, waves_per_eu=2, matrix_instr_nonkdim=16),
         "attention_decode": KernelConfig(16, 32, 4, 2, matrix_instr_nonkdim=16),
         "attention_prefill_fp8": KernelConfig(128, 32, 8, 1, waves_per_eu=2, matrix_instr_nonkdim=16),
+        "attention_decode_fp8": KernelConfig(16, 32, 4, 2, matrix_instr_nonkdim=16),
         **_fp32_attention(KernelConfig(64, 32, 4, 1), KernelConfig(16, 32, 4, 1)),
         **_small_ops(4, 1, block_n=2048),
         **_gemv(KernelConfig(1, 16, 4, 2, block_k=256, split_k=0),
@@ -128,6 +135,7 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         "attention_prefill": KernelConfig(128, 64, 8, 2, waves_per_eu=2, matrix_instr_nonkdim=16),
         "attention_decode": KernelConfig(16, 32, 4, 2, matrix_instr_nonkdim=16),
         "attention_prefill_fp8": KernelConfig(128, 32, 8, 1, waves_per_eu=2, matrix_instr_nonkdim=16),
+        "attention_decode_fp8": KernelConfig(16, 32, 4, 2, matrix_instr_nonkdim=16),
         **_fp32_attention(KernelConfig(64, 32, 4, 1), KernelConfig(16, 32, 4, 1)),
         **_small_ops(4, 1, block_n=2048),
         **_gemv(KernelConfig(1, 16, 4, 2, block_k=256, split_k=0),
@@ -138,6 +146,7 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         "attention_prefill": KernelConfig(64, 32, 4, 1),
         "attention_decode": KernelConfig(16, 32, 4, 1),
         "attention_prefill_fp8": KernelConfig(64, 32, 4, 1),
+        "attention_decode_fp8": KernelConfig(16, 32, 4, 1),
         **_fp32_attention(KernelConfig(16, 32, 4, 1), KernelConfig(16, 32, 4, 1)),
         **_small_ops(4, 1),
         **_gemv(KernelConfig(1, 16, 4, 1, block_k=256, split_k=0),

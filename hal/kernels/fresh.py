@@ -12,6 +12,13 @@ Modes (the Hal chooses; hal/ never tests the vendor here):
   "sdpa"   `scaled_dot_product_attention(is_causal=True)` per sequence (torch picks its fastest
            backend): ROCm builds, and the CPU where tests check the routing
 Both take 16-bit q/k/v only; float32 (golden and conformance runs) stays on the Triton kernel.
+
+Over an 8-bit cache the chunk attends over what the cache holds, not its exact K/V: the quantizing
+write hands back K and V dequantized from its own bytes and scales in the same launch
+(`kv_write.write_kv(dequantize=True)`, equal to `kv_quant.fake_quantize`), so the chunk sees the keys
+later chunks and decode steps read from the cache. The product of
+value and scale is rounded to the 16-bit dtype (2^-9 relative) where the paged kernel keeps it in
+fp32; FP8's own rounding (2^-4) is what the error budget of docs/fp8.md measures.
 """
 from __future__ import annotations
 
@@ -30,9 +37,9 @@ def _flash_varlen(*args, **kwargs):
     return torch.ops.aten._flash_attention_forward(*args, **kwargs)
 
 
-def usable(mode: str | None, dtype: torch.dtype, head_dim: int, quantized: bool) -> bool:
+def usable(mode: str | None, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether prefill without context may take `mode` for this backend's shape."""
-    return mode in MODES and dtype in DTYPES and head_dim % 8 == 0 and head_dim <= 256 and not quantized
+    return mode in MODES and dtype in DTYPES and head_dim % 8 == 0 and head_dim <= 256
 
 
 def takes(mode: str | None, query_lens: Sequence[int], seq_lens: Sequence[int], decode_max_query_len: int) -> bool:

@@ -28,6 +28,10 @@ and the last split to arrive at a column block (an atomic counter, reset by that
 partials in split order and runs the epilogue. So the result depends on the config and the shape,
 never on timing: graphs on and off, and any run, give the same bits.
 
+FP8 weights (W8A16, `fp8_linear`): the weight streams as FP8 (half the bytes, which is what decode
+at these row counts is bound by), widens exactly in registers, and its per-channel scales multiply the
+fp32 sum once, as hal/kernels/fp8_linear.py does for larger M.
+
 Grid `(cdiv(N, BLOCK_N), SPLIT_K)`.
 """
 from __future__ import annotations
@@ -184,13 +188,15 @@ def _store_out(out_ptr, out_res_ptr, acc, rows, cols, mask, stride_om, stride_or
 
 @triton.jit
 def _gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, res_norm_ptr, out_res_ptr,
-                 part_ptr, count_ptr, M, N, K, eps, k_per_split,
+                 part_ptr, count_ptr, w_scale_ptr, M, N, K, eps, k_per_split,
                  stride_xm, stride_rm, stride_sm, stride_wn, stride_om, stride_orm,
                  PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STATS_BLOCK: tl.constexpr,
-                 ONE_PASS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr):
+                 ONE_PASS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
+                 W_SCALED: tl.constexpr):
     """out `[M, N]` = prologue(x) `[M, K]` @ w `[N, K]`.T (+ out_res); see the module docstring.
-    Grid `(cdiv(N, BLOCK_N), SPLIT_K)`; the split-K partials go to part `[SPLIT_K, M, N]` fp32."""
+    Grid `(cdiv(N, BLOCK_N), SPLIT_K)`; the split-K partials go to part `[SPLIT_K, M, N]` fp32.
+    W_SCALED: w is FP8 with one float32 scale per output column (`w_scale`), applied to the sum."""
     DT = out_ptr.dtype.element_ty                    # bf16 or fp16: x, weights and outputs share it
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -233,11 +239,16 @@ def _gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, res_no
             acc2 += w.to(tl.float32) * a.to(tl.float32)                            # [BLOCK_N, BLOCK_K]
         else:
             w = tl.load(w_cols[None, :] + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            acc = tl.dot(a, w, acc)                                                # [BLOCK_M, BLOCK_N]
+            acc = tl.dot(a, w.to(DT), acc)                                         # FP8 widens exactly
     if BLOCK_M == 1:
         acc = tl.sum(acc2, 1)[None, :]
     mask = row_mask[:, None] & col_mask[None, :]
+    w_scale = tl.full([BLOCK_N], 1.0, tl.float32)
+    if W_SCALED:
+        w_scale = tl.load(w_scale_ptr + cols, mask=col_mask, other=0.0)
     if SPLIT_K == 1:
+        if W_SCALED:
+            acc = acc * w_scale[None, :]
         _store_out(out_ptr, out_res_ptr, acc, rows, cols, mask, stride_om, stride_orm, ADD_RESIDUAL, DT)
     else:
         parts = part_ptr + (rows[:, None] * N + cols[None, :])                     # split 0's [M, N]
@@ -248,6 +259,8 @@ def _gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, res_no
             total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            if W_SCALED:
+                total = total * w_scale[None, :]
             _store_out(out_ptr, out_res_ptr, total, rows, cols, mask, stride_om, stride_orm, ADD_RESIDUAL, DT)
             tl.atomic_xchg(count_ptr + pid_n, 0)                                   # ready for the next launch
 
@@ -288,10 +301,11 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config
                 norm_weight: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                 res_norm_weight: torch.Tensor | None = None, stream_out: torch.Tensor | None = None,
                 out_residual: torch.Tensor | None = None, workspace: torch.Tensor | None = None,
-                counters: torch.Tensor | None = None) -> Launch:
+                counters: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None) -> Launch:
     """The launch of `out [M, N] = prologue(x) @ weight.T (+ out_residual)`; x `[M, K]` (`[M, 2K]`
     for SILU_AND_MUL), weight `[N, K]`, all rows with unit stride along K. Split-K launches need
-    `workspace` (>= split * M * N float32) and `counters` (int32 zeros, >= cdiv(N, block_n))."""
+    `workspace` (>= split * M * N float32) and `counters` (int32 zeros, >= cdiv(N, block_n)).
+    An FP8 `weight` takes `weight_scale: [N]` float32 (one scale per output channel, zoo/fp8.py)."""
     rows, n = out.shape
     k = weight.shape[1]
     p = plan(rows, n, k, config, num_compute_units)
@@ -305,12 +319,13 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config
         out, x, weight, res, stream,
         norm_weight if norm_weight is not None else weight, res_norm_weight if res_norm_weight is not None else weight,
         out_res, workspace if workspace is not None else out, counters if counters is not None else out,
-        rows, n, k, eps, p.k_per_split,
+        weight_scale if weight_scale is not None else out, rows, n, k, eps, p.k_per_split,
         x.stride(0), res.stride(0), stream.stride(0), weight.stride(0), out.stride(0), out_res.stride(0)), dict(
         PROLOGUE=prologue, ADD_RESIDUAL=out_residual is not None, BLOCK_M=p.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, STATS_BLOCK=min(next_pow2(k), STATS_ELEMENTS // p.block_m),
         ONE_PASS=next_pow2(k) <= STATS_ELEMENTS // p.block_m, SPLIT_K=p.split_k,
         EVEN_K=k % config.block_k == 0, PREFETCH=p.block_m == 1 and config.num_stages > 1,
+        W_SCALED=weight_scale is not None,
         **launch_options(config, target)))
 
 
@@ -347,7 +362,9 @@ class Gemv:
         rows, n = x2.shape[0], weight.shape[0]
         out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
         config = self.configs[config_key(rows)]
-        units = self.num_compute_units or _compute_units(x2.device)
+        if self.num_compute_units is None:
+            self.num_compute_units = _compute_units(x2.device)
+        units = self.num_compute_units
         p = plan(rows, n, weight.shape[1], config, units)
         if p.split_k > 1:
             kw["workspace"] = torch.empty(p.split_k * rows * n, dtype=torch.float32, device=x2.device)
@@ -362,6 +379,15 @@ class Gemv:
             return y if residual is None else residual + y
         out_res = None if residual is None else _rows(residual)
         return self._run(_rows(x), weight, NONE, out_residual=out_res).view(*x.shape[:-1], -1)
+
+    def fp8_linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+        """W8A16 `x @ (weight * scale[:, None]).T` for x `[M, K]` bf16/fp16 with M <= MAX_ROWS, FP8 weight
+        `[N, K]`, float32 `scale: [N]`; None for operands the kernel does not take (the caller's GEMM)."""
+        rows = x.shape[0] if x.dim() == 2 else 0
+        if not (0 < rows <= MAX_ROWS and x.dtype in KERNEL_DTYPES and weight.dim() == 2
+                and weight.stride(-1) == 1 and scale.dtype == torch.float32 and x.shape[-1] == weight.shape[1]):
+            return None
+        return self._run(_rows(x), weight, NONE, weight_scale=scale)
 
     def rms_norm_linear(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         weight: torch.Tensor) -> torch.Tensor:

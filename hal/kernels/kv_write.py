@@ -40,22 +40,26 @@ def _kv_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_sl
 
 @triton.jit
 def _quantize_store(x, values_ptrs, scales_ptrs, mask, scale_mask, QMAX: tl.constexpr):
-    """x `[T, KVH, D]` fp32 -> FP8 values and one float32 scale per (token, head)."""
+    """x `[T, KVH, D]` fp32 -> FP8 values and one float32 scale per (token, head); returns what the
+    cache now holds, dequantized: `[T, KVH, D]` fp32 (values x scale)."""
     scale = tl.math.div_rn(tl.max(tl.abs(x), axis=2), QMAX)                          # [T, KVH]
     scale = tl.where(scale > 0.0, scale, 1.0)                          # an all-zero vector stores zeros
     q = tl.math.div_rn(x, scale[:, :, None])
-    q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
-    tl.store(values_ptrs, q.to(values_ptrs.dtype.element_ty), mask=mask)
+    q = tl.minimum(tl.maximum(q, -QMAX), QMAX).to(values_ptrs.dtype.element_ty)
+    tl.store(values_ptrs, q, mask=mask)
     tl.store(scales_ptrs, scale, mask=scale_mask)
+    return q.to(tl.float32) * scale[:, :, None]
 
 
 @triton.jit
 def _kv_write_quant_kernel(k_ptr, v_ptr, k_values_ptr, v_values_ptr, k_scales_ptr, v_scales_ptr, slot_ptr,
-                           stride_slot, num_tokens, stride_kt, stride_kh, stride_vt, stride_vh,
+                           k_out_ptr, v_out_ptr, stride_slot, num_tokens, stride_kt, stride_kh, stride_vt, stride_vh,
                            stride_cb, stride_ct, stride_ch, stride_sb, stride_st,
                            QMAX: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                            HEADS_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                           BLOCK_T: tl.constexpr):
+                           BLOCK_T: tl.constexpr, DEQUANT_OUT: tl.constexpr):
+    """DEQUANT_OUT: also write what the cache holds, dequantized to k's dtype, to k_out/v_out
+    `[T, KVH, D]` (contiguous): a prefill that attends over its fresh K/V reads those (fresh.py)."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     token_ok = tokens < num_tokens
     slots = tl.load(slot_ptr + tokens * stride_slot, mask=token_ok, other=-1).to(tl.int64)   # [T]
@@ -70,16 +74,25 @@ def _kv_write_quant_kernel(k_ptr, v_ptr, k_values_ptr, v_values_ptr, k_scales_pt
     rows = tokens.to(tl.int64)[:, None, None]
     cols = dims[None, None, :]
     k = tl.load(k_ptr + rows * stride_kt + (heads * stride_kh)[None, :, None] + cols, mask=mask, other=0.0)
-    _quantize_store(k.to(tl.float32), k_values_ptr + dst, k_scales_ptr + scale_dst, mask, scale_mask, QMAX)
+    k_held = _quantize_store(k.to(tl.float32), k_values_ptr + dst, k_scales_ptr + scale_dst, mask, scale_mask,
+                             QMAX)
     v = tl.load(v_ptr + rows * stride_vt + (heads * stride_vh)[None, :, None] + cols, mask=mask, other=0.0)
-    _quantize_store(v.to(tl.float32), v_values_ptr + dst, v_scales_ptr + scale_dst, mask, scale_mask, QMAX)
+    v_held = _quantize_store(v.to(tl.float32), v_values_ptr + dst, v_scales_ptr + scale_dst, mask, scale_mask,
+                             QMAX)
+    if DEQUANT_OUT:           # every token, written to the cache or not (slot -1 rows are not attended)
+        out_mask = token_ok[:, None, None] & (heads < NUM_KV_HEADS)[None, :, None] & (dims < HEAD_DIM)[None, None, :]
+        out = rows * (NUM_KV_HEADS * HEAD_DIM) + (heads * HEAD_DIM)[None, :, None] + cols
+        tl.store(k_out_ptr + out, k_held.to(k_out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(v_out_ptr + out, v_held.to(v_out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def kv_write_launch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                    config: KernelConfig, target: str, kv_scales: torch.Tensor | None = None) -> Launch:
+                    config: KernelConfig, target: str, kv_scales: torch.Tensor | None = None,
+                    dequantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> Launch:
     """k, v `[T, KVH, D]`; kv_cache `[2, NB, page, KVH, D]`; slot_mapping `[T]` int64 (one plane).
     `config.block_m` tokens per program. With `kv_scales: [2, NB, page, KVH]` float32, `kv_cache`
-    holds 8-bit values (`hal.common.kv_quant.RowLayout` views) and the write quantizes."""
+    holds 8-bit values (`hal.common.kv_quant.RowLayout` views) and the write quantizes; `dequantized`
+    (two contiguous `[T, KVH, D]` tensors) then receives K and V as the cache holds them."""
     num_tokens, num_kv_heads, head_dim = k.shape
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     grid = (-(-num_tokens // config.block_m),)
@@ -93,17 +106,24 @@ def kv_write_launch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, sl
                                                num_tokens, *strides), shape)
     from hal.common.kv_quant import quant_max
 
+    k_out, v_out = dequantized if dequantized is not None else (k, v)
     return Launch(_kv_write_quant_kernel, grid, (
-        k, v, key_cache, value_cache, kv_scales[0], kv_scales[1], slot_mapping, slot_mapping.stride(0), num_tokens,
-        *strides, kv_scales.stride(1), kv_scales.stride(2)), dict(QMAX=quant_max(kv_cache.dtype), **shape))
+        k, v, key_cache, value_cache, kv_scales[0], kv_scales[1], slot_mapping, k_out, v_out, slot_mapping.stride(0),
+        num_tokens, *strides, kv_scales.stride(1), kv_scales.stride(2)), dict(
+        QMAX=quant_max(kv_cache.dtype), DEQUANT_OUT=dequantized is not None, **shape))
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-             config: KernelConfig, kv_scales: torch.Tensor | None = None) -> None:
+             config: KernelConfig, kv_scales: torch.Tensor | None = None,
+             dequantize: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Store `k, v: [T, KVH, D]` at `slot_mapping: [T]` of `kv_cache` (in place); -1 skips a token.
-    With `kv_scales` (see `kv_write_launch`) the values are quantized."""
+    With `kv_scales` (see `kv_write_launch`) the values are quantized, and with `dequantize` the
+    K and V the cache now holds come back (k's dtype) from the same launch."""
     check_device(k)
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         k, v = k.contiguous(), v.contiguous()
+    held = (torch.empty(k.shape, dtype=k.dtype, device=k.device), torch.empty(v.shape, dtype=v.dtype, device=v.device)) \
+        if dequantize and kv_scales is not None else None
     if k.shape[0]:
-        run_launch(kv_write_launch(k, v, kv_cache, slot_mapping, config, backend_of(k.device), kv_scales))
+        run_launch(kv_write_launch(k, v, kv_cache, slot_mapping, config, backend_of(k.device), kv_scales, held))
+    return held

@@ -52,6 +52,8 @@ class LLMEngine:
         self.model, self.hal, self.tokenizer = model, hal, tokenizer
         self.config = resolve_async(config or EngineConfig(), hal.device().type, publisher is not None)
         log.info("scheduling: %s", "one step ahead (async)" if self.config.async_scheduling else "synchronous")
+        for note in hal.speed_notes(self.config.kv_dtype not in ("auto", None), self.config.weights_dtype == "fp8"):
+            log.warning("%s", note)
         # the context: the model's positions (or engine.max_model_len); a request ends there ("length")
         self.context_len = min(self.config.max_model_len or model.max_seq_len, model.max_seq_len)
         self.max_model_len = self.context_len    # the longest request at the model's depth the cache holds

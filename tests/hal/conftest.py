@@ -75,6 +75,13 @@ def fake_kernels(monkeypatch):
             super().__init__(num_heads, num_kv_heads, head_dim, dtype, device, block_size, **kv)
             self.configs, self.fresh_attention = configs, fresh_attention
 
+    class FakeGemv:             # the decode GEMV takes 1..8 rows of 16-bit activations
+        def __init__(self, configs=None, num_compute_units=None):
+            self.configs = configs
+
+        def fp8_linear(self, x, weight, scale):
+            return "gemv fp8_linear" if x.shape[0] <= 8 and x.dtype != torch.float32 else None
+
     modules = {
         "hal.kernels": _module("hal.kernels", __path__=[]),
         "hal.kernels.configs": _module("hal.kernels.configs", configs_for=configs_for),
@@ -82,6 +89,7 @@ def fake_kernels(monkeypatch):
         "hal.kernels.ops": _module("hal.kernels.ops", fused_ops=lambda configs=None: {
             "rms_norm": lambda *a: "rms_norm", "rotary": lambda *a: "rotary",
             "silu_and_mul": lambda *a: "silu_and_mul"}),
+        "hal.kernels.gemv": _module("hal.kernels.gemv", Gemv=FakeGemv),
         "hal.kernels.fp8_linear": _module("hal.kernels.fp8_linear", fp8_linear=lambda *a: "triton fp8_linear",
                                           quantize_rows=lambda x, dtype, config=None: quantize_rows(x)),
     }

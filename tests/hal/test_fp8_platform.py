@@ -25,8 +25,9 @@ def test_nvidia_fp8_kv_and_gemm_paths(simulate, fake_kernels, monkeypatch):
         cuda.attention(8, 2, 128, torch.bfloat16, backend="triton", kv_dtype=torch.int8)
     linear = cuda.op("fp8_linear")
     weight, scale = quantize(torch.randn(32, 64), FN)
-    y = linear(torch.randn(4, 64).bfloat16(), weight, scale)              # torch._scaled_mm (W8A8)
-    assert isinstance(y, torch.Tensor) and y.shape == (4, 32) and y.dtype == torch.bfloat16
+    assert linear(torch.randn(4, 64).bfloat16(), weight, scale) == "gemv fp8_linear"    # decode rows: W8A16
+    y = linear(torch.randn(16, 64).bfloat16(), weight, scale)             # torch._scaled_mm (W8A8)
+    assert isinstance(y, torch.Tensor) and y.shape == (16, 32) and y.dtype == torch.bfloat16
     assert linear(torch.randn(4, 64), weight, scale) == "triton fp8_linear"     # fp32 activations: W8A16
     monkeypatch.setenv(GEMM_ENV, "triton")
     forced = CudaHal()
@@ -43,7 +44,37 @@ def test_no_fp8_before_ada_and_fnuz_on_mi300(simulate, fake_kernels, monkeypatch
     assert mi300.caps.kv_quant_dtypes == (FNUZ,) and mi300.caps.fp8_dtype == FNUZ
     assert mi300.attention(8, 2, 128, torch.bfloat16, kv_dtype=FNUZ).kv_dtype == FNUZ
     weight, scale = quantize(torch.randn(32, 64), FNUZ)
-    assert mi300.op("fp8_linear")(torch.randn(4, 64).bfloat16(), weight, scale) == "triton fp8_linear"
+    assert mi300.op("fp8_linear")(torch.randn(4, 64).bfloat16(), weight, scale) == "gemv fp8_linear"
+    assert mi300.op("fp8_linear")(torch.randn(16, 64).bfloat16(), weight, scale) == "triton fp8_linear"
     monkeypatch.setenv(GEMM_ENV, "scaled_mm")
     with pytest.raises(ValueError, match="needs an NVIDIA GPU of sm_89"):
         RocmHal().op("fp8_linear")
+
+
+def test_fp8_options_measured_slower_are_named_at_start(simulate, fake_kernels, caplog):
+    """The H200's FP8 KV cache decodes slower than bf16 (docs/fp8.md): the Hal says so, naming the
+    faster setting, and the engine logs it once at start; unmeasured archs say nothing."""
+    import logging
+
+    from helpers import golden_case
+
+    import zoo
+    from hal.cpu import CpuHal
+    from runtime.config import EngineConfig
+    from runtime.engine.llm_engine import LLMEngine
+
+    simulate("cuda", capability=(9, 0))
+    notes = CudaHal().speed_notes(kv_quantized=True, fp8_weights=False)
+    assert len(notes) == 1 and "leave engine.kv_dtype unset" in notes[0]
+    assert CudaHal().speed_notes(kv_quantized=False, fp8_weights=False) == []
+    simulate("rocm", arch="gfx942:sramecc+:xnack-")
+    assert RocmHal().speed_notes(kv_quantized=True, fp8_weights=True) == []
+
+    class Noted(CpuHal):
+        def speed_notes(self, kv_quantized, fp8_weights):
+            return [f"kv {kv_quantized} weights {fp8_weights}"]
+
+    model = zoo.from_pretrained(golden_case("ouro-tiny").path, dtype="float32")
+    with caplog.at_level(logging.WARNING, logger="runtime.engine.llm_engine"):
+        LLMEngine(model, Noted(), EngineConfig(kv_dtype="fp8", num_kv_blocks=8))
+    assert "kv True weights False" in caplog.text

@@ -46,10 +46,11 @@ def test_fp32_attention_uses_accurate_products_per_target():
     assert dot_precision(torch.float32, "hip") == dot_precision(torch.bfloat16, "cuda") == "ieee"
     assert config_key("decode", torch.float32) == "attention_decode_fp32"
     assert config_key("prefill", torch.bfloat16) == "attention_prefill"
-    # an FP8 cache: bf16 prefill takes its own (AMD: narrower) tiles; fp32 and decode keep theirs
+    # an FP8 cache: bf16 prefill and decode take their own tiles (AMD: narrower prefill; H200: wider
+    # decode key tiles); fp32 keeps its
     assert config_key("prefill", torch.bfloat16, True) == "attention_prefill_fp8"
     assert config_key("prefill", torch.float32, True) == "attention_prefill_fp32"
-    assert config_key("decode", torch.bfloat16, True) == "attention_decode"
+    assert config_key("decode", torch.bfloat16, True) == "attention_decode_fp8"
 
 
 def test_backend_picks_the_table_of_its_device(monkeypatch):

@@ -154,3 +154,4 @@ def test_engine_over_an_fp8_cache_through_triton_with_graphs():
         if label == "triton":
             assert engine.runner.backend.kv_layout is not None and engine.runner.graphs.captured
     assert tokens["triton"] == tokens["cpu"]
+

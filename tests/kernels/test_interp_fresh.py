@@ -59,7 +59,7 @@ def test_only_batches_of_fresh_prefills_take_the_fresh_path():
     assert backend.build_meta(_batch([1, 1], [1, 1])[0]).fresh_lens is None             # decode-like
     assert _backend(None).build_meta(_batch([12], [12])[0]).fresh_lens is None
     assert _backend("flash", dtype=torch.float32).fresh_attention is None                # golden runs
-    assert _backend("sdpa", kv_dtype=torch.float8_e4m3fn).fresh_attention is None        # reads FP8 back
+    assert _backend("sdpa", kv_dtype=torch.float8_e4m3fn).fresh_attention == "sdpa"      # over FP8 too
     many = [9] * (fresh.MAX_SDPA_SEQS + 1)
     assert _backend("sdpa").build_meta(_batch(many, many)[0]).fresh_lens is None
     assert _backend("flash").build_meta(_batch(many, many)[0]).fresh_lens == tuple(many)
@@ -90,14 +90,63 @@ def test_fresh_path_writes_the_cache_and_matches_the_paged_kernel(mode, monkeypa
         assert calls == [([0, 13, 19, 39], [0, 13, 19, 39], 20, 20, 0.0, True, False)]
 
 
-def test_write_kv_rotary_declines_quantized_caches():
-    backend = _backend(None, kv_dtype=torch.float8_e4m3fn)
-    meta = backend.build_meta(_batch([3], [3])[0])
-    q, k = torch.randn(3, 4, 32).bfloat16(), torch.randn(3, 2, 32).bfloat16()
-    cache = torch.zeros(backend.kv_cache_shape(1), dtype=backend.kv_cache_dtype)
-    assert backend.write_kv_rotary(q, k, k, cache, meta, 0, torch.arange(3), 1e4, False) is None
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e4m3fnuz], ids=["e4m3fn", "e4m3fnuz"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+def test_rotary_kv_write_quantizes_as_write_kv(kv_dtype, interleaved):
+    """Over an 8-bit cache the fused launch stores the bytes and scales `rotary` then the quantizing
+    `write_kv` store, and returns the same q; a skipped token (slot -1) writes nothing."""
+    backend = _backend(None, kv_dtype=kv_dtype, heads=6, kv_heads=3, head_dim=40)
+    q = torch.randn(4, 6, 40).bfloat16()
+    k, v = torch.randn(4, 3, 40).bfloat16() * 3, torch.randn(4, 3, 40).bfloat16()
+    k[2, 1] = 0.0                                                      # an all-zero head: scale 1, zeros
+    batch = _batch([4], [4])[0]
+    meta = backend.build_meta(batch)._replace(slot_mapping=torch.tensor([[5, -1, 0, 2]]))
+    fused = torch.zeros(backend.kv_cache_shape(2), dtype=backend.kv_cache_dtype)
+    plain = fused.clone()
+    positions = torch.tensor([7, 100, 3, 2000])
+    q_fused = backend.write_kv_rotary(q, k, v, fused, meta, 0, positions, 1e4, interleaved)
+    q_plain, k_plain = rotary(q, k, positions, 1e4, interleaved)
+    backend.write_kv(k_plain, v, plain, meta, 0)
+    assert torch.equal(q_fused, q_plain)
+    assert torch.equal(fused, plain) and fused.any()
+
+
+def test_write_kv_rotary_declines_fresh_batches():
+    backend = _backend("sdpa")
+    meta = backend.build_meta(_batch([12], [12])[0])
+    assert meta.fresh_lens == (12,)
+    q, k = torch.randn(12, 4, 32).bfloat16(), torch.randn(12, 2, 32).bfloat16()
+    cache = torch.zeros(backend.kv_cache_shape(3), dtype=torch.bfloat16)
+    assert backend.write_kv_rotary(q, k, k, cache, meta, 0, torch.arange(12), 1e4, False) is None
     plain = _backend(None)
     cache = torch.zeros(plain.kv_cache_shape(1), dtype=torch.bfloat16)
     meta = plain.build_meta(_batch([3], [3])[0])
-    q_rot = plain.write_kv_rotary(q, k, k, cache, meta, 0, torch.arange(3), 1e4, False)
-    assert torch.equal(q_rot, rotary(q, k, torch.arange(3), 1e4, False)[0])
+    q_rot = plain.write_kv_rotary(q[:3], k[:3], k[:3], cache, meta, 0, torch.arange(3), 1e4, False)
+    assert torch.equal(q_rot, rotary(q[:3], k[:3], torch.arange(3), 1e4, False)[0])
+
+
+def test_fresh_path_over_an_fp8_cache_attends_over_what_the_cache_holds():
+    """The chunk's K/V go through the quantizing write, and the fresh attention sees them as the cache
+    holds them (quantized, widened back): the paged kernel reading the cache gives the same result
+    within the 16-bit rounding of value x scale."""
+    from hal.common.kv_quant import fake_quantize
+
+    lens = [13, 6]
+    batch, num_blocks = _batch(lens, lens)
+    fp8 = {"kv_dtype": torch.float8_e4m3fn}
+    backend, paged = _backend("sdpa", **fp8), _backend(None, **fp8)
+    q = torch.randn(sum(lens), 4, 32).bfloat16()
+    k, v = torch.randn(sum(lens), 2, 32).bfloat16(), torch.randn(sum(lens), 2, 32).bfloat16()
+    caches = [torch.zeros(b.kv_cache_shape(num_blocks), dtype=b.kv_cache_dtype) for b in (backend, paged)]
+    out = backend.attend(q, k, v, caches[0], backend.build_meta(batch), 0, 0.2)
+    ref = paged.attend(q, k, v, caches[1], paged.build_meta(batch), 0, 0.2)
+    exact = fresh.attention("sdpa", q, k, v, batch_starts(lens), lens, 0.2)
+    assert torch.equal(caches[0], caches[1])
+    assert (out.float() - ref.float()).abs().max().item() < 2e-2
+    quantized = fresh.attention("sdpa", q, fake_quantize(k, torch.float8_e4m3fn),
+                                fake_quantize(v, torch.float8_e4m3fn), batch_starts(lens), lens, 0.2)
+    assert torch.equal(out, quantized) and not torch.equal(out, exact)
+
+
+def batch_starts(lens):
+    return torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)

@@ -193,3 +193,22 @@ def test_hal_registers_the_ops_by_name():
     for name in attention.GEMV_OPS:
         assert callable(attention.fused_op(name, configs_for("sm_90"), 132))
     assert set(gemv.gemv_ops()) == set(attention.GEMV_OPS)
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e4m3fnuz], ids=["e4m3fn", "e4m3fnuz"])
+@pytest.mark.parametrize("path", PATHS, ids=list(PATHS))
+def test_fp8_weights_stream_and_scale_once(path, fp8):
+    """W8A16 (`Gemv.fp8_linear`): FP8 weights widen exactly, the per-channel scale multiplies the
+    fp32 sum once (after the split-K partials are summed): the product of the dequantized weight
+    rounded once. Operands the kernel does not take answer None (the Hal's GEMM takes them)."""
+    from hal.common.kv_quant import quantize
+
+    ops = _ops(PATHS[path])
+    weight, scale = quantize(torch.randn(48, 160) * 0.05, fp8)
+    dequantized = weight.float() * scale[:, None]
+    for rows in _rows_for(PATHS[path]):
+        x = torch.randn(rows, 160).bfloat16()
+        out = ops.fp8_linear(x, weight, scale)
+        _assert_product(out, x.float(), dequantized, f"fp8 {rows} rows")
+    assert ops.fp8_linear(torch.randn(9, 160).bfloat16(), weight, scale) is None
+    assert ops.fp8_linear(torch.randn(2, 160), weight, scale) is None

@@ -1,0 +1,206 @@
+"""GPU timings of the FP8 kernels against their bf16 twins at the Ouro-1.4B shapes (issue 20).
+
+    PYTHONPATH=. python tools/fp8_kernels_bench.py [--budget 120] [--out fp8_kernels.jsonl]
+
+1. Decode attention, one layer-plane per call (batch x context as the bench cells): the bf16 unified
+   kernel, and the FP8 cache through it in its table's config (`attention_decode_fp8`) and a sweep of
+   tile configs. Bytes: the K/V values and scales the step must read (bf16 reads 2 bytes per value).
+2. Projections at 1 and 8 rows: cuBLAS bf16, the W8A16 decode GEMV (hal/kernels/gemv.py) in its
+   default and a wider-K config, `torch._scaled_mm` W8A8 with the one-launch activation quantization,
+   and the older W8A16 tile kernel (hal/kernels/fp8_linear.py).
+Every cell is a CUDA graph of calls over enough distinct planes / weight copies to stream from HBM
+(several times the L2); one line each, as tools/decode_kernels_bench.py prints them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from decode_kernels_bench import FLOOR_BANDWIDTH, HEADER, L2_BYTES, SHAPES, Bench, _randn, _rel_err  # noqa: E402
+
+from hal.base import PagedBatch  # noqa: E402
+from hal.kernels.configs import KernelConfig, configs_for  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 16, 128, 16
+ATTENTION_CELLS = ((1, 1024), (64, 1024), (128, 1024))                     # (batch, context)
+UNIFIED_SWEEP = [KernelConfig(16, n, w, st) for n, w, st in ((64, 4, 3), (128, 4, 2), (256, 4, 2), (128, 8, 3))]
+FP8 = torch.float8_e4m3fn
+
+
+def _paged(device, num_seqs: int, seq_len: int, num_planes: int, kv_dtype):
+    from hal.kernels.backend import TritonPagedAttention
+
+    blocks_per_seq = -(-seq_len // PAGE)
+    num_blocks = num_seqs * blocks_per_seq * num_planes
+    pool = list(range(num_blocks))
+    random.Random(0).shuffle(pool)
+    tables = [[[pool.pop() for _ in range(blocks_per_seq)] for _ in range(num_seqs)] for _ in range(num_planes)]
+    batch = PagedBatch([1] * num_seqs, [seq_len] * num_seqs, tables, PAGE)
+    backend = TritonPagedAttention(HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, device, PAGE, kv_dtype=kv_dtype)
+    cache = torch.empty(backend.kv_cache_shape(num_blocks), dtype=backend.kv_cache_dtype, device=device)
+    if kv_dtype is None:
+        cache.normal_()
+    else:                                    # random FP8 values (never NaN) and positive scales
+        layout = backend.kv_layout
+        layout.values(cache).copy_(torch.randn(layout.values(cache).shape, device=device).to(kv_dtype))
+        layout.scales(cache).copy_(torch.rand(layout.scales(cache).shape, device=device) * 0.1 + 0.01)
+    q = torch.randn(num_seqs, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    return backend, batch, cache, q
+
+
+def _reference(backend, batch, cache, q, plane: int) -> torch.Tensor:
+    from hal.common.torch_attention import TorchPagedAttention
+
+    kv = {"kv_dtype": backend.kv_dtype} if backend.kv_layout is not None else {}
+    ref = TorchPagedAttention(HEADS, KV_HEADS, HEAD_DIM, torch.float32, q.device, PAGE, **kv)
+    return ref.forward(q.float(), cache if backend.kv_layout is not None else cache.float(),
+                       ref.build_meta(batch), plane, HEAD_DIM ** -0.5)
+
+
+def attention_cells(bench: Bench) -> None:
+    from hal.kernels import attention
+    from hal.kernels.launch import run_launch
+
+    scale = HEAD_DIM ** -0.5
+    units = bench.device_units
+    for num_seqs, context in ATTENTION_CELLS:
+        seq_len = context + 1
+        for kv_dtype in (None, FP8):
+            value_bytes = 2 if kv_dtype is None else 1
+            scale_bytes = 0 if kv_dtype is None else 4
+            plane_bytes = num_seqs * seq_len * 2 * KV_HEADS * (HEAD_DIM * value_bytes + scale_bytes)
+            num_planes = max(2, min(96, math.ceil(4 * L2_BYTES / plane_bytes)))
+            backend, batch, cache, q = _paged(bench.device, num_seqs, seq_len, num_planes, kv_dtype)
+            meta = backend.build_meta(batch)
+            values, scales = backend._views(cache)
+            splits = attention.num_kv_splits(num_seqs, KV_HEADS, units)
+            shape = f"B{num_seqs}xK{context}"
+            ref = _reference(backend, batch, cache, q, 0)
+            out = torch.empty_like(q)
+            configs = backend.configs
+
+            default = configs["attention_decode" if kv_dtype is None else "attention_decode_fp8"]
+
+            def unified(plane, config=default):
+                for launch in attention.attention_launches(
+                        q, values, meta.block_tables[plane], meta.seq_lens, meta.query_start_loc, scale,
+                        config, splits, configs["attention_reduce"], out, "cuda", scales):
+                    run_launch(launch)
+                return out
+
+            def check(fn):
+                return lambda: _rel_err(fn(0), ref)
+
+            name = "bf16" if kv_dtype is None else "fp8"
+            bench.cell("attn", shape, num_seqs, f"{name} unified (table config)",
+                       lambda: [lambda p=p: unified(p) for p in range(num_planes)], plane_bytes, check(unified))
+            if kv_dtype is None:
+                continue
+            for config in UNIFIED_SWEEP:
+                fn = lambda plane, config=config: unified(plane, config)   # noqa: E731
+                bench.cell("attn", shape, num_seqs, f"fp8 unified n{config.block_n} w{config.num_warps} "
+                           f"s{config.num_stages}", lambda fn=fn: [lambda p=p: fn(p) for p in range(num_planes)],
+                           plane_bytes, check(fn))
+            del backend, cache, meta
+            torch.cuda.empty_cache()
+
+
+def write_cells(bench: Bench) -> None:
+    """The decode step's K/V write at 1 and 128 tokens: rotary + write in one launch (16-bit cache,
+    8-bit cache) against rotary then the quantizing write (two launches)."""
+    from hal.kernels.configs import configs_for
+    from hal.kernels.kv_write import write_kv
+    from hal.kernels.ops import rotary
+    from hal.kernels.rotary_kv import rotary_kv_write
+
+    configs = configs_for("sm_90")
+    for tokens in (1, 128):
+        caches = {kv: _paged(bench.device, tokens, 64, 96, kv)[:3] for kv in (None, FP8)}
+        qkv = torch.randn(tokens, 3 * HEADS, HEAD_DIM, dtype=torch.bfloat16, device=bench.device)
+        q, k, v = qkv[:, :HEADS], qkv[:, HEADS:2 * HEADS], qkv[:, 2 * HEADS:]
+        positions = torch.arange(tokens, device=bench.device) + 40
+        for kv, (backend, batch, cache) in caches.items():
+            meta = backend.build_meta(batch)
+            values, scales = backend._views(cache)
+            slots = [meta.slot_mapping[p] for p in range(96)]
+            label = "bf16" if kv is None else "fp8"
+            bench.cell("write", f"T{tokens}", tokens, f"{label} rotary+write one launch", lambda: [
+                lambda s=s: rotary_kv_write(q, k, v, positions, 1e4, False, values, s, configs["rotary"], scales)
+                for s in slots], 0.0)
+            bench.cell("write", f"T{tokens}", tokens, f"{label} rotary, then write", lambda: [
+                lambda s=s: write_kv(rotary(q, k, positions, 1e4, False, configs)[1], v, values, s,
+                                     configs["kv_write"], scales) for s in slots], 0.0)
+        del caches
+        torch.cuda.empty_cache()
+
+
+def projection_cells(bench: Bench) -> None:
+    import torch.nn.functional as F
+
+    from hal.common.kv_quant import quantize
+    from hal.cuda.fp8 import scaled_mm_linear
+    from hal.kernels import fp8_linear as w8a16
+    from hal.kernels.gemv import Gemv
+
+    configs = configs_for("sm_90")
+    gemv = Gemv(configs, bench.device_units)
+    wide = Gemv({**configs, "gemv_m1": KernelConfig(1, 16, 4, 2, block_k=512, split_k=0)}, bench.device_units)
+    quantize_rows = lambda x: w8a16.quantize_rows(x, FP8, configs["rms_norm"])   # noqa: E731
+    for name, (n, k) in SHAPES.items():
+        if name == "lm_head":
+            continue
+        copies = max(2, min(48, math.ceil(4 * L2_BYTES / (n * k))))
+        bf16 = [torch.randn(n, k, device=bench.device, dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
+        fp8 = [quantize(w.float(), FP8) for w in bf16]
+        for m in (1, 8):
+            xs = [_randn(m, k, device=bench.device) for _ in range(copies)]
+            io = 2 * m * (k + n)
+            ref = xs[0].float() @ bf16[0].float().T
+            bench.cell("proj", name, m, "cublas bf16",
+                       lambda xs=xs: [lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, bf16)], 2 * n * k + io)
+            fp8_bytes = n * k + 4 * n + io
+            variants = [("gemv W8A16", gemv.fp8_linear), ("scaled_mm W8A8", lambda x, w, s: scaled_mm_linear(
+                x, w, s, None, quantize_rows)), ("tile kernel W8A16", lambda x, w, s: w8a16.fp8_linear(
+                    x, w, s, None, configs["fp8_linear"]))]
+            if m == 1:
+                variants.insert(1, ("gemv W8A16 block_k 512", wide.fp8_linear))
+            for label, fn in variants:
+                bench.cell("proj", name, m, label,
+                           lambda xs=xs, fn=fn: [lambda x=x, ws=ws, fn=fn: fn(x, *ws) for x, ws in zip(xs, fp8)],
+                           fp8_bytes, lambda fn=fn, xs=xs: _rel_err(fn(xs[0], *fp8[0]), ref))
+        del bf16, fp8
+        torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget", type=float, default=120.0, help="seconds; later cells are skipped")
+    parser.add_argument("--out", default=None, help="JSON lines of every cell")
+    parser.add_argument("--only", choices=("attn", "write", "proj"), default=None, help="one group of cells")
+    args = parser.parse_args(argv)
+    from hal.kernels.backend import device_compute_units
+
+    device = torch.device("cuda")
+    bench = Bench(device, time.monotonic() + args.budget, device_units=device_compute_units(device))
+    print(f"floor bandwidth {FLOOR_BANDWIDTH / 1e12:.2f} TB/s; {bench.device_units} SMs")
+    print(HEADER)
+    for group, cells in (("attn", attention_cells), ("write", write_cells), ("proj", projection_cells)):
+        if args.only in (None, group):
+            cells(bench)
+    if bench.skipped:
+        print(f"skipped (budget): {len(bench.skipped)} cells: {', '.join(bench.skipped[:8])}")
+    if args.out:
+        Path(args.out).write_text("".join(json.dumps(r.__dict__) + "\n" for r in bench.rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
