@@ -18,7 +18,7 @@ expected loss with the cross entropies held constant (sg = stop-gradient): it tr
 distribution p, as in pre-training (beta = `--gate-entropy-weight`), so the gate keeps learning which
 depth each token needs while the loops improve.
 
-Held-out evaluation at step 0 and every `--eval-every` steps scores the weights rounded to bf16 (what
+Held-out evaluation at step 0, every `--eval-every` steps from `--eval-start` on, and at the end scores the weights rounded to bf16 (what
 is saved) on the held-out split (`--eval-tokens`, 0 = all of it), and the weights kept are chosen by
 `selection_key`: first those that meet issue 22's acceptance (loss falls strictly with every loop at
 4 decimals, loss(1) - loss(S) >= 0.15, at exit threshold 0.5 a mean depth below S and a loss within
@@ -81,6 +81,8 @@ class FinetuneConfig:
     loop_weights: str = "1,2,3,4"      # weight of each loop's cross entropy (normalised to sum 1)
     gate_entropy_weight: float = 0.05  # beta of the gate's objective (pre-training ended at 0.05)
     eval_every: int = 60               # steps between held-out evaluations (and one at step 0 and at the end)
+    eval_start: int = 0                # no periodic evaluation before this step (the early, high-lr weights are
+                                       # rarely the ones kept: the evaluations' time goes to training instead)
     eval_tokens: int = 0               # held-out tokens per evaluation; 0 = the whole split
     eval_batch_size: int = 64
     throughput_batches: int = 0        # > 0: forward tokens/s per depth of the kept weights, into the report
@@ -248,7 +250,7 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
                 break
             sums.zero_()
             window_steps, window_start = 0, now
-        if step % cfg.eval_every == 0:
+        if step % cfg.eval_every == 0 and step >= cfg.eval_start:
             evaluate_and_keep(step, tokens)
             window_start += history["eval"][-1]["seconds"]                  # throughput of training only
     train_seconds = time.time() - train_start - (eval_seconds - history["eval"][0]["seconds"])

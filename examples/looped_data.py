@@ -12,6 +12,10 @@ writes `tokenizer.json`, `train.u16.xz` and `valid.u16.xz` (the ids as little-en
 xz-compressed: about 6 bits a token, small enough to carry to a GPU machine) and `tokens.json`
 (counts, SHA-256 of the corpus files and of the outputs); `train_looped.py --tokens DIR` reads them.
 
+With `--tokenizer FILE` (e.g. `zoo/checkpoints/ouro-tiny/tokenizer.json`) the ids are made with that
+tokenizer instead of a newly trained one, so a lost token folder of a checkpoint is made again with
+exactly its tokenizer (and in seconds rather than minutes: no BPE training).
+
 A smaller token folder for a short run elsewhere (a fine-tune on a GPU machine with a transfer limit):
 
     PYTHONPATH=. python examples/looped_data.py --subset-of .out/tokens --train-tokens 24000000 --out DIR
@@ -127,14 +131,23 @@ def read_token_file(path: Path) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(lzma.decompress(path.read_bytes()), dtype="<u2").astype(np.int64))
 
 
-def tokenize_corpus(corpus_dir: str | Path, out: str | Path, vocab_size: int) -> dict:
-    """Train the tokenizer on the train split, encode both splits, write the token folder."""
+def tokenize_corpus(corpus_dir: str | Path, out: str | Path, vocab_size: int,
+                    tokenizer_file: str | Path | None = None) -> dict:
+    """Train the tokenizer on the train split (or take `tokenizer_file`'s, copied byte for byte),
+    encode both splits, write the token folder."""
+    from tokenizers import Tokenizer
+
     corpus_dir, out = Path(corpus_dir), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
     corpus = read_corpus(corpus_dir)
-    tokenizer = train_tokenizer(corpus.train, vocab_size)
-    tokenizer.save(str(out / "tokenizer.json"))
+    if tokenizer_file is None:
+        tokenizer = train_tokenizer(corpus.train, vocab_size)
+        tokenizer.save(str(out / "tokenizer.json"))
+    else:
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        if Path(tokenizer_file).resolve() != (out / "tokenizer.json").resolve():
+            (out / "tokenizer.json").write_bytes(Path(tokenizer_file).read_bytes())
     print(f"tokenizer: {tokenizer.get_vocab_size()} tokens, {time.time() - start:.0f}s", flush=True)
     manifest: dict = {"vocab_size": tokenizer.get_vocab_size(), "files": {}, "corpus": {}}
     for split, docs in (("train", corpus.train), ("valid", corpus.valid)):
@@ -245,6 +258,8 @@ def main() -> None:
     parser.add_argument("--corpus", default=".out/corpus", help="folder with train.txt, valid.txt")
     parser.add_argument("--out", default=".out/tokens", help="folder for tokenizer.json, *.u16.xz, tokens.json")
     parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer.json to encode with (e.g. a checkpoint's) "
+                                                          "instead of training one; --vocab-size is then unused")
     parser.add_argument("--subset-of", default=None, help="a token folder: write a random subset of its train "
                                                           "documents (and its held-out split) to --out instead")
     parser.add_argument("--train-tokens", type=int, default=24_000_000, help="with --subset-of: about this many")
@@ -253,7 +268,7 @@ def main() -> None:
     if args.subset_of:
         manifest = subset_tokens(args.subset_of, args.out, args.train_tokens, args.seed)
     else:
-        manifest = tokenize_corpus(args.corpus, args.out, args.vocab_size)
+        manifest = tokenize_corpus(args.corpus, args.out, args.vocab_size, args.tokenizer)
     print(json.dumps(manifest["files"], indent=2))
 
 

@@ -110,7 +110,7 @@ def test_finetune_end_to_end_then_install(token_folder, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "finetune_looped.py"), "--init", str(init),
                            "--tokens", str(token_folder), "--out", str(out), "--weights-only", "--device", "cpu",
-                           "--max-steps", "6", "--eval-every", "3", "--batch-size", "4", "--shard-mb", "0.02",
+                           "--max-steps", "6", "--eval-every", "2", "--eval-start", "3", "--batch-size", "4", "--shard-mb", "0.02",
                            "--eval-batch-size", "16", "--log-every", "2", "--throughput-batches", "1", "--lr", "3e-3"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -118,11 +118,11 @@ def test_finetune_end_to_end_then_install(token_folder, tmp_path):
     shards = sorted(out.glob("*.safetensors"))
     assert len(shards) >= 2 and not (out / "config.json").exists()          # --weights-only, under --shard-mb
     assert sorted(report["weight_files"]) == [p.name for p in shards]
-    assert [e["step"] for e in report["history"]["eval"]] == [0, 3, 6]
+    assert [e["step"] for e in report["history"]["eval"]] == [0, 4, 6]             # none before --eval-start
     assert report["steps"] == 6 and report["tokens"] == 6 * 4 * 32
     assert list(report["heldout_loss_by_loops"]) == ["1", "2", "3", "4"]
     assert set(report["exit_by_threshold"]) == {"0.3", "0.5", "0.7", "0.9"}
-    assert report["selection"] in ft.SELECTION_RULES and report["selected_step"] in (0, 3, 6)
+    assert report["selection"] in ft.SELECTION_RULES and report["selected_step"] in (0, 4, 6)
     assert list(report["tokens_per_s_by_loops"]) == ["1", "2", "3", "4"]
     kept = next(e for e in report["history"]["eval"] if e["step"] == report["selected_step"])
     assert kept["loss_by_loops"] == pytest.approx([report["heldout_loss_by_loops"][k] for k in "1234"], abs=1e-4)

@@ -80,6 +80,14 @@ def test_token_folder_round_trips_ids_and_tokenizer(tmp_path):
     assert torch.equal(read_token_file(tmp_path / "tokens" / "train.u16.xz"), data.train)
 
 
+
+def test_token_folder_made_again_with_a_given_tokenizer_is_identical(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus")
+    first = tokenize_corpus(corpus, tmp_path / "tokens", vocab_size=300)
+    again = tokenize_corpus(corpus, tmp_path / "again", vocab_size=0, tokenizer_file=tmp_path / "tokens" / "tokenizer.json")
+    assert again["files"] == first["files"]                                   # same ids, same xz bytes
+    assert (tmp_path / "again" / "tokenizer.json").read_bytes() == (tmp_path / "tokens" / "tokenizer.json").read_bytes()
+
 def test_exit_histogram_and_exit_loss_agree_with_the_per_token_rule():
     cfg = tl.TrainConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, seq_len=16)
     model = zoo.from_config(tl.model_config(cfg, 64), dtype=torch.float32, seed=3)
