@@ -104,7 +104,10 @@ def _reduce(config: KernelConfig, target: str) -> Launch:
                               torch.empty_like(q), target)[1]
 
 
-def _kv_write(config: KernelConfig, target: str, kv_dtype: torch.dtype | None = None) -> Launch:
+def _kv_write(config: KernelConfig, target: str, kv_dtype: torch.dtype | None = None,
+              dequantized: bool = False) -> Launch:
+    """The KV write; with `dequantized`, the 8-bit write that also hands back what the cache holds
+    (a prefill attending over its fresh K/V, hal/kernels/fresh.py)."""
     from hal.kernels.kv_write import kv_write_launch
 
     s = SHAPE
@@ -113,8 +116,9 @@ def _kv_write(config: KernelConfig, target: str, kv_dtype: torch.dtype | None = 
     scales = None
     if kv_dtype is not None:
         cache, scales = _fp8_cache(kv_dtype)
+    held = (torch.empty_like(k), torch.empty_like(k)) if dequantized else None
     return kv_write_launch(k, torch.empty_like(k), cache, torch.zeros(4, dtype=torch.int64), config, target,
-                           scales)
+                           scales, held)
 
 
 def _fp8_linear(config: KernelConfig, target: str, fp8: torch.dtype, num_rows: int) -> Launch:
@@ -155,20 +159,16 @@ def _rotary(config: KernelConfig, target: str, interleaved: bool) -> Launch:
                          torch.empty_like(q), torch.empty_like(k), interleaved, config, target)
 
 
-def _rotary_kv_write(config: KernelConfig, target: str, interleaved: bool,
-                     kv_dtype: torch.dtype | None = None) -> Launch:
+def _rotary_kv_write(config: KernelConfig, target: str, interleaved: bool) -> Launch:
     from hal.kernels.rotary_kv import rotary_kv_write_launch
 
     s = SHAPE
     qkv = torch.empty(4, s["num_heads"] + 2 * s["num_kv_heads"], s["head_dim"], dtype=s["dtype"])
     q, k, v = qkv[:, :16], qkv[:, 16:32], qkv[:, 32:]            # views of the fused projection
     cache = torch.empty(2, 8, s["page_size"], s["num_kv_heads"], s["head_dim"], dtype=s["dtype"])
-    scales = None
-    if kv_dtype is not None:
-        cache, scales = _fp8_cache(kv_dtype)
     return rotary_kv_write_launch(q, k, v, torch.zeros(4, dtype=torch.int64), torch.empty(s["head_dim"] // 2),
                                   cache, torch.zeros(4, dtype=torch.int64), torch.empty_like(q), interleaved,
-                                  config, target, scales)
+                                  config, target)
 
 
 def _silu_and_mul(config: KernelConfig, target: str) -> Launch:
@@ -248,8 +248,8 @@ def _fp8_cases(fmt: str, fp8: torch.dtype) -> tuple[Case, ...]:
         Case(f"attention_decode/batch-{fmt}", "attention_decode_fp8", True, False,
              lambda c, t: _attention(c, t, num_seqs=64, query_len=1, num_splits=1, kv_dtype=fp8)),
         Case(f"kv_write/{fmt}", "kv_write", False, False, lambda c, t: _kv_write(c, t, kv_dtype=fp8)),
-        Case(f"rotary_kv_write/{fmt}", "rotary", False, False,
-             lambda c, t: _rotary_kv_write(c, t, interleaved=False, kv_dtype=fp8)),
+        Case(f"kv_write/dequant-{fmt}", "kv_write", False, False,
+             lambda c, t: _kv_write(c, t, kv_dtype=fp8, dequantized=True)),
         Case(f"fp8_linear/{fmt}", "fp8_linear", True, False, lambda c, t: _fp8_linear(c, t, fp8, num_rows=1)),
         Case(f"gemv_m1/qkv-{fmt}", "gemv_m1", False, False,
              lambda c, t: _gemv(c, t, 1, 6144, 2048, "none", fp8=fp8)),

@@ -148,16 +148,17 @@ class TritonPagedAttention(AttentionBackend):
                         meta: TritonMeta, plane: int, positions: torch.Tensor, theta: float,
                         interleaved: bool) -> torch.Tensor | None:
         """Rotary embedding of q `[T, H, D]` and k `[T, KVH, D]` at `positions: [T]` with the KV
-        write of plane `plane` in one launch (hal/kernels/rotary_kv.py), an 8-bit cache quantizing;
-        returns the rotated q. None for batches that attend over their fresh k (the caller then
-        rotates and `attend`s)."""
-        if meta.fresh_lens is not None:
+        write of plane `plane` in one launch (hal/kernels/rotary_kv.py); returns the rotated q. None
+        where this backend does not fuse them, and the caller rotates and `attend`s: batches that
+        attend over their fresh k, and 8-bit caches (a rotary launch that also quantized, tried on the
+        H200 on 2026-12-01, cost about 6 us more per call than rotary plus the quantizing write:
+        0.6 ms per batch-1 step; docs/fp8.md)."""
+        if self.kv_layout is not None or meta.fresh_lens is not None:
             return None
         from hal.kernels.rotary_kv import rotary_kv_write
 
-        values, scales = self._views(kv_cache)
-        return rotary_kv_write(q, k, v, positions, theta, interleaved, values, meta.slot_mapping[plane],
-                               self.configs["rotary"], scales)
+        return rotary_kv_write(q, k, v, positions, theta, interleaved, kv_cache, meta.slot_mapping[plane],
+                               self.configs["rotary"])
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: TritonMeta, plane: int,
                 scale: float) -> torch.Tensor:

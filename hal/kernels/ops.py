@@ -40,50 +40,29 @@ def _rms_norm_kernel(out_ptr, x_ptr, weight_ptr, residual_ptr, eps, num_cols, st
 
 
 @triton.jit
-def _rotary_halves(ptr, stride_t, stride_h, token, cos, sin, num_heads, HEADS_PAD: tl.constexpr,
-                   HALF: tl.constexpr, HALF_PAD: tl.constexpr, INTERLEAVED: tl.constexpr, DT: tl.constexpr):
-    """The rotated `[HEADS, HALF]` pairs of one token's heads, fp32 values representable in DT:
-    NeoX (x[i], x[i + D/2]) rotated in DT's rounding, or GPT-J (x[2i], x[2i+1]) in fp32."""
+def _rotary_one(ptr, out_ptr, stride_t, stride_h, stride_ot, stride_oh, token, cos, sin, num_heads,
+                HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                INTERLEAVED: tl.constexpr):
     heads = tl.arange(0, HEADS_PAD)
     pairs = tl.arange(0, HALF_PAD)
     mask = (heads < num_heads)[:, None] & (pairs < HALF)[None, :]
     src = ptr + token * stride_t + heads[:, None] * stride_h
+    dst = out_ptr + token * stride_ot + heads[:, None] * stride_oh
+    dtype = out_ptr.dtype.element_ty
     if INTERLEAVED:     # GPT-J pairs (x[2i], x[2i+1]), all in fp32
         even = tl.load(src + 2 * pairs[None, :], mask=mask, other=0.0).to(tl.float32)
         odd = tl.load(src + 2 * pairs[None, :] + 1, mask=mask, other=0.0).to(tl.float32)
-        out1 = (even * cos - odd * sin).to(DT).to(tl.float32)
-        out2 = (even * sin + odd * cos).to(DT).to(tl.float32)
+        tl.store(dst + 2 * pairs[None, :], (even * cos - odd * sin).to(dtype), mask=mask)
+        tl.store(dst + 2 * pairs[None, :] + 1, (even * sin + odd * cos).to(dtype), mask=mask)
     else:               # NeoX pairs (x[i], x[i + D/2]) in x's dtype: x * cos + rotate_half(x) * sin
         first = tl.load(src + pairs[None, :], mask=mask, other=0.0).to(tl.float32)
         second = tl.load(src + HALF + pairs[None, :], mask=mask, other=0.0).to(tl.float32)
-        c = cos.to(DT).to(tl.float32)
-        s = sin.to(DT).to(tl.float32)
-        out1 = ((first * c).to(DT).to(tl.float32) - (second * s).to(DT).to(tl.float32)).to(DT).to(tl.float32)
-        out2 = ((second * c).to(DT).to(tl.float32) + (first * s).to(DT).to(tl.float32)).to(DT).to(tl.float32)
-    return out1, out2, mask
-
-
-@triton.jit
-def _pair_offsets(HALF_PAD: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """Element offsets within a head of the two members of each pair: `([HALF_PAD], [HALF_PAD])`."""
-    pairs = tl.arange(0, HALF_PAD)
-    if INTERLEAVED:
-        return 2 * pairs, 2 * pairs + 1
-    return pairs, HALF + pairs
-
-
-@triton.jit
-def _rotary_one(ptr, out_ptr, stride_t, stride_h, stride_ot, stride_oh, token, cos, sin, num_heads,
-                HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                INTERLEAVED: tl.constexpr):
-    dtype = out_ptr.dtype.element_ty
-    out1, out2, mask = _rotary_halves(ptr, stride_t, stride_h, token, cos, sin, num_heads, HEADS_PAD, HALF,
-                                      HALF_PAD, INTERLEAVED, dtype)
-    heads = tl.arange(0, HEADS_PAD)
-    first, second = _pair_offsets(HALF_PAD, HALF, INTERLEAVED)
-    dst = out_ptr + token * stride_ot + heads[:, None] * stride_oh
-    tl.store(dst + first[None, :], out1.to(dtype), mask=mask)
-    tl.store(dst + second[None, :], out2.to(dtype), mask=mask)
+        c = cos.to(dtype).to(tl.float32)
+        s = sin.to(dtype).to(tl.float32)
+        out1 = (first * c).to(dtype).to(tl.float32) - (second * s).to(dtype).to(tl.float32)
+        out2 = (second * c).to(dtype).to(tl.float32) + (first * s).to(dtype).to(tl.float32)
+        tl.store(dst + pairs[None, :], out1.to(dtype), mask=mask)
+        tl.store(dst + HALF + pairs[None, :], out2.to(dtype), mask=mask)
 
 
 @triton.jit
