@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Sequence
 
+from runtime.text.detokenizer import IncrementalDetokenizer
+
 
 class TokenLogprobs(NamedTuple):
     """Log-probabilities at one position: the token that stands there (sampled or given in the
@@ -60,6 +62,17 @@ class RequestOutput:
                                              list(self.loops_per_token), self.logprobs)]
 
 
+def _text(request: Any, tokens: list[int], tokenizer: Any) -> str:
+    """The text of a sample's resolved tokens: decoded a window at a time while it runs (each step
+    reports it), once in full when it has finished."""
+    if tokenizer is None:
+        return ""
+    detokenizer = request.detokenizer
+    if detokenizer is None or detokenizer.tokenizer is not tokenizer:
+        detokenizer = request.detokenizer = IncrementalDetokenizer(tokenizer)
+    return detokenizer.finish(tokens) if request.is_finished else detokenizer.update(tokens)
+
+
 def request_output(samples: Sequence[Any], request_id: str, finished: bool, tokenizer: Any = None,
                    first: Any = None) -> RequestOutput:
     """The output of a request from its samples (`runtime.engine.sequence.Request`s; `first`, the
@@ -70,7 +83,7 @@ def request_output(samples: Sequence[Any], request_id: str, finished: bool, toke
     for index, request in enumerate(samples):
         n = request.num_resolved_outputs
         tokens = request.output_token_ids[:n]
-        text = tokenizer.decode(tokens) if tokenizer is not None else ""
+        text = _text(request, tokens, tokenizer)
         wants = request.params.logprobs is not None
         completions.append(CompletionOutput(
             index, tokens, text, request.status.value if request.is_finished else None,

@@ -98,6 +98,7 @@ class Request:
     rank_by_logprob: bool = False        # best_of: the engine ranks samples by their logprobs
     sample_index: int = 0                # n > 1: which sample of its group this is
     group: Any = None                    # n > 1: the runtime.engine.sample_group.SampleGroup it belongs to
+    detokenizer: Any = None              # runtime.text.detokenizer.IncrementalDetokenizer of its output
 
     @property
     def num_logprobs(self) -> int | None:

@@ -1,7 +1,8 @@
 """Cumulative decoded text -> the deltas a stream sends, with stop strings.
 
-The engine decodes a request's whole output after every token. Decoding a prefix of the tokens
-is not always a prefix of the final text: a character split over several byte tokens decodes to
+The engine reports a request's text after every step (decoded a window at a time while it runs,
+in full once it finishes: runtime/text/detokenizer.py). Decoding a prefix of the tokens is not
+always a prefix of the final text: a character split over several byte tokens decodes to
 replacement characters ("\\ufffd") until its last byte arrives, and some decoders rewrite a run
 of byte tokens when the next one lands. So a stream holds back a trailing "\\ufffd", sends only text
 that extends what it already sent, and waits when the new text does not. Stop strings are held
