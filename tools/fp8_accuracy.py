@@ -61,7 +61,8 @@ CONFIGS = {
     "fp8 weights W8A16": Config("float32", "auto", "w8a16"),
     "fp8 weights W8A8": Config("float32", "auto", "w8a8"),
     "fp8 KV + W8A16": Config("float32", "fp8_e4m3fn", "w8a16"),
-    "bf16 + fp8 KV + W8A8 (H200 serving)": Config("bfloat16", "fp8_e4m3fn", "w8a8"),
+    "bf16 + fp8 KV + W8A8 (H200, more than 8 rows)": Config("bfloat16", "fp8_e4m3fn", "w8a8"),
+    "bf16 + fp8 KV + W8A16 (H200, decode of 1-8 rows)": Config("bfloat16", "fp8_e4m3fn", "w8a16"),
 }
 
 

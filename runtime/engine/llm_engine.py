@@ -23,15 +23,15 @@ import torch
 from hal.base import Hal
 from runtime.execution.async_step import PendingStep, StepResult
 from runtime.config import EngineConfig, SamplingParams, resolve_async
+from runtime.engine.admission import cache_salt, check_request, fit_context, num_speculative_tokens, sample_of
 from runtime.engine.kv_cache import BlockManager
 from runtime.engine.outputs import RequestOutput, request_output
 from runtime.engine.prefix_cache import PrefixPolicy
 from runtime.engine.sample_group import SampleGroup
 from runtime.execution.runner import ModelRunner
-from runtime.execution.keyed_random import derive_seed
 from runtime.execution.sampler import make_generator
 from runtime.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from runtime.engine.sequence import PLACEHOLDER, Request, RequestMetrics, RequestStatus
+from runtime.engine.sequence import PLACEHOLDER, Request, RequestStatus
 from runtime.speculation.speculator import Speculator
 from runtime.parallel.step_plan import PlanPublisher, check_supported
 from runtime.engine.swap import SwapSpace
@@ -90,26 +90,10 @@ class LLMEngine:
         self.timer = None
 
     def _fit_context_to_cache(self) -> None:
-        """The longest request (at the model's depth) the KV cache can ever hold is known now:
-        `max_model_len` is capped to it, with a log line; when the setting asked for more, or the
-        cache cannot hold even a short request, the engine refuses to start, naming what to change."""
-        planes = self.runner.layout.num_planes(self.max_loops)
-        bs, num_blocks = self.runner.block_size, self.runner.num_blocks
-        fit = num_blocks // planes * bs
-        if fit >= self.max_model_len:
-            return
-        more_memory = ("give the KV cache more memory (engine.num_kv_blocks, engine.kv_cache_memory_bytes or "
-                       "engine.gpu_memory_utilization), lower engine.max_num_seqs, or use engine.kv_mode=shared")
-        where = (f"the KV cache has {num_blocks} blocks of {bs} tokens and a request with {self.max_loops} loops "
-                 f"uses {planes} KV planes, so one request holds at most {fit} tokens")
-        if fit < 2:
-            raise ValueError(f"{where}: nothing can run; {more_memory}")
-        if self.config.max_model_len is not None:
-            raise ValueError(f"engine.max_model_len={self.config.max_model_len} does not fit: {where}; set "
-                             f"engine.max_model_len={fit} or less, or {more_memory}")
-        log.warning("max_model_len capped from %d to %d tokens: %s; longer requests are refused at "
-                    "admission", self.max_model_len, fit, where)
-        self.max_model_len = fit
+        """`max_model_len` capped to the longest request the KV cache can ever hold (admission.fit_context)."""
+        self.max_model_len = fit_context(self.max_model_len, self.config.max_model_len, self.runner.num_blocks,
+                                         self.runner.block_size, self.runner.layout.num_planes(self.max_loops),
+                                         self.max_loops)
 
     # ----- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -121,27 +105,13 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self.publisher is not None:
             params = self.publisher.seeded(params)
-        self._check_features(params)
-        if not prompt_token_ids:
-            raise ValueError("empty prompt: give at least one token")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        if len(prompt_token_ids) >= self.context_len:
-            raise ValueError(f"prompt of {len(prompt_token_ids)} tokens does not fit the model's context "
-                             f"of {self.context_len} tokens (one position must remain for the answer)")
         num_loops = params.num_loops or self.model.default_num_loops
-        if num_loops > self.config.max_num_loops:
-            raise ValueError(f"num_loops={num_loops} is above the limit of {self.config.max_num_loops} loops "
-                             f"(engine.max_num_loops): ask for fewer loops or raise engine.max_num_loops")
-        bad_bias = [t for t, _ in params.logit_bias if t >= vocab]
-        if bad_bias:
-            raise ValueError(f"logit_bias names token ids outside the vocabulary of {vocab}: {bad_bias[:5]}")
+        check_request(prompt_token_ids, params, num_loops, self.model.config.vocab_size, self.context_len,
+                      self.config)
         if num_loops > self.max_loops:
             self._grow_max_loops(num_loops)
         threshold = self.model.default_exit_threshold if params.exit_threshold is None else params.exit_threshold
-        num_speculative = self._num_speculative_tokens(num_loops, threshold, params)
+        num_speculative = num_speculative_tokens(self.config.speculative, num_loops, threshold, params)
         group = None
         if params.num_samples > 1:
             group = SampleGroup(request_id, params.n, params.num_samples)
@@ -156,7 +126,8 @@ class LLMEngine:
             stop_token_ids=frozenset() if params.ignore_eos else self.default_stop_token_ids,
             max_seq_len=self.context_len, prompt=prompt, generator=make_generator(params, self.runner.device),
             priority=params.priority if priority is None else int(priority),
-            cache_salt=self._cache_salt(params), num_speculative_tokens=num_speculative)
+            cache_salt=cache_salt(self.config.enable_prefix_caching, self.model.has_initial_state, params),
+            num_speculative_tokens=num_speculative)
         self.scheduler.add(request)          # MemoryError if it could never fit
         self.requests[request_id] = request
         if group is not None:
@@ -165,51 +136,15 @@ class LLMEngine:
             self.groups[request_id] = group
         return request
 
-    def _check_features(self, params: SamplingParams) -> None:
-        if params.prompt_logprobs is not None and self.config.wavefront_prefill:
-            raise ValueError("prompt_logprobs needs every prompt chunk to run all loops in one step: set "
-                             "engine.wavefront_prefill=false")
-
     def _fork(self, parent: Request) -> None:
         """n > 1: sample 0 computed its prompt; queue the other samples, sharing its prompt blocks."""
         group = parent.group
         for index in range(len(group.samples), group.best_of):
-            params = parent.params
-            if params.seed is not None:
-                params = dataclasses.replace(params, seed=derive_seed(params.seed, index))
-            child = dataclasses.replace(
-                parent, request_id=group.child_id(index), params=params, output_token_ids=[],
-                loops_per_token=[], num_computed_tokens=0, status=RequestStatus.WAITING,
-                generator=make_generator(params, self.runner.device), speculation=None, error=None,
-                metrics=RequestMetrics(arrival_time=parent.metrics.arrival_time), block_hashes=[],
-                wave_chunks=[], logprobs=[], cumulative_logprob=0.0, prompt_logprobs=None, sample_index=index)
+            child = sample_of(parent, index, group.child_id(index),
+                              lambda params: make_generator(params, self.runner.device))
             self.scheduler.fork(parent, child)
             self.requests[child.request_id] = child
             group.samples.append(child)
-
-    def _num_speculative_tokens(self, num_loops: int, exit_threshold: float, params: SamplingParams) -> int:
-        """Draft tokens per round for a request: 0 when speculation is off, the request has no
-        more loops than the draft, or it needs what a speculation round does not compute (logprobs,
-        penalties, logit bias, min_tokens, best_of): it then decodes normally."""
-        spec = self.config.speculative
-        if not spec.is_enabled or num_loops <= spec.draft_loops:
-            return 0
-        if params.changes_logits or params.logprobs is not None or params.best_of not in (None, params.n):
-            return 0
-        if exit_threshold < 1.0:
-            raise ValueError(f"speculative decoding does not support early exit (exit_threshold="
-                             f"{exit_threshold}): set exit_threshold=1.0, or turn speculation off "
-                             f"(speculative.num_tokens=0)")
-        return spec.num_tokens
-
-    def _cache_salt(self, params: SamplingParams) -> bytes | None:
-        """Prefix caching: KV that depends on more than the tokens is never shared (Huginn's random
-        initial state, unless init_scale=0)."""
-        if not self.config.enable_prefix_caching:
-            return None
-        if self.model.has_initial_state and params.init_scale != 0:
-            return None
-        return b"loopstack"
 
     def _grow_max_loops(self, num_loops: int) -> None:
         # the pool is shared by all planes; more loops only change how many planes a request takes
