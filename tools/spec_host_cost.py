@@ -1,6 +1,6 @@
 """Host cost of a speculation round against a plain decode step, measured on the CPU.
 
-    python tools/spec_host_cost.py [--new 64] [--draft-loops 1 2 3] [--dtype float32]
+    python tools/spec_host_cost.py [--new 64] [--draft-loops 1 2 3] [--dtype float32] [--per-pass]
 
 On the CPU a "graph" replay (hal/common/graph.py) runs the captured work eagerly, so the time
 inside replays stands for device work and the rest of a step is host work: building inputs and
@@ -99,12 +99,16 @@ def main() -> None:
     parser.add_argument("--num-tokens", type=int, default=4)
     parser.add_argument("--draft-loops", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--per-pass", action="store_true", help="also each depth's rounds pass by pass (fuse_round=false)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     probe = Probe()
     probe.install()
-    configs = [("off", SpeculativeConfig())] + [(f"K={args.num_tokens} d={d}", SpeculativeConfig(args.num_tokens, d))
-                                                for d in args.draft_loops]
+    configs = [("off", SpeculativeConfig())]
+    for d in args.draft_loops:
+        configs.append((f"K={args.num_tokens} d={d}", SpeculativeConfig(args.num_tokens, d)))
+        if args.per_pass:
+            configs.append((f"  per-pass", SpeculativeConfig(args.num_tokens, d, fuse_round=False)))
     base = None
     print(f"{'':12} {'steps':>5} {'wall ms':>8} {'replay ms':>9} {'host ms':>8} {'replays':>7} "
           f"{'ops outside':>11} {'accept':>6}  tokens")

@@ -98,10 +98,10 @@ class Speculator:
     def run(self, items: Sequence[ScheduledRequest], blocks: BlockManager) -> SpecResult:
         requests = [item.request for item in items]
         num_drafts = [item.num_draft_tokens for item in items]
-        if self._fusable(requests, num_drafts):
+        if self._fusable(requests, num_drafts) and self._room_for_k(requests, num_drafts, blocks):
             for request in requests:
                 self.state_of(request)
-            return self._finish(*self._fused_round(requests, blocks), None, blocks)
+            return self._finish(*self._fused_round(requests, blocks, num_drafts), None, blocks)
         ready = [self._usable_ahead(r, k) for r, k in zip(requests, num_drafts)]
         parts = []
         fresh = [i for i, a in enumerate(ready) if a is None]
@@ -157,14 +157,30 @@ class Speculator:
         return (self.config.fuse_round and not self.is_async and graphs is not None
                 and graphs.bucket(len(requests)) is not None and not self.model.has_initial_state
                 and self.config.num_tokens <= runner.block_size
-                and all(k == self.config.num_tokens for k in num_drafts)
                 and all(r.num_loops == loops and r.params.is_greedy
                         and r.num_planes <= runner.input_batch.tables.shape[0] for r in requests))
 
-    def _fused_round(self, requests: Sequence[Request], blocks: BlockManager) -> tuple[RoundPlan, RoundVerdict]:
+    def _room_for_k(self, requests: Sequence[Request], num_drafts: Sequence[int], blocks: BlockManager) -> bool:
+        """A round of K positions for every request, also those scheduled fewer drafts (near max_tokens,
+        short of budget or blocks): blocks for the extra positions, if the pool and the tables have
+        them. Their KV lies beyond the computed tokens (stale, trimmed after the round)."""
+        num_tokens, max_tokens = self.config.num_tokens, self.runner.input_batch.max_blocks * self.runner.block_size
+        for r, k in zip(requests, num_drafts):
+            needed = r.num_computed_tokens + num_tokens + 1
+            if k == num_tokens:
+                continue
+            if needed > max_tokens or not blocks.can_allocate(r.request_id, r.num_planes, needed):
+                return False
+            blocks.allocate(r.request_id, r.num_planes, needed)
+        return True
+
+    def _fused_round(self, requests: Sequence[Request], blocks: BlockManager,
+                     num_drafts: Sequence[int] | None = None) -> tuple[RoundPlan, RoundVerdict]:
         """The K+1 draft passes and the verify pass of a greedy round as ONE graph replay
         (`drafting.round_program`) and one host sync for its tokens: the same passes, shapes and
-        kernels as the per-pass round (`_draft` then `verify`), so the same tokens. The host builds
+        kernels as the per-pass round (`_draft` then `verify`), so the same tokens. A request
+        scheduled k < K drafts runs K and keeps its first k (later positions cannot change earlier
+        ones: causal attention, row-wise stages). The host builds
         two passes' inputs from the persistent batch (draft pass 0 and the verify); draft passes
         1..K advance pass 0's on the device where the backend can (`advance_meta`), else the host
         fills each."""
@@ -187,15 +203,16 @@ class Speculator:
         out = graphs.run_chain(key, program, hosts, widths, [draft_planes] * (len(hosts) - 1) + [num_planes],
                                np.asarray(full.token_ids, dtype=np.int64), [True] * (len(hosts) - 1) + [False])
         host = out[:num_seqs].tolist()                     # the round's one host sync
-        drafts = [row[:k] for row in host]
-        num_accepted = [accept_greedy(row[:k], row[k:]) for row in host]
+        ks = list(num_drafts) if num_drafts is not None else [k] * num_seqs
+        drafts = [row[:n] for row, n in zip(host, ks)]
+        num_accepted = [accept_greedy(x, row[k:k + n + 1]) for x, row, n in zip(drafts, host, ks)]
         finals = [row[k + n] for row, n in zip(host, num_accepted)]
         c = self.counters
         c.num_draft_loop_passes += (k + 1) * d
         c.num_draft_token_loops += num_seqs * (k + 1) * d
         c.num_verify_loop_passes += loops - d
         c.num_verify_token_loops += num_seqs * (k + 1) * (loops - d)
-        return (RoundPlan(list(requests), full.positions.tolist(), [k] * num_seqs),
+        return (RoundPlan(list(requests), full.positions.tolist(), ks),
                 RoundVerdict(drafts, num_accepted, finals, [-1] * num_seqs))
 
     def state_of(self, request: Request) -> RequestSpecState:
