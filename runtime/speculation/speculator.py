@@ -149,9 +149,10 @@ class Speculator:
 
     # ----- a whole round in one captured graph ------------------------------------------------
     def _fusable(self, requests: Sequence[Request], num_drafts: Sequence[int]) -> bool:
-        """A sync round that one captured chain runs: every request greedy, at K drafts and the same
-        depth, within a captured bucket and the persistent batch (async mode keeps its per-pass
-        draft, which it extends; Huginn's initial states are drawn per pass)."""
+        """A sync round that one captured chain can run: every request greedy and at the same depth,
+        within a captured bucket and the persistent batch, K <= block_size (padding rows' scratch
+        blocks). Async mode keeps its per-pass draft, which it extends; Huginn draws initial states
+        per pass. Requests scheduled fewer than K drafts also need `_room_for_k`."""
         runner = self.runner
         graphs, loops = runner.graphs, requests[0].num_loops
         return (self.config.fuse_round and not self.is_async and graphs is not None
@@ -180,10 +181,9 @@ class Speculator:
         (`drafting.round_program`) and one host sync for its tokens: the same passes, shapes and
         kernels as the per-pass round (`_draft` then `verify`), so the same tokens. A request
         scheduled k < K drafts runs K and keeps its first k (later positions cannot change earlier
-        ones: causal attention, row-wise stages). The host builds
-        two passes' inputs from the persistent batch (draft pass 0 and the verify); draft passes
-        1..K advance pass 0's on the device where the backend can (`advance_meta`), else the host
-        fills each."""
+        ones: causal attention, row-wise stages). The host builds two passes' inputs from the
+        persistent batch (draft pass 0 and the verify); draft passes 1..K advance pass 0's on the
+        device where the backend can (`advance_meta`), else the host fills each."""
         runner, env, k, d = self.runner, self.runner.env, self.config.num_tokens, self.config.draft_loops
         graphs, loops, num_seqs, batch = runner.graphs, requests[0].num_loops, len(requests), runner.input_batch
         bucket = graphs.bucket(num_seqs)
