@@ -39,6 +39,7 @@ from runtime.execution.loops import SeqPlan, run_loops
 from runtime.execution.step_inputs import (SeqSlice, describe, describe_rows, pad, place, planes_of, shifted,
                                            widened)
 from runtime.engine.scheduler import ScheduledRequest
+from zoo.parallel import tensor_parallel
 from runtime.engine.sequence import Request
 
 log = logging.getLogger(__name__)
@@ -165,12 +166,17 @@ class Speculator:
         """A round of K positions for every request, also those scheduled fewer drafts (near max_tokens,
         short of budget or blocks): blocks for the extra positions, if the pool and the tables have
         them. Their KV lies beyond the computed tokens (stale, trimmed after the round)."""
-        num_tokens, max_tokens = self.config.num_tokens, self.runner.input_batch.max_blocks * self.runner.block_size
+        runner = self.runner
+        num_tokens, max_tokens = self.config.num_tokens, runner.input_batch.max_blocks * runner.block_size
+        tp = tensor_parallel(self.model)
         for r, k in zip(requests, num_drafts):
             needed = r.num_computed_tokens + num_tokens + 1
-            if k == num_tokens:
+            if k == num_tokens or all(len(t) * runner.block_size >= needed
+                                      for t in blocks.block_tables(r.request_id)[:r.num_planes]):
                 continue
-            if needed > max_tokens or not blocks.can_allocate(r.request_id, r.num_planes, needed):
+            # tensor parallelism: the other ranks got this step's tables in its plan, so allocate nothing
+            if (tp is not None and tp.world_size > 1) or needed > max_tokens \
+                    or not blocks.can_allocate(r.request_id, r.num_planes, needed):
                 return False
             blocks.allocate(r.request_id, r.num_planes, needed)
         return True
