@@ -187,6 +187,14 @@ class AttentionBackend(ABC):
         kernels read lengths from device memory. Backends without graph support raise."""
         raise NotImplementedError(f"attention backend {self.name!r} cannot run in captured graphs")
 
+    def advance_meta(self, meta: Any, steps: int) -> Any | None:
+        """The metadata of a decode batch (one query token per sequence) `steps` positions further on:
+        every sequence one token longer per step, each token's slot the next of its table. Computed
+        on the device from `meta` (capturable in the same graph: speculation's draft passes chain this
+        way), equal to `build_meta` of the advanced batch wherever the tables reach the new positions.
+        None where lengths live on the host (then each pass needs its own `update_meta`)."""
+        return None
+
     @abstractmethod
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: Any, plane: int) -> None:
         """Store the step's new keys/values `k, v: [T, KVH, D]` into plane `plane` of `kv_cache`."""

@@ -171,12 +171,15 @@ class SpeculativeConfig:
     num_tokens: int = 0          # draft tokens per round (K); 0 = off
     draft_loops: int = 1         # loops of the draft (Ouro: the step-d head); must be < a request's loops
     mode: str = "sync"           # sync | async
+    fuse_round: bool = True      # sync, greedy, uniform rounds: K+1 drafts and the verify in one captured graph
 
     def __post_init__(self) -> None:
         if not (isinstance(self.num_tokens, int) and self.num_tokens >= 0):
             raise ValueError(f"speculative.num_tokens must be an integer >= 0 (0 = off), got {self.num_tokens!r}")
         if not (isinstance(self.draft_loops, int) and self.draft_loops >= 1):
             raise ValueError(f"speculative.draft_loops must be an integer >= 1, got {self.draft_loops!r}")
+        if not isinstance(self.fuse_round, bool):
+            raise ValueError(f"speculative.fuse_round must be true or false, got {self.fuse_round!r}")
         if self.mode not in SPECULATIVE_MODES:
             raise ValueError(f"speculative.mode must be one of {', '.join(SPECULATIVE_MODES)}, got {self.mode!r}")
 

@@ -81,13 +81,18 @@ for phase in $PHASES; do
         cp zoo/checkpoints/ouro-tiny/*.json $model/ && cp "$OUT"/ft/*.safetensors $model/
       fi
       echo "spec22 model: $model" | tee -a "$LOG"
+      # a sync greedy round is one captured chain (draft passes + verify): golden tokens on the GPU first
+      run "pytest speculation golden sync" 150 python3 -m pytest tests/cuda/test_speculation_cuda.py -q -rs -s \
+        -p no:cacheprovider -k "golden and sync"
       for spec in "engine.speculative.num_tokens=0" "engine.speculative.num_tokens=4 engine.speculative.draft_loops=1" \
           "engine.speculative.num_tokens=4 engine.speculative.draft_loops=2" \
-          "engine.speculative.num_tokens=4 engine.speculative.draft_loops=3"; do
+          "engine.speculative.num_tokens=4 engine.speculative.draft_loops=3" \
+          "engine.speculative.num_tokens=4 engine.speculative.draft_loops=1 engine.speculative.fuse_round=false"; do
         bench weights=checkpoint model.path=$model model.dtype=bfloat16 'workload=[b1,b8s]' \
           '+workloads.b8s={batch:8,prompt:128,new:256}' $spec
       done
-      run "spec_speedup float32" 120 python3 tools/spec_speedup.py --hal cuda --model $model --new 128 --dtype float32 ;;
+      run "spec_speedup float32" 150 python3 tools/spec_speedup.py --hal cuda --model $model --new 128 --dtype float32
+      run "spec_speedup bf16" 150 python3 tools/spec_speedup.py --hal cuda --model $model --new 128 ;;
     decodekernels)   # issue 19: the decode projection kernels against cuBLAS and the floor
       run "decode kernels" 110 python3 tools/decode_kernels_bench.py --budget 90 --out "$OUT/decode_kernels.jsonl" ;;
     peer)    # the compiled gpt-fast-style decode (../shared/bench, copied to .peer): the bar to beat

@@ -53,6 +53,24 @@ class TorchPagedAttention(AttentionBackend):
         meta.__dict__.update(fresh.__dict__)
         return []
 
+    def advance_meta(self, meta: CpuMeta, steps: int) -> CpuMeta | None:
+        """Host lengths advanced and slots read from the tables: for eager replays (the CPU) only;
+        elsewhere (a device graph) the lengths would be baked at capture."""
+        if meta.block_tables.device.type != "cpu":
+            return None
+        if any(b - a != 1 for a, b in zip(meta.query_start, meta.query_start[1:])):
+            raise ValueError("advance_meta takes decode metadata (one query token per sequence)")
+        seq_lens = [n + steps for n in meta.seq_lens]
+        positions = torch.tensor(seq_lens, dtype=torch.long, device=meta.block_tables.device) - 1         # [S]
+        index = positions // self.block_size
+        lengths = torch.tensor(meta.num_blocks, dtype=torch.long, device=positions.device).reshape(
+            len(meta.num_blocks), len(seq_lens))                                                         # [P, S]
+        tables = meta.block_tables
+        blocks = tables.gather(2, index.clamp(max=max(tables.shape[-1] - 1, 0))[None, :, None].expand(
+            tables.shape[0], -1, 1))[..., 0]
+        slots = torch.where(index[None] < lengths, blocks * self.block_size + positions % self.block_size, -1)
+        return CpuMeta(meta.query_start, seq_lens, meta.num_blocks, tables, slots)
+
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: CpuMeta,
                  plane: int) -> None:
         slots = meta.slot_mapping[plane]

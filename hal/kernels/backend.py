@@ -125,6 +125,20 @@ class TritonPagedAttention(AttentionBackend):
         staging.stage(self._host_arrays(batch, meta.block_tables.shape[-1]), meta[:4])
         return []
 
+    def advance_meta(self, meta: TritonMeta, steps: int) -> TritonMeta:
+        """Device-side (capturable): `seq_lens + steps` and the slots of the advanced positions, read
+        from the block tables. The tables must reach the new positions (a speculation round's blocks
+        are allocated for all of them; padding rows own two scratch blocks, enough for steps <= block_size)."""
+        if meta.max_query_len != 1:
+            raise ValueError("advance_meta takes decode metadata (one query token per sequence)")
+        seq_lens = meta.seq_lens + steps
+        positions = seq_lens.long() - 1                                                    # [S]
+        index = (positions // self.block_size).clamp(max=meta.block_tables.shape[-1] - 1)
+        blocks = meta.block_tables.gather(2, index[None, :, None].expand(meta.block_tables.shape[0], -1, 1))[..., 0]
+        slots = blocks.long() * self.block_size + positions % self.block_size              # [P, S]
+        slots = torch.where(meta.slot_mapping >= 0, slots, meta.slot_mapping)              # unused planes stay unused
+        return meta._replace(seq_lens=seq_lens, slot_mapping=slots)
+
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: TritonMeta,
                  plane: int) -> None:
         values, scales = self._views(kv_cache)

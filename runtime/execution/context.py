@@ -60,6 +60,15 @@ class PagedContext(BaseContext):
 
         return draw_initial_states(model, self.draws, e.dtype, e.device)
 
+    def advanced(self, steps: int) -> "PagedContext":
+        """This decode pass (one token per sequence) `steps` positions on, its metadata advanced on
+        the device (`AttentionBackend.advance_meta`): speculation chains its draft passes this way
+        inside one graph. The host batch and draws stay this pass's (not for eager subsets or Huginn)."""
+        meta = self.env.backend.advance_meta(self.meta, steps)
+        if meta is None:
+            raise ValueError(f"attention backend {self.env.backend.name!r} cannot advance metadata on the device")
+        return PagedContext(self.env, self.batch, self.positions + steps, self.draws, meta=meta)
+
     def token_rows(self, seqs: Sequence[int]) -> torch.Tensor:
         """Packed token rows of the given sequences, `[T_sub]` int64."""
         starts = [0]

@@ -47,6 +47,17 @@ class Captured(NamedTuple):
     staging: StagingRing                # pinned host mirrors of the host-written inputs (no blocking copies)
 
 
+class Chain(NamedTuple):
+    """A captured chain of passes (`PassGraphs.run_chain`): one graph, one context per pass."""
+
+    graph: Any
+    host_ints: torch.Tensor             # [n0 + sum(n_j)] int64: the first pass's token ids, then each pass's positions
+    initial_states: list                # per pass: [1, n_j, D] Huginn's initial states (passes that run the prelude)
+    ctxs: list                          # per pass: PagedContext over a static meta
+    outputs: Any
+    staging: StagingRing
+
+
 class PassGraphs:
     """Captured passes keyed by what makes their kernels differ (kind, bucket, depth, copy)."""
 
@@ -57,6 +68,7 @@ class PassGraphs:
         self.max_model_len = max_model_len
         self.max_blocks = math.ceil(max_model_len / env.block_size)
         self.captured: dict[tuple, Captured] = {}
+        self.chains: dict[tuple, Chain] = {}
 
     def bucket(self, num_seqs: int) -> int | None:
         """The smallest bucket that holds `num_seqs` sequences (None: too many to capture)."""
@@ -128,6 +140,73 @@ class PassGraphs:
             outputs = graph.capture(step)
         log.info("captured a pass: %s, batch %d", what, bucket)
         return Captured(graph, inputs, positions, initial_state, ctx, outputs, fed_from, staging)
+
+
+    def run_chain(self, key: tuple, program: Callable[[torch.Tensor, list], Any], hosts: list[HostInputs],
+                  widths: list[int], num_planes: list[int], token_ids: np.ndarray, preludes: list[bool]) -> Any:
+        """Replay (capturing on first use) the chain of passes `key`: pass j over `hosts[j]` (the same
+        sequences, `widths[j]` tokens each, `num_planes[j]` planes), all padded to one bucket, in ONE
+        graph. `program(ids, ctxs)` runs every pass: `ids: [1, n0]` the first pass's token ids (the
+        real rows `token_ids`), later passes' inputs come from earlier passes on the device.
+        `preludes[j]`: pass j runs the prelude (Huginn draws its initial states before the replay).
+        One host-to-device copy carries the ids and every pass's positions; each pass's metadata is
+        refilled in place (`update_meta`)."""
+        env = self.env
+        bucket = self.bucket(hosts[0].num_seqs)
+        fulls = [pad(h, bucket, w, env) for h, w in zip(hosts, widths)]
+        chain = self.chains.get(key)
+        if chain is None:
+            chain = self.chains[key] = self._capture_chain(program, bucket, widths, num_planes, preludes, repr(key))
+        ids = np.zeros(bucket * widths[0], dtype=np.int64)
+        ids[:len(token_ids)] = token_ids
+        chain.staging.stage([np.concatenate([ids, *(np.asarray(f.positions, dtype=np.int64) for f in fulls)])],
+                            [chain.host_ints])
+        for state, host in zip(chain.initial_states, hosts):
+            if state is not None:
+                state[:, :host.num_tokens].copy_(draw_initial_states(env.model, host.draws, env.dtype, env.device))
+        params = []
+        for ctx, full in zip(chain.ctxs, fulls):
+            params.extend(env.backend.update_meta(ctx.meta, full.batch))
+        chain.graph.update(params)
+        chain.graph.replay()
+        return chain.outputs
+
+    def _capture_chain(self, program, bucket: int, widths: list[int], num_planes: list[int], preludes: list[bool],
+                       what: str) -> Chain:
+        env = self.env
+        sizes = [bucket * w for w in widths]
+        host_ints = torch.zeros(sizes[0] + sum(sizes), dtype=torch.long, device=env.device)
+        ids = host_ints[:sizes[0]][None]
+        ctxs, initial_states, offset, mirror = [], [], sizes[0], [np.zeros(sizes[0], dtype=np.int64)]
+        for size, width, planes, prelude in zip(sizes, widths, num_planes, preludes):
+            empty = HostInputs([], [], [], _empty_batch(planes, env.block_size), [])
+            host = pad(empty, bucket, width, env)
+            capacity = MetaCapacity(bucket, size, self.max_blocks, planes, self.max_model_len)
+            meta = env.backend.build_meta(host.batch, capacity)
+            env.backend.update_meta(meta, host.batch)
+            positions = host_ints[offset:offset + size][None]
+            positions.copy_(torch.as_tensor(np.asarray(host.positions, dtype=np.int64))[None])
+            mirror.append(np.asarray(host.positions, dtype=np.int64))
+            offset += size
+            state = None
+            if env.model.has_initial_state and prelude:
+                state = torch.zeros(1, size, env.model.initial_state_width, dtype=env.dtype, device=env.device)
+            initial_states.append(state)
+            ctxs.append(context(env, host, positions, meta=meta, initial_state=state))
+        staging = StagingRing([np.concatenate(mirror)], env.device)
+
+        def step() -> Any:
+            for ctx in ctxs:
+                ctx.clear_cached()
+            return program(ids, ctxs)
+
+        with torch.inference_mode():
+            step()                         # warm-up, outside capture
+            self.hal.synchronize()
+            graph = self.hal.graph() if self.capture else EagerGraph()
+            outputs = graph.capture(step)
+        log.info("captured a chain of %d passes: %s, batch %d", len(widths), what, bucket)
+        return Chain(graph, host_ints, initial_states, ctxs, outputs, staging)
 
 
 def fed_rows(host: HostInputs, source: Any, num_rows: int) -> np.ndarray:

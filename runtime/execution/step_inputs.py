@@ -107,6 +107,30 @@ def describe_rows(tables: np.ndarray, lengths: np.ndarray, rows: np.ndarray, req
                       [(r, 1) for r in requests], rows)
 
 
+def planes_of(host: HostInputs, num_planes: int) -> HostInputs:
+    """`host` seen through its first `num_planes` planes (a draft pass: the planes of its loops)."""
+    batch = host.batch
+    lengths = None if batch.table_lengths is None else batch.table_lengths[:num_planes]
+    return host._replace(batch=batch._replace(block_tables=batch.block_tables[:num_planes], table_lengths=lengths))
+
+
+def shifted(host: HostInputs, steps: int) -> HostInputs:
+    """A decode pass (one token per sequence) `steps` positions on, same tables; no token ids (they
+    come from the device: speculation's draft passes)."""
+    positions = np.asarray(host.positions, dtype=np.int64) + steps
+    return HostInputs([], [], positions, host.batch._replace(seq_lens=positions + 1), host.draws, host.rows)
+
+
+def widened(host: HostInputs, width: int) -> HostInputs:
+    """A decode pass's sequences, each `width` tokens from its position on, same tables; no token ids
+    (a verify pass starts from states)."""
+    start = np.asarray(host.positions, dtype=np.int64)
+    n = len(start)
+    return HostInputs([], [], (start[:, None] + np.arange(width)[None, :]).reshape(-1),
+                      host.batch._replace(query_lens=np.full(n, width, dtype=np.int64), seq_lens=start + width),
+                      [(r, width) for r, _ in host.draws], host.rows)
+
+
 def pad(host: HostInputs, num_seqs: int, width: int, env: PassEnv) -> HostInputs:
     """`host` padded to `num_seqs` sequences of `width` tokens each (a captured pass's fixed shape;
     the real sequences must already be `width` wide), its tables as one array. Padding row r owns

@@ -13,6 +13,7 @@ a that solves E(a) = t_round / t_decode (none when that exceeds K + 1, the most 
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from typing import Any, Callable
@@ -58,7 +59,9 @@ def measure_step_costs(engine: Any, repeats: int = 10) -> dict[str, Any]:
     """Median times (ms) on the engine's running requests, which must all be decoding (prefilled):
     one draft pass (`draft_pass_ms`), one verify pass of K + 1 rows per request (`verify_ms`),
     one plain decode step (`decode_ms`) and one whole round (`round_ms`: K + 1 draft passes and
-    the verify, up to the host sync; `round_sum_ms` is the sum of the parts), with the break-even
+    the verify, up to the host sync, as the engine runs it: one captured chain where the round
+    qualifies, then `per_pass_round_ms` is the round pass by pass; `round_sum_ms` is the sum of the
+    parts), with the break-even
     tokens per round and acceptance rate from `round_ms / decode_ms`. The passes write KV only at
     positions at or beyond each request's computed tokens (stale by the rollback rule), so the
     requests' state is unchanged. Needs `speculative.num_tokens > 0`."""
@@ -87,6 +90,12 @@ def measure_step_costs(engine: Any, repeats: int = 10) -> dict[str, Any]:
              "verify_ms": _median_ms(engine.hal, lambda: verify(drafted), repeats),
              "decode_ms": _median_ms(engine.hal, lambda: runner.execute(items, blocks), repeats),
              "round_ms": _median_ms(engine.hal, lambda: verify(draft(num_drafts, False)), repeats)}
+    if spec._fusable(requests, [num_drafts] * len(requests)):
+        # the engine runs such a round as one captured chain (speculator._fused_round): that is its cost
+        counters = dataclasses.replace(spec.counters)
+        costs["per_pass_round_ms"] = costs["round_ms"]
+        costs["round_ms"] = _median_ms(engine.hal, lambda: spec._fused_round(requests, blocks), repeats)
+        spec.counters = counters
     ratio = costs["round_ms"] / costs["decode_ms"]
     costs.update({"round_sum_ms": (num_drafts + 1) * costs["draft_pass_ms"] + costs["verify_ms"],
                   "break_even_tokens_per_round": ratio,

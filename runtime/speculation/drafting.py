@@ -124,6 +124,35 @@ def draft_tokens(runner, requests: list, first_tokens: torch.Tensor, starts: lis
     return DraftBatch(list(requests), list(starts), list(num_drafts), tokens, states, probs, guess)
 
 
+def round_program(model, draft_loops: int, num_loops: int, num_drafts: int, bucket: int, advance: bool):
+    """A whole greedy round as one program over `bucket` sequences (`PassGraphs.run_chain`): K = `num_drafts`
+    draft passes and the pass over xK (one row per sequence), each pass's argmax the next pass's input
+    on the device, then the verify pass from their states. The passes are `draft_stages` and
+    `verify_stages` themselves, so the tokens are the per-pass round's. Contexts: with `advance`
+    [draft pass 0, verify], pass j's context advanced j positions on the device from pass 0's
+    (`PagedContext.advanced`); else [draft pass 0 .. K, verify], each filled by the host. Returns
+    `[bucket, 2K+1]` int64: the drafts x1..xK, then the target's argmax after each of the K+1 prefixes."""
+    from runtime.speculation.speculator import verify_stages
+
+    def run(ids: torch.Tensor, ctxs: list) -> torch.Tensor:
+        states, drafts = [], []
+        for j in range(num_drafts + 1):
+            ctx = ctxs[j] if not advance else ctxs[0] if j == 0 else ctxs[0].advanced(j)
+            if j < num_drafts:
+                state, logits = draft_stages(model, draft_loops, ids, ctx)
+                drafts.append(logits.argmax(-1))                                   # [bucket]
+                ids = drafts[-1][None]
+            else:                        # the pass over xK only makes its state: no head
+                state = model.prelude(ids, ctx)
+                for depth in range(draft_loops):
+                    state = model.loop(state, depth, ctx)
+            states.append(state[0])
+        states = torch.stack(states, 1).flatten(0, 1)[None]                        # [1, bucket*(K+1), X]
+        targets = verify_stages(model, draft_loops, num_loops, states, ctxs[-1]).argmax(-1)
+        return torch.cat([torch.stack(drafts, 1), targets.view(bucket, num_drafts + 1)], 1)
+    return run
+
+
 def pick_tokens(logits: torch.Tensor, requests: list, positions: list[int]
                 ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
     """Draft tokens `[H]` from `logits: [H, V]`; also the rows that sampled and their distributions `[S, V]`."""

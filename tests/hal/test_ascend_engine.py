@@ -129,3 +129,23 @@ def test_fallback_backend_runs_eagerly(single_thread):
     assert engine.runner.backend.name == "torch" and engine.runner.graphs is None
     assert "head dim 16" in engine.runner.backend.caps.reason
     assert generate(engine, case) == [case.greedy(i) for i in range(case.num_prompts)]
+
+
+def test_speculation_rounds_in_one_graph_with_host_updates(graph_log, single_thread):
+    """Sync greedy speculation on the simulated NPU: fused attention bakes lengths on the host, so a
+    round's chain has every pass's metadata filled by the host (no device advance), and each replay
+    follows one update that carries the host params of every pass, in capture order: golden tokens."""
+    from runtime.config import SpeculativeConfig
+
+    case = golden_case("ouro-tiny")
+    model = zoo.from_pretrained(case.path, dtype="float32").eval()
+    engine = sim_engine(model, graphs=True, max_num_batched_tokens=16, speculative=SpeculativeConfig(3, 2))
+    assert generate(engine, case) == [case.greedy(i) for i in range(case.num_prompts)]
+    chains = engine.runner.graphs.chains
+    assert engine.speculator.advances is False and chains
+    for chain in chains.values():
+        log = graph_log[chain.graph]
+        assert len(chain.ctxs) == 3 + 2                     # K + 1 draft passes and the verify, each its own meta
+        assert log["replays"] >= 1 and log["updates"] == [len(chain.graph.calls)] * log["replays"]
+    engine.blocks.check_invariants()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks

@@ -22,8 +22,8 @@ from test_engine import random_ouro, run_engine
 CPU = hal.get("cpu")
 
 
-def engine_for(model, num_tokens=0, draft_loops=1, mode="sync", **config):
-    spec = SpeculativeConfig(num_tokens, draft_loops, mode)
+def engine_for(model, num_tokens=0, draft_loops=1, mode="sync", fuse_round=True, **config):
+    spec = SpeculativeConfig(num_tokens, draft_loops, mode, fuse_round)
     config.setdefault("max_num_seqs", 8)                    # a small KV pool: cheap to allocate
     return LLMEngine(model, CPU, EngineConfig(speculative=spec, **config))
 
@@ -64,13 +64,69 @@ def test_golden_greedy_with_speculation(name, mode):
     assert rounds > 0 and 0 <= outs[0].metrics.acceptance_rate <= 1
     counters = engine.speculator.counters
     # every verified position runs depth loops in all: draft_loops in the draft, the rest in the verify
-    assert counters.num_verify_token_loops == verified * (depth - depth // 2)
+    # (a round in one graph runs K positions for a request scheduled fewer: work beyond those verified)
+    computed = counters.num_verify_token_loops // (depth - depth // 2)
+    assert counters.num_verify_token_loops == computed * (depth - depth // 2) and computed >= verified
     if mode == "sync":
-        assert counters.num_draft_token_loops == verified * (depth // 2)
-    # draft passes and uniform verify passes replayed the padded static-buffer (graph) path
-    assert {key[0] for key in engine.runner.graphs.captured} >= {"draft", "verify"}
+        assert counters.num_draft_token_loops == computed * (depth // 2)
+    else:
+        assert computed == verified
+    # draft passes and uniform verify passes replayed the padded static-buffer (graph) path; sync
+    # greedy rounds (not Huginn's) replayed one chain each
+    graphs = engine.runner.graphs
+    if mode == "sync" and not model.has_initial_state:
+        assert {key[0] for key in graphs.chains} == {"round"}
+    else:
+        assert {key[0] for key in graphs.captured} >= {"draft", "verify"}
     engine.blocks.check_invariants()
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def record_rounds(engine):
+    """Every round's verdict, in order: (request id, drafts, kept, the target's token) per request."""
+    rounds, finish = [], engine.speculator._finish
+
+    def recording(draft, verdict, ahead, blocks):
+        rounds.append([(r.request_id, verdict.drafts[b], verdict.num_accepted[b], verdict.final_tokens[b])
+                       for b, r in enumerate(draft.requests)])
+        return finish(draft, verdict, ahead, blocks)
+    engine.speculator._finish = recording
+    return rounds
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_one_graph_round_equals_the_per_pass_round(seed):
+    """A sync greedy round in one captured chain (`fuse_round`, drafts advanced on the device or
+    each pass filled by the host) drafts, keeps and commits exactly what the per-pass round does,
+    round by round, with padding rows (3 requests in a bucket of 4), block boundaries inside rounds
+    and rounds of fewer drafts (near max_tokens: the chain runs K and keeps k)."""
+    rng = random.Random(2000 + seed)
+    model = damp_loops(random_ouro(rng, seed), rng.choice([0.02, 0.1]))
+    depth = model.default_num_loops
+    draft_loops = rng.randint(1, depth - 1) if depth > 1 else 1
+    vocab = model.config.vocab_size
+    prompts = [[rng.randrange(1, vocab) for _ in range(rng.randint(1, 12))] for _ in range(3)]
+    params = SamplingParams(max_tokens=rng.randint(8, 16), temperature=0.0, ignore_eos=True)
+    config = dict(block_size=rng.choice([4, 16]), max_num_batched_tokens=64)
+    num_tokens = rng.choice([2, 3, 4])
+    results = {}
+    for name, fuse, advances in (("per-pass", False, None), ("device", True, None), ("host", True, False)):
+        engine = engine_for(model, num_tokens, draft_loops, "sync", fuse_round=fuse, **config)
+        engine.speculator.advances = advances
+        rounds = record_rounds(engine)
+        outs = run_engine(engine, prompts, [params] * len(prompts), 0)
+        counters = engine.speculator.counters
+        results[name] = (rounds, [o.token_ids for o in outs], counters.num_rounds, counters.num_committed)
+        assert bool(engine.runner.graphs.chains) == fuse
+        if fuse:                         # every round ran as a chain, short ones too
+            assert not any(key[0] in ("draft", "verify") for key in engine.runner.graphs.captured)
+            assert engine.speculator.advances is (advances is None)
+            assert {len(c.ctxs) for c in engine.runner.graphs.chains.values()} == {2 if advances is None else
+                                                                                    num_tokens + 2}
+    assert results["device"] == results["per-pass"]
+    assert results["host"] == results["per-pass"]
+    assert any(n for round_ in results["device"][0] for _, _, n, _ in round_), "no draft was kept"
+    assert any(len(x) < num_tokens for round_ in results["device"][0] for _, x, _, _ in round_), "no short round"
 
 
 @pytest.mark.parametrize("seed", range(8))
