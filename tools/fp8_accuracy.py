@@ -61,8 +61,8 @@ CONFIGS = {
     "fp8 weights W8A16": Config("float32", "auto", "w8a16"),
     "fp8 weights W8A8": Config("float32", "auto", "w8a8"),
     "fp8 KV + W8A16": Config("float32", "fp8_e4m3fn", "w8a16"),
-    "bf16 + fp8 KV + W8A8 (H200, more than 8 rows)": Config("bfloat16", "fp8_e4m3fn", "w8a8"),
-    "bf16 + fp8 KV + W8A16 (H200, decode of 1-8 rows)": Config("bfloat16", "fp8_e4m3fn", "w8a16"),
+    "bf16 + fp8 KV + W8A8 (H200 above 8 rows)": Config("bfloat16", "fp8_e4m3fn", "w8a8"),
+    "bf16 + fp8 KV + W8A16 (H200 decode of 1-8 rows)": Config("bfloat16", "fp8_e4m3fn", "w8a16"),
 }
 
 
@@ -165,7 +165,7 @@ def compare(subject: Subject, got: dict[str, Any], ref: dict[str, Any]) -> dict[
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--subjects", default="golden,ouro-tiny,real-shape")
-    parser.add_argument("--configs", default=",".join(CONFIGS),
+    parser.add_argument("--configs", default=",".join(CONFIGS),       # names hold no commas
                         help="comma-separated names of " + ", ".join(CONFIGS))
     parser.add_argument("--out", default="", help="also write the rows as JSON")
     args = parser.parse_args(argv)
