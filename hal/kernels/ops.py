@@ -66,16 +66,21 @@ def _rotary_one(ptr, out_ptr, stride_t, stride_h, stride_ot, stride_oh, token, c
 
 
 @triton.jit
+def _rotary_angles(positions_ptr, inv_freq_ptr, token, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """(cos, sin) `[1, HALF_PAD]` of token `token`'s position, angles in fp32 as zoo's tables."""
+    pairs = tl.arange(0, HALF_PAD)
+    inv_freq = tl.load(inv_freq_ptr + pairs, mask=pairs < HALF, other=0.0)
+    angle = tl.load(positions_ptr + token).to(tl.float32) * inv_freq
+    return tl.cos(angle)[None, :], tl.sin(angle)[None, :]
+
+
+@triton.jit
 def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, inv_freq_ptr, num_heads, num_kv_heads,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
                    HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
                    KV_HEADS_PAD: tl.constexpr, INTERLEAVED: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
-    pairs = tl.arange(0, HALF_PAD)
-    inv_freq = tl.load(inv_freq_ptr + pairs, mask=pairs < HALF, other=0.0)
-    angle = tl.load(positions_ptr + token).to(tl.float32) * inv_freq       # [HALF] fp32, as zoo's tables
-    cos = tl.cos(angle)[None, :]
-    sin = tl.sin(angle)[None, :]
+    cos, sin = _rotary_angles(positions_ptr, inv_freq_ptr, token, HALF, HALF_PAD)
     _rotary_one(q_ptr, q_out_ptr, stride_qt, stride_qh, stride_qot, stride_qoh, token, cos, sin, num_heads,
                 HEADS_PAD, HALF, HALF_PAD, INTERLEAVED)
     _rotary_one(k_ptr, k_out_ptr, stride_kt, stride_kh, stride_kot, stride_koh, token, cos, sin, num_kv_heads,

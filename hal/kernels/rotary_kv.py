@@ -17,7 +17,7 @@ import triton.language as tl
 
 from hal.kernels.configs import KernelConfig
 from hal.kernels.launch import Launch, backend_of, check_device, launch_options, next_pow2, run_launch
-from hal.kernels.ops import _inv_freq, _rotary_one
+from hal.kernels.ops import _inv_freq, _rotary_angles, _rotary_one
 
 
 @triton.jit
@@ -29,11 +29,7 @@ def _rotary_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache
                             KV_HEADS_PAD: tl.constexpr, INTERLEAVED: tl.constexpr):
     """q_out[t] = rotate(q[t]); cache[0][slot[t]] = rotate(k[t]); cache[1][slot[t]] = v[t] (slot -1: no write)."""
     token = tl.program_id(0).to(tl.int64)
-    pairs = tl.arange(0, HALF_PAD)
-    inv_freq = tl.load(inv_freq_ptr + pairs, mask=pairs < HALF, other=0.0)
-    angle = tl.load(positions_ptr + token).to(tl.float32) * inv_freq                # [HALF] fp32, as zoo's tables
-    cos = tl.cos(angle)[None, :]
-    sin = tl.sin(angle)[None, :]
+    cos, sin = _rotary_angles(positions_ptr, inv_freq_ptr, token, HALF, HALF_PAD)
     _rotary_one(q_ptr, q_out_ptr, stride_qt, stride_qh, stride_qot, stride_qoh, token, cos, sin, num_heads,
                 HEADS_PAD, HALF, HALF_PAD, INTERLEAVED)
     slot = tl.load(slot_ptr + token).to(tl.int64)
