@@ -15,7 +15,7 @@ import torch
 import hal
 import zoo
 from helpers import GOLDEN
-from live_server import LiveServer, write_tokenizer
+from live_server import LiveServer, serving, write_tokenizer
 from runtime.config import EngineConfig
 from runtime.engine.llm_engine import LLMEngine
 from runtime.text.tokenizer import Tokenizer
@@ -77,15 +77,10 @@ def live_server():
 def server(tiny_model, tokenizer):
     """A live server over a fresh engine on the tiny model; when the module is done, no KV block
     may still be held."""
-    from runtime.server.app import build_app
     from runtime.server.config import ServerConfig
 
     engine = LLMEngine(tiny_model, hal.get("cpu"), EngineConfig(num_kv_blocks=512), tokenizer)
-    live = LiveServer(build_app(engine, ServerConfig(model_name="tiny"))).start()
-    yield live
-    live.stop()
-    engine.blocks.check_invariants()
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    yield from serving(engine, ServerConfig(model_name="tiny"))
 
 
 @pytest.fixture(scope="module")

@@ -85,6 +85,18 @@ class LiveServer:
         self.stop()
 
 
+def serving(engine, config):
+    """Generator for module fixtures: `engine` behind the app built with `config`, live; afterwards
+    the engine's block pool must be whole (nothing a request held leaks)."""
+    from runtime.server.app import build_app
+
+    live = LiveServer(build_app(engine, config)).start()
+    yield live
+    live.stop()
+    engine.blocks.check_invariants()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
 def wait_until(predicate, timeout_s: float = 20.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():

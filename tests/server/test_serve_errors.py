@@ -11,7 +11,7 @@ httpx = pytest.importorskip("httpx", reason=SERVE_EXTRA)
 pytest.importorskip("fastapi", reason=SERVE_EXTRA)
 
 import hal
-from live_server import LiveServer
+from live_server import serving
 from runtime.config import EngineConfig
 from runtime.engine.llm_engine import LLMEngine
 from runtime.server.app import build_app
@@ -105,12 +105,7 @@ BAD_INPUTS = [
 @pytest.fixture(scope="module")
 def server(tiny_model, tokenizer):
     engine = LLMEngine(tiny_model, hal.get("cpu"), EngineConfig(num_kv_blocks=256, max_num_loops=8), tokenizer)
-    config = ServerConfig(model_name="tiny", max_body_bytes=MAX_BODY_BYTES)
-    live = LiveServer(build_app(engine, config)).start()
-    yield live
-    live.stop()
-    engine.blocks.check_invariants()
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    yield from serving(engine, ServerConfig(model_name="tiny", max_body_bytes=MAX_BODY_BYTES))
 
 
 @pytest.fixture(scope="module")
