@@ -140,18 +140,17 @@ class TritonPagedAttention(AttentionBackend):
         return meta._replace(seq_lens=seq_lens, slot_mapping=slots)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: TritonMeta,
-                 plane: int) -> None:
+                 plane: int, dequantize: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """With `dequantize`, an 8-bit cache's write also returns the K and V it now holds (fresh.py)."""
         values, scales = self._views(kv_cache)
-        write_kv(k, v, values, meta.slot_mapping[plane], self.configs["kv_write"], scales)
+        return write_kv(k, v, values, meta.slot_mapping[plane], self.configs["kv_write"], scales, dequantize)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: TritonMeta,
                plane: int, scale: float) -> torch.Tensor:
         """`write_kv`, then `forward`; a batch of prefills without context (`meta.fresh_lens`)
         attends over its fresh k, v through torch's vendor kernel instead of reading the cache back."""
         if meta.fresh_lens is not None:
-            values, scales = self._views(kv_cache)
-            held = write_kv(k, v, values, meta.slot_mapping[plane], self.configs["kv_write"], scales,
-                            dequantize=True)
+            held = self.write_kv(k, v, kv_cache, meta, plane, dequantize=True)
             if held is not None:                  # an 8-bit cache: attend over what it holds (fresh.py)
                 k, v = held
             return fresh.attention(self.fresh_attention, q, k, v, meta.query_start_loc, meta.fresh_lens, scale)

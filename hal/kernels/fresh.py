@@ -16,9 +16,9 @@ Both take 16-bit q/k/v only; float32 (golden and conformance runs) stays on the 
 Over an 8-bit cache the chunk attends over what the cache holds, not its exact K/V: the quantizing
 write hands back K and V dequantized from its own bytes and scales in the same launch
 (`kv_write.write_kv(dequantize=True)`, equal to `kv_quant.fake_quantize`), so the chunk sees the keys
-later chunks and decode steps read from the cache. The product of
-value and scale is rounded to the 16-bit dtype (2^-9 relative) where the paged kernel keeps it in
-fp32; FP8's own rounding (2^-4) is what the error budget of docs/fp8.md measures.
+later chunks and decode steps read from the cache. The product of value and scale is rounded to the
+16-bit dtype (2^-9 relative) where the paged kernel keeps it in fp32; FP8's own rounding (2^-4) is
+what the error budget of docs/fp8.md measures.
 """
 from __future__ import annotations
 
