@@ -51,12 +51,18 @@ for phase in $PHASES; do
       tar -C /tmp -czf "$OUT/ouro-tiny-rest.tgz" --exclude='*.safetensors' ouro-tiny ouro-tiny-report 2>/dev/null ;;
     finetune)   # issue 22: fine-tune the packaged ouro-tiny so that every loop pays (docs/ouro-tiny.md,
                 # "Fine-tune"); $OUT/ft gets 3 weight shards, finetune.json, depth.png (tools/install_finetuned.py
-                # installs them). FT_TOKENS: a token folder (looped_data.py --subset-of makes a small one); FT_ARGS: more flags
-      mkdir -p "$OUT/ft"
-      run finetune 150 python3 examples/finetune_looped.py --init zoo/checkpoints/ouro-tiny \
-        --tokens "${FT_TOKENS:-.out/tokens}" --out "$OUT/ft" --weights-only --device cuda --max-seconds 125 \
-        --throughput-batches 4 ${FT_ARGS:-}
-      grep -E '^(step|finetune|\{)' "$LOG" | tail -n 30 ;;
+                # installs them). FT_TOKENS: a token folder (looped_data.py --subset-of makes a small one);
+                # FT_ARGS: more flags; FT_VARIANTS: several flag sets split by '|', run one after another, of
+                # which $OUT/ft keeps the best by finetune_looped's selection rule ($OUT/ft-N.json the others' reports)
+      IFS='|' read -r -a variants <<< "${FT_VARIANTS:-${FT_ARGS:-}}"
+      [ ${#variants[@]} -gt 0 ] || variants=("")
+      for i in "${!variants[@]}"; do
+        run "finetune $i: ${variants[$i]}" 150 python3 examples/finetune_looped.py --init zoo/checkpoints/ouro-tiny \
+          --tokens "${FT_TOKENS:-.out/tokens}" --out /tmp/ft-$i --weights-only --device cuda --max-seconds 125 \
+          --throughput-batches 4 ${variants[$i]}
+        grep -E '^(step|finetune|\{)' "$LOG" | tail -n 12
+      done
+      python3 tools/pick_finetuned.py --out "$OUT" /tmp/ft-* | tee -a "$LOG" ;;
     conformance) run conformance 300 python3 -m runtime.conformance hal=cuda ;;
     tests) run "pytest -m cuda" 300 python3 -m pytest tests -m cuda -q -rs -p no:cacheprovider ;;
     kernels) run "kernel bench" 240 python3 tools/kernel_bench.py ;;

@@ -46,7 +46,7 @@ def takes(mode: str | None, query_lens: Sequence[int], seq_lens: Sequence[int], 
     """Whether a batch goes to the fresh path: every sequence is a prefill chunk without prior
     context (query_len == seq_len) and the batch is not decode-like (graphs capture decode batches
     only; those keep the paged kernel)."""
-    if mode not in MODES or not query_lens or max(query_lens) <= decode_max_query_len:
+    if mode not in MODES or len(query_lens) == 0 or max(query_lens) <= decode_max_query_len:
         return False
     if mode == "sdpa" and len(query_lens) > MAX_SDPA_SEQS:
         return False

@@ -65,6 +65,16 @@ def test_only_batches_of_fresh_prefills_take_the_fresh_path():
     assert _backend("flash").build_meta(_batch(many, many)[0]).fresh_lens == tuple(many)
 
 
+def test_fresh_check_takes_numpy_lengths():
+    """Padded batches (runtime/execution/step_inputs.py `pad`) carry numpy lengths; a batch of more
+    than one row once raised "truth value of an array is ambiguous" here (speculation rounds on the H200)."""
+    import numpy as np
+
+    assert not fresh.takes("sdpa", np.ones(8, dtype=np.int64), np.arange(8, 16), 1)
+    assert fresh.takes("sdpa", np.array([12, 9]), np.array([12, 9]), 1)
+    assert not fresh.takes("sdpa", np.array([], dtype=np.int64), np.array([], dtype=np.int64), 1)
+
+
 @pytest.mark.parametrize("mode", ["sdpa", "flash"])
 def test_fresh_path_writes_the_cache_and_matches_the_paged_kernel(mode, monkeypatch):
     calls = []
