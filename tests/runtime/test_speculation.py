@@ -279,8 +279,9 @@ def test_bad_configurations_are_refused_with_the_fix():
 def test_cli_options_reach_the_engine_config():
     from hydra import compose, initialize_config_dir
 
-    from runtime.cli import CONF_DIR, engine_config
+    from runtime.cli import CONF_DIR, engine_config, register_schemas
 
+    register_schemas()               # the configs name the schema nodes the CLIs store
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("generate", overrides=["engine.speculative.num_tokens=3", "engine.speculative.mode=async"])
         bench = compose("bench", overrides=["engine.speculative.draft_loops=2", "engine.speculative.num_tokens=5"])
