@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
 
 from runtime.engine.kv_cache import BlockManager
 from runtime.engine.prefix_cache import NO_HIT, PrefixHit, PrefixPolicy
 from runtime.engine.sequence import Request, RequestStatus, WaveChunk
+from runtime.engine.step_schedule import BlockCopy, ScheduledRequest, SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -37,52 +37,6 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-
-
-class ScheduledRequest(NamedTuple):
-    request: Request
-    num_tokens: int          # tokens (packed rows) of this item
-    start: int | None = None # wavefront segment: its first token; else request.num_computed_tokens
-    depth: int = 0           # wavefront segment: the one loop it runs (standard items run all loops)
-    is_wave: bool = False
-    num_draft_tokens: int = 0   # speculation: tokens drafted after them and verified in the same step
-
-    @property
-    def first_token(self) -> int:
-        return self.request.num_computed_tokens if self.start is None else self.start
-
-    @property
-    def num_new_tokens(self) -> int:
-        """Tokens this item adds to the request's computed tokens (wave chunks count when they enter)."""
-        return self.num_tokens if self.depth == 0 else 0
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step produces the request's next token (its last uncomputed token is in it)."""
-        req = self.request
-        if self.is_wave:
-            return self.depth == req.num_loops - 1 and self.first_token + self.num_tokens == req.num_tokens
-        return self.num_tokens == req.num_uncomputed_tokens
-
-
-class BlockCopy(NamedTuple):
-    request_id: str
-    blocks: list[int]        # device blocks, plane-major, holding the request's computed tokens
-
-
-class SchedulerOutput(NamedTuple):
-    scheduled: list[ScheduledRequest]
-    preempted: list[Request]
-    swap_out: Sequence[BlockCopy] = ()     # copy these blocks to host before the step (then they are reused)
-    swap_in: Sequence[BlockCopy] = ()      # copy the request's host blocks into these before the step
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:

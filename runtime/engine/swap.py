@@ -1,10 +1,11 @@
 """Swap preemption's copies: a preempted request's KV blocks to host memory and back.
 
-The scheduler decides (runtime/engine/scheduler.py: `BlockCopy` lists in its output); the engine calls
-`swap_out` / `swap_in` before it launches the step that reuses the freed blocks. Both copies are
-issued on the current stream, so they stay ordered with the steps around them: the blocks are
-read after the last step that wrote them and written before the first step that reads them, with
-no host sync. Host memory comes from the Hal (`Hal.host_tensor`: page-locked on accelerators).
+The scheduler decides (runtime/engine/scheduler.py: `BlockCopy` lists in its output, defined in
+runtime/engine/step_schedule.py); the engine calls `swap_out` / `swap_in` before it launches the step
+that reuses the freed blocks. Both copies are issued on the current stream, so they stay ordered
+with the steps around them: the blocks are read after the last step that wrote them and written
+before the first step that reads them, with no host sync. Host memory comes from the Hal
+(`Hal.host_tensor`: page-locked on accelerators).
 """
 from __future__ import annotations
 

@@ -1,0 +1,139 @@
+"""An admitted request's answer as it grows (`Job`, one `Choice` per sample) and its OpenAI shape.
+
+Completions and chat differ only in the shape of a choice (`text` vs. `message` / `delta`, and of
+`logprobs`); the JSON body and the stream chunks are built from the same choice bodies.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any, Callable
+
+from runtime.engine.outputs import TokenLogprobs
+from runtime.server.text import TextStream
+from runtime.text.tokenizer import Tokenizer
+
+# the OpenAI finish reason of a request the server stopped (shutdown): the stream also gets an error
+ABORTED_FINISH_REASON = "length"
+
+
+@dataclasses.dataclass
+class Choice:
+    """One sample's answer as it grows."""
+    index: int
+    request_id: str                      # the engine request (one per prompt)
+    sample: int                          # which of its samples
+    num_prompt_tokens: int
+    text: TextStream
+    min_tokens: int = 0                  # stop strings count only from this many tokens on
+    prefix: str = ""                     # echo: the prompt's text, sent before the answer
+    prompt_ids: list[int] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None   # echo with logprobs
+    offset: int = 0                      # logprobs' text_offset of the next token
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+    num_logprobs_sent: int = 0
+
+    def update(self, sample: Any) -> str:
+        """Take the engine's latest state of this sample (a `CompletionOutput`); the text delta to send."""
+        delta, is_stopped = self.text.update(sample.text, sample.finished,
+                                             check_stop=len(sample.token_ids) >= self.min_tokens)
+        self.num_tokens = len(sample.token_ids)
+        self.logprobs = list(sample.logprobs or [])[:self.num_tokens]
+        if is_stopped:
+            self.finish_reason = "stop"
+        elif sample.finished:
+            self.finish_reason = sample.finish_reason or "stop"
+        return delta
+
+    def new_logprobs(self) -> list[TokenLogprobs]:
+        new = self.logprobs[self.num_logprobs_sent:]
+        self.num_logprobs_sent = len(self.logprobs)
+        return new
+
+
+@dataclasses.dataclass
+class Job:
+    """An admitted API request."""
+    kind: str                            # "completion" | "chat"
+    api_id: str
+    model: str
+    choices: list[Choice]
+    outputs: asyncio.Queue               # (prompt index, RequestOutput) from the engine loop
+    include_usage: bool
+    num_samples: int                     # choices per prompt (n)
+    num_logprobs: int | None             # top logprobs per token, when the request asked for logprobs
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    def usage(self) -> dict[str, int]:
+        prompt = sum(c.num_prompt_tokens for c in self.choices[::self.num_samples])
+        completion = sum(c.num_tokens for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def choice_body(tokenizer: Tokenizer | None, job: Job, choice: Choice, text: str,
+                logprobs: list[TokenLogprobs], final: bool, is_delta: bool = False,
+                with_prompt: bool = False) -> dict[str, Any]:
+    body: dict[str, Any] = {"index": choice.index}
+    if job.kind == "chat":
+        body["delta" if is_delta else "message"] = {"content": text} if is_delta else \
+            {"role": "assistant", "content": text}
+    else:
+        body["text"] = text
+    body["logprobs"] = None
+    if job.num_logprobs is not None:
+        body["logprobs"] = _chat_logprobs(tokenizer, logprobs) if job.kind == "chat" else \
+            _completion_logprobs(tokenizer, choice, logprobs, with_prompt)
+    reason = choice.finish_reason
+    body["finish_reason"] = (ABORTED_FINISH_REASON if reason == "abort" else reason) if final else None
+    return body
+
+
+def chunk_maker(job: Job) -> Callable[[dict[str, Any] | None], dict[str, Any]]:
+    kind = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
+
+    def chunk(choice: dict[str, Any] | None) -> dict[str, Any]:
+        body = {"id": job.api_id, "object": kind, "created": job.created, "model": job.model,
+                "choices": [] if choice is None else [choice]}
+        if job.include_usage:
+            body["usage"] = None
+        return body
+    return chunk
+
+
+def _completion_logprobs(tokenizer: Tokenizer | None, choice: Choice, logprobs: list[TokenLogprobs],
+                         with_prompt: bool) -> dict[str, Any]:
+    """OpenAI's completions shape: parallel lists of tokens, their logprobs, the top logprobs as
+    {token text: logprob} and each token's character offset in the returned text; with echo the
+    prompt's tokens come first (the first one has no logprob: nothing predicts it)."""
+    entries: list[tuple[int, TokenLogprobs | None]] = []
+    if with_prompt and choice.prefix and choice.prompt_logprobs is not None:
+        entries = list(zip(choice.prompt_ids, choice.prompt_logprobs))
+    entries += [(lp.token_id, lp) for lp in logprobs]
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, lp in entries:
+        token = _token_text(tokenizer, token_id)
+        out["tokens"].append(token)
+        out["token_logprobs"].append(lp.logprob if lp else None)
+        out["top_logprobs"].append({_token_text(tokenizer, t): v for t, v in lp.top} if lp else None)
+        out["text_offset"].append(choice.offset)
+        choice.offset += len(token)
+    return out
+
+
+def _chat_logprobs(tokenizer: Tokenizer | None, logprobs: list[TokenLogprobs]) -> dict[str, Any]:
+    """OpenAI's chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
+    def entry(token_id: int, value: float) -> dict[str, Any]:
+        text = _token_text(tokenizer, token_id)
+        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in logprobs]}
+
+
+def _token_text(tokenizer: Tokenizer | None, token_id: int) -> str:
+    if tokenizer is None:
+        return f"<{token_id}>"
+    return tokenizer.decode([token_id], skip_special_tokens=False)

@@ -1,0 +1,119 @@
+"""An API request's engine inputs: the request checked against this server and its model, its
+prompts tokenized (text, token ids, or chat messages rendered by the chat template) and its
+sampling settings resolved against the server's defaults and the model's context.
+
+Every refusal is an `APIError` (a 4xx answer) raised before anything reaches the engine loop, so
+a request the server cannot serve never takes a place in its queue.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.config import SamplingParams
+from runtime.server.engine_loop import EngineLoop
+from runtime.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, unsupported_field
+from runtime.text.chat import apply_chat_template
+from runtime.text.tokenizer import Tokenizer
+
+
+class RequestInputs:
+    """Turns API request bodies into prompts and `SamplingParams` for the engine."""
+
+    def __init__(self, loop: EngineLoop, tokenizer: Tokenizer | None, model_name: str, config: Any) -> None:
+        self.loop, self.tokenizer, self.model_name, self.config = loop, tokenizer, model_name, config
+        self.max_model_len = loop.engine.max_model_len
+        self.max_num_loops = loop.engine.config.max_num_loops
+
+    def check_common(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        if body.model != self.model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
+                                f"{self.model_name!r} (see GET /v1/models)", "not_found_error", "model",
+                           "model_not_found")
+        field = unsupported_field(body)
+        if field is not None:
+            raise APIError(400, f"{field}={getattr(body, field)!r} is not supported by this server; leave it "
+                                f"out", param=field)
+        stop = body.stop_strings()
+        if not all(stop):
+            raise APIError(400, "stop strings must be non-empty (an empty string would end every answer at "
+                                "once); leave stop out to stop only at the model's end token", param="stop")
+        if len(stop) > self.config.max_num_stop_strings:
+            raise APIError(400, f"stop takes at most {self.config.max_num_stop_strings} strings, got "
+                                f"{len(stop)}", param="stop")
+        num_loops = body.num_loops or self.config.default_num_loops
+        if num_loops is not None and num_loops > self.max_num_loops:
+            raise APIError(400, f"num_loops={num_loops} is above this server's limit of "
+                                f"{self.max_num_loops} (engine.max_num_loops)", param="num_loops")
+        vocab = self.loop.engine.model.config.vocab_size
+        for name, value in (body.logit_bias or {}).items():
+            if not (name.isdigit() and int(name) < vocab and -100 <= value <= 100):
+                raise APIError(400, f"logit_bias maps token ids (strings of digits below the vocabulary size "
+                                    f"{vocab}) to biases in [-100, 100]; got {name!r}: {value!r}", param="logit_bias")
+        best_of = getattr(body, "best_of", None)
+        if best_of is not None and best_of < (body.n or 1):
+            raise APIError(400, f"best_of ({best_of}) must be at least n ({body.n})", param="best_of")
+        if body.stream and best_of is not None and best_of > (body.n or 1):
+            raise APIError(400, "best_of > n cannot be streamed: the best samples are known only at the end",
+                           param="best_of")
+        if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+
+    def completion_prompts(self, body: CompletionRequest) -> list[tuple[list[int], str | None]]:
+        prompt = body.prompt
+        batch = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
+        if not batch:
+            raise APIError(400, "prompt is empty: give a string or a list of token ids", param="prompt")
+        return [self._encode(p, "prompt") if isinstance(p, str) else (list(p), None) for p in batch]
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], str | None]:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so chat is unavailable; use /v1/completions "
+                                "with token ids", param="messages")
+        try:
+            text = apply_chat_template(self.tokenizer, [m.as_template_input() for m in body.messages],
+                                       add_generation_prompt=True, **(body.chat_template_kwargs or {}))
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+        return self._encode(text, "messages")
+
+    def _encode(self, text: str, param: str) -> tuple[list[int], str]:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer.json: send the prompt as token ids", param=param)
+        ids = self.tokenizer.encode(text)
+        if not ids:
+            raise APIError(400, f"{param} is empty (no tokens)", param=param)
+        return ids, text
+
+    def sampling_params(self, body: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int,
+                        max_tokens: int | None, max_tokens_param: str = "max_tokens") -> SamplingParams:
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise APIError(400, f"the prompt has {num_prompt_tokens} tokens; the model's context holds "
+                                f"{self.max_model_len}, with room for at least one generated token",
+                           param="prompt", code="context_length_exceeded")
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(400, f"{max_tokens_param}={max_tokens} plus the prompt's {num_prompt_tokens} "
+                                f"tokens exceeds the model's context of {self.max_model_len} tokens; ask "
+                                f"for at most {room}", param=max_tokens_param, code="context_length_exceeded")
+        if isinstance(body, ChatCompletionRequest):
+            logprobs = (body.top_logprobs or 0) if body.logprobs else None
+            prompt_logprobs, best_of = None, None
+        else:
+            logprobs, best_of = body.logprobs, body.best_of
+            prompt_logprobs = logprobs if body.echo and logprobs is not None else None
+        defaults = self.config.sampling.resolve(body.temperature, body.top_p, body.top_k)
+        defaults["top_k"] = max(defaults["top_k"], 0)          # -1: off, as 0
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens or min(self.config.default_max_tokens, room), **defaults,
+                seed=body.seed, n=body.n or 1, best_of=best_of,
+                presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=body.repetition_penalty or 1.0,
+                logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
+                min_tokens=body.min_tokens or 0, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                stop_token_ids=(*self.config.stop_token_ids, *(body.stop_token_ids or ())),
+                ignore_eos=body.ignore_eos, num_loops=body.num_loops or self.config.default_num_loops,
+                exit_threshold=body.exit_threshold if body.exit_threshold is not None
+                else self.config.default_exit_threshold)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
