@@ -14,15 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 from itertools import pairwise
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from finetune_looped import SELECTION_RULES  # noqa: E402  (examples/ is not a package)
+
 
 def run_key(report: dict) -> tuple[int, float]:
-    checks = report.get("acceptance", {})
-    tier = 0 if checks and all(checks.values()) else 1 if checks.get("loss_falls_with_every_loop") else 2
-    losses = list(report["heldout_loss_by_loops"].values())
-    return tier, losses[-1]
+    """finetune_looped's `selection_key` of the run's kept weights, read back from its report."""
+    return SELECTION_RULES.index(report["selection"]), list(report["heldout_loss_by_loops"].values())[-1]
 
 
 def main() -> None:

@@ -94,6 +94,27 @@ def test_selection_prefers_the_acceptance_then_the_order_then_the_last_loss():
     assert ft.acceptance(result([3.3, 2.9, 2.85, 2.84], 2.84, exit_loops=4.0))["exit_0.5_mean_below_full"] is False
 
 
+def test_pick_finetuned_keeps_the_run_of_the_best_rule_then_the_lowest_loss(tmp_path, capsys):
+    """tools/pick_finetuned.py: of several runs, $OUT/ft gets the files of the one whose kept weights
+    meet the first selection rule (then the lowest loss(S)); the others' reports go beside it."""
+    import pick_finetuned
+
+    runs = {"ft-0": (2, [3.1, 2.8, 2.81, 2.70]),           # the lowest loss(4), but loop 3 is worse than loop 2
+            "ft-1": (0, [3.1, 2.8, 2.79, 2.785]), "ft-2": (0, [3.1, 2.8, 2.79, 2.78])}
+    for name, (rule, losses) in runs.items():
+        (tmp_path / name).mkdir()
+        report = {"selection": ft.SELECTION_RULES[rule], "heldout_loss_by_loops": dict(enumerate(losses, 1)),
+                  "config": {"loop_weights": "1,1,1,7", "lr": 3e-4}, "selected_step": 9}
+        (tmp_path / name / "finetune.json").write_text(json.dumps(report))
+        (tmp_path / name / "model.safetensors").write_text(name)
+    out = tmp_path / "out"
+    sys.argv = ["pick_finetuned.py", "--out", str(out), *(str(tmp_path / n) for n in runs)]
+    pick_finetuned.main()
+    assert (out / "ft" / "model.safetensors").read_text() == "ft-2"
+    assert sorted(p.name for p in out.iterdir()) == ["ft", "ft-0.json", "ft-1.json"]
+    assert "kept ft-2" in capsys.readouterr().out
+
+
 def tiny_checkpoint(token_folder, folder):
     tokenizer, _, _ = read_tokens(token_folder, torch.device("cpu"))
     cfg = tl.TrainConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, seq_len=32,
