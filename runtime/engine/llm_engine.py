@@ -30,7 +30,8 @@ from runtime.engine.prefix_cache import PrefixPolicy
 from runtime.engine.sample_group import SampleGroup
 from runtime.execution.runner import ModelRunner
 from runtime.execution.sampler import make_generator
-from runtime.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from runtime.engine.scheduler import Scheduler, SchedulerConfig
+from runtime.engine.step_schedule import SchedulerOutput
 from runtime.engine.sequence import PLACEHOLDER, Request, RequestStatus
 from runtime.speculation.speculator import Speculator
 from runtime.parallel.step_plan import PlanPublisher, check_supported

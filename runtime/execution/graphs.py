@@ -133,13 +133,17 @@ class PassGraphs:
             return program(inputs, ctx)
 
         env.backend.update_meta(meta, host.batch)
+        graph, outputs = self._record(step)
+        log.info("captured a pass: %s, batch %d", what, bucket)
+        return Captured(graph, inputs, positions, initial_state, ctx, outputs, fed_from, staging)
+
+    def _record(self, step: Callable[[], Any]) -> tuple[Any, Any]:
+        """(graph, outputs) of `step` captured once (replayed eagerly where capture is off)."""
         with torch.inference_mode():
             step()                         # warm-up: kernel compilation and library handles, outside capture
             self.hal.synchronize()
             graph = self.hal.graph() if self.capture else EagerGraph()
-            outputs = graph.capture(step)
-        log.info("captured a pass: %s, batch %d", what, bucket)
-        return Captured(graph, inputs, positions, initial_state, ctx, outputs, fed_from, staging)
+            return graph, graph.capture(step)
 
 
     def run_chain(self, key: tuple, program: Callable[[torch.Tensor, list], Any], hosts: list[HostInputs],
@@ -200,11 +204,7 @@ class PassGraphs:
                 ctx.clear_cached()
             return program(ids, ctxs)
 
-        with torch.inference_mode():
-            step()                         # warm-up, outside capture
-            self.hal.synchronize()
-            graph = self.hal.graph() if self.capture else EagerGraph()
-            outputs = graph.capture(step)
+        graph, outputs = self._record(step)
         log.info("captured a chain of %d passes: %s, batch %d", len(widths), what, bucket)
         return Chain(graph, host_ints, initial_states, ctxs, outputs, staging)
 

@@ -34,7 +34,7 @@ from hal.base import Hal
 from runtime.config import EngineConfig, SamplingParams
 from runtime.engine.kv_cache import BlockManager
 from runtime.execution.sampler import make_generator
-from runtime.engine.scheduler import ScheduledRequest, SchedulerOutput
+from runtime.engine.step_schedule import ScheduledRequest, SchedulerOutput
 from runtime.engine.sequence import Request
 
 

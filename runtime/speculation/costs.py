@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from runtime.speculation.drafting import draft_tokens
-from runtime.engine.scheduler import ScheduledRequest
+from runtime.engine.step_schedule import ScheduledRequest
 
 
 def tokens_per_round(acceptance: float, num_drafts: int) -> float:

@@ -27,9 +27,8 @@ import logging
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-import torch
-
 import numpy as np
+import torch
 
 from runtime.speculation.acceptance import RoundVerdict, accept_greedy, judge_round
 from runtime.config import SpeculativeConfig
@@ -38,7 +37,7 @@ from runtime.engine.kv_cache import BlockManager
 from runtime.execution.loops import SeqPlan, run_loops
 from runtime.execution.step_inputs import (SeqSlice, describe, describe_rows, pad, place, planes_of, shifted,
                                            widened)
-from runtime.engine.scheduler import ScheduledRequest
+from runtime.engine.step_schedule import ScheduledRequest
 from zoo.parallel import tensor_parallel
 from runtime.engine.sequence import Request
 
