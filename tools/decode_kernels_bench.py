@@ -11,6 +11,7 @@ Cells, most important first (the budget stops the run between cells; what was le
   3. rotary + KV write in one launch vs two, T = 1..8
   4. an 8k-token prefill without context: the paged Triton kernel vs torch's varlen flash (one layer-plane)
   5. config sweeps of `gemv_m1` (one row) and `gemv` (2..8 rows) on o, gate|up and down
+  6. (`--groups wide`) the gemv kernel at 64 and 128 rows against cuBLAS, a config sweep
 Each cell replays a CUDA graph of calls over enough distinct weight copies that they do not sit in
 the 60 MB L2 (median of 10 replays), checks the first call against the fp32 product, and prints
 us per call, TB/s, the floor (bytes / 4.27 TB/s) and floor / time. A failing cell prints its error
@@ -168,6 +169,33 @@ def projection_cells(bench: Bench, ops, configs) -> None:
             bench.cell("proj", name, m, "gemv (default config)",
                        lambda xs=xs: [lambda x=x, wt=wt: ops.linear(x, wt) for x, wt in zip(xs, w.copies)],
                        num_bytes, check)
+        del w
+
+
+WIDE_ROWS = (64, 128)
+WIDE_SWEEP = [KernelConfig(16, bn, w, s, block_k=bk, split_k=0) for bn, bk, w, s in (
+    (64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3), (128, 128, 8, 3))]
+
+
+def wide_cells(bench: Bench, ops, configs) -> None:
+    """6. The gemv kernel at the rows of batch-64 and batch-128 decode against cuBLAS (plain products)."""
+    import torch.nn.functional as F
+
+    from hal.kernels.gemv import NONE, Gemv
+
+    for name, (n, k) in SHAPES.items():
+        w = Weights(n, k, bench.device)
+        for m in WIDE_ROWS:
+            xs = [_randn(m, k, device=bench.device) for _ in w.copies]
+            num_bytes = w.bytes + 2 * m * (k + n)
+            bench.cell("wide", name, m, "cublas F.linear",
+                       lambda xs=xs: [lambda x=x, wt=wt: F.linear(x, wt) for x, wt in zip(xs, w.copies)], num_bytes)
+            for config in WIDE_SWEEP:
+                wide = Gemv({**configs, "gemv": config}, bench.device_units)
+                check = lambda x=xs[0], wt=w.copies[0], g=wide: _rel_err(g._run(x, wt, NONE), x.float() @ wt.float().T)
+                bench.cell("wide", name, m, f"gemv n{config.block_n} k{config.block_k} w{config.num_warps} "
+                           f"s{config.num_stages}", lambda xs=xs, g=wide: [
+                               lambda x=x, wt=wt: g._run(x, wt, NONE) for x, wt in zip(xs, w.copies)], num_bytes, check)
         del w
 
 
@@ -377,7 +405,7 @@ def summary(bench: Bench) -> list[str]:
 
 
 def run(device: str = "cuda", budget_s: float = 90.0, out: str | None = None,
-        print_fn: Callable[[str], None] = print) -> Bench:
+        print_fn: Callable[[str], None] = print, groups: tuple[str, ...] = ()) -> Bench:
     from hal.kernels.gemv import Gemv
     from hal.kernels.launch import target_of
 
@@ -391,9 +419,12 @@ def run(device: str = "cuda", budget_s: float = 90.0, out: str | None = None,
     print_fn(f"# {target.backend} {target.arch}, {bench.device_units} SMs, torch {torch.__version__}; "
              f"configs_for({target.arch!r}): gemv_m1={configs['gemv_m1']} gemv={configs['gemv']}")
     print_fn(HEADER)
-    for step in (lambda: projection_cells(bench, ops, configs), lambda: fused_cells(bench, ops, configs),
-                 lambda: rotary_cells(bench, configs), lambda: prefill_cells(bench, configs),
-                 lambda: sweep_cells(bench, configs)):
+    steps = {"proj": lambda: projection_cells(bench, ops, configs), "fused": lambda: fused_cells(bench, ops, configs),
+             "rotary": lambda: rotary_cells(bench, configs), "prefill": lambda: prefill_cells(bench, configs),
+             "sweep": lambda: sweep_cells(bench, configs), "wide": lambda: wide_cells(bench, ops, configs)}
+    for name, step in steps.items():
+        if groups and name not in groups or not groups and name == "wide":
+            continue
         try:
             step()
         except Exception as exc:              # setup of a group failed (memory?): say so, go on
@@ -414,6 +445,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--budget", type=float, default=90.0, help="seconds; cells past it are listed, not run")
     parser.add_argument("--out", default=None, help="append every row as JSON lines here")
+    parser.add_argument("--groups", default="", help="comma-separated groups (proj,fused,rotary,prefill,sweep,"
+                        "wide); default: all but wide")
     args = parser.parse_args()
-    run(budget_s=args.budget, out=args.out)
+    run(budget_s=args.budget, out=args.out, groups=tuple(g for g in args.groups.split(",") if g))
     sys.exit(0)

@@ -31,7 +31,12 @@ from hal.kernels.configs import KernelConfig, configs_for  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 16, 128, 16
 ATTENTION_CELLS = ((1, 1024), (64, 1024), (128, 1024))                     # (batch, context)
-UNIFIED_SWEEP = [KernelConfig(16, n, w, st) for n, w, st in ((64, 4, 3), (128, 4, 2), (256, 4, 2), (128, 8, 3))]
+UNIFIED_SWEEP = {                  # decode tile configs tried beside each table config, per cache dtype
+    "bf16": [KernelConfig(16, n, w, st) for n, w, st in ((32, 4, 3), (32, 4, 4), (64, 4, 3), (64, 4, 4),
+                                                        (128, 4, 2), (32, 2, 3), (16, 2, 3))],
+    "fp8": [KernelConfig(16, n, w, st) for n, w, st in ((32, 4, 3), (64, 4, 3), (128, 4, 3), (16, 2, 3),
+                                                       (16, 2, 4), (32, 2, 3), (16, 1, 4))],
+}
 FP8 = torch.float8_e4m3fn
 
 
@@ -89,10 +94,10 @@ def attention_cells(bench: Bench) -> None:
 
             default = configs["attention_decode" if kv_dtype is None else "attention_decode_fp8"]
 
-            def unified(plane, config=default):
+            def unified(plane, config=default, num_splits=splits):
                 for launch in attention.attention_launches(
                         q, values, meta.block_tables[plane], meta.seq_lens, meta.query_start_loc, scale,
-                        config, splits, configs["attention_reduce"], out, "cuda", scales):
+                        config, num_splits, configs["attention_reduce"], out, "cuda", scales):
                     run_launch(launch)
                 return out
 
@@ -102,13 +107,14 @@ def attention_cells(bench: Bench) -> None:
             name = "bf16" if kv_dtype is None else "fp8"
             bench.cell("attn", shape, num_seqs, f"{name} unified (table config)",
                        lambda: [lambda p=p: unified(p) for p in range(num_planes)], plane_bytes, check(unified))
-            if kv_dtype is None:
+            if num_seqs == 1:
                 continue
-            for config in UNIFIED_SWEEP:
-                fn = lambda plane, config=config: unified(plane, config)   # noqa: E731
-                bench.cell("attn", shape, num_seqs, f"fp8 unified n{config.block_n} w{config.num_warps} "
-                           f"s{config.num_stages}", lambda fn=fn: [lambda p=p: fn(p) for p in range(num_planes)],
-                           plane_bytes, check(fn))
+            variants = [(config, splits) for config in UNIFIED_SWEEP[name]] + [(default, 2 * splits)]
+            for config, num_splits in variants:
+                fn = lambda plane, c=config, n=num_splits: unified(plane, c, n)   # noqa: E731
+                bench.cell("attn", shape, num_seqs, f"{name} unified n{config.block_n} w{config.num_warps} "
+                           f"s{config.num_stages} x{num_splits}",
+                           lambda fn=fn: [lambda p=p: fn(p) for p in range(num_planes)], plane_bytes, check(fn))
             del backend, cache, meta
             torch.cuda.empty_cache()
 

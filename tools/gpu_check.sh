@@ -3,7 +3,7 @@
 # suite, the kernel benchmark, the engine benchmark cells and a profile of a decode step.
 #   tools/gpu_check.sh [phase ...]     phases: conformance tests kernels bench models profile spec
 #                                      specasync sweep fp8 cells peer profile64 train finetune spec22
-#                                      fp8kernels fp8cells
+#                                      fp8kernels fp8cells fp8quick restcuda tune
 #                                      (default: the first six)
 # Logs go to $OUT/gpu_check.log, benchmark rows to $OUT/bench.jsonl; a short table is printed last.
 set -u
@@ -123,6 +123,20 @@ for phase in $PHASES; do
       LOOPSTACK_FP8_GEMM=triton bench model=ouro-1.4b engine.weights_dtype=fp8 'workload=[b1]' ;;
     fp8kernels)   # issue 20: the FP8 kernels against their bf16 twins (tools/fp8_kernels_bench.py)
       run "fp8 kernels" 200 python3 tools/fp8_kernels_bench.py --budget 150 --out "$OUT/fp8_kernels.jsonl" ;;
+    tune)     # decode attention tiles: sweep (tools/fp8_kernels_bench.py), pick the best for batch 64 + 128
+              # (tools/pick_decode_configs.py), then the decode cells with the pick (LOOPSTACK_KERNEL_CONFIGS)
+      run "attention sweep" 240 python3 tools/fp8_kernels_bench.py --only attn --budget 200 --out "$OUT/attn_sweep.jsonl"
+      LOOPSTACK_KERNEL_CONFIGS=$(python3 tools/pick_decode_configs.py "$OUT/attn_sweep.jsonl" 2>>"$LOG")
+      export LOOPSTACK_KERNEL_CONFIGS
+      echo "picked: $LOOPSTACK_KERNEL_CONFIGS" | tee -a "$LOG"
+      bench model=ouro-1.4b 'workload=[b1,b64,b128]'
+      bench model=ouro-1.4b engine.kv_dtype=fp8 'workload=[b64,b128]' ;;
+    fp8quick)     # issue 20's decode cells only (their bf16 twins come from the cells phase of the same call)
+      bench model=ouro-1.4b engine.kv_dtype=fp8 'workload=[b1,b64,b128]'
+      bench model=ouro-1.4b engine.kv_dtype=fp8 engine.weights_dtype=fp8 'workload=[b1]' ;;
+    restcuda)     # the cuda-marked tests the kernel phases do not cover (scheduling, speculation)
+      run "pytest scheduling+speculation" 240 python3 -m pytest tests/cuda/test_scheduling_cuda.py \
+        tests/cuda/test_speculation_cuda.py -q -rs -p no:cacheprovider ;;
     fp8cells)     # issue 20: the acceptance cells, FP8 and bf16 in one call
       run "pytest fp8" 240 python3 -m pytest tests/cuda/test_fp8_cuda.py -q -rs -p no:cacheprovider
       bench model=ouro-1.4b 'workload=[b1,b128,prefill8k]'

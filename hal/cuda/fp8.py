@@ -111,9 +111,9 @@ def dequantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
 SLOWER_THAN_BF16 = {
     "sm_90": {
         "kv": "engine.kv_dtype=fp8 decodes slower than the model dtype on this GPU (H200, Ouro-1.4B, "
-              "128 x 1K: 0.87x the bf16 tok/s, 2026-12-01; the FP8 tiles reach the tensor cores through "
-              "byte-wise shared-memory reads); it holds 1.9x the tokens in the same memory. For speed, "
-              "leave engine.kv_dtype unset",
+              "64-128 x 1K: 0.88-0.92x the bf16 tok/s, 2026-12-02; the FP8 attention kernel is bound by its "
+              "own instructions, not by the bytes it saves); it holds 1.9x the tokens in the same memory. "
+              "For speed, leave engine.kv_dtype unset",
     },
 }
 

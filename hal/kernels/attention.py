@@ -21,10 +21,17 @@ of tokens, sequences, splits): CUDA/HIP graphs stay valid as long as a captured 
 Precision: products on the tensor cores with fp32 accumulation; bf16 P for the PV product (as in
 FlashAttention); fp32 caches use 3xTF32 on NVIDIA and fp32 MFMA on AMD (`dot_precision`).
 
-8-bit caches (`KV_QUANT`, hal/common/kv_quant.py): K and V tiles load as FP8 and widen to q's dtype (exact),
-and every key's scale is applied where it factors out of the products: QK^T column n times
-`k_scale[n]`, and P's column n times `v_scale[n]` before the PV product. The softmax sums stay the
-unscaled P's.
+8-bit caches (`KV_QUANT`, hal/common/kv_quant.py): K and V tiles load as FP8 and widen exactly to fp16
+for 16-bit queries (q is clamped to the fp16 range; FP8 -> fp16 is one packed conversion where
+FP8 -> bf16 takes a second, slow one per element on sm_90), to fp32 for fp32 queries. Every key's
+scale is applied where it factors out of the products: QK^T column n times `k_scale[n]`, and P's
+column n times `v_scale[n] / max(v_scale)` before the PV product, whose result is multiplied by the
+tile's `max(v_scale)` (P stays in [0, 1] in fp16). The softmax sums stay the unscaled P's.
+
+Pipelining: each tile's pages come from the block table one iteration ahead (`_tile_pages`), so the
+K/V loads of a tile depend on no load of their own iteration and Triton's pipeliner gives them
+`num_stages - 1` shared-memory buffers (with the lookup in the same iteration it gave them one,
+whatever `num_stages` said: docs/performance.md, lever 22).
 """
 from __future__ import annotations
 
@@ -56,17 +63,21 @@ def _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr, head_off,
+def _tile_pages(table_ptr, tile, last_pos, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The page of every key of `tile` (0 past the sequence's last key)."""
+    keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    return tl.load(table_ptr + keys // PAGE_SIZE, mask=keys <= last_pos, other=0).to(tl.int64)
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page, head_off,
                  scale_head, tile, row_pos, last_pos, qk_scale, stride_cb, stride_ct, stride_sb, stride_st, dims,
                  dim_valid, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr):
-    """One online-softmax step over keys [tile * BLOCK_N, (tile + 1) * BLOCK_N)."""
+    """One online-softmax step over keys [tile * BLOCK_N, (tile + 1) * BLOCK_N) on pages `page` [N]."""
     keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)                          # [N]
     if MASKED:
         key_valid = keys <= last_pos
-        page = tl.load(table_ptr + keys // PAGE_SIZE, mask=key_valid, other=0).to(tl.int64)
-    else:
-        page = tl.load(table_ptr + keys // PAGE_SIZE).to(tl.int64)
     key_off = page * stride_cb + (keys % PAGE_SIZE).to(tl.int64) * stride_ct + head_off   # [N]
     k_ptrs = k_cache_ptr + key_off[None, :] + dims[:, None]                 # [D, N]
     v_ptrs = v_cache_ptr + key_off[:, None] + dims[None, :]                 # [N, D]
@@ -84,7 +95,7 @@ def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
         else:
             k_scale = tl.load(k_scale_ptr + scale_off)
             v_scale = tl.load(v_scale_ptr + scale_off)
-        k = k.to(q.dtype)
+        k = k.to(q.dtype)                   # q is float16 here unless the batch is float32
         v = v.to(q.dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * (k_scale * qk_scale)[None, :]
     else:
@@ -97,10 +108,12 @@ def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     if KV_QUANT:
-        pv = (p * v_scale[None, :]).to(v.dtype)
+        v_max = tl.max(v_scale, 0)
+        v_max = tl.where(v_max > 0.0, v_max, 1.0)
+        pv = (p * (v_scale / v_max)[None, :]).to(v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PRECISION) * v_max
     else:
-        pv = p.to(v.dtype)
-    acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
@@ -135,6 +148,8 @@ def _paged_attention_kernel(
     dim_valid = dims < HEAD_DIM
     q = tl.load(q_ptr + token[:, None] * stride_qt + row_head[:, None] * stride_qh + dims[None, :],
                 mask=row_valid[:, None] & dim_valid[None, :], other=0.0)  # [M, D]
+    if KV_QUANT and q.dtype != tl.float32:      # 16-bit queries over an 8-bit cache: float16 products
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     first_pos = context_len + local_block * BLOCK_Q                       # the block's first token
     last_pos = context_len + tl.minimum((local_block + 1) * BLOCK_Q, q_len) - 1
@@ -149,16 +164,25 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     table_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head.to(tl.int64) * stride_ch
+    # each tile's pages are loaded one iteration ahead: the K/V loads then depend on no load of their
+    # own iteration, and the pipeliner gives them num_stages - 1 buffers instead of one
+    page = _tile_pages(table_ptr, tile_lo, last_pos, PAGE_SIZE, BLOCK_N)
     for tile in range(tile_lo, tl.minimum(tile_hi, num_full)):
+        next_page = _tile_pages(table_ptr, tile + 1, last_pos, PAGE_SIZE, BLOCK_N)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                                     table_ptr, head_off, kv_head, tile, row_pos, last_pos, qk_scale, stride_cb,
+                                     page, head_off, kv_head, tile, row_pos, last_pos, qk_scale, stride_cb,
                                      stride_ct, stride_sb, stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, False,
                                      DOT_PRECISION, KV_QUANT)
-    for tile in range(tl.maximum(tile_lo, num_full), tile_hi):
+        page = next_page
+    first_masked = tl.maximum(tile_lo, num_full)
+    page = _tile_pages(table_ptr, first_masked, last_pos, PAGE_SIZE, BLOCK_N)
+    for tile in range(first_masked, tile_hi):
+        next_page = _tile_pages(table_ptr, tile + 1, last_pos, PAGE_SIZE, BLOCK_N)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                                     table_ptr, head_off, kv_head, tile, row_pos, last_pos, qk_scale, stride_cb,
+                                     page, head_off, kv_head, tile, row_pos, last_pos, qk_scale, stride_cb,
                                      stride_ct, stride_sb, stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, True,
                                      DOT_PRECISION, KV_QUANT)
+        page = next_page
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]

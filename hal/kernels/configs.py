@@ -13,10 +13,11 @@ callers; nothing else chooses tiles. Keys of a table are kernel names:
                       3xTF32 (fp32-level error), which needs more registers still
   attention_prefill_fp8  attention_prefill for 16-bit queries over an FP8 KV cache (hal/common/kv_quant.py): the
                       K/V tiles widen from FP8 in registers, which the largest AMD tiles cannot spare
-  attention_decode_fp8  attention_decode over an FP8 KV cache: the FP8 tiles reach the tensor cores
-                      through byte-wise shared-memory reads (no transposing load for 8-bit data), so
-                      wider key tiles pay (H200, tools/fp8_kernels_bench.py, 128 x 1K, per layer-plane:
-                      128 keys x 2 stages 345 us, x 3 stages 361 us, 64 keys 486 us, 256 keys 742 us)
+  attention_decode_fp8  attention_decode over an FP8 KV cache: the FP8 V tile reaches the tensor cores
+                      through byte-wise shared-memory reads (no transposing load for 8-bit data) and the
+                      widened tiles take ~200 registers, so wider key tiles pay (H200,
+                      tools/fp8_kernels_bench.py, 128 x 1K, per layer-plane, 2026-12-02: 128 keys x 2
+                      stages 317-334 us, x 3 stages 381 us, 64 keys 450 us, 32 keys 414 us)
   attention_reduce    merges the context splits of attention_decode (num_warps only)
   kv_write            scatter of new K/V rows into the paged cache: block_m tokens per program
   rms_norm, rotary    one row / one token per program (num_warps only)
@@ -34,6 +35,8 @@ within the limit, MFMA/wgmma present where expected. None of it has been timed o
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 
 KERNEL_NAMES = ("attention_prefill", "attention_decode", "attention_prefill_fp32", "attention_decode_fp32",
@@ -89,14 +92,16 @@ def _fp32_attention(prefill: KernelConfig, decode: KernelConfig) -> dict[str, Ke
 
 
 _TABLES: dict[str, dict[str, KernelConfig]] = {
-    # H100/H200: 8 warps = two warpgroups for wgmma on 128 query rows; 3 cp.async stages of K/V
-    # (2 x 16 KiB per stage at D=128) keep ~64 KiB in flight per SM for the memory-bound decode.
+    # H100/H200: 8 warps = two warpgroups for wgmma on 128 query rows. Decode: 64-key tiles, 2 stages
+    # (one K/V tile in flight beside the one in use, 32 KiB) at 4 programs per SM: 89% / 92% of the copy
+    # rate at 64 / 128 x 1K (tools/fp8_kernels_bench.py, 2026-12-02; 3 stages 84% / 88%, 3 programs per SM).
     "sm_90": {
         "attention_prefill": KernelConfig(128, 64, 8, 3),
-        "attention_decode": KernelConfig(16, 64, 4, 3),
+        "attention_decode": KernelConfig(16, 64, 4, 2),
         "attention_prefill_fp8": KernelConfig(128, 64, 8, 3),
         "attention_decode_fp8": KernelConfig(16, 128, 4, 2),
-        **_fp32_attention(KernelConfig(16, 32, 4, 2), KernelConfig(16, 32, 4, 2)),
+        # fp32 prefill: 4 warps spill 16 bytes once the pages are loaded a tile ahead; 8 do not
+        **_fp32_attention(KernelConfig(16, 32, 8, 2), KernelConfig(16, 32, 4, 2)),
         **_small_ops(4, 1),
         # one row: 16 x 256 bf16 = 8 KiB of weight per program and step, the next step's in flight
         # (stages 2: a register prefetch); 2..8 rows: 32 x 256 per stage, 4 cp.async stages; split-K
@@ -156,9 +161,29 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
 
 
 def configs_for(arch: str) -> dict[str, KernelConfig]:
-    """The table for `arch` ("sm_90", "sm_80", "gfx942", "gfx950"); any other arch gets "default"."""
+    """The table for `arch` ("sm_90", "sm_80", "gfx942", "gfx950"); any other arch gets "default".
+    `LOOPSTACK_KERNEL_CONFIGS` (JSON, e.g. '{"attention_decode": [16, 32, 4, 3]}') replaces entries:
+    for tuning on a GPU without editing the table (tools/fp8_kernels_bench.py prints candidates)."""
     base = arch.split(":")[0]          # "gfx942:sramecc+:xnack-" -> "gfx942"
-    return dict(_TABLES.get(base, _TABLES["default"]))
+    return {**_TABLES.get(base, _TABLES["default"]), **overrides(os.environ.get("LOOPSTACK_KERNEL_CONFIGS", ""))}
+
+
+def overrides(text: str) -> dict[str, KernelConfig]:
+    """Table entries from JSON `{"<kernel name>": [block_m, block_n, num_warps, num_stages, ...]}`."""
+    if not text.strip():
+        return {}
+    try:
+        entries = json.loads(text)
+        return {_known(name): KernelConfig(*values) for name, values in entries.items()}
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"LOOPSTACK_KERNEL_CONFIGS={text!r}: {e}; expected JSON like "
+                         '\'{"attention_decode": [16, 32, 4, 3]}\' (kernel name -> KernelConfig fields)') from None
+
+
+def _known(name: str) -> str:
+    if name not in KERNEL_NAMES:
+        raise ValueError(f"unknown kernel {name!r}; known: {', '.join(KERNEL_NAMES)}")
+    return name
 
 
 def all_configs() -> dict[str, dict[str, KernelConfig]]:

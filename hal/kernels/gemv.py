@@ -20,8 +20,9 @@ Epilogue: `ADD_RESIDUAL` returns `residual + y` (each rounded as torch rounds `h
 
 Tiling. A program owns `BLOCK_N` output columns and a `1 / SPLIT_K` share of K. With `BLOCK_M == 1`
 (M = 1) it multiplies in fp32 FMAs over a `[BLOCK_N, BLOCK_K]` tile (16-byte loads along K, one
-reduction at the end); with `BLOCK_M == 16` (M = 2..16, rows past M masked) it takes `tl.dot` (the
-loads then go through the software pipeline, `num_stages` deep). Row statistics of the norm
+reduction at the end); with `BLOCK_M >= 16` (M = 2..16 pad to 16, more rows to the next power of two
+up to MAX_DOT_ROWS; rows past M masked) it takes `tl.dot` (the loads then go through the software
+pipeline, `num_stages` deep). Row statistics of the norm
 prologues are computed per program over the whole row (x is M x K elements, in L2: small beside the
 program's BLOCK_N x K weight bytes). Split-K is deterministic: every split writes its fp32 partial,
 and the last split to arrive at a column block (an atomic counter, reset by that program) sums the
@@ -56,6 +57,8 @@ MAX_ROWS = 8                     # decode batches the kernels take; more rows go
 NORM_PROLOGUE_MAX_ROWS = 1
 SANDWICH_PROLOGUE_MAX_ROWS = 1
 DOT_ROWS = 16                    # tl.dot needs 16 rows: M = 2..8 pads to this
+MAX_DOT_ROWS = 128               # rows one program holds; the ops route at most MAX_ROWS here (at 64
+                                 # and 128 rows cuBLAS was faster on every projection: docs/performance.md, 23)
 MAX_SPLIT_K = 16
 MIN_TILES_PER_SPLIT = 2          # a split streams at least this many BLOCK_K tiles
 STATS_ELEMENTS = 8192            # elements of x per step of the row-statistics pass
@@ -282,7 +285,9 @@ def plan(num_rows: int, n: int, k: int, config: KernelConfig, num_compute_units:
     """Split-K and row block for an `[num_rows, k] x [n, k]` product. `config.split_k == 0` picks
     the smallest power of two that gives every compute unit a program, keeping at least
     MIN_TILES_PER_SPLIT tiles of K per split."""
-    block_m = 1 if config.block_m == 1 and num_rows == 1 else DOT_ROWS
+    if num_rows > MAX_DOT_ROWS:
+        raise ValueError(f"the gemv kernels take at most {MAX_DOT_ROWS} rows, got {num_rows}")
+    block_m = 1 if config.block_m == 1 and num_rows == 1 else max(DOT_ROWS, next_pow2(num_rows))
     k_tiles = -(-k // config.block_k)
     split = config.split_k
     if split == 0:

@@ -63,3 +63,8 @@ def test_decode_kernels_bench_runs_every_group_at_toy_shapes(monkeypatch):
     assert [(r.shape, " k0 " in r.variant) for r in failed] == [("o", True), ("gate_up+nrl", True)]   # block_k=0
     assert any(line.startswith("# batch-1 step") for line in lines)
     assert any("fresh vs paged output rel err" in line for line in lines)
+    monkeypatch.setattr(dkb, "WIDE_ROWS", (20,))
+    monkeypatch.setattr(dkb, "WIDE_SWEEP", dkb.WIDE_SWEEP[:1])
+    wide = dkb.run("cpu", budget_s=600, print_fn=lines.append, groups=("wide",))
+    assert {r.group for r in wide.rows} == {"wide"} and len(wide.rows) == 2 * 5, lines
+    assert all(r.us for r in wide.rows) and max(r.err for r in wide.rows if r.err is not None) < 1e-2, lines

@@ -19,6 +19,41 @@ def test_every_table_has_every_kernel():
     assert all(t["attention_prefill"].kpack == 1 for t in all_configs().values())   # gfx950 forces 1
 
 
+def test_env_override_replaces_table_entries(monkeypatch):
+    monkeypatch.setenv("LOOPSTACK_KERNEL_CONFIGS", '{"attention_decode": [16, 32, 4, 4]}')
+    table = configs_for("sm_90")
+    assert table["attention_decode"] == KernelConfig(16, 32, 4, 4)
+    assert table["attention_prefill"] == all_configs()["sm_90"]["attention_prefill"]
+    for bad, fix in (('{"attention_decod": [16, 32, 4, 4]}', "unknown kernel 'attention_decod'"),
+                     ('{"attention_decode": [16]}', "expected JSON like"), ("16,32,4,4", "expected JSON like")):
+        monkeypatch.setenv("LOOPSTACK_KERNEL_CONFIGS", bad)
+        with pytest.raises(ValueError, match=fix):
+            configs_for("sm_90")
+
+
+def test_pick_decode_configs_takes_the_least_summed_time():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "tools"))
+    from pick_decode_configs import pick
+
+    def row(shape, variant, us):
+        return {"group": "attn", "shape": shape, "variant": variant, "us": us}
+
+    rows = [row("B64xK1024", "bf16 unified (table config)", 160.0), row("B128xK1024", "bf16 unified (table config)", 310.0),
+            row("B64xK1024", "bf16 unified n32 w4 s3 x1", 150.0), row("B128xK1024", "bf16 unified n32 w4 s3 x1", 300.0),
+            row("B64xK1024", "bf16 unified n64 w4 s3 x2", 100.0), row("B128xK1024", "bf16 unified n64 w4 s3 x2", 100.0),
+            row("B64xK1024", "bf16 unified n128 w4 s2 x1", 140.0),             # one cell only: not a candidate
+            row("B64xK1024", "fp8 unified (table config)", 150.0), row("B128xK1024", "fp8 unified (table config)", 300.0),
+            row("B64xK1024", "fp8 unified n64 w4 s3 x1", 170.0), row("B128xK1024", "fp8 unified n64 w4 s3 x1", 330.0)]
+    chosen, report = pick(rows)
+    fp8 = configs_for("sm_90")["attention_decode_fp8"]                  # the table's wins for FP8
+    assert chosen == {"attention_decode": [16, 32, 4, 3],
+                      "attention_decode_fp8": [fp8.block_m, fp8.block_n, fp8.num_warps, fp8.num_stages]}
+    assert "470.0 us" in report[0] and "450.0 us" in report[0]      # table, then best
+
+
 def test_config_validation_names_the_field():
     with pytest.raises(ValueError, match="block_m=48"):
         KernelConfig(48, 64, 4, 2)

@@ -105,6 +105,22 @@ def test_products_round_once(path, dtype):
                         f"{path} silu_and_mul +residual", out_res)
 
 
+@pytest.mark.parametrize("rows", [20, 64])
+def test_wide_row_blocks(rows, monkeypatch):
+    """Past 16 rows a program holds the next power of two (batch-64/128 decode, "gemv_wide")."""
+    monkeypatch.setattr(gemv, "MAX_ROWS", gemv.MAX_DOT_ROWS)
+    n, k = 40, 96
+    weight = (torch.randn(n, k) / k ** 0.5).bfloat16()
+    ops = _ops(DOT_SPLIT)
+    assert gemv.plan(rows, n, k, DOT_SPLIT, 16).block_m == (32 if rows == 20 else 64)
+    x, out_res = torch.randn(rows, k).bfloat16(), torch.randn(rows, n).bfloat16()
+    _assert_product(ops.linear(x, weight, out_res), x, weight, "wide +residual", out_res)
+    gate_up = torch.randn(rows, 2 * k).bfloat16()
+    _assert_product(ops.silu_mul_linear(gate_up, weight), silu_and_mul_ref(gate_up), weight, "wide silu_and_mul")
+    with pytest.raises(ValueError, match="at most 128 rows"):
+        gemv.plan(129, n, k, DOT_SPLIT, 16)
+
+
 def test_prologue_switches_give_the_same_function(monkeypatch):
     """Above NORM_PROLOGUE_MAX_ROWS / SANDWICH_PROLOGUE_MAX_ROWS the norms run as their own launch
     first: the same values (up to the statistics' sum order)."""

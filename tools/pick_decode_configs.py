@@ -1,0 +1,67 @@
+"""Pick the decode attention tile configs from a `tools/fp8_kernels_bench.py --only attn` run: for each
+cache dtype, the swept config (table config included) with the least time summed over the batch-64 and
+batch-128 cells, printed as `LOOPSTACK_KERNEL_CONFIGS` JSON (hal/kernels/configs.py) with the table
+config's time beside it on stderr.
+
+    python tools/pick_decode_configs.py fp8_kernels.jsonl     # -> {"attention_decode": [16, 32, 4, 3], ...}
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections import defaultdict
+
+from hal.kernels.configs import configs_for
+
+VARIANT = re.compile(r"^(bf16|fp8) unified n(\d+) w(\d+) s(\d+) x(\d+)$")
+KEYS = {"bf16": "attention_decode", "fp8": "attention_decode_fp8"}
+CELLS = ("B64xK1024", "B128xK1024")
+
+
+def pick(rows: list[dict], arch: str = "sm_90") -> tuple[dict[str, list[int]], list[str]]:
+    """(`{config key: [block_m, block_n, num_warps, num_stages]}`, report lines)."""
+    table = configs_for(arch)
+    times: dict[tuple[str, tuple[int, ...]], dict[str, float]] = defaultdict(dict)
+    splits: dict[tuple[str, str], int] = {}
+    for row in rows:
+        if row.get("group") != "attn" or row.get("shape") not in CELLS:
+            continue
+        name, variant = row["variant"].split(" ", 1)[0], row["variant"]
+        if variant.endswith("(table config)"):
+            c = table[KEYS[name]]
+            times[(name, (c.block_m, c.block_n, c.num_warps, c.num_stages))][row["shape"]] = row["us"]
+            continue
+        m = VARIANT.match(variant)
+        if m is None:
+            continue
+        n, w, s, x = map(int, m.groups()[1:])
+        splits.setdefault((name, row["shape"]), x)                 # the first sweep rows use the table's split
+        if x == splits[(name, row["shape"])]:
+            times[(name, (16, n, w, s))][row["shape"]] = min(row["us"], times[(name, (16, n, w, s))].get(
+                row["shape"], float("inf")))
+    chosen, report = {}, []
+    for name, key in KEYS.items():
+        c = table[key]
+        current = (c.block_m, c.block_n, c.num_warps, c.num_stages)
+        total = {cfg: sum(t.values()) for (nm, cfg), t in times.items() if nm == name and len(t) == len(CELLS)}
+        if not total:
+            continue
+        best = min(total, key=total.get)
+        chosen[key] = list(best)
+        report.append(f"{key}: table {list(current)} {total.get(current, float('nan')):.1f} us, "
+                      f"best {list(best)} {total[best]:.1f} us (sum over {', '.join(CELLS)})")
+    return chosen, report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    rows = [json.loads(line) for line in open(args[0]) if line.strip()]
+    chosen, report = pick(rows)
+    print("\n".join(report), file=sys.stderr)
+    print(json.dumps(chosen))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
