@@ -22,24 +22,26 @@ CELLS = ("B64xK1024", "B128xK1024")
 def pick(rows: list[dict], arch: str = "sm_90") -> tuple[dict[str, list[int]], list[str]]:
     """(`{config key: [block_m, block_n, num_warps, num_stages]}`, report lines)."""
     table = configs_for(arch)
-    times: dict[tuple[str, tuple[int, ...]], dict[str, float]] = defaultdict(dict)
-    splits: dict[tuple[str, str], int] = {}
+    runs = []                                                   # (dtype name, config, splits, shape, us)
     for row in rows:
         if row.get("group") != "attn" or row.get("shape") not in CELLS:
             continue
-        name, variant = row["variant"].split(" ", 1)[0], row["variant"]
-        if variant.endswith("(table config)"):
+        name = row["variant"].split(" ", 1)[0]
+        if row["variant"].endswith("(table config)"):
             c = table[KEYS[name]]
-            times[(name, (c.block_m, c.block_n, c.num_warps, c.num_stages))][row["shape"]] = row["us"]
-            continue
-        m = VARIANT.match(variant)
-        if m is None:
-            continue
-        n, w, s, x = map(int, m.groups()[1:])
-        splits.setdefault((name, row["shape"]), x)                 # the first sweep rows use the table's split
-        if x == splits[(name, row["shape"])]:
-            times[(name, (16, n, w, s))][row["shape"]] = min(row["us"], times[(name, (16, n, w, s))].get(
-                row["shape"], float("inf")))
+            runs.append((name, (c.block_m, c.block_n, c.num_warps, c.num_stages), 0, row["shape"], row["us"]))
+        elif m := VARIANT.match(row["variant"]):
+            n, w, s, x = map(int, m.groups()[1:])
+            runs.append((name, (16, n, w, s), x, row["shape"], row["us"]))
+    # the table's split count is the sweep's smallest (the bench adds one run at twice it), and the
+    # table-config row runs at it too (0 above); a config's time is its best run per cell
+    table_splits = {(nm, shape): min((x for n2, _, x, s2, _ in runs if (n2, s2) == (nm, shape) and x), default=0)
+                    for nm, _, _, shape, _ in runs}
+    times: dict[tuple[str, tuple[int, ...]], dict[str, float]] = defaultdict(dict)
+    for name, config, x, shape, us in runs:
+        if x in (0, table_splits[(name, shape)]):
+            cell = times[(name, config)]
+            cell[shape] = min(us, cell.get(shape, float("inf")))
     chosen, report = {}, []
     for name, key in KEYS.items():
         c = table[key]
