@@ -195,7 +195,7 @@ def step_costs(engine: Any, cell: dict[str, int], num_loops: int | None, repeats
 def run(cfg: Any) -> list[dict[str, Any]]:
     """Every workload cell (rank 0 of a tensor-parallel run measures; the other ranks follow)."""
     from runtime.parallel.state import init_from_cli
-    from runtime.parallel.step_plan import Follower
+    from runtime.parallel.follower import Follower
 
     engine_config(cfg)                       # bad engine options fail before a model is built
     hal = make_hal(cfg.hal)

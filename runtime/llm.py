@@ -15,8 +15,9 @@ from runtime.text.chat import Message, apply_chat_template
 from runtime.config import EngineConfig, SamplingParams
 from runtime.engine.llm_engine import LLMEngine
 from runtime.engine.outputs import RequestOutput
+from runtime.parallel.follower import Follower
 from runtime.parallel.state import ParallelState
-from runtime.parallel.step_plan import Follower, check_supported
+from runtime.parallel.step_plan import check_supported
 from runtime.text.tokenizer import Tokenizer
 from zoo.base import LoopedCausalLM
 from zoo.parallel import tensor_parallel

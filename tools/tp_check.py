@@ -40,8 +40,8 @@ sys.path.insert(0, str(ROOT))
 import hal as hal_registry  # noqa: E402
 from runtime import SamplingParams  # noqa: E402
 from runtime.llm import LLM, follow  # noqa: E402
+from runtime.parallel.follower import Follower  # noqa: E402
 from runtime.parallel.state import ParallelState, init_distributed  # noqa: E402
-from runtime.parallel.step_plan import Follower  # noqa: E402
 
 
 class Task(NamedTuple):

@@ -13,7 +13,8 @@ from helpers import golden_case, single_thread  # noqa: F401 (fixture)
 from runtime import SamplingParams
 from runtime.config import EngineConfig, SpeculativeConfig
 from runtime.engine.llm_engine import LLMEngine
-from runtime.parallel.step_plan import Follower, PlanPublisher, StepPlan, TensorParallelMismatch
+from runtime.parallel.follower import Follower, TensorParallelMismatch
+from runtime.parallel.step_plan import PlanPublisher, StepPlan
 from test_speculation import damp_loops
 
 CPU = hal.get("cpu")
