@@ -18,7 +18,7 @@ class ThreadGroup:
 
 
 class ThreadComm:
-    """`hal.base.Comm` between threads: every rank reduces the same stacked tensors in rank order,
+    """`hal.resources.Comm` between threads: every rank reduces the same stacked tensors in rank order,
     so all ranks get identical results, as NCCL and gloo give."""
 
     def __init__(self, group: ThreadGroup, rank: int) -> None:

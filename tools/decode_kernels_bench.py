@@ -181,7 +181,8 @@ def wide_cells(bench: Bench, ops, configs) -> None:
     """6. The gemv kernel at the rows of batch-64 and batch-128 decode against cuBLAS (plain products)."""
     import torch.nn.functional as F
 
-    from hal.kernels.gemv import NONE, Gemv
+    from hal.kernels.gemv import NONE
+    from hal.kernels.gemv_ops import Gemv
 
     for name, (n, k) in SHAPES.items():
         w = Weights(n, k, bench.device)
@@ -300,7 +301,7 @@ def rotary_cells(bench: Bench, configs) -> None:
 
 def prefill_cells(bench: Bench, configs) -> None:
     """4. One layer-plane of an 8k prefill without context: paged Triton vs the fresh path."""
-    from hal.base import PagedBatch
+    from hal.attention import PagedBatch
     from hal.kernels.backend import TritonPagedAttention
 
     dev, page, tokens = bench.device, 16, PREFILL_TOKENS
@@ -330,7 +331,7 @@ def prefill_cells(bench: Bench, configs) -> None:
 def sweep_cells(bench: Bench, base: dict[str, KernelConfig]) -> None:
     """5. Launch configs of gemv_m1 (M = 1) and gemv (M = 8, then 2 and 4) on the plain projections,
     and of gemv_m1 on gate|up with Ouro's sandwich prologue (its L2 re-reads shrink with wider blocks)."""
-    from hal.kernels.gemv import Gemv
+    from hal.kernels.gemv_ops import Gemv
 
     def label(config: KernelConfig) -> str:
         return (f"{'fma' if config.block_m == 1 else 'dot'} n{config.block_n} k{config.block_k} "
@@ -406,7 +407,7 @@ def summary(bench: Bench) -> list[str]:
 
 def run(device: str = "cuda", budget_s: float = 90.0, out: str | None = None,
         print_fn: Callable[[str], None] = print, groups: tuple[str, ...] = ()) -> Bench:
-    from hal.kernels.gemv import Gemv
+    from hal.kernels.gemv_ops import Gemv
     from hal.kernels.launch import target_of
 
     start = time.monotonic()

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from decode_kernels_bench import FLOOR_BANDWIDTH, HEADER, L2_BYTES, SHAPES, Bench, _randn, _rel_err  # noqa: E402
 
-from hal.base import PagedBatch  # noqa: E402
+from hal.attention import PagedBatch  # noqa: E402
 from hal.kernels.configs import KernelConfig, configs_for  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 16, 128, 16
@@ -154,7 +154,7 @@ def projection_cells(bench: Bench) -> None:
     from hal.common.kv_quant import quantize
     from hal.cuda.fp8 import scaled_mm_linear
     from hal.kernels import fp8_linear as w8a16
-    from hal.kernels.gemv import Gemv
+    from hal.kernels.gemv_ops import Gemv
 
     configs = configs_for("sm_90")
     gemv = Gemv(configs, bench.device_units)

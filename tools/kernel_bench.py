@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from hal.base import PagedBatch
+from hal.attention import PagedBatch
 from hal.kernels.configs import KernelConfig, configs_for
 from hal.kernels.launch import target_of
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, NamedTuple, Protocol
 import torch
 from torch import nn
 
-from hal.base import dense_attention
+from hal.attention import dense_attention
 
 FUSED_OPS_ENV = "LOOPSTACK_FUSED_OPS"      # 0: every layer takes its plain torch expression
 

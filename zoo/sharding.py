@@ -165,7 +165,7 @@ def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
 def shard(model: nn.Module, rank: int, world_size: int, comm: Any) -> nn.Module:
     """Make `model` rank `rank`'s part of a `world_size`-way tensor-parallel model, in place.
 
-    `comm` (a `hal.base.Comm`, e.g. `Hal.comm()`) carries the all-reduces and all-gathers. Records
+    `comm` (a `hal.resources.Comm`, e.g. `Hal.comm()`) carries the all-reduces and all-gathers. Records
     `model.tensor_parallel` (`zoo.parallel.TensorParallel`). Raises a ValueError naming the head
     counts (or intermediate size) when they cannot split (`zoo.parallel.split_heads`), and for
     attention modules it does not know.

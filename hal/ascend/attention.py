@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from hal.ascend.ops import MASK_SIZE, AscendOps
-from hal.base import AttentionBackend, AttnCaps, MetaCapacity, PagedBatch
+from hal.attention import AttentionBackend, AttnCaps, MetaCapacity, PagedBatch
 from hal.common.torch_attention import TorchPagedAttention
 from hal.common.paged import block_table_array, slot_mapping, table_lengths
 

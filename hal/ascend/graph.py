@@ -38,7 +38,7 @@ def check_host_params(calls: Sequence[GraphCall], host_params: Sequence[dict[str
 
 
 class AscendGraph:
-    """The `hal.base.Graph` protocol over the NPU or the simulation (subclasses do the device part)."""
+    """The `hal.resources.Graph` protocol over the NPU or the simulation (subclasses do the device part)."""
 
     def __init__(self, ops: AscendOps) -> None:
         self.ops = ops

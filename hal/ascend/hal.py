@@ -18,7 +18,8 @@ from hal.ascend.attention import FallbackAttention, FusedAttention
 from hal.ascend.fused import make_op
 from hal.ascend.graph import NpuGraph
 from hal.ascend.ops import AscendOps
-from hal.base import AttentionBackend, Caps, Hal, MemInfo
+from hal.attention import AttentionBackend
+from hal.base import Caps, Hal, MemInfo
 from hal.common.host_buffer import StagedHostBuffer
 
 log = logging.getLogger(__name__)

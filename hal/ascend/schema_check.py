@@ -25,7 +25,7 @@ import torch
 
 from hal.ascend.ops import CALL_SITES, AscendOps
 from hal.ascend.sim.hal import SimAscendHal
-from hal.base import PagedBatch
+from hal.attention import PagedBatch
 
 NO_META_KERNEL = "no fake impl or Meta kernel registered"
 

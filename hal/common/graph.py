@@ -1,4 +1,4 @@
-"""The eager graph: `hal.base.Graph` for Hals that do not record device work (the CPU, simulations)."""
+"""The eager graph: `hal.resources.Graph` for Hals that do not record device work (the CPU, simulations)."""
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence

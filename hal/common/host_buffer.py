@@ -1,4 +1,4 @@
-"""The staged host buffer: `hal.base.HostBuffer` where the device cannot read host memory directly
+"""The staged host buffer: `hal.resources.HostBuffer` where the device cannot read host memory directly
 (Ascend, CUDA/ROCm without UVA, the simulations).
 
 Host rows (pinned where the device is not the host) are copied into a device tensor at a fixed

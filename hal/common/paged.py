@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hal.base import PagedBatch
+from hal.attention import PagedBatch
 
 
 def query_start_loc(batch: PagedBatch) -> np.ndarray:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hal.base import AttentionBackend, AttnCaps, MetaCapacity, PagedBatch, dense_attention
+from hal.attention import AttentionBackend, AttnCaps, MetaCapacity, PagedBatch, dense_attention
 from hal.common.paged import block_table_array, query_start_loc, slot_mapping, table_lengths
 
 

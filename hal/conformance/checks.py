@@ -14,7 +14,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from hal.base import Hal, PagedBatch, dense_attention
+from hal.attention import PagedBatch, dense_attention
+from hal.base import Hal
 from hal.common.torch_attention import TorchPagedAttention
 
 TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}

@@ -6,7 +6,8 @@ from typing import Sequence
 
 import torch
 
-from hal.base import AttentionBackend, Caps, Hal
+from hal.attention import AttentionBackend
+from hal.base import Caps, Hal
 from hal.common.graph import EagerGraph
 from hal.common.host import CpuHostBuffer, HostDevice
 from hal.common.torch_attention import TorchPagedAttention

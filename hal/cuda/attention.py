@@ -10,13 +10,13 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from hal.base import AttentionBackend
+from hal.attention import AttentionBackend
 from hal.common.torch_attention import TorchPagedAttention
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_TRITON_HEAD_DIM = 128            # the kernels' tiles are compile-checked up to this; wider go to torch
 FUSED_OPS = ("rms_norm", "rotary", "silu_and_mul")
-GEMV_OPS = ("linear", "rms_norm_linear", "silu_mul_linear", "norm_residual_linear")   # hal/kernels/gemv.py
+GEMV_OPS = ("linear", "rms_norm_linear", "silu_mul_linear", "norm_residual_linear")  # hal/kernels/gemv_ops.py
 TRITON_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
@@ -119,7 +119,7 @@ def fused_op(name: str, configs: dict[str, Any] | None = None, num_compute_units
     if name not in FUSED_OPS + GEMV_OPS or not triton_status()[0]:
         return None
     if name in GEMV_OPS:
-        gemv = importlib.import_module("hal.kernels.gemv")
-        return gemv.gemv_ops(configs, num_compute_units)[name]
+        gemv_ops = importlib.import_module("hal.kernels.gemv_ops")
+        return gemv_ops.gemv_ops(configs, num_compute_units)[name]
     ops = importlib.import_module("hal.kernels.ops")
     return ops.fused_ops(configs).get(name)

@@ -71,7 +71,7 @@ def fp8_linear_op(arch: str, configs: dict[str, Any] | None, has_triton: bool) -
     triton_linear, quantize, gemv = None, None, None
     if has_triton:
         from hal.kernels import fp8_linear as kernels
-        from hal.kernels.gemv import Gemv
+        from hal.kernels.gemv_ops import Gemv
 
         if choice == "auto":
             gemv = Gemv(configs).fp8_linear

@@ -14,10 +14,12 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
-from hal.base import AttentionBackend, Caps, Hal, HostBuffer, MemInfo
+from hal.attention import AttentionBackend
+from hal.base import Caps, Hal, MemInfo
 from hal.cuda import attention, driver
 from hal.cuda import host_buffer as buffers
 from hal.cuda.graph import CudaGraph
+from hal.resources import HostBuffer
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Host-written, device-readable buffers on CUDA and ROCm (see `hal.base.HostBuffer`).
+"""Host-written, device-readable buffers on CUDA and ROCm (see `hal.resources.HostBuffer`).
 
 Two kinds, chosen once per Hal by `decide_uva`:
 - `MappedHostBuffer`: pinned host memory whose device address (cudaHostGetDevicePointer /

@@ -4,7 +4,8 @@
   kv_write.py    K/V scatter into the paged cache by slot mapping
   ops.py         fused small ops: rms_norm (+ residual), rotary (NeoX / GPT-J), silu_and_mul
   gemv.py        decode projections for 1-8 rows with the small ops folded in (norm / SwiGLU
-                 prologues, residual epilogue, deterministic split-K): the `*linear` Hal ops
+                 prologues, residual epilogue, deterministic split-K)
+  gemv_ops.py    the `*linear` Hal ops: route each call to gemv.py or to the unfused torch path
   rotary_kv.py   rotary + the KV write in one launch (TritonPagedAttention.write_kv_rotary)
   fresh.py       prefill without context over its fresh K/V through torch's flash kernel
   backend.py     TritonPagedAttention, the AttentionBackend over these kernels

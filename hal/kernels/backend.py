@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from hal.base import AttentionBackend, AttnCaps, MetaCapacity, PagedBatch
+from hal.attention import AttentionBackend, AttnCaps, MetaCapacity, PagedBatch
 from hal.kernels import fresh
 from hal.kernels.attention import DECODE_MAX_QUERY_LEN, paged_attention
 from hal.kernels.configs import KernelConfig, configs_for

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from hal.base import AttentionBackend
+from hal.attention import AttentionBackend
 from hal.cuda.hal import FRESH_PREFILL_ENV, CudaHal, DeviceFacts
 from hal.rocm.driver import hip_host_device_pointer
 from hal.rocm.visible import sync_visible_devices

@@ -13,7 +13,8 @@ from typing import Sequence
 
 import torch
 
-from hal.base import AttentionBackend, Hal
+from hal.attention import AttentionBackend
+from hal.base import Hal
 
 
 class SwapSpace:

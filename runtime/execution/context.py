@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from hal.base import PagedBatch
+from hal.attention import PagedBatch
 from zoo.base import BaseContext
 
 if TYPE_CHECKING:

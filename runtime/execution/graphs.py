@@ -22,7 +22,8 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 import torch
 
-from hal.base import Hal, MetaCapacity
+from hal.attention import MetaCapacity
+from hal.base import Hal
 from hal.common.graph import EagerGraph
 from hal.common.staging import StagingRing
 from runtime.execution.context import PagedContext
@@ -231,6 +232,6 @@ def fed_rows(host: HostInputs, source: Any, num_rows: int) -> np.ndarray:
 
 
 def _empty_batch(num_planes: int, block_size: int):
-    from hal.base import PagedBatch
+    from hal.attention import PagedBatch
 
     return PagedBatch([], [], [[] for _ in range(num_planes)], block_size)

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from hal.base import AttentionBackend, PagedBatch
+from hal.attention import AttentionBackend, PagedBatch
 from runtime.engine.planes import PlaneLayout
 from runtime.engine.sequence import PLACEHOLDER
 from runtime.execution.context import PagedContext

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hal
-from hal.base import PagedBatch
+from hal.attention import PagedBatch
 from hal.kernels.backend import TritonPagedAttention
 from hal.kernels.kv_write import write_kv
 from hal.kernels.ops import rms_norm, rotary, silu_and_mul

@@ -7,7 +7,7 @@ import torch
 
 import hal
 from hal.ascend.sim.npu import GraphReplayError
-from hal.base import MetaCapacity, PagedBatch
+from hal.attention import MetaCapacity, PagedBatch
 
 TABLES = [[[0], [1, 2, 8], [3]], [[4], [5, 6, 9], [7]]]      # [plane][seq][block]
 CAPACITY = MetaCapacity(max_num_seqs=3, max_num_tokens=3, max_blocks_per_seq=2, num_planes=2, max_seq_len=256)

@@ -9,7 +9,7 @@ from helpers import golden_case, single_thread  # noqa: F401 (fixture)
 import hal
 import zoo
 from hal.ascend.quant_attention import Int8FusedAttention
-from hal.base import PagedBatch
+from hal.attention import PagedBatch
 from hal.common.kv_quant import fake_quantize
 from runtime import SamplingParams
 from runtime.config import EngineConfig

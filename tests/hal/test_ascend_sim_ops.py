@@ -11,7 +11,7 @@ import hal
 from hal.ascend.schemas import SchemaError
 from hal.ascend.sim.npu import SimNpu
 from hal.ascend.sim.attention import NpuOpError
-from hal.base import PagedBatch
+from hal.attention import PagedBatch
 from hal.common.torch_attention import TorchPagedAttention
 from hal.common.paged import token_positions
 from zoo.layers import RMSNorm, apply_rope_half, apply_rope_interleaved, rope_tables

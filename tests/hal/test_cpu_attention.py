@@ -4,7 +4,7 @@ import random
 
 import torch
 
-from hal.base import PagedBatch
+from hal.attention import PagedBatch
 from hal.common.torch_attention import TorchPagedAttention
 from hal.common.paged import slot_mapping, token_positions
 

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from hal.base import PagedBatch
+from hal.attention import PagedBatch
 from hal.common.torch_attention import TorchPagedAttention
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hal.base import PagedBatch
+from hal.attention import PagedBatch
 from hal.kernels import launch
 from hal.kernels.attention import MAX_SPLITS, num_kv_splits
 from hal.kernels.backend import TritonPagedAttention

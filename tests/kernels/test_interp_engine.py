@@ -35,7 +35,7 @@ def test_golden_greedy_through_triton_attention():
 def test_advanced_metadata_equals_the_advanced_batch():
     """`advance_meta` (speculation's chained draft passes) gives the metadata `build_meta` makes for
     the batch `steps` positions on: lengths and slots in every plane, -1 where a plane is unused."""
-    from hal.base import MetaCapacity, PagedBatch
+    from hal.attention import MetaCapacity, PagedBatch
     from hal.common.torch_attention import TorchPagedAttention
 
     bs = 4

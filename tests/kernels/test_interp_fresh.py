@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hal.base import PagedBatch
+from hal.attention import PagedBatch
 from hal.kernels import fresh
 from hal.kernels.backend import TritonPagedAttention
 from hal.kernels.configs import KernelConfig, configs_for

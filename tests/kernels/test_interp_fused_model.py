@@ -14,7 +14,7 @@ from zoo.fuse import fuse_projections
 from hal.cpu import CpuHal
 from hal.kernels.backend import TritonPagedAttention
 from hal.kernels.configs import configs_for
-from hal.kernels.gemv import gemv_ops
+from hal.kernels.gemv_ops import gemv_ops
 from hal.kernels.ops import fused_ops
 from helpers import golden_case
 from runtime import SamplingParams

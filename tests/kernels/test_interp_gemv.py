@@ -1,11 +1,11 @@
-"""The decode projections of hal/kernels/gemv.py under the Triton interpreter, against the torch
-expressions that define them (`Hal.op`'s docstring) and the zoo layers."""
+"""The decode projections of hal/kernels/gemv.py (through gemv_ops.py) under the Triton interpreter,
+against the torch expressions that define them (`Hal.op`'s docstring) and the zoo layers."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hal.kernels import gemv
+from hal.kernels import gemv, gemv_ops
 from hal.kernels.configs import KernelConfig, all_configs, configs_for
 from kernel_reference import rms_norm_ref, silu_and_mul_ref
 
@@ -20,8 +20,8 @@ DOT_SPLIT = KernelConfig(16, 32, 4, 2, block_k=16, split_k=0)
 PATHS = {"fma": FMA, "fma-prefetch-split3": FMA_PREFETCH_SPLIT, "dot": DOT, "dot-autosplit": DOT_SPLIT}
 
 
-def _ops(config: KernelConfig) -> gemv.Gemv:
-    return gemv.Gemv({**configs_for("default"), "gemv_m1": config, "gemv": config}, num_compute_units=16)
+def _ops(config: KernelConfig) -> gemv_ops.Gemv:
+    return gemv_ops.Gemv({**configs_for("default"), "gemv_m1": config, "gemv": config}, num_compute_units=16)
 
 
 def _rows_for(config: KernelConfig) -> list[int]:
@@ -108,7 +108,7 @@ def test_products_round_once(path, dtype):
 @pytest.mark.parametrize("rows", [20, 64])
 def test_wide_row_blocks(rows, monkeypatch):
     """Past 16 rows a program holds the next power of two (batch-64/128 decode, "gemv_wide")."""
-    monkeypatch.setattr(gemv, "MAX_ROWS", gemv.MAX_DOT_ROWS)
+    monkeypatch.setattr(gemv_ops, "MAX_ROWS", gemv.MAX_DOT_ROWS)
     n, k = 40, 96
     weight = (torch.randn(n, k) / k ** 0.5).bfloat16()
     ops = _ops(DOT_SPLIT)
@@ -130,8 +130,8 @@ def test_prologue_switches_give_the_same_function(monkeypatch):
     x, residual = torch.randn(3, k).bfloat16(), torch.randn(3, k).bfloat16()
     w1, w2 = torch.randn(k).bfloat16(), torch.randn(k).bfloat16()
     fused = ops.rms_norm_linear(x, w1, 1e-6, eye), *ops.norm_residual_linear(x, residual, w1, w2, 1e-6, eye)
-    monkeypatch.setattr(gemv, "NORM_PROLOGUE_MAX_ROWS", 0)
-    monkeypatch.setattr(gemv, "SANDWICH_PROLOGUE_MAX_ROWS", 0)
+    monkeypatch.setattr(gemv_ops, "NORM_PROLOGUE_MAX_ROWS", 0)
+    monkeypatch.setattr(gemv_ops, "SANDWICH_PROLOGUE_MAX_ROWS", 0)
     split = ops.rms_norm_linear(x, w1, 1e-6, eye), *ops.norm_residual_linear(x, residual, w1, w2, 1e-6, eye)
     for a, b in zip(fused, split):
         _assert_bits(a, b, "prologue vs own launch")
@@ -144,7 +144,7 @@ def test_split_k_is_deterministic_and_leaves_counters_zero():
     first = ops.linear(x, weight)
     assert torch.equal(first, ops.linear(x, weight))
     assert gemv.plan(1, 48, 160, FMA_PREFETCH_SPLIT, 16).split_k == 3
-    assert not gemv._counters(torch.device("cpu")).any()
+    assert not gemv_ops._counters(torch.device("cpu")).any()
 
 
 def test_rows_do_not_depend_on_their_neighbours():
@@ -163,7 +163,7 @@ def test_other_shapes_and_dtypes_take_the_unfused_path_bit_for_bit():
     from hal.kernels.ops import rms_norm, silu_and_mul
 
     ops = _ops(FMA)
-    for dtype, rows in ((torch.bfloat16, gemv.MAX_ROWS + 1), (torch.float32, 1)):
+    for dtype, rows in ((torch.bfloat16, gemv_ops.MAX_ROWS + 1), (torch.float32, 1)):
         x, residual = torch.randn(rows, 64).to(dtype), torch.randn(rows, 64).to(dtype)
         weight, w1, w2 = torch.randn(32, 64).to(dtype), torch.randn(64).to(dtype), torch.randn(64).to(dtype)
         linear = torch.nn.functional.linear
@@ -208,7 +208,7 @@ def test_hal_registers_the_ops_by_name():
 
     for name in attention.GEMV_OPS:
         assert callable(attention.fused_op(name, configs_for("sm_90"), 132))
-    assert set(gemv.gemv_ops()) == set(attention.GEMV_OPS)
+    assert set(gemv_ops.gemv_ops()) == set(attention.GEMV_OPS)
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e4m3fnuz], ids=["e4m3fn", "e4m3fnuz"])

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from hal.ascend.ops import MASK_SIZE
-from hal.base import dense_attention
+from hal.attention import dense_attention
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
 

@@ -1,0 +1,159 @@
+"""The decode projection ops (`linear`, `rms_norm_linear`, `silu_mul_linear`, `norm_residual_linear`,
+and `fp8_linear` for FP8 weights): `Gemv` routes each call to the skinny-GEMM kernels of
+hal/kernels/gemv.py or to the unfused torch path.
+
+Why routing sits apart from the kernels: which operands go to them is a measured choice (MAX_ROWS,
+the prologue row limits below, both from H200 timings), while the kernels themselves take any row
+count up to their MAX_DOT_ROWS; tools and tests launch the kernels directly, past these limits.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from hal.kernels.configs import KernelConfig, configs_for
+from hal.kernels.gemv import ADD_NORM, NONE, NORM_ADD, RMS_NORM, SILU_AND_MUL, config_key, gemv_launch, plan
+from hal.kernels.launch import backend_of, check_device, run_launch
+
+MAX_ROWS = 8                     # decode batches the kernels take; more rows go to the GEMM (cuBLAS)
+# Up to these rows the norms run in the projection's prologue; above, the standalone rms_norm kernel
+# runs first and the projection takes its output (each program recomputes the row statistics, which
+# costs L2 reads in proportion to the rows). tools/decode_kernels_bench.py on an H200 (2026-12-01):
+# at 2 rows the prologues took 18-42 us where the separate launches took 12-19 us, and at 4 rows
+# one value of the sandwich prologue was 2 bf16 ulps from the unfused kernels: one row only
+NORM_PROLOGUE_MAX_ROWS = 1
+SANDWICH_PROLOGUE_MAX_ROWS = 1
+COUNTER_SLOTS = 1 << 16          # column blocks a split-K launch may have (N / BLOCK_N)
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@functools.lru_cache(maxsize=8)
+def _counters(device: torch.device) -> torch.Tensor:
+    """Split-K arrival counters of `device`, zero between launches (the last split resets its own).
+    Launches on one stream run one after another, so one set per device serves them all."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("the gemv split-K counters must be allocated before graph capture: "
+                           "run the step once eagerly first (as the decode graphs do)")
+    return torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+
+
+class Gemv:
+    """The fused projection ops bound to one config table and device size (what `Hal.op` returns).
+    Each computes the kernel for bf16/fp16 inputs of at most MAX_ROWS rows, and otherwise the unfused
+    path (`hal.kernels.ops` small ops + `torch.nn.functional.linear`), bit for bit what the model's
+    torch code computes through the Hal's other ops."""
+
+    def __init__(self, configs: dict[str, KernelConfig] | None = None, num_compute_units: int | None = None):
+        self.configs = configs or configs_for("default")
+        self.num_compute_units = num_compute_units
+
+    def _fits(self, x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor | None) -> bool:
+        rows = x.numel() // x.shape[-1] if x.dim() else 0
+        dtypes = {t.dtype for t in (x, weight, *others) if t is not None}
+        return (0 < rows <= MAX_ROWS and len(dtypes) == 1 and x.dtype in KERNEL_DTYPES
+                and weight.dim() == 2 and weight.stride(-1) == 1)
+
+    def _run(self, x2: torch.Tensor, weight: torch.Tensor, prologue: int, **kw) -> torch.Tensor:
+        check_device(x2)
+        rows, n = x2.shape[0], weight.shape[0]
+        out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
+        config = self.configs[config_key(rows)]
+        if self.num_compute_units is None:
+            self.num_compute_units = _compute_units(x2.device)
+        units = self.num_compute_units
+        p = plan(rows, n, weight.shape[1], config, units)
+        if p.split_k > 1:
+            kw["workspace"] = torch.empty(p.split_k * rows * n, dtype=torch.float32, device=x2.device)
+            kw["counters"] = _counters(x2.device)
+        run_launch(gemv_launch(x2, weight, out, config, backend_of(x2.device), units, prologue=prologue, **kw))
+        return out
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`linear(x, weight) (+ residual)`."""
+        if not self._fits(x, weight, residual):
+            y = torch.nn.functional.linear(x, weight)
+            return y if residual is None else residual + y
+        out_res = None if residual is None else _rows(residual)
+        return self._run(_rows(x), weight, NONE, out_residual=out_res).view(*x.shape[:-1], -1)
+
+    def fp8_linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+        """W8A16 `x @ (weight * scale[:, None]).T` for x `[M, K]` bf16/fp16 with M <= MAX_ROWS, FP8 weight
+        `[N, K]`, float32 `scale: [N]`; None for operands the kernel does not take (the caller's GEMM)."""
+        rows = x.shape[0] if x.dim() == 2 else 0
+        if not (0 < rows <= MAX_ROWS and x.dtype in KERNEL_DTYPES and weight.dim() == 2
+                and weight.stride(-1) == 1 and scale.dtype == torch.float32 and x.shape[-1] == weight.shape[1]):
+            return None
+        return self._run(_rows(x), weight, NONE, weight_scale=scale)
+
+    def rms_norm_linear(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor) -> torch.Tensor:
+        """`linear(rms_norm(x, norm_weight, eps), weight)`."""
+        if not self._fits(x, weight, norm_weight):
+            return torch.nn.functional.linear(self._rms_norm(x, norm_weight, eps), weight)
+        x2 = _rows(x)
+        if x2.shape[0] > NORM_PROLOGUE_MAX_ROWS:
+            return self._run(_rows(self._rms_norm(x2, norm_weight, eps)), weight, NONE).view(*x.shape[:-1], -1)
+        return self._run(x2, weight, RMS_NORM, eps=eps, norm_weight=norm_weight).view(*x.shape[:-1], -1)
+
+    def silu_mul_linear(self, x: torch.Tensor, weight: torch.Tensor,
+                        residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`linear(silu_and_mul(x), weight) (+ residual)`; x `[..., 2K]` = gate | up."""
+        if x.shape[-1] != 2 * weight.shape[-1] or not self._fits(x, weight, residual):
+            y = torch.nn.functional.linear(self._silu_and_mul(x), weight)
+            return y if residual is None else residual + y
+        out_res = None if residual is None else _rows(residual)
+        return self._run(_rows(x), weight, SILU_AND_MUL, out_residual=out_res).view(*x.shape[:-1], -1)
+
+    def norm_residual_linear(self, x: torch.Tensor, residual: torch.Tensor, post_norm_weight: torch.Tensor,
+                             norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                             sum_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(linear(rms_norm(h, norm_weight, eps), weight), h)` with the residual stream
+        `h = residual + rms_norm(x, post_norm_weight, eps)` (sandwich norms, Ouro), or with
+        `sum_first`, `h = rms_norm(x + residual, post_norm_weight, eps)` (Huginn)."""
+        if not self._fits(x, weight, residual, post_norm_weight, norm_weight) or residual.shape != x.shape:
+            if sum_first:
+                h = self._rms_norm(x + residual, post_norm_weight, eps)
+            else:
+                h = self._rms_norm(x, post_norm_weight, eps, residual)
+            return torch.nn.functional.linear(self._rms_norm(h, norm_weight, eps), weight), h
+        x2 = _rows(x)
+        if x2.shape[0] > SANDWICH_PROLOGUE_MAX_ROWS:       # the stream in its own launch, then one norm
+            h = self._rms_norm(x + residual, post_norm_weight, eps) if sum_first else \
+                self._rms_norm(x, post_norm_weight, eps, residual)
+            return self.rms_norm_linear(h, norm_weight, eps, weight), h
+        h = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+        y = self._run(x2, weight, NORM_ADD if sum_first else ADD_NORM, eps=eps, norm_weight=norm_weight,
+                      residual=_rows(residual), res_norm_weight=post_norm_weight, stream_out=h)
+        return y.view(*x.shape[:-1], -1), h.view(x.shape)
+
+    # the unfused path: the same kernels the model's RMSNorm and silu_and_mul take through the Hal
+    def _rms_norm(self, x, weight, eps, residual=None):
+        from hal.kernels.ops import rms_norm
+
+        return rms_norm(x, weight, eps, residual, self.configs)
+
+    def _silu_and_mul(self, x):
+        from hal.kernels.ops import silu_and_mul
+
+        return silu_and_mul(x, self.configs)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """`[..., K]` -> `[M, K]` with unit stride along K."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _compute_units(device: torch.device) -> int:
+    from hal.kernels.backend import device_compute_units
+
+    return device_compute_units(device)
+
+
+def gemv_ops(configs: dict[str, KernelConfig] | None = None,
+             num_compute_units: int | None = None) -> dict[str, object]:
+    """The ops by the names `Hal.op` uses, bound to one config table."""
+    g = Gemv(configs, num_compute_units)
+    return {"linear": g.linear, "rms_norm_linear": g.rms_norm_linear, "silu_mul_linear": g.silu_mul_linear,
+            "norm_residual_linear": g.norm_residual_linear}
