@@ -1,4 +1,5 @@
-"""`LLMEngine`: add_request / step / abort over the scheduler, block manager and model runner.
+"""`LLMEngine`: the step over the scheduler, block manager and model runner; add_request / abort
+and the requests' outputs it inherits (runtime/engine/engine_requests.py).
 
 Each `step()` schedules up to `max_num_batched_tokens` new tokens across running and waiting
 requests, runs them as one packed batch, samples, and returns the outputs of the requests that
@@ -13,7 +14,6 @@ that stopped at t has its t+1 work discarded. Outputs equal the synchronous engi
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Iterable
@@ -22,17 +22,16 @@ import torch
 
 from hal.base import Hal
 from runtime.execution.async_step import PendingStep, StepResult
-from runtime.config import EngineConfig, SamplingParams, resolve_async
-from runtime.engine.admission import cache_salt, check_request, fit_context, num_speculative_tokens, sample_of
+from runtime.config import EngineConfig, resolve_async
+from runtime.engine.admission import fit_context
+from runtime.engine.engine_requests import EngineRequests
 from runtime.engine.kv_cache import BlockManager
-from runtime.engine.outputs import RequestOutput, request_output
+from runtime.engine.outputs import RequestOutput
 from runtime.engine.prefix_cache import PrefixPolicy
-from runtime.engine.sample_group import SampleGroup
 from runtime.execution.runner import ModelRunner
-from runtime.execution.sampler import make_generator
 from runtime.engine.scheduler import Scheduler, SchedulerConfig
 from runtime.engine.step_schedule import SchedulerOutput
-from runtime.engine.sequence import PLACEHOLDER, Request, RequestStatus
+from runtime.engine.sequence import PLACEHOLDER, RequestStatus
 from runtime.speculation.speculator import Speculator
 from runtime.parallel.step_plan import PlanPublisher, check_supported
 from runtime.engine.swap import SwapSpace
@@ -42,10 +41,11 @@ from zoo.base import LoopedCausalLM
 log = logging.getLogger(__name__)
 
 
-class LLMEngine:
-    """`publisher` (tensor parallelism, rank 0: `ParallelState.publisher()`) sends every scheduled
-    step to the other ranks, which run the same model runner on their shards; call `close()` when
-    done so they free their KV cache."""
+class LLMEngine(EngineRequests):
+    """The step over the requests it inherits (runtime/engine/engine_requests.py: add_request,
+    abort, outputs). `publisher` (tensor parallelism, rank 0: `ParallelState.publisher()`) sends
+    every scheduled step to the other ranks, which run the same model runner on their shards; call
+    `close()` when done so they free their KV cache."""
 
     def __init__(self, model: LoopedCausalLM, hal: Hal, config: EngineConfig | None = None,
                  tokenizer: Tokenizer | None = None, extra_stop_token_ids: Iterable[int] = (),
@@ -83,8 +83,8 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             stops.append(tokenizer.eos_token_id)
         self.default_stop_token_ids = frozenset(stops)
-        self.requests: dict[str, Request] = {}
-        self.groups: dict[str, SampleGroup] = {}       # n > 1: request id -> its samples
+        self.requests = {}
+        self.groups = {}
         self.num_steps = 0
         self.num_computed_tokens = 0
         # benchmarks: a runtime.execution.step_timer.StepTimer records device events around each step
@@ -95,71 +95,6 @@ class LLMEngine:
         self.max_model_len = fit_context(self.max_model_len, self.config.max_model_len, self.runner.num_blocks,
                                          self.runner.block_size, self.runner.layout.num_planes(self.max_loops),
                                          self.max_loops)
-
-    # ----- requests -------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, priority: int | None = None) -> Request:
-        """Queue a request (`priority` overrides `params.priority`; lower = more urgent). Raises
-        ValueError for bad input and MemoryError when the request could never fit in the KV cache;
-        other requests are unaffected either way."""
-        if request_id in self.requests or request_id in self.groups:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if self.publisher is not None:
-            params = self.publisher.seeded(params)
-        num_loops = params.num_loops or self.model.default_num_loops
-        check_request(prompt_token_ids, params, num_loops, self.model.config.vocab_size, self.context_len,
-                      self.config)
-        if num_loops > self.max_loops:
-            self._grow_max_loops(num_loops)
-        threshold = self.model.default_exit_threshold if params.exit_threshold is None else params.exit_threshold
-        num_speculative = num_speculative_tokens(self.config.speculative, num_loops, threshold, params)
-        group = None
-        if params.num_samples > 1:
-            group = SampleGroup(request_id, params.n, params.num_samples)
-            taken = [group.child_id(i) for i in range(1, group.best_of) if group.child_id(i) in self.requests]
-            if taken:
-                raise ValueError(f"request id {taken[0]!r} (a sample of {request_id!r}) is already in use")
-            params = dataclasses.replace(params, n=1, best_of=None)
-        request = Request(
-            request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params, num_loops=num_loops,
-            exit_threshold=threshold,
-            num_planes=self.runner.layout.num_planes(num_loops),
-            stop_token_ids=frozenset() if params.ignore_eos else self.default_stop_token_ids,
-            max_seq_len=self.context_len, prompt=prompt, generator=make_generator(params, self.runner.device),
-            priority=params.priority if priority is None else int(priority),
-            cache_salt=cache_salt(self.config.enable_prefix_caching, self.model.has_initial_state, params),
-            num_speculative_tokens=num_speculative)
-        self.scheduler.add(request)          # MemoryError if it could never fit
-        self.requests[request_id] = request
-        if group is not None:
-            request.group, request.rank_by_logprob = group, group.best_of > group.n
-            group.samples.append(request)
-            self.groups[request_id] = group
-        return request
-
-    def _fork(self, parent: Request) -> None:
-        """n > 1: sample 0 computed its prompt; queue the other samples, sharing its prompt blocks."""
-        group = parent.group
-        for index in range(len(group.samples), group.best_of):
-            child = sample_of(parent, index, group.child_id(index),
-                              lambda params: make_generator(params, self.runner.device))
-            self.scheduler.fork(parent, child)
-            self.requests[child.request_id] = child
-            group.samples.append(child)
-
-    def _grow_max_loops(self, num_loops: int) -> None:
-        # the pool is shared by all planes; more loops only change how many planes a request takes
-        self.max_loops = num_loops
-
-    def abort(self, request_id: str) -> None:
-        """Stop a request (every sample of it) and free its KV blocks (unknown or finished ids are
-        ignored)."""
-        group = self.groups.pop(request_id, None)
-        for request in group.samples if group is not None else [self.requests.get(request_id)]:
-            if request is not None and not request.is_finished:
-                self._finish(request, RequestStatus.FINISHED_ABORTED)
-            if request is not None:
-                self.requests.pop(request.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self._in_flight is not None
@@ -276,39 +211,6 @@ class LLMEngine:
             if request.group.best_of == request.group.n or request.group.finished:
                 outputs.append(self.output_of(request))
         return outputs
-
-    def _finish(self, request: Request, status: RequestStatus) -> None:
-        request.drop_unresolved()
-        self.scheduler.finish(request, status)
-        self.swap.drop(request.request_id)
-        self.runner.forget(request.request_id)
-        if status != RequestStatus.FINISHED_ABORTED:
-            request.metrics.finished_time = time.monotonic()
-        self.requests.pop(request.request_id, None)
-        if request.group is not None and request.group.finished:
-            self.groups.pop(request.group.request_id, None)
-
-    def output_of(self, request: Request) -> RequestOutput:
-        """The request's output; for a sample of an n > 1 request, the whole request's (every
-        sample so far; with best_of > n, the n best once all have finished)."""
-        group = request.group
-        if group is None:
-            return request_output([request], request.request_id, request.is_finished, self.tokenizer)
-        return request_output(group.reported(), group.request_id, group.finished, self.tokenizer, group.samples[0])
-
-    def output_for(self, request_id: str, finish_reason: str | None = None) -> RequestOutput | None:
-        """The latest output of a request by its id (None when the engine does not know it); with
-        `finish_reason`, marked finished with that reason (an abort)."""
-        group = self.groups.get(request_id)
-        request = group.samples[0] if group is not None else self.requests.get(request_id)
-        if request is None:
-            return None
-        out = self.output_of(request)
-        if finish_reason is not None:
-            for sample in out.outputs:
-                sample.finish_reason = sample.finish_reason or finish_reason
-            out.finished, out.finish_reason = True, out.outputs[0].finish_reason
-        return out
 
     def close(self) -> None:
         """Release the other tensor-parallel ranks' runners (a no-op on one rank)."""
