@@ -11,7 +11,7 @@ others decode. Features (docs/scheduling.md):
   preempt running requests of strictly lower priority to get a slot or blocks;
 - prefix caching: an admitted request starts from the cached blocks of its longest cached prefix;
 - wavefront prefill: a prompt that does not fit the step's budget enters the loops chunk by chunk,
-  each chunk running one loop per step (`ScheduledRequest.is_wave`), see runtime/execution/runner.py.
+  each chunk running one loop per step (`ScheduledRequest.is_wave`), see runtime/execution/eager_pass.py.
 
 The queues themselves, and what changes them between steps (arrival, n > 1 forks, finishing, prefix
 cache registration), are `RequestQueues` (runtime/engine/request_queues.py), which `Scheduler` inherits.

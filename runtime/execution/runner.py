@@ -26,7 +26,7 @@ from runtime.config import EngineConfig
 from runtime.engine.kv_cache import BlockManager
 from runtime.engine.planes import PlaneLayout
 from runtime.engine.step_schedule import ScheduledRequest
-from runtime.execution.async_step import PendingStep, Readback, StepResult, feed_tokens
+from runtime.execution.async_step import PendingStep, Readback, StepResult
 from runtime.execution.eager_pass import EagerPass
 from runtime.execution.graphs import PassGraphs
 from runtime.execution.input_batch import InputBatch
