@@ -3,6 +3,7 @@
 
     config.py          ServerConfig (what the app takes)
     protocol.py        request bodies (pydantic) and the OpenAI error object
+    engine_messages.py what handlers and the engine thread exchange: requests, commands, sinks
     engine_loop.py     the one thread that owns and steps the engine
     text.py            cumulative text -> stream deltas, stop strings
     metrics.py         Prometheus metrics

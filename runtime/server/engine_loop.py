@@ -1,7 +1,8 @@
 """`EngineLoop`: the one thread that owns an `LLMEngine` and steps it.
 
 The engine is synchronous and not thread-safe, so nothing else touches it. HTTP handlers (on the
-asyncio event loop) send it commands through a thread-safe queue: add requests, abort one, stop.
+asyncio event loop) send it commands through a thread-safe queue: add requests, abort one, stop
+(those messages, the sinks and their delivery are runtime/server/engine_messages.py).
 The thread answers an add through a `concurrent.futures.Future` (admitted, or the engine's
 ValueError / MemoryError) and sends the outputs of the added requests, as `(index, output)`, to one
 `asyncio.Queue` per add with `call_soon_threadsafe`, one callback per step. Every request that
@@ -20,68 +21,19 @@ import logging
 import queue
 import threading
 import time
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 
-from runtime.config import SamplingParams
 from runtime.engine.llm_engine import LLMEngine
 from runtime.engine.outputs import RequestOutput
+from runtime.server.engine_messages import (AbortCommand, AddCommand, EngineState, NewRequest, Overloaded,
+                                            ShuttingDown, Sink, StopCommand, deliver)
 from runtime.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.005       # how long to wait for commands when the engine has requests it cannot schedule yet
-
-
-class Overloaded(Exception):
-    """Too many requests queued and running: answer 429 and let the client retry."""
-
-
-class ShuttingDown(Exception):
-    """The loop no longer accepts requests."""
-
-
-class NewRequest(NamedTuple):
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    prompt: str | None = None
-
-
-class EngineState(NamedTuple):
-    """A snapshot the engine thread publishes after every iteration (read from any thread)."""
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_blocks: int
-
-
-@dataclasses.dataclass
-class _Sink:
-    """Where one request's outputs go, and its timing for the metrics (engine thread only)."""
-    queue: asyncio.Queue                 # shared by the requests of one add, gets (index, output)
-    index: int
-    loop: asyncio.AbstractEventLoop
-    arrival_time: float
-    num_prompt_tokens: int
-    num_tokens_seen: int = 0
-    last_token_time: float = 0.0
-
-
-class _Add(NamedTuple):
-    requests: list[NewRequest]
-    sinks: list[_Sink]
-    future: concurrent.futures.Future
-
-
-class _Abort(NamedTuple):
-    request_id: str
-    finish_reason: str
-
-
-class _Stop(NamedTuple):
-    deadline: float          # keep stepping admitted requests until then, then abort what is left
 
 
 class EngineLoop:
@@ -91,13 +43,13 @@ class EngineLoop:
         self.metrics = metrics or ServerMetrics()
         self.max_num_requests = max_num_requests
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, _Sink] = {}
+        self._sinks: dict[str, Sink] = {}
         self._lock = threading.Lock()
         self._num_in_flight = 0               # admitted and not yet out of the engine (guarded by _lock)
         self._is_accepting = False
         self._thread: threading.Thread | None = None
-        self._stop: _Stop | None = None
-        self.state = self._snapshot()
+        self._stop: StopCommand | None = None
+        self.state = EngineState.of(self.engine)
         self.error: BaseException | None = None   # what killed the thread, if anything
 
     # ----- any thread ---------------------------------------------------------------------------
@@ -126,7 +78,7 @@ class EngineLoop:
         (the others of the batch are then withdrawn)."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
-        sinks = [_Sink(outputs, i, loop, arrival_time, len(r.prompt_token_ids))
+        sinks = [Sink(outputs, i, loop, arrival_time, len(r.prompt_token_ids))
                  for i, r in enumerate(requests)]
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:        # queued under the lock: the thread refuses leftovers after it stops accepting
@@ -136,7 +88,7 @@ class EngineLoop:
                 raise Overloaded(f"{self._num_in_flight} requests are queued or running (limit "
                                  f"{self.max_num_requests}); retry later")
             self._num_in_flight += len(requests)
-            self._commands.put(_Add(list(requests), sinks, future))
+            self._commands.put(AddCommand(list(requests), sinks, future))
         try:
             await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -148,7 +100,7 @@ class EngineLoop:
     def abort(self, request_id: str, finish_reason: str = "abort") -> None:
         """Stop a request and free its blocks (ignored when it already left the engine).
         `finish_reason` is what its final output and the metrics say ("stop" for a stop string)."""
-        self._commands.put(_Abort(request_id, finish_reason))
+        self._commands.put(AbortCommand(request_id, finish_reason))
 
     def shutdown(self, drain_timeout_s: float = 0.0, join_timeout_s: float = 30.0) -> None:
         """Refuse new requests, let admitted ones run for up to `drain_timeout_s`, abort the rest
@@ -158,7 +110,7 @@ class EngineLoop:
             self._is_accepting = False
         if self._thread is None or not self._thread.is_alive():
             return
-        self._commands.put(_Stop(time.monotonic() + drain_timeout_s))
+        self._commands.put(StopCommand(time.monotonic() + drain_timeout_s))
         self._thread.join(drain_timeout_s + join_timeout_s)
         if self._thread.is_alive():
             log.error("the engine thread did not stop within %.0f s", drain_timeout_s + join_timeout_s)
@@ -199,11 +151,11 @@ class EngineLoop:
         except queue.Empty:
             return
         while True:
-            if isinstance(command, _Add):
+            if isinstance(command, AddCommand):
                 self._add(command)
-            elif isinstance(command, _Abort):
+            elif isinstance(command, AbortCommand):
                 self._abort(command.request_id, command.finish_reason)
-            elif isinstance(command, _Stop):
+            elif isinstance(command, StopCommand):
                 if self._stop is None or command.deadline < self._stop.deadline:
                     self._stop = command
             try:
@@ -211,7 +163,7 @@ class EngineLoop:
             except queue.Empty:
                 return
 
-    def _add(self, command: _Add) -> None:
+    def _add(self, command: AddCommand) -> None:
         if not command.future.set_running_or_notify_cancel():
             self._release(len(command.requests))      # the client left before we got to it
             return
@@ -246,22 +198,14 @@ class EngineLoop:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue
-            self._record_tokens(sink, out, now)
+            sink.record_tokens(out, now, self.metrics)
             if out.finished:
                 self._finish(out.request_id, out.finish_reason or "stop", now)
             deliveries.append((sink, out))
-        _deliver(deliveries)
+        deliver(deliveries)
         return self.engine.num_steps > num_steps
 
-    def _record_tokens(self, sink: _Sink, out: RequestOutput, now: float) -> None:
-        for loops in out.loops_per_token[sink.num_tokens_seen:]:
-            is_first = sink.num_tokens_seen == 0
-            gap_s = now - (sink.arrival_time if is_first else sink.last_token_time)
-            self.metrics.on_token(gap_s, loops, is_first)
-            sink.num_tokens_seen += 1
-        sink.last_token_time = now
-
-    def _finish(self, request_id: str, finish_reason: str, now: float) -> _Sink:
+    def _finish(self, request_id: str, finish_reason: str, now: float) -> Sink:
         sink = self._sinks.pop(request_id)
         self._release(1)
         self.metrics.on_finish(finish_reason, sink.num_prompt_tokens, now - sink.arrival_time)
@@ -279,7 +223,7 @@ class EngineLoop:
         except Exception:                        # the engine is broken; the request still gets its answer
             log.exception("could not abort %s", request_id)
         finally:
-            _deliver([(self._finish(request_id, finish_reason, time.monotonic()), out)])
+            deliver([(self._finish(request_id, finish_reason, time.monotonic()), out)])
 
     def _abort_all(self) -> None:
         for request_id in list(self._sinks):
@@ -296,7 +240,7 @@ class EngineLoop:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, _Add):
+            if isinstance(command, AddCommand):
                 self._release(len(command.requests))
                 if command.future.set_running_or_notify_cancel():
                     command.future.set_exception(ShuttingDown("the server is shutting down"))
@@ -305,28 +249,7 @@ class EngineLoop:
         with self._lock:
             self._num_in_flight -= num_requests
 
-    def _snapshot(self) -> EngineState:
-        scheduler, blocks = self.engine.scheduler, self.engine.blocks
-        return EngineState(len(scheduler.running), len(scheduler.waiting), blocks.num_free_blocks,
-                           blocks.num_blocks)
-
     def _publish_state(self) -> None:
-        self.state = state = self._snapshot()
+        self.state = state = EngineState.of(self.engine)
         self.metrics.on_engine_state(*state)
 
-
-def _deliver(deliveries: list[tuple[_Sink, RequestOutput]]) -> None:
-    """Hand outputs to their requests' event loops: one thread-safe callback per loop."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, RequestOutput]]] = {}
-    for sink, out in deliveries:
-        by_loop.setdefault(sink.loop, []).append((sink, out))
-    for loop, items in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, items)
-        except RuntimeError:                     # the event loop is closed: nobody is listening
-            pass
-
-
-def _put_all(items: list[tuple[_Sink, RequestOutput]]) -> None:
-    for sink, out in items:
-        sink.queue.put_nowait((sink.index, out))

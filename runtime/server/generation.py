@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from runtime.config import SamplingParams
 from runtime.server.choices import Choice, Job, choice_body, chunk_maker
-from runtime.server.engine_loop import NewRequest, Overloaded, ShuttingDown
+from runtime.server.engine_messages import NewRequest, Overloaded, ShuttingDown
 from runtime.server.protocol import APIError
 from runtime.server.request_inputs import RequestInputs
 from runtime.server.text import TextStream

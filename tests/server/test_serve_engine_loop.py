@@ -11,7 +11,8 @@ SERVE_EXTRA = "needs the serve extra: pip install -e '.[serve]'"
 pytest.importorskip("prometheus_client", reason=SERVE_EXTRA)
 
 from runtime import SamplingParams
-from runtime.server.engine_loop import EngineLoop, NewRequest, Overloaded, ShuttingDown
+from runtime.server.engine_loop import EngineLoop
+from runtime.server.engine_messages import NewRequest, Overloaded, ShuttingDown
 
 IDS = [50, 42, 53, 42, 52, 24]
 GREEDY = dict(temperature=0.0, ignore_eos=True)
