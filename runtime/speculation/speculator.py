@@ -24,23 +24,20 @@ Fused: a sync round of greedy requests runs as one captured graph (runtime/specu
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 import torch
 
-from runtime.speculation.acceptance import RoundVerdict, judge_round
 from runtime.config import SpeculativeConfig
-from runtime.speculation.drafting import DraftBatch, draft_tokens
-from runtime.speculation.fused_round import FusedRound
 from runtime.engine.kv_cache import BlockManager
+from runtime.engine.sequence import Request
+from runtime.engine.step_schedule import ScheduledRequest
 from runtime.execution.loops import SeqPlan, run_loops
 from runtime.execution.step_inputs import SeqSlice, describe, place
-from runtime.engine.step_schedule import ScheduledRequest
-from runtime.engine.sequence import Request
-
-log = logging.getLogger(__name__)
+from runtime.speculation.acceptance import RoundVerdict, judge_round
+from runtime.speculation.drafting import DraftBatch, draft_tokens
+from runtime.speculation.fused_round import FusedRound
 
 
 class SpecResult(NamedTuple):
