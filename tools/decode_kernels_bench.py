@@ -154,22 +154,28 @@ def _randn(*shape: int, device: torch.device) -> torch.Tensor:
     return torch.randn(*shape, device=device, dtype=torch.bfloat16)
 
 
+def _linear_cells(bench: Bench, group: str, rows: tuple[int, ...], variants) -> None:
+    """One cell per projection, row count and variant `(label, fn(x, weight), checked)`, over weight
+    copies that stream from HBM; checked variants are compared with the fp32 product."""
+    for name, (n, k) in SHAPES.items():
+        w = Weights(n, k, bench.device)
+        for m in rows:
+            xs = [_randn(m, k, device=bench.device) for _ in w.copies]
+            num_bytes = w.bytes + 2 * m * (k + n)
+            for label, fn, checked in variants:
+                check = (lambda fn=fn, x=xs[0], wt=w.copies[0]: _rel_err(fn(x, wt), x.float() @ wt.float().T)
+                         if checked else None)
+                bench.cell(group, name, m, label, lambda fn=fn, xs=xs: [
+                    lambda x=x, wt=wt: fn(x, wt) for x, wt in zip(xs, w.copies)], num_bytes, check)
+        del w
+
+
 def projection_cells(bench: Bench, ops, configs) -> None:
     """1. cuBLAS vs gemv for every projection and row count."""
     import torch.nn.functional as F
 
-    for name, (n, k) in SHAPES.items():
-        w = Weights(n, k, bench.device)
-        for m in ROWS:
-            xs = [_randn(m, k, device=bench.device) for _ in w.copies]
-            num_bytes = w.bytes + 2 * m * (k + n)
-            check = lambda x=xs[0], wt=w.copies[0]: _rel_err(ops.linear(x, wt), x.float() @ wt.float().T)
-            bench.cell("proj", name, m, "cublas F.linear",
-                       lambda xs=xs: [lambda x=x, wt=wt: F.linear(x, wt) for x, wt in zip(xs, w.copies)], num_bytes)
-            bench.cell("proj", name, m, "gemv (default config)",
-                       lambda xs=xs: [lambda x=x, wt=wt: ops.linear(x, wt) for x, wt in zip(xs, w.copies)],
-                       num_bytes, check)
-        del w
+    _linear_cells(bench, "proj", ROWS, [("cublas F.linear", F.linear, False),
+                                        ("gemv (default config)", ops.linear, True)])
 
 
 WIDE_ROWS = (64, 128)
@@ -178,26 +184,19 @@ WIDE_SWEEP = [KernelConfig(16, bn, w, s, block_k=bk, split_k=0) for bn, bk, w, s
 
 
 def wide_cells(bench: Bench, ops, configs) -> None:
-    """6. The gemv kernel at the rows of batch-64 and batch-128 decode against cuBLAS (plain products)."""
+    """6. The gemv kernel at the rows of batch-64 and batch-128 decode against cuBLAS (plain products;
+    the ops route at most gemv_ops.MAX_ROWS rows to the kernel, so the cells call it directly)."""
     import torch.nn.functional as F
 
     from hal.kernels.gemv import NONE
     from hal.kernels.gemv_ops import Gemv
 
-    for name, (n, k) in SHAPES.items():
-        w = Weights(n, k, bench.device)
-        for m in WIDE_ROWS:
-            xs = [_randn(m, k, device=bench.device) for _ in w.copies]
-            num_bytes = w.bytes + 2 * m * (k + n)
-            bench.cell("wide", name, m, "cublas F.linear",
-                       lambda xs=xs: [lambda x=x, wt=wt: F.linear(x, wt) for x, wt in zip(xs, w.copies)], num_bytes)
-            for config in WIDE_SWEEP:
-                wide = Gemv({**configs, "gemv": config}, bench.device_units)
-                check = lambda x=xs[0], wt=w.copies[0], g=wide: _rel_err(g._run(x, wt, NONE), x.float() @ wt.float().T)
-                bench.cell("wide", name, m, f"gemv n{config.block_n} k{config.block_k} w{config.num_warps} "
-                           f"s{config.num_stages}", lambda xs=xs, g=wide: [
-                               lambda x=x, wt=wt: g._run(x, wt, NONE) for x, wt in zip(xs, w.copies)], num_bytes, check)
-        del w
+    def direct(config):
+        wide = Gemv({**configs, "gemv": config}, bench.device_units)
+        return lambda x, wt: wide._run(x, wt, NONE)
+
+    _linear_cells(bench, "wide", WIDE_ROWS, [("cublas F.linear", F.linear, False)] + [
+        (f"gemv n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages}", direct(c), True) for c in WIDE_SWEEP])
 
 
 def fused_cells(bench: Bench, ops, configs) -> None:
