@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from hal.base import AttentionBackend
+from hal.attention import AttentionBackend
 from runtime.engine.kv_cache import BlockManager
 from runtime.engine.planes import PlaneLayout
 from runtime.engine.step_schedule import ScheduledRequest
