@@ -4,7 +4,7 @@
 
 1. Decode attention, one layer-plane per call (batch x context as the bench cells): the bf16 unified
    kernel, and the FP8 cache through it in its table's config (`attention_decode_fp8`) and a sweep of
-   tile configs. Bytes: the K/V values and scales the step must read (bf16 reads 2 bytes per value).
+   tile configs; the row-stream decode kernel (hal/kernels/row_decode.py) in a sweep of its own. Bytes: the K/V values and scales the step must read (bf16 reads 2 bytes per value).
 2. Projections at 1 and 8 rows: cuBLAS bf16, the W8A16 decode GEMV (hal/kernels/gemv.py) in its
    default and a wider-K config, `torch._scaled_mm` W8A8 with the one-launch activation quantization,
    and the older W8A16 tile kernel (hal/kernels/fp8_linear.py).
@@ -28,14 +28,20 @@ from decode_kernels_bench import FLOOR_BANDWIDTH, HEADER, L2_BYTES, SHAPES, Benc
 
 from hal.attention import PagedBatch  # noqa: E402
 from hal.kernels.configs import KernelConfig, configs_for  # noqa: E402
+from hal.kernels.splits import num_kv_splits  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 16, 128, 16
 ATTENTION_CELLS = ((1, 1024), (64, 1024), (128, 1024))                     # (batch, context)
 UNIFIED_SWEEP = {                  # decode tile configs tried beside each table config, per cache dtype
-    "bf16": [KernelConfig(16, n, w, st) for n, w, st in ((32, 4, 3), (32, 4, 4), (64, 4, 3), (64, 4, 4),
-                                                        (128, 4, 2), (32, 2, 3), (16, 2, 3))],
-    "fp8": [KernelConfig(16, n, w, st) for n, w, st in ((32, 4, 3), (64, 4, 3), (128, 4, 3), (16, 2, 3),
-                                                       (16, 2, 4), (32, 2, 3), (16, 1, 4))],
+    # (the runners-up of the wider sweeps of 2026-12-02, docs/performance.md levers 22 and 24)
+    "bf16": [KernelConfig(16, n, w, st) for n, w, st in ((32, 4, 4), (64, 4, 3))],
+    "fp8": [KernelConfig(16, n, w, st) for n, w, st in ((64, 4, 3), (128, 4, 3))],
+}
+ROW_SWEEP = {                      # row-stream decode kernel (hal/kernels/row_decode.py) configs, per cache dtype
+    # (the first also runs at twice the splits; 3 stages ran at half the speed of 2 on 2026-12-02)
+    "bf16": [KernelConfig(1, n, w, st) for n, w, st in ((64, 4, 2), (32, 4, 2), (32, 2, 2))],
+    "fp8": [KernelConfig(1, n, w, st) for n, w, st in ((64, 4, 2), (32, 4, 2), (64, 8, 2), (32, 2, 2), (16, 2, 2),
+                                                      (64, 2, 2), (16, 1, 2))],
 }
 FP8 = torch.float8_e4m3fn
 
@@ -73,6 +79,7 @@ def _reference(backend, batch, cache, q, plane: int) -> torch.Tensor:
 def attention_cells(bench: Bench) -> None:
     from hal.kernels import attention
     from hal.kernels.launch import run_launch
+    from hal.kernels.row_decode import row_decode_launches
 
     scale = HEAD_DIM ** -0.5
     units = bench.device_units
@@ -86,7 +93,7 @@ def attention_cells(bench: Bench) -> None:
             backend, batch, cache, q = _paged(bench.device, num_seqs, seq_len, num_planes, kv_dtype)
             meta = backend.build_meta(batch)
             values, scales = backend._views(cache)
-            splits = attention.num_kv_splits(num_seqs, KV_HEADS, units)
+            splits = num_kv_splits(num_seqs, KV_HEADS, units)
             shape = f"B{num_seqs}xK{context}"
             ref = _reference(backend, batch, cache, q, 0)
             out = torch.empty_like(q)
@@ -94,8 +101,8 @@ def attention_cells(bench: Bench) -> None:
 
             default = configs["attention_decode" if kv_dtype is None else "attention_decode_fp8"]
 
-            def unified(plane, config=default, num_splits=splits):
-                for launch in attention.attention_launches(
+            def unified(plane, config=default, num_splits=splits, build=attention.attention_launches):
+                for launch in build(
                         q, values, meta.block_tables[plane], meta.seq_lens, meta.query_start_loc, scale,
                         config, num_splits, configs["attention_reduce"], out, "cuda", scales):
                     run_launch(launch)
@@ -107,12 +114,16 @@ def attention_cells(bench: Bench) -> None:
             name = "bf16" if kv_dtype is None else "fp8"
             bench.cell("attn", shape, num_seqs, f"{name} unified (table config)",
                        lambda: [lambda p=p: unified(p) for p in range(num_planes)], plane_bytes, check(unified))
+            rows = [(config, splits, "rows") for config in ROW_SWEEP[name]]
             if num_seqs == 1:
-                continue
-            variants = [(config, splits) for config in UNIFIED_SWEEP[name]] + [(default, 2 * splits)]
-            for config, num_splits in variants:
-                fn = lambda plane, c=config, n=num_splits: unified(plane, c, n)   # noqa: E731
-                bench.cell("attn", shape, num_seqs, f"{name} unified n{config.block_n} w{config.num_warps} "
+                rows = rows[:2]
+            variants = rows if num_seqs == 1 else (
+                [(config, splits, "unified") for config in UNIFIED_SWEEP[name]] + [(default, 2 * splits, "unified")]
+                + rows + [(rows[0][0], 2 * splits, "rows")])
+            for config, num_splits, kind in variants:
+                build = row_decode_launches if kind == "rows" else attention.attention_launches
+                fn = lambda plane, c=config, n=num_splits, b=build: unified(plane, c, n, b)   # noqa: E731
+                bench.cell("attn", shape, num_seqs, f"{name} {kind} n{config.block_n} w{config.num_warps} "
                            f"s{config.num_stages} x{num_splits}",
                            lambda fn=fn: [lambda p=p: fn(p) for p in range(num_planes)], plane_bytes, check(fn))
             del backend, cache, meta

@@ -123,14 +123,17 @@ for phase in $PHASES; do
       LOOPSTACK_FP8_GEMM=triton bench model=ouro-1.4b engine.weights_dtype=fp8 'workload=[b1]' ;;
     fp8kernels)   # issue 20: the FP8 kernels against their bf16 twins (tools/fp8_kernels_bench.py)
       run "fp8 kernels" 200 python3 tools/fp8_kernels_bench.py --budget 150 --out "$OUT/fp8_kernels.jsonl" ;;
-    tune)     # decode attention tiles: sweep (tools/fp8_kernels_bench.py), pick the best for batch 64 + 128
-              # (tools/pick_decode_configs.py), then the decode cells with the pick (LOOPSTACK_KERNEL_CONFIGS)
-      run "attention sweep" 240 python3 tools/fp8_kernels_bench.py --only attn --budget 200 --out "$OUT/attn_sweep.jsonl"
+    tune)     # decode attention: sweep the unified and the row-stream kernels (tools/fp8_kernels_bench.py),
+              # pick the best for batch 64 + 128 (tools/pick_decode_configs.py), then the cuda attention
+              # tests and the decode cells with the pick (LOOPSTACK_KERNEL_CONFIGS)
+      run "attention sweep" 300 python3 tools/fp8_kernels_bench.py --only attn --budget 260 --out "$OUT/attn_sweep.jsonl"
       LOOPSTACK_KERNEL_CONFIGS=$(python3 tools/pick_decode_configs.py "$OUT/attn_sweep.jsonl" 2>>"$LOG")
       export LOOPSTACK_KERNEL_CONFIGS
       echo "picked: $LOOPSTACK_KERNEL_CONFIGS" | tee -a "$LOG"
+      run "pytest fp8+engine (pick)" 150 python3 -m pytest tests/cuda/test_fp8_cuda.py tests/cuda/test_engine_cuda.py \
+        -q -rs -p no:cacheprovider
       bench model=ouro-1.4b 'workload=[b1,b64,b128]'
-      bench model=ouro-1.4b engine.kv_dtype=fp8 'workload=[b64,b128]' ;;
+      bench model=ouro-1.4b engine.kv_dtype=fp8 'workload=[b1,b64,b128]' ;;
     fp8quick)     # issue 20's decode cells only (their bf16 twins come from the cells phase of the same call)
       bench model=ouro-1.4b engine.kv_dtype=fp8 'workload=[b1,b64,b128]'
       bench model=ouro-1.4b engine.kv_dtype=fp8 engine.weights_dtype=fp8 'workload=[b1]' ;;

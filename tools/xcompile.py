@@ -76,8 +76,11 @@ def _fp8_cache(kv_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _attention(config: KernelConfig, target: str, num_seqs: int, query_len: int, num_splits: int,
-               dtype: torch.dtype = SHAPE["dtype"], kv_dtype: torch.dtype | None = None) -> Launch:
+               dtype: torch.dtype = SHAPE["dtype"], kv_dtype: torch.dtype | None = None,
+               rows: bool = False) -> Launch:
+    """The unified kernel's launch, or with `rows` the row-stream decode kernel's."""
     from hal.kernels.attention import attention_launches
+    from hal.kernels.row_decode import row_decode_launches
 
     s = SHAPE
     q = torch.empty(num_seqs * query_len, s["num_heads"], s["head_dim"], dtype=dtype)
@@ -88,8 +91,9 @@ def _attention(config: KernelConfig, target: str, num_seqs: int, query_len: int,
     table = torch.zeros(num_seqs, 8, dtype=torch.int32)
     seq_lens = torch.zeros(num_seqs, dtype=torch.int32)
     starts = torch.zeros(num_seqs + 1, dtype=torch.int32)
-    return attention_launches(q, cache, table, seq_lens, starts, 0.1, config, num_splits, config,
-                              torch.empty_like(q), target, scales)[0]
+    build = row_decode_launches if rows else attention_launches
+    return build(q, cache, table, seq_lens, starts, 0.1, config, num_splits, config, torch.empty_like(q), target,
+                 scales)[0]
 
 
 def _reduce(config: KernelConfig, target: str) -> Launch:
@@ -216,6 +220,10 @@ CASES = {c.name: c for c in (
          lambda c, t: _attention(c, t, num_seqs=1, query_len=1, num_splits=8)),
     Case("attention_decode/batch", "attention_decode", True, False,         # batch 64, no split
          lambda c, t: _attention(c, t, num_seqs=64, query_len=1, num_splits=1)),
+    Case("attention_row_decode/split", "attention_row_decode", False, False,
+         lambda c, t: _attention(c, t, num_seqs=1, query_len=1, num_splits=8, rows=True)),
+    Case("attention_row_decode/batch", "attention_row_decode", False, False,
+         lambda c, t: _attention(c, t, num_seqs=64, query_len=1, num_splits=1, rows=True)),
     Case("attention_prefill_fp32", "attention_prefill_fp32", True, False,   # golden / conformance runs
          lambda c, t: _attention(c, t, num_seqs=2, query_len=256, num_splits=1, dtype=torch.float32)),
     Case("attention_decode_fp32", "attention_decode_fp32", True, False,
@@ -247,6 +255,8 @@ def _fp8_cases(fmt: str, fp8: torch.dtype) -> tuple[Case, ...]:
              lambda c, t: _attention(c, t, num_seqs=1, query_len=1, num_splits=8, kv_dtype=fp8)),
         Case(f"attention_decode/batch-{fmt}", "attention_decode_fp8", True, False,
              lambda c, t: _attention(c, t, num_seqs=64, query_len=1, num_splits=1, kv_dtype=fp8)),
+        Case(f"attention_row_decode/batch-{fmt}", "attention_row_decode_fp8", False, False,
+             lambda c, t: _attention(c, t, num_seqs=64, query_len=1, num_splits=1, kv_dtype=fp8, rows=True)),
         Case(f"kv_write/{fmt}", "kv_write", False, False, lambda c, t: _kv_write(c, t, kv_dtype=fp8)),
         Case(f"kv_write/dequant-{fmt}", "kv_write", False, False,
              lambda c, t: _kv_write(c, t, kv_dtype=fp8, dequantized=True)),
@@ -397,14 +407,16 @@ def check_all(tables: dict[str, dict[str, KernelConfig]] | None = None,
             if targets and target_name not in targets:
                 continue
             for case in CASES.values():
-                reports.append(compile_case(case.name, configs[case.config_key], target_name, table))
+                if case.config_key in configs:          # optional kernels (configs.OPTIONAL_KERNEL_NAMES)
+                    reports.append(compile_case(case.name, configs[case.config_key], target_name, table))
     return reports
 
 
 def check_fp8(targets: tuple[str, ...] = tuple(FP8_FORMATS)) -> list[Report]:
     """The FP8 variants on each target with FP8, in the target's own arch table."""
     return [compile_case(name, all_configs()[target][FP8_CASES[name].config_key], target, target)
-            for target in targets for name in fp8_cases_for(target)]
+            for target in targets for name in fp8_cases_for(target)
+            if FP8_CASES[name].config_key in all_configs()[target]]
 
 
 def format_table(reports: list[Report]) -> str:

@@ -14,7 +14,7 @@ Grid `(num_tokens // BLOCK_Q + num_seqs, KVH, NUM_SPLITS)`: an upper bound on th
 blocks; each program finds its sequence by binary search over `query_start_loc` and programs past
 the end of a sequence return at once. With `NUM_SPLITS > 1` (decode-like batches) program `s` of a
 block handles the s-th share of its key tiles and writes an unnormalised partial result, its row
-maxima and row sums; `_reduce_splits_kernel` merges them. The grid depends only on host integers (number
+maxima and row sums; hal/kernels/splits.py merges them. The grid depends only on host integers (number
 of tokens, sequences, splits): CUDA/HIP graphs stay valid as long as a captured bucket keeps
 `num_tokens`, `num_seqs` and `max_query_len` (which picks the config and the split) fixed.
 
@@ -40,9 +40,9 @@ import triton
 import triton.language as tl
 
 from hal.kernels.configs import KernelConfig
-from hal.kernels.launch import Launch, backend_of, check_device, launch_options, next_pow2, run_launch
+from hal.kernels.launch import Launch, launch_options, next_pow2
+from hal.kernels.splits import reduce_launch, split_parts
 
-MAX_SPLITS = 16                 # context splits per (sequence, KV head) at most
 DECODE_MAX_QUERY_LEN = 8        # batches with <= this many new tokens per sequence use the decode config
 LOG2E = 1.4426950408889634
 
@@ -197,37 +197,6 @@ def _paged_attention_kernel(
         tl.store(part_sum_ptr + part_row, l_i, mask=row_valid)
 
 
-@triton.jit
-def _reduce_splits_kernel(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, num_tokens, stride_ot, stride_oh,
-                          HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                          SPLITS_PAD: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    num_heads = tl.num_programs(1)
-    splits = tl.arange(0, SPLITS_PAD)
-    split_valid = splits < NUM_SPLITS
-    part_row = (splits * num_tokens + token) * num_heads + head                # [S]
-    m = tl.load(part_max_ptr + part_row, mask=split_valid, other=float("-inf"))
-    l = tl.load(part_sum_ptr + part_row, mask=split_valid, other=0.0)
-    m_all = tl.max(m, 0)
-    weight = tl.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all))        # empty splits weigh 0
-    denom = tl.sum(weight * l, 0)
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    parts = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM_PAD + dims[None, :],
-                    mask=split_valid[:, None], other=0.0)                      # [S, D]
-    out = tl.sum(parts * weight[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
-             mask=dims < HEAD_DIM)
-
-
-def num_kv_splits(num_seqs: int, num_kv_heads: int, num_compute_units: int) -> int:
-    """Context splits per (sequence, KV head) for a decode-like batch: enough programs for about
-    two per compute unit. Depends only on numbers fixed per graph bucket, not on context lengths."""
-    programs = max(num_seqs * num_kv_heads, 1)
-    wanted = -(-2 * num_compute_units // programs)
-    return min(next_pow2(wanted), MAX_SPLITS)
-
-
 def dot_precision(dtype: torch.dtype, target: str) -> str:
     """fp32 attention: 3xTF32 tensor-core products on NVIDIA (fp32-level error; plain "ieee" would
     fall back to FMA and spill), native fp32 MFMA on AMD, exact products in the interpreter."""
@@ -266,11 +235,7 @@ def attention_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     # unquantized: the scale pointers are never read (KV_QUANT is a constexpr); any pointer will do
     k_scales, v_scales = (key_cache, value_cache) if kv_scales is None else (kv_scales[0], kv_scales[1])
     scale_strides = (0, 0) if kv_scales is None else (kv_scales.stride(1), kv_scales.stride(2))
-    parts = [q.new_empty(0, dtype=torch.float32)] * 3
-    if num_splits > 1:
-        parts = [q.new_empty(num_splits, num_tokens, num_heads, head_dim_pad, dtype=torch.float32),
-                 q.new_empty(num_splits, num_tokens, num_heads, dtype=torch.float32),
-                 q.new_empty(num_splits, num_tokens, num_heads, dtype=torch.float32)]
+    parts = split_parts(q, num_splits, head_dim_pad)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     main = Launch(_paged_attention_kernel, grid, (
         out, q, key_cache, value_cache, k_scales, v_scales, block_table, seq_lens, query_start_loc, *parts,
@@ -283,38 +248,4 @@ def attention_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         **launch_options(config, target)))
     if num_splits == 1:
         return [main]
-    reduce = Launch(_reduce_splits_kernel, (num_tokens, num_heads), (
-        out, *parts, num_tokens, out.stride(0), out.stride(1)), dict(
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
-        SPLITS_PAD=max(next_pow2(num_splits), 2), **launch_options(reduce_config, target)))
-    return [main, reduce]
-
-
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-                    configs: dict[str, KernelConfig], num_compute_units: int,
-                    kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of packed queries over one plane of the paged cache; returns `[T, H, D]`
-    (`kv_scales`: see `attention_launches`).
-
-    Host-side choices (config, number of splits) depend on `max_query_len`, the number of sequences,
-    the dtype and `num_compute_units` only; no device value is read.
-    """
-    check_device(q)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if block_table.stride(-1) != 1 or seq_lens.stride(0) != 1 or query_start_loc.stride(0) != 1:
-        raise ValueError("attention metadata must be contiguous along its last dim (build_meta makes it so)")
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if q.shape[0] == 0:
-        return out
-    if max_query_len <= DECODE_MAX_QUERY_LEN:
-        config = configs[config_key("decode", q.dtype, kv_scales is not None)]
-        num_splits = num_kv_splits(seq_lens.shape[0], kv_cache.shape[3], num_compute_units)
-    else:
-        config, num_splits = configs[config_key("prefill", q.dtype, kv_scales is not None)], 1
-    for launch in attention_launches(q, kv_cache, block_table, seq_lens, query_start_loc, scale, config,
-                                     num_splits, configs["attention_reduce"], out, backend_of(q.device),
-                                     kv_scales):
-        run_launch(launch)
-    return out
+    return [main, reduce_launch(out, parts, reduce_config, target)]

@@ -23,7 +23,8 @@ import torch
 
 from hal.attention import AttentionBackend, AttnCaps, MetaCapacity, PagedBatch
 from hal.kernels import fresh
-from hal.kernels.attention import DECODE_MAX_QUERY_LEN, paged_attention
+from hal.kernels.attend import paged_attention
+from hal.kernels.attention import DECODE_MAX_QUERY_LEN
 from hal.kernels.configs import KernelConfig, configs_for
 from hal.kernels.kv_write import write_kv
 from hal.kernels.launch import target_of

@@ -18,6 +18,9 @@ callers; nothing else chooses tiles. Keys of a table are kernel names:
                       widened tiles take ~200 registers, so wider key tiles pay (H200,
                       tools/fp8_kernels_bench.py, 128 x 1K, per layer-plane, 2026-12-02: 128 keys x 2
                       stages 317-334 us, x 3 stages 381 us, 64 keys 450 us, 32 keys 414 us)
+  attention_row_decode, attention_row_decode_fp8  (optional) the row-stream kernel for multi-head decode
+                      (hal/kernels/row_decode.py), 16-bit / FP8 cache: block_n = keys per tile, one
+                      softmax stream per tile row; num_stages = cp.async stages of the K/V tiles
   attention_reduce    merges the context splits of attention_decode (num_warps only)
   kv_write            scatter of new K/V rows into the paged cache: block_m tokens per program
   rms_norm, rotary    one row / one token per program (num_warps only)
@@ -40,8 +43,11 @@ import os
 from dataclasses import dataclass
 
 KERNEL_NAMES = ("attention_prefill", "attention_decode", "attention_prefill_fp32", "attention_decode_fp32",
-                "attention_prefill_fp8", "attention_decode_fp8", "attention_reduce", "kv_write", "rms_norm",
+                "attention_prefill_fp8", "attention_decode_fp8", "attention_row_decode",
+                "attention_row_decode_fp8", "attention_reduce", "kv_write", "rms_norm",
                 "rotary", "silu_and_mul", "fp8_linear", "gemv_m1", "gemv")
+# a table without these routes every decode batch to the unified kernel (hal/kernels/attend.py)
+OPTIONAL_KERNEL_NAMES = ("attention_row_decode", "attention_row_decode_fp8")
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,13 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         "attention_decode": KernelConfig(16, 64, 4, 2),
         "attention_prefill_fp8": KernelConfig(128, 64, 8, 3),
         "attention_decode_fp8": KernelConfig(16, 128, 4, 2),
+        # multi-head decode over an FP8 cache: the row-stream kernel, 16-key tiles on 2 warps, one
+        # cp.async buffer: 96 registers, 10 programs per SM. 64 x 1K / 128 x 1K: 101 / 202 us per
+        # layer-plane, the unified kernel 164 / 341 (tools/fp8_kernels_bench.py, 2026-12-02). 64 keys
+        # on 4 warps sits at 128 registers, the edge of 4 programs per SM: 202 us in one build, 250 in
+        # another; 3 stages ran at half speed. bf16 caches stay on the unified kernel (within the
+        # bench's spread of it).
+        "attention_row_decode_fp8": KernelConfig(1, 16, 2, 2),
         # fp32 prefill: 4 warps spill 16 bytes once the pages are loaded a tile ahead; 8 do not
         **_fp32_attention(KernelConfig(16, 32, 8, 2), KernelConfig(16, 32, 4, 2)),
         **_small_ops(4, 1),

@@ -52,7 +52,7 @@ def test_no_fp8_before_ada_and_fnuz_on_mi300(simulate, fake_kernels, monkeypatch
 
 
 def test_fp8_options_measured_slower_are_named_at_start(simulate, fake_kernels, caplog):
-    """The H200's FP8 KV cache decodes slower than bf16 (docs/fp8.md): the Hal says so, naming the
+    """The H200's FP8 KV cache decodes slower than bf16 at batch 1 (docs/fp8.md): the Hal says so, naming the
     faster setting, and the engine logs it once at start; unmeasured archs say nothing."""
     import logging
 

@@ -6,14 +6,14 @@ import torch
 
 from hal.attention import PagedBatch
 from hal.kernels import launch
-from hal.kernels.attention import MAX_SPLITS, num_kv_splits
+from hal.kernels.splits import MAX_SPLITS, num_kv_splits
 from hal.kernels.backend import TritonPagedAttention
-from hal.kernels.configs import KERNEL_NAMES, KernelConfig, all_configs, configs_for
+from hal.kernels.configs import KERNEL_NAMES, OPTIONAL_KERNEL_NAMES, KernelConfig, all_configs, configs_for
 
 
 def test_every_table_has_every_kernel():
     for arch, table in all_configs().items():
-        assert set(table) == set(KERNEL_NAMES), arch
+        assert set(table) - set(OPTIONAL_KERNEL_NAMES) == set(KERNEL_NAMES) - set(OPTIONAL_KERNEL_NAMES), arch
     assert configs_for("gfx942:sramecc+:xnack-") == all_configs()["gfx942"]
     assert configs_for("sm_89") == configs_for("gfx90a") == all_configs()["default"]
     assert all(t["attention_prefill"].kpack == 1 for t in all_configs().values())   # gfx950 forces 1
@@ -46,12 +46,18 @@ def test_pick_decode_configs_takes_the_least_summed_time():
             row("B64xK1024", "bf16 unified n64 w4 s3 x2", 100.0), row("B128xK1024", "bf16 unified n64 w4 s3 x2", 100.0),
             row("B64xK1024", "bf16 unified n128 w4 s2 x1", 140.0),             # one cell only: not a candidate
             row("B64xK1024", "fp8 unified (table config)", 150.0), row("B128xK1024", "fp8 unified (table config)", 300.0),
-            row("B64xK1024", "fp8 unified n64 w4 s3 x1", 170.0), row("B128xK1024", "fp8 unified n64 w4 s3 x1", 330.0)]
+            row("B64xK1024", "fp8 unified n64 w4 s3 x1", 170.0), row("B128xK1024", "fp8 unified n64 w4 s3 x1", 330.0),
+            # the row-stream kernel: slower than the best unified config for bf16, faster for FP8
+            row("B64xK1024", "bf16 rows n32 w4 s3 x1", 200.0), row("B128xK1024", "bf16 rows n32 w4 s3 x1", 400.0),
+            row("B64xK1024", "fp8 rows n32 w4 s3 x1", 90.0), row("B128xK1024", "fp8 rows n32 w4 s3 x1", 170.0),
+            row("B64xK1024", "fp8 rows n64 w4 s2 x1", 80.0), row("B128xK1024", "fp8 rows n64 w4 s2 x1", 200.0)]
     chosen, report = pick(rows)
     fp8 = configs_for("sm_90")["attention_decode_fp8"]                  # the table's wins for FP8
     assert chosen == {"attention_decode": [16, 32, 4, 3],
-                      "attention_decode_fp8": [fp8.block_m, fp8.block_n, fp8.num_warps, fp8.num_stages]}
+                      "attention_decode_fp8": [fp8.block_m, fp8.block_n, fp8.num_warps, fp8.num_stages],
+                      "attention_row_decode_fp8": [1, 32, 4, 3]}
     assert "470.0 us" in report[0] and "450.0 us" in report[0]      # table, then best
+    assert report[-1] == "attention_row_decode_fp8: best [1, 32, 4, 3] 260.0 us"
 
 
 def test_config_validation_names_the_field():

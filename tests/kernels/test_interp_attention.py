@@ -7,7 +7,8 @@ import pytest
 import torch
 from paged_cases import random_case, run_both
 
-from hal.kernels.attention import config_key, num_kv_splits
+from hal.kernels.attention import config_key
+from hal.kernels.splits import num_kv_splits
 from hal.kernels.backend import TritonPagedAttention
 from hal.kernels.configs import KernelConfig, all_configs, configs_for
 from kernel_reference import write_kv_ref

@@ -1,0 +1,71 @@
+"""Which paged-attention kernel a batch takes, in which config and with how many context splits.
+
+- Multi-head decode (one new token per sequence, one query head per KV head, 16-bit queries) takes
+  the row-stream kernel (hal/kernels/row_decode.py) where the arch's table has a config for it
+  (`attention_row_decode`, `attention_row_decode_fp8`);
+- every other batch takes the unified kernel (hal/kernels/attention.py): its decode config for
+  batches of at most `DECODE_MAX_QUERY_LEN` new tokens per sequence, its prefill config otherwise.
+Decode-like batches split the context (hal/kernels/splits.py). Every choice depends on host integers
+fixed per graph bucket (`max_query_len`, the number of sequences, dtypes, compute units), never on a
+device value.
+"""
+from __future__ import annotations
+
+import torch
+
+from hal.kernels.attention import DECODE_MAX_QUERY_LEN, attention_launches, config_key
+from hal.kernels.configs import KernelConfig
+from hal.kernels.launch import Launch, backend_of, check_device, run_launch
+from hal.kernels.row_decode import row_decode_launches
+from hal.kernels.splits import num_kv_splits
+
+
+def row_decode_key(dtype: torch.dtype, num_heads: int, num_kv_heads: int, max_query_len: int,
+                   is_quantized: bool) -> str | None:
+    """The table key of the row-stream kernel's config where the batch fits it, else None."""
+    if max_query_len != 1 or num_heads != num_kv_heads or dtype == torch.float32:
+        return None
+    return "attention_row_decode" + ("_fp8" if is_quantized else "")
+
+
+def launches_for(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                 query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+                 configs: dict[str, KernelConfig], num_compute_units: int, out: torch.Tensor,
+                 kv_scales: torch.Tensor | None = None) -> list[Launch]:
+    """The launches `paged_attention` runs for this batch."""
+    quantized = kv_scales is not None
+    num_kv_heads = kv_cache.shape[3]
+    args = (q, kv_cache, block_table, seq_lens, query_start_loc, scale)
+    if max_query_len > DECODE_MAX_QUERY_LEN:
+        return attention_launches(*args, configs[config_key("prefill", q.dtype, quantized)], 1,
+                                  configs["attention_reduce"], out, backend_of(q.device), kv_scales)
+    num_splits = num_kv_splits(seq_lens.shape[0], num_kv_heads, num_compute_units)
+    row_key = row_decode_key(q.dtype, q.shape[1], num_kv_heads, max_query_len, quantized)
+    build, config = attention_launches, configs[config_key("decode", q.dtype, quantized)]
+    if row_key in configs:
+        build, config = row_decode_launches, configs[row_key]
+    return build(*args, config, num_splits, configs["attention_reduce"], out, backend_of(q.device), kv_scales)
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+                    configs: dict[str, KernelConfig], num_compute_units: int,
+                    kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of packed queries over one plane of the paged cache; returns `[T, H, D]`.
+
+    q `[T, H, D]`; kv_cache `[2, NB, page, KVH, D]`; block_table `[S, max_blocks]` int32 (one plane);
+    seq_lens `[S]` int32 (cached tokens incl. this step's); query_start_loc `[S + 1]` int32;
+    kv_scales `[2, NB, page, KVH]` float32 for an 8-bit kv_cache (`hal.common.kv_quant.RowLayout` views).
+    """
+    check_device(q)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if block_table.stride(-1) != 1 or seq_lens.stride(0) != 1 or query_start_loc.stride(0) != 1:
+        raise ValueError("attention metadata must be contiguous along its last dim (build_meta makes it so)")
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if q.shape[0] == 0:
+        return out
+    for launch in launches_for(q, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, scale,
+                               configs, num_compute_units, out, kv_scales):
+        run_launch(launch)
+    return out

@@ -1,0 +1,158 @@
+"""Decode attention for one query row per KV head (multi-head attention, one new token per
+sequence): the keys' softmax streams run side by side in a program's lanes, without `tl.dot`.
+
+Why a second kernel. The unified kernel (hal/kernels/attention.py) puts a program's query rows on the
+tensor cores, which take at least 16 rows: for multi-head decode 15 of them are padding, and an 8-bit
+V tile can only reach them through byte-wise shared-memory reads (no transposing load exists for
+8-bit data on sm_90), which left FP8 decode slower than bf16 (docs/performance.md, levers 21-24).
+Here a program owns one (sequence, head) and walks its keys in tiles of `BLOCK_N`: the tile is loaded
+`[BLOCK_N, D]` row-major, as it lies in the cache; QK^T is a product and a sum along D (within a few
+lanes); and every tile row n keeps its own online softmax: its running maximum m[n], sum l[n] and
+unnormalised output acc[n, :]. Tile row n of every tile belongs to stream n, so a tile needs no
+exchange between lanes except the sum along D, and the streams merge once at the end (the same
+algebra as the context split): out = sum_n 2^(m[n] - M) acc[n] / sum_n 2^(m[n] - M) l[n].
+
+8-bit caches: values widen to fp32 in registers; key n's scales multiply its score (k_scale[n]) and
+its P before the PV accumulation (v_scale[n]); the sums stay the unscaled P's.
+
+Grid `(num_seqs, num_heads, NUM_SPLITS)`; sequences without a query this step (graph padding) return
+at once; with `NUM_SPLITS > 1` the partials go to hal/kernels/splits.py's reduce. The pages of a
+tile come from the block table one iteration ahead, as in the unified kernel (its lever 22).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hal.kernels.attention import LOG2E, _tile_pages
+from hal.kernels.configs import KernelConfig
+from hal.kernels.launch import Launch, launch_options, next_pow2
+from hal.kernels.splits import reduce_launch, split_parts
+
+@triton.jit
+def _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page, head_off, head,
+                 tile, last_pos, stride_cb, stride_ct, stride_sb, stride_st, dims, dim_valid,
+                 PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, KV_QUANT: tl.constexpr):
+    """Keys [tile * BLOCK_N, (tile + 1) * BLOCK_N) on pages `page` [N] into the N streams."""
+    keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)                          # [N]
+    slot = (keys % PAGE_SIZE).to(tl.int64)
+    offsets = (page * stride_cb + slot * stride_ct + head_off)[:, None] + dims[None, :]   # [N, D]
+    key_valid = keys <= last_pos
+    if MASKED:
+        mask = key_valid[:, None] & dim_valid[None, :]
+    else:
+        mask = dim_valid[None, :]
+    k = tl.load(k_cache_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sum(k * q[None, :], 1)                                           # [N]
+    if KV_QUANT:
+        scale_off = page * stride_sb + slot * stride_st + head
+        if MASKED:
+            k_scale = tl.load(k_scale_ptr + scale_off, mask=key_valid, other=0.0)
+            v_scale = tl.load(v_scale_ptr + scale_off, mask=key_valid, other=0.0)
+        else:
+            k_scale = tl.load(k_scale_ptr + scale_off)
+            v_scale = tl.load(v_scale_ptr + scale_off)
+        s = s * k_scale
+    if MASKED:
+        s = tl.where(key_valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, s)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                   # streams without keys yet
+    p = tl.exp2(s - m_safe)
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + p
+    if KV_QUANT:
+        p = p * v_scale
+    v = tl.load(v_cache_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    acc = acc * alpha[:, None] + p[:, None] * v
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _row_decode_kernel(
+        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, seq_lens_ptr,
+        query_start_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, qk_scale, num_tokens,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
+        stride_sb, stride_st,
+        PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, KV_QUANT: tl.constexpr, NUM_STAGES: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    token = tl.load(query_start_ptr + seq)
+    if tl.load(query_start_ptr + seq + 1) == token:         # no query this step (graph padding)
+        return
+    token = token.to(tl.int64)
+    last_pos = tl.load(seq_lens_ptr + seq) - 1               # the query sees keys 0 .. last_pos
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    q = tl.load(q_ptr + token * stride_qt + head * stride_qh + dims, mask=dim_valid, other=0.0)
+    q = q.to(tl.float32) * qk_scale                                         # [D], scores in the log2 domain
+
+    num_tiles = tl.cdiv(last_pos + 1, BLOCK_N)
+    num_full = (last_pos + 1) // BLOCK_N
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)
+    table_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
+    head_off = head.to(tl.int64) * stride_ch
+    page = _tile_pages(table_ptr, tile_lo, last_pos, PAGE_SIZE, BLOCK_N)
+    for tile in tl.range(tile_lo, tl.minimum(tile_hi, num_full), num_stages=NUM_STAGES):
+        next_page = _tile_pages(table_ptr, tile + 1, last_pos, PAGE_SIZE, BLOCK_N)
+        acc, m_i, l_i = _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page,
+                                     head_off, head, tile, last_pos, stride_cb, stride_ct, stride_sb,
+                                     stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, False, KV_QUANT)
+        page = next_page
+    if tile_hi > num_full and tile_hi > tile_lo:             # the sequence's last, partial tile
+        tile = tile_hi - 1
+        page = _tile_pages(table_ptr, tile, last_pos, PAGE_SIZE, BLOCK_N)
+        acc, m_i, l_i = _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page,
+                                     head_off, head, tile, last_pos, stride_cb, stride_ct, stride_sb,
+                                     stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, True, KV_QUANT)
+
+    m_all = tl.max(m_i, 0)
+    weight = tl.exp2(m_i - tl.where(m_all == float("-inf"), 0.0, m_all))    # empty streams weigh 0
+    l_all = tl.sum(l_i * weight, 0)
+    out = tl.sum(acc * weight[:, None], 0)                                  # [D]
+    if NUM_SPLITS == 1:
+        out = out / tl.where(l_all > 0.0, l_all, 1.0)
+        tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+                 mask=dim_valid)
+    else:
+        part_row = (split * num_tokens + token) * tl.num_programs(1) + head
+        tl.store(part_out_ptr + part_row * HEAD_DIM_PAD + dims, out)
+        tl.store(part_max_ptr + part_row, m_all)
+        tl.store(part_sum_ptr + part_row, l_all)
+
+
+def row_decode_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                        config: KernelConfig, num_splits: int, reduce_config: KernelConfig,
+                        out: torch.Tensor, target: str, kv_scales: torch.Tensor | None = None) -> list[Launch]:
+    """The launches of one decode attention call with at most one query per sequence and as many KV
+    heads as query heads; arguments as `hal.kernels.attention.attention_launches`."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, page_size, num_kv_heads, _ = kv_cache.shape
+    if num_kv_heads != num_heads:
+        raise ValueError(f"row decode attention takes one query head per KV head, got {num_heads} query heads "
+                         f"over {num_kv_heads} KV heads (grouped queries take hal.kernels.attention)")
+    head_dim_pad = max(next_pow2(head_dim), 16)
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    k_scales, v_scales = (key_cache, value_cache) if kv_scales is None else (kv_scales[0], kv_scales[1])
+    scale_strides = (0, 0) if kv_scales is None else (kv_scales.stride(1), kv_scales.stride(2))
+    parts = split_parts(q, num_splits, head_dim_pad)
+    main = Launch(_row_decode_kernel, (seq_lens.shape[0], num_heads, num_splits), (
+        out, q, key_cache, value_cache, k_scales, v_scales, block_table, seq_lens, query_start_loc, *parts,
+        scale * LOG2E, num_tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
+        *scale_strides), dict(
+        PAGE_SIZE=page_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=config.block_n,
+        NUM_SPLITS=num_splits, KV_QUANT=kv_scales is not None, NUM_STAGES=config.num_stages,
+        **launch_options(config, target)))
+    if num_splits == 1:
+        return [main]
+    return [main, reduce_launch(out, parts, reduce_config, target)]

@@ -1,0 +1,112 @@
+"""The row-stream decode kernel (hal/kernels/row_decode.py) under the Triton interpreter against the
+CPU reference: 16-bit and FP8 caches, context splits, padded head dims, graph-padding sequences, and
+the routing that sends only multi-head single-token decode to it."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from paged_cases import random_case, run_both
+
+from hal.kernels import attend
+from hal.kernels.backend import TritonPagedAttention
+from hal.kernels.configs import KernelConfig, configs_for
+from hal.common.torch_attention import TorchPagedAttention
+
+pytestmark = pytest.mark.usefixtures("interpreted")
+
+CPU = torch.device("cpu")
+ROWS = {"attention_row_decode": KernelConfig(1, 32, 4, 2), "attention_row_decode_fp8": KernelConfig(1, 16, 4, 2),
+        "kv_write": KernelConfig(32, 1, 4, 1)}
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def _backend(heads, kv_heads, head_dim, dtype, num_compute_units, kv_dtype=None):
+    return TritonPagedAttention(heads, kv_heads, head_dim, dtype, CPU, 16, configs={**configs_for("default"), **ROWS},
+                                num_compute_units=num_compute_units, kv_dtype=kv_dtype)
+
+
+def _count_row_launches(monkeypatch) -> list[int]:
+    calls = []
+    real = attend.row_decode_launches
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attend, "row_decode_launches", counting)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("num_compute_units,head_dim", [(1, 96), (64, 128)], ids=["whole-D96", "split-D128"])
+def test_row_decode_matches_reference(monkeypatch, dtype, num_compute_units, head_dim):
+    """Partial last tiles, a one-token sequence, tiles across shuffled pages; 1 and 16 context splits
+    (short sequences leave splits empty); head dim 96 padded to 128."""
+    calls = _count_row_launches(monkeypatch)
+    rng = random.Random(7)
+    seq_lens = [rng.randint(2, 90), 1, rng.randint(100, 140), 32]
+    case = random_case(rng, 4, 4, head_dim, dtype, seq_lens=seq_lens, query_lens=[1] * 4)
+    out, ref = run_both(_backend(4, 4, head_dim, dtype, num_compute_units), case, plane=1, scale=head_dim ** -0.5)
+    assert calls, "the batch did not take the row kernel"
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    err = (out.float() - ref).abs().max().item()
+    assert err <= TOLERANCE[dtype], f"max error {err:.2e}"
+
+
+@pytest.mark.parametrize("num_compute_units", [1, 64])
+def test_row_decode_over_fp8_cache_matches_reference(monkeypatch, num_compute_units):
+    """Every key's K and V scale applied in the stream; the unused cache slots hold zeros."""
+    calls = _count_row_launches(monkeypatch)
+    rng = random.Random(11)
+    case = random_case(rng, 4, 4, 64, torch.bfloat16, seq_lens=[rng.randint(40, 90), 1, 70], query_lens=[1] * 3)
+    backend = _backend(4, 4, 64, torch.bfloat16, num_compute_units, kv_dtype=torch.float8_e4m3fn)
+    reference = TorchPagedAttention(4, 4, 64, torch.float32, CPU, 16, kv_dtype=torch.float8_e4m3fn)
+    cache = torch.zeros(backend.kv_cache_shape(case.num_blocks), dtype=backend.kv_cache_dtype)
+    ref_cache = torch.zeros(reference.kv_cache_shape(case.num_blocks), dtype=reference.kv_cache_dtype)
+    history, ref_history = backend.build_meta(case.history), reference.build_meta(case.history)
+    for p in range(2):
+        backend.write_kv(case.keys[p], case.values[p], cache, history, p)
+        reference.write_kv(case.keys[p].float(), case.values[p].float(), ref_cache, ref_history, p)
+    out = backend.forward(case.q, cache, backend.build_meta(case.step), 0, 0.125)
+    ref = reference.forward(case.q.float(), ref_cache, reference.build_meta(case.step), 0, 0.125)
+    assert calls
+    assert (out.float() - ref).abs().max().item() <= TOLERANCE[torch.bfloat16]
+
+
+def test_padding_sequences_without_a_query_are_skipped():
+    """A graph bucket's padding sequence has no query this step: its program returns, and the real
+    rows are as without it (launches built directly: the backend's metadata never has such rows)."""
+    from hal.kernels.launch import run_launch
+    from hal.kernels.row_decode import row_decode_launches
+
+    torch.manual_seed(0)
+    cache = torch.randn(2, 4, 16, 2, 32, dtype=torch.bfloat16)
+    q = torch.randn(2, 2, 32, dtype=torch.bfloat16)
+    table = torch.tensor([[0, 1], [2, 3], [0, 0]], dtype=torch.int32)
+    config = ROWS["attention_row_decode"]
+    outs = []
+    for seq_lens, starts in (([20, 9], [0, 1, 2]), ([20, 9, 5], [0, 1, 2, 2])):
+        out = torch.full_like(q, float("nan"))
+        for launch in row_decode_launches(q, cache, table[:len(seq_lens)], torch.tensor(seq_lens, dtype=torch.int32),
+                                          torch.tensor(starts, dtype=torch.int32), 0.2, config, 1, config, out,
+                                          "interpreter"):
+            run_launch(launch)
+        outs.append(out)
+    assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
+
+
+def test_only_multi_head_single_token_decode_takes_the_row_kernel():
+    assert attend.row_decode_key(torch.bfloat16, 16, 16, 1, False) == "attention_row_decode"
+    assert attend.row_decode_key(torch.float16, 16, 16, 1, True) == "attention_row_decode_fp8"
+    assert attend.row_decode_key(torch.bfloat16, 16, 4, 1, False) is None       # grouped queries
+    assert attend.row_decode_key(torch.bfloat16, 16, 16, 2, False) is None      # speculative verify
+    assert attend.row_decode_key(torch.float32, 16, 16, 1, False) is None       # golden runs: tf32x3 kernel
+    with pytest.raises(ValueError, match="one query head per KV head"):
+        from hal.kernels.row_decode import row_decode_launches
+
+        q = torch.empty(1, 4, 32)
+        row_decode_launches(q, torch.empty(2, 1, 16, 2, 32), torch.zeros(1, 1, dtype=torch.int32),
+                            torch.ones(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 0.1,
+                            ROWS["attention_row_decode"], 1, ROWS["attention_row_decode"], q, "interpreter")
