@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 import math
 import random
 import sys
@@ -118,7 +119,9 @@ def attention_cells(bench: Bench) -> None:
             if num_seqs == 1:
                 rows = rows[:2]
             variants = rows if num_seqs == 1 else (
-                [(config, splits, "unified") for config in UNIFIED_SWEEP[name]] + [(default, 2 * splits, "unified")]
+                # the table config's other fields (heads_first) ride along with each swept tile
+                [(replace(default, block_n=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages), splits,
+                  "unified") for c in UNIFIED_SWEEP[name]] + [(default, 2 * splits, "unified")]
                 + rows + [(rows[0][0], 2 * splits, "rows")])
             for config, num_splits, kind in variants:
                 build = row_decode_launches if kind == "rows" else attention.attention_launches

@@ -5,7 +5,7 @@ config's time beside it on stderr. The unified kernel's best config is always pr
 row-stream kernel config (hal/kernels/row_decode.py) beats it, that config is printed too, which
 routes multi-head decode to that kernel.
 
-    python tools/pick_decode_configs.py fp8_kernels.jsonl     # -> {"attention_decode": [16, 32, 4, 3], ...}
+    python tools/pick_decode_configs.py fp8_kernels.jsonl     # -> {"attention_decode": [16, 32, 4, 3, ...], ...}
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import json
 import re
 import sys
 from collections import defaultdict
+from dataclasses import astuple, replace
 
 from hal.kernels.configs import configs_for
 
@@ -58,7 +59,9 @@ def pick(rows: list[dict], arch: str = "sm_90") -> tuple[dict[str, list[int]], l
         if not unified:
             continue
         best = min(unified, key=unified.get)
-        chosen[key] = list(best)
+        # the table config's other fields (heads_first, ...) stay: the sweep varied only these four
+        chosen[key] = list(astuple(replace(c, block_m=best[0], block_n=best[1], num_warps=best[2],
+                                           num_stages=best[3])))
         report.append(f"{key}: table {list(current)} {unified.get(current, float('nan')):.1f} us, "
                       f"best {list(best)} {unified[best]:.1f} us (sum over {', '.join(CELLS)})")
         rows = {cfg: t for (kind, cfg), t in total.items() if kind == "rows"}

@@ -45,6 +45,7 @@ from hal.kernels.splits import reduce_launch, split_parts
 
 DECODE_MAX_QUERY_LEN = 8        # batches with <= this many new tokens per sequence use the decode config
 LOG2E = 1.4426950408889634
+MAX_GRID_Y = 65535              # CUDA's (and HIP's) limit on a grid's second dimension
 
 
 @triton.jit
@@ -126,9 +127,13 @@ def _paged_attention_kernel(
         stride_sb, stride_st,
         NUM_QUERIES_PER_KV: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr):
-    q_block = tl.program_id(0)
-    kv_head = tl.program_id(1)
+        NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, HEADS_FIRST: tl.constexpr):
+    if HEADS_FIRST:
+        kv_head = tl.program_id(0)
+        q_block = tl.program_id(1)
+    else:
+        q_block = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq = _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_ptr + seq)
@@ -189,7 +194,7 @@ def _paged_attention_kernel(
         tl.store(out_ptr + token[:, None] * stride_ot + row_head[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
     else:
-        num_heads = tl.num_programs(1) * NUM_QUERIES_PER_KV
+        num_heads = tl.num_programs(0 if HEADS_FIRST else 1) * NUM_QUERIES_PER_KV
         part_row = (split * num_tokens + token) * num_heads + row_head     # [M] int64
         tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM_PAD + dims[None, :], acc,
                  mask=row_valid[:, None])
@@ -218,7 +223,9 @@ def attention_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
                        config: KernelConfig, num_splits: int, reduce_config: KernelConfig,
                        out: torch.Tensor, target: str, kv_scales: torch.Tensor | None = None) -> list[Launch]:
     """The launches of one attention call for `target` ("cuda", "hip", "interpreter"); `out`
-    `[T, H, D]` receives the result.
+    `[T, H, D]` receives the result. `config.heads_first`: grid `(KVH, query blocks, splits)`, the KV
+    heads of a query block side by side (they read the same cache rows), where the query blocks fit
+    the grid's second dimension.
 
     q `[T, H, D]`; kv_cache `[2, NB, page, KVH, D]`; block_table `[S, max_blocks]` int32 (one plane);
     seq_lens `[S]` int32 (cached tokens incl. this step's); query_start_loc `[S + 1]` int32.
@@ -236,7 +243,9 @@ def attention_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     k_scales, v_scales = (key_cache, value_cache) if kv_scales is None else (kv_scales[0], kv_scales[1])
     scale_strides = (0, 0) if kv_scales is None else (kv_scales.stride(1), kv_scales.stride(2))
     parts = split_parts(q, num_splits, head_dim_pad)
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    num_q_blocks = num_tokens // block_q + num_seqs
+    heads_first = bool(config.heads_first) and num_q_blocks <= MAX_GRID_Y
+    grid = (num_kv_heads, num_q_blocks, num_splits) if heads_first else (num_q_blocks, num_kv_heads, num_splits)
     main = Launch(_paged_attention_kernel, grid, (
         out, q, key_cache, value_cache, k_scales, v_scales, block_table, seq_lens, query_start_loc, *parts,
         scale * LOG2E, num_seqs, num_tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -244,7 +253,7 @@ def attention_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         *scale_strides), dict(
         NUM_QUERIES_PER_KV=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
-        DOT_PRECISION=dot_precision(q.dtype, target), KV_QUANT=kv_scales is not None,
+        DOT_PRECISION=dot_precision(q.dtype, target), KV_QUANT=kv_scales is not None, HEADS_FIRST=heads_first,
         **launch_options(config, target)))
     if num_splits == 1:
         return [main]

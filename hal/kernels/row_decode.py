@@ -15,8 +15,11 @@ algebra as the context split): out = sum_n 2^(m[n] - M) acc[n] / sum_n 2^(m[n] -
 8-bit caches: values widen to fp32 in registers; key n's scales multiply its score (k_scale[n]) and
 its P before the PV accumulation (v_scale[n]); the sums stay the unscaled P's.
 
-Grid `(num_seqs, num_heads, NUM_SPLITS)`; sequences without a query this step (graph padding) return
-at once; with `NUM_SPLITS > 1` the partials go to hal/kernels/splits.py's reduce. The pages of a
+Grid `(num_heads, num_seqs, NUM_SPLITS)`, heads fastest: the programs of one sequence's heads run side
+by side and read the same cache rows (a slot's row holds every head's values and then their scales),
+so each 32-byte sector of scales serves 8 heads from L2 instead of being fetched once per head
+(H200, 128 x 1K over FP8: 212 -> 187 us per layer-plane against sequences fastest). Sequences
+without a query this step (graph padding) return at once; with `NUM_SPLITS > 1` the partials go to hal/kernels/splits.py's reduce. The pages of a
 tile come from the block table one iteration ahead, as in the unified kernel (its lever 22).
 """
 from __future__ import annotations
@@ -76,8 +79,8 @@ def _row_decode_kernel(
         stride_sb, stride_st,
         PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, KV_QUANT: tl.constexpr, NUM_STAGES: tl.constexpr):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
     split = tl.program_id(2)
     token = tl.load(query_start_ptr + seq)
     if tl.load(query_start_ptr + seq + 1) == token:         # no query this step (graph padding)
@@ -123,7 +126,7 @@ def _row_decode_kernel(
         tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
                  mask=dim_valid)
     else:
-        part_row = (split * num_tokens + token) * tl.num_programs(1) + head
+        part_row = (split * num_tokens + token) * tl.num_programs(0) + head
         tl.store(part_out_ptr + part_row * HEAD_DIM_PAD + dims, out)
         tl.store(part_max_ptr + part_row, m_all)
         tl.store(part_sum_ptr + part_row, l_all)
@@ -145,7 +148,7 @@ def row_decode_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     k_scales, v_scales = (key_cache, value_cache) if kv_scales is None else (kv_scales[0], kv_scales[1])
     scale_strides = (0, 0) if kv_scales is None else (kv_scales.stride(1), kv_scales.stride(2))
     parts = split_parts(q, num_splits, head_dim_pad)
-    main = Launch(_row_decode_kernel, (seq_lens.shape[0], num_heads, num_splits), (
+    main = Launch(_row_decode_kernel, (num_heads, seq_lens.shape[0], num_splits), (
         out, q, key_cache, value_cache, k_scales, v_scales, block_table, seq_lens, query_start_loc, *parts,
         scale * LOG2E, num_tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),

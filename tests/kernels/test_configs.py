@@ -1,6 +1,9 @@
 """Config tables, launch options per vendor, and the backend's metadata (no kernels run)."""
 from __future__ import annotations
 
+import json
+from dataclasses import astuple, replace
+
 import pytest
 import torch
 
@@ -8,7 +11,8 @@ from hal.attention import PagedBatch
 from hal.kernels import launch
 from hal.kernels.splits import MAX_SPLITS, num_kv_splits
 from hal.kernels.backend import TritonPagedAttention
-from hal.kernels.configs import KERNEL_NAMES, OPTIONAL_KERNEL_NAMES, KernelConfig, all_configs, configs_for
+from hal.kernels.configs import (KERNEL_NAMES, OPTIONAL_KERNEL_NAMES, KernelConfig, all_configs, configs_for,
+                                 overrides)
 
 
 def test_every_table_has_every_kernel():
@@ -52,10 +56,12 @@ def test_pick_decode_configs_takes_the_least_summed_time():
             row("B64xK1024", "fp8 rows n32 w4 s3 x1", 90.0), row("B128xK1024", "fp8 rows n32 w4 s3 x1", 170.0),
             row("B64xK1024", "fp8 rows n64 w4 s2 x1", 80.0), row("B128xK1024", "fp8 rows n64 w4 s2 x1", 200.0)]
     chosen, report = pick(rows)
-    fp8 = configs_for("sm_90")["attention_decode_fp8"]                  # the table's wins for FP8
-    assert chosen == {"attention_decode": [16, 32, 4, 3],
-                      "attention_decode_fp8": [fp8.block_m, fp8.block_n, fp8.num_warps, fp8.num_stages],
+    table = configs_for("sm_90")
+    fp8 = table["attention_decode_fp8"]                                 # the table's wins for FP8
+    best = replace(table["attention_decode"], block_n=32, num_warps=4, num_stages=3)   # heads_first stays
+    assert chosen == {"attention_decode": list(astuple(best)), "attention_decode_fp8": list(astuple(fp8)),
                       "attention_row_decode_fp8": [1, 32, 4, 3]}
+    assert overrides(json.dumps(chosen))["attention_decode"] == best
     assert "470.0 us" in report[0] and "450.0 us" in report[0]      # table, then best
     assert report[-1] == "attention_row_decode_fp8: best [1, 32, 4, 3] 260.0 us"
 
