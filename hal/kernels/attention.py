@@ -41,7 +41,7 @@ import triton.language as tl
 
 from hal.kernels.configs import KernelConfig
 from hal.kernels.launch import Launch, launch_options, next_pow2
-from hal.kernels.splits import reduce_launch, split_parts
+from hal.kernels.splits import reduce_launch, split_parts, split_tiles
 
 DECODE_MAX_QUERY_LEN = 8        # batches with <= this many new tokens per sequence use the decode config
 LOG2E = 1.4426950408889634
@@ -158,11 +158,8 @@ def _paged_attention_kernel(
 
     first_pos = context_len + local_block * BLOCK_Q                       # the block's first token
     last_pos = context_len + tl.minimum((local_block + 1) * BLOCK_Q, q_len) - 1
-    num_tiles = tl.cdiv(last_pos + 1, BLOCK_N)
     num_full = (first_pos + 1) // BLOCK_N                                 # tiles every row sees entirely
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    tile_lo, tile_hi = split_tiles(tl.cdiv(last_pos + 1, BLOCK_N), split, NUM_SPLITS)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)

@@ -31,7 +31,7 @@ import triton.language as tl
 from hal.kernels.attention import LOG2E, _tile_pages
 from hal.kernels.configs import KernelConfig
 from hal.kernels.launch import Launch, launch_options, next_pow2
-from hal.kernels.splits import reduce_launch, split_parts
+from hal.kernels.splits import reduce_launch, split_parts, split_tiles
 
 @triton.jit
 def _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page, head_off, head,
@@ -92,11 +92,8 @@ def _row_decode_kernel(
     q = tl.load(q_ptr + token * stride_qt + head * stride_qh + dims, mask=dim_valid, other=0.0)
     q = q.to(tl.float32) * qk_scale                                         # [D], scores in the log2 domain
 
-    num_tiles = tl.cdiv(last_pos + 1, BLOCK_N)
     num_full = (last_pos + 1) // BLOCK_N
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    tile_lo, tile_hi = split_tiles(tl.cdiv(last_pos + 1, BLOCK_N), split, NUM_SPLITS)
 
     m_i = tl.full([BLOCK_N], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_N], tl.float32)

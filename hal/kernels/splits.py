@@ -39,6 +39,14 @@ def split_parts(q: torch.Tensor, num_splits: int, head_dim_pad: int) -> list[tor
 
 
 @triton.jit
+def split_tiles(num_tiles, split, NUM_SPLITS: tl.constexpr):
+    """Key tiles [tile_lo, tile_hi) of context split `split`: its share of the sequence's `num_tiles`."""
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    return tile_lo, tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+
+@triton.jit
 def _reduce_splits_kernel(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, num_tokens, stride_ot, stride_oh,
                           HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
                           SPLITS_PAD: tl.constexpr):
