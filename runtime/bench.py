@@ -29,7 +29,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from runtime.config import SamplingParams
+from runtime.sampling_params import SamplingParams
 from runtime.cli import CONF_DIR, check_spellings, clear_errors, engine_config, make_hal, register_schemas
 
 log = logging.getLogger("runtime.bench")

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from runtime.cli import (CONF_DIR, DEFAULT_MODEL, UsageError, check_model_node, check_spellings, clear_errors,
                          default_model, engine_config, known_models, make_hal, model_source,  # noqa: F401
                          register_schemas)
-from runtime.config import SamplingDefaults, SamplingParams
+from runtime.sampling_params import SamplingDefaults, SamplingParams
 
 log = logging.getLogger("runtime.generate")
 # no model and no prompt given: the packaged tiny model continues this (when the install has it)

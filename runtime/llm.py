@@ -12,7 +12,8 @@ import hal as hal_registry
 import zoo
 from hal.base import Hal
 from runtime.text.chat import Message, apply_chat_template
-from runtime.config import EngineConfig, SamplingParams
+from runtime.config import EngineConfig
+from runtime.sampling_params import SamplingParams
 from runtime.engine.llm_engine import LLMEngine
 from runtime.engine.outputs import RequestOutput
 from runtime.parallel.follower import Follower

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runtime.cli import (CONF_DIR, UsageError, check_model_node, check_port, check_spellings, clear_errors,
                          engine_config, known_models, make_hal, model_source, register_schemas)
-from runtime.config import SamplingDefaults
+from runtime.sampling_params import SamplingDefaults
 
 log = logging.getLogger("runtime.serve")
 

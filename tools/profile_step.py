@@ -13,7 +13,8 @@ import torch
 
 import hal
 import zoo
-from runtime.config import EngineConfig, SamplingParams
+from runtime.config import EngineConfig
+from runtime.sampling_params import SamplingParams
 from runtime.engine.llm_engine import LLMEngine
 
 CONFIGS = Path(__file__).resolve().parent.parent / "zoo" / "configs"

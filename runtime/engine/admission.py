@@ -9,7 +9,8 @@ import dataclasses
 import logging
 from typing import Any
 
-from runtime.config import EngineConfig, SamplingParams, SpeculativeConfig
+from runtime.config import EngineConfig, SpeculativeConfig
+from runtime.sampling_params import SamplingParams
 from runtime.engine.sequence import Request, RequestMetrics, RequestStatus
 from runtime.execution.keyed_random import derive_seed
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from runtime.config import EngineConfig, SamplingParams
+from runtime.config import EngineConfig
+from runtime.sampling_params import SamplingParams
 from runtime.engine.admission import cache_salt, check_request, num_speculative_tokens, sample_of
 from runtime.engine.outputs import RequestOutput, request_output
 from runtime.engine.sample_group import SampleGroup

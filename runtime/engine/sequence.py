@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from runtime.config import SamplingParams
+from runtime.sampling_params import SamplingParams
 
 # async scheduling: the id of a token the device has sampled but the host has not read yet
 PLACEHOLDER = -1

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from hal.common.kv_quant import fake_quantize
-from runtime.config import SamplingParams
+from runtime.sampling_params import SamplingParams
 from runtime.execution.sampler import make_generator, sample_token
 from zoo.base import PLAIN_OPS, LoopedCausalLM, ModelOps, BaseContext, exit_distribution, first_exit_step
 

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from runtime.config import SamplingParams
+from runtime.sampling_params import SamplingParams
 from runtime.engine.outputs import TokenLogprobs
 from runtime.execution.keyed_random import keyed_exponentials
 

@@ -26,7 +26,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Container, Mapping, NamedTuple
 
-from runtime.config import EngineConfig, SamplingParams
+from runtime.config import EngineConfig
+from runtime.sampling_params import SamplingParams
 from runtime.engine.kv_cache import BlockManager
 from runtime.engine.step_schedule import SchedulerOutput
 from runtime.engine.sequence import Request

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from runtime.config import SamplingDefaults
+from runtime.sampling_params import SamplingDefaults
 
 # filled from the `model:` config node by runtime.serve, not part of the `server:` node
 SERVER_FIELDS_FROM_MODEL = ("stop_token_ids", "default_num_loops", "default_exit_threshold", "sampling")

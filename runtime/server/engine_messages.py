@@ -13,7 +13,7 @@ import concurrent.futures
 import dataclasses
 from typing import NamedTuple
 
-from runtime.config import SamplingParams
+from runtime.sampling_params import SamplingParams
 from runtime.engine.outputs import RequestOutput
 from runtime.server.metrics import ServerMetrics
 

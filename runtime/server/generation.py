@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from runtime.config import SamplingParams
+from runtime.sampling_params import SamplingParams
 from runtime.server.choices import Choice, Job, choice_body, chunk_maker
 from runtime.server.engine_messages import NewRequest, Overloaded, ShuttingDown
 from runtime.server.protocol import APIError

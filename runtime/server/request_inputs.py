@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.config import SamplingParams
+from runtime.sampling_params import SamplingParams
 from runtime.server.engine_loop import EngineLoop
 from runtime.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, unsupported_field
 from runtime.text.chat import apply_chat_template

@@ -12,7 +12,8 @@ import pytest
 import hal
 import zoo
 from helpers import golden_case, single_thread  # noqa: F401 (fixture)
-from runtime.config import EngineConfig, SamplingParams
+from runtime.config import EngineConfig
+from runtime.sampling_params import SamplingParams
 from runtime.engine.kv_cache import BlockManager
 from runtime.engine.llm_engine import LLMEngine
 from runtime.engine.planes import PlaneLayout

@@ -161,7 +161,7 @@ def test_prefix_cache_random_operations_keep_counts_exact():
 
 
 def test_loop_planes_are_shared_across_loop_counts_but_fixed_planes_are_not():
-    from runtime.config import SamplingParams
+    from runtime.sampling_params import SamplingParams
     from runtime.engine.prefix_cache import PrefixPolicy
     from runtime.engine.sequence import Request
 

@@ -13,7 +13,8 @@ import torch
 import hal
 import zoo
 from helpers import golden_case, single_thread  # noqa: F401 (fixture)
-from runtime.config import EngineConfig, SamplingParams
+from runtime.config import EngineConfig
+from runtime.sampling_params import SamplingParams
 from runtime.engine.llm_engine import LLMEngine
 from runtime.execution.reference import generate_reference
 from runtime.execution.sampler import (SamplingTensors, apply_processors, filtered_probs, probabilities, sample,

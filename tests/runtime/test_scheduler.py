@@ -1,7 +1,7 @@
 """Scheduling decisions: token budget, decode first, chunked prefill, FIFO admission, preemption."""
 import pytest
 
-from runtime.config import SamplingParams
+from runtime.sampling_params import SamplingParams
 from runtime.engine.kv_cache import BlockManager
 from runtime.engine.scheduler import Scheduler, SchedulerConfig
 from runtime.engine.sequence import Request, RequestStatus

@@ -15,7 +15,8 @@ import hal
 from live_server import LiveServer
 from runtime import LLM, SamplingParams
 from runtime.cli import CONF_DIR
-from runtime.config import EngineConfig, SamplingDefaults
+from runtime.config import EngineConfig
+from runtime.sampling_params import SamplingDefaults
 from runtime.engine.llm_engine import LLMEngine
 from runtime.server.app import build_app
 from runtime.server.config import ServerConfig

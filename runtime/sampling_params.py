@@ -1,0 +1,161 @@
+"""Per-request sampling settings (`SamplingParams`) and the model's defaults for them
+(`SamplingDefaults`). They live apart from the engine's configuration because they travel with
+every request, through the API, the server, the scheduler and the sampler, while the engine's
+settings are fixed once when it starts."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation settings (vLLM's names; the looped-model fields last).
+
+    `temperature=0` is greedy. `top_k <= 0` and `top_p=1` disable those filters. `seed` makes
+    sampling (and Huginn's random initial state) reproducible per request, greedy included; a
+    seeded request's tokens do not depend on what else is in the batch.
+
+    The logits of a step pass, in this order: `logit_bias` (token id -> added to its logit),
+    `min_tokens` (stop tokens masked until that many tokens were generated), `repetition_penalty`
+    (> 1 discourages every token of the prompt and the output: a positive logit is divided by it,
+    a negative one multiplied), `frequency_penalty` (subtracted once per earlier occurrence in the
+    output) and `presence_penalty` (subtracted once if it occurred), then temperature, top-k, top-p.
+    Greedy requests take the argmax after the penalties.
+
+    `n` samples are returned per prompt (they share the prompt's KV); with `best_of > n`, `best_of`
+    are generated and the `n` of highest mean log-probability per token are returned. `logprobs=k`
+    reports the sampled token's log-probability and the k most likely tokens at each generated
+    position; `prompt_logprobs=k` the same for every prompt token after the first. Log-probabilities
+    are those of the model's own distribution (log_softmax of the logits the token was sampled from,
+    before penalties and temperature).
+
+    `num_loops` and `exit_threshold` default to the model's own values when None. `init_scale`
+    scales Huginn's random initial state (None: the reference's 1.0; 0.0: a zero state).
+    `priority` orders requests under `scheduling_policy="priority"`: lower is more urgent (vLLM's
+    convention), first come first served within a level.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()    # a {token id: bias} dict is accepted too
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    num_loops: int | None = None
+    exit_threshold: float | None = None
+    min_loops: int = 1
+    init_scale: float | None = None
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
+        problems = []
+
+        def integer(name: str, low: int, allow_none: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
+                problems.append(f"{name} must be an integer >= {low}, got {value!r}")
+
+        integer("max_tokens", 1)
+        integer("n", 1)
+        integer("best_of", 1, allow_none=True)
+        integer("min_tokens", 0)
+        integer("logprobs", 0, allow_none=True)
+        integer("prompt_logprobs", 0, allow_none=True)
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            problems.append(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int):
+            problems.append(f"top_k must be an integer (0 or -1: off), got {self.top_k!r}")
+        if self.best_of is not None and isinstance(self.n, int) and isinstance(self.best_of, int) \
+                and self.best_of < self.n:
+            problems.append(f"best_of ({self.best_of}) must be >= n ({self.n})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (math.isfinite(getattr(self, name)) and -2 <= getattr(self, name) <= 2):
+                problems.append(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            problems.append(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
+        bad_bias = [(t, b) for t, b in self.logit_bias if t < 0 or not -100 <= b <= 100]
+        if bad_bias:
+            problems.append(f"logit_bias takes token ids >= 0 with biases in [-100, 100], got {bad_bias[:3]}")
+        if isinstance(self.max_tokens, int) and isinstance(self.min_tokens, int) and self.min_tokens > self.max_tokens:
+            problems.append(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.num_loops is not None and not (isinstance(self.num_loops, int) and self.num_loops >= 1):
+            problems.append(f"num_loops must be an integer >= 1, got {self.num_loops!r}")
+        if self.exit_threshold is not None and not 0 < self.exit_threshold <= 1:
+            problems.append(f"exit_threshold must be in (0, 1], got {self.exit_threshold!r}")
+        if self.init_scale is not None and not (self.init_scale >= 0 and math.isfinite(self.init_scale)):
+            problems.append(f"init_scale must be >= 0, got {self.init_scale!r}")
+        if self.min_loops < 1:
+            problems.append(f"min_loops must be >= 1, got {self.min_loops!r}")
+        if not isinstance(self.priority, int):
+            problems.append(f"priority must be an integer (lower = more urgent), got {self.priority!r}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences generated for the prompt (`best_of`, else `n`)."""
+        return self.best_of or self.n
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1)
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether anything but temperature / top-k / top-p acts on the logits."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """The sampling settings a request gets for what it leaves out: the model's generation_config
+    (`conf/model/*.yaml`), else greedy with no filters. The CLI and the server both use these, so the
+    same prompt gives the same text through either."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    @classmethod
+    def from_model(cls, model_node: Any) -> "SamplingDefaults":
+        """From a `model:` config node (its temperature / top_p / top_k; None = not set)."""
+        get = (lambda k: model_node.get(k)) if hasattr(model_node, "get") else (lambda k: getattr(model_node, k, None))
+        base = cls()
+        return cls(*(base_value if get(k) is None else get(k)
+                     for k, base_value in (("temperature", base.temperature), ("top_p", base.top_p),
+                                           ("top_k", base.top_k))))
+
+    def resolve(self, temperature: float | None = None, top_p: float | None = None,
+                top_k: int | None = None) -> dict[str, Any]:
+        """Keywords for `SamplingParams`: each given value wins over the default."""
+        return {"temperature": self.temperature if temperature is None else temperature,
+                "top_p": self.top_p if top_p is None else top_p,
+                "top_k": self.top_k if top_k is None else top_k}
+
+    def describe(self) -> str:
+        if self.temperature == 0:
+            return "greedy (temperature 0)"
+        return f"temperature {self.temperature}, top_p {self.top_p}, top_k {self.top_k or 'off'}"
