@@ -1,7 +1,7 @@
 """Hal names -> classes: the built-ins plus any vendor package registered under the entry-point
 group `loopstack.hal`; `detect()` picks the first available; `platform_of` is the one place that
 decides which platform a torch device belongs to. Models never look a Hal up here: whoever runs
-them hands theirs over (`zoo.base.ModelOps`)."""
+them hands theirs over (`zoo.context.ModelOps`)."""
 from __future__ import annotations
 
 import importlib

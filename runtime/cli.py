@@ -109,7 +109,7 @@ def engine_config(cfg: Any, **overrides: Any) -> EngineConfig:
 
 def default_model() -> str | None:
     """The model of a CLI given none: the packaged ouro-tiny where this install has it."""
-    from zoo.loading import packaged_checkpoint
+    from zoo.resolve import packaged_checkpoint
 
     return DEFAULT_MODEL if packaged_checkpoint(DEFAULT_MODEL) else None
 

@@ -20,7 +20,7 @@ DEFAULT_PROMPT = "The meaning of life is"
 
 
 def no_model_message() -> str:
-    from zoo.loading import HUB_IDS
+    from zoo.resolve import HUB_IDS
 
     lines = ["No model selected. Known models (model=NAME, found in the local Hugging Face cache):"]
     lines += [f"  {name:22s} {HUB_IDS.get(name, '')}" for name in known_models()]

@@ -98,7 +98,7 @@ def subjects(names: list[str]) -> list[Subject]:
                                meta["greedy_new_tokens"], extra))
     if "ouro-tiny" in names:
         from runtime.text.tokenizer import Tokenizer
-        from zoo.loading import packaged_checkpoint
+        from zoo.resolve import packaged_checkpoint
 
         folder = packaged_checkpoint("ouro-tiny")
         if folder is not None:

@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from zoo.base import (CausalLMOutput, DenseContext, ForwardContext, KVSpec, LoopedCausalLM, ModelOps, as_dtype,
-                       exit_distribution, first_exit_step)
-from zoo.loading import (HUB_IDS, CheckpointError, build_on_meta, load_weights, read_config,
-                         resolve_checkpoint, stored_dtype)
+from zoo.base import CausalLMOutput, LoopedCausalLM, as_dtype, exit_distribution, first_exit_step
+from zoo.context import DenseContext, ForwardContext, KVSpec, ModelOps
+from zoo.loading import build_on_meta, load_weights, stored_dtype
 from zoo.random_weights import fill_random
+from zoo.resolve import HUB_IDS, CheckpointError, read_config, resolve_checkpoint
 from zoo.saving import save_pretrained
 
 # config.json model_type -> model class

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from hal.common.kv_quant import dequantize, quantize
-from zoo.base import PLAIN_OPS, ModelOps
+from zoo.context import PLAIN_OPS, ModelOps
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 SKIP_NAMES = ("lm_head",)

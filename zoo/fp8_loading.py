@@ -24,7 +24,8 @@ from typing import Any, NamedTuple
 import torch
 
 from zoo.fp8 import Fp8Linear
-from zoo.loading import CheckpointError, load_weights, open_safetensors, safetensors_files
+from zoo.loading import load_weights, open_safetensors, safetensors_files
+from zoo.resolve import CheckpointError
 
 log = logging.getLogger(__name__)
 

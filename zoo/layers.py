@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zoo.base import PLAIN_OPS, ForwardContext, ModelOps
+from zoo.context import PLAIN_OPS, ForwardContext, ModelOps
 
 
 def ops_of(ctx: ForwardContext | None) -> ModelOps:

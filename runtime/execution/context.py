@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from hal.attention import PagedBatch
-from zoo.base import BaseContext
+from zoo.context import BaseContext
 
 if TYPE_CHECKING:
     from runtime.execution.step_inputs import PassEnv

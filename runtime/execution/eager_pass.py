@@ -23,7 +23,8 @@ from runtime.execution.async_step import PendingStep
 from runtime.execution.logprobs import prompt_logits, prompt_rows
 from runtime.execution.loops import SeqPlan, run_loops
 from runtime.execution.step_inputs import PassEnv, SeqSlice, describe, place, shifted_tables
-from zoo.base import KVSpec, LoopedCausalLM
+from zoo.base import LoopedCausalLM
+from zoo.context import KVSpec
 
 
 class EagerPass:

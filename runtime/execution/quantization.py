@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from hal.base import Hal
-from zoo.base import ModelOps
+from zoo.context import ModelOps
 from hal.common.kv_quant import KV_DTYPE_NAMES
 
 log = logging.getLogger(__name__)

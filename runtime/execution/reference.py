@@ -12,7 +12,8 @@ import torch
 from hal.common.kv_quant import fake_quantize
 from runtime.sampling_params import SamplingParams
 from runtime.execution.sampler import make_generator, sample_token
-from zoo.base import PLAIN_OPS, LoopedCausalLM, ModelOps, BaseContext, exit_distribution, first_exit_step
+from zoo.base import LoopedCausalLM, exit_distribution, first_exit_step
+from zoo.context import PLAIN_OPS, BaseContext, ModelOps
 
 
 class CachedContext(BaseContext):

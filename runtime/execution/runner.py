@@ -35,7 +35,8 @@ from runtime.execution.logprobs import StepLogprobs
 from runtime.execution.sampler import SamplingTensors, sample
 from runtime.execution.step_inputs import PassEnv, describe, describe_rows, extend
 from runtime.parallel.state import agree_min, capture_allowed
-from zoo.base import LoopedCausalLM, ModelOps
+from zoo.base import LoopedCausalLM
+from zoo.context import ModelOps
 from zoo.parallel import rank_heads
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,8 @@ from hal.attention import AttentionBackend, PagedBatch
 from runtime.engine.planes import PlaneLayout
 from runtime.engine.sequence import PLACEHOLDER
 from runtime.execution.context import PagedContext
-from zoo.base import LoopedCausalLM, ModelOps
+from zoo.base import LoopedCausalLM
+from zoo.context import ModelOps
 
 
 class PassEnv(NamedTuple):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import zoo
-from zoo.base import ModelOps
+from zoo.context import ModelOps
 from zoo.fuse import fuse_projections
 from hal.cpu import CpuHal
 from hal.kernels.backend import TritonPagedAttention

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from helpers import ROOT, golden_case
-from zoo.loading import packaged_checkpoint
+from zoo.resolve import packaged_checkpoint
 
 
 def run_cli(*args, cwd):

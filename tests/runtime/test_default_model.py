@@ -6,7 +6,7 @@ from hydra import compose, initialize_config_dir
 
 import train_looped as tl
 import zoo
-import zoo.loading
+import zoo.resolve
 from helpers import single_thread  # noqa: F401 (fixture)
 from looped_data import train_tokenizer
 from runtime import generate
@@ -18,7 +18,7 @@ WORDS = "the sun rises over the sea and the moon sets behind the old hill".split
 
 @pytest.fixture
 def packaged_dir(tmp_path, monkeypatch):
-    monkeypatch.setattr(zoo.loading, "PACKAGED_DIR", tmp_path / "checkpoints")
+    monkeypatch.setattr(zoo.resolve, "PACKAGED_DIR", tmp_path / "checkpoints")
     return tmp_path / "checkpoints"
 
 

@@ -13,7 +13,7 @@ from runtime import SamplingParams
 from runtime.config import EngineConfig
 from runtime.engine.llm_engine import LLMEngine
 from runtime.execution.reference import generate_reference
-from zoo.base import ModelOps
+from zoo.context import ModelOps
 
 
 def _rms_norm(x, weight, eps, residual=None):

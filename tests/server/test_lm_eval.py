@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from helpers import ROOT
-from zoo.loading import packaged_checkpoint
+from zoo.resolve import packaged_checkpoint
 
 VENV = Path(os.environ.get("LOOPSTACK_LMEVAL_VENV", ROOT / ".venv-lmeval"))
 

@@ -58,12 +58,12 @@ def run_cli(*args, cwd, **options):
 
 
 def test_no_model_serves_the_packaged_one_or_explains_how_to_pick_one(tmp_path, monkeypatch):
-    import zoo.loading
+    import zoo.resolve
 
-    if zoo.loading.packaged_checkpoint("ouro-tiny") is not None:
+    if zoo.resolve.packaged_checkpoint("ouro-tiny") is not None:
         app = make_app(composed("hal=cpu", "engine.num_kv_blocks=64"))
         assert app.state.model_name == "ouro-tiny"
-    monkeypatch.setattr(zoo.loading, "PACKAGED_DIR", tmp_path)       # an install without it
+    monkeypatch.setattr(zoo.resolve, "PACKAGED_DIR", tmp_path)       # an install without it
     with pytest.raises(UsageError, match="model.path="):
         make_app(composed("hal=cpu"))
 

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 import zoo
 from helpers import CONFIGS, golden_case
-from zoo.base import DenseContext
+from zoo.context import DenseContext
 
 TOL = 1e-4
 

@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 
 import zoo
 from helpers import golden_case
-from zoo.loading import CheckpointError, resolve_checkpoint
+from zoo.resolve import CheckpointError, resolve_checkpoint
 
 
 @pytest.fixture

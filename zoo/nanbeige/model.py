@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zoo.base import (CausalLMOutput, DenseContext, ForwardContext, KVSpec, LoopedCausalLM, ModelOps,
-                       causal_lm_loss)
+from zoo.base import CausalLMOutput, LoopedCausalLM, causal_lm_loss
+from zoo.context import DenseContext, ForwardContext, KVSpec, ModelOps
 from zoo.layers import GQAttention, RMSNorm, SwiGLU
 from zoo.nanbeige.config import NanbeigeConfig
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zoo.base import (CausalLMOutput, DenseContext, ForwardContext, KVSpec, LoopedCausalLM, ModelOps,
-                       causal_lm_loss, exit_distribution, first_exit_step)
+from zoo.base import CausalLMOutput, LoopedCausalLM, causal_lm_loss, exit_distribution, first_exit_step
+from zoo.context import DenseContext, ForwardContext, KVSpec, ModelOps
 from zoo.layers import GQAttention, RMSNorm, SwiGLU
 from zoo.ouro.config import OuroConfig
 from zoo.training import expected_exit_loss
