@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from hal.base import Hal
-from hal.conformance.checks import TOLERANCE, _max_err
+from hal.conformance.attention_checks import TOLERANCE, _max_err
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

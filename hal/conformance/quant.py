@@ -14,7 +14,8 @@ import random
 import torch
 
 from hal.base import Hal
-from hal.conformance.checks import TOLERANCE, SkipCheck, _history_batch, _max_err, _random_batch
+from hal.conformance.attention_checks import TOLERANCE, _history_batch, _max_err, _random_batch
+from hal.conformance.checks import SkipCheck
 from hal.common.torch_attention import TorchPagedAttention
 from hal.common.kv_quant import quantize
 
