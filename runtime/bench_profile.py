@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from runtime.config import SamplingParams
+from runtime.sampling_params import SamplingParams
 
 
 PROFILE_FROM_STEP = 8          # decode steps before the profiled ones (graphs captured, caches warm)
