@@ -29,7 +29,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from runtime.bench_profile import _profile, late_summary, step_costs
+from runtime.bench_profile import late_summary, profile_decode, step_costs
 from runtime.sampling_params import SamplingParams
 from runtime.cli import CONF_DIR, check_spellings, clear_errors, engine_config, make_hal, register_schemas
 
@@ -112,9 +112,9 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
         elif outs:
             step_times.append((t1 - t0, len(outs)))
             decode_tokens, decode_s = decode_tokens + new, decode_s + (t1 - t0)
-            profiler = _profile(profiler, len(step_times), profile_steps, hal)
+            profiler = profile_decode(profiler, len(step_times), profile_steps, hal)
     if profiler is not None:
-        _profile(profiler, 0, 0, hal)
+        profile_decode(profiler, 0, 0, hal)
     total = time.perf_counter() - start
     # steady state: steps where every request of the cell decodes (requests that prefilled in
     # later chunks finish later, and the last steps run smaller batches); skip graph captures

@@ -16,7 +16,7 @@ from runtime.sampling_params import SamplingParams
 PROFILE_FROM_STEP = 8          # decode steps before the profiled ones (graphs captured, caches warm)
 
 
-def _profile(profiler: Any, step: int, num_steps: int, hal: Any) -> Any:
+def profile_decode(profiler: Any, step: int, num_steps: int, hal: Any) -> Any:
     """Start torch.profiler at decode step PROFILE_FROM_STEP, stop `num_steps` later and print the
     device kernels by total time (the benchmark loop itself, host scheduling included)."""
     from torch.profiler import ProfilerActivity, profile
