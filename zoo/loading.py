@@ -22,7 +22,6 @@ from zoo.resolve import CheckpointError
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 PROGRESS_MIN_BYTES = 256 << 20
-# rotary tables some checkpoints store; we compute them (as non-persistent values) instead
 
 
 def safetensors_files(folder: str | os.PathLike) -> list[Path]:
@@ -127,6 +126,7 @@ def load_weights(model: torch.nn.Module, folder: str | os.PathLike, dtype: torch
     local = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
     expected = {name: specs[name].full_shape if name in specs else shape for name, shape in local.items()}
     tied = dict(getattr(model, "tied_weights", {}))
+    # rotary tables some checkpoints store; we compute them (as non-persistent values) instead
     ignored = ("inv_freq", "freqs_cis", *getattr(model, "ignored_checkpoint_keys", ()))
 
     stored: dict[str, tuple[Path, tuple[int, ...]]] = {}
