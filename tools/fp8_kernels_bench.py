@@ -102,7 +102,7 @@ def attention_cells(bench: Bench) -> None:
 
             default = configs["attention_decode" if kv_dtype is None else "attention_decode_fp8"]
 
-            def unified(plane, config=default, num_splits=splits, build=attention.attention_launches):
+            def attend(plane, config=default, num_splits=splits, build=attention.attention_launches):
                 for launch in build(
                         q, values, meta.block_tables[plane], meta.seq_lens, meta.query_start_loc, scale,
                         config, num_splits, configs["attention_reduce"], out, "cuda", scales):
@@ -114,7 +114,7 @@ def attention_cells(bench: Bench) -> None:
 
             name = "bf16" if kv_dtype is None else "fp8"
             bench.cell("attn", shape, num_seqs, f"{name} unified (table config)",
-                       lambda: [lambda p=p: unified(p) for p in range(num_planes)], plane_bytes, check(unified))
+                       lambda: [lambda p=p: attend(p) for p in range(num_planes)], plane_bytes, check(attend))
             rows = [(config, splits, "rows") for config in ROW_SWEEP[name]]
             if num_seqs == 1:
                 rows = rows[:2]
@@ -125,7 +125,7 @@ def attention_cells(bench: Bench) -> None:
                 + rows + [(rows[0][0], 2 * splits, "rows")])
             for config, num_splits, kind in variants:
                 build = row_decode_launches if kind == "rows" else attention.attention_launches
-                fn = lambda plane, c=config, n=num_splits, b=build: unified(plane, c, n, b)   # noqa: E731
+                fn = lambda plane, c=config, n=num_splits, b=build: attend(plane, c, n, b)   # noqa: E731
                 bench.cell("attn", shape, num_seqs, f"{name} {kind} n{config.block_n} w{config.num_warps} "
                            f"s{config.num_stages} x{num_splits}",
                            lambda fn=fn: [lambda p=p: fn(p) for p in range(num_planes)], plane_bytes, check(fn))
