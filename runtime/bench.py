@@ -29,7 +29,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from runtime.bench_profile import late_summary, profile_decode, step_costs
+from runtime.bench_profile import late_summary, profile_decode, start_profile, step_costs, stop_profile
 from runtime.sampling_params import SamplingParams
 from runtime.cli import CONF_DIR, check_spellings, clear_errors, engine_config, make_hal, register_schemas
 
@@ -58,7 +58,7 @@ def build_model(cfg: Any, device: torch.device, parallel: Any = None):
 
 
 def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int = 0,
-             profile_steps: int = 0) -> dict[str, Any]:
+             profile_steps: int = 0, profile_prefill: bool = False) -> dict[str, Any]:
     """Prefill `batch` prompts of `prompt` random tokens, then decode `new` tokens each. With
     `late_prompt: N` one more prompt of N tokens arrives once the batch decodes: its time to first
     token and the decode step time while it prefills are reported (chunked vs wavefront prefill).
@@ -66,7 +66,10 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
     Beside the wall time per decode step, device events around each step's work give the device
     time per step and the time the device sat idle between steps waiting for the host
     (`runtime.execution.step_timer`). `profile_steps > 0` runs that many decode steps of this very
-    loop under torch.profiler and prints where the device time went."""
+    loop under torch.profiler and prints where the device time went; `profile_prefill` does so for
+    the steps from the first until every prompt has its first token on the host (async scheduling:
+    with the first decode step, launched before that read, where the cell decodes more than one
+    token); its prefill_s then includes the profiler's overhead (the row says `profiled_prefill`)."""
     from runtime.execution.step_timer import StepTimer
 
     hal = engine.hal
@@ -80,6 +83,7 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
         engine.add_request(f"bench-{seed}-{i}", prompt, params)
     hal.synchronize()
     hal.reset_peak_memory()
+    prefill_profiler = start_profile(hal) if profile_prefill else None
     start = time.perf_counter()
     step_times, prefill_done = [], None
     seen: dict[str, int] = {}
@@ -100,6 +104,8 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
             if sum(1 for rid, n in seen.items() if n and not rid.endswith("-late")) < cell["batch"]:
                 continue
             prefill_done = t1 - start
+            if prefill_profiler is not None:
+                prefill_profiler = stop_profile(prefill_profiler, hal, "the prefill")
             if cell.get("late_prompt"):
                 prompt = torch.randint(1, vocab, (cell["late_prompt"],), generator=gen).tolist()
                 engine.add_request(f"bench-{seed}-late", prompt, dataclasses.replace(params, max_tokens=1))
@@ -129,7 +135,8 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
            "decode_tok_s_mean": round(decode_tokens / decode_s if decode_s else 0.0, 1),
            "decode_steps": len(step_times), "full_batch_steps": len(full), "total_s": round(total, 3),
            "peak_mem_gib": round(hal.memory_stats()["peak_allocated"] / 2**30, 2),
-           **(late_summary(cell, late) if late else {})}
+           **(late_summary(cell, late) if late else {}),
+           **({"profiled_prefill": True} if profile_prefill else {})}     # prefill_s includes the profiler
     timing = engine.timer.summary(cell["batch"])
     engine.timer = None
     if timing is not None:
@@ -197,7 +204,8 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
                "loops": num_loops, "dtype": cfg.model.dtype, "weights": cfg.weights,
                "graphs": engine.runner.graphs is not None and engine.runner.graphs.capture,
                "spec": f"K={spec.num_tokens},d={spec.draft_loops},{spec.mode}" if spec.is_enabled else "off",
-               **run_cell(engine, cell, num_loops, profile_steps=cfg.profile)}
+               **run_cell(engine, cell, num_loops, profile_steps=cfg.profile,
+                          profile_prefill=cfg.profile_prefill)}
         if spec.is_enabled:
             row.update(step_costs(engine, cell, num_loops))
         runner = engine.runner           # the cache's own bytes per token and layer (8-bit KV: with its scales)

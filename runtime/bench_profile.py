@@ -1,11 +1,13 @@
 """What `runtime.bench` measures beside a cell's step times, kept apart from the CLI that runs the
-cells: torch.profiler over a few decode steps of the benchmark loop (`profile=N`), the summary of a
-late prompt's arrival (`late_prompt: N`), and the speculation step costs (draft, verify and plain
-decode at the cell's batch). No Hydra here: only the CLI module reads the config.
+cells: torch.profiler over a few decode steps of the benchmark loop (`profile=N`) or over a cell's
+prefill (`profile_prefill=true`), the summary of a late prompt's arrival (`late_prompt: N`), and the
+speculation step costs (draft, verify and plain decode at the cell's batch). No Hydra here: only the
+CLI module reads the config.
 """
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Any
 
 import torch
@@ -19,21 +21,64 @@ PROFILE_FROM_STEP = 8          # decode steps before the profiled ones (graphs c
 def profile_decode(profiler: Any, step: int, num_steps: int, hal: Any) -> Any:
     """Start torch.profiler at decode step PROFILE_FROM_STEP, stop `num_steps` later and print the
     device kernels by total time (the benchmark loop itself, host scheduling included)."""
+    if profiler is None and num_steps and step == PROFILE_FROM_STEP:
+        return start_profile(hal)
+    if profiler is not None and (step == 0 or step >= PROFILE_FROM_STEP + num_steps):
+        return stop_profile(profiler, hal, f"{num_steps} decode steps", row_limit=25)
+    return profiler
+
+
+def start_profile(hal: Any) -> Any:
+    """torch.profiler running over the host and, on CUDA, the device's kernels (`stop_profile` ends it)."""
     from torch.profiler import ProfilerActivity, profile
 
-    if profiler is None and num_steps and step == PROFILE_FROM_STEP:
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if hal.device().type == "cuda" else [])
-        profiler = profile(activities=activities)
-        profiler.__enter__()
-        return profiler
-    if profiler is not None and (step == 0 or step >= PROFILE_FROM_STEP + num_steps):
-        hal.synchronize()
-        profiler.__exit__(None, None, None)
-        sort = "cuda_time_total" if hal.device().type == "cuda" else "cpu_time_total"
-        print(f"===== profile of {num_steps} decode steps of the benchmark loop", flush=True)
-        print(profiler.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60), flush=True)
-        return None
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if hal.device().type == "cuda" else [])
+    profiler = profile(activities=activities)
+    profiler.__enter__()
+    profiler.wall_start = time.perf_counter()
     return profiler
+
+
+def stop_profile(profiler: Any, hal: Any, what: str, row_limit: int = 30) -> None:
+    """Wait for the device, stop `profiler` and print torch's table and the compact kernel list of
+    `what` ("the prefill", "4 decode steps"); returns None (no profiler running any more)."""
+    hal.synchronize()
+    wall_ms = (time.perf_counter() - profiler.wall_start) * 1e3
+    profiler.__exit__(None, None, None)
+    events = profiler.key_averages()
+    sort = "cuda_time_total" if hal.device().type == "cuda" else "cpu_time_total"
+    print(f"===== profile of {what} of the benchmark loop", flush=True)
+    print(events.table(sort_by=sort, row_limit=row_limit, max_name_column_width=60), flush=True)
+    print("\n".join(kernel_summary(events, what, wall_ms)), flush=True)
+    return None
+
+
+def kernel_summary(events: Any, what: str, wall_ms: float, top: int = 30, width: int = 60) -> list[str]:
+    """The compact list for docs: the `top` device kernels (names cut to `width` characters, kernels
+    whose names agree that far summed), launches, total ms and share of the profiled device time.
+    Without device activity (the CPU Hal) the host ops by self CPU time stand in."""
+    from torch.autograd import DeviceType
+
+    def self_device_us(e: Any) -> float:      # torch < 2.4 spells it self_cuda_time_total
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) or 0
+
+    device = [(e, self_device_us(e)) for e in events
+              if e.device_type != DeviceType.CPU and self_device_us(e) > 0]
+    rows = device or [(e, e.self_cpu_time_total) for e in events if e.self_cpu_time_total > 0]
+    kind = "device kernels" if device else "host ops by self CPU time (no device activity profiled)"
+    families: dict[str, list[float]] = {}
+    for e, us in rows:
+        family = families.setdefault(e.key[:width], [0, 0.0])
+        family[0] += e.count
+        family[1] += us
+    total_ms = sum(us for _, us in families.values()) / 1e3
+    lines = [f"----- {kind} of {what}: {total_ms:.3f} ms busy over {wall_ms:.3f} ms wall, "
+             f"{sum(n for n, _ in families.values())} launches",
+             f"{'kernel':<{width}} {'count':>7} {'total ms':>10} {'share':>7}"]
+    for name, (count, us) in sorted(families.items(), key=lambda kv: -kv[1][1])[:top]:
+        share = us / 1e3 / total_ms if total_ms else 0.0
+        lines.append(f"{name:<{width}} {count:>7} {us / 1e3:>10.3f} {share:>7.1%}")
+    return lines
 
 
 def late_summary(cell: dict[str, int], late: dict[str, Any]) -> dict[str, Any]:

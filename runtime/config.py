@@ -169,6 +169,7 @@ class BenchConfig:
     warmup: bool = True
     matmul_size: int = 8192
     profile: int = 0                       # decode steps of each cell to run under torch.profiler (0: none)
+    profile_prefill: bool = False          # run each cell's prefill steps under torch.profiler
     output: Optional[str] = None
     log_level: str = "WARNING"
     workloads: Any = None

@@ -1,0 +1,58 @@
+"""runtime.bench's profilers of the benchmark loop: `profile_prefill=true` (a cell's prefill steps) and
+`profile=N` (decode steps) print torch's table and the compact kernel list; the warmup pass is not
+profiled and a profiled prefill says so in its row."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+from helpers import golden_case, single_thread  # noqa: F401 (fixture)
+from torch.autograd import DeviceType
+
+from runtime.bench_profile import PROFILE_FROM_STEP, kernel_summary
+
+
+def test_bench_profiles_the_prefill_and_decode_steps(capsys, single_thread):
+    from hydra import compose, initialize_config_dir
+
+    from runtime.bench import run
+    from runtime.generate import CONF_DIR
+
+    new = PROFILE_FROM_STEP + 4                      # enough decode steps for profile=2 to start and stop
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("bench", overrides=["hal=cpu", f"model.path={golden_case('ouro-tiny').path}",
+                                          "weights=checkpoint", "model.dtype=float32", "workload=tiny",
+                                          f"workloads.tiny.new={new}", "matmul_size=64",
+                                          "engine.num_kv_blocks=64", "warmup=true", "profile=2",
+                                          "profile_prefill=true"])
+    (row,) = run(cfg)
+    out = capsys.readouterr().out
+    assert out.count("===== profile of the prefill of the benchmark loop") == 1      # the measured pass only
+    assert out.count("===== profile of 2 decode steps of the benchmark loop") == 1
+    prefill = out.split("===== profile of the prefill")[1].split("===== profile of 2 decode")[0]
+    assert "aten::mm" in prefill and "Self CPU time total" in prefill                # torch's table has rows
+    summary = prefill.split("----- host ops by self CPU time")[1].splitlines()
+    assert summary[1].split() == ["kernel", "count", "total", "ms", "share"]
+    assert any(line.startswith("aten::mm") and line.endswith("%") for line in summary[2:])
+    assert row["profiled_prefill"] is True and row["prefill_tok_s"] > 0
+    assert json.loads(out.strip().splitlines()[-1]) == row                            # the printed JSON row
+
+
+def test_kernel_summary_sums_device_kernels_by_name_prefix():
+    """The CUDA path on fake events: device kernels only (host ops dropped), names cut to 60
+    characters and summed, shares of the device time, sorted by time."""
+    def event(key, count, us, device=DeviceType.CUDA, cpu_us=0):
+        return SimpleNamespace(key=key, count=count, device_type=device, self_device_time_total=us,
+                               self_cpu_time_total=cpu_us)
+
+    gemm = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_"
+    events = [event(gemm + "a", 96, 50_000), event(gemm + "b", 24, 10_000),
+              event("_fresh_attention", 96, 30_000), event("Memcpy DtoD (Device -> Device)", 4, 10_000),
+              event("aten::mm", 120, 0, DeviceType.CPU, 9_000)]
+    lines = kernel_summary(events, "the prefill", wall_ms=200.0)
+    assert lines[0] == ("----- device kernels of the prefill: 100.000 ms busy over 200.000 ms wall, "
+                        "220 launches")
+    first = lines[2].split()
+    assert lines[2].startswith(gemm[:60]) and first[-3:] == ["120", "60.000", "60.0%"]
+    assert lines[3].split()[0] == "_fresh_attention" and lines[3].endswith("30.0%")
+    assert len(lines) == 5 and not any("aten::mm" in line for line in lines)
