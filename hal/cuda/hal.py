@@ -199,10 +199,15 @@ class CudaHal(Hal):
 
     def fresh_prefill(self) -> str | None:
         """How the Triton backend attends prefill chunks without context (hal/kernels/fresh.py):
-        torch's varlen flash kernel from Ampere on (`LOOPSTACK_FRESH_PREFILL=0`: the paged kernel)."""
-        if os.environ.get(FRESH_PREFILL_ENV, "1") == "0":
+        torch's varlen flash kernel from Ampere on, with cuDNN's for long single prompts on Hopper
+        (`LOOPSTACK_FRESH_PREFILL=0`: the paged kernel; `=flash`: no cuDNN)."""
+        choice = os.environ.get(FRESH_PREFILL_ENV, "1")
+        if choice == "0":
             return None
-        return "flash" if int(self.facts.arch.removeprefix("sm_")) >= 80 else "sdpa"
+        sm = int(self.facts.arch.removeprefix("sm_").rstrip("a"))
+        if sm >= 90 and choice != "flash":
+            return "cudnn"
+        return "flash" if sm >= 80 else "sdpa"
 
     def kernel_configs(self) -> dict[str, Any]:
         """Triton launch configs for this device's arch (`hal.kernels.configs.configs_for`):

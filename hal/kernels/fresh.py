@@ -11,7 +11,11 @@ Modes (the Hal chooses; hal/ never tests the vendor here):
            (cumulative query offsets = the metadata's `query_start_loc`): CUDA builds of torch
   "sdpa"   `scaled_dot_product_attention(is_causal=True)` per sequence (torch picks its fastest
            backend): ROCm builds, and the CPU where tests check the routing
-Both take 16-bit q/k/v only; float32 (golden and conformance runs) stays on the Triton kernel.
+  "cudnn"  "flash", except that one long sequence (at least CUDNN_MIN_TOKENS, as many KV heads as
+           query heads) goes to cuDNN's fused attention through SDPA: on Hopper it runs the 8k prompt's
+           attention faster than the flash kernel (docs/performance.md lever 28); a first refusal
+           (a torch without it, an unsupported shape) sends every later call to "flash"
+All take 16-bit q/k/v only; float32 (golden and conformance runs) stays on the Triton kernel.
 
 Over an 8-bit cache the chunk attends over what the cache holds, not its exact K/V: the quantizing
 write hands back K and V dequantized from its own bytes and scales in the same launch
@@ -26,9 +30,11 @@ from collections.abc import Sequence
 
 import torch
 
-MODES = ("flash", "sdpa")
+MODES = ("flash", "cudnn", "sdpa")
 DTYPES = (torch.bfloat16, torch.float16)
 MAX_SDPA_SEQS = 16                # "sdpa" launches once per sequence: more go to the paged kernel
+CUDNN_MIN_TOKENS = 2048           # shorter prompts: the flash kernel (cuDNN's gain is in long ones)
+_cudnn_refused: list[str] = []    # why cuDNN attention failed once (then "cudnn" runs as "flash")
 
 
 def _flash_varlen(*args, **kwargs):
@@ -59,7 +65,12 @@ def attention(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quer
     `query_start_loc: [S + 1]` int32 (device), `query_lens` the same on the host. Returns `[T, H, D]`."""
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if mode == "flash":
+    if mode == "cudnn" and len(query_lens) == 1 and query_lens[0] >= CUDNN_MIN_TOKENS \
+            and q.shape[1] == k.shape[1] and not _cudnn_refused:
+        out = _cudnn(q, k, v, scale)
+        if out is not None:
+            return out
+    if mode in ("flash", "cudnn"):
         max_len = max(query_lens)
         return _flash_varlen(q, k, v, query_start_loc, query_start_loc, max_len, max_len, 0.0, True, False,
                              scale=scale)[0]
@@ -72,3 +83,19 @@ def attention(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quer
         out[start:start + n] = y[0].transpose(0, 1)
         start += n
     return out
+
+
+def _cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """One sequence `[T, H, D]` through SDPA restricted to cuDNN's backend, or None (and never again)
+    where that backend refuses."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    try:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            y = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
+                scale=scale)
+    except (RuntimeError, AttributeError) as exc:
+        _cudnn_refused.append(str(exc))
+        return None
+    return y[0].transpose(0, 1)

@@ -59,13 +59,16 @@ def test_triton_is_chosen_with_the_arch_configs(simulate, fake_kernels, caplog, 
         backend = CudaHal(device_index=0).attention(32, 8, 128, torch.bfloat16, block_size=16)
     assert backend.name == "triton" and backend.configs == {"paged_decode": ("config-for", arch)}
     assert fake_kernels.configs_for == [arch] and "attention triton" in caplog.text
-    assert backend.fresh_attention == "flash"             # prefill without context: torch's varlen flash
+    # prefill without context: torch's varlen flash, with cuDNN's kernel for long prompts on Hopper
+    assert backend.fresh_attention == ("cudnn" if capability >= (9, 0) else "flash")
 
 
 def test_fresh_prefill_is_flash_from_ampere_and_can_be_turned_off(simulate, fake_kernels, monkeypatch):
     simulate("cuda", capability=(7, 5))
     assert CudaHal().fresh_prefill() == "sdpa"
     simulate("cuda", capability=(9, 0))
+    monkeypatch.setenv("LOOPSTACK_FRESH_PREFILL", "flash")
+    assert CudaHal().fresh_prefill() == "flash"
     monkeypatch.setenv("LOOPSTACK_FRESH_PREFILL", "0")
     assert CudaHal().attention(8, 8, 64, torch.bfloat16).fresh_attention is None
 

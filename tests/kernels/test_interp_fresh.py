@@ -100,6 +100,38 @@ def test_fresh_path_writes_the_cache_and_matches_the_paged_kernel(mode, monkeypa
         assert calls == [([0, 13, 19, 39], [0, 13, 19, 39], 20, 20, 0.0, True, False)]
 
 
+@pytest.mark.parametrize("cudnn_refuses", [True, False])
+def test_cudnn_mode_takes_one_long_prompt_and_falls_back_to_flash(cudnn_refuses, monkeypatch):
+    flash_calls, cudnn_calls = [], []
+
+    def flash_on_cpu(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, scale):
+        flash_calls.append(cu_q.tolist())
+        return (fresh.attention("sdpa", q, k, v, cu_q, (cu_q[1:] - cu_q[:-1]).tolist(), scale),)
+
+    def cudnn_on_cpu(q, k, v, scale):
+        cudnn_calls.append(q.shape[0])
+        if cudnn_refuses:
+            fresh._cudnn_refused.append("no cuDNN here")
+            return None
+        return fresh.attention("sdpa", q, k, v, None, [q.shape[0]], scale)
+
+    monkeypatch.setattr(fresh, "_flash_varlen", flash_on_cpu)
+    monkeypatch.setattr(fresh, "_cudnn", cudnn_on_cpu)
+    monkeypatch.setattr(fresh, "_cudnn_refused", [])
+    monkeypatch.setattr(fresh, "CUDNN_MIN_TOKENS", 16)
+    q = torch.randn(40, 2, 32).bfloat16()
+    k, v = torch.randn(40, 2, 32).bfloat16(), torch.randn(40, 2, 32).bfloat16()
+    ref = fresh.attention("sdpa", q, k, v, None, [20, 20], 0.2)
+    two = fresh.attention("cudnn", q, k, v, torch.tensor([0, 20, 40]), [20, 20], 0.2)   # two prompts: flash
+    assert torch.equal(two, ref) and flash_calls == [[0, 20, 40]] and cudnn_calls == []
+    one = fresh.attention("cudnn", q[:20], k[:20], v[:20], torch.tensor([0, 20]), [20], 0.2)
+    assert torch.equal(one, ref[:20]) and cudnn_calls == [20]
+    fresh.attention("cudnn", q[:20], k[:20], v[:20], torch.tensor([0, 20]), [20], 0.2)
+    # refused once: never asked again, flash serves
+    assert cudnn_calls == ([20] if cudnn_refuses else [20, 20])
+    assert len(flash_calls) == (3 if cudnn_refuses else 1)
+
+
 def test_write_kv_rotary_declines_quantized_caches():
     backend = _backend(None, kv_dtype=torch.float8_e4m3fn)
     meta = backend.build_meta(_batch([3], [3])[0])
