@@ -144,7 +144,7 @@ def _sdpa_cell(line: _Line, device, dtype, query_len: int, context: int) -> None
 
 def _small_op_cells(line: _Line, device, dtype, configs: dict[str, KernelConfig]) -> None:
     from hal.kernels.kv_write import write_kv
-    from hal.kernels.ops import rms_norm, rotary, silu_and_mul
+    from hal.kernels.ops import norm_add_norm, rms_norm, rotary, silu_and_mul
 
     s, size = SHAPE, dtype.itemsize
 
@@ -160,6 +160,10 @@ def _small_op_cells(line: _Line, device, dtype, configs: dict[str, KernelConfig]
         line.add("rms_norm+residual", f"T={tokens} x {s['hidden']}",
                  lambda x=x, res=res, w=w: [rms_norm(a, w, 1e-6, r, configs) for a, r in zip(x, res)],
                  3 * tokens * s["hidden"] * size * reps, calls=reps)
+        # Ouro's sandwich boundary in one launch, where the line above runs twice (plus a plain norm)
+        line.add("norm_add_norm", f"T={tokens} x {s['hidden']}",
+                 lambda x=x, res=res, w=w: [norm_add_norm(a, r, w, w, 1e-6, configs) for a, r in zip(x, res)],
+                 4 * tokens * s["hidden"] * size * reps, calls=reps)
         q = [randn(tokens, s["num_heads"], s["head_dim"]) for _ in range(reps)]
         k = [randn(tokens, s["num_kv_heads"], s["head_dim"]) for _ in range(reps)]
         pos = torch.randint(0, 4096, (tokens,), device=device)

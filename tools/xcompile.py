@@ -153,6 +153,15 @@ def _rms_norm(config: KernelConfig, target: str, residual: bool) -> Launch:
     return rms_norm_launch(x, weight, 1e-6, res, torch.empty_like(x), config, target)
 
 
+def _norm_add_norm(config: KernelConfig, target: str) -> Launch:
+    from hal.kernels.ops import norm_add_norm_launch
+
+    x = torch.empty(4, 2048, dtype=SHAPE["dtype"])
+    weight = torch.empty(2048, dtype=x.dtype)
+    return norm_add_norm_launch(x, torch.empty_like(x), weight, weight, 1e-6, torch.empty_like(x),
+                                torch.empty_like(x), config, target)
+
+
 def _rotary(config: KernelConfig, target: str, interleaved: bool) -> Launch:
     from hal.kernels.ops import rotary_launch
 
@@ -232,6 +241,7 @@ CASES = {c.name: c for c in (
     Case("kv_write", "kv_write", False, False, _kv_write),
     Case("rms_norm", "rms_norm", False, False, lambda c, t: _rms_norm(c, t, residual=False)),
     Case("rms_norm/residual", "rms_norm", False, False, lambda c, t: _rms_norm(c, t, residual=True)),
+    Case("norm_add_norm", "norm_add_norm", False, False, _norm_add_norm),
     Case("rotary/neox", "rotary", False, False, lambda c, t: _rotary(c, t, interleaved=False)),
     Case("rotary/gptj", "rotary", False, False, lambda c, t: _rotary(c, t, interleaved=True)),
     Case("silu_and_mul", "silu_and_mul", False, False, _silu_and_mul),

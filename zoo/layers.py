@@ -40,6 +40,18 @@ class RMSNorm(nn.Module):
         return y if residual is None else residual + y
 
 
+def norm_add_norm(x: torch.Tensor, residual: torch.Tensor, post_norm: RMSNorm, norm: RMSNorm,
+                  ctx: ForwardContext | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`(norm(h), h)` with the residual stream `h = residual + post_norm(x)` (sandwich norms at a
+    sublayer boundary) in one kernel, where the Hal has `norm_add_norm` and the norms share eps;
+    else None, and the caller runs `post_norm(x, ctx, residual)` and leaves `norm` to the next
+    projection (whose prologue may fuse it)."""
+    fused = ops_of(ctx).op("norm_add_norm")
+    if fused is None or post_norm.eps != norm.eps:
+        return None
+    return fused(x, residual, post_norm.weight, norm.weight, norm.eps)
+
+
 def silu_and_mul(x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
     """`silu(a) * b` for `x = cat(a, b)` on the last dim."""
     fused = ops_of(ctx).op("silu_and_mul")
@@ -160,14 +172,18 @@ class SwiGLU(nn.Module):
         """Sandwich norms around a sublayer boundary (Ouro): the residual stream
         `h = residual + post_norm(x)` of the sublayer before, then `self(norm(h))`. Returns
         `(mlp output, h)`; the two norms run in the gate|up projection's prologue where the Hal
-        has `norm_residual_linear`."""
+        has `norm_residual_linear`, else in one kernel before it where it has `norm_add_norm`."""
         weight = linear_weight(self.gate_up)
         fused = ops_of(ctx).op("norm_residual_linear") if weight is not None else None
-        if fused is None or post_norm.eps != norm.eps:
-            h = post_norm(x, ctx, residual=residual)
-            return self(h, ctx, norm), h
-        gate_up, h = fused(x, residual, post_norm.weight, norm.weight, norm.eps, weight)
-        return self.down(gate_up, ctx), h
+        if fused is not None and post_norm.eps == norm.eps:
+            gate_up, h = fused(x, residual, post_norm.weight, norm.weight, norm.eps, weight)
+            return self.down(gate_up, ctx), h
+        normed = norm_add_norm(x, residual, post_norm, norm, ctx)
+        if normed is not None:
+            n, h = normed
+            return self(n, ctx), h
+        h = post_norm(x, ctx, residual=residual)
+        return self(h, ctx, norm), h
 
 
 class GQAttention(nn.Module):

@@ -8,6 +8,8 @@ Signatures (shared with the other Hals):
   the rotated `(q, k)`; q and k themselves may be overwritten (the NPU kernel works in place).
 - `silu_and_mul(x)`: `x: [..., 2n]` -> `silu(x[..., :n]) * x[..., n:]`.
 - `add_rms_norm(x, residual, weight, eps)`: `(rms_norm(x + residual), x + residual)` (pre-norm layers).
+- `norm_add_norm(x, residual, post_weight, weight, eps)`: `(rms_norm(h, weight), h)` with
+  `h = residual + rms_norm(x, post_weight)` (sandwich norms): npu_rms_norm, then npu_add_rms_norm.
 """
 from __future__ import annotations
 
@@ -34,6 +36,13 @@ def rms_norm(ops: AscendOps, x: torch.Tensor, weight: torch.Tensor, eps: float,
 def add_rms_norm(ops: AscendOps, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     return ops.add_rms_norm(x, residual.to(x.dtype), weight.to(x.dtype), eps)
+
+
+def norm_add_norm(ops: AscendOps, x: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor,
+                  weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    # two kernels where the unfused path takes three (norm, add, norm); the add is in x's dtype
+    post = rms_norm(ops, x, post_weight, eps)
+    return add_rms_norm(ops, post, residual, weight, eps)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,7 +80,7 @@ def silu_and_mul(ops: AscendOps, x: torch.Tensor) -> torch.Tensor:
 
 
 OPS: dict[str, Callable[..., Any]] = {"rms_norm": rms_norm, "rotary": rotary, "silu_and_mul": silu_and_mul,
-                                      "add_rms_norm": add_rms_norm}
+                                      "add_rms_norm": add_rms_norm, "norm_add_norm": norm_add_norm}
 
 
 def make_op(name: str, ops: AscendOps) -> Callable[..., Any] | None:

@@ -2,7 +2,8 @@
 expression, computed here in float64, on fresh random inputs in float32 and bf16.
 
 Signatures: see `hal.base.Hal.op` (`rms_norm(x, weight, eps, residual=None)` returns
-`residual + norm(x)` with a residual; `rotary` returns `(q, k)`, possibly rotated in place).
+`residual + norm(x)` with a residual; `norm_add_norm(x, residual, post_weight, weight, eps)` returns
+`(norm(h), h)`, `h = residual + norm(x)`; `rotary` returns `(q, k)`, possibly rotated in place).
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def _assert_close(name: str, out: torch.Tensor, ref: torch.Tensor, dtype: torch.
 
 def check_fused_ops(hal: Hal) -> str:
     """The fused ops a Hal offers through `op(name)` equal their plain torch expressions."""
-    offered = [n for n in ("rms_norm", "silu_and_mul", "rotary") if hal.op(n) is not None]
+    offered = [n for n in ("rms_norm", "norm_add_norm", "silu_and_mul", "rotary") if hal.op(n) is not None]
     if not offered:
         return "no fused ops offered (callers use torch)"
     device = hal.device()
@@ -52,6 +53,13 @@ def check_fused_ops(hal: Hal) -> str:
             residual = torch.randn(7, 96, dtype=dtype)
             out = hal.op("rms_norm")(x.to(device), weight.to(device), 1e-6, residual.to(device))
             _assert_close("rms_norm(residual)", out, residual.double() + rms_norm_ref(x, weight, 1e-6), dtype)
+        if "norm_add_norm" in offered:
+            x, residual = torch.randn(7, 96, dtype=dtype), torch.randn(7, 96, dtype=dtype)
+            post_weight, weight = torch.rand(96, dtype=dtype) + 0.5, torch.rand(96, dtype=dtype) + 0.5
+            y, h = hal.op("norm_add_norm")(*(t.to(device) for t in (x, residual, post_weight, weight)), 1e-6)
+            h_ref = residual.double() + rms_norm_ref(x, post_weight, 1e-6)
+            _assert_close("norm_add_norm h", h, h_ref, dtype)
+            _assert_close("norm_add_norm y", y, rms_norm_ref(h_ref, weight, 1e-6), dtype)
         if "silu_and_mul" in offered:
             x = torch.randn(7, 2 * 80, dtype=dtype)
             ref = torch.nn.functional.silu(x[:, :80].double()) * x[:, 80:].double()

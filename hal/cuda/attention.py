@@ -15,7 +15,7 @@ from hal.common.torch_attention import TorchPagedAttention
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_TRITON_HEAD_DIM = 128            # the kernels' tiles are compile-checked up to this; wider go to torch
-FUSED_OPS = ("rms_norm", "rotary", "silu_and_mul")
+FUSED_OPS = ("rms_norm", "norm_add_norm", "rotary", "silu_and_mul")    # hal/kernels/ops.py
 GEMV_OPS = ("linear", "rms_norm_linear", "silu_mul_linear", "norm_residual_linear")  # hal/kernels/gemv_ops.py
 TRITON_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 

@@ -2,12 +2,13 @@
 
   attention.py   paged "unified" attention (prefill, chunked prefill, split-context decode) + reduce
   kv_write.py    K/V scatter into the paged cache by slot mapping
-  ops.py         fused small ops: rms_norm (+ residual), rotary (NeoX / GPT-J), silu_and_mul
+  ops.py         fused small ops: rms_norm (+ residual), norm_add_norm (sandwich norms), rotary
+                 (NeoX / GPT-J), silu_and_mul
   gemv.py        decode projections for 1-8 rows with the small ops folded in (norm / SwiGLU
                  prologues, residual epilogue, deterministic split-K)
   gemv_ops.py    the `*linear` Hal ops: route each call to gemv.py or to the unfused torch path
   rotary_kv.py   rotary + the KV write in one launch (TritonPagedAttention.write_kv_rotary)
-  fresh.py       prefill without context over its fresh K/V through torch's flash kernel
+  fresh.py       prefill without context over its fresh K/V through torch's flash (or cuDNN) kernel
   backend.py     TritonPagedAttention, the AttentionBackend over these kernels
   configs.py     launch parameters per arch (the Hals pick the table); launch.py: target + options
 

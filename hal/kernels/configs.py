@@ -24,6 +24,8 @@ callers; nothing else chooses tiles. Keys of a table are kernel names:
   attention_reduce    merges the context splits of attention_decode (num_warps only)
   kv_write            scatter of new K/V rows into the paged cache: block_m tokens per program
   rms_norm, rotary    one row / one token per program (num_warps only)
+  norm_add_norm       (optional) sandwich norms in one launch (hal/kernels/ops.py), one row per program;
+                      a table without it launches the kernel with its rms_norm entry
   silu_and_mul        block_n = columns per program
   fp8_linear          W8A16 linear (FP8 weights, hal/kernels/fp8_linear.py): block_m x block_n output tile
   gemv_m1, gemv       decode projections (hal/kernels/gemv.py) of one row / of 2..8 rows: block_n output
@@ -44,10 +46,11 @@ from dataclasses import dataclass
 
 KERNEL_NAMES = ("attention_prefill", "attention_decode", "attention_prefill_fp32", "attention_decode_fp32",
                 "attention_prefill_fp8", "attention_decode_fp8", "attention_row_decode",
-                "attention_row_decode_fp8", "attention_reduce", "kv_write", "rms_norm",
+                "attention_row_decode_fp8", "attention_reduce", "kv_write", "rms_norm", "norm_add_norm",
                 "rotary", "silu_and_mul", "fp8_linear", "gemv_m1", "gemv")
-# a table without these routes every decode batch to the unified kernel (hal/kernels/attend.py)
-OPTIONAL_KERNEL_NAMES = ("attention_row_decode", "attention_row_decode_fp8")
+# a table without the attention_row_* keys routes every decode batch to the unified kernel
+# (hal/kernels/attend.py); one without norm_add_norm launches it with the rms_norm entry
+OPTIONAL_KERNEL_NAMES = ("attention_row_decode", "attention_row_decode_fp8", "norm_add_norm")
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ def _small_ops(num_warps: int, num_stages: int, block_n: int = 1024, **amd: int)
         "attention_reduce": KernelConfig(1, 1, num_warps, 1, **amd),
         "kv_write": KernelConfig(1, 1, num_warps, 1, **amd),
         "rms_norm": KernelConfig(1, 1, num_warps, 1, **amd),
+        "norm_add_norm": KernelConfig(1, 1, num_warps, 1, **amd),
         "rotary": KernelConfig(1, 1, num_warps, 1, **amd),
         "silu_and_mul": KernelConfig(1, block_n, num_warps, num_stages, **amd),
         "fp8_linear": KernelConfig(16, 64, num_warps, max(num_stages, 2), **amd),

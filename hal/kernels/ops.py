@@ -1,7 +1,8 @@
-"""Fused small ops that dominate a loop at batch 1: RMSNorm (+ residual), rotary (NeoX and GPT-J),
-SiLU-and-mul. Each rounds intermediate results exactly where the torch code in zoo/layers.py does
-(`reference.py` restates it), so bf16 outputs match it to the last bit up to the rounding of
-fp32 transcendentals and reduction order.
+"""Fused small ops that dominate a loop at batch 1: RMSNorm (+ residual), sandwich norms (RMSNorm,
+residual add, RMSNorm: `norm_add_norm`), rotary (NeoX and GPT-J), SiLU-and-mul. Each rounds
+intermediate results exactly where the torch code in zoo/layers.py does (`reference.py` restates
+it), so bf16 outputs match it to the last bit up to the rounding of fp32 transcendentals and
+reduction order.
 
 The Hals expose these through `Hal.op(name)` (`fused_ops()`); a `configs` table picks the launch
 options (`configs_for(arch)`), defaulting to the "default" table.
@@ -37,6 +38,31 @@ def _rms_norm_kernel(out_ptr, x_ptr, weight_ptr, residual_ptr, eps, num_cols, st
         residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
         y = residual.to(tl.float32) + y.to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_add_norm_kernel(y_ptr, h_ptr, x_ptr, residual_ptr, post_weight_ptr, weight_ptr, eps, num_cols,
+                          stride_x, stride_r, stride_h, stride_y, BLOCK: tl.constexpr, X_DTYPE: tl.constexpr,
+                          POST_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr, NORM_DTYPE: tl.constexpr):
+    # h = residual + post_norm(x), then y = norm(h): _rms_norm_kernel's arithmetic twice, with h
+    # rounded to its dtype in between, as the two launches it replaces store and reload it
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < num_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    inv_rms = tl.math.rsqrt(tl.sum(x * x, 0) / num_cols + eps)
+    normed = (x * inv_rms).to(X_DTYPE).to(tl.float32)
+    post_weight = tl.load(post_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    post = (post_weight * normed).to(POST_DTYPE).to(tl.float32)
+    residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    h = (residual + post).to(H_DTYPE)                                    # masked columns stay 0
+    tl.store(h_ptr + row * stride_h + cols, h, mask=mask)
+    h = h.to(tl.float32)
+    inv_rms = tl.math.rsqrt(tl.sum(h * h, 0) / num_cols + eps)
+    normed = (h * inv_rms).to(H_DTYPE).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (weight * normed).to(NORM_DTYPE)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -105,8 +131,10 @@ def _inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor
     return 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
 
 
-def _config(configs: dict[str, KernelConfig] | None, name: str) -> KernelConfig:
-    return (configs or configs_for("default"))[name]
+def _config(configs: dict[str, KernelConfig] | None, name: str, fallback: str | None = None) -> KernelConfig:
+    """Table entry `name`, or `fallback`'s in a table from before `name` had an entry."""
+    table = configs or configs_for("default")
+    return table[fallback] if fallback is not None and name not in table else table[name]
 
 
 def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
@@ -138,6 +166,43 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         run_launch(rms_norm_launch(x2, weight.contiguous(), eps, res2, out, _config(configs, "rms_norm"),
                                    backend_of(x.device)))
     return out.view(x.shape)
+
+
+def norm_add_norm_launch(x: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor,
+                         weight: torch.Tensor, eps: float, y: torch.Tensor, h: torch.Tensor,
+                         config: KernelConfig, target: str) -> Launch:
+    rows, cols = x.shape                                                  # 2-D views
+    post_dtype = torch.promote_types(x.dtype, post_weight.dtype)
+    return Launch(_norm_add_norm_kernel, (rows,), (
+        y, h, x, residual, post_weight, weight, eps, cols, x.stride(0), residual.stride(0), h.stride(0),
+        y.stride(0)), dict(
+        BLOCK=next_pow2(cols), X_DTYPE=_TL_DTYPES[x.dtype], POST_DTYPE=_TL_DTYPES[post_dtype],
+        H_DTYPE=_TL_DTYPES[h.dtype], NORM_DTYPE=_TL_DTYPES[y.dtype], **launch_options(config, target)))
+
+
+def norm_add_norm(x: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor, weight: torch.Tensor,
+                  eps: float, configs: dict[str, KernelConfig] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(y, h)` with the residual stream `h = residual + rms_norm(x, post_weight, eps)` and
+    `y = rms_norm(h, weight, eps)`, `x, residual: [..., N]`: `rms_norm` twice in one launch
+    (sandwich norms: the post-norm of one sublayer, the residual add, the next sublayer's pre-norm).
+    Dtypes as torch's promotion: h of x, post_weight and residual; y of h and weight."""
+    check_device(x)
+    if residual.shape != x.shape:
+        raise ValueError(f"norm_add_norm needs x and residual of one shape, got {tuple(x.shape)} "
+                         f"and {tuple(residual.shape)}")
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    res2 = residual.reshape(-1, x.shape[-1]).contiguous()
+    h_dtype = torch.promote_types(torch.promote_types(x.dtype, post_weight.dtype), residual.dtype)
+    h = torch.empty(x2.shape, dtype=h_dtype, device=x.device)
+    y = torch.empty(x2.shape, dtype=torch.promote_types(h_dtype, weight.dtype), device=x.device)
+    if x2.shape[0]:
+        config = _config(configs, "norm_add_norm", fallback="rms_norm")
+        run_launch(norm_add_norm_launch(x2, res2, post_weight.contiguous(), weight.contiguous(), eps, y, h,
+                                        config, backend_of(x.device)))
+    return y.view(x.shape), h.view(x.shape)
 
 
 def rotary_launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
@@ -194,5 +259,6 @@ def silu_and_mul(x: torch.Tensor, configs: dict[str, KernelConfig] | None = None
 def fused_ops(configs: dict[str, KernelConfig] | None = None) -> dict[str, Callable]:
     """The ops by the names `Hal.op` uses, bound to one config table."""
     return {"rms_norm": functools.partial(rms_norm, configs=configs),
+            "norm_add_norm": functools.partial(norm_add_norm, configs=configs),
             "rotary": functools.partial(rotary, configs=configs),
             "silu_and_mul": functools.partial(silu_and_mul, configs=configs)}

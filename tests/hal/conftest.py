@@ -87,8 +87,8 @@ def fake_kernels(monkeypatch):
         "hal.kernels.configs": _module("hal.kernels.configs", configs_for=configs_for),
         "hal.kernels.backend": _module("hal.kernels.backend", TritonPagedAttention=TritonPagedAttention),
         "hal.kernels.ops": _module("hal.kernels.ops", fused_ops=lambda configs=None: {
-            "rms_norm": lambda *a: "rms_norm", "rotary": lambda *a: "rotary",
-            "silu_and_mul": lambda *a: "silu_and_mul"}),
+            "rms_norm": lambda *a: "rms_norm", "norm_add_norm": lambda *a: "norm_add_norm",
+            "rotary": lambda *a: "rotary", "silu_and_mul": lambda *a: "silu_and_mul"}),
         "hal.kernels.gemv_ops": _module("hal.kernels.gemv_ops", Gemv=FakeGemv),
         "hal.kernels.fp8_linear": _module("hal.kernels.fp8_linear", fp8_linear=lambda *a: "triton fp8_linear",
                                           quantize_rows=lambda x, dtype, config=None: quantize_rows(x)),

@@ -132,6 +132,12 @@ def test_rms_norm_and_silu_match_torch(where, dtype, tol):
         y, summed = h.op("add_rms_norm")(on(x), on(residual), on(norm.weight), 1e-5)
         assert torch.equal(summed.cpu(), x + residual)
         assert (y.cpu().float() - norm(x + residual).float()).abs().max() <= tol * 4
+        post_norm = RMSNorm(64, 1e-5).to(dtype)
+        torch.nn.init.normal_(post_norm.weight)
+        y, summed = h.op("norm_add_norm")(on(x), on(residual), on(post_norm.weight), on(norm.weight), 1e-5)
+        want = post_norm(x, residual=residual)
+        assert (summed.cpu().float() - want.float()).abs().max() <= tol * 4 * (1 + want.abs().max())
+        assert (y.cpu().float() - norm(want).float()).abs().max() <= tol * 4 * (1 + norm(want).abs().max())
     gate_up = torch.randn(3, 7, 2 * 48, dtype=dtype)
     want = torch.nn.functional.silu(gate_up[..., :48].float()) * gate_up[..., 48:].float()
     assert (h.op("silu_and_mul")(on(gate_up)).cpu().float() - want).abs().max() <= tol * 4

@@ -50,6 +50,11 @@ def _rms_norm(x, weight, eps, residual=None):
     return y if residual is None else residual + y
 
 
+def _norm_add_norm(x, residual, post_weight, weight, eps):
+    h = _rms_norm(x, post_weight, eps, residual)
+    return _rms_norm(h, weight, eps), h
+
+
 def _silu_and_mul(x):
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
@@ -68,17 +73,20 @@ class FusedCpu(CpuHal):
         self.broken = broken
 
     def op(self, name):
-        ops = {"rms_norm": _rms_norm, "rotary": _rotary_in_place, "silu_and_mul": _silu_and_mul}
+        ops = {"rms_norm": _rms_norm, "norm_add_norm": _norm_add_norm, "rotary": _rotary_in_place,
+               "silu_and_mul": _silu_and_mul}
         if name == self.broken == "rms_norm":
             return lambda x, w, eps, residual=None: _rms_norm(x, torch.ones_like(w), eps, residual)
+        if name == self.broken == "norm_add_norm":    # the weights swapped
+            return lambda x, residual, post_w, w, eps: _norm_add_norm(x, residual, w, post_w, eps)
         if name == self.broken == "rotary":
             return lambda q, k, pos, theta, interleaved: _rotary_in_place(q, k, pos, theta, not interleaved)
         return ops.get(name)
 
 
 def test_fused_op_check_passes_right_ops_and_catches_wrong_ones():
-    assert check_fused_ops(FusedCpu()) == "checked rms_norm, silu_and_mul, rotary"
-    for broken in ("rms_norm", "rotary"):
+    assert check_fused_ops(FusedCpu()) == "checked rms_norm, norm_add_norm, silu_and_mul, rotary"
+    for broken in ("rms_norm", "norm_add_norm", "rotary"):
         with pytest.raises(AssertionError, match=broken):
             check_fused_ops(FusedCpu(broken))
     assert "no fused ops" in check_fused_ops(CpuHal())

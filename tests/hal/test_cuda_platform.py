@@ -99,7 +99,7 @@ def test_explicit_torch_and_unknown_backends(simulate, fake_kernels):
 def test_fused_ops(simulate, fake_kernels):
     simulate("cuda")
     cuda = CudaHal()
-    names = ["rms_norm", "rotary", "silu_and_mul"]
+    names = ["rms_norm", "norm_add_norm", "rotary", "silu_and_mul"]
     assert [cuda.op(n)() for n in names] == names
     assert cuda.op("layer_norm") is None
 

@@ -23,7 +23,7 @@ from runtime.engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.usefixtures("interpreted")
 
-SMALL_OPS = ("rms_norm", "rotary", "silu_and_mul")
+SMALL_OPS = ("rms_norm", "norm_add_norm", "rotary", "silu_and_mul")
 PROJECTION_OPS = ("linear", "rms_norm_linear", "silu_mul_linear", "norm_residual_linear")
 CASES = ["ouro-tiny-gqa-bf16", "nanbeige-tiny", "huginn-tiny"]
 
@@ -71,6 +71,22 @@ def test_projection_ops_are_the_unfused_path_in_float32(name):
     hal = TritonOpsOnCpu()
     assert torch.equal(_logits(model, ids, hal), plain)
     assert {"rms_norm_linear", "silu_mul_linear"} <= set(hal.calls), hal.calls
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["ouro-tiny", "ouro-tiny-gqa-bf16"])
+def test_norm_add_norm_gives_ouro_the_logits_of_the_norm_launches_it_replaces(name, dtype):
+    """Ouro's sandwich norms through the norm_add_norm kernel (inside each layer, across layers, into
+    the loop's final norm): bit for bit the logits of the rms_norm kernels, with 2 norm launches per
+    layer and loop plus the first layer's input norm, where those take 4 per layer plus the final norm."""
+    model = _model(name, dtype)
+    ids = torch.tensor([golden_case(name).prompt(0)[:6]])
+    unfused = TritonOpsOnCpu(tuple(n for n in SMALL_OPS if n != "norm_add_norm"))
+    hal = TritonOpsOnCpu(SMALL_OPS)
+    assert torch.equal(_logits(model, ids, hal), _logits(model, ids, unfused))
+    layers, loops = model.config.num_hidden_layers, model.config.total_ut_steps
+    assert unfused.calls["rms_norm"] == (4 * layers + 1) * loops, unfused.calls
+    assert (hal.calls["norm_add_norm"], hal.calls["rms_norm"]) == (2 * layers * loops, loops), hal.calls
 
 
 @pytest.mark.parametrize("name", CASES)

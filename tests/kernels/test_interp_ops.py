@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hal.kernels.configs import all_configs, configs_for
-from hal.kernels.ops import fused_ops, rms_norm, rotary, silu_and_mul
+from hal.kernels.ops import fused_ops, norm_add_norm, rms_norm, rotary, silu_and_mul
 from kernel_reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
 from zoo.layers import RMSNorm, apply_rope_half, apply_rope_interleaved, rope_tables
 
@@ -46,6 +46,45 @@ def test_rms_norm_with_residual_is_residual_plus_norm(dtype):
     weight = torch.randn(200).to(dtype)
     out = rms_norm(x, weight, 1e-5, residual=residual)
     _assert_matches(out, residual + rms_norm_ref(x, weight, 1e-5), f"residual {dtype}")
+
+
+@DTYPES
+@pytest.mark.parametrize("hidden", [96, 200, 2048])
+def test_norm_add_norm_matches_zoo_and_the_two_kernels_it_replaces(dtype, hidden):
+    x, residual = torch.randn(5, 3, hidden).to(dtype) * 3, torch.randn(5, 3, hidden).to(dtype)
+    post_norm, norm = RMSNorm(hidden, 1e-6).to(dtype), RMSNorm(hidden, 1e-6).to(dtype)
+    with torch.no_grad():
+        post_norm.weight.copy_(torch.randn(hidden))
+        norm.weight.copy_(torch.randn(hidden))
+        h_zoo = post_norm(x, residual=residual)
+        y_zoo = norm(h_zoo)
+    post_weight, weight = post_norm.weight.detach(), norm.weight.detach()
+    y, h = norm_add_norm(x, residual, post_weight, weight, 1e-6)
+    _assert_matches(h, h_zoo, f"norm_add_norm h {dtype} {hidden}")
+    _assert_matches(y, y_zoo, f"norm_add_norm y {dtype} {hidden}")
+    # bit for bit the rms_norm launches it replaces (what the model takes without it)
+    h_two = rms_norm(x, post_weight, 1e-6, residual=residual)
+    assert torch.equal(h, h_two) and torch.equal(y, rms_norm(h_two, weight, 1e-6))
+
+
+def test_norm_add_norm_promotes_like_torch_and_takes_strided_rows():
+    x = torch.randn(6, 2, 64).to(torch.bfloat16)[:, 0]                 # rows 2 x 64 apart
+    residual = torch.randn(6, 64).to(torch.bfloat16)
+    post_weight, weight = torch.randn(64), torch.randn(64)              # fp32 weights: h, y fp32
+    y, h = norm_add_norm(x, residual, post_weight, weight, 1e-5)
+    h_ref = rms_norm_ref(x, post_weight, 1e-5, residual)
+    _assert_matches(h, h_ref, "bf16 x, fp32 weights: h")
+    _assert_matches(y, rms_norm_ref(h_ref, weight, 1e-5), "bf16 x, fp32 weights: y")
+    with pytest.raises(ValueError, match="one shape"):
+        norm_add_norm(x, residual[:3], post_weight, weight, 1e-5)
+
+
+def test_norm_add_norm_runs_with_a_table_from_before_its_entry():
+    """A config table without "norm_add_norm" launches the kernel with its "rms_norm" entry."""
+    table = {k: v for k, v in configs_for("sm_90").items() if k != "norm_add_norm"}
+    x, residual, weight = (torch.randn(3, 128).to(torch.bfloat16) for _ in range(3))
+    y, h = fused_ops(table)["norm_add_norm"](x, residual, weight, weight, 1e-6)
+    assert torch.equal(h, rms_norm(x, weight, 1e-6, residual)) and torch.equal(y, rms_norm(h, weight, 1e-6))
 
 
 def test_rms_norm_mixed_dtypes_promote_like_torch():
@@ -93,7 +132,7 @@ def test_every_small_op_config_a_hal_can_choose():
     """Each distinct small-op config of every arch's table (bf16)."""
     tables = {}
     for table in all_configs().values():
-        key = tuple(table[n] for n in ("rms_norm", "rotary", "silu_and_mul"))
+        key = tuple(table[n] for n in ("rms_norm", "norm_add_norm", "rotary", "silu_and_mul"))
         tables.setdefault(key, table)
     x = torch.randn(3, 4096).to(torch.bfloat16)
     q, k = torch.randn(3, 4, 32).to(torch.bfloat16), torch.randn(3, 2, 32).to(torch.bfloat16)
@@ -102,6 +141,9 @@ def test_every_small_op_config_a_hal_can_choose():
     for table in tables.values():
         ops = fused_ops(table)
         _assert_matches(ops["rms_norm"](x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6), "rms_norm")
+        y, h = ops["norm_add_norm"](x, x, weight, weight, 1e-6)
+        _assert_matches(h, rms_norm_ref(x, weight, 1e-6, x), "norm_add_norm h")
+        _assert_matches(y, rms_norm_ref(h, weight, 1e-6), "norm_add_norm y")
         _assert_matches(ops["silu_and_mul"](x), silu_and_mul_ref(x), "silu_and_mul")
         rotated = ops["rotary"](q, k, positions, 1e4, False)
         for got, want in zip(rotated, rotary_ref(q, k, positions, 1e4, False)):
@@ -113,4 +155,4 @@ def test_bad_inputs_name_the_fix():
         silu_and_mul(torch.randn(2, 5))
     with pytest.raises(ValueError, match="even head dim"):
         rotary(torch.randn(2, 1, 5), torch.randn(2, 1, 5), torch.arange(2), 1e4, False)
-    assert set(fused_ops(configs_for("sm_90"))) == {"rms_norm", "rotary", "silu_and_mul"}
+    assert set(fused_ops(configs_for("sm_90"))) == {"rms_norm", "norm_add_norm", "rotary", "silu_and_mul"}

@@ -4,6 +4,10 @@
     h = embed(ids)
     for t in loops:  for layer:  h = h + norm_a2(attn(norm_a1(h)));  h = h + norm_m2(mlp(norm_m1(h)))
                      h = norm(h);  hazard_t = sigmoid(gate(h));  logits_t = lm_head(h)
+
+Where the Hal has `norm_add_norm`, every boundary between sublayers is one launch: norm_a2, the
+add and norm_m1 inside a layer; norm_m2, the add and the next layer's norm_a1 (the last layer's:
+the loop's final norm) across layers. Per layer and loop that is 2 norm launches instead of 4.
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from torch import nn
 
 from zoo.base import CausalLMOutput, LoopedCausalLM, causal_lm_loss, exit_distribution, first_exit_step
 from zoo.context import DenseContext, ForwardContext, KVSpec, ModelOps
-from zoo.layers import GQAttention, RMSNorm, SwiGLU
+from zoo.layers import GQAttention, RMSNorm, SwiGLU, norm_add_norm
 from zoo.ouro.config import OuroConfig
 from zoo.training import expected_exit_loss
 
@@ -31,13 +35,25 @@ class OuroDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm_2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, ctx: ForwardContext, plane: int, layer: int) -> torch.Tensor:
-        # h: [B, T, hidden]. h = h + norm_a2(attn(norm_a1(h))); h + norm_m2(mlp(norm_m1(h))), where
-        # norm_a1 runs in the q|k|v projection and norm_a2 + residual + norm_m1 in the gate|up
-        # projection when the context's Hal has those fused ops (decode)
-        attn = self.self_attn(h, ctx, plane, layer, norm=self.input_layernorm)
+    def forward(self, h: torch.Tensor, ctx: ForwardContext, plane: int, layer: int,
+                normed: torch.Tensor | None = None, next_norm: RMSNorm | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`h + norm_a2(attn(norm_a1(h)))`, then `h + norm_m2(mlp(norm_m1(h)))`. Returns `(h, None)`, or
+        `(h, next_norm(h))` where the Hal runs norm_m2, the add and `next_norm` in one kernel.
+        `normed` is norm_a1(h) when the layer before computed it so; q|k|v then take it as is."""
+        # h, normed: [B, T, hidden]. With the Hal's fused ops (decode) norm_a1 runs in the q|k|v
+        # projection's prologue, norm_a2 + add + norm_m1 in gate|up's or in one norm_add_norm kernel
+        if normed is None:
+            attn = self.self_attn(h, ctx, plane, layer, norm=self.input_layernorm)
+        else:
+            attn = self.self_attn(normed, ctx, plane, layer)
         mlp, h = self.mlp.forward_sandwich(attn, h, self.input_layernorm_2, self.post_attention_layernorm, ctx)
-        return self.post_attention_layernorm_2(mlp, ctx, residual=h)
+        if next_norm is not None:
+            fused = norm_add_norm(mlp, h, self.post_attention_layernorm_2, next_norm, ctx)
+            if fused is not None:
+                next_normed, h = fused
+                return h, next_normed
+        return self.post_attention_layernorm_2(mlp, ctx, residual=h), None
 
 
 class OuroModel(nn.Module):
@@ -87,9 +103,13 @@ class OuroForCausalLM(LoopedCausalLM):
 
     def loop(self, state: torch.Tensor, depth: int, ctx: ForwardContext | None = None) -> torch.Tensor:
         ctx = ctx or DenseContext.for_tokens(state)
-        for i, layer in enumerate(self.model.layers):
-            state = layer(state, ctx, depth, i)
-        return self.model.norm(state, ctx)
+        layers = self.model.layers
+        # the norm after each layer: the next layer's input norm, the last layer's the loop's final norm
+        next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
+        normed = None                      # next_norm(state) when the layer fused it with its last add
+        for i, (layer, next_norm) in enumerate(zip(layers, next_norms)):
+            state, normed = layer(state, ctx, depth, i, normed, next_norm)
+        return self.model.norm(state, ctx) if normed is None else normed
 
     def exit_hazard(self, state: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.model.early_exit_gate(state).float()).squeeze(-1)   # [B, T]
