@@ -94,7 +94,7 @@ def test_rotary_kv_write_equals_rotary_then_write_kv(gpu):
 @pytest.mark.parametrize("lens", [[8192], [1024] * 8, [700, 33, 2000]])
 def test_fresh_prefill_matches_the_paged_kernel(gpu, lens):
     backend = gpu.attention(16, 16, 128, torch.bfloat16)
-    assert backend.fresh_attention == "flash"
+    assert backend.fresh_attention in ("flash", "cudnn")     # cudnn (sm_90 on) takes the 8k prompt
     paged = TritonPagedAttention(16, 16, 128, torch.bfloat16, backend.device, 16, configs=backend.configs)
     page, tables, nxt = 16, [], 0
     for n in lens:
