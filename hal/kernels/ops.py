@@ -23,6 +23,14 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 
 @triton.jit
+def _normed(x, num_cols, eps, X_DTYPE: tl.constexpr):
+    """`x * rsqrt(mean(x^2) + eps)` of a row in float32 (masked columns 0), cast to x's dtype and
+    back: zoo's RMSNorm rounds there, before the weight."""
+    inv_rms = tl.math.rsqrt(tl.sum(x * x, 0) / num_cols + eps)
+    return (x * inv_rms).to(X_DTYPE).to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(out_ptr, x_ptr, weight_ptr, residual_ptr, eps, num_cols, stride_x, stride_r, stride_o,
                      BLOCK: tl.constexpr, X_DTYPE: tl.constexpr, NORM_DTYPE: tl.constexpr,
                      HAS_RESIDUAL: tl.constexpr):
@@ -30,8 +38,7 @@ def _rms_norm_kernel(out_ptr, x_ptr, weight_ptr, residual_ptr, eps, num_cols, st
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    inv_rms = tl.math.rsqrt(tl.sum(x * x, 0) / num_cols + eps)
-    normed = (x * inv_rms).to(X_DTYPE).to(tl.float32)                    # zoo: cast back, then scale
+    normed = _normed(x, num_cols, eps, X_DTYPE)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = (weight * normed).to(NORM_DTYPE)
     if HAS_RESIDUAL:
@@ -50,16 +57,13 @@ def _norm_add_norm_kernel(y_ptr, h_ptr, x_ptr, residual_ptr, post_weight_ptr, we
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    inv_rms = tl.math.rsqrt(tl.sum(x * x, 0) / num_cols + eps)
-    normed = (x * inv_rms).to(X_DTYPE).to(tl.float32)
+    normed = _normed(x, num_cols, eps, X_DTYPE)
     post_weight = tl.load(post_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     post = (post_weight * normed).to(POST_DTYPE).to(tl.float32)
     residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
     h = (residual + post).to(H_DTYPE)                                    # masked columns stay 0
     tl.store(h_ptr + row * stride_h + cols, h, mask=mask)
-    h = h.to(tl.float32)
-    inv_rms = tl.math.rsqrt(tl.sum(h * h, 0) / num_cols + eps)
-    normed = (h * inv_rms).to(H_DTYPE).to(tl.float32)
+    normed = _normed(h.to(tl.float32), num_cols, eps, H_DTYPE)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = (weight * normed).to(NORM_DTYPE)
     tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
