@@ -204,9 +204,11 @@ class Hal(ABC):
         - `silu_and_mul(x) -> y`: `x: [..., 2I]` -> `silu(x[..., :I]) * x[..., I:]`.
         - `add_rms_norm(x, residual, weight, eps) -> (y, s)`: `s = x + residual`, `y = norm(s)`
           (pre-norm layers: the residual stream and the next sublayer's input in one pass).
-        - `norm_add_norm(x, residual, post_weight, weight, eps) -> (y, h)`: `h = residual +
-          norm(x, post_weight, eps)`, `y = norm(h, weight, eps)` (sandwich norms: one sublayer's
-          post-norm, the residual add and the next sublayer's pre-norm in one pass).
+        - `norm_add_norm(x, residual, post_weight, weight, eps, sum_first=False) -> (y, h)`: a
+          sublayer boundary in one pass, the residual stream h and the next sublayer's input
+          `y = norm(h, weight, eps)`: `h = residual + norm(x, post_weight, eps)` (sandwich norms:
+          Ouro), with `sum_first` `h = norm(x + residual, post_weight, eps)` (Huginn), with
+          `post_weight=None` `h = residual + x` (pre-norm layers).
         - `fp8_linear(x, weight, weight_scale, bias=None) -> y`: `x: [M, K]` (bf16/fp16/fp32) times
           FP8 `weight: [N, K]` (`caps.fp8_dtype`) dequantized per output channel by `weight_scale: [N]`
           float32, float32 accumulation, `+ bias`, `y: [M, N]` in x's dtype. An implementation may

@@ -160,10 +160,14 @@ def _small_op_cells(line: _Line, device, dtype, configs: dict[str, KernelConfig]
         line.add("rms_norm+residual", f"T={tokens} x {s['hidden']}",
                  lambda x=x, res=res, w=w: [rms_norm(a, w, 1e-6, r, configs) for a, r in zip(x, res)],
                  3 * tokens * s["hidden"] * size * reps, calls=reps)
-        # Ouro's sandwich boundary in one launch, where the line above runs twice (plus a plain norm)
-        line.add("norm_add_norm", f"T={tokens} x {s['hidden']}",
-                 lambda x=x, res=res, w=w: [norm_add_norm(a, r, w, w, 1e-6, configs) for a, r in zip(x, res)],
-                 4 * tokens * s["hidden"] * size * reps, calls=reps)
+        # a sublayer boundary in one launch: Ouro's sandwich (where the line above runs twice, plus a
+        # plain norm), Huginn's (sum_first: an add and two norms), pre-norm layers' (an add and a norm)
+        for name, post, sum_first in (("norm_add_norm", w, False), ("norm_add_norm (sum_first)", w, True),
+                                      ("norm_add_norm (pre-norm)", None, False)):
+            line.add(name, f"T={tokens} x {s['hidden']}",
+                     lambda x=x, res=res, w=w, post=post, sum_first=sum_first: [
+                         norm_add_norm(a, r, post, w, 1e-6, sum_first, configs) for a, r in zip(x, res)],
+                     4 * tokens * s["hidden"] * size * reps, calls=reps)
         q = [randn(tokens, s["num_heads"], s["head_dim"]) for _ in range(reps)]
         k = [randn(tokens, s["num_kv_heads"], s["head_dim"]) for _ in range(reps)]
         pos = torch.randint(0, 4096, (tokens,), device=device)

@@ -153,13 +153,15 @@ def _rms_norm(config: KernelConfig, target: str, residual: bool) -> Launch:
     return rms_norm_launch(x, weight, 1e-6, res, torch.empty_like(x), config, target)
 
 
-def _norm_add_norm(config: KernelConfig, target: str) -> Launch:
+def _norm_add_norm(config: KernelConfig, target: str, boundary: str) -> Launch:
+    """One of the three boundaries: "sandwich" (Ouro), "sum_first" (Huginn), "pre_norm" (Nanbeige)."""
     from hal.kernels.ops import norm_add_norm_launch
 
     x = torch.empty(4, 2048, dtype=SHAPE["dtype"])
     weight = torch.empty(2048, dtype=x.dtype)
-    return norm_add_norm_launch(x, torch.empty_like(x), weight, weight, 1e-6, torch.empty_like(x),
-                                torch.empty_like(x), config, target)
+    post_weight = None if boundary == "pre_norm" else weight
+    return norm_add_norm_launch(x, torch.empty_like(x), post_weight, weight, 1e-6, torch.empty_like(x),
+                                torch.empty_like(x), config, target, sum_first=boundary == "sum_first")
 
 
 def _rotary(config: KernelConfig, target: str, interleaved: bool) -> Launch:
@@ -241,7 +243,9 @@ CASES = {c.name: c for c in (
     Case("kv_write", "kv_write", False, False, _kv_write),
     Case("rms_norm", "rms_norm", False, False, lambda c, t: _rms_norm(c, t, residual=False)),
     Case("rms_norm/residual", "rms_norm", False, False, lambda c, t: _rms_norm(c, t, residual=True)),
-    Case("norm_add_norm", "norm_add_norm", False, False, _norm_add_norm),
+    *(Case(name, "norm_add_norm", False, False, lambda c, t, b=boundary: _norm_add_norm(c, t, b))
+      for name, boundary in (("norm_add_norm", "sandwich"), ("norm_add_norm/sum_first", "sum_first"),
+                             ("norm_add_norm/pre_norm", "pre_norm"))),
     Case("rotary/neox", "rotary", False, False, lambda c, t: _rotary(c, t, interleaved=False)),
     Case("rotary/gptj", "rotary", False, False, lambda c, t: _rotary(c, t, interleaved=True)),
     Case("silu_and_mul", "silu_and_mul", False, False, _silu_and_mul),

@@ -40,16 +40,28 @@ class RMSNorm(nn.Module):
         return y if residual is None else residual + y
 
 
-def norm_add_norm(x: torch.Tensor, residual: torch.Tensor, post_norm: RMSNorm, norm: RMSNorm,
-                  ctx: ForwardContext | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`(norm(h), h)` with the residual stream `h = residual + post_norm(x)` (sandwich norms at a
-    sublayer boundary) in one kernel, where the Hal has `norm_add_norm` and the norms share eps;
-    else None, and the caller runs `post_norm(x, ctx, residual)` and leaves `norm` to the next
-    projection (whose prologue may fuse it)."""
+def norm_add_norm(x: torch.Tensor, residual: torch.Tensor, post_norm: RMSNorm | None, norm: RMSNorm,
+                  ctx: ForwardContext | None = None, sum_first: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`(norm(h), h)` for the residual stream h at a sublayer boundary, in one kernel where the Hal
+    has `norm_add_norm` (and the norms share eps); else None, and the caller runs its torch code. h:
+    - `residual + post_norm(x)`: sandwich norms (Ouro);
+    - `post_norm(x + residual)` with `sum_first`: Huginn's sandwich block;
+    - `residual + x` without `post_norm`: pre-norm layers (the add `project(..., residual=)` makes)."""
     fused = ops_of(ctx).op("norm_add_norm")
-    if fused is None or post_norm.eps != norm.eps:
+    if fused is None or (post_norm is not None and post_norm.eps != norm.eps):
         return None
-    return fused(x, residual, post_norm.weight, norm.weight, norm.eps)
+    post_weight = post_norm.weight if post_norm is not None else None
+    return fused(x, residual, post_weight, norm.weight, norm.eps, sum_first=sum_first)
+
+
+def fuses_pre_norm_boundaries(ctx: ForwardContext | None) -> bool:
+    """Whether a pre-norm layer runs each residual add and the norm after it in one `norm_add_norm`
+    kernel: where the Hal has that op and no `linear`. With `linear` (the decode projections) the
+    projection before the add adds the residual in its epilogue and the next one's prologue norms,
+    no launch of their own at batch 1, so the layer keeps them there."""
+    ops = ops_of(ctx)
+    return ops.op("norm_add_norm") is not None and ops.op("linear") is None
 
 
 def silu_and_mul(x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:

@@ -8,8 +8,11 @@ Signatures (shared with the other Hals):
   the rotated `(q, k)`; q and k themselves may be overwritten (the NPU kernel works in place).
 - `silu_and_mul(x)`: `x: [..., 2n]` -> `silu(x[..., :n]) * x[..., n:]`.
 - `add_rms_norm(x, residual, weight, eps)`: `(rms_norm(x + residual), x + residual)` (pre-norm layers).
-- `norm_add_norm(x, residual, post_weight, weight, eps)`: `(rms_norm(h, weight), h)` with
-  `h = residual + rms_norm(x, post_weight)` (sandwich norms): npu_rms_norm, then npu_add_rms_norm.
+- `norm_add_norm(x, residual, post_weight, weight, eps, sum_first=False)`: `(rms_norm(h, weight), h)`
+  with `h = residual + rms_norm(x, post_weight)` (sandwich norms: npu_rms_norm, then
+  npu_add_rms_norm), `h = rms_norm(x + residual, post_weight)` with `sum_first` (Huginn:
+  npu_add_rms_norm, then npu_rms_norm), or `h = residual + x` with `post_weight=None` (pre-norm
+  layers: npu_add_rms_norm alone).
 """
 from __future__ import annotations
 
@@ -38,9 +41,16 @@ def add_rms_norm(ops: AscendOps, x: torch.Tensor, residual: torch.Tensor, weight
     return ops.add_rms_norm(x, residual.to(x.dtype), weight.to(x.dtype), eps)
 
 
-def norm_add_norm(ops: AscendOps, x: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor,
-                  weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    # two kernels where the unfused path takes three (norm, add, norm); the add is in x's dtype
+def norm_add_norm(ops: AscendOps, x: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor | None,
+                  weight: torch.Tensor, eps: float, sum_first: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    # npu_add_rms_norm normalises a sum and returns it too: one kernel where the unfused path takes
+    # two (add, norm), two where it takes three (norm, add, norm); every add is in x's dtype
+    if post_weight is None:
+        return add_rms_norm(ops, x, residual, weight, eps)
+    if sum_first:
+        h, _ = add_rms_norm(ops, x, residual, post_weight, eps)
+        return rms_norm(ops, h, weight, eps), h
     post = rms_norm(ops, x, post_weight, eps)
     return add_rms_norm(ops, post, residual, weight, eps)
 

@@ -64,8 +64,9 @@ def exercise(hal: Any) -> None:
     assert hal.op("rms_norm")(x, w, 1e-6, residual=rand(4, 256)).shape == x.shape
     y, summed = hal.op("add_rms_norm")(x, rand(4, 256), w, 1e-6)
     assert y.shape == summed.shape == x.shape
-    y, summed = hal.op("norm_add_norm")(x, rand(4, 256), rand(256), w, 1e-6)
-    assert y.shape == summed.shape == x.shape
+    for post_weight, sum_first in ((rand(256), False), (rand(256), True), (None, False)):
+        y, summed = hal.op("norm_add_norm")(x, rand(4, 256), post_weight, w, 1e-6, sum_first=sum_first)
+        assert y.shape == summed.shape == x.shape
     positions = torch.arange(3, device=device) + 5
     for dim, interleaved in ((128, False), (96, False), (128, True)):
         q, k = hal.op("rotary")(rand(3, heads, dim), rand(3, kv_heads, dim), positions, 1e4, interleaved)

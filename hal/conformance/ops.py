@@ -2,8 +2,9 @@
 expression, computed here in float64, on fresh random inputs in float32 and bf16.
 
 Signatures: see `hal.base.Hal.op` (`rms_norm(x, weight, eps, residual=None)` returns
-`residual + norm(x)` with a residual; `norm_add_norm(x, residual, post_weight, weight, eps)` returns
-`(norm(h), h)`, `h = residual + norm(x)`; `rotary` returns `(q, k)`, possibly rotated in place).
+`residual + norm(x)` with a residual; `norm_add_norm(x, residual, post_weight, weight, eps, sum_first)`
+returns `(norm(h), h)`, `h = residual + norm(x)`, `norm(x + residual)` with `sum_first`, `residual + x`
+without `post_weight`; `rotary` returns `(q, k)`, possibly rotated in place).
 """
 from __future__ import annotations
 
@@ -56,10 +57,16 @@ def check_fused_ops(hal: Hal) -> str:
         if "norm_add_norm" in offered:
             x, residual = torch.randn(7, 96, dtype=dtype), torch.randn(7, 96, dtype=dtype)
             post_weight, weight = torch.rand(96, dtype=dtype) + 0.5, torch.rand(96, dtype=dtype) + 0.5
-            y, h = hal.op("norm_add_norm")(*(t.to(device) for t in (x, residual, post_weight, weight)), 1e-6)
-            h_ref = residual.double() + rms_norm_ref(x, post_weight, 1e-6)
-            _assert_close("norm_add_norm h", h, h_ref, dtype)
-            _assert_close("norm_add_norm y", y, rms_norm_ref(h_ref, weight, 1e-6), dtype)
+            x_dev, res_dev, post_dev, w_dev = (t.to(device) for t in (x, residual, post_weight, weight))
+            # the three boundaries: sandwich (Ouro), sum first (Huginn), pre-norm (no post-norm)
+            total = x.double() + residual.double()
+            for kind, post, sum_first, h_ref in (
+                    ("", post_dev, False, residual.double() + rms_norm_ref(x, post_weight, 1e-6)),
+                    ("(sum_first)", post_dev, True, rms_norm_ref(total, post_weight, 1e-6)),
+                    ("(pre-norm)", None, False, total)):
+                y, h = hal.op("norm_add_norm")(x_dev, res_dev, post, w_dev, 1e-6, sum_first=sum_first)
+                _assert_close(f"norm_add_norm{kind} h", h, h_ref, dtype)
+                _assert_close(f"norm_add_norm{kind} y", y, rms_norm_ref(h_ref, weight, 1e-6), dtype)
         if "silu_and_mul" in offered:
             x = torch.randn(7, 2 * 80, dtype=dtype)
             ref = torch.nn.functional.silu(x[:, :80].double()) * x[:, 80:].double()

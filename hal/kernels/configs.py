@@ -24,8 +24,9 @@ callers; nothing else chooses tiles. Keys of a table are kernel names:
   attention_reduce    merges the context splits of attention_decode (num_warps only)
   kv_write            scatter of new K/V rows into the paged cache: block_m tokens per program
   rms_norm, rotary    one row / one token per program (num_warps only)
-  norm_add_norm       (optional) sandwich norms in one launch (hal/kernels/ops.py), one row per program;
-                      a table without it launches the kernel with its rms_norm entry
+  norm_add_norm       (optional) a sublayer boundary's residual add and norms in one launch
+                      (hal/kernels/ops.py), one row per program; a table without it launches the
+                      kernel with its rms_norm entry
   silu_and_mul        block_n = columns per program
   fp8_linear          W8A16 linear (FP8 weights, hal/kernels/fp8_linear.py): block_m x block_n output tile
   gemv_m1, gemv       decode projections (hal/kernels/gemv.py) of one row / of 2..8 rows: block_n output

@@ -1,8 +1,8 @@
-"""Fused small ops that dominate a loop at batch 1: RMSNorm (+ residual), sandwich norms (RMSNorm,
-residual add, RMSNorm: `norm_add_norm`), rotary (NeoX and GPT-J), SiLU-and-mul. Each rounds
-intermediate results exactly where the torch code in zoo/layers.py does (`reference.py` restates
-it), so bf16 outputs match it to the last bit up to the rounding of fp32 transcendentals and
-reduction order.
+"""Fused small ops that dominate a loop at batch 1: RMSNorm (+ residual), a sublayer boundary's
+residual add with the norms around it (`norm_add_norm`: sandwich or pre-norm layers), rotary (NeoX
+and GPT-J), SiLU-and-mul. Each rounds intermediate results exactly where the torch code in
+zoo/layers.py does (`reference.py` restates it), so bf16 outputs match it to the last bit up to the
+rounding of fp32 transcendentals and reduction order.
 
 The Hals expose these through `Hal.op(name)` (`fused_ops()`); a `configs` table picks the launch
 options (`configs_for(arch)`), defaulting to the "default" table.
@@ -50,19 +50,26 @@ def _rms_norm_kernel(out_ptr, x_ptr, weight_ptr, residual_ptr, eps, num_cols, st
 @triton.jit
 def _norm_add_norm_kernel(y_ptr, h_ptr, x_ptr, residual_ptr, post_weight_ptr, weight_ptr, eps, num_cols,
                           stride_x, stride_r, stride_h, stride_y, BLOCK: tl.constexpr, X_DTYPE: tl.constexpr,
-                          POST_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr, NORM_DTYPE: tl.constexpr):
-    # h = residual + post_norm(x), then y = norm(h): _rms_norm_kernel's arithmetic twice, with h
-    # rounded to its dtype in between, as the two launches it replaces store and reload it
+                          MID_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr, NORM_DTYPE: tl.constexpr,
+                          HAS_POST: tl.constexpr, SUM_FIRST: tl.constexpr):
+    # the residual stream h (one of three boundaries, below), then y = norm(h): each step rounds to
+    # the dtype torch's expression rounds to, h included, as the launches it replaces store it
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    normed = _normed(x, num_cols, eps, X_DTYPE)
-    post_weight = tl.load(post_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    post = (post_weight * normed).to(POST_DTYPE).to(tl.float32)
     residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-    h = (residual + post).to(H_DTYPE)                                    # masked columns stay 0
-    tl.store(h_ptr + row * stride_h + cols, h, mask=mask)
+    if HAS_POST:
+        post_weight = tl.load(post_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if SUM_FIRST:       # Huginn: h = post_norm(x + residual), the sum (MID_DTYPE) normalised
+            total = (x + residual).to(MID_DTYPE).to(tl.float32)
+            h = (post_weight * _normed(total, num_cols, eps, MID_DTYPE)).to(H_DTYPE)
+        else:               # Ouro: h = residual + post_norm(x), post_norm(x) in MID_DTYPE
+            post = (post_weight * _normed(x, num_cols, eps, X_DTYPE)).to(MID_DTYPE).to(tl.float32)
+            h = (residual + post).to(H_DTYPE)
+    else:                   # pre-norm: h = residual + x
+        h = (residual + x).to(H_DTYPE)
+    tl.store(h_ptr + row * stride_h + cols, h, mask=mask)               # masked columns are 0 in h
     normed = _normed(h.to(tl.float32), num_cols, eps, H_DTYPE)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = (weight * normed).to(NORM_DTYPE)
@@ -172,25 +179,43 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return out.view(x.shape)
 
 
-def norm_add_norm_launch(x: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor,
+def _stream_dtypes(x: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor | None,
+                   sum_first: bool) -> tuple[torch.dtype, torch.dtype]:
+    """(the intermediate's dtype, h's) as torch promotes them in the boundary's expression: the
+    post-norm output (`residual + post_norm(x)`) or the sum (`post_norm(x + residual)`), then h."""
+    promote = torch.promote_types
+    if post_weight is None:
+        return x.dtype, promote(x.dtype, residual.dtype)
+    if sum_first:
+        total = promote(x.dtype, residual.dtype)
+        return total, promote(total, post_weight.dtype)
+    post = promote(x.dtype, post_weight.dtype)
+    return post, promote(post, residual.dtype)
+
+
+def norm_add_norm_launch(x: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor | None,
                          weight: torch.Tensor, eps: float, y: torch.Tensor, h: torch.Tensor,
-                         config: KernelConfig, target: str) -> Launch:
+                         config: KernelConfig, target: str, sum_first: bool = False) -> Launch:
     rows, cols = x.shape                                                  # 2-D views
-    post_dtype = torch.promote_types(x.dtype, post_weight.dtype)
+    mid_dtype, _ = _stream_dtypes(x, residual, post_weight, sum_first)
+    post = post_weight if post_weight is not None else weight            # not read without a post-norm
     return Launch(_norm_add_norm_kernel, (rows,), (
-        y, h, x, residual, post_weight, weight, eps, cols, x.stride(0), residual.stride(0), h.stride(0),
+        y, h, x, residual, post, weight, eps, cols, x.stride(0), residual.stride(0), h.stride(0),
         y.stride(0)), dict(
-        BLOCK=next_pow2(cols), X_DTYPE=_TL_DTYPES[x.dtype], POST_DTYPE=_TL_DTYPES[post_dtype],
-        H_DTYPE=_TL_DTYPES[h.dtype], NORM_DTYPE=_TL_DTYPES[y.dtype], **launch_options(config, target)))
+        BLOCK=next_pow2(cols), X_DTYPE=_TL_DTYPES[x.dtype], MID_DTYPE=_TL_DTYPES[mid_dtype],
+        H_DTYPE=_TL_DTYPES[h.dtype], NORM_DTYPE=_TL_DTYPES[y.dtype], HAS_POST=post_weight is not None,
+        SUM_FIRST=sum_first and post_weight is not None, **launch_options(config, target)))
 
 
-def norm_add_norm(x: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor, weight: torch.Tensor,
-                  eps: float, configs: dict[str, KernelConfig] | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(y, h)` with the residual stream `h = residual + rms_norm(x, post_weight, eps)` and
-    `y = rms_norm(h, weight, eps)`, `x, residual: [..., N]`: `rms_norm` twice in one launch
-    (sandwich norms: the post-norm of one sublayer, the residual add, the next sublayer's pre-norm).
-    Dtypes as torch's promotion: h of x, post_weight and residual; y of h and weight."""
+def norm_add_norm(x: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor | None,
+                  weight: torch.Tensor, eps: float, sum_first: bool = False,
+                  configs: dict[str, KernelConfig] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(y, h)`, `x, residual: [..., N]`: a sublayer boundary's residual stream h and the next
+    sublayer's input `y = rms_norm(h, weight, eps)` in one launch, h one of
+    - `residual + rms_norm(x, post_weight, eps)` (sandwich norms, Ouro),
+    - `rms_norm(x + residual, post_weight, eps)` with `sum_first` (Huginn's sandwich block),
+    - `residual + x` with `post_weight=None` (pre-norm layers; `sum_first` does not apply).
+    Dtypes as torch's promotion in those expressions; y of h and weight."""
     check_device(x)
     if residual.shape != x.shape:
         raise ValueError(f"norm_add_norm needs x and residual of one shape, got {tuple(x.shape)} "
@@ -199,13 +224,14 @@ def norm_add_norm(x: torch.Tensor, residual: torch.Tensor, post_weight: torch.Te
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     res2 = residual.reshape(-1, x.shape[-1]).contiguous()
-    h_dtype = torch.promote_types(torch.promote_types(x.dtype, post_weight.dtype), residual.dtype)
+    _, h_dtype = _stream_dtypes(x, residual, post_weight, sum_first)
     h = torch.empty(x2.shape, dtype=h_dtype, device=x.device)
     y = torch.empty(x2.shape, dtype=torch.promote_types(h_dtype, weight.dtype), device=x.device)
     if x2.shape[0]:
         config = _config(configs, "norm_add_norm", fallback="rms_norm")
-        run_launch(norm_add_norm_launch(x2, res2, post_weight.contiguous(), weight.contiguous(), eps, y, h,
-                                        config, backend_of(x.device)))
+        post = post_weight.contiguous() if post_weight is not None else None
+        run_launch(norm_add_norm_launch(x2, res2, post, weight.contiguous(), eps, y, h, config,
+                                        backend_of(x.device), sum_first))
     return y.view(x.shape), h.view(x.shape)
 
 

@@ -134,10 +134,21 @@ def test_rms_norm_and_silu_match_torch(where, dtype, tol):
         assert (y.cpu().float() - norm(x + residual).float()).abs().max() <= tol * 4
         post_norm = RMSNorm(64, 1e-5).to(dtype)
         torch.nn.init.normal_(post_norm.weight)
-        y, summed = h.op("norm_add_norm")(on(x), on(residual), on(post_norm.weight), on(norm.weight), 1e-5)
-        want = post_norm(x, residual=residual)
-        assert (summed.cpu().float() - want.float()).abs().max() <= tol * 4 * (1 + want.abs().max())
-        assert (y.cpu().float() - norm(want).float()).abs().max() <= tol * 4 * (1 + norm(want).abs().max())
+        # the three boundaries (zoo's torch expressions) and the NPU kernels each takes
+        both = {"rms_norm": 1, "add_rms_norm": 1}
+        cases = ((post_norm.weight, False, post_norm(x, residual=residual), both),
+                 (post_norm.weight, True, post_norm(x + residual), both),
+                 (None, False, residual + x, {"add_rms_norm": 1}))
+        for post, sum_first, want, kernels in cases:
+            h.ops.counts.clear()
+            y, summed = h.op("norm_add_norm")(on(x), on(residual), None if post is None else on(post),
+                                              on(norm.weight), 1e-5, sum_first=sum_first)
+            what = f"post={post is not None} sum_first={sum_first}"
+            assert dict(h.ops.counts) == kernels, (what, h.ops.counts)
+            for got, ref in ((summed, want), (y, norm(want))):
+                assert (got.cpu().float() - ref.float()).abs().max() <= tol * 4 * (1 + ref.abs().max()), what
+            if post is None:
+                assert torch.equal(summed.cpu(), residual + x)
     gate_up = torch.randn(3, 7, 2 * 48, dtype=dtype)
     want = torch.nn.functional.silu(gate_up[..., :48].float()) * gate_up[..., 48:].float()
     assert (h.op("silu_and_mul")(on(gate_up)).cpu().float() - want).abs().max() <= tol * 4

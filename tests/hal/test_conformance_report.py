@@ -1,4 +1,5 @@
 """Acceptance levels (R0..R3) from check results, the fused-op check itself, and the CLI report."""
+import re
 import subprocess
 import sys
 
@@ -50,9 +51,34 @@ def _rms_norm(x, weight, eps, residual=None):
     return y if residual is None else residual + y
 
 
-def _norm_add_norm(x, residual, post_weight, weight, eps):
-    h = _rms_norm(x, post_weight, eps, residual)
+def _norm_add_norm(x, residual, post_weight, weight, eps, sum_first=False):
+    if post_weight is None:
+        h = residual + x
+    elif sum_first:
+        h = _rms_norm(x + residual, post_weight, eps)
+    else:
+        h = _rms_norm(x, post_weight, eps, residual)
     return _rms_norm(h, weight, eps), h
+
+
+def _weights_swapped(x, residual, post_weight, weight, eps, sum_first=False):
+    if post_weight is None or sum_first:
+        return _norm_add_norm(x, residual, post_weight, weight, eps, sum_first)
+    return _norm_add_norm(x, residual, weight, post_weight, eps)
+
+
+def _sums_after(x, residual, post_weight, weight, eps, sum_first=False):
+    return _norm_add_norm(x, residual, post_weight, weight, eps)
+
+
+def _post_norm_always(x, residual, post_weight, weight, eps, sum_first=False):
+    post_weight = torch.ones_like(weight) if post_weight is None else post_weight
+    return _norm_add_norm(x, residual, post_weight, weight, eps, sum_first)
+
+
+# norm_add_norm wrong at one of its three boundaries each, by the name the check's message gives it
+BROKEN_NORM_ADD_NORM = {"norm_add_norm h": _weights_swapped, "norm_add_norm(sum_first)": _sums_after,
+                        "norm_add_norm(pre-norm)": _post_norm_always}
 
 
 def _silu_and_mul(x):
@@ -70,15 +96,16 @@ class FusedCpu(CpuHal):
 
     def __init__(self, broken=None):
         super().__init__()
-        self.broken = broken
+        self.broken = broken if broken not in BROKEN_NORM_ADD_NORM else "norm_add_norm"
+        self.broken_norm_add_norm = BROKEN_NORM_ADD_NORM.get(broken)
 
     def op(self, name):
         ops = {"rms_norm": _rms_norm, "norm_add_norm": _norm_add_norm, "rotary": _rotary_in_place,
                "silu_and_mul": _silu_and_mul}
         if name == self.broken == "rms_norm":
             return lambda x, w, eps, residual=None: _rms_norm(x, torch.ones_like(w), eps, residual)
-        if name == self.broken == "norm_add_norm":    # the weights swapped
-            return lambda x, residual, post_w, w, eps: _norm_add_norm(x, residual, w, post_w, eps)
+        if name == self.broken == "norm_add_norm":
+            return self.broken_norm_add_norm
         if name == self.broken == "rotary":
             return lambda q, k, pos, theta, interleaved: _rotary_in_place(q, k, pos, theta, not interleaved)
         return ops.get(name)
@@ -86,8 +113,8 @@ class FusedCpu(CpuHal):
 
 def test_fused_op_check_passes_right_ops_and_catches_wrong_ones():
     assert check_fused_ops(FusedCpu()) == "checked rms_norm, norm_add_norm, silu_and_mul, rotary"
-    for broken in ("rms_norm", "norm_add_norm", "rotary"):
-        with pytest.raises(AssertionError, match=broken):
+    for broken in ("rms_norm", *BROKEN_NORM_ADD_NORM, "rotary"):
+        with pytest.raises(AssertionError, match=re.escape(broken)):
             check_fused_ops(FusedCpu(broken))
     assert "no fused ops" in check_fused_ops(CpuHal())
 

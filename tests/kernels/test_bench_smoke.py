@@ -27,7 +27,8 @@ def test_bench_runs_every_cell_at_toy_shapes(monkeypatch):
     rows = bench.bench_kernels("cpu", torch.bfloat16, sweep=True, print_fn=lines.append)
     kernels = {r["kernel"] for r in rows}
     assert {"attention_decode", "attention_prefill", "torch sdpa (dense)", "rms_norm+residual",
-            "norm_add_norm", "rotary (neox)", "silu_and_mul", "kv_write"} <= kernels
+            "norm_add_norm", "norm_add_norm (sum_first)", "norm_add_norm (pre-norm)", "rotary (neox)",
+            "silu_and_mul", "kv_write"} <= kernels
     errors = [float(r["note"].split("max err ")[1].split()[0]) for r in rows if "max err" in r["note"]]
     assert errors and max(errors) < 3e-2, rows          # the bench checks attention against the reference
     assert any(line.startswith("# best for") for line in lines)

@@ -4,6 +4,7 @@ the engine's paged context with graphs."""
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from hal.kernels.configs import configs_for
 from hal.kernels.gemv_ops import gemv_ops
 from hal.kernels.ops import fused_ops
 from helpers import golden_case
+from norm_ops import StreamAdds, huginn_launches, nanbeige_launches
 from runtime import SamplingParams
 from runtime.config import EngineConfig
 from runtime.engine.llm_engine import LLMEngine
@@ -32,9 +34,9 @@ class TritonOpsOnCpu(CpuHal):
     """The CPU Hal with the CUDA/ROCm Hals' Triton ops `names` (interpreted) and Triton attention;
     `calls` counts the ops' calls by name."""
 
-    def __init__(self, names=SMALL_OPS + PROJECTION_OPS):
+    def __init__(self, names=SMALL_OPS + PROJECTION_OPS, adds: StreamAdds | None = None):
         super().__init__()
-        self.names, self.calls = tuple(names), collections.Counter()
+        self.names, self.calls, self.adds = tuple(names), collections.Counter(), adds
         self.table = {**fused_ops(configs_for("default")), **gemv_ops(configs_for("default"), 4)}
 
     def op(self, name):
@@ -44,7 +46,8 @@ class TritonOpsOnCpu(CpuHal):
 
         def counted(*args, **kwargs):
             self.calls[name] += 1
-            return fn(*args, **kwargs)
+            with self.adds.paused() if self.adds is not None else contextlib.nullcontext():
+                return fn(*args, **kwargs)
         return counted
 
     def attention(self, num_heads, num_kv_heads, head_dim, dtype, block_size=None, backend=None, kv_dtype=None):
@@ -89,6 +92,33 @@ def test_norm_add_norm_gives_ouro_the_logits_of_the_norm_launches_it_replaces(na
     assert (hal.calls["norm_add_norm"], hal.calls["rms_norm"]) == (2 * layers * loops, loops), hal.calls
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["huginn-tiny", "nanbeige-tiny"])
+def test_norm_add_norm_gives_huginn_and_nanbeige_the_logits_of_the_launches_it_replaces(name, dtype):
+    """Huginn's sandwich blocks (sum_first) and Nanbeige's pre-norm layers (no post-norm) through the
+    norm_add_norm kernel, inside blocks/layers and across them: bit for bit the logits of the rms_norm
+    kernels and torch's adds, with the launch counts of tests/norm_ops.py (2 per block or layer where
+    Huginn takes 6, Nanbeige 4)."""
+    model = _model(name, dtype)
+    ids = torch.tensor([golden_case(name).prompt(0)[:6]])
+
+    def run(names):
+        with StreamAdds(model.config.hidden_size if name == "nanbeige-tiny" else model.config.n_embd) as adds:
+            hal = TritonOpsOnCpu(names, adds)
+            logits = _logits(model, ids, hal)
+        return logits, {**{n: hal.calls[n] for n in ("rms_norm", "norm_add_norm") if hal.calls[n]},
+                        "add": adds.count}
+
+    unfused, unfused_calls = run(tuple(n for n in SMALL_OPS if n != "norm_add_norm"))
+    fused, fused_calls = run(SMALL_OPS)
+    assert torch.equal(fused, unfused)
+    if name == "huginn-tiny":
+        counts = huginn_launches(model.config, model.config.mean_recurrence, coda_calls=1)
+    else:
+        counts = nanbeige_launches(model.config, model.config.num_loops)
+    assert unfused_calls == counts["unfused"] and fused_calls == counts["fused"], (unfused_calls, fused_calls)
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_fused_bf16_is_as_close_to_float32_as_unfused(name):
     """bf16 decode-sized batches (6 rows) through the fused kernels: no further from the float32
@@ -127,3 +157,22 @@ def test_engine_with_fused_ops_graphs_equal_eager_bf16(monkeypatch):
             outs[graphs] = [o.token_ids for o in engine.run_until_done()]
     assert outs[True] == outs[False]
     assert fused_writes["write_kv_rotary"] and hal.calls["norm_residual_linear"], (fused_writes, hal.calls)
+
+
+@pytest.mark.parametrize("name", ["huginn-tiny", "nanbeige-tiny"])
+def test_engine_with_norm_add_norm_decodes_huginn_and_nanbeige_alike(name):
+    """Through the engine's paged context (prefill, then decode rows through Huginn's coda), graphs on:
+    with norm_add_norm the greedy tokens of the rms_norm kernels and torch's adds, eagerly."""
+    case = golden_case(name)
+    model = _model(name, "bfloat16")
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, num_loops=1, init_scale=0.0)
+    outs, fused = {}, TritonOpsOnCpu(SMALL_OPS)
+    unfused = TritonOpsOnCpu(tuple(n for n in SMALL_OPS if n != "norm_add_norm"))
+    with torch.inference_mode():
+        for hal, graphs in ((unfused, False), (fused, True)):
+            config = EngineConfig(block_size=4, max_num_batched_tokens=16, graphs=graphs)
+            engine = LLMEngine(model, hal, config)
+            engine.add_request("0", case.prompt(0)[:5], params)
+            outs[graphs] = [o.token_ids for o in engine.run_until_done()]
+    assert outs[True] == outs[False]
+    assert fused.calls["norm_add_norm"] and not unfused.calls["norm_add_norm"], fused.calls

@@ -48,43 +48,86 @@ def test_rms_norm_with_residual_is_residual_plus_norm(dtype):
     _assert_matches(out, residual + rms_norm_ref(x, weight, 1e-5), f"residual {dtype}")
 
 
+# the three sublayer boundaries norm_add_norm takes: h = residual + post_norm(x) (Ouro),
+# post_norm(x + residual) (sum_first: Huginn), residual + x (no post-norm: pre-norm layers)
+BOUNDARIES = pytest.mark.parametrize("boundary", ["sandwich", "sum_first", "pre_norm"])
+
+
+def _norm_add_norm(boundary, x, residual, post_weight, weight, eps, fn=norm_add_norm):
+    post_weight = None if boundary == "pre_norm" else post_weight
+    return fn(x, residual, post_weight, weight, eps, sum_first=boundary == "sum_first")
+
+
+def _unfused(boundary, x, residual, post_weight, weight, eps):
+    """`(y, h)` through the launches norm_add_norm replaces: torch's add and the rms_norm kernel."""
+    if boundary == "sandwich":
+        h = rms_norm(x, post_weight, eps, residual=residual)
+    elif boundary == "sum_first":
+        h = rms_norm(x + residual, post_weight, eps)
+    else:
+        h = residual + x
+    return rms_norm(h, weight, eps), h
+
+
+def _reference(boundary, x, residual, post_weight, weight, eps):
+    if boundary == "sandwich":
+        h = rms_norm_ref(x, post_weight, eps, residual)
+    elif boundary == "sum_first":
+        h = rms_norm_ref(x + residual, post_weight, eps)
+    else:
+        h = residual + x
+    return rms_norm_ref(h, weight, eps), h
+
+
 @DTYPES
+@BOUNDARIES
 @pytest.mark.parametrize("hidden", [96, 200, 2048])
-def test_norm_add_norm_matches_zoo_and_the_two_kernels_it_replaces(dtype, hidden):
+def test_norm_add_norm_matches_zoo_and_the_launches_it_replaces(dtype, boundary, hidden):
     x, residual = torch.randn(5, 3, hidden).to(dtype) * 3, torch.randn(5, 3, hidden).to(dtype)
     post_norm, norm = RMSNorm(hidden, 1e-6).to(dtype), RMSNorm(hidden, 1e-6).to(dtype)
     with torch.no_grad():
         post_norm.weight.copy_(torch.randn(hidden))
         norm.weight.copy_(torch.randn(hidden))
-        h_zoo = post_norm(x, residual=residual)
+        # the models' torch expressions (zoo/ouro, zoo/huginn, zoo/layers.project's residual add)
+        h_zoo = {"sandwich": lambda: post_norm(x, residual=residual),
+                 "sum_first": lambda: post_norm(x + residual), "pre_norm": lambda: residual + x}[boundary]()
         y_zoo = norm(h_zoo)
     post_weight, weight = post_norm.weight.detach(), norm.weight.detach()
-    y, h = norm_add_norm(x, residual, post_weight, weight, 1e-6)
-    _assert_matches(h, h_zoo, f"norm_add_norm h {dtype} {hidden}")
-    _assert_matches(y, y_zoo, f"norm_add_norm y {dtype} {hidden}")
-    # bit for bit the rms_norm launches it replaces (what the model takes without it)
-    h_two = rms_norm(x, post_weight, 1e-6, residual=residual)
-    assert torch.equal(h, h_two) and torch.equal(y, rms_norm(h_two, weight, 1e-6))
+    y, h = _norm_add_norm(boundary, x, residual, post_weight, weight, 1e-6)
+    _assert_matches(h, h_zoo, f"norm_add_norm {boundary} h {dtype} {hidden}")
+    _assert_matches(y, y_zoo, f"norm_add_norm {boundary} y {dtype} {hidden}")
+    # bit for bit the launches it replaces (what the model takes without it)
+    y_unfused, h_unfused = _unfused(boundary, x, residual, post_weight, weight, 1e-6)
+    assert torch.equal(h, h_unfused) and torch.equal(y, y_unfused), boundary
 
 
-def test_norm_add_norm_promotes_like_torch_and_takes_strided_rows():
+@BOUNDARIES
+def test_norm_add_norm_promotes_like_torch_and_takes_strided_rows(boundary):
     x = torch.randn(6, 2, 64).to(torch.bfloat16)[:, 0]                 # rows 2 x 64 apart
     residual = torch.randn(6, 64).to(torch.bfloat16)
-    post_weight, weight = torch.randn(64), torch.randn(64)              # fp32 weights: h, y fp32
-    y, h = norm_add_norm(x, residual, post_weight, weight, 1e-5)
-    h_ref = rms_norm_ref(x, post_weight, 1e-5, residual)
-    _assert_matches(h, h_ref, "bf16 x, fp32 weights: h")
-    _assert_matches(y, rms_norm_ref(h_ref, weight, 1e-5), "bf16 x, fp32 weights: y")
+    post_weight, weight = torch.randn(64), torch.randn(64)              # fp32 weights: y fp32
+    y, h = _norm_add_norm(boundary, x, residual, post_weight, weight, 1e-5)
+    y_ref, h_ref = _reference(boundary, x, residual, post_weight, weight, 1e-5)
+    _assert_matches(h, h_ref, f"{boundary}: bf16 x, fp32 weights: h")
+    _assert_matches(y, y_ref, f"{boundary}: bf16 x, fp32 weights: y")
     with pytest.raises(ValueError, match="one shape"):
-        norm_add_norm(x, residual[:3], post_weight, weight, 1e-5)
+        _norm_add_norm(boundary, x, residual[:3], post_weight, weight, 1e-5)
 
 
-def test_norm_add_norm_runs_with_a_table_from_before_its_entry():
+def test_norm_add_norm_without_post_norm_ignores_sum_first():
+    x, residual, weight = (torch.randn(3, 128).to(torch.bfloat16) for _ in range(3))
+    y, h = norm_add_norm(x, residual, None, weight, 1e-6, sum_first=True)
+    assert torch.equal(h, residual + x) and torch.equal(y, rms_norm(residual + x, weight, 1e-6))
+
+
+@BOUNDARIES
+def test_norm_add_norm_runs_with_a_table_from_before_its_entry(boundary):
     """A config table without "norm_add_norm" launches the kernel with its "rms_norm" entry."""
     table = {k: v for k, v in configs_for("sm_90").items() if k != "norm_add_norm"}
     x, residual, weight = (torch.randn(3, 128).to(torch.bfloat16) for _ in range(3))
-    y, h = fused_ops(table)["norm_add_norm"](x, residual, weight, weight, 1e-6)
-    assert torch.equal(h, rms_norm(x, weight, 1e-6, residual)) and torch.equal(y, rms_norm(h, weight, 1e-6))
+    y, h = _norm_add_norm(boundary, x, residual, weight, weight, 1e-6, fn=fused_ops(table)["norm_add_norm"])
+    y_unfused, h_unfused = _unfused(boundary, x, residual, weight, weight, 1e-6)
+    assert torch.equal(h, h_unfused) and torch.equal(y, y_unfused)
 
 
 def test_rms_norm_mixed_dtypes_promote_like_torch():
@@ -141,9 +184,11 @@ def test_every_small_op_config_a_hal_can_choose():
     for table in tables.values():
         ops = fused_ops(table)
         _assert_matches(ops["rms_norm"](x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6), "rms_norm")
-        y, h = ops["norm_add_norm"](x, x, weight, weight, 1e-6)
-        _assert_matches(h, rms_norm_ref(x, weight, 1e-6, x), "norm_add_norm h")
-        _assert_matches(y, rms_norm_ref(h, weight, 1e-6), "norm_add_norm y")
+        for boundary in ("sandwich", "sum_first", "pre_norm"):
+            y, h = _norm_add_norm(boundary, x, x, weight, weight, 1e-6, fn=ops["norm_add_norm"])
+            y_ref, h_ref = _reference(boundary, x, x, weight, weight, 1e-6)
+            _assert_matches(h, h_ref, f"norm_add_norm {boundary} h")
+            _assert_matches(y, y_ref, f"norm_add_norm {boundary} y")
         _assert_matches(ops["silu_and_mul"](x), silu_and_mul_ref(x), "silu_and_mul")
         rotated = ops["rotary"](q, k, positions, 1e4, False)
         for got, want in zip(rotated, rotary_ref(q, k, positions, 1e4, False)):

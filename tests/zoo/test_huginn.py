@@ -1,5 +1,6 @@
 """Huginn-0125 reproduces the reference's golden logits (zero initial state, float32, 1e-4); its
 random initial state, KV planes, tied weights and truncated-backprop loops behave as documented."""
+import copy
 import json
 import shutil
 
@@ -9,7 +10,8 @@ from safetensors.torch import load_file, save_file
 
 import zoo
 from helpers import CONFIGS, golden_case
-from zoo.context import DenseContext
+from norm_ops import NormOpsCpu, StreamAdds, huginn_launches
+from zoo.context import DenseContext, ModelOps
 
 TOL = 1e-4
 
@@ -135,3 +137,48 @@ def test_real_shape_parameter_count_on_meta():
     assert model.stop_token_ids() == (65505, 65508)
     assert model.kv_spec == zoo.KVSpec(55, 96, 4, 1)
     assert model.lm_head.weight.dtype == torch.bfloat16
+
+
+def _launches(model, ids, hal_names, **kwargs):
+    """The output of a forward through the ops `hal_names`, and its op calls and stream adds."""
+    with StreamAdds(model.config.n_embd) as adds:
+        hal = NormOpsCpu(hal_names, adds)
+        out = model(ids, ops=ModelOps(hal), init_scale=0.0, **kwargs)
+    return out, {**hal.calls, "add": adds.count}
+
+
+@pytest.mark.parametrize("blocks", [None, (2, 3, 2)], ids=["golden", "2-3-2-blocks"])
+def test_norm_add_norm_wiring_keeps_the_logits(case_and_model, blocks):
+    """With `norm_add_norm` each sandwich block's boundaries go through it (add, n2, n3; add, n4 and
+    the next block's n1 across blocks of a run, the coda's last into ln_f): the logits after every
+    loop stay those of plain torch bit for bit, with the launch counts of `huginn_launches`. With
+    gradients recorded (training, checkpointing) no op is asked for."""
+    case, model = case_and_model
+    if blocks is not None:                  # more blocks per run: fusion across blocks of each run
+        config = json.loads((case.path / "config.json").read_text())
+        config.update(n_layers_in_prelude=blocks[0], n_layers_in_recurrent_block=blocks[1],
+                      n_layers_in_coda=blocks[2], n_layers=sum(blocks))
+        model = zoo.from_config(config, dtype="float32", seed=3)
+        with torch.no_grad():               # norm weights unlike each other, so a swap shows
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.mul_(torch.rand_like(p) + 0.5)
+    ids, loops = torch.tensor([case.prompt(0)]), 3
+    kwargs = dict(num_loops=loops, return_step_logits=True)
+    with torch.no_grad():
+        plain = model(ids, init_scale=0.0, **kwargs).step_logits
+        unfused, unfused_calls = _launches(model, ids, ("rms_norm",), **kwargs)
+        fused, fused_calls = _launches(model, ids, ("rms_norm", "norm_add_norm"), **kwargs)
+    assert torch.equal(unfused.step_logits, plain) and torch.equal(fused.step_logits, plain)
+    counts = huginn_launches(model.config, loops, coda_calls=loops)
+    assert unfused_calls == counts["unfused"] and fused_calls == counts["fused"], (unfused_calls, fused_calls)
+    # some rows through the coda (`rows`, decode): fused, ln_f of every row, then the rows asked for
+    ctx = DenseContext.for_tokens(ids, ModelOps(NormOpsCpu()), init_scale=0.0)
+    rows = torch.tensor([1, ids.shape[1] - 1])
+    with torch.no_grad():
+        state = model.loop(model.prelude(ids, ctx), 0, ctx)
+        assert torch.equal(model.coda(state, ctx, rows=rows), model.coda(state, rows=rows))
+    hal, model = NormOpsCpu(), copy.deepcopy(model).train()
+    model.gradient_checkpointing_enable()
+    model(ids, num_loops=2, labels=ids, init_scale=0.0, ops=ModelOps(hal)).loss.backward()
+    assert not hal.calls

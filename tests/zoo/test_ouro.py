@@ -1,13 +1,12 @@
 """Ouro reproduces the reference implementation's golden tensors (float32, 1e-4)."""
-import collections
 import copy
 
 import pytest
 import torch
 
 import zoo
-from hal.cpu import CpuHal
 from helpers import CONFIGS, golden_case, golden_names
+from norm_ops import NormOpsCpu
 from zoo.context import ModelOps
 from zoo.fuse import fuse_projections
 from zoo.ouro import exit_distribution, first_exit_step
@@ -110,33 +109,6 @@ def test_gradient_checkpointing_gives_same_gradients():
         torch.testing.assert_close(p.grad, grads[n], atol=1e-6, rtol=1e-5)
 
 
-class SandwichNormsCpu(CpuHal):
-    """The CPU Hal offering `rms_norm` and `norm_add_norm` as the RMSNorm expressions of zoo/layers.py,
-    counting their calls."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = collections.Counter()
-
-    def op(self, name):
-        return getattr(self, name) if name in ("rms_norm", "norm_add_norm") else None
-
-    def rms_norm(self, x, weight, eps, residual=None):
-        self.calls["rms_norm"] += 1
-        y = _rms_norm(x, weight, eps)
-        return y if residual is None else residual + y
-
-    def norm_add_norm(self, x, residual, post_weight, weight, eps):
-        self.calls["norm_add_norm"] += 1
-        h = residual + _rms_norm(x, post_weight, eps)
-        return _rms_norm(h, weight, eps), h
-
-
-def _rms_norm(x, weight, eps):
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 @pytest.mark.parametrize("fused_projections", [False, True], ids=["linears", "fused"])
 def test_norm_add_norm_wiring_keeps_the_logits(case_and_model, fused_projections):
     """With `norm_add_norm` every sandwich boundary goes through it (inside each layer, into the next
@@ -147,14 +119,13 @@ def test_norm_add_norm_wiring_keeps_the_logits(case_and_model, fused_projections
     model = fuse_projections(copy.deepcopy(model)) if fused_projections else model
     layers, loops = model.config.num_hidden_layers, model.config.total_ut_steps
     ids = torch.tensor([case.prompt(0)])
-    hal = SandwichNormsCpu()
+    hal = NormOpsCpu()
     with torch.no_grad():
         plain = model(ids, return_step_logits=True).step_logits
         fused = model(ids, return_step_logits=True, ops=ModelOps(hal)).step_logits
     assert torch.equal(fused, plain)
     assert hal.calls == {"norm_add_norm": 2 * layers * loops, "rms_norm": loops}
-    without = SandwichNormsCpu()
-    without.op = lambda name: without.rms_norm if name == "rms_norm" else None
+    without = NormOpsCpu(("rms_norm",))
     with torch.no_grad():
         assert torch.equal(model(ids, return_step_logits=True, ops=ModelOps(without)).step_logits, plain)
     assert without.calls == {"rms_norm": (4 * layers + 1) * loops}

@@ -8,6 +8,12 @@ times to `adapter(cat[state, prelude_out])` from a random initial state, then co
 The looped-model state is `cat([s, e], -1)` (`[B, T, 2 * n_embd]`), so every loop sees the prelude
 output it injects. KV planes: plane 0 holds the prelude (slots 0..p-1) and coda (slots p..p+c-1)
 layers, written once per token; loop d's core layers write plane 1 + d.
+
+Where the Hal has `norm_add_norm`, a block's boundaries are one launch each: attention's residual
+add, n2 and n3 inside the block; the MLP's add, n4 and the next block's n1 (the coda's last block:
+ln_f) across blocks of one run. Per block that is 2 launches instead of 6 (2 adds, 4 norms), less
+at a run's edges: the prelude's and a core loop's last block keep their add and n4 (the concat and
+the adapter come next), every run's first n1 is its own norm.
 """
 from __future__ import annotations
 
@@ -17,7 +23,8 @@ from torch import nn
 from zoo.base import CausalLMOutput, LoopedCausalLM, causal_lm_loss
 from zoo.context import DenseContext, ForwardContext, KVSpec, ModelOps
 from zoo.huginn.config import HuginnConfig
-from zoo.layers import RMSNorm, attend_rotary, linear_weight, ops_of, project, rope_tables, silu_and_mul
+from zoo.layers import (RMSNorm, attend_rotary, linear_weight, norm_add_norm, ops_of, project, rope_tables,
+                        silu_and_mul)
 
 
 class HuginnAttention(nn.Module):
@@ -76,15 +83,19 @@ class GatedMLP(nn.Module):
     def forward_sandwich(self, x: torch.Tensor, residual: torch.Tensor, post_norm: RMSNorm, norm: RMSNorm,
                          ctx: ForwardContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The sandwich block's boundary: `h = post_norm(x + residual)`, then `self(norm(h))`. Returns
-        `(mlp output, h)`; both norms run in the fc projection's prologue where the Hal has
-        `norm_residual_linear` (decode)."""
+        `(mlp output, h)`; the add and both norms run in the fc projection's prologue where the Hal
+        has `norm_residual_linear` (decode), else in one kernel before it where it has `norm_add_norm`."""
         weight = linear_weight(self.fc)
         fused = ops_of(ctx).op("norm_residual_linear") if weight is not None else None
-        if fused is None or post_norm.eps != norm.eps:
-            h = post_norm(x + residual, ctx)
-            return self.down(project(h, self.fc, ctx, norm), ctx), h
-        fc_out, h = fused(x, residual, post_norm.weight, norm.weight, norm.eps, weight, sum_first=True)
-        return self.down(fc_out, ctx), h
+        if fused is not None and post_norm.eps == norm.eps:
+            fc_out, h = fused(x, residual, post_norm.weight, norm.weight, norm.eps, weight, sum_first=True)
+            return self.down(fc_out, ctx), h
+        normed = norm_add_norm(x, residual, post_norm, norm, ctx, sum_first=True)
+        if normed is not None:
+            n, h = normed
+            return self.down(project(n, self.fc, ctx), ctx), h
+        h = post_norm(x + residual, ctx)
+        return self.down(project(h, self.fc, ctx, norm), ctx), h
 
 
 class SandwichBlock(nn.Module):
@@ -99,12 +110,39 @@ class SandwichBlock(nn.Module):
         self.norm_3 = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.norm_4 = RMSNorm(cfg.n_embd, cfg.norm_eps)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, plane: int, layer: int) -> torch.Tensor:
-        # x = n2(attn(n1(x)) + x); n4(mlp(n3(x)) + x), with n1 in the q|k|v projection and n2, n3 in
-        # the fc projection when the context's Hal has those fused ops (decode)
-        attn = self.attn(x, ctx, plane, layer, norm=self.norm_1)
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, plane: int, layer: int,
+                normed: torch.Tensor | None = None, next_norm: RMSNorm | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`x = n2(attn(n1(x)) + x)`, then `n4(mlp(n3(x)) + x)`. Returns `(x, None)`, or
+        `(x, next_norm(x))` where the Hal runs the last add, n4 and `next_norm` in one kernel.
+        `normed` is n1(x) when the block before computed it so; q|k|v then take it as is."""
+        # x, normed: [B, T, n_embd]. With the Hal's fused ops (decode) n1 runs in the q|k|v
+        # projection's prologue, the add + n2 + n3 in fc's or in one norm_add_norm kernel
+        if normed is None:
+            attn = self.attn(x, ctx, plane, layer, norm=self.norm_1)
+        else:
+            attn = self.attn(normed, ctx, plane, layer)
         mlp, x = self.mlp.forward_sandwich(attn, x, self.norm_2, self.norm_3, ctx)
-        return self.norm_4(mlp + x, ctx)
+        if next_norm is not None:
+            fused = norm_add_norm(mlp, x, self.norm_4, next_norm, ctx, sum_first=True)
+            if fused is not None:
+                next_normed, x = fused
+                return x, next_normed
+        return self.norm_4(mlp + x, ctx), None
+
+
+def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, ctx: ForwardContext, plane: int, first_slot: int = 0,
+               final_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`x: [B, T, n_embd]` through one run of blocks (the prelude, one loop of the core, the coda) on KV
+    plane `plane`, slots from `first_slot`. Returns `(x, final_norm(x))` where the Hal fused the
+    final norm (given) into the last block, else `(x, None)`. Each block's last add and n4 run with
+    the next block's n1 in one kernel where the Hal has `norm_add_norm`; a run's edges keep their own
+    math (the prelude's concat, the core's adapter)."""
+    next_norms = [block.norm_1 for block in blocks[1:]] + [final_norm]
+    normed = None                           # next_norm(x) when the block fused it with its last add
+    for i, (block, next_norm) in enumerate(zip(blocks, next_norms)):
+        x, normed = block(x, ctx, plane, first_slot + i, normed, next_norm)
+    return x, normed
 
 
 class HuginnTransformer(nn.Module):
@@ -203,28 +241,29 @@ class HuginnForCausalLM(LoopedCausalLM):
         draws the initial state (`ForwardContext.initial_state`)."""
         ctx = ctx or DenseContext.for_tokens(input_ids)
         e = self.transformer.wte(input_ids) * self.config.embed_scale              # [B, T, n_embd]
-        for i, block in enumerate(self.transformer.prelude):
-            e = block(e, ctx, 0, i)
+        e, _ = run_blocks(self.transformer.prelude, e, ctx, 0)
         return torch.cat([ctx.initial_state(self, e), e], dim=-1)
 
     def loop(self, state: torch.Tensor, depth: int, ctx: ForwardContext | None = None) -> torch.Tensor:
         ctx = ctx or DenseContext.for_tokens(state)
         e = state[..., self.config.n_embd:]
         s = self.transformer.adapter(state)                 # adapter(cat[s, e]): state is that concat
-        for j, block in enumerate(self.transformer.core_block):
-            s = block(s, ctx, 1 + depth, j)
+        s, _ = run_blocks(self.transformer.core_block, s, ctx, 1 + depth)
         return torch.cat([s, e], dim=-1)
 
     def coda(self, state: torch.Tensor, ctx: ForwardContext | None = None,
              rows: torch.Tensor | None = None) -> torch.Tensor:
         ctx = ctx or DenseContext.for_tokens(state)
-        x = self.transformer.ln_f(state[..., :self.config.n_embd], ctx)
-        first_slot = self.config.n_layers_in_prelude
-        for i, block in enumerate(self.transformer.coda):           # every row: the coda writes KV
-            x = block(x, ctx, 0, first_slot + i)
-        if rows is not None:
-            x = x.index_select(1, rows)
-        return self.lm_head(self.transformer.ln_f(x, ctx))                            # [B, R, V]
+        ln_f = self.transformer.ln_f
+        x = ln_f(state[..., :self.config.n_embd], ctx)
+        # every row: the coda writes KV. ln_f after it comes out of the last block's norm_add_norm
+        # (of every row: one launch either way) where fused, else it norms the rows asked for only
+        x, normed = run_blocks(self.transformer.coda, x, ctx, 0, self.config.n_layers_in_prelude, ln_f)
+        if normed is None:
+            normed = ln_f(x if rows is None else x.index_select(1, rows), ctx)
+        elif rows is not None:
+            normed = normed.index_select(1, rows)
+        return self.lm_head(normed)                                                    # [B, R, V]
 
     # ----- training / reference forward ----------------------------------------------------
     def forward(self, input_ids: torch.Tensor, num_loops: int | tuple[int, int] | None = None,

@@ -8,6 +8,11 @@
 
 The attention width `num_heads * head_dim` (6144) differs from the hidden size (3072). KV: every
 layer per loop, plane = loop index (the reference's cache slot `layer + loop * L`).
+
+Where the Hal has `norm_add_norm` (and no `linear`, which adds the residuals in the projections'
+epilogues), each residual add runs with the norm after it in one launch: `+ attn` with ln_post,
+`+ mlp` with the next layer's ln_in (the last layer's: the loop's final norm). Per layer and loop
+that is 2 launches instead of 4 (2 adds, 2 norms).
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from torch import nn
 
 from zoo.base import CausalLMOutput, LoopedCausalLM, causal_lm_loss
 from zoo.context import DenseContext, ForwardContext, KVSpec, ModelOps
-from zoo.layers import GQAttention, RMSNorm, SwiGLU
+from zoo.layers import GQAttention, RMSNorm, SwiGLU, fuses_pre_norm_boundaries, norm_add_norm
 from zoo.nanbeige.config import NanbeigeConfig
 
 
@@ -29,12 +34,30 @@ class NanbeigeDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, ctx: ForwardContext, plane: int, layer: int) -> torch.Tensor:
-        # h: [B, T, hidden]
-        # the norms run in the q|k|v and gate|up projections, the residual adds in the o and down
-        # projections, when the context's Hal has those fused ops (decode)
-        h = self.self_attn(h, ctx, plane, layer, norm=self.input_layernorm, residual=h)
-        return self.mlp(h, ctx, norm=self.post_attention_layernorm, residual=h)
+    def forward(self, h: torch.Tensor, ctx: ForwardContext, plane: int, layer: int,
+                normed: torch.Tensor | None = None, next_norm: RMSNorm | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`h + attn(ln_in(h))`, then `h + mlp(ln_post(h))`. Returns `(h, None)`, or `(h, next_norm(h))`
+        where the Hal runs the last residual add and `next_norm` in one kernel. `normed` is ln_in(h)
+        when the layer before computed it so; q|k|v then take it as is."""
+        # h, normed: [B, T, hidden]
+        if not fuses_pre_norm_boundaries(ctx):
+            # the norms run in the q|k|v and gate|up projections, the residual adds in the o and
+            # down projections, when the context's Hal has those fused ops (decode). No layer
+            # returned a `normed` then: this branch makes none
+            h = self.self_attn(h, ctx, plane, layer, norm=self.input_layernorm, residual=h)
+            return self.mlp(h, ctx, norm=self.post_attention_layernorm, residual=h), None
+        # each residual add and the norm after it in one norm_add_norm kernel (`h = h + sublayer`,
+        # as `project(..., residual=h)` adds it)
+        if normed is None:
+            attn = self.self_attn(h, ctx, plane, layer, norm=self.input_layernorm)
+        else:
+            attn = self.self_attn(normed, ctx, plane, layer)
+        normed, h = norm_add_norm(attn, h, None, self.post_attention_layernorm, ctx)
+        if next_norm is None:
+            return self.mlp(normed, ctx, residual=h), None
+        next_normed, h = norm_add_norm(self.mlp(normed, ctx), h, None, next_norm, ctx)
+        return h, next_normed
 
 
 class NanbeigeModel(nn.Module):
@@ -82,9 +105,13 @@ class NanbeigeForCausalLM(LoopedCausalLM):
 
     def loop(self, state: torch.Tensor, depth: int, ctx: ForwardContext | None = None) -> torch.Tensor:
         ctx = ctx or DenseContext.for_tokens(state)
-        for i, layer in enumerate(self.model.layers):
-            state = layer(state, ctx, depth, i)
-        return self.model.norm(state, ctx)
+        layers = self.model.layers
+        # the norm after each layer: the next layer's input norm, the last layer's the loop's final norm
+        next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
+        normed = None                      # next_norm(state) when the layer fused it with its last add
+        for i, (layer, next_norm) in enumerate(zip(layers, next_norms)):
+            state, normed = layer(state, ctx, depth, i, normed, next_norm)
+        return self.model.norm(state, ctx) if normed is None else normed
 
     def coda(self, state: torch.Tensor, ctx: ForwardContext | None = None,
              rows: torch.Tensor | None = None) -> torch.Tensor:
