@@ -145,7 +145,7 @@ def _quantize_rows(config: KernelConfig, target: str, fp8: torch.dtype) -> Launc
 
 
 def _rms_norm(config: KernelConfig, target: str, residual: bool) -> Launch:
-    from hal.kernels.ops import rms_norm_launch
+    from hal.kernels.norms import rms_norm_launch
 
     x = torch.empty(4, 2048, dtype=SHAPE["dtype"])
     res = torch.empty_like(x) if residual else None
@@ -155,7 +155,7 @@ def _rms_norm(config: KernelConfig, target: str, residual: bool) -> Launch:
 
 def _norm_add_norm(config: KernelConfig, target: str, boundary: str) -> Launch:
     """One of the three boundaries: "sandwich" (Ouro), "sum_first" (Huginn), "pre_norm" (Nanbeige)."""
-    from hal.kernels.ops import norm_add_norm_launch
+    from hal.kernels.norms import norm_add_norm_launch
 
     x = torch.empty(4, 2048, dtype=SHAPE["dtype"])
     weight = torch.empty(2048, dtype=x.dtype)

@@ -2,8 +2,9 @@
 
   attention.py   paged "unified" attention (prefill, chunked prefill, split-context decode) + reduce
   kv_write.py    K/V scatter into the paged cache by slot mapping
-  ops.py         fused small ops: rms_norm (+ residual), norm_add_norm (a sublayer boundary: residual
-                 add and norms, sandwich or pre-norm), rotary (NeoX / GPT-J), silu_and_mul
+  ops.py         fused small ops by their Hal names: rotary (NeoX / GPT-J), silu_and_mul, and the norms
+  norms.py       rms_norm (+ residual), norm_add_norm (a sublayer boundary: residual add and norms,
+                 sandwich or pre-norm)
   gemv.py        decode projections for 1-8 rows with the small ops folded in (norm / SwiGLU
                  prologues, residual epilogue, deterministic split-K)
   gemv_ops.py    the `*linear` Hal ops: route each call to gemv.py or to the unfused torch path

@@ -213,3 +213,11 @@ def _known(name: str) -> str:
 def all_configs() -> dict[str, dict[str, KernelConfig]]:
     """Every table by arch name, "default" included (what the cross-compile checks walk)."""
     return {arch: dict(table) for arch, table in _TABLES.items()}
+
+
+def config_or_default(configs: dict[str, KernelConfig] | None, name: str,
+                      fallback: str | None = None) -> KernelConfig:
+    """Entry `name` of `configs` (None: the "default" table), or `fallback`'s in a table from before
+    `name` had an entry."""
+    table = configs or configs_for("default")
+    return table[fallback] if fallback is not None and name not in table else table[name]

@@ -1,6 +1,6 @@
-"""Fused small ops that dominate a loop at batch 1: RMSNorm (+ residual), a sublayer boundary's
-residual add with the norms around it (`norm_add_norm`: sandwich or pre-norm layers), rotary (NeoX
-and GPT-J), SiLU-and-mul. Each rounds intermediate results exactly where the torch code in
+"""Fused small ops that dominate a loop at batch 1: rotary (NeoX and GPT-J) and SiLU-and-mul here,
+the norms in hal/kernels/norms.py (RMSNorm (+ residual); `norm_add_norm`, a sublayer boundary's
+residual add with the norms around it). Each rounds intermediate results exactly where the torch code in
 zoo/layers.py does (`reference.py` restates it), so bf16 outputs match it to the last bit up to the
 rounding of fp32 transcendentals and reduction order.
 
@@ -16,65 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from hal.kernels.configs import KernelConfig, configs_for
+from hal.kernels.configs import KernelConfig, config_or_default
 from hal.kernels.launch import Launch, backend_of, check_device, launch_options, next_pow2, run_launch
-
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-@triton.jit
-def _normed(x, num_cols, eps, X_DTYPE: tl.constexpr):
-    """`x * rsqrt(mean(x^2) + eps)` of a row in float32 (masked columns 0), cast to x's dtype and
-    back: zoo's RMSNorm rounds there, before the weight."""
-    inv_rms = tl.math.rsqrt(tl.sum(x * x, 0) / num_cols + eps)
-    return (x * inv_rms).to(X_DTYPE).to(tl.float32)
-
-
-@triton.jit
-def _rms_norm_kernel(out_ptr, x_ptr, weight_ptr, residual_ptr, eps, num_cols, stride_x, stride_r, stride_o,
-                     BLOCK: tl.constexpr, X_DTYPE: tl.constexpr, NORM_DTYPE: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < num_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    normed = _normed(x, num_cols, eps, X_DTYPE)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (weight * normed).to(NORM_DTYPE)
-    if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
-        y = residual.to(tl.float32) + y.to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _norm_add_norm_kernel(y_ptr, h_ptr, x_ptr, residual_ptr, post_weight_ptr, weight_ptr, eps, num_cols,
-                          stride_x, stride_r, stride_h, stride_y, BLOCK: tl.constexpr, X_DTYPE: tl.constexpr,
-                          MID_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr, NORM_DTYPE: tl.constexpr,
-                          HAS_POST: tl.constexpr, SUM_FIRST: tl.constexpr):
-    # the residual stream h (one of three boundaries, below), then y = norm(h): each step rounds to
-    # the dtype torch's expression rounds to, h included, as the launches it replaces store it
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < num_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_POST:
-        post_weight = tl.load(post_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        if SUM_FIRST:       # Huginn: h = post_norm(x + residual), the sum (MID_DTYPE) normalised
-            total = (x + residual).to(MID_DTYPE).to(tl.float32)
-            h = (post_weight * _normed(total, num_cols, eps, MID_DTYPE)).to(H_DTYPE)
-        else:               # Ouro: h = residual + post_norm(x), post_norm(x) in MID_DTYPE
-            post = (post_weight * _normed(x, num_cols, eps, X_DTYPE)).to(MID_DTYPE).to(tl.float32)
-            h = (residual + post).to(H_DTYPE)
-    else:                   # pre-norm: h = residual + x
-        h = (residual + x).to(H_DTYPE)
-    tl.store(h_ptr + row * stride_h + cols, h, mask=mask)               # masked columns are 0 in h
-    normed = _normed(h.to(tl.float32), num_cols, eps, H_DTYPE)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (weight * normed).to(NORM_DTYPE)
-    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-
+from hal.kernels.norms import norm_add_norm, rms_norm
 
 @triton.jit
 def _rotary_one(ptr, out_ptr, stride_t, stride_h, stride_ot, stride_oh, token, cos, sin, num_heads,
@@ -142,99 +86,6 @@ def _inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor
     return 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
 
 
-def _config(configs: dict[str, KernelConfig] | None, name: str, fallback: str | None = None) -> KernelConfig:
-    """Table entry `name`, or `fallback`'s in a table from before `name` had an entry."""
-    table = configs or configs_for("default")
-    return table[fallback] if fallback is not None and name not in table else table[name]
-
-
-def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
-                    out: torch.Tensor, config: KernelConfig, target: str) -> Launch:
-    rows, cols = x.shape                                                  # 2-D views
-    norm_dtype = torch.promote_types(x.dtype, weight.dtype)
-    res = residual if residual is not None else x
-    return Launch(_rms_norm_kernel, (rows,), (
-        out, x, weight, res, eps, cols, x.stride(0), res.stride(0), out.stride(0)), dict(
-        BLOCK=next_pow2(cols), X_DTYPE=_TL_DTYPES[x.dtype], NORM_DTYPE=_TL_DTYPES[norm_dtype],
-        HAS_RESIDUAL=residual is not None, **launch_options(config, target)))
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             configs: dict[str, KernelConfig] | None = None) -> torch.Tensor:
-    """Llama RMSNorm of `x: [..., N]` (fp32 math, cast to x.dtype, then * weight); with `residual`
-    (same shape) returns `residual + norm(x)`. Output dtype as torch's promotion of the operands."""
-    check_device(x)
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    dtype = torch.promote_types(x.dtype, weight.dtype)
-    res2 = None
-    if residual is not None:
-        dtype = torch.promote_types(dtype, residual.dtype)
-        res2 = residual.reshape(-1, x.shape[-1]).contiguous()
-    out = torch.empty(x2.shape, dtype=dtype, device=x.device)
-    if x2.shape[0]:
-        run_launch(rms_norm_launch(x2, weight.contiguous(), eps, res2, out, _config(configs, "rms_norm"),
-                                   backend_of(x.device)))
-    return out.view(x.shape)
-
-
-def _stream_dtypes(x: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor | None,
-                   sum_first: bool) -> tuple[torch.dtype, torch.dtype]:
-    """(the intermediate's dtype, h's) as torch promotes them in the boundary's expression: the
-    post-norm output (`residual + post_norm(x)`) or the sum (`post_norm(x + residual)`), then h."""
-    promote = torch.promote_types
-    if post_weight is None:
-        return x.dtype, promote(x.dtype, residual.dtype)
-    if sum_first:
-        total = promote(x.dtype, residual.dtype)
-        return total, promote(total, post_weight.dtype)
-    post = promote(x.dtype, post_weight.dtype)
-    return post, promote(post, residual.dtype)
-
-
-def norm_add_norm_launch(x: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor | None,
-                         weight: torch.Tensor, eps: float, y: torch.Tensor, h: torch.Tensor,
-                         config: KernelConfig, target: str, sum_first: bool = False) -> Launch:
-    rows, cols = x.shape                                                  # 2-D views
-    mid_dtype, _ = _stream_dtypes(x, residual, post_weight, sum_first)
-    post = post_weight if post_weight is not None else weight            # not read without a post-norm
-    return Launch(_norm_add_norm_kernel, (rows,), (
-        y, h, x, residual, post, weight, eps, cols, x.stride(0), residual.stride(0), h.stride(0),
-        y.stride(0)), dict(
-        BLOCK=next_pow2(cols), X_DTYPE=_TL_DTYPES[x.dtype], MID_DTYPE=_TL_DTYPES[mid_dtype],
-        H_DTYPE=_TL_DTYPES[h.dtype], NORM_DTYPE=_TL_DTYPES[y.dtype], HAS_POST=post_weight is not None,
-        SUM_FIRST=sum_first and post_weight is not None, **launch_options(config, target)))
-
-
-def norm_add_norm(x: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor | None,
-                  weight: torch.Tensor, eps: float, sum_first: bool = False,
-                  configs: dict[str, KernelConfig] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(y, h)`, `x, residual: [..., N]`: a sublayer boundary's residual stream h and the next
-    sublayer's input `y = rms_norm(h, weight, eps)` in one launch, h one of
-    - `residual + rms_norm(x, post_weight, eps)` (sandwich norms, Ouro),
-    - `rms_norm(x + residual, post_weight, eps)` with `sum_first` (Huginn's sandwich block),
-    - `residual + x` with `post_weight=None` (pre-norm layers; `sum_first` does not apply).
-    Dtypes as torch's promotion in those expressions; y of h and weight."""
-    check_device(x)
-    if residual.shape != x.shape:
-        raise ValueError(f"norm_add_norm needs x and residual of one shape, got {tuple(x.shape)} "
-                         f"and {tuple(residual.shape)}")
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    res2 = residual.reshape(-1, x.shape[-1]).contiguous()
-    _, h_dtype = _stream_dtypes(x, residual, post_weight, sum_first)
-    h = torch.empty(x2.shape, dtype=h_dtype, device=x.device)
-    y = torch.empty(x2.shape, dtype=torch.promote_types(h_dtype, weight.dtype), device=x.device)
-    if x2.shape[0]:
-        config = _config(configs, "norm_add_norm", fallback="rms_norm")
-        post = post_weight.contiguous() if post_weight is not None else None
-        run_launch(norm_add_norm_launch(x2, res2, post, weight.contiguous(), eps, y, h, config,
-                                        backend_of(x.device), sum_first))
-    return y.view(x.shape), h.view(x.shape)
-
-
 def rotary_launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                   q_out: torch.Tensor, k_out: torch.Tensor, interleaved: bool, config: KernelConfig,
                   target: str) -> Launch:
@@ -261,7 +112,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta: flo
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if q.shape[0]:
         run_launch(rotary_launch(q, k, positions, _inv_freq(head_dim, float(theta), q.device), q_out, k_out,
-                                 interleaved, _config(configs, "rotary"), backend_of(q.device)))
+                                 interleaved, config_or_default(configs, "rotary"), backend_of(q.device)))
     return q_out, k_out
 
 
@@ -282,7 +133,7 @@ def silu_and_mul(x: torch.Tensor, configs: dict[str, KernelConfig] | None = None
         x2 = x2.contiguous()
     out = torch.empty(x2.shape[0], x2.shape[1] // 2, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
-        run_launch(silu_and_mul_launch(x2, out, _config(configs, "silu_and_mul"), backend_of(x.device)))
+        run_launch(silu_and_mul_launch(x2, out, config_or_default(configs, "silu_and_mul"), backend_of(x.device)))
     return out.view(*x.shape[:-1], x.shape[-1] // 2)
 
 

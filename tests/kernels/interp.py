@@ -142,6 +142,7 @@ def interpreter() -> Iterator[None]:
     import hal.kernels.attention
     import hal.kernels.gemv
     import hal.kernels.kv_write
+    import hal.kernels.norms
     import hal.kernels.ops
     import hal.kernels.rotary_kv  # noqa: F401
 
