@@ -5,6 +5,7 @@ them); without a context, plain torch. The torch expressions here define what th
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -255,3 +256,18 @@ def attend_rotary(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Forwar
         return ctx.attend_rotary(q, k, v, plane, layer, scale, theta, interleaved)
     q, k = rotate(q, k, ctx, head_dim, theta, interleaved)
     return ctx.attend(q, k, v, plane, layer, scale)
+
+
+def run_layers(layers: nn.ModuleList, x: torch.Tensor, ctx: ForwardContext, plane: int,
+               input_norm: Callable[[nn.Module], RMSNorm], final_norm: RMSNorm | None = None,
+               first_slot: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`x: [B, T, hidden]` through a run of layers on KV plane `plane` (layer slots from
+    `first_slot`). Each layer is handed the norm that follows it (the next layer's `input_norm`, the
+    last one's `final_norm`) to run with its last residual add in one kernel where the Hal has
+    `norm_add_norm`, and then the next layer takes that normalised input. Returns
+    `(x, final_norm(x))` where the last layer fused it, else `(x, None)`."""
+    next_norms = [input_norm(layer) for layer in layers[1:]] + [final_norm]
+    normed = None                      # next_norm(x) when the layer fused it with its last add
+    for i, (layer, next_norm) in enumerate(zip(layers, next_norms)):
+        x, normed = layer(x, ctx, plane, first_slot + i, normed, next_norm)
+    return x, normed

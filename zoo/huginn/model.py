@@ -17,6 +17,8 @@ the adapter come next), every run's first n1 is its own norm.
 """
 from __future__ import annotations
 
+from operator import attrgetter
+
 import torch
 from torch import nn
 
@@ -24,7 +26,7 @@ from zoo.base import CausalLMOutput, LoopedCausalLM, causal_lm_loss
 from zoo.context import DenseContext, ForwardContext, KVSpec, ModelOps
 from zoo.huginn.config import HuginnConfig
 from zoo.layers import (RMSNorm, attend_rotary, linear_weight, norm_add_norm, ops_of, project, rope_tables,
-                        silu_and_mul)
+                        run_layers, silu_and_mul)
 
 
 class HuginnAttention(nn.Module):
@@ -131,18 +133,7 @@ class SandwichBlock(nn.Module):
         return self.norm_4(mlp + x, ctx), None
 
 
-def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, ctx: ForwardContext, plane: int, first_slot: int = 0,
-               final_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`x: [B, T, n_embd]` through one run of blocks (the prelude, one loop of the core, the coda) on KV
-    plane `plane`, slots from `first_slot`. Returns `(x, final_norm(x))` where the Hal fused the
-    final norm (given) into the last block, else `(x, None)`. Each block's last add and n4 run with
-    the next block's n1 in one kernel where the Hal has `norm_add_norm`; a run's edges keep their own
-    math (the prelude's concat, the core's adapter)."""
-    next_norms = [block.norm_1 for block in blocks[1:]] + [final_norm]
-    normed = None                           # next_norm(x) when the block fused it with its last add
-    for i, (block, next_norm) in enumerate(zip(blocks, next_norms)):
-        x, normed = block(x, ctx, plane, first_slot + i, normed, next_norm)
-    return x, normed
+_FIRST_NORM = attrgetter("norm_1")      # a block's first norm, which the block before may run
 
 
 class HuginnTransformer(nn.Module):
@@ -241,14 +232,14 @@ class HuginnForCausalLM(LoopedCausalLM):
         draws the initial state (`ForwardContext.initial_state`)."""
         ctx = ctx or DenseContext.for_tokens(input_ids)
         e = self.transformer.wte(input_ids) * self.config.embed_scale              # [B, T, n_embd]
-        e, _ = run_blocks(self.transformer.prelude, e, ctx, 0)
+        e, _ = run_layers(self.transformer.prelude, e, ctx, 0, _FIRST_NORM)
         return torch.cat([ctx.initial_state(self, e), e], dim=-1)
 
     def loop(self, state: torch.Tensor, depth: int, ctx: ForwardContext | None = None) -> torch.Tensor:
         ctx = ctx or DenseContext.for_tokens(state)
         e = state[..., self.config.n_embd:]
         s = self.transformer.adapter(state)                 # adapter(cat[s, e]): state is that concat
-        s, _ = run_blocks(self.transformer.core_block, s, ctx, 1 + depth)
+        s, _ = run_layers(self.transformer.core_block, s, ctx, 1 + depth, _FIRST_NORM)
         return torch.cat([s, e], dim=-1)
 
     def coda(self, state: torch.Tensor, ctx: ForwardContext | None = None,
@@ -258,7 +249,8 @@ class HuginnForCausalLM(LoopedCausalLM):
         x = ln_f(state[..., :self.config.n_embd], ctx)
         # every row: the coda writes KV. ln_f after it comes out of the last block's norm_add_norm
         # (of every row: one launch either way) where fused, else it norms the rows asked for only
-        x, normed = run_blocks(self.transformer.coda, x, ctx, 0, self.config.n_layers_in_prelude, ln_f)
+        x, normed = run_layers(self.transformer.coda, x, ctx, 0, _FIRST_NORM, ln_f,
+                               self.config.n_layers_in_prelude)
         if normed is None:
             normed = ln_f(x if rows is None else x.index_select(1, rows), ctx)
         elif rows is not None:

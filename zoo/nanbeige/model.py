@@ -16,13 +16,17 @@ that is 2 launches instead of 4 (2 adds, 2 norms).
 """
 from __future__ import annotations
 
+from operator import attrgetter
+
 import torch
 from torch import nn
 
 from zoo.base import CausalLMOutput, LoopedCausalLM, causal_lm_loss
 from zoo.context import DenseContext, ForwardContext, KVSpec, ModelOps
-from zoo.layers import GQAttention, RMSNorm, SwiGLU, fuses_pre_norm_boundaries, norm_add_norm
+from zoo.layers import GQAttention, RMSNorm, SwiGLU, fuses_pre_norm_boundaries, norm_add_norm, run_layers
 from zoo.nanbeige.config import NanbeigeConfig
+
+_INPUT_NORM = attrgetter("input_layernorm")    # a layer's input norm, which the layer before may run
 
 
 class NanbeigeDecoderLayer(nn.Module):
@@ -105,12 +109,7 @@ class NanbeigeForCausalLM(LoopedCausalLM):
 
     def loop(self, state: torch.Tensor, depth: int, ctx: ForwardContext | None = None) -> torch.Tensor:
         ctx = ctx or DenseContext.for_tokens(state)
-        layers = self.model.layers
-        # the norm after each layer: the next layer's input norm, the last layer's the loop's final norm
-        next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
-        normed = None                      # next_norm(state) when the layer fused it with its last add
-        for i, (layer, next_norm) in enumerate(zip(layers, next_norms)):
-            state, normed = layer(state, ctx, depth, i, normed, next_norm)
+        state, normed = run_layers(self.model.layers, state, ctx, depth, _INPUT_NORM, self.model.norm)
         return self.model.norm(state, ctx) if normed is None else normed
 
     def coda(self, state: torch.Tensor, ctx: ForwardContext | None = None,

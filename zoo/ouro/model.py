@@ -11,17 +11,21 @@ the loop's final norm) across layers. Per layer and loop that is 2 norm launches
 """
 from __future__ import annotations
 
+from operator import attrgetter
+
 import torch
 from torch import nn
 
 from zoo.base import CausalLMOutput, LoopedCausalLM, causal_lm_loss, exit_distribution, first_exit_step
 from zoo.context import DenseContext, ForwardContext, KVSpec, ModelOps
-from zoo.layers import GQAttention, RMSNorm, SwiGLU, norm_add_norm
+from zoo.layers import GQAttention, RMSNorm, SwiGLU, norm_add_norm, run_layers
 from zoo.ouro.config import OuroConfig
 from zoo.training import expected_exit_loss
 
 LOSS_TYPES = ("expected_logits", "expected_loss")
 DEFAULT_ENTROPY_WEIGHT = 0.05   # beta of the entropy regulariser when the caller gives none
+
+_INPUT_NORM = attrgetter("input_layernorm")    # a layer's input norm, which the layer before may run
 
 
 class OuroDecoderLayer(nn.Module):
@@ -103,12 +107,7 @@ class OuroForCausalLM(LoopedCausalLM):
 
     def loop(self, state: torch.Tensor, depth: int, ctx: ForwardContext | None = None) -> torch.Tensor:
         ctx = ctx or DenseContext.for_tokens(state)
-        layers = self.model.layers
-        # the norm after each layer: the next layer's input norm, the last layer's the loop's final norm
-        next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
-        normed = None                      # next_norm(state) when the layer fused it with its last add
-        for i, (layer, next_norm) in enumerate(zip(layers, next_norms)):
-            state, normed = layer(state, ctx, depth, i, normed, next_norm)
+        state, normed = run_layers(self.model.layers, state, ctx, depth, _INPUT_NORM, self.model.norm)
         return self.model.norm(state, ctx) if normed is None else normed
 
     def exit_hazard(self, state: torch.Tensor) -> torch.Tensor:
