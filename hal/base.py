@@ -202,8 +202,6 @@ class Hal(ABC):
           `positions: [T]`; NeoX halves, or GPT-J adjacent pairs when `interleaved`. May rotate in
           place; callers use the returned tensors.
         - `silu_and_mul(x) -> y`: `x: [..., 2I]` -> `silu(x[..., :I]) * x[..., I:]`.
-        - `add_rms_norm(x, residual, weight, eps) -> (y, s)`: `s = x + residual`, `y = norm(s)`
-          (pre-norm layers: the residual stream and the next sublayer's input in one pass).
         - `norm_add_norm(x, residual, post_weight, weight, eps, sum_first=False) -> (y, h)`: a
           sublayer boundary in one pass, the residual stream h and the next sublayer's input
           `y = norm(h, weight, eps)`: `h = residual + norm(x, post_weight, eps)` (sandwich norms:

@@ -7,7 +7,6 @@ Signatures (shared with the other Hals):
   the leading dims of q (int). NeoX halves, or GPT-J adjacent pairs when `interleaved`. Returns
   the rotated `(q, k)`; q and k themselves may be overwritten (the NPU kernel works in place).
 - `silu_and_mul(x)`: `x: [..., 2n]` -> `silu(x[..., :n]) * x[..., n:]`.
-- `add_rms_norm(x, residual, weight, eps)`: `(rms_norm(x + residual), x + residual)` (pre-norm layers).
 - `norm_add_norm(x, residual, post_weight, weight, eps, sum_first=False)`: `(rms_norm(h, weight), h)`
   with `h = residual + rms_norm(x, post_weight)` (sandwich norms: npu_rms_norm, then
   npu_add_rms_norm), `h = rms_norm(x + residual, post_weight)` with `sum_first` (Huginn:
@@ -36,8 +35,9 @@ def rms_norm(ops: AscendOps, x: torch.Tensor, weight: torch.Tensor, eps: float,
     return y if residual is None else residual + y
 
 
-def add_rms_norm(ops: AscendOps, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _add_rms_norm(ops: AscendOps, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    # `(rms_norm(x + residual), x + residual)`: npu_add_rms_norm, the sum in x's dtype
     return ops.add_rms_norm(x, residual.to(x.dtype), weight.to(x.dtype), eps)
 
 
@@ -47,12 +47,12 @@ def norm_add_norm(ops: AscendOps, x: torch.Tensor, residual: torch.Tensor, post_
     # npu_add_rms_norm normalises a sum and returns it too: one kernel where the unfused path takes
     # two (add, norm), two where it takes three (norm, add, norm); every add is in x's dtype
     if post_weight is None:
-        return add_rms_norm(ops, x, residual, weight, eps)
+        return _add_rms_norm(ops, x, residual, weight, eps)
     if sum_first:
-        h, _ = add_rms_norm(ops, x, residual, post_weight, eps)
+        h, _ = _add_rms_norm(ops, x, residual, post_weight, eps)
         return rms_norm(ops, h, weight, eps), h
     post = rms_norm(ops, x, post_weight, eps)
-    return add_rms_norm(ops, post, residual, weight, eps)
+    return _add_rms_norm(ops, post, residual, weight, eps)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +90,7 @@ def silu_and_mul(ops: AscendOps, x: torch.Tensor) -> torch.Tensor:
 
 
 OPS: dict[str, Callable[..., Any]] = {"rms_norm": rms_norm, "rotary": rotary, "silu_and_mul": silu_and_mul,
-                                      "add_rms_norm": add_rms_norm, "norm_add_norm": norm_add_norm}
+                                      "norm_add_norm": norm_add_norm}
 
 
 def make_op(name: str, ops: AscendOps) -> Callable[..., Any] | None:

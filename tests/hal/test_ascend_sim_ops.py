@@ -129,7 +129,7 @@ def test_rms_norm_and_silu_match_torch(where, dtype, tol):
         assert (got.float() - norm(x).float()).abs().max() <= tol * 4
         got = h.op("rms_norm")(on(x), on(norm.weight), 1e-5, residual=on(residual)).cpu()
         assert (got.float() - (residual + norm(x)).float()).abs().max() <= tol * 4
-        y, summed = h.op("add_rms_norm")(on(x), on(residual), on(norm.weight), 1e-5)
+        y, summed = h.op("norm_add_norm")(on(x), on(residual), None, on(norm.weight), 1e-5)   # pre-norm
         assert torch.equal(summed.cpu(), x + residual)
         assert (y.cpu().float() - norm(x + residual).float()).abs().max() <= tol * 4
         post_norm = RMSNorm(64, 1e-5).to(dtype)
