@@ -25,6 +25,16 @@ log = logging.getLogger(__name__)
 
 DECODE_PROJECTIONS_ENV = "LOOPSTACK_DECODE_PROJECTIONS"
 FRESH_PREFILL_ENV = "LOOPSTACK_FRESH_PREFILL"
+FRESH_PREFILL_CHOICES = ("0", "1", "flash")     # off, the Hal's choice, flash without cuDNN
+
+
+def fresh_prefill_choice() -> str:
+    """`LOOPSTACK_FRESH_PREFILL` (default "1"), refused with the accepted values when misspelt."""
+    choice = os.environ.get(FRESH_PREFILL_ENV, "1")
+    if choice not in FRESH_PREFILL_CHOICES:
+        raise ValueError(f"{FRESH_PREFILL_ENV}={choice!r}: use 0 (the paged kernel), 1 (default) or flash "
+                         "(no cuDNN attention)")
+    return choice
 
 
 class DeviceFacts(NamedTuple):
@@ -201,7 +211,7 @@ class CudaHal(Hal):
         """How the Triton backend attends prefill chunks without context (hal/kernels/fresh.py):
         torch's varlen flash kernel from Ampere on, with cuDNN's for long single prompts on Hopper
         (`LOOPSTACK_FRESH_PREFILL=0`: the paged kernel; `=flash`: no cuDNN)."""
-        choice = os.environ.get(FRESH_PREFILL_ENV, "1")
+        choice = fresh_prefill_choice()
         if choice == "0":
             return None
         sm = int(self.facts.arch.removeprefix("sm_").rstrip("a"))

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from hal.attention import AttentionBackend
-from hal.cuda.hal import FRESH_PREFILL_ENV, CudaHal, DeviceFacts
+from hal.cuda.hal import CudaHal, DeviceFacts, fresh_prefill_choice
 from hal.rocm.driver import hip_host_device_pointer
 from hal.rocm.visible import sync_visible_devices
 
@@ -98,7 +98,7 @@ class RocmHal(CudaHal):
     def fresh_prefill(self) -> str | None:
         """Prefill chunks without context: torch SDPA per sequence (its ROCm flash kernel), not the
         CUDA-only varlen entry point."""
-        return None if os.environ.get(FRESH_PREFILL_ENV, "1") == "0" else "sdpa"
+        return None if fresh_prefill_choice() == "0" else "sdpa"
 
     def attention(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                   block_size: int | None = None, backend: str | None = None,

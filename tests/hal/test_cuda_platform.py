@@ -71,6 +71,9 @@ def test_fresh_prefill_is_flash_from_ampere_and_can_be_turned_off(simulate, fake
     assert CudaHal().fresh_prefill() == "flash"
     monkeypatch.setenv("LOOPSTACK_FRESH_PREFILL", "0")
     assert CudaHal().attention(8, 8, 64, torch.bfloat16).fresh_attention is None
+    monkeypatch.setenv("LOOPSTACK_FRESH_PREFILL", "cudnn")
+    with pytest.raises(ValueError, match="use 0 .*, 1 .* or flash"):
+        CudaHal().fresh_prefill()
 
 
 def test_without_triton_torch_serves_and_explicit_triton_raises(simulate, no_triton, caplog):
