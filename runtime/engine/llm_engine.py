@@ -10,7 +10,8 @@ advance by several tokens.
 With `async_scheduling` a step launches step t+1 before it reads step t's tokens: the scheduler
 plans t+1 as if every request sampled at t got its token (a `PLACEHOLDER` the runner fills on the
 device), and the host catches up one step later, so stop checks apply one step late: a request
-that stopped at t has its t+1 work discarded. Outputs equal the synchronous engine's.
+that stopped at t has its t+1 work discarded. Outputs equal the synchronous engine's. Decode steps
+over the persistent batch check stops on the device and send a finish code with each token.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from runtime.engine.prefix_cache import PrefixPolicy
 from runtime.execution.runner import ModelRunner
 from runtime.engine.scheduler import Scheduler, SchedulerConfig
 from runtime.engine.step_schedule import SchedulerOutput
-from runtime.engine.sequence import PLACEHOLDER, RequestStatus
+from runtime.engine.sequence import PLACEHOLDER, STATUS_OF_CODE, RequestStatus
 from runtime.speculation.speculator import Speculator
 from runtime.parallel.step_plan import PlanPublisher, check_supported
 from runtime.engine.swap import SwapSpace
@@ -190,11 +191,14 @@ class LLMEngine(EngineRequests):
                     if status is not None:
                         break
             elif sampled is not None:
+                num_outputs = None
                 if self.config.async_scheduling:
-                    status = request.check_stop(request.resolve_token(*sampled))
+                    num_outputs = request.resolve_token(*sampled)
                 else:
                     request.append_token(*sampled)
-                    status = request.check_stop()
+                # a decode step over the persistent batch decided on the device (the same rule)
+                code = result.codes.get(rid) if result.codes else None
+                status = request.check_stop(num_outputs) if code is None else STATUS_OF_CODE[code]
             if request.group is not None and request.sample_index == 0 and request.num_resolved_outputs \
                     and len(request.group.samples) < request.group.best_of:
                 self._fork(request)             # before a stop could free the prompt blocks

@@ -25,6 +25,11 @@ class RequestStatus(enum.Enum):
         return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
 
 
+# finish codes a decode step computes on the device (runtime/execution/row_sampling.py), by index
+CODE_STOPPED, CODE_LENGTH = 1, 2
+STATUS_OF_CODE = (None, RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+
+
 @dataclass
 class RequestMetrics:
     arrival_time: float = field(default_factory=time.monotonic)
@@ -190,10 +195,12 @@ class Request:
         del self.output_token_ids[n:], self.loops_per_token[n:]
 
     def check_stop(self, num_outputs: int | None = None) -> RequestStatus | None:
-        """The finished status the output token `num_outputs - 1` (default: the last) implies, if any."""
+        """The finished status the output token `num_outputs - 1` (default: the last) implies, if any.
+        Stop tokens count once more than min_tokens outputs exist (the sampler bans them before, so
+        this only keeps the rule the same as the device's stop codes, runtime/execution/row_sampling.py)."""
         n = len(self.output_token_ids) if num_outputs is None else num_outputs
         last = self.output_token_ids[n - 1]
-        if last in self.stop_token_ids or last in self.params.stop_token_ids:
+        if n > self.params.min_tokens and (last in self.stop_token_ids or last in self.params.stop_token_ids):
             return RequestStatus.FINISHED_STOPPED
         if n >= self.params.max_tokens or len(self.prompt_token_ids) + n >= self.max_seq_len:
             return RequestStatus.FINISHED_LENGTH

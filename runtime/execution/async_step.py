@@ -3,7 +3,8 @@
 The engine launches step t+1 before it reads step t's tokens. Step t's tokens go to the host by an
 asynchronous copy into page-locked memory plus an event (`PendingStep`), and step t+1 takes its
 input tokens straight from step t's device tensor (`feed_tokens`), so no host sync sits between
-the two launches. On the CPU every copy is immediate and the same code runs synchronously.
+the two launches. A decode step's finish codes (runtime/execution/row_sampling.py) ride in the same
+copy as its tokens. On the CPU every copy is immediate and the same code runs synchronously.
 """
 from __future__ import annotations
 
@@ -21,11 +22,13 @@ class StepResult(NamedTuple):
     # requests that asked: request id -> its sampled token's logprobs (runtime/execution/logprobs.py)
     logprobs: dict[str, Any] | None = None
     prompt_logprobs: dict[str, tuple[int, list]] | None = None   # request id -> (first prompt index, per token)
+    # a decode step over the persistent batch: request id -> its finish code (sequence.STATUS_OF_CODE)
+    codes: dict[str, int] | None = None
 
 
 class Readback:
-    """Two page-locked host buffers of `capacity` token ids, used in turn: the engine reads step t's
-    buffer before it launches step t+2, which reuses it."""
+    """Two page-locked host buffers of `capacity` token ids and as many finish codes, used in turn:
+    the engine reads step t's buffer before it launches step t+2, which reuses it."""
 
     def __init__(self, hal: Hal, capacity: int) -> None:
         self.hal, self.capacity = hal, capacity
@@ -33,9 +36,10 @@ class Readback:
         self.turn = 0
 
     def start(self, tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Queue the copy of `tokens: [R]` to host; returns (host view, event recorded after the copy)."""
+        """Queue the copy of `tokens` (`[R]`, or `[2R]` with the finish codes) to host; returns (host
+        view, event recorded after the copy)."""
         if self.buffers is None:
-            self.buffers = [self.hal.host_tensor((self.capacity,), torch.long) for _ in range(2)]
+            self.buffers = [self.hal.host_tensor((2 * self.capacity,), torch.long) for _ in range(2)]
         host = self.buffers[self.turn][:tokens.shape[0]]
         self.turn ^= 1
         host.copy_(tokens, non_blocking=True)
@@ -48,13 +52,16 @@ class PendingStep:
     """A launched step: `tokens: [R]` (device, int64) are its sampled tokens in `request_ids` order."""
 
     def __init__(self, readback: Readback, tokens: torch.Tensor | None, request_ids: Sequence[str],
-                 loops: Sequence[int], num_tokens: int, logprobs: Any = None, rows: Any = None) -> None:
+                 loops: Sequence[int], num_tokens: int, logprobs: Any = None, rows: Any = None,
+                 codes: torch.Tensor | None = None) -> None:
         self.tokens, self.num_tokens = tokens, num_tokens
+        self.has_codes = codes is not None       # `[R]` finish codes, copied after the tokens
         self.rows = rows                         # persistent-batch rows of the requests (a decode step), or None
         self.logprobs = logprobs                 # a StepLogprobs on the device, read with the tokens
         self.request_ids, self.loops = list(request_ids), list(loops)
         self.row_of = {rid: i for i, rid in enumerate(self.request_ids)}
-        self._host, self._event = readback.start(tokens) if tokens is not None else (None, None)
+        packed = tokens if codes is None else torch.cat([tokens, codes])
+        self._host, self._event = readback.start(packed) if tokens is not None else (None, None)
 
     def result(self) -> StepResult:
         """Wait for this step's copy only (later steps may still run) and return its tokens."""
@@ -66,7 +73,8 @@ class PendingStep:
         logprobs, prompt = self.logprobs.to_host() if self.logprobs is not None else (None, None)
         values = self._host.tolist()
         sampled = {rid: (t, n) for rid, t, n in zip(self.request_ids, values, self.loops)}
-        return StepResult(sampled, self.num_tokens, logprobs, prompt)
+        codes = dict(zip(self.request_ids, values[len(self.request_ids):])) if self.has_codes else None
+        return StepResult(sampled, self.num_tokens, logprobs, prompt, codes)
 
 
 def feed_tokens(token_ids: Sequence[int], fed: Sequence[tuple[int, str]], source: PendingStep | None,

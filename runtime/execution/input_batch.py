@@ -6,7 +6,8 @@ it finishes or loses its KV (`release`). Its block tables live in one int32 arra
 with their lengths `[P, rows]`, rewritten only for the requests the block manager reports as
 changed (`BlockManager.changed`: a new block every `block_size` tokens, a trim, a fork, a free). A
 step gathers the rows it runs with one vectorised index, and positions, sequence lengths and slot
-mappings follow from arrays (`step_inputs.describe_rows`), never row by row.
+mappings follow from arrays (`step_inputs.describe_rows`), never row by row. The request's
+sampling settings and stop rules are written with its row too (`params`, runtime/execution/row_params.py).
 `num_row_writes` counts the rows written one by one (tests check it does not grow with the batch).
 """
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from runtime.execution.row_params import RowParams
+
 
 class InputBatch:
     def __init__(self, max_rows: int, max_planes: int, max_blocks: int) -> None:
@@ -22,6 +25,7 @@ class InputBatch:
         self.lengths = np.zeros((max_planes, max_rows), dtype=np.int32)              # [P, rows]
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(max_rows - 1, -1, -1))          # a stack: low rows first
+        self.params = RowParams(max_rows)
         self.num_row_writes = 0
 
     @property
@@ -42,7 +46,7 @@ class InputBatch:
 
     def rows(self, requests: Sequence[Any], blocks: Any) -> np.ndarray:
         """The row of each of `requests` (int64 `[n]`); new requests get a row."""
-        return np.fromiter((self._row(r.request_id, blocks) for r in requests), dtype=np.int64, count=len(requests))
+        return np.fromiter((self._row(r, blocks) for r in requests), dtype=np.int64, count=len(requests))
 
     def release(self, request_id: str) -> None:
         row = self.row_of.pop(request_id, None)
@@ -50,13 +54,14 @@ class InputBatch:
             self.lengths[:, row] = 0
             self.free_rows.append(row)
 
-    def _row(self, request_id: str, blocks: Any) -> int:
-        row = self.row_of.get(request_id)
+    def _row(self, request: Any, blocks: Any) -> int:
+        row = self.row_of.get(request.request_id)
         if row is None:
             if not self.free_rows:
                 raise RuntimeError("the persistent batch is full: more decoding requests than max_num_seqs")
-            row = self.row_of[request_id] = self.free_rows.pop()
-            self._write(row, blocks.tables[request_id])
+            row = self.row_of[request.request_id] = self.free_rows.pop()
+            self._write(row, blocks.tables[request.request_id])
+            self.params.write(row, request)
         return row
 
     def _write(self, row: int, tables: Sequence[Sequence[int]]) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from runtime.engine.outputs import TokenLogprobs
@@ -63,10 +64,16 @@ class StepLogprobs(NamedTuple):
 
     @classmethod
     def compute(cls, logits: torch.Tensor | None, tokens: torch.Tensor | None, requests: Sequence[Any],
-                prompt: tuple[PromptRows, torch.Tensor] | None) -> "StepLogprobs | None":
+                prompt: tuple[PromptRows, torch.Tensor] | None,
+                ks: np.ndarray | None = None) -> "StepLogprobs | None":
         """From the step's sampling `logits: [R, V]`, its sampled `tokens: [R]` (rows of `requests`)
-        and, for prompt logprobs, `(rows, their logits [P, V])`. None when nobody asked."""
-        wanted = [i for i, r in enumerate(requests) if _num_logprobs(r) is not None]
+        and, for prompt logprobs, `(rows, their logits [P, V])`. None when nobody asked. `ks`: each
+        row's top-k (-1: none) as an array (a persistent batch's rows: no loop over the rows that did
+        not ask)."""
+        if ks is not None:
+            wanted = np.flatnonzero(ks >= 0).tolist()
+        else:
+            wanted = [i for i, r in enumerate(requests) if _num_logprobs(r) is not None]
         sampled = None
         if wanted:
             index = torch.tensor(wanted, dtype=torch.long).to(logits.device, non_blocking=True)

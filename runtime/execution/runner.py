@@ -32,6 +32,7 @@ from runtime.execution.graphs import PassGraphs
 from runtime.execution.input_batch import InputBatch
 from runtime.execution.quantization import prepare_weights, resolve_kv_dtype
 from runtime.execution.logprobs import StepLogprobs
+from runtime.execution.row_sampling import RowSampling, StepRows
 from runtime.execution.sampler import SamplingTensors, sample
 from runtime.execution.step_inputs import PassEnv, describe, describe_rows, extend
 from runtime.parallel.state import agree_min, capture_allowed
@@ -140,6 +141,7 @@ class ModelRunner(EagerPass):
         self.input_batch = InputBatch(config.max_num_seqs, self.layout.num_planes(max_loops),
                                       math.ceil(max_model_len / self.block_size))
         self.readback = Readback(hal, config.max_num_seqs)       # async scheduling: sampled tokens to host
+        self.row_sampling = RowSampling(config.max_num_seqs, self.device)   # the rows' settings on the device
         self.wave_states: dict[tuple[str, int], torch.Tensor] = {}  # wavefront segments' states between steps
         self.prefill_rows: dict[tuple, torch.Tensor] = {}           # captured prefills' sample-row buffers
 
@@ -198,7 +200,7 @@ class ModelRunner(EagerPass):
                                  decode_program(self.model, loops), host, 1, self.layout.num_planes(loops),
                                  fed_from=fed_from)
         return self.finish_step(logits[:len(scheduled)], requests, [loops] * len(requests), len(scheduled), deferred,
-                                fed_from=fed_from, rows=rows)
+                                fed_from=fed_from, rows=rows, positions=host.positions)
 
     def _execute_prefill(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager,
                          fed_from: PendingStep | None, deferred: bool) -> StepResult | PendingStep:
@@ -221,21 +223,32 @@ class ModelRunner(EagerPass):
 
     def finish_step(self, logits: torch.Tensor | None, requests: Sequence, loops: Sequence[int],
                     num_rows: int, deferred: bool, prompt=None, fed_from: PendingStep | None = None,
-                    rows=None) -> StepResult | PendingStep:
+                    rows=None, positions=None) -> StepResult | PendingStep:
         """Sample `logits: [R, V]` (one row per request of `requests`): to host ints now, or `deferred`
         on the device with an asynchronous copy to host (read by `PendingStep.result()`). Log-
         probabilities, where requests asked (`prompt`: prompt rows and their logits), come along.
-        `fed_from`: the step whose tokens are still on the device (penalties count them)."""
-        tokens = self.sample(logits, requests, fed_from) if requests else None
-        logprobs = StepLogprobs.compute(logits, tokens, requests, prompt)
+        `fed_from`: the step whose tokens are still on the device (penalties count them). A decode
+        step over the persistent batch (`rows`, its input `positions`) gathers its sampling settings
+        by row and decides stops on the device; the finish codes come back with the tokens."""
+        step = codes = None
+        if rows is not None and positions is not None and requests:
+            step = self.row_sampling.step(self.input_batch.params, rows, positions, logits.shape[-1])
+        tokens = self.sample(logits, requests, fed_from, step) if requests else None
+        if step is not None:
+            codes = step.stop_codes(tokens)
+        logprobs = StepLogprobs.compute(logits, tokens, requests, prompt, None if step is None else step.num_logprobs)
+        ids = [r.request_id for r in requests]
         if deferred:
-            return PendingStep(self.readback, tokens, [r.request_id for r in requests], list(loops), num_rows,
-                               logprobs, rows)
+            return PendingStep(self.readback, tokens, ids, list(loops), num_rows, logprobs, rows, codes)
         sampled, prompt_lp = logprobs.to_host() if logprobs is not None else (None, None)
-        values = tokens.tolist() if tokens is not None else []          # the step's one host sync
-        return StepResult({r.request_id: (t, n) for r, t, n in zip(requests, values, loops)}, num_rows,
-                          sampled, prompt_lp)
+        values = [] if tokens is None else (tokens if codes is None else torch.cat([tokens, codes])).tolist()
+        finish = None if codes is None else dict(zip(ids, values[len(ids):]))     # one host sync for both
+        return StepResult(dict(zip(ids, zip(values, loops))), num_rows, sampled, prompt_lp, finish)
 
-    def sample(self, logits: torch.Tensor, requests: Sequence, fed_from: PendingStep | None = None) -> torch.Tensor:
-        """Next tokens `[R]` for `logits: [R, V]`, on the device (runtime/execution/sampler.py)."""
+    def sample(self, logits: torch.Tensor, requests: Sequence, fed_from: PendingStep | None = None,
+               step: StepRows | None = None) -> torch.Tensor:
+        """Next tokens `[R]` for `logits: [R, V]`, on the device (runtime/execution/sampler.py); a
+        persistent batch's `step` gives its settings gathered by row, unless a row needs its history."""
+        if step is not None and not step.per_row:
+            return sample(logits, step.sampling_tensors())
         return sample(logits, SamplingTensors.build(requests, self.device, logits.shape[-1], fed_from))

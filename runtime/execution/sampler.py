@@ -1,10 +1,11 @@
 """Token sampling for a whole batch on the logits' device, with no per-row Python in the math.
 
-Two parts, kept apart so a persistent batch can keep the first as device tensors and update it by
-difference:
+Two parts, kept apart so a persistent batch keeps the first as device tensors, written when a row
+joins and gathered by row index (runtime/execution/row_sampling.py):
 - `SamplingTensors.build(rows, device, vocab_size)`: every per-row setting as a tensor (temperature,
   top-k, top-p, penalties, logit bias, min_tokens' banned stop tokens, seeds and positions), plus
-  host flags that skip stages no row uses;
+  host flags that skip stages no row uses, from the rows' Python objects (steps outside the
+  persistent batch, and rows whose penalties or bias need their history);
 - `sample(logits, tensors)`: logit processors, then greedy or the exponential race over the
   filtered distribution (argmax of p_i / E_i with E_i ~ Exp(1), which draws exactly from p).
 
@@ -57,7 +58,8 @@ class SamplingTensors:
     seeds: torch.Tensor                  # [R] int64 (0 on unseeded rows)
     positions: torch.Tensor              # [R] int64: the position of the token each row samples
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None     # (rows, tokens, values)
-    banned: tuple[torch.Tensor, torch.Tensor] | None                 # (rows, tokens) masked to -inf
+    # (rows, tokens) masked to -inf, or a [R, V] bool mask (a persistent batch's min_tokens, row_sampling.py)
+    banned: tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None
     penalties: Penalties | None
     # host facts: stages no row needs are skipped
     all_greedy: bool
@@ -140,7 +142,9 @@ def apply_processors(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     penalties (the order of `SamplingParams`'s docstring); a new tensor."""
     if t.bias is not None:
         logits = logits.index_put(t.bias[:2], t.bias[2], accumulate=True)
-    if t.banned is not None:
+    if isinstance(t.banned, torch.Tensor):
+        logits = logits.masked_fill(t.banned, float("-inf"))
+    elif t.banned is not None:
         logits = logits.index_put(t.banned, torch.full((), float("-inf"), device=logits.device))
     if t.penalties is not None:
         p = t.penalties

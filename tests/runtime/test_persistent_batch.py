@@ -1,6 +1,8 @@
 """The persistent batch: a decode step's host work grows with what changed, not with the batch, and
 outputs stay the simple path's."""
 from collections import Counter
+from contextlib import contextmanager
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -12,6 +14,8 @@ from helpers import golden_case, single_thread  # noqa: F401 (fixture)
 from runtime import SamplingParams
 from runtime.config import EngineConfig
 from runtime.engine.llm_engine import LLMEngine
+from runtime.engine.sequence import Request
+from runtime.execution.sampler import SamplingTensors
 from runtime.execution.reference import generate_reference
 
 CPU = hal.get("cpu")
@@ -43,32 +47,84 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def steady_decode_step(num_requests: int) -> tuple[int, Counter]:
-    """Rows written and ops issued by one decode step of `num_requests` requests that join and
-    leave nothing and need no new KV block (positions 21 -> 22, blocks of 16 tokens)."""
+class HostWork(NamedTuple):
+    """What one decode step cost the host."""
+
+    row_writes: int              # block-table rows and sampling-settings rows written one by one
+    uploads: int                 # host-to-device copies of the rows' sampling settings and positions
+    ops: Counter                 # tensor ops issued (host-to-device copies among them, COPY_OPS)
+    per_row_calls: int           # calls of the per-row sampling builder and the host stop check
+    num_finish_codes: int        # requests whose stop the device decided
+
+
+def greedy(i: int) -> SamplingParams:
+    return SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def mixed(i: int) -> SamplingParams:
+    """Greedy, seeded top-k with stop tokens held back by min_tokens, unseeded top-p, seeded both;
+    nobody can stop before the counted step (the third token)."""
+    return [greedy(i), SamplingParams(max_tokens=8, temperature=0.8, top_k=5, seed=i, stop_token_ids=(7,),
+                                      min_tokens=4),
+            SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, ignore_eos=True),
+            SamplingParams(max_tokens=8 + i % 3, temperature=0.7, top_k=3, top_p=0.8, seed=i, ignore_eos=True)][i % 4]
+
+
+@contextmanager
+def counting_calls(calls: list, *where: tuple[type, str]):
+    """Count the calls of each `owner.name` (a class's method) while inside."""
+    raw = [(owner, name, vars(owner)[name]) for owner, name in where]
+    for owner, name, _ in raw:
+        setattr(owner, name, lambda *a, _original=getattr(owner, name), **k: calls.append(1) or _original(*a, **k))
+    try:
+        yield
+    finally:
+        for owner, name, attribute in raw:
+            setattr(owner, name, attribute)
+
+
+def steady_decode_step(num_requests: int, params_of=greedy) -> HostWork:
+    """One decode step of `num_requests` requests that join and leave nothing and need no new KV
+    block (positions 21 -> 22, blocks of 16 tokens)."""
     model = zoo.from_pretrained(golden_case("ouro-tiny").path, dtype="float32")
     engine = LLMEngine(model, CPU, EngineConfig(block_size=16, max_num_seqs=num_requests,
                                                 max_num_batched_tokens=32 * num_requests, max_model_len=64))
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     for i in range(num_requests):
-        engine.add_request(str(i), [1 + (i * 7 + j) % 50 for j in range(20)], params)
+        engine.add_request(str(i), [1 + (i * 7 + j) % 50 for j in range(20)], params_of(i))
     engine.step()                      # every prompt in one step
     engine.step()                      # the first decode step: rows join the persistent batch
-    batch = engine.runner.input_batch
-    writes = batch.num_row_writes
-    with CountOps(engine.runner.backend) as ops:
-        engine.step()
-    return batch.num_row_writes - writes, ops.counts
+    batch, device_rows = engine.runner.input_batch, engine.runner.row_sampling
+    writes, uploads = batch.num_row_writes + batch.params.num_row_writes, device_rows.num_uploads
+    calls, codes = [], []
+    finish_step = engine.runner.finish_step
+
+    def finish(*args, **kwargs):
+        result = finish_step(*args, **kwargs)
+        codes.append(len(result.codes or ()))
+        return result
+
+    engine.runner.finish_step = finish
+    with counting_calls(calls, (SamplingTensors, "build"), (Request, "check_stop")), \
+            CountOps(engine.runner.backend) as ops:
+        outputs = engine.step()
+    assert len(outputs) == num_requests and not any(o.finished for o in outputs)
+    return HostWork(batch.num_row_writes + batch.params.num_row_writes - writes, device_rows.num_uploads - uploads,
+                    ops.counts, len(calls), sum(codes))
 
 
 @pytest.mark.slow
-def test_host_work_of_a_decode_step_does_not_grow_with_the_batch(single_thread):
-    small_writes, small = steady_decode_step(16)
-    large_writes, large = steady_decode_step(256)
-    assert small_writes == large_writes == 0
-    copies = {op: small[op] for op in COPY_OPS}
-    assert copies == {op: large[op] for op in COPY_OPS}, (copies, {op: large[op] for op in COPY_OPS})
-    assert sum(small.values()) == sum(large.values())     # and every other op: the math is batched
+@pytest.mark.parametrize("params_of", [greedy, mixed])
+def test_host_work_of_a_decode_step_does_not_grow_with_the_batch(single_thread, params_of):
+    """Sampling settings are gathered by row and stops decided on the device: the host's work in a
+    step with no joins or leaves is the same at 16 and 256 requests, and it calls no per-row builder."""
+    small, large = steady_decode_step(16, params_of), steady_decode_step(256, params_of)
+    assert small.row_writes == large.row_writes == 0
+    assert small.uploads == large.uploads == 1                     # the step's rows and positions
+    assert small.per_row_calls == large.per_row_calls == 0
+    assert (small.num_finish_codes, large.num_finish_codes) == (16, 256)
+    copies = {op: small.ops[op] for op in COPY_OPS}
+    assert copies == {op: large.ops[op] for op in COPY_OPS}, (copies, {op: large.ops[op] for op in COPY_OPS})
+    assert sum(small.ops.values()) == sum(large.ops.values())     # and every other op: the math is batched
 
 
 def test_rows_follow_joins_leaves_and_new_blocks(single_thread):
