@@ -130,12 +130,12 @@ class AttentionBackend(ABC):
         self.write_kv(k, v, kv_cache, meta, plane)
         return self.forward(q, kv_cache, meta, plane, scale)
 
-    def write_kv_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: Any,
-                        plane: int, positions: torch.Tensor, theta: float, interleaved: bool) -> torch.Tensor | None:
-        """Rotary embedding of `q: [T, H, D]` and `k: [T, KVH, D]` at `positions: [T]` (NeoX halves,
-        or adjacent pairs when `interleaved`) and `write_kv` of the rotated k and v, in one kernel;
-        returns the rotated q. None where the backend has no such kernel for this cache or batch:
-        the caller then rotates and calls `attend`."""
+    def attend_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: Any,
+                      plane: int, positions: torch.Tensor, theta: float, interleaved: bool,
+                      scale: float) -> torch.Tensor | None:
+        """`attend` of `q: [T, H, D]` and `k: [T, KVH, D]` rotated at `positions: [T]` (NeoX halves,
+        or adjacent pairs when `interleaved`), the rotation in the KV write's kernel. None where the
+        backend has no such kernel for this cache: the caller then rotates and calls `attend`."""
         return None
 
     def slot_view(self, kv_cache: torch.Tensor) -> torch.Tensor:

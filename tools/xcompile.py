@@ -174,16 +174,23 @@ def _rotary(config: KernelConfig, target: str, interleaved: bool) -> Launch:
                          torch.empty_like(q), torch.empty_like(k), interleaved, config, target)
 
 
-def _rotary_kv_write(config: KernelConfig, target: str, interleaved: bool) -> Launch:
+def _rotary_kv_write(config: KernelConfig, target: str, interleaved: bool, keep_k: bool = False,
+                     kv_dtype: torch.dtype | None = None) -> Launch:
+    """Rotary + KV write at 4 tokens (heads over several programs); `keep_k` (a fresh prefill's
+    rotated k handed back) at 512 tokens, one program per token; `kv_dtype`: the quantizing write."""
     from hal.kernels.rotary_kv import rotary_kv_write_launch
 
     s = SHAPE
-    qkv = torch.empty(4, s["num_heads"] + 2 * s["num_kv_heads"], s["head_dim"], dtype=s["dtype"])
+    tokens = 512 if keep_k else 4
+    qkv = torch.empty(tokens, s["num_heads"] + 2 * s["num_kv_heads"], s["head_dim"], dtype=s["dtype"])
     q, k, v = qkv[:, :16], qkv[:, 16:32], qkv[:, 32:]            # views of the fused projection
     cache = torch.empty(2, 8, s["page_size"], s["num_kv_heads"], s["head_dim"], dtype=s["dtype"])
-    return rotary_kv_write_launch(q, k, v, torch.zeros(4, dtype=torch.int64), torch.empty(s["head_dim"] // 2),
-                                  cache, torch.zeros(4, dtype=torch.int64), torch.empty_like(q), interleaved,
-                                  config, target)
+    scales = None
+    if kv_dtype is not None:
+        cache, scales = _fp8_cache(kv_dtype)
+    return rotary_kv_write_launch(q, k, v, torch.zeros(tokens, dtype=torch.int64), torch.empty(s["head_dim"] // 2),
+                                  cache, torch.zeros(tokens, dtype=torch.int64), torch.empty_like(q), interleaved,
+                                  config, target, torch.empty_like(k) if keep_k else None, scales)
 
 
 def _silu_and_mul(config: KernelConfig, target: str) -> Launch:
@@ -251,6 +258,8 @@ CASES = {c.name: c for c in (
     Case("silu_and_mul", "silu_and_mul", False, False, _silu_and_mul),
     Case("rotary_kv_write/neox", "rotary", False, False, lambda c, t: _rotary_kv_write(c, t, interleaved=False)),
     Case("rotary_kv_write/gptj", "rotary", False, False, lambda c, t: _rotary_kv_write(c, t, interleaved=True)),
+    Case("rotary_kv_write/keep-k", "rotary", False, False,
+         lambda c, t: _rotary_kv_write(c, t, interleaved=False, keep_k=True)),
     *(Case(name, key, key == "gemv", False,
            lambda c, t, a=(rows, n, k, pro, res): _gemv(c, t, *a[:4], out_residual=a[4]))
       for name, key, rows, n, k, pro, res in GEMV_CASES),
@@ -274,6 +283,8 @@ def _fp8_cases(fmt: str, fp8: torch.dtype) -> tuple[Case, ...]:
         Case(f"kv_write/{fmt}", "kv_write", False, False, lambda c, t: _kv_write(c, t, kv_dtype=fp8)),
         Case(f"kv_write/dequant-{fmt}", "kv_write", False, False,
              lambda c, t: _kv_write(c, t, kv_dtype=fp8, dequantized=True)),
+        Case(f"rotary_kv_write/{fmt}", "rotary", False, False,
+             lambda c, t: _rotary_kv_write(c, t, interleaved=False, kv_dtype=fp8)),
         Case(f"fp8_linear/{fmt}", "fp8_linear", True, False, lambda c, t: _fp8_linear(c, t, fp8, num_rows=1)),
         Case(f"gemv_m1/qkv-{fmt}", "gemv_m1", False, False,
              lambda c, t: _gemv(c, t, 1, 6144, 2048, "none", fp8=fp8)),

@@ -112,9 +112,9 @@ def dequantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
 SLOWER_THAN_BF16 = {
     "sm_90": {
         "kv": "engine.kv_dtype=fp8 on this GPU (H200, Ouro-1.4B, 2026-12-02): 1.21-1.26x the bf16 tok/s at "
-              "64-128 x 1K, but 0.98x at batch 1, where attention is a small part of the step and the "
-              "quantizing KV write an extra launch per layer (grouped-query models such as Nanbeige keep the "
-              "unified FP8 kernel, 0.88-0.92x bf16 at Ouro's 64-128 x 1K shapes); for batch-1 latency, leave engine.kv_dtype unset",
+              "64-128 x 1K and 1.0x at batch 1 for multi-head models, but grouped-query models (such as "
+              "Nanbeige) keep the unified FP8 decode kernel, 0.88-0.92x bf16 at Ouro's 64-128 x 1K shapes: for "
+              "those, leave engine.kv_dtype unset unless the memory is needed",
     },
 }
 

@@ -8,7 +8,7 @@
   gemv.py        decode projections for 1-8 rows with the small ops folded in (norm / SwiGLU
                  prologues, residual epilogue, deterministic split-K)
   gemv_ops.py    the `*linear` Hal ops: route each call to gemv.py or to the unfused torch path
-  rotary_kv.py   rotary + the KV write in one launch (TritonPagedAttention.write_kv_rotary)
+  rotary_kv.py   rotary + the KV write in one launch (TritonPagedAttention.attend_rotary)
   fresh.py       prefill without context over its fresh K/V through torch's flash (or cuDNN) kernel
   backend.py     TritonPagedAttention, the AttentionBackend over these kernels
   configs.py     launch parameters per arch (the Hals pick the table); launch.py: target + options

@@ -158,21 +158,25 @@ class TritonPagedAttention(AttentionBackend):
         self.write_kv(k, v, kv_cache, meta, plane)
         return self.forward(q, kv_cache, meta, plane, scale)
 
-    def write_kv_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                        meta: TritonMeta, plane: int, positions: torch.Tensor, theta: float,
-                        interleaved: bool) -> torch.Tensor | None:
+    def attend_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                      meta: TritonMeta, plane: int, positions: torch.Tensor, theta: float, interleaved: bool,
+                      scale: float) -> torch.Tensor | None:
         """Rotary embedding of q `[T, H, D]` and k `[T, KVH, D]` at `positions: [T]` with the KV
-        write of plane `plane` in one launch (hal/kernels/rotary_kv.py); returns the rotated q. None
-        where this backend does not fuse them, and the caller rotates and `attend`s: batches that
-        attend over their fresh k, and 8-bit caches (a rotary launch that also quantized, tried on the
-        H200 on 2026-12-01, cost about 6 us more per call than rotary plus the quantizing write:
-        0.6 ms per batch-1 step; docs/fp8.md)."""
-        if self.kv_layout is not None or meta.fresh_lens is not None:
-            return None
+        write of plane `plane` in one launch (hal/kernels/rotary_kv.py; over an 8-bit cache the
+        write quantizes), then attention: the paged kernel, or for a batch of prefills without
+        context the fresh path over the rotated k, which the same launch hands back. None for a
+        fresh batch over an 8-bit cache, which attends over the dequantized write instead (`attend`)."""
         from hal.kernels.rotary_kv import rotary_kv_write
 
-        return rotary_kv_write(q, k, v, positions, theta, interleaved, kv_cache, meta.slot_mapping[plane],
-                               self.configs["rotary"])
+        slots, config = meta.slot_mapping[plane], self.configs["rotary"]
+        if meta.fresh_lens is not None:
+            if self.kv_layout is not None:
+                return None
+            q, k = rotary_kv_write(q, k, v, positions, theta, interleaved, kv_cache, slots, config, keep_k=True)
+            return fresh.attention(self.fresh_attention, q, k, v, meta.query_start_loc, meta.fresh_lens, scale)
+        values, scales = self._views(kv_cache)
+        q = rotary_kv_write(q, k, v, positions, theta, interleaved, values, slots, config, kv_scales=scales)
+        return self.forward(q, kv_cache, meta, plane, scale)
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: TritonMeta, plane: int,
                 scale: float) -> torch.Tensor:

@@ -40,16 +40,14 @@ class PagedContext(BaseContext):
 
     def attend_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plane: int, layer: int, scale: float,
                       theta: float, interleaved: bool) -> torch.Tensor:
-        """`attend` of q and k rotated at this pass's positions: the rotation and the KV write in one
-        kernel where the backend has it (`write_kv_rotary`; bit for bit the separate ops). Batches
-        that attend over their fresh K/V (prefill without context) rotate first: they need k itself."""
+        """`attend` of q and k rotated at this pass's positions: the rotation in the KV write's
+        kernel where the backend has it (`AttentionBackend.attend_rotary`; bit for bit the separate
+        ops), else rotary then `attend`."""
         env = self.env
-        p = env.layout.physical(plane)
-        cache = env.kv_caches[layer]
-        q_rot = env.backend.write_kv_rotary(q[0], k[0], v[0], cache, self.meta, p, self.positions.flatten(), theta,
-                                            interleaved)
-        if q_rot is not None:
-            return env.backend.forward(q_rot, cache, self.meta, p, scale)[None]
+        out = env.backend.attend_rotary(q[0], k[0], v[0], env.kv_caches[layer], self.meta, env.layout.physical(plane),
+                                        self.positions.flatten(), theta, interleaved, scale)
+        if out is not None:
+            return out[None]
         return super().attend_rotary(q, k, v, plane, layer, scale, theta, interleaved)
 
     def initial_state(self, model: "LoopedCausalLM", e: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ ROTARY = KernelConfig(1, 1, 4, 1)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 32), (6, 2, 40)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 32), (6, 2, 40), (13, 13, 24)])
 def test_rotary_kv_write_is_rotary_then_write_kv_bit_for_bit(dtype, interleaved, heads, kv_heads, head_dim):
     tokens, page = 5, 4
     qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim).to(dtype)        # views of one projection
@@ -35,6 +35,10 @@ def test_rotary_kv_write_is_rotary_then_write_kv_bit_for_bit(dtype, interleaved,
     write_kv(k_plain, v, plain_cache, slots, KernelConfig(1, 1, 4, 1))
     assert torch.equal(q_fused, q_plain)
     assert torch.equal(fused_cache.nan_to_num(7.0), plain_cache.nan_to_num(7.0))
+    kept_cache = torch.full_like(fused_cache, float("nan"))
+    q_kept, k_kept = rotary_kv_write(q, k, v, positions, 1e4, interleaved, kept_cache, slots, ROTARY, keep_k=True)
+    assert torch.equal(q_kept, q_plain) and torch.equal(k_kept, k_plain)         # every token, slot -1 too
+    assert torch.equal(kept_cache.nan_to_num(7.0), plain_cache.nan_to_num(7.0))
 
 
 def _backend(mode, dtype=torch.bfloat16, heads=4, kv_heads=2, head_dim=32, **kw):
@@ -132,26 +136,75 @@ def test_cudnn_mode_takes_one_long_prompt_and_falls_back_to_flash(cudnn_refuses,
     assert len(flash_calls) == (3 if cudnn_refuses else 1)
 
 
-def test_write_kv_rotary_declines_quantized_caches():
-    backend = _backend(None, kv_dtype=torch.float8_e4m3fn)
-    meta = backend.build_meta(_batch([3], [3])[0])
-    q, k = torch.randn(3, 4, 32).bfloat16(), torch.randn(3, 2, 32).bfloat16()
-    cache = torch.zeros(backend.kv_cache_shape(1), dtype=backend.kv_cache_dtype)
-    assert backend.write_kv_rotary(q, k, k, cache, meta, 0, torch.arange(3), 1e4, False) is None
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 32), (13, 13, 24), (6, 2, 40)])
+def test_quantizing_rotary_kv_write_is_rotary_then_write_kv_bit_for_bit(interleaved, heads, kv_heads, head_dim):
+    """Over an 8-bit cache the one launch rotates, rounds to k's dtype and quantizes: the same bytes
+    and scales as the rotary op followed by the quantizing `write_kv` (slot -1 writes nothing)."""
+    backend = _backend(None, heads=heads, kv_heads=kv_heads, head_dim=head_dim, kv_dtype=torch.float8_e4m3fn)
+    tokens = 5
+    qkv = (3 * torch.randn(tokens, heads + 2 * kv_heads, head_dim)).bfloat16()
+    q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+    k[1] = 0.0                                                                   # an all-zero key: scale 1
+    positions = torch.randint(0, 3000, (tokens,))
+    slots = torch.tensor([9, -1, 0, 14, 3])
+    fused_cache = torch.zeros(backend.kv_cache_shape(4), dtype=backend.kv_cache_dtype)
+    plain_cache = fused_cache.clone()
+    values, scales = backend._views(fused_cache)
+    q_fused = rotary_kv_write(q, k, v, positions, 1e4, interleaved, values, slots, ROTARY, kv_scales=scales)
+    q_plain, k_plain = rotary(q, k, positions, 1e4, interleaved)
+    values, scales = backend._views(plain_cache)
+    write_kv(k_plain, v, values, slots, KernelConfig(1, 1, 4, 1), scales)
+    assert torch.equal(q_fused, q_plain)
+    assert torch.equal(fused_cache.view(torch.uint8), plain_cache.view(torch.uint8))
+    assert fused_cache.view(torch.uint8).any()
 
 
-def test_write_kv_rotary_declines_fresh_batches():
-    backend = _backend("sdpa")
+def test_attend_rotary_over_an_8bit_cache():
+    """Decode-like batches take the quantizing launch and the paged kernel (the same output as
+    rotary then `attend`); a prefill without context declines (it attends over the dequantized write)."""
+    backend = _backend("sdpa", kv_dtype=torch.float8_e4m3fn)
+    q, k, v = torch.randn(3, 4, 32).bfloat16(), torch.randn(3, 2, 32).bfloat16(), torch.randn(3, 2, 32).bfloat16()
+    cache = torch.zeros(backend.kv_cache_shape(6), dtype=backend.kv_cache_dtype)     # _batch's 5 blocks fit
+    fresh_meta = backend.build_meta(_batch([12], [12])[0])
+    assert fresh_meta.fresh_lens == (12,)
+    q12, k12 = torch.randn(12, 4, 32).bfloat16(), torch.randn(12, 2, 32).bfloat16()
+    assert backend.attend_rotary(q12, k12, k12, cache, fresh_meta, 0, torch.arange(12), 1e4, False, 0.2) is None
+    decode = _batch([1, 1, 1], [5, 2, 7])[0]
+    meta = backend.build_meta(decode)
+    assert meta.fresh_lens is None
+    positions = torch.tensor([4, 1, 6])
+    fused_cache, plain_cache = cache.clone(), cache.clone()
+    fused = backend.attend_rotary(q, k, v, fused_cache, meta, 0, positions, 1e4, False, 0.2)
+    q_rot, k_rot = rotary(q, k, positions, 1e4, False)
+    plain = backend.attend(q_rot, k_rot, v, plain_cache, meta, 0, 0.2)
+    assert torch.equal(fused, plain)
+    assert torch.equal(fused_cache.view(torch.uint8), plain_cache.view(torch.uint8))
+
+
+@pytest.mark.parametrize("mode", [None, "sdpa"], ids=["paged", "fresh"])
+def test_attend_rotary_is_rotary_then_attend_bit_for_bit(mode, monkeypatch):
+    """One launch rotates q and k and writes the cache; the paged kernel, or for a prefill without
+    context the fresh path over the rotated k the launch hands back: the same output and cache as
+    the rotary op followed by `attend`, and the fresh path keeps its single rotary launch."""
+    backend = _backend(mode)
     meta = backend.build_meta(_batch([12], [12])[0])
-    assert meta.fresh_lens == (12,)
-    q, k = torch.randn(12, 4, 32).bfloat16(), torch.randn(12, 2, 32).bfloat16()
-    cache = torch.zeros(backend.kv_cache_shape(3), dtype=torch.bfloat16)
-    assert backend.write_kv_rotary(q, k, k, cache, meta, 0, torch.arange(12), 1e4, False) is None
-    plain = _backend(None)
-    cache = torch.zeros(plain.kv_cache_shape(1), dtype=torch.bfloat16)
-    meta = plain.build_meta(_batch([3], [3])[0])
-    q_rot = plain.write_kv_rotary(q[:3], k[:3], k[:3], cache, meta, 0, torch.arange(3), 1e4, False)
-    assert torch.equal(q_rot, rotary(q[:3], k[:3], torch.arange(3), 1e4, False)[0])
+    assert (meta.fresh_lens is not None) == (mode is not None)
+    q, k, v = torch.randn(12, 4, 32).bfloat16(), torch.randn(12, 2, 32).bfloat16(), torch.randn(12, 2, 32).bfloat16()
+    positions = torch.arange(12)
+    fused_cache = torch.zeros(backend.kv_cache_shape(3), dtype=torch.bfloat16)
+    plain_cache = fused_cache.clone()
+    import hal.kernels.ops as ops_module
+
+    rotary_calls = []
+    real_rotary = ops_module.rotary
+    monkeypatch.setattr(ops_module, "rotary", lambda *a, **kw: rotary_calls.append(1) or real_rotary(*a, **kw))
+    fused = backend.attend_rotary(q, k, v, fused_cache, meta, 0, positions, 1e4, False, 0.2)
+    assert rotary_calls == []
+    q_rot, k_rot = real_rotary(q, k, positions, 1e4, False)
+    plain = backend.attend(q_rot, k_rot, v, plain_cache, meta, 0, 0.2)
+    assert torch.equal(fused, plain)
+    assert torch.equal(fused_cache, plain_cache)
 
 
 def test_fresh_path_over_an_fp8_cache_attends_over_what_the_cache_holds():

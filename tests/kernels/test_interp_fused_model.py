@@ -141,13 +141,13 @@ def test_engine_with_fused_ops_graphs_equal_eager_bf16(monkeypatch):
     case = golden_case("ouro-tiny-gqa-bf16")
     model = _model(case.name, "bfloat16")
     fused_writes = collections.Counter()
-    write = TritonPagedAttention.write_kv_rotary
+    write = TritonPagedAttention.attend_rotary
 
     def counted_write(self, *args):
-        fused_writes["write_kv_rotary"] += 1
+        fused_writes["attend_rotary"] += 1
         return write(self, *args)
 
-    monkeypatch.setattr(TritonPagedAttention, "write_kv_rotary", counted_write)
+    monkeypatch.setattr(TritonPagedAttention, "attend_rotary", counted_write)
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, num_loops=1)   # the interpreter is slow
     outs, hal = {}, TritonOpsOnCpu()
     with torch.inference_mode():
@@ -156,7 +156,7 @@ def test_engine_with_fused_ops_graphs_equal_eager_bf16(monkeypatch):
             engine.add_request("0", case.prompt(0)[:5], params)
             outs[graphs] = [o.token_ids for o in engine.run_until_done()]
     assert outs[True] == outs[False]
-    assert fused_writes["write_kv_rotary"] and hal.calls["norm_residual_linear"], (fused_writes, hal.calls)
+    assert fused_writes["attend_rotary"] and hal.calls["norm_residual_linear"], (fused_writes, hal.calls)
 
 
 @pytest.mark.parametrize("name", ["huginn-tiny", "nanbeige-tiny"])

@@ -138,7 +138,7 @@ def test_rms_norm_mixed_dtypes_promote_like_torch():
 
 @DTYPES
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 24), (8, 2, 80), (8, 1, 128)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 24), (8, 2, 80), (8, 1, 128), (13, 13, 24)])
 def test_rotary_matches_zoo(dtype, interleaved, heads, kv_heads, head_dim):
     tokens, theta = 6, 10000.0
     positions = torch.randint(0, 4096, (tokens,))
@@ -152,6 +152,23 @@ def test_rotary_matches_zoo(dtype, interleaved, heads, kv_heads, head_dim):
     ref_q, ref_k = rotary_ref(q, k, positions, theta, interleaved)
     _assert_matches(q_out, ref_q, "rotary vs reference")
     _assert_matches(k_out, ref_k, "rotary vs reference")
+
+
+def test_rotary_head_groups_cover_every_head():
+    """Few tokens spread their heads over several programs, many tokens keep one per token; both
+    give the same bits (`ops.rotary_head_groups`)."""
+    from hal.kernels.ops import GROUPED_ROTARY_MAX_TOKENS, rotary_head_groups
+
+    for heads, kv_heads in [(55, 55), (16, 16), (20, 4), (8, 1), (6, 2), (3, 1)]:
+        q_per, kv_per, groups = rotary_head_groups(1, heads, kv_heads)
+        assert q_per * groups >= heads and kv_per * groups >= kv_heads
+        assert rotary_head_groups(GROUPED_ROTARY_MAX_TOKENS, heads, kv_heads)[2] == 1
+    tokens = GROUPED_ROTARY_MAX_TOKENS + 2
+    q, k = torch.randn(tokens, 13, 24), torch.randn(tokens, 13, 24)
+    positions = torch.randint(0, 4096, (tokens,))
+    whole = rotary(q, k, positions, 1e4, False)
+    few = rotary(q[:5], k[:5], positions[:5], 1e4, False)
+    assert torch.equal(whole[0][:5], few[0]) and torch.equal(whole[1][:5], few[1])
 
 
 def test_rotary_takes_strided_views_of_a_fused_projection():
