@@ -105,8 +105,8 @@ class BlockManager:
         if len(tables[0]) < target:
             self.changed.add(request_id)
         for table in tables:
-            while len(table) < target:
-                table.append(self._take())
+            if len(table) < target:
+                table.extend(self._take_many(target - len(table)))
 
     def fork(self, parent_id: str, child_id: str, num_blocks: int) -> int:
         """A new request `child_id` starts with the parent's first `num_blocks` blocks of every plane
@@ -123,10 +123,17 @@ class BlockManager:
             self.ref_counts[block] += 1
         return shared
 
-    def _take(self) -> int:
-        block = self.free_blocks.popleft() if self.free_blocks else self.cache.evict_oldest()
-        self.ref_counts[block] = 1
-        return block
+    def _take_many(self, num_blocks: int) -> list[int]:
+        """`num_blocks` blocks, each with one reference: free ones first, then the oldest cached
+        ones. In bulk because a long prompt takes thousands (8k tokens x 4 planes: 2,048 blocks)
+        before its first kernel can start."""
+        pop = self.free_blocks.popleft
+        blocks = [pop() for _ in range(min(num_blocks, len(self.free_blocks)))]
+        blocks += [self.cache.evict_oldest() for _ in range(num_blocks - len(blocks))]
+        counts = self.ref_counts
+        for block in blocks:
+            counts[block] = 1
+        return blocks
 
     def trim(self, request_id: str, num_tokens: int) -> int:
         """Shrink every plane of the request's tables to the blocks `num_tokens` tokens need (after

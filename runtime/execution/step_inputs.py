@@ -73,7 +73,7 @@ class StepInputs(NamedTuple):
 def describe(slices: Sequence[SeqSlice], num_planes: int, block_size: int, with_tokens: bool = True) -> HostInputs:
     """Host inputs of a pass over `slices` (packed sequence after sequence); `with_tokens=False` for
     passes that start from states (the verify pass), whose token ids are not read."""
-    token_ids, fed, positions, draws = [], [], [], []
+    token_ids, fed, positions, draws = [], [], [], []         # positions: one array per slice
     query_lens, seq_lens = [], []
     for s in slices:
         if with_tokens:
@@ -82,11 +82,12 @@ def describe(slices: Sequence[SeqSlice], num_planes: int, block_size: int, with_
                 fed.append((len(token_ids) + s.num_tokens - 1, s.request.request_id))
                 ids = [*ids[:-1], 0]
             token_ids.extend(ids)
-        positions.extend(range(s.start, s.start + s.num_tokens))
+        positions.append(np.arange(s.start, s.start + s.num_tokens, dtype=np.int64))
         query_lens.append(s.num_tokens)
         seq_lens.append(s.start + s.num_tokens)
         draws.append((s.request, s.num_tokens))
     by_plane = [[t[p] if p < len(t) else [] for t in (s.tables for s in slices)] for p in range(num_planes)]
+    positions = np.concatenate(positions) if positions else np.zeros(0, dtype=np.int64)
     return HostInputs(token_ids, fed, positions, PagedBatch(query_lens, seq_lens, by_plane, block_size), draws)
 
 

@@ -54,12 +54,15 @@ class HuginnAttention(nn.Module):
                 norm: RMSNorm | None = None) -> torch.Tensor:
         """`proj(attention(norm(x)))`; the norm runs in the q|k|v projection where fused (decode)."""
         # x: [B, T, n_embd]
-        q, k, v = project(x, self.Wqkv, ctx, norm).split(self.split, dim=-1)
+        qkv = project(x, self.Wqkv, ctx, norm)                                # [B, T, (H + 2 KVH) D]
+        if self.qk_bias is not None:
+            # q and k are adjacent columns: both biases in one add (a launch per block at decode)
+            qk = qkv[..., :self.split[0] + self.split[1]]
+            qk += self.qk_bias.reshape(qk.shape[-1])
+        q, k, v = qkv.split(self.split, dim=-1)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))                   # [B, T, H, D]
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))                # [B, T, KVH, D]
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        if self.qk_bias is not None:
-            q, k = q + self.qk_bias[0], k + self.qk_bias[1]
         out = attend_rotary(q, k, v, ctx, plane, layer, self.head_dim ** -0.5, self.head_dim, self.rope_base,
                             True)                                              # [B, T, H, D]
         return project(out.flatten(-2), self.proj, ctx)
