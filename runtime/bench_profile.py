@@ -50,6 +50,7 @@ def stop_profile(profiler: Any, hal: Any, what: str, row_limit: int = 30) -> Non
     print(f"===== profile of {what} of the benchmark loop", flush=True)
     print(events.table(sort_by=sort, row_limit=row_limit, max_name_column_width=60), flush=True)
     print("\n".join(kernel_summary(events, what, wall_ms)), flush=True)
+    print("\n".join(timeline_summary(profiler.events(), what)), flush=True)
     return None
 
 
@@ -78,6 +79,38 @@ def kernel_summary(events: Any, what: str, wall_ms: float, top: int = 30, width:
     for name, (count, us) in sorted(families.items(), key=lambda kv: -kv[1][1])[:top]:
         share = us / 1e3 / total_ms if total_ms else 0.0
         lines.append(f"{name:<{width}} {count:>7} {us / 1e3:>10.3f} {share:>7.1%}")
+    return lines
+
+
+def timeline_summary(events: Any, what: str, top: int = 8) -> list[str]:
+    """Where the device sat idle: the host's lead before the first kernel, the idle time between
+    kernels (by gap size, and the largest gaps with the kernels either side) and the tail after the
+    last one. Kernels on several streams are merged into one busy timeline."""
+    from torch.autograd import DeviceType
+
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                     if e.device_type != DeviceType.CPU and e.time_range.end > e.time_range.start)
+    host = [e.time_range for e in events if e.device_type == DeviceType.CPU]
+    if not kernels or not host:
+        return [f"----- timeline of {what}: no device kernels profiled"]
+    first_host, last_host = min(r.start for r in host), max(r.end for r in host)
+    gaps, busy_end, before = [], kernels[0][1], kernels[0][2]
+    for start, end, name in kernels[1:]:
+        if start > busy_end:
+            gaps.append((start - busy_end, before, name))
+        if end > busy_end:
+            busy_end, before = end, name
+    span = busy_end - kernels[0][0]
+    idle = sum(g for g, _, _ in gaps)
+    bins = [(0, 2), (2, 10), (10, 100), (100, float("inf"))]
+    lines = [f"----- timeline of {what}: host lead {(kernels[0][0] - first_host) / 1e3:.3f} ms before the "
+             f"first kernel, device span {span / 1e3:.3f} ms, idle inside it {idle / 1e3:.3f} ms in "
+             f"{len(gaps)} gaps, host tail {max(last_host - busy_end, 0) / 1e3:.3f} ms after the last kernel"]
+    for lo, hi in bins:
+        inside = [g for g, _, _ in gaps if lo <= g < hi]
+        lines.append(f"  gaps {lo:>4}-{hi:<4} us: {len(inside):>6} gaps, {sum(inside) / 1e3:8.3f} ms")
+    for gap, left, right in sorted(gaps, reverse=True)[:top]:
+        lines.append(f"  {gap:9.1f} us between {left[:50]} -> {right[:50]}")
     return lines
 
 

@@ -3,7 +3,7 @@
 # suite, the kernel benchmark, the engine benchmark cells and a profile of a decode step.
 #   tools/gpu_check.sh [phase ...]     phases: conformance tests kernels bench models profile spec
 #                                      specasync sweep fp8 cells peer profile64 train finetune spec22
-#                                      fp8kernels fp8cells fp8quick restcuda tune
+#                                      fp8kernels fp8cells fp8quick restcuda tune diag
 #                                      (default: the first six)
 # Logs go to $OUT/gpu_check.log, benchmark rows to $OUT/bench.jsonl; a short table is printed last.
 set -u
@@ -76,6 +76,11 @@ for phase in $PHASES; do
       run "profile b1" 90 python3 tools/profile_step.py --model ouro-1.4b --batch 1 --context 256 --rows 20 ;;
     profile64)
       run "profile b64" 90 python3 tools/profile_step.py --model ouro-1.4b --batch 64 --context 1024 --rows 25 ;;
+    diag)    # where the device waits (timelines of the benchmark loop): the 8k prefill, decode at batch 1
+      bench model=ouro-1.4b 'workload=[prefill8k]' profile_prefill=true
+      bench model=ouro-1.4b 'workload=[b1]' profile=4
+      bench model=huginn-0125 'workload=[b1]' profile=4
+      bench model=nanbeige4.2-3b 'workload=[b1]' profile=4 ;;
     cells)   # the cells the issues quote: batch 1, 64 and 128 at the Ouro-1.4B shape; time to first token
       bench model=ouro-1.4b 'workload=[b1,b64,b128]' profile=4
       bench model=ouro-1.4b 'workload=[ttft1k,prefill8k]' ;;

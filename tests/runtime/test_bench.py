@@ -56,3 +56,25 @@ def test_kernel_summary_sums_device_kernels_by_name_prefix():
     assert lines[2].startswith(gemm[:60]) and first[-3:] == ["120", "60.000", "60.0%"]
     assert lines[3].split()[0] == "_fresh_attention" and lines[3].endswith("30.0%")
     assert len(lines) == 5 and not any("aten::mm" in line for line in lines)
+
+
+def test_timeline_summary_finds_the_host_lead_and_the_idle_gaps():
+    """Fake events on one clock (us): host 0-1000; kernels 100-200, 201-300 (a 1 us gap), 350-400
+    overlapped by 360-500 on another stream, then 650-700 (150 us idle): lead 0.1 ms, span 0.6 ms,
+    idle 0.201 ms, tail 0.3 ms."""
+    def event(name, start, end, device=DeviceType.CUDA):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+
+    events = [event("step", 0, 1000, DeviceType.CPU), event("gemm", 100, 200), event("norm", 201, 300),
+              event("attn", 350, 400), event("copy", 360, 500), event("gemm", 650, 700)]
+    from runtime.bench_profile import timeline_summary
+
+    lines = timeline_summary(events, "the prefill")
+    assert lines[0] == ("----- timeline of the prefill: host lead 0.100 ms before the first kernel, device span "
+                        "0.600 ms, idle inside it 0.201 ms in 3 gaps, host tail 0.300 ms after the last kernel")
+    assert lines[1].split()[-4:] == ["1", "gaps,", "0.001", "ms"]          # 0-2 us
+    assert lines[3].split()[-4:] == ["1", "gaps,", "0.050", "ms"]          # 10-100 us
+    assert lines[4].split()[-4:] == ["1", "gaps,", "0.150", "ms"]          # >= 100 us
+    assert lines[5].split()[:4] == ["150.0", "us", "between", "copy"] and lines[5].endswith("-> gemm")
+    assert timeline_summary([event("step", 0, 10, DeviceType.CPU)], "x") == \
+        ["----- timeline of x: no device kernels profiled"]
