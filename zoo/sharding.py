@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from zoo.huginn.model import GatedMLP, HuginnAttention
+from zoo.huginn.blocks import GatedMLP, HuginnAttention
 from zoo.layers import GQAttention, SwiGLU
 from zoo.loading import SkipMetaInit
 from zoo.parallel import (HeadSplit, RowParallelLinear, ShardSpec, TensorParallel, VocabParallelEmbedding,

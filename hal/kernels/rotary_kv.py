@@ -23,7 +23,7 @@ import triton.language as tl
 
 from hal.kernels.configs import KernelConfig
 from hal.kernels.launch import Launch, backend_of, check_device, launch_options, next_pow2, run_launch
-from hal.kernels.ops import (_inv_freq, _rotary_angles, _rotary_offsets, _rotary_one, _rotary_values,
+from hal.kernels.ops import (_inv_freq, _rotary_offsets, _rotary_one, _rotary_program_queries, _rotary_values,
                              rotary_head_groups)
 
 
@@ -38,12 +38,9 @@ def _rotary_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, k_cache_p
     """q_out[t] = rotate(q[t]); cache[0][slot[t]] = rotate(k[t]); cache[1][slot[t]] = v[t] (slot -1: no write);
     with KEEP_K also k_out[t] = rotate(k[t]). Program (t, g): query heads [g * HEADS_PAD, ...) and key
     and value heads [g * KV_HEADS_PAD, ...) of token t (`ops.rotary_head_groups`)."""
-    token = tl.program_id(0).to(tl.int64)
-    group = tl.program_id(1)
-    q_head, kv_head = group * HEADS_PAD, group * KV_HEADS_PAD
-    cos, sin = _rotary_angles(positions_ptr, inv_freq_ptr, token, HALF, HALF_PAD)
-    _rotary_one(q_ptr + q_head * stride_qh, q_out_ptr + q_head * stride_qoh, stride_qt, stride_qh, stride_qot,
-                stride_qoh, token, cos, sin, num_heads - q_head, HEADS_PAD, HALF, HALF_PAD, INTERLEAVED)
+    token, kv_head, cos, sin = _rotary_program_queries(q_ptr, q_out_ptr, positions_ptr, inv_freq_ptr, num_heads,
+                                                       stride_qt, stride_qh, stride_qot, stride_qoh, HALF, HALF_PAD,
+                                                       HEADS_PAD, KV_HEADS_PAD, INTERLEAVED)
     k_ptr += kv_head * stride_kh
     v_ptr += kv_head * stride_vh
     num_kv_heads -= kv_head
@@ -86,12 +83,9 @@ def _rotary_kv_write_quant_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_values_ptr, 
                                   HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr, INTERLEAVED: tl.constexpr):
     """`_rotary_kv_write_kernel` into an 8-bit cache: values `[2, NB, page, KVH, D]` and one float32
     scale per (slot, KV head), `[2, NB, page, KVH]`."""
-    token = tl.program_id(0).to(tl.int64)
-    group = tl.program_id(1)
-    q_head, kv_head = group * HEADS_PAD, group * KV_HEADS_PAD
-    cos, sin = _rotary_angles(positions_ptr, inv_freq_ptr, token, HALF, HALF_PAD)
-    _rotary_one(q_ptr + q_head * stride_qh, q_out_ptr + q_head * stride_qoh, stride_qt, stride_qh, stride_qot,
-                stride_qoh, token, cos, sin, num_heads - q_head, HEADS_PAD, HALF, HALF_PAD, INTERLEAVED)
+    token, kv_head, cos, sin = _rotary_program_queries(q_ptr, q_out_ptr, positions_ptr, inv_freq_ptr, num_heads,
+                                                       stride_qt, stride_qh, stride_qot, stride_qoh, HALF, HALF_PAD,
+                                                       HEADS_PAD, KV_HEADS_PAD, INTERLEAVED)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     live = tl.where(slot >= 0, num_kv_heads - kv_head, 0)              # a skipped token writes no head
     slot = tl.maximum(slot, 0)
