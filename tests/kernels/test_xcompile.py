@@ -45,15 +45,17 @@ def test_tables_compile_clean(table, target, reports, record_property):
 
 @pytest.mark.parametrize("target", ["gfx942", "gfx950"])
 def test_fp8_kernels_compile_clean(target, reports, record_property):
-    """Attention over an FP8 KV cache, the quantizing KV writes, the W8A16 linear and decode GEMV, each in the
-    target's own format (e4m3fnuz on gfx942, e4m3fn on gfx950), in its arch table. (sm_90 compiles
+    """Attention over an FP8 KV cache, the quantizing KV writes (alone and with rotary), the W8A16
+    linear and decode GEMV, each in the target's own format (e4m3fnuz on gfx942, e4m3fn on gfx950),
+    in its arch table. (sm_90 compiles
     clean too, `python -m xcompile --fp8 --targets sm_90`; left to the H200 run to save
     10 s of CI.)"""
     rows = xcompile.check_fp8((target,))
     reports.extend(rows)
     record_property("xcompile_fp8", xcompile.format_table(rows))
     fmt = "e4m3fnuz" if target == "gfx942" else "e4m3fn"
-    assert len(rows) == 9 and all(r.case.endswith(fmt) for r in rows), [r.case for r in rows]
+    assert len(rows) == 10 and all(r.case.endswith(fmt) for r in rows), [r.case for r in rows]
+    assert f"rotary_kv_write/{fmt}" in {r.case for r in rows}
     problems = [f"{r.case}: {'; '.join(r.problems)}" for r in rows if r.problems]
     assert not problems, f"FP8 on {target}:\n" + "\n".join(problems)
     for r in rows:
