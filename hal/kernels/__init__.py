@@ -6,9 +6,10 @@
   norms.py       rms_norm (+ residual), norm_add_norm (a sublayer boundary: residual add and norms,
                  sandwich or pre-norm)
   gemv.py        decode projections for 1-8 rows with the small ops folded in (norm / SwiGLU
-                 prologues, residual epilogue, deterministic split-K)
+                 prologues, residual epilogue, deterministic split-K); gemv_prologue.py: the prologues
   gemv_ops.py    the `*linear` Hal ops: route each call to gemv.py or to the unfused torch path
-  rotary_kv.py   rotary + the KV write in one launch (TritonPagedAttention.attend_rotary)
+  rotary_kv.py   rotary + the KV write (quantizing over 8-bit caches) in one launch
+                 (TritonPagedAttention.attend_rotary)
   fresh.py       prefill without context over its fresh K/V through torch's flash (or cuDNN) kernel
   backend.py     TritonPagedAttention, the AttentionBackend over these kernels
   configs.py     launch parameters per arch (the Hals pick the table); launch.py: target + options
