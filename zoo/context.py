@@ -105,7 +105,7 @@ class BaseContext:
 
     def attend_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plane: int, layer: int, scale: float,
                       theta: float, interleaved: bool) -> torch.Tensor:
-        from zoo.layers import rotate
+        from zoo.rope import rotate
 
         q, k = rotate(q, k, self, q.shape[-1], theta, interleaved)
         return self.attend(q, k, v, plane, layer, scale)

@@ -118,7 +118,7 @@ def _silu_and_mul_kernel(out_ptr, x_ptr, num_cols, stride_x, stride_o, BLOCK: tl
 
 @functools.lru_cache(maxsize=64)
 def _inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    # exactly zoo.layers.rope_tables' frequencies, computed once per (head dim, theta, device)
+    # exactly zoo.rope.rope_tables' frequencies, computed once per (head dim, theta, device)
     return 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
 
 

@@ -14,7 +14,8 @@ from hal.ascend.sim.attention import NpuOpError
 from hal.attention import PagedBatch
 from hal.common.torch_attention import TorchPagedAttention
 from hal.common.paged import token_positions
-from zoo.layers import RMSNorm, apply_rope_half, apply_rope_interleaved, rope_tables
+from zoo.layers import RMSNorm
+from zoo.rope import apply_rope_half, apply_rope_interleaved, rope_tables
 
 
 def sim_hal(any_shape: bool):

@@ -7,7 +7,8 @@ import torch
 from hal.kernels.configs import all_configs, configs_for
 from hal.kernels.ops import fused_ops, norm_add_norm, rms_norm, rotary, silu_and_mul
 from kernel_reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
-from zoo.layers import RMSNorm, apply_rope_half, apply_rope_interleaved, rope_tables
+from zoo.layers import RMSNorm
+from zoo.rope import apply_rope_half, apply_rope_interleaved, rope_tables
 
 pytestmark = pytest.mark.usefixtures("interpreted")
 

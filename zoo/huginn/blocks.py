@@ -13,8 +13,8 @@ from torch import nn
 
 from zoo.context import ForwardContext
 from zoo.huginn.config import HuginnConfig
-from zoo.layers import (RMSNorm, attend_rotary, linear_weight, norm_add_norm, ops_of, project, rope_tables,
-                        silu_and_mul)
+from zoo.layers import RMSNorm, linear_weight, norm_add_norm, ops_of, project, silu_and_mul
+from zoo.rope import attend_rotary, rope_tables
 
 
 class HuginnAttention(nn.Module):
