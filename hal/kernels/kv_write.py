@@ -39,13 +39,24 @@ def _kv_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_sl
 
 
 @triton.jit
+def _scale_of(amax, QMAX: tl.constexpr):
+    """The scale of a vector whose largest magnitude is `amax` (correctly rounded, as torch divides)."""
+    scale = tl.math.div_rn(amax, QMAX)
+    return tl.where(scale > 0.0, scale, 1.0)                          # an all-zero vector stores zeros
+
+
+@triton.jit
+def _quantized(x, scale, QMAX: tl.constexpr, dtype: tl.constexpr):
+    """`x / scale` (`scale` broadcast to x's shape by the caller) clamped to +-QMAX, in the 8-bit `dtype`."""
+    return tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX).to(dtype)
+
+
+@triton.jit
 def _quantize_store(x, values_ptrs, scales_ptrs, mask, scale_mask, QMAX: tl.constexpr):
     """x `[T, KVH, D]` fp32 -> FP8 values and one float32 scale per (token, head); returns what the
     cache now holds, dequantized: `[T, KVH, D]` fp32 (values x scale)."""
-    scale = tl.math.div_rn(tl.max(tl.abs(x), axis=2), QMAX)                          # [T, KVH]
-    scale = tl.where(scale > 0.0, scale, 1.0)                          # an all-zero vector stores zeros
-    q = tl.math.div_rn(x, scale[:, :, None])
-    q = tl.minimum(tl.maximum(q, -QMAX), QMAX).to(values_ptrs.dtype.element_ty)
+    scale = _scale_of(tl.max(tl.abs(x), axis=2), QMAX)                                # [T, KVH]
+    q = _quantized(x, scale[:, :, None], QMAX, values_ptrs.dtype.element_ty)
     tl.store(values_ptrs, q, mask=mask)
     tl.store(scales_ptrs, scale, mask=scale_mask)
     return q.to(tl.float32) * scale[:, :, None]
