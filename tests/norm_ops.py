@@ -81,14 +81,16 @@ def huginn_launches(config: Any, loops: int, coda_calls: int) -> dict[str, dict[
     """Huginn's norm calls and stream adds in a forward without ("unfused") and with `norm_add_norm`
     ("fused"), from its block counts: per block 4 norms and 2 adds, where fused 2 norm_add_norm, less
     at a run's edges: each run's first n1 alone, the prelude's and a core loop's last add and n4 too
-    (the concat and the adapter follow), ln_f twice per coda (before it and fused into its last block)."""
+    (the concat and the adapter follow), ln_f twice per coda (before it and fused into its last block).
+    Each loop also adds the adapter's prelude half c to its state half (`s @ W_s^T + c`; in the
+    projection's epilogue where the Hal has `linear`, which these counts leave out)."""
     prelude, core = config.n_layers_in_prelude, config.n_layers_in_recurrent_block
     coda = config.n_layers_in_coda
     return {"unfused": {"rms_norm": 4 * prelude + 4 * core * loops + (4 * coda + 2) * coda_calls,
-                        "add": 2 * prelude + 2 * core * loops + 2 * coda * coda_calls},
+                        "add": 2 * prelude + (2 * core + 1) * loops + 2 * coda * coda_calls},
             "fused": {"rms_norm": 2 + 2 * loops + 2 * coda_calls,
                       "norm_add_norm": 2 * prelude - 1 + (2 * core - 1) * loops + 2 * coda * coda_calls,
-                      "add": 1 + loops}}
+                      "add": 1 + 2 * loops}}
 
 
 def nanbeige_launches(config: Any, loops: int) -> dict[str, dict[str, int]]:

@@ -6,12 +6,17 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import zoo
 from helpers import CONFIGS, golden_case
 from norm_ops import NormOpsCpu, StreamAdds, huginn_launches
+from zoo.base import causal_lm_loss
 from zoo.context import DenseContext, ModelOps
+from zoo.fp8 import Fp8Linear, quantize_fp8
+from zoo.huginn.model import _FIRST_NORM
+from zoo.layers import run_layers
 
 TOL = 1e-4
 
@@ -182,3 +187,113 @@ def test_norm_add_norm_wiring_keeps_the_logits(case_and_model, blocks):
     model.gradient_checkpointing_enable()
     model(ids, num_loops=2, labels=ids, init_scale=0.0, ops=ModelOps(hal)).loss.backward()
     assert not hal.calls
+
+
+# ----- the adapter split: the state carries c = e @ W_e^T + b, each loop adds s @ W_s^T ------------
+class PreludeOutput(DenseContext):
+    """Keeps the prelude output e that the initial state is drawn for."""
+
+    def initial_state(self, model, e):
+        self.e = e
+        return super().initial_state(model, e)
+
+
+def _biased_model():
+    config = json.loads((golden_case("huginn-tiny").path / "config.json").read_text())
+    model = zoo.from_config(config | {"bias": True}, dtype="float32", seed=7)
+    with torch.no_grad():
+        model.transformer.adapter.bias.normal_()
+    return model
+
+
+def _reference_core(model, s, e, depth, ctx):
+    """The reference's loop: the whole adapter on `cat[s, e]`, then the core blocks."""
+    x = model.transformer.adapter(torch.cat([s, e], dim=-1))
+    return run_layers(model.transformer.core_block, x, ctx, 1 + depth, _FIRST_NORM)[0]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_loop_with_the_split_adapter_is_the_whole_adapter_on_cat_s_e(case_and_model, bias):
+    case, model = case_and_model
+    if bias:
+        model = _biased_model()
+    adapter, n = model.transformer.adapter, model.config.n_embd
+    w_s, w_e = model.adapter_halves()
+    # views of the checkpoint's one matrix: columns [0, n) and [n, 2n)
+    assert w_s.data_ptr() == adapter.weight.data_ptr()
+    assert w_e.data_ptr() == adapter.weight.data_ptr() + n * adapter.weight.element_size()
+    ids = torch.tensor([case.prompt(0)])
+    ctx = PreludeOutput.for_tokens(ids, generator=torch.Generator().manual_seed(2))   # a random s
+    with torch.no_grad():
+        state = model.prelude(ids, ctx)
+        c = state[..., n:]
+        torch.testing.assert_close(c, F.linear(ctx.e, adapter.weight[:, n:], adapter.bias), rtol=1e-6, atol=1e-6)
+        for depth in range(3):
+            out = model.loop(state, depth, ctx)
+            want = _reference_core(model, state[..., :n], ctx.e, depth, ctx)
+            torch.testing.assert_close(out[..., :n], want, rtol=1e-5, atol=1e-5)
+            assert torch.equal(out[..., n:], c)
+            state = out
+
+
+def _reference_loss(model, ids, no_grad_loops, grad_loops):
+    """The reference's truncated backprop: loops without gradient, then loops with it, each on
+    `cat[s, e]` with the prelude output e (which keeps its gradient), from a zero state."""
+    n = model.config.n_embd
+    ctx = DenseContext.for_tokens(ids)
+    e = model.transformer.wte(ids) * model.config.embed_scale
+    e, _ = run_layers(model.transformer.prelude, e, ctx, 0, _FIRST_NORM)
+    s = torch.zeros_like(e)
+    for depth in range(no_grad_loops + grad_loops):
+        with torch.set_grad_enabled(depth >= no_grad_loops):
+            s = _reference_core(model, s, e, depth, ctx)
+    logits = model.coda(torch.cat([s, torch.zeros_like(s)], dim=-1), ctx)       # the coda reads s only
+    return causal_lm_loss(logits, ids), n
+
+
+@pytest.mark.parametrize("num_loops", [3, (2, 1)])
+def test_split_adapter_gradients_are_the_references(case_and_model, num_loops):
+    """Training through the split adapter: the gradients of the reference's math, both halves of the
+    adapter's weight and the prelude included, also with loops run without gradient first."""
+    case, model = case_and_model
+    ids = torch.tensor([case.prompt(2)])
+    no_grad_loops, grad_loops = num_loops if isinstance(num_loops, tuple) else (0, num_loops)
+    ours, ref = copy.deepcopy(model).train(), copy.deepcopy(model).train()
+    ours(ids, num_loops=num_loops, labels=ids, init_scale=0.0).loss.backward()
+    loss, n = _reference_loss(ref, ids, no_grad_loops, grad_loops)
+    loss.backward()
+    grads = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        want = grads[name].grad                 # float32 sums in another order: 1e-5 of the scale
+        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-5 * want.abs().max().item(), msg=name)
+    w_e_grad = ours.transformer.adapter.weight.grad[:, n:]
+    assert w_e_grad.abs().max() > 0 and ours.transformer.prelude[0].mlp.fc.weight.grad.abs().max() > 0
+
+
+def test_fp8_adapter_splits_its_matrix_by_columns(case_and_model):
+    """An FP8 adapter: each half is a column view of the FP8 matrix with its row scales, and a loop
+    equals the FP8 linear on `cat[s, e]` (both dequantize the same FP8 values)."""
+    case, model = case_and_model
+    model = copy.deepcopy(model)
+    quantize_fp8(model)
+    adapter, n = model.transformer.adapter, model.config.n_embd
+    assert isinstance(adapter, Fp8Linear)
+    w_s, w_e = model.adapter_halves()
+    assert w_s.weight.data_ptr() == adapter.weight.data_ptr() and w_e.weight.data_ptr() == adapter.weight.data_ptr() + n
+    assert w_s.scale is adapter.weight_scale and w_e.scale is adapter.weight_scale
+    ids = torch.tensor([case.prompt(1)])
+    ctx = PreludeOutput.for_tokens(ids, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        state = model.prelude(ids, ctx)
+        torch.testing.assert_close(state[..., n:], adapter(torch.cat([torch.zeros_like(ctx.e), ctx.e], dim=-1)),
+                                   rtol=1e-5, atol=1e-5)
+        out = model.loop(state, 0, ctx)
+        want = _reference_core(model, state[..., :n], ctx.e, 0, ctx)
+    torch.testing.assert_close(out[..., :n], want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_adapter_the_split_does_not_know_is_refused(case_and_model):
+    model = copy.deepcopy(case_and_model[1])
+    model.transformer.adapter = torch.nn.Sequential(model.transformer.adapter)
+    with pytest.raises(TypeError, match="adapter"):
+        model.adapter_halves()

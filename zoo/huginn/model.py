@@ -5,23 +5,28 @@ times to `adapter(cat[state, prelude_out])` from a random initial state, then co
     for k in loops:  s = core(adapter(cat[s, e]))
     logits = head(ln_f(coda(ln_f(s))))            # head tied to wte
 
-The looped-model state is `cat([s, e], -1)` (`[B, T, 2 * n_embd]`), so every loop sees the prelude
-output it injects. KV planes: plane 0 holds the prelude (slots 0..p-1) and coda (slots p..p+c-1)
+The adapter's product splits by its input columns, `adapter(cat[s, e]) = s @ W_s^T + c` with
+`c = e @ W_e^T + b`, and c is the same in every loop. So the looped-model state is `cat([s, c], -1)`
+(`[B, T, 2 * n_embd]`): the prelude computes c once per step and each loop reads only the state half
+of the adapter's weight (at Huginn-0125's size the other half is 56 MB in bf16, read 32 times a
+decode step before). KV planes: plane 0 holds the prelude (slots 0..p-1) and coda (slots p..p+c-1)
 layers, written once per token; loop d's core layers write plane 1 + d. The blocks (and how their
 norms fuse across a run): zoo/huginn/blocks.py.
 """
 from __future__ import annotations
 
 from operator import attrgetter
+from typing import Any
 
 import torch
 from torch import nn
 
 from zoo.base import CausalLMOutput, LoopedCausalLM, causal_lm_loss
 from zoo.context import DenseContext, ForwardContext, KVSpec, ModelOps
+from zoo.fp8 import Fp8Linear, Fp8Weight
 from zoo.huginn.blocks import SandwichBlock
 from zoo.huginn.config import HuginnConfig
-from zoo.layers import RMSNorm, norm_add_norm, run_layers
+from zoo.layers import RMSNorm, project, run_layers
 
 _FIRST_NORM = attrgetter("norm_1")      # a block's first norm, which the block before may run
 
@@ -117,20 +122,41 @@ class HuginnForCausalLM(LoopedCausalLM):
         return state * self.config.embed_scale
 
     # ----- the four stages ------------------------------------------------------------------
+    def adapter_halves(self) -> tuple[Any, Any]:
+        """`(W_s, W_e)`: the adapter weight's columns that multiply the state and the prelude output,
+        as views of its one matrix (the checkpoint's tensor, nothing copied). For an FP8 adapter
+        (zoo/fp8.py) FP8 matrices that share its row scales: a row's scale covers both halves, so
+        each half dequantizes exactly as the whole does. Tensor parallelism keeps the adapter whole."""
+        adapter, n = self.transformer.adapter, self.config.n_embd
+        if isinstance(adapter, Fp8Linear):
+            scale = adapter.weight_scale
+            return Fp8Weight(adapter.weight[:, :n], scale), Fp8Weight(adapter.weight[:, n:], scale)
+        if not isinstance(adapter, nn.Linear):
+            raise TypeError(f"Huginn's adapter is an nn.Linear or an Fp8Linear, not {type(adapter).__name__}: "
+                            f"split its weight by input columns in HuginnForCausalLM.adapter_halves")
+        return adapter.weight[:, :n], adapter.weight[:, n:]
+
     def prelude(self, input_ids: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
-        """`[B, T]` ids -> state `[B, T, 2 * n_embd]` = cat(initial state, prelude output); the context
-        draws the initial state (`ForwardContext.initial_state`)."""
+        """`[B, T]` ids -> state `[B, T, 2 * n_embd]` = cat(initial state, c) with `c = e @ W_e^T + b`
+        the adapter's product with the prelude output e; the context draws the initial state
+        (`ForwardContext.initial_state`)."""
         ctx = ctx or DenseContext.for_tokens(input_ids)
         e = self.transformer.wte(input_ids) * self.config.embed_scale              # [B, T, n_embd]
         e, _ = run_layers(self.transformer.prelude, e, ctx, 0, _FIRST_NORM)
-        return torch.cat([ctx.initial_state(self, e), e], dim=-1)
+        # the prelude half of the adapter, once per step (every loop adds the same c)
+        c = project(e, self.adapter_halves()[1], ctx)
+        bias = self.transformer.adapter.bias
+        if bias is not None:
+            c = c + bias
+        return torch.cat([ctx.initial_state(self, e), c], dim=-1)
 
     def loop(self, state: torch.Tensor, depth: int, ctx: ForwardContext | None = None) -> torch.Tensor:
         ctx = ctx or DenseContext.for_tokens(state)
-        e = state[..., self.config.n_embd:]
-        s = self.transformer.adapter(state)                 # adapter(cat[s, e]): state is that concat
+        n = self.config.n_embd
+        s, c = state[..., :n], state[..., n:]
+        s = project(s, self.adapter_halves()[0], ctx, residual=c)      # adapter(cat[s, e]) = s @ W_s^T + c
         s, _ = run_layers(self.transformer.core_block, s, ctx, 1 + depth, _FIRST_NORM)
-        return torch.cat([s, e], dim=-1)
+        return torch.cat([s, c], dim=-1)
 
     def coda(self, state: torch.Tensor, ctx: ForwardContext | None = None,
              rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -163,12 +189,18 @@ class HuginnForCausalLM(LoopedCausalLM):
         no_grad_loops, grad_loops = split_num_loops(num_loops, self.config.mean_recurrence)
         ctx = DenseContext.for_tokens(input_ids, ops, init_scale=init_scale, generator=generator)
         state = self.prelude(input_ids, ctx)
+        c = state[..., self.config.n_embd:]
         steps = []
         with torch.no_grad():
             for depth in range(no_grad_loops):
                 state = self.loop(state, depth, ctx)
                 if return_step_logits:
                     steps.append(self.coda(state, ctx))
+        if no_grad_loops:
+            # the loops without gradient return c detached; the loops with gradient take the
+            # prelude's, so that gradient reaches W_e and the prelude, as in the reference (whose
+            # every loop reads the prelude output)
+            state = torch.cat([state[..., :self.config.n_embd], c], dim=-1)
         for depth in range(no_grad_loops, no_grad_loops + grad_loops):
             state = self.run_loop(state, depth, ctx)
             if return_step_logits:
