@@ -41,6 +41,7 @@ import triton.language as tl
 
 from hal.kernels.configs import KernelConfig
 from hal.kernels.launch import Launch, launch_options, next_pow2
+from hal.kernels.pdl import pdl_wait
 from hal.kernels.splits import reduce_launch, split_parts, split_tiles
 
 DECODE_MAX_QUERY_LEN = 8        # batches with <= this many new tokens per sequence use the decode config
@@ -127,7 +128,9 @@ def _paged_attention_kernel(
         stride_sb, stride_st,
         NUM_QUERIES_PER_KV: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, HEADS_FIRST: tl.constexpr):
+        NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, HEADS_FIRST: tl.constexpr,
+        PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
         q_block = tl.program_id(1)

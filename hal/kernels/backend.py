@@ -22,14 +22,14 @@ import numpy as np
 import torch
 
 from hal.attention import AttentionBackend, AttnCaps, MetaCapacity, PagedBatch
+from hal.common.paged import block_table_array, query_start_loc, slot_mapping
+from hal.common.staging import StagingRing
 from hal.kernels import fresh
 from hal.kernels.attend import paged_attention
 from hal.kernels.attention import DECODE_MAX_QUERY_LEN
 from hal.kernels.configs import KernelConfig, configs_for
 from hal.kernels.kv_write import write_kv
 from hal.kernels.launch import target_of
-from hal.common.staging import StagingRing
-from hal.common.paged import block_table_array, query_start_loc, slot_mapping
 
 DEFAULT_CPU_COMPUTE_UNITS = 4     # the interpreter has no SMs; enough to exercise the context split
 MAX_HEAD_DIM = 128

@@ -37,9 +37,17 @@ import triton
 import triton.language as tl
 
 from hal.kernels.configs import KernelConfig
-from hal.kernels.gemv_prologue import (ADD_NORM, NONE, NORM_ADD, RMS_NORM, SILU_AND_MUL,  # noqa: F401 (re-exported)
-                                       _input_tile, _row_stats)
+from hal.kernels.gemv_prologue import (  # noqa: F401 (re-exported)
+    ADD_NORM,
+    NONE,
+    NORM_ADD,
+    RMS_NORM,
+    SILU_AND_MUL,
+    _input_tile,
+    _row_stats,
+)
 from hal.kernels.launch import Launch, launch_options, next_pow2
+from hal.kernels.pdl import pdl_wait
 
 DOT_ROWS = 16                    # tl.dot needs 16 rows: M = 2..8 pads to this
 MAX_DOT_ROWS = 128               # rows one program holds; gemv_ops routes at most MAX_ROWS here (at 64
@@ -77,7 +85,7 @@ def _gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, res_no
                  PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STATS_BLOCK: tl.constexpr,
                  ONE_PASS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
-                 W_SCALED: tl.constexpr):
+                 W_SCALED: tl.constexpr, PDL: tl.constexpr = False):
     """out `[M, N]` = prologue(x) `[M, K]` @ w `[N, K]`.T (+ out_res); see the module docstring.
     Grid `(cdiv(N, BLOCK_N), SPLIT_K)`; the split-K partials go to part `[SPLIT_K, M, N]` fp32.
     W_SCALED: w is FP8 with one float32 scale per output column (`w_scale`), applied to the sum."""
@@ -98,6 +106,7 @@ def _gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, res_no
                                   k_hi, EVEN_K)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    pdl_wait(PDL)             # the first weight tile is in flight; x comes from the kernel before
     inv_src = tl.zeros([BLOCK_M], tl.float32)
     inv_stream = inv_src
     if PROLOGUE == 1 or PROLOGUE >= 3:

@@ -14,13 +14,16 @@ import triton.language as tl
 
 from hal.kernels.configs import KernelConfig
 from hal.kernels.launch import Launch, backend_of, check_device, launch_options, next_pow2, run_launch
+from hal.kernels.pdl import pdl_wait
 
 
 @triton.jit
 def _kv_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_slot, num_tokens,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
-                     HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr):
+                     HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     token_ok = tokens < num_tokens
     slots = tl.load(slot_ptr + tokens * stride_slot, mask=token_ok, other=-1).to(tl.int64)   # [T]
@@ -68,9 +71,10 @@ def _kv_write_quant_kernel(k_ptr, v_ptr, k_values_ptr, v_values_ptr, k_scales_pt
                            stride_cb, stride_ct, stride_ch, stride_sb, stride_st,
                            QMAX: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                            HEADS_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                           BLOCK_T: tl.constexpr, DEQUANT_OUT: tl.constexpr):
+                           BLOCK_T: tl.constexpr, DEQUANT_OUT: tl.constexpr, PDL: tl.constexpr = False):
     """DEQUANT_OUT: also write what the cache holds, dequantized to k's dtype, to k_out/v_out
     `[T, KVH, D]` (contiguous): a prefill that attends over its fresh K/V reads those (fresh.py)."""
+    pdl_wait(PDL)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     token_ok = tokens < num_tokens
     slots = tl.load(slot_ptr + tokens * stride_slot, mask=token_ok, other=-1).to(tl.int64)   # [T]

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import torch
 from triton import knobs
 
+from hal.kernels import pdl
 from hal.kernels.configs import KernelConfig
 
 
@@ -73,7 +74,21 @@ def launch_options(config: KernelConfig, target: str) -> dict[str, Any]:
 
 
 def run_launch(launch: Launch) -> None:
-    launch.kernel[launch.grid](*launch.args, **launch.kwargs)
+    """Launch; a kernel that takes `PDL` gets programmatic dependent launch where the device has it
+    (hal/kernels/pdl.py)."""
+    kwargs = launch.kwargs
+    if _takes_pdl(launch.kernel) and pdl.enabled(_device_of(launch.args)):
+        kwargs = {**kwargs, "PDL": True, "launch_pdl": True}
+    launch.kernel[launch.grid](*launch.args, **kwargs)
+
+
+@functools.cache
+def _takes_pdl(kernel: Any) -> bool:
+    return "PDL" in getattr(kernel, "arg_names", ())
+
+
+def _device_of(args: tuple[Any, ...]) -> torch.device:
+    return next(a.device for a in args if isinstance(a, torch.Tensor))
 
 
 def next_pow2(n: int) -> int:

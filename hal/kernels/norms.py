@@ -12,6 +12,7 @@ import triton.language as tl
 
 from hal.kernels.configs import KernelConfig, config_or_default
 from hal.kernels.launch import Launch, backend_of, check_device, launch_options, next_pow2, run_launch
+from hal.kernels.pdl import pdl_wait
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -27,7 +28,8 @@ def _normed(x, num_cols, eps, X_DTYPE: tl.constexpr):
 @triton.jit
 def _rms_norm_kernel(out_ptr, x_ptr, weight_ptr, residual_ptr, eps, num_cols, stride_x, stride_r, stride_o,
                      BLOCK: tl.constexpr, X_DTYPE: tl.constexpr, NORM_DTYPE: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
@@ -45,7 +47,8 @@ def _rms_norm_kernel(out_ptr, x_ptr, weight_ptr, residual_ptr, eps, num_cols, st
 def _norm_add_norm_kernel(y_ptr, h_ptr, x_ptr, residual_ptr, post_weight_ptr, weight_ptr, eps, num_cols,
                           stride_x, stride_r, stride_h, stride_y, BLOCK: tl.constexpr, X_DTYPE: tl.constexpr,
                           MID_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr, NORM_DTYPE: tl.constexpr,
-                          HAS_POST: tl.constexpr, SUM_FIRST: tl.constexpr):
+                          HAS_POST: tl.constexpr, SUM_FIRST: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     # the residual stream h (one of three boundaries, below), then y = norm(h): each step rounds to
     # the dtype torch's expression rounds to, h included, as the launches it replaces store it
     row = tl.program_id(0).to(tl.int64)

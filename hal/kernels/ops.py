@@ -19,6 +19,8 @@ import triton.language as tl
 from hal.kernels.configs import KernelConfig, config_or_default
 from hal.kernels.launch import Launch, backend_of, check_device, launch_options, next_pow2, run_launch
 from hal.kernels.norms import norm_add_norm, rms_norm
+from hal.kernels.pdl import pdl_wait
+
 
 @triton.jit
 def _rotary_values(ptr, stride_t, stride_h, token, cos, sin, num_heads, HEADS_PAD: tl.constexpr,
@@ -95,8 +97,9 @@ def _rotary_program_queries(q_ptr, q_out_ptr, positions_ptr, inv_freq_ptr, num_h
 def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, inv_freq_ptr, num_heads, num_kv_heads,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
                    HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
-                   KV_HEADS_PAD: tl.constexpr, INTERLEAVED: tl.constexpr):
+                   KV_HEADS_PAD: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr = False):
     """Program (t, g): token t's query heads [g * HEADS_PAD, ...) and key heads [g * KV_HEADS_PAD, ...)."""
+    pdl_wait(PDL)
     token, kv_head, cos, sin = _rotary_program_queries(q_ptr, q_out_ptr, positions_ptr, inv_freq_ptr, num_heads,
                                                        stride_qt, stride_qh, stride_qot, stride_qoh, HALF, HALF_PAD,
                                                        HEADS_PAD, KV_HEADS_PAD, INTERLEAVED)
@@ -105,7 +108,9 @@ def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, inv_freq_p
 
 
 @triton.jit
-def _silu_and_mul_kernel(out_ptr, x_ptr, num_cols, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(out_ptr, x_ptr, num_cols, stride_x, stride_o, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < num_cols

@@ -24,8 +24,15 @@ import triton.language as tl
 from hal.kernels.configs import KernelConfig
 from hal.kernels.kv_write import _quantized, _scale_of
 from hal.kernels.launch import Launch, backend_of, check_device, launch_options, next_pow2, run_launch
-from hal.kernels.ops import (_inv_freq, _rotary_offsets, _rotary_one, _rotary_program_queries, _rotary_values,
-                             rotary_head_groups)
+from hal.kernels.ops import (
+    _inv_freq,
+    _rotary_offsets,
+    _rotary_one,
+    _rotary_program_queries,
+    _rotary_values,
+    rotary_head_groups,
+)
+from hal.kernels.pdl import pdl_wait
 
 
 @triton.jit
@@ -35,10 +42,12 @@ def _rotary_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, k_cache_p
                             stride_cb, stride_ct, stride_ch,
                             PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                             HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
-                            KV_HEADS_PAD: tl.constexpr, INTERLEAVED: tl.constexpr, KEEP_K: tl.constexpr):
+                            KV_HEADS_PAD: tl.constexpr, INTERLEAVED: tl.constexpr, KEEP_K: tl.constexpr,
+                            PDL: tl.constexpr = False):
     """q_out[t] = rotate(q[t]); cache[0][slot[t]] = rotate(k[t]); cache[1][slot[t]] = v[t] (slot -1: no write);
     with KEEP_K also k_out[t] = rotate(k[t]). Program (t, g): query heads [g * HEADS_PAD, ...) and key
     and value heads [g * KV_HEADS_PAD, ...) of token t (`ops.rotary_head_groups`)."""
+    pdl_wait(PDL)
     token, kv_head, cos, sin = _rotary_program_queries(q_ptr, q_out_ptr, positions_ptr, inv_freq_ptr, num_heads,
                                                        stride_qt, stride_qh, stride_qot, stride_qoh, HALF, HALF_PAD,
                                                        HEADS_PAD, KV_HEADS_PAD, INTERLEAVED)
@@ -70,9 +79,11 @@ def _rotary_kv_write_quant_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_values_ptr, 
                                   stride_qoh, stride_cb, stride_ct, stride_ch, stride_sb, stride_st,
                                   QMAX: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                                   HEAD_DIM_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                                  HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr, INTERLEAVED: tl.constexpr):
+                                  HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr, INTERLEAVED: tl.constexpr,
+                                  PDL: tl.constexpr = False):
     """`_rotary_kv_write_kernel` into an 8-bit cache: values `[2, NB, page, KVH, D]` and one float32
     scale per (slot, KV head), `[2, NB, page, KVH]`."""
+    pdl_wait(PDL)
     token, kv_head, cos, sin = _rotary_program_queries(q_ptr, q_out_ptr, positions_ptr, inv_freq_ptr, num_heads,
                                                        stride_qt, stride_qh, stride_qot, stride_qoh, HALF, HALF_PAD,
                                                        HEADS_PAD, KV_HEADS_PAD, INTERLEAVED)

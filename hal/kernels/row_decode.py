@@ -31,7 +31,9 @@ import triton.language as tl
 from hal.kernels.attention import LOG2E, _tile_pages
 from hal.kernels.configs import KernelConfig
 from hal.kernels.launch import Launch, launch_options, next_pow2
+from hal.kernels.pdl import pdl_wait
 from hal.kernels.splits import reduce_launch, split_parts, split_tiles
+
 
 @triton.jit
 def _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page, head_off, head,
@@ -78,7 +80,9 @@ def _row_decode_kernel(
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
         stride_sb, stride_st,
         PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, KV_QUANT: tl.constexpr, NUM_STAGES: tl.constexpr):
+        NUM_SPLITS: tl.constexpr, KV_QUANT: tl.constexpr, NUM_STAGES: tl.constexpr,
+        PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     head = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)

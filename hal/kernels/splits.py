@@ -15,6 +15,7 @@ import triton.language as tl
 
 from hal.kernels.configs import KernelConfig
 from hal.kernels.launch import Launch, launch_options, next_pow2
+from hal.kernels.pdl import pdl_wait
 
 MAX_SPLITS = 16                 # context splits per (sequence, KV head) at most
 
@@ -49,7 +50,8 @@ def split_tiles(num_tiles, split, NUM_SPLITS: tl.constexpr):
 @triton.jit
 def _reduce_splits_kernel(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, num_tokens, stride_ot, stride_oh,
                           HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                          SPLITS_PAD: tl.constexpr):
+                          SPLITS_PAD: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)

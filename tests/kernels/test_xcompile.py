@@ -105,3 +105,18 @@ def test_cli_prints_the_table(capsys):
     out = capsys.readouterr().out
     assert "attention_decode/split" in out and "v_mfma" in out and "0 with problems" in out
     assert "kv_write/e4m3fnuz" in out
+
+
+PDL_CASES = ("gemv_m1/qkv-rms", "gemv_m1/down-silu-res", "attention_decode/split", "rotary/neox",
+             "attention_reduce", "rotary_kv_write/neox", "rms_norm/residual", "kv_write")
+
+
+@pytest.mark.parametrize("case_name", PDL_CASES)
+def test_sm90_kernels_compile_with_programmatic_dependent_launch(case_name):
+    """With PDL on (hal/kernels/pdl.py) each kernel of a decode step lets the next launch and waits
+    for the one before: both grid dependency instructions are in its PTX for sm_90."""
+    case = xcompile.CASES[case_name]
+    launch = case.build(all_configs()["sm_90"][case.config_key], "cuda")
+    launch = launch._replace(kwargs={**launch.kwargs, "PDL": True, "launch_pdl": True})
+    ptx = xcompile.compile_launch(launch, xcompile.TARGETS["sm_90"]).asm["ptx"]
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
