@@ -223,10 +223,14 @@ class Hal(ABC):
           -> (y, h)`: the residual stream `h = residual + norm(x, post_norm_weight, eps)` (sandwich
           norms: Ouro), or with `sum_first` `h = norm(x + residual, post_norm_weight, eps)` (Huginn), and
           `y = F.linear(norm(h, norm_weight, eps), weight)`.
+        - `projection_takes(rows, k, after_norm=False) -> bool`: whether the ops above fuse a product
+          of `rows` rows of K (one that normalises its input: `after_norm`); where they do not they
+          run the unfused expression, and a pre-norm layer then keeps its `norm_add_norm` boundaries.
         Each rounds where the torch expression rounds (every intermediate in x's dtype); the fused
         products accumulate in float32 in their own order, so bf16 results differ from the unfused
         path's by the rounding of that order. Implementations may run the unfused expression for
-        shapes and dtypes they do not fuse (the CUDA/ROCm ones: float32, or more than 8 rows).
+        shapes and dtypes they do not fuse (the CUDA/ROCm ones: float32, or more than 8 rows; the CUDA
+        one by default one row at the shapes its whole-slice kernel measured faster at).
         """
         return None
 

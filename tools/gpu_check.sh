@@ -69,6 +69,27 @@ for phase in $PHASES; do
     bench)
       bench model=ouro-1.4b 'workload=[b1,b64,b128,prefill8k]'
       bench model=ouro-1.4b engine.kv_mode=shared 'workload=[b128]' ;;
+    pdl)     # programmatic dependent launch (hal/kernels/pdl.py): the chain microbenchmarks, then batch 1
+             # with PDL off and on, for cuBLAS projections and for the decode GEMV (the Hal's opt-in)
+      run "pdl chain" 240 python3 tools/pdl_bench.py --out "$OUT/pdl.jsonl"
+      run "gemv_slice chain" 120 python3 tools/pdl_bench.py --quick --out "$OUT/pdl.jsonl"
+      for proj in 0 1; do
+        for on in 0 1; do
+          LOOPSTACK_DECODE_PROJECTIONS=$proj LOOPSTACK_PDL=$on bench model=ouro-1.4b 'workload=[b1]'
+        done
+      done ;;
+    slice)   # lever 37's default (hal/kernels/gemv_slice.py + PDL at one row) against cuBLAS in one call;
+             # SLICE_SPLITS: also the models with K in at most that many slices (the table's split_k)
+      for model in ouro-1.4b huginn-0125 nanbeige4.2-3b; do
+        bench model=$model 'workload=[b1]'
+        LOOPSTACK_DECODE_PROJECTIONS=0 bench model=$model 'workload=[b1]'
+      done
+      bench model=ouro-1.4b engine.kv_dtype=fp8 engine.weights_dtype=fp8 'workload=[b1]'
+      bench model=ouro-1.4b 'workload=[b64,b128]'
+      for model in huginn-0125 nanbeige4.2-3b; do
+        [ -n "${SLICE_SPLITS:-}" ] && LOOPSTACK_KERNEL_CONFIGS="{\"gemv_slice\": [1, 4, 4, 1, 0, 0, 1, 2048, $SLICE_SPLITS]}" \
+          bench model=$model 'workload=[b1]'
+      done ;;
     models)
       bench model=huginn-0125 'workload=[b1]'
       bench model=nanbeige4.2-3b 'workload=[b1]' ;;

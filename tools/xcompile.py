@@ -221,6 +221,33 @@ def _gemv(config: KernelConfig, target: str, num_rows: int, n: int, k: int, prol
         weight_scale=torch.empty(n, dtype=torch.float32) if fp8 is not None else None)
 
 
+def _gemv_slice(config: KernelConfig, target: str, n: int, k: int, prologue: str, out_residual: bool = False,
+                fp8: torch.dtype | None = None) -> Launch:
+    """A one-row projection of hal/kernels/gemv_slice.py at an Ouro-1.4B shape (split-K for K > block_k)."""
+    from hal.kernels import gemv, gemv_slice
+
+    mode = getattr(gemv, prologue.upper())
+    x = torch.empty(1, 2 * k if mode == gemv.SILU_AND_MUL else k, dtype=SHAPE["dtype"])
+    out = torch.empty(1, n, dtype=x.dtype)
+    row = torch.empty(1, k, dtype=x.dtype)
+    sandwich = mode in (gemv.ADD_NORM, gemv.NORM_ADD)
+    return gemv_slice.slice_gemv_launch(
+        x, torch.empty(n, k, dtype=fp8 or x.dtype), out, config, target, prologue=mode, eps=1e-6,
+        norm_weight=torch.empty(k, dtype=x.dtype), residual=row if sandwich else None,
+        res_norm_weight=torch.empty(k, dtype=x.dtype), stream_out=row if sandwich else None,
+        out_residual=torch.empty_like(out) if out_residual else None, workspace=torch.empty(1),
+        counters=torch.empty(1, dtype=torch.int32),
+        weight_scale=torch.empty(n, dtype=torch.float32) if fp8 is not None else None)
+
+
+# one-row whole-slice cases: (name, N, K, prologue, residual epilogue); down splits K
+GEMV_SLICE_CASES = (
+    ("gemv_slice/o", 2048, 2048, "none", False),
+    ("gemv_slice/qkv-rms", 6144, 2048, "rms_norm", False),
+    ("gemv_slice/gate_up-add_norm", 11264, 2048, "add_norm", False),
+    ("gemv_slice/down-silu-res", 2048, 5632, "silu_and_mul", True),
+)
+
 # gemv cases: (name, config key, rows, N, K, prologue, residual epilogue); "o" (2048 x 2048) plans split-K
 GEMV_CASES = (
     ("gemv_m1/o", "gemv_m1", 1, 2048, 2048, "none", False),
@@ -263,6 +290,9 @@ CASES = {c.name: c for c in (
     *(Case(name, key, key == "gemv", False,
            lambda c, t, a=(rows, n, k, pro, res): _gemv(c, t, *a[:4], out_residual=a[4]))
       for name, key, rows, n, k, pro, res in GEMV_CASES),
+    *(Case(name, "gemv_slice", False, False, lambda c, t, a=(n, k, pro, res): _gemv_slice(c, t, *a[:3],
+                                                                                           out_residual=a[3]))
+      for name, n, k, pro, res in GEMV_SLICE_CASES),
 )}
 
 
@@ -288,6 +318,8 @@ def _fp8_cases(fmt: str, fp8: torch.dtype) -> tuple[Case, ...]:
         Case(f"fp8_linear/{fmt}", "fp8_linear", True, False, lambda c, t: _fp8_linear(c, t, fp8, num_rows=1)),
         Case(f"gemv_m1/qkv-{fmt}", "gemv_m1", False, False,
              lambda c, t: _gemv(c, t, 1, 6144, 2048, "none", fp8=fp8)),
+        Case(f"gemv_slice/qkv-{fmt}", "gemv_slice", False, False,
+             lambda c, t: _gemv_slice(c, t, 6144, 2048, "none", fp8=fp8)),
         Case(f"gemv/down-res-{fmt}", "gemv", True, False,
              lambda c, t: _gemv(c, t, 8, 2048, 5632, "none", out_residual=True, fp8=fp8)),
         Case(f"fp8_quantize_rows/{fmt}", "rms_norm", False, False, lambda c, t: _quantize_rows(c, t, fp8)),

@@ -57,13 +57,19 @@ def norm_add_norm(x: torch.Tensor, residual: torch.Tensor, post_norm: RMSNorm | 
     return fused(x, residual, post_weight, norm.weight, norm.eps, sum_first=sum_first)
 
 
-def fuses_pre_norm_boundaries(ctx: ForwardContext | None) -> bool:
-    """Whether a pre-norm layer runs each residual add and the norm after it in one `norm_add_norm`
-    kernel: where the Hal has that op and no `linear`. With `linear` (the decode projections) the
-    projection before the add adds the residual in its epilogue and the next one's prologue norms,
-    no launch of their own at batch 1, so the layer keeps them there."""
+def fuses_pre_norm_boundaries(ctx: ForwardContext | None, h: torch.Tensor) -> bool:
+    """Whether a pre-norm layer over the stream `h: [..., hidden]` runs each residual add and the norm
+    after it in one `norm_add_norm` kernel: where the Hal has that op and its decode projections
+    (`linear`, ...) do not take this layer's normed projections. Where they do, the projection before
+    the add adds the residual in its epilogue and the next one's prologue norms, no launch of their
+    own, so the layer keeps them there."""
     ops = ops_of(ctx)
-    return ops.op("norm_add_norm") is not None and ops.op("linear") is None
+    if ops.op("norm_add_norm") is None:
+        return False
+    if ops.op("linear") is None:
+        return True
+    takes = ops.op("projection_takes")
+    return takes is not None and not takes(h.numel() // h.shape[-1], h.shape[-1], after_norm=True)
 
 
 def silu_and_mul(x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:

@@ -16,7 +16,9 @@ from hal.common.torch_attention import TorchPagedAttention
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_TRITON_HEAD_DIM = 128            # the kernels' tiles are compile-checked up to this; wider go to torch
 FUSED_OPS = ("rms_norm", "norm_add_norm", "rotary", "silu_and_mul")    # hal/kernels/ops.py
-GEMV_OPS = ("linear", "rms_norm_linear", "silu_mul_linear", "norm_residual_linear")  # hal/kernels/gemv_ops.py
+GEMV_OPS = ("linear", "rms_norm_linear", "silu_mul_linear", "norm_residual_linear",  # hal/kernels/gemv_ops.py
+            "projection_takes")
+GEMV_MAX_ROWS = 8                # gemv_ops.MAX_ROWS (not imported here: hal.kernels needs Triton)
 TRITON_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
@@ -113,13 +115,15 @@ def kernel_configs(arch: str) -> dict[str, Any]:
     return configs_for(arch)
 
 
-def fused_op(name: str, configs: dict[str, Any] | None = None, num_compute_units: int | None = None) -> Any:
+def fused_op(name: str, configs: dict[str, Any] | None = None, num_compute_units: int | None = None,
+             max_rows: int = GEMV_MAX_ROWS) -> Any:
     """A Triton fused op by name bound to the arch's launch configs (and, for the decode
-    projections, the device's compute units), or None (unknown name, or Triton unusable here)."""
+    projections, the device's compute units and the rows they take fused), or None (unknown name,
+    or Triton unusable here)."""
     if name not in FUSED_OPS + GEMV_OPS or not triton_status()[0]:
         return None
     if name in GEMV_OPS:
         gemv_ops = importlib.import_module("hal.kernels.gemv_ops")
-        return gemv_ops.gemv_ops(configs, num_compute_units)[name]
+        return gemv_ops.gemv_ops(configs, num_compute_units, max_rows)[name]
     ops = importlib.import_module("hal.kernels.ops")
     return ops.fused_ops(configs).get(name)

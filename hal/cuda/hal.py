@@ -71,10 +71,13 @@ class CudaHal(Hal):
                  decode_projections: bool | None = None) -> None:
         attention.check_known(attention_backend, self.backend_order, self.name)
         super().__init__(device_index, attention_backend)
-        # the fused decode projections (hal/kernels/gemv.py) measured slower than cuBLAS on an H200
-        # (docs/performance.md): offered only when asked for, here or by LOOPSTACK_DECODE_PROJECTIONS=1
-        self.decode_projections = (os.environ.get(DECODE_PROJECTIONS_ENV, "0") == "1"
-                                   if decode_projections is None else decode_projections)
+        # the fused decode projections: True for 1-8 rows (hal/kernels/gemv.py; not faster than cuBLAS
+        # on an H200 beyond one row), False for none, None (LOOPSTACK_DECODE_PROJECTIONS unset) for one
+        # row where the arch's table has the whole-slice kernel and launches chain with PDL
+        # (hal/kernels/gemv_slice.py, at the shapes it measured faster than cuBLAS: docs/performance.md, 38)
+        env = os.environ.get(DECODE_PROJECTIONS_ENV)
+        self.decode_projections = (decode_projections if decode_projections is not None
+                                   else None if env is None else env == "1")
         self._uva: buffers.UvaDecision | None = None
         self._pool: Any = None
         self._capture_stream: Any = None
@@ -238,12 +241,21 @@ class CudaHal(Hal):
 
                 has_fp8 = self.facts.fp8_dtype is not None
                 self._ops[name] = fp8_linear_op(self.facts.arch, configs, has_triton) if has_fp8 else None
-            elif name in attention.GEMV_OPS and not self.decode_projections:
-                self._ops[name] = None
+            elif name in attention.GEMV_OPS:
+                rows = self._projection_rows(configs) if has_triton else 0
+                self._ops[name] = (attention.fused_op(name, configs, self.facts.num_compute_units, rows)
+                                   if rows else None)
             else:
-                units = self.facts.num_compute_units if name in attention.GEMV_OPS else None
-                self._ops[name] = attention.fused_op(name, configs, units)
+                self._ops[name] = attention.fused_op(name, configs)
         return self._ops[name]
+
+    def _projection_rows(self, configs: dict[str, Any]) -> int:
+        """Rows up to which the decode projections run fused (0: cuBLAS and the separate small ops)."""
+        if self.decode_projections is not None:
+            return attention.GEMV_MAX_ROWS if self.decode_projections else 0
+        from hal.kernels import pdl
+
+        return 1 if "gemv_slice" in configs and pdl.enabled(self.device()) else 0
 
     def _log_once(self, key: Any, message: str, *args: Any) -> None:
         if key not in self._logged:

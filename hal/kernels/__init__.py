@@ -7,7 +7,11 @@
                  sandwich or pre-norm)
   gemv.py        decode projections for 1-8 rows with the small ops folded in (norm / SwiGLU
                  prologues, residual epilogue, deterministic split-K); gemv_prologue.py: the prologues
-  gemv_ops.py    the `*linear` Hal ops: route each call to gemv.py or to the unfused torch path
+  gemv_slice.py  the one-row decode projection that holds its whole weight slice before it waits for
+                 the kernel before (PDL); the CUDA Hal's default at one row, at the shapes it pays
+  gemv_ops.py    the `*linear` Hal ops: route each call to gemv_slice.py, gemv.py or the unfused torch path
+  pdl.py         programmatic dependent launch (sm_90+): every kernel here lets the next one launch
+                 early and waits for the one before (`pdl_wait`); `run_launch` turns it on
   rotary_kv.py   rotary + the KV write (quantizing over 8-bit caches) in one launch
                  (TritonPagedAttention.attend_rotary)
   fresh.py       prefill without context over its fresh K/V through torch's flash (or cuDNN) kernel
@@ -17,7 +21,8 @@
 Their checks live with the tools and tests: tests/kernels/kernel_reference.py (plain-torch
 references), tests/kernels/interp.py (the Triton interpreter on the CPU), tools/xcompile.py
 (cross-compiles for gfx942/gfx950/sm_90; CI runs it through tests/kernels/test_xcompile.py),
-tools/kernel_bench.py and tools/decode_kernels_bench.py (GPU timings at the Ouro-1.4B shapes).
+tools/kernel_bench.py, tools/decode_kernels_bench.py and tools/pdl_bench.py (GPU timings at the
+Ouro-1.4B shapes).
 
 Importing this package imports nothing from Triton; the modules above need `triton`.
 """

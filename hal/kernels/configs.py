@@ -32,6 +32,11 @@ callers; nothing else chooses tiles. Keys of a table are kernel names:
   gemv_m1, gemv       decode projections (hal/kernels/gemv.py) of one row / of 2..8 rows: block_n output
                       columns and block_k of K per step; block_m 1 = fp32 FMAs (one row only), 16 =
                       tl.dot on rows padded to 16; split_k splits K (0: enough programs for every SM)
+  gemv_slice          (optional) one-row projections holding their whole weight slice before waiting on
+                      the kernel before (hal/kernels/gemv_slice.py, with PDL): block_n columns x block_k
+                      (a power of two) of K per program; K in one slice, or for the down projection (a
+                      SwiGLU prologue) in up to split_k slices; a CUDA table with it runs batch-1
+                      projections of those shapes there (hal/kernels/gemv_ops.py), the rest on cuBLAS
 
 AMD-only keys (`waves_per_eu`, `matrix_instr_nonkdim`, `kpack`) are passed to a launch only when
 it targets an AMD GPU (see `hal.kernels.launch`). On AMD `num_stages` 2 enables the stream
@@ -48,10 +53,10 @@ from dataclasses import dataclass
 KERNEL_NAMES = ("attention_prefill", "attention_decode", "attention_prefill_fp32", "attention_decode_fp32",
                 "attention_prefill_fp8", "attention_decode_fp8", "attention_row_decode",
                 "attention_row_decode_fp8", "attention_reduce", "kv_write", "rms_norm", "norm_add_norm",
-                "rotary", "silu_and_mul", "fp8_linear", "gemv_m1", "gemv")
+                "rotary", "silu_and_mul", "fp8_linear", "gemv_m1", "gemv", "gemv_slice")
 # a table without the attention_row_* keys routes every decode batch to the unified kernel
 # (hal/kernels/attend.py); one without norm_add_norm launches it with the rms_norm entry
-OPTIONAL_KERNEL_NAMES = ("attention_row_decode", "attention_row_decode_fp8", "norm_add_norm")
+OPTIONAL_KERNEL_NAMES = ("attention_row_decode", "attention_row_decode_fp8", "norm_add_norm", "gemv_slice")
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,11 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         # until 132 SMs have a program each (tools/decode_kernels_bench.py sweeps the alternatives)
         **_gemv(KernelConfig(1, 16, 4, 2, block_k=256, split_k=0),
                 KernelConfig(16, 32, 4, 4, block_k=256, split_k=0)),
+        # one row with PDL: 4 x 2048 slices on 4 warps, 32.1 us per layer of Ouro-1.4B's four
+        # projections where cuBLAS takes 41.1 (tools/pdl_bench.py --quick, H200, 2026-12-02, eighth
+        # session); Ouro-1.4B batch 1 4.97 ms/step against 5.31 on cuBLAS. Wider K in several slices
+        # (Huginn's 5280, Nanbeige's 3072) measured slower than cuBLAS: those stay there
+        "gemv_slice": KernelConfig(1, 4, 4, 1, block_k=2048, split_k=3),
     },
     # A100: mma.sync; 164 KiB shared memory per SM, so two stages for the prefill tiles.
     "sm_80": {

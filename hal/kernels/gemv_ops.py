@@ -14,6 +14,7 @@ import torch
 
 from hal.kernels.configs import KernelConfig, configs_for
 from hal.kernels.gemv import ADD_NORM, NONE, NORM_ADD, RMS_NORM, SILU_AND_MUL, config_key, gemv_launch, plan
+from hal.kernels.gemv_slice import num_splits, slice_gemv_launch
 from hal.kernels.launch import backend_of, check_device, run_launch
 
 MAX_ROWS = 8                     # decode batches the kernels take; more rows go to the GEMM (cuBLAS)
@@ -24,6 +25,7 @@ MAX_ROWS = 8                     # decode batches the kernels take; more rows go
 # one value of the sandwich prologue was 2 bf16 ulps from the unfused kernels: one row only
 NORM_PROLOGUE_MAX_ROWS = 1
 SANDWICH_PROLOGUE_MAX_ROWS = 1
+SLICE_KEY = "gemv_slice"         # a table with this entry runs one-row projections on hal/kernels/gemv_slice.py
 COUNTER_SLOTS = 1 << 16          # column blocks a split-K launch may have (N / BLOCK_N)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -44,20 +46,52 @@ class Gemv:
     path (`hal.kernels.ops` small ops + `torch.nn.functional.linear`), bit for bit what the model's
     torch code computes through the Hal's other ops."""
 
-    def __init__(self, configs: dict[str, KernelConfig] | None = None, num_compute_units: int | None = None):
+    def __init__(self, configs: dict[str, KernelConfig] | None = None, num_compute_units: int | None = None,
+                 max_rows: int = MAX_ROWS):
         self.configs = configs or configs_for("default")
         self.num_compute_units = num_compute_units
+        self.max_rows = min(max_rows, MAX_ROWS)
 
-    def _fits(self, x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    def _fits(self, x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor | None,
+              prologue: int = NONE) -> bool:
         rows = x.numel() // x.shape[-1] if x.dim() else 0
         dtypes = {t.dtype for t in (x, weight, *others) if t is not None}
-        return (0 < rows <= MAX_ROWS and len(dtypes) == 1 and x.dtype in KERNEL_DTYPES
-                and weight.dim() == 2 and weight.stride(-1) == 1)
+        return (len(dtypes) == 1 and x.dtype in KERNEL_DTYPES and weight.dim() == 2 and weight.stride(-1) == 1
+                and self.takes(rows, weight.shape[1], prologue))
+
+    def takes(self, rows: int, k: int, prologue: int = NONE) -> bool:
+        """Whether a projection of `rows` rows of K with `prologue` runs here (else the unfused path):
+        with `max_rows=1` (the CUDA Hal's default) only where the slice kernel takes it."""
+        return 0 < rows <= self.max_rows and (self.max_rows > 1 or self._slice(k, prologue) is not None)
+
+    def projection_takes(self, rows: int, k: int, after_norm: bool = False) -> bool:
+        """The Hal op "projection_takes": whether these ops fuse a projection of `rows` rows of K (that
+        normalises its input, `after_norm`), so a layer can keep its boundaries where they are not."""
+        return self.takes(rows, k, RMS_NORM if after_norm else NONE)
+
+    def _slice(self, k: int, prologue: int) -> KernelConfig | None:
+        """The whole-slice config for one row of K, or None. K in one slice; SwiGLU's input (which
+        each program reads only for its own slice) in up to `split_k` slices. More slices measured
+        slower than cuBLAS at Huginn's and Nanbeige's widths (docs/performance.md, lever 38)."""
+        config = self.configs.get(SLICE_KEY)
+        if config is None:
+            return None
+        splits = num_splits(k, config)
+        return config if splits == 1 or (prologue == SILU_AND_MUL and splits <= config.split_k) else None
 
     def _run(self, x2: torch.Tensor, weight: torch.Tensor, prologue: int, **kw) -> torch.Tensor:
         check_device(x2)
         rows, n = x2.shape[0], weight.shape[0]
         out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
+        slice_config = self._slice(weight.shape[1], prologue) if rows == 1 else None
+        if slice_config is not None:                        # one row: the whole-slice kernel (PDL)
+            splits = num_splits(weight.shape[1], slice_config)
+            if splits > 1:
+                kw["workspace"] = torch.empty(splits * n, dtype=torch.float32, device=x2.device)
+                kw["counters"] = _counters(x2.device)
+            run_launch(slice_gemv_launch(x2, weight, out, slice_config, backend_of(x2.device), prologue=prologue,
+                                         **kw))
+            return out
         config = self.configs[config_key(rows)]
         if self.num_compute_units is None:
             self.num_compute_units = _compute_units(x2.device)
@@ -81,7 +115,7 @@ class Gemv:
         """W8A16 `x @ (weight * scale[:, None]).T` for x `[M, K]` bf16/fp16 with M <= MAX_ROWS, FP8 weight
         `[N, K]`, float32 `scale: [N]`; None for operands the kernel does not take (the caller's GEMM)."""
         rows = x.shape[0] if x.dim() == 2 else 0
-        if not (0 < rows <= MAX_ROWS and x.dtype in KERNEL_DTYPES and weight.dim() == 2
+        if not (self.takes(rows, weight.shape[-1]) and x.dtype in KERNEL_DTYPES and weight.dim() == 2
                 and weight.stride(-1) == 1 and scale.dtype == torch.float32 and x.shape[-1] == weight.shape[1]):
             return None
         return self._run(_rows(x), weight, NONE, weight_scale=scale)
@@ -89,7 +123,7 @@ class Gemv:
     def rms_norm_linear(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         weight: torch.Tensor) -> torch.Tensor:
         """`linear(rms_norm(x, norm_weight, eps), weight)`."""
-        if not self._fits(x, weight, norm_weight):
+        if not self._fits(x, weight, norm_weight, prologue=RMS_NORM):
             return torch.nn.functional.linear(self._rms_norm(x, norm_weight, eps), weight)
         x2 = _rows(x)
         if x2.shape[0] > NORM_PROLOGUE_MAX_ROWS:
@@ -99,7 +133,7 @@ class Gemv:
     def silu_mul_linear(self, x: torch.Tensor, weight: torch.Tensor,
                         residual: torch.Tensor | None = None) -> torch.Tensor:
         """`linear(silu_and_mul(x), weight) (+ residual)`; x `[..., 2K]` = gate | up."""
-        if x.shape[-1] != 2 * weight.shape[-1] or not self._fits(x, weight, residual):
+        if x.shape[-1] != 2 * weight.shape[-1] or not self._fits(x, weight, residual, prologue=SILU_AND_MUL):
             y = torch.nn.functional.linear(self._silu_and_mul(x), weight)
             return y if residual is None else residual + y
         out_res = None if residual is None else _rows(residual)
@@ -111,19 +145,23 @@ class Gemv:
         """`(linear(rms_norm(h, norm_weight, eps), weight), h)` with the residual stream
         `h = residual + rms_norm(x, post_norm_weight, eps)` (sandwich norms, Ouro), or with
         `sum_first`, `h = rms_norm(x + residual, post_norm_weight, eps)` (Huginn)."""
-        if not self._fits(x, weight, residual, post_norm_weight, norm_weight) or residual.shape != x.shape:
+        prologue = NORM_ADD if sum_first else ADD_NORM
+        if not self._fits(x, weight, residual, post_norm_weight, norm_weight, prologue=prologue) \
+                or residual.shape != x.shape:
+            if residual.shape == x.shape:   # the boundary in one launch, as the layers run it without these ops
+                y, h = self._norm_add_norm(x, residual, post_norm_weight, norm_weight, eps, sum_first)
+                return torch.nn.functional.linear(y, weight), h
             if sum_first:
                 h = self._rms_norm(x + residual, post_norm_weight, eps)
             else:
                 h = self._rms_norm(x, post_norm_weight, eps, residual)
             return torch.nn.functional.linear(self._rms_norm(h, norm_weight, eps), weight), h
         x2 = _rows(x)
-        if x2.shape[0] > SANDWICH_PROLOGUE_MAX_ROWS:       # the stream in its own launch, then one norm
-            h = self._rms_norm(x + residual, post_norm_weight, eps) if sum_first else \
-                self._rms_norm(x, post_norm_weight, eps, residual)
-            return self.rms_norm_linear(h, norm_weight, eps, weight), h
+        if x2.shape[0] > SANDWICH_PROLOGUE_MAX_ROWS:
+            y, h = self._norm_add_norm(x, residual, post_norm_weight, norm_weight, eps, sum_first)  # one launch
+            return self._run(_rows(y), weight, NONE).view(*x.shape[:-1], -1), h
         h = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-        y = self._run(x2, weight, NORM_ADD if sum_first else ADD_NORM, eps=eps, norm_weight=norm_weight,
+        y = self._run(x2, weight, prologue, eps=eps, norm_weight=norm_weight,
                       residual=_rows(residual), res_norm_weight=post_norm_weight, stream_out=h)
         return y.view(*x.shape[:-1], -1), h.view(x.shape)
 
@@ -132,6 +170,11 @@ class Gemv:
         from hal.kernels.ops import rms_norm
 
         return rms_norm(x, weight, eps, residual, self.configs)
+
+    def _norm_add_norm(self, x, residual, post_weight, weight, eps, sum_first):
+        from hal.kernels.norms import norm_add_norm
+
+        return norm_add_norm(x, residual, post_weight, weight, eps, sum_first, self.configs)
 
     def _silu_and_mul(self, x):
         from hal.kernels.ops import silu_and_mul
@@ -151,9 +194,10 @@ def _compute_units(device: torch.device) -> int:
     return device_compute_units(device)
 
 
-def gemv_ops(configs: dict[str, KernelConfig] | None = None,
-             num_compute_units: int | None = None) -> dict[str, object]:
-    """The ops by the names `Hal.op` uses, bound to one config table."""
-    g = Gemv(configs, num_compute_units)
+def gemv_ops(configs: dict[str, KernelConfig] | None = None, num_compute_units: int | None = None,
+             max_rows: int = MAX_ROWS) -> dict[str, object]:
+    """The ops by the names `Hal.op` uses, bound to one config table; calls of more than `max_rows`
+    rows take the unfused path."""
+    g = Gemv(configs, num_compute_units, max_rows)
     return {"linear": g.linear, "rms_norm_linear": g.rms_norm_linear, "silu_mul_linear": g.silu_mul_linear,
-            "norm_residual_linear": g.norm_residual_linear}
+            "norm_residual_linear": g.norm_residual_linear, "projection_takes": g.projection_takes}

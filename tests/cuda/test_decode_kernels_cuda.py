@@ -19,7 +19,7 @@ SHAPES = {"qkv": (6144, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "dow
 
 @pytest.fixture(scope="module")
 def gpu():
-    return hal.get("cuda", decode_projections=True)           # off by default (slower than cuBLAS here)
+    return hal.get("cuda", decode_projections=True)           # 1-8 rows; by default one row only (gemv_slice)
 
 
 def _randn(*shape, scale=1.0):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import types
 
 import pytest
 import torch
@@ -176,3 +177,23 @@ def test_engine_with_norm_add_norm_decodes_huginn_and_nanbeige_alike(name):
             outs[graphs] = [o.token_ids for o in engine.run_until_done()]
     assert outs[True] == outs[False]
     assert fused.calls["norm_add_norm"] and not unfused.calls["norm_add_norm"], fused.calls
+
+
+@pytest.mark.parametrize("name", ["huginn-tiny", "nanbeige-tiny"])
+def test_projections_the_slice_kernel_does_not_take_leave_the_layers_as_without_them(name):
+    """The CUDA Hal's default offers the projection ops for one row at the shapes its whole-slice
+    kernel takes (hal/kernels/gemv_ops.py). Where it takes none of a model's (K in several slices),
+    the model computes what it computes without them, bit for bit, and a pre-norm layer keeps its
+    norm_add_norm boundaries."""
+    from hal.kernels.configs import KernelConfig
+    from zoo.layers import fuses_pre_norm_boundaries
+
+    model = _model(name, "bfloat16")
+    ids = torch.tensor([golden_case(name).prompt(0)[:1]])
+    hal = TritonOpsOnCpu(SMALL_OPS + PROJECTION_OPS + ("projection_takes",))
+    configs = {**configs_for("default"), "gemv_slice": KernelConfig(1, 4, 4, 1, block_k=16, split_k=1)}
+    hal.table.update(gemv_ops(configs, 4, max_rows=1))
+    assert torch.equal(_logits(model, ids, hal), _logits(model, ids, TritonOpsOnCpu(SMALL_OPS)))
+    h = torch.zeros(1, 1, model.config.hidden_size if name == "nanbeige-tiny" else model.config.n_embd)
+    with torch.inference_mode():
+        assert fuses_pre_norm_boundaries(types.SimpleNamespace(ops=ModelOps(hal)), h)

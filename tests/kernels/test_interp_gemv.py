@@ -17,11 +17,17 @@ FMA = KernelConfig(1, 16, 4, 1, block_k=32, split_k=1)
 FMA_PREFETCH_SPLIT = KernelConfig(1, 16, 4, 2, block_k=32, split_k=3)
 DOT = KernelConfig(16, 16, 4, 2, block_k=32, split_k=1)
 DOT_SPLIT = KernelConfig(16, 32, 4, 2, block_k=16, split_k=0)
-PATHS = {"fma": FMA, "fma-prefetch-split3": FMA_PREFETCH_SPLIT, "dot": DOT, "dot-autosplit": DOT_SPLIT}
+# one row through hal/kernels/gemv_slice.py: all of K in one slice (masked), and K over 3 slices
+SLICE = KernelConfig(1, 4, 4, 1, block_k=256)
+SLICE_SPLIT = KernelConfig(1, 8, 2, 1, block_k=32)
+PATHS = {"fma": FMA, "fma-prefetch-split3": FMA_PREFETCH_SPLIT, "dot": DOT, "dot-autosplit": DOT_SPLIT,
+         "slice": SLICE, "slice-split": SLICE_SPLIT}
 
 
 def _ops(config: KernelConfig) -> gemv_ops.Gemv:
-    return gemv_ops.Gemv({**configs_for("default"), "gemv_m1": config, "gemv": config}, num_compute_units=16)
+    slices = {gemv_ops.SLICE_KEY: config} if config in (SLICE, SLICE_SPLIT) else {}
+    return gemv_ops.Gemv({**configs_for("default"), "gemv_m1": config, "gemv": config, **slices},
+                         num_compute_units=16)
 
 
 def _rows_for(config: KernelConfig) -> list[int]:
@@ -61,7 +67,7 @@ def _permutation(n: int, dtype: torch.dtype) -> torch.Tensor:
 def test_prologues_feed_the_product_what_torch_computes(path, stats, monkeypatch):
     """Row statistics from one tile in registers, or in chunks over K (rows wider than STATS_ELEMENTS)."""
     if stats == "chunked":
-        if path not in ("fma", "dot"):
+        if path not in ("fma", "dot", "slice-split"):
             pytest.skip("one chunked case per product path")
         monkeypatch.setattr(gemv, "STATS_ELEMENTS", 32)
     config = PATHS[path]
@@ -228,3 +234,25 @@ def test_fp8_weights_stream_and_scale_once(path, fp8):
         _assert_product(out, x.float(), dequantized, f"fp8 {rows} rows")
     assert ops.fp8_linear(torch.randn(9, 160).bfloat16(), weight, scale) is None
     assert ops.fp8_linear(torch.randn(2, 160), weight, scale) is None
+
+
+def test_one_row_slices_up_to_their_limit_and_leave_counters_zero():
+    """The CUDA Hal's default (`max_rows=1`): one row of K in one slice runs the slice kernel, SwiGLU's
+    input in up to `split_k` slices (deterministically, counters left zero); more slices or more
+    rows take the unfused path, bit for bit."""
+    config = KernelConfig(1, 4, 4, 1, block_k=32, split_k=2)
+    ops = gemv_ops.Gemv({**configs_for("default"), gemv_ops.SLICE_KEY: config}, 16, max_rows=1)
+    x, weight = torch.randn(1, 32).bfloat16(), (torch.randn(12, 32) / 6).bfloat16()
+    assert ops._fits(x, weight) and ops.projection_takes(1, 32, after_norm=True)
+    _assert_product(ops.linear(x, weight), x, weight, "one slice")
+    gate_up, down = torch.randn(1, 128).bfloat16(), (torch.randn(12, 64) / 8).bfloat16()   # two slices
+    first = ops.silu_mul_linear(gate_up, down)
+    assert torch.equal(first, ops.silu_mul_linear(gate_up, down))
+    _assert_product(first, silu_and_mul_ref(gate_up), down, "two slices")
+    assert not gemv_ops._counters(torch.device("cpu")).any()
+    x2 = torch.randn(1, 64).bfloat16()
+    assert not ops.projection_takes(1, 64) and not ops.projection_takes(1, 96)
+    assert torch.equal(ops.linear(x2, down), torch.nn.functional.linear(x2, down))
+    rows2 = torch.randn(2, 32).bfloat16()
+    assert not ops._fits(rows2, weight) and torch.equal(ops.linear(rows2, weight),
+                                                        torch.nn.functional.linear(rows2, weight))

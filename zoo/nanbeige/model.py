@@ -45,7 +45,7 @@ class NanbeigeDecoderLayer(nn.Module):
         where the Hal runs the last residual add and `next_norm` in one kernel. `normed` is ln_in(h)
         when the layer before computed it so; q|k|v then take it as is."""
         # h, normed: [B, T, hidden]
-        if not fuses_pre_norm_boundaries(ctx):
+        if not fuses_pre_norm_boundaries(ctx, h):
             # the norms run in the q|k|v and gate|up projections, the residual adds in the o and
             # down projections, when the context's Hal has those fused ops (decode). No layer
             # returned a `normed` then: this branch makes none

@@ -1,0 +1,125 @@
+"""The one-row decode projection that holds its whole weight slice before it waits for its input:
+`y = prologue(x) @ W.T (+ residual)` for M = 1, W `[N, K]`, with programmatic dependent launch.
+
+Why: at batch 1 a projection streams its weight once, and with PDL (hal/kernels/pdl.py) a kernel
+may start while the one before it still runs. A program here loads its `[BLOCK_N, KS]` slice of W
+(all of K up to KS) into registers first, then waits for the previous kernel, then reads x and
+sums: the weight bytes of the next projection are in flight while the kernel before it (and its
+tail) finishes. One slice per program also drops the K loop and, for K <= KS, the split-K sum.
+Measured (H200, `tools/pdl_bench.py`, 24 layers of Ouro-1.4B's four projections in one graph):
+4 x 2048 slices on 4 warps 33.5 us per layer with PDL, 41.0 without, cuBLAS 40.9; the K-looping
+kernel of gemv.py 47-81 us.
+
+Prologues and the residual epilogue are gemv.py's (`PROLOGUE`, `ADD_RESIDUAL`, the same device
+functions, so the same rounding). K > KS splits into `cdiv(K, KS)` programs per column block whose
+fp32 partials the last to arrive sums in split order (deterministic, as in gemv.py). FP8 weights
+(`W_SCALED`) widen in registers; the per-column scale multiplies the sum.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hal.kernels import gemv
+from hal.kernels.configs import KernelConfig
+from hal.kernels.gemv import _store_out
+from hal.kernels.gemv_prologue import NONE, _input_tile, _row_stats
+from hal.kernels.launch import Launch, launch_options, next_pow2
+from hal.kernels.pdl import pdl_wait
+
+
+@triton.jit
+def _slice_gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, res_norm_ptr, out_res_ptr,
+                       part_ptr, count_ptr, w_scale_ptr, N, K, eps, stride_wn,
+                       PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                       KS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                       K_VEC: tl.constexpr, STATS_BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+                       W_SCALED: tl.constexpr, PDL: tl.constexpr = False):
+    """out `[1, N]` = prologue(x) `[1, K]` @ w `[N, K]`.T (+ out_res). Grid `(cdiv(N, BLOCK_N), SPLIT_K)`;
+    split-K partials go to part `[SPLIT_K, N]` fp32."""
+    DT = out_ptr.dtype.element_ty
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    ks = pid_k * KS + tl.arange(0, KS)
+    # K_VEC | K: the mask is constant over runs of K_VEC elements, so masked loads stay 16-byte vectors
+    k_mask = (ks // K_VEC) < (K // K_VEC)
+    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]
+    if EVEN_N and EVEN_K:      # no mask: the loads stay 16-byte vectors
+        w = tl.load(w_ptrs)
+    elif EVEN_K:
+        w = tl.load(w_ptrs, mask=col_mask[:, None], other=0.0)
+    else:
+        w = tl.load(w_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+    pdl_wait(PDL)             # the slice is in flight; x and the outputs belong to the kernels around
+    rows = tl.arange(0, 1)
+    row_mask = rows < 1
+    inv_src = tl.zeros([1], tl.float32)
+    inv_stream = inv_src
+    if PROLOGUE == 1 or PROLOGUE >= 3:
+        inv_src, inv_stream = _row_stats(x_ptr, res_ptr, res_norm_ptr, rows, row_mask, K, eps, 0, 0,
+                                         PROLOGUE, 1, STATS_BLOCK, ONE_PASS, DT)
+    a = _input_tile(x_ptr, res_ptr, in_norm_ptr, res_norm_ptr, stream_ptr, rows, row_mask, ks, k_mask, K,
+                    inv_src, inv_stream, tl.where(pid_n == 0, 1, 0), 0, 0, 0, PROLOGUE, DT)   # [1, KS]
+    acc = tl.sum(w.to(tl.float32) * a.to(tl.float32), 1)[None, :]                     # [1, BLOCK_N]
+    mask = row_mask[:, None] & col_mask[None, :]
+    w_scale = tl.full([BLOCK_N], 1.0, tl.float32)
+    if W_SCALED:
+        w_scale = tl.load(w_scale_ptr + cols, mask=col_mask, other=0.0)
+    if SPLIT_K == 1:
+        if W_SCALED:
+            acc = acc * w_scale[None, :]
+        _store_out(out_ptr, out_res_ptr, acc, rows, cols, mask, 0, 0, ADD_RESIDUAL, DT)
+    else:
+        parts = part_ptr + cols[None, :]
+        tl.store(parts + pid_k * N, acc, mask=mask)
+        tl.debug_barrier()                    # every thread's partial is written before the release
+        arrived = tl.atomic_add(count_ptr + pid_n, 1)                              # acq_rel, device scope
+        if arrived == SPLIT_K - 1:           # the last split of this column block: sum in split order
+            total = tl.zeros([1, BLOCK_N], tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(parts + s * N, mask=mask, other=0.0, cache_modifier=".cg")
+            if W_SCALED:
+                total = total * w_scale[None, :]
+            _store_out(out_ptr, out_res_ptr, total, rows, cols, mask, 0, 0, ADD_RESIDUAL, DT)
+            tl.atomic_xchg(count_ptr + pid_n, 0)                                   # ready for the next launch
+
+
+def num_splits(k: int, config: KernelConfig) -> int:
+    """Programs per column block: K in slices of `config.block_k`."""
+    return -(-k // config.block_k)
+
+
+def slice_gemv_launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: KernelConfig,
+                      target: str, *, prologue: int = NONE, eps: float = 0.0,
+                      norm_weight: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                      res_norm_weight: torch.Tensor | None = None, stream_out: torch.Tensor | None = None,
+                      out_residual: torch.Tensor | None = None, workspace: torch.Tensor | None = None,
+                      counters: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None) -> Launch:
+    """The launch of `out [1, N] = prologue(x) @ weight.T (+ out_residual)`; x `[1, K]` (`[1, 2K]` for
+    SILU_AND_MUL), weight `[N, K]` with unit stride along K, all vectors contiguous. `config.block_n`
+    columns and `config.block_k` (a power of two) of K per program; K > block_k needs `workspace`
+    (>= splits * N float32) and `counters` (int32 zeros, >= cdiv(N, block_n))."""
+    rows, n = out.shape
+    k = weight.shape[1]
+    if rows != 1:
+        raise ValueError(f"the slice gemv takes one row, got {rows}")
+    if config.block_k != next_pow2(config.block_k):
+        raise ValueError(f"gemv_slice's block_k must be a power of two, got {config.block_k}")
+    split = num_splits(k, config)
+    if split > 1 and (workspace is None or counters is None):
+        raise ValueError("a split-K slice gemv needs a workspace and counters")
+    return Launch(_slice_gemv_kernel, (-(-n // config.block_n), split), (
+        out, x, weight, residual if residual is not None else x, stream_out if stream_out is not None else out,
+        norm_weight if norm_weight is not None else weight,
+        res_norm_weight if res_norm_weight is not None else weight,
+        out_residual if out_residual is not None else out, workspace if workspace is not None else out,
+        counters if counters is not None else out, weight_scale if weight_scale is not None else out,
+        n, k, eps, weight.stride(0)), dict(
+        PROLOGUE=prologue, ADD_RESIDUAL=out_residual is not None, BLOCK_N=config.block_n, KS=config.block_k,
+        SPLIT_K=split, EVEN_K=k % config.block_k == 0, EVEN_N=n % config.block_n == 0,
+        K_VEC=16 if k % 16 == 0 else 8 if k % 8 == 0 else 1,
+        STATS_BLOCK=min(next_pow2(k), gemv.STATS_ELEMENTS), ONE_PASS=next_pow2(k) <= gemv.STATS_ELEMENTS,
+        W_SCALED=weight_scale is not None, **launch_options(config, target)))

@@ -1,0 +1,160 @@
+"""Programmatic dependent launch (PDL) for the batch-1 projections: an experiment on the GPU.
+
+    PYTHONPATH=. python tools/pdl_bench.py [--quick] [--layers 24] [--out rows.jsonl]
+
+Why: at batch 1 a decode step is a chain of about 7 launches per layer and loop, each paying its own
+ramp (the first weight bytes) and tail (the last programs, the split-K reduction); inside a CUDA
+graph the gaps between kernels are 0.15 us, so the loss is inside the kernels. With PDL a kernel
+lets the next one start as soon as all its programs run (`gdc_launch_dependents`); the next one
+loads its whole weight slice into registers, then waits for its input (`gdc_wait`). Weights never
+depend on the previous kernel, so the weight stream can run ahead of the chain of products.
+
+The chain: `layers` x (q|k|v, o, gate|up, down) at the Ouro-1.4B shapes, each product reading its
+input from the previous product's output (a true dependence), captured in one CUDA graph. Variants:
+cuBLAS (`F.linear`), the whole-slice kernel (hal/kernels/gemv_slice.py) over a few tile shapes,
+and (without `--quick`) the K-looping kernel of hal/kernels/gemv.py, each with and without PDL.
+Prints us per layer, TB/s, and the largest difference to the non-PDL run of the same kernel (0: the
+waits order the chain). The first run (2026-12-02, call 1) timed a standalone prototype of the
+slice kernel instead; gemv_slice.py is what it became.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from hal.kernels.configs import KernelConfig
+
+SHAPES = (("qkv", 3 * 2048, 2048), ("o", 2048, 2048), ("gate_up", 2 * 5632, 2048), ("down", 2048, 5632))
+FLOOR_BANDWIDTH = 4.27e12
+HAS_GDC = hasattr(tl.extra.cuda, "gdc_wait") if hasattr(tl, "extra") else False
+ENV = "LOOPSTACK_PDL"
+
+
+def cublas_launch(x, w, out):
+    torch.nn.functional.linear(x, w, out=out)
+
+
+def gemv_launcher(pdl: bool, config=None):
+    """The Hal's decode GEMV kernel (hal/kernels/gemv.py) into the chain's buffers, PDL on or off."""
+    from hal.kernels.configs import configs_for
+    from hal.kernels.gemv import gemv_launch
+    from hal.kernels.launch import run_launch
+
+    config = config or configs_for("sm_90")["gemv_m1"]
+    units = torch.cuda.get_device_properties(0).multi_processor_count
+    counters = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
+    workspace = torch.empty(64 * 16384, dtype=torch.float32, device="cuda")
+
+    def launch(x, w, out):
+        os.environ[ENV] = "1" if pdl else "0"
+        run_launch(gemv_launch(x, w, out, config, "cuda", units, workspace=workspace, counters=counters))
+    return launch
+
+
+def slice_gemv_launcher(pdl: bool, config):
+    """hal/kernels/gemv_slice.py (what the sm_90 table runs at one row) into the chain's buffers."""
+    from hal.kernels.gemv_slice import slice_gemv_launch
+    from hal.kernels.launch import run_launch
+
+    counters = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
+    workspace = torch.empty(64 * 16384, dtype=torch.float32, device="cuda")
+
+    def launch(x, w, out):
+        os.environ[ENV] = "1" if pdl else "0"
+        run_launch(slice_gemv_launch(x, w, out, config, "cuda", workspace=workspace, counters=counters))
+    return launch
+
+
+def chain(launch, weights, bufs, x0):
+    """Every product reads the previous product's output (its first K values)."""
+    prev = x0
+    for w, out in zip(weights, bufs):
+        launch(prev[..., :w.shape[1]], w, out)
+        prev = out
+
+
+def time_graph(launch, weights, x0, replays: int = 20):
+    bufs = [torch.empty(1, w.shape[0], dtype=w.dtype, device="cuda") for w in weights]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            chain(launch, weights, bufs, x0)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        chain(launch, weights, bufs, x0)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    times.sort()
+    return times[len(times) // 2], bufs[-1].float().clone()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--out", default=None)
+    p.add_argument("--quick", action="store_true", help="cuBLAS and the slice kernel's configs only")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+               for _ in range(args.layers) for _, n, k in SHAPES]
+    x0 = torch.randn(1, 5632, device="cuda", dtype=torch.bfloat16)
+    layer_bytes = sum(n * k * 2 for _, n, k in SHAPES)
+    floor_us = layer_bytes / FLOOR_BANDWIDTH * 1e6
+    print(f"torch {torch.__version__} triton {triton.__version__} gdc {HAS_GDC}; per layer {layer_bytes / 1e6:.1f} MB, "
+          f"floor {floor_us:.1f} us", flush=True)
+    variants = [("cublas", cublas_launch)]
+    for bn, bk, warps in ((4, 2048, 4), (2, 2048, 2), (4, 2048, 2), (8, 2048, 4), (8, 2048, 8), (4, 4096, 4),
+                          (4, 4096, 8), (2, 4096, 4), (16, 1024, 4), (8, 1024, 2)):
+        for pdl in (False, True):
+            variants.append((f"gemv_slice bn{bn} bk{bk} w{warps}{' pdl' if pdl else ''}",
+                             slice_gemv_launcher(pdl, KernelConfig(1, bn, warps, 1, block_k=bk))))
+    if not args.quick:   # the K-looping kernel, in its table config and with one tile per split
+        for label, config in (("sm_90 config", None),
+                              ("bn16 bk512 one tile/split", KernelConfig(1, 16, 4, 2, block_k=512, split_k=16)),
+                              ("bn8 bk1024 one tile/split", KernelConfig(1, 8, 4, 2, block_k=1024, split_k=16)),
+                              ("bn16 bk256 one tile/split", KernelConfig(1, 16, 4, 2, block_k=256, split_k=16)),
+                              ("bn32 bk256 split auto", KernelConfig(1, 32, 4, 2, block_k=256, split_k=0))):
+            for pdl in (False, True):
+                variants.append((f"gemv {label}{' pdl' if pdl else ''}", gemv_launcher(pdl, config)))
+    rows, ref = [], {}
+    for name, launch in variants:
+        try:
+            us, y = time_graph(launch, weights, x0)
+        except Exception as e:  # noqa: BLE001 (a variant that fails to compile or capture is reported, not fatal)
+            print(f"{name:34s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        base = name.replace(" pdl", "")
+        diff = float((y - ref[base]).abs().max()) if base in ref else 0.0
+        ref.setdefault(base, y)
+        per_layer = us / args.layers
+        row = {"variant": name, "us_per_layer": round(per_layer, 2), "tb_s": round(layer_bytes / per_layer / 1e6, 3),
+               "floor_ratio": round(floor_us / per_layer, 3), "max_diff_vs_no_pdl": diff}
+        rows.append(row)
+        print(f"{name:34s} {per_layer:7.2f} us/layer  {row['tb_s']:.2f} TB/s  {row['floor_ratio']:.2f} of floor  "
+              f"diff {diff:.3g}", flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
