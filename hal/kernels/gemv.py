@@ -135,6 +135,17 @@ def _gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, res_no
             acc = tl.dot(a, w.to(DT), acc)                                         # FP8 widens exactly
     if BLOCK_M == 1:
         acc = tl.sum(acc2, 1)[None, :]
+    _finish(acc, out_ptr, out_res_ptr, part_ptr, count_ptr, w_scale_ptr, rows, cols, row_mask, col_mask, M, N,
+            pid_n, pid_k, stride_om, stride_orm, ADD_RESIDUAL, SPLIT_K, W_SCALED, BLOCK_M, BLOCK_N, DT)
+
+
+@triton.jit
+def _finish(acc, out_ptr, out_res_ptr, part_ptr, count_ptr, w_scale_ptr, rows, cols, row_mask, col_mask, M, N,
+            pid_n, pid_k, stride_om, stride_orm, ADD_RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr,
+            W_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr):
+    """The epilogue of a program's fp32 sum `acc [BLOCK_M, BLOCK_N]`: the FP8 weight scale, the
+    residual add, the store; with split-K the partial goes to part `[SPLIT_K, M, N]` and the last
+    split to arrive at the column block sums them in split order (deterministic) and stores."""
     mask = row_mask[:, None] & col_mask[None, :]
     w_scale = tl.full([BLOCK_N], 1.0, tl.float32)
     if W_SCALED:

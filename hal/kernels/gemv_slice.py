@@ -23,7 +23,7 @@ import triton.language as tl
 
 from hal.kernels import gemv
 from hal.kernels.configs import KernelConfig
-from hal.kernels.gemv import _store_out
+from hal.kernels.gemv import _finish
 from hal.kernels.gemv_prologue import NONE, _input_tile, _row_stats
 from hal.kernels.launch import Launch, launch_options, next_pow2
 from hal.kernels.pdl import pdl_wait
@@ -64,27 +64,8 @@ def _slice_gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, 
     a = _input_tile(x_ptr, res_ptr, in_norm_ptr, res_norm_ptr, stream_ptr, rows, row_mask, ks, k_mask, K,
                     inv_src, inv_stream, tl.where(pid_n == 0, 1, 0), 0, 0, 0, PROLOGUE, DT)   # [1, KS]
     acc = tl.sum(w.to(tl.float32) * a.to(tl.float32), 1)[None, :]                     # [1, BLOCK_N]
-    mask = row_mask[:, None] & col_mask[None, :]
-    w_scale = tl.full([BLOCK_N], 1.0, tl.float32)
-    if W_SCALED:
-        w_scale = tl.load(w_scale_ptr + cols, mask=col_mask, other=0.0)
-    if SPLIT_K == 1:
-        if W_SCALED:
-            acc = acc * w_scale[None, :]
-        _store_out(out_ptr, out_res_ptr, acc, rows, cols, mask, 0, 0, ADD_RESIDUAL, DT)
-    else:
-        parts = part_ptr + cols[None, :]
-        tl.store(parts + pid_k * N, acc, mask=mask)
-        tl.debug_barrier()                    # every thread's partial is written before the release
-        arrived = tl.atomic_add(count_ptr + pid_n, 1)                              # acq_rel, device scope
-        if arrived == SPLIT_K - 1:           # the last split of this column block: sum in split order
-            total = tl.zeros([1, BLOCK_N], tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                total += tl.load(parts + s * N, mask=mask, other=0.0, cache_modifier=".cg")
-            if W_SCALED:
-                total = total * w_scale[None, :]
-            _store_out(out_ptr, out_res_ptr, total, rows, cols, mask, 0, 0, ADD_RESIDUAL, DT)
-            tl.atomic_xchg(count_ptr + pid_n, 0)                                   # ready for the next launch
+    _finish(acc, out_ptr, out_res_ptr, part_ptr, count_ptr, w_scale_ptr, rows, cols, row_mask, col_mask, 1, N,
+            pid_n, pid_k, 0, 0, ADD_RESIDUAL, SPLIT_K, W_SCALED, 1, BLOCK_N, DT)
 
 
 def num_splits(k: int, config: KernelConfig) -> int:
