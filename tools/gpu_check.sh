@@ -3,7 +3,7 @@
 # suite, the kernel benchmark, the engine benchmark cells and a profile of a decode step.
 #   tools/gpu_check.sh [phase ...]     phases: conformance tests kernels bench models profile spec
 #                                      specasync sweep fp8 cells peer profile64 train finetune spec22
-#                                      fp8kernels fp8cells fp8quick restcuda tune diag
+#                                      fp8kernels fp8cells fp8quick restcuda tune diag pdl slice slicediag
 #                                      (default: the first six)
 # Logs go to $OUT/gpu_check.log, benchmark rows to $OUT/bench.jsonl; a short table is printed last.
 set -u
@@ -90,6 +90,12 @@ for phase in $PHASES; do
         [ -n "${SLICE_SPLITS:-}" ] && LOOPSTACK_KERNEL_CONFIGS="{\"gemv_slice\": [1, 4, 4, 1, 0, 0, 1, 2048, $SLICE_SPLITS]}" \
           bench model=$model 'workload=[b1]'
       done ;;
+    slicediag)   # why several slices per row lost at Huginn's and Nanbeige's widths (lever 38): the chain
+                 # of their four projections, cuBLAS against the slice kernel's configs, with and without PDL
+      run "gemv_slice chain huginn" 150 python3 tools/pdl_bench.py --quick --model huginn-0125 --layers 8 \
+        --out "$OUT/pdl.jsonl"
+      run "gemv_slice chain nanbeige" 150 python3 tools/pdl_bench.py --quick --model nanbeige4.2-3b --layers 16 \
+        --out "$OUT/pdl.jsonl" ;;
     models)
       bench model=huginn-0125 'workload=[b1]'
       bench model=nanbeige4.2-3b 'workload=[b1]' ;;

@@ -1,6 +1,6 @@
 """Programmatic dependent launch (PDL) for the batch-1 projections: an experiment on the GPU.
 
-    PYTHONPATH=. python tools/pdl_bench.py [--quick] [--layers 24] [--out rows.jsonl]
+    PYTHONPATH=. python tools/pdl_bench.py [--quick] [--model ouro-1.4b] [--layers 24] [--out rows.jsonl]
 
 Why: at batch 1 a decode step is a chain of about 7 launches per layer and loop, each paying its own
 ramp (the first weight bytes) and tail (the last programs, the split-K reduction); inside a CUDA
@@ -9,7 +9,7 @@ lets the next one start as soon as all its programs run (`gdc_launch_dependents`
 loads its whole weight slice into registers, then waits for its input (`gdc_wait`). Weights never
 depend on the previous kernel, so the weight stream can run ahead of the chain of products.
 
-The chain: `layers` x (q|k|v, o, gate|up, down) at the Ouro-1.4B shapes, each product reading its
+The chain: `layers` x (q|k|v, o, gate|up, down) at one model's shapes (Ouro-1.4B by default), each product reading its
 input from the previous product's output (a true dependence), captured in one CUDA graph. Variants:
 cuBLAS (`F.linear`), the whole-slice kernel (hal/kernels/gemv_slice.py) over a few tile shapes,
 and (without `--quick`) the K-looping kernel of hal/kernels/gemv.py, each with and without PDL.
@@ -30,7 +30,12 @@ import triton.language as tl
 
 from hal.kernels.configs import KernelConfig
 
-SHAPES = (("qkv", 3 * 2048, 2048), ("o", 2048, 2048), ("gate_up", 2 * 5632, 2048), ("down", 2048, 5632))
+# (name, N, K) of a layer's four projections per model; each output is at least as wide as the next K
+MODEL_SHAPES = {
+    "ouro-1.4b": (("qkv", 3 * 2048, 2048), ("o", 2048, 2048), ("gate_up", 2 * 5632, 2048), ("down", 2048, 5632)),
+    "huginn-0125": (("qkv", 3 * 5280, 5280), ("o", 5280, 5280), ("gate_up", 2 * 17920, 5280), ("down", 5280, 17920)),
+    "nanbeige4.2-3b": (("qkv", 8192, 3072), ("o", 3072, 6144), ("gate_up", 2 * 10752, 3072), ("down", 3072, 10752)),
+}
 FLOOR_BANDWIDTH = 4.27e12
 HAS_GDC = hasattr(tl.extra.cuda, "gdc_wait") if hasattr(tl, "extra") else False
 ENV = "LOOPSTACK_PDL"
@@ -107,15 +112,18 @@ def time_graph(launch, weights, x0, replays: int = 20):
 
 def main() -> int:
     p = argparse.ArgumentParser()
+    p.add_argument("--model", choices=sorted(MODEL_SHAPES), default="ouro-1.4b",
+                   help="whose projection shapes (Huginn and Nanbeige: K in several slices, lever 38)")
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--out", default=None)
     p.add_argument("--quick", action="store_true", help="cuBLAS and the slice kernel's configs only")
     args = p.parse_args()
     torch.manual_seed(0)
+    shapes = MODEL_SHAPES[args.model]
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-               for _ in range(args.layers) for _, n, k in SHAPES]
-    x0 = torch.randn(1, 5632, device="cuda", dtype=torch.bfloat16)
-    layer_bytes = sum(n * k * 2 for _, n, k in SHAPES)
+               for _ in range(args.layers) for _, n, k in shapes]
+    x0 = torch.randn(1, max(k for _, _, k in shapes), device="cuda", dtype=torch.bfloat16)
+    layer_bytes = sum(n * k * 2 for _, n, k in shapes)
     floor_us = layer_bytes / FLOOR_BANDWIDTH * 1e6
     print(f"torch {torch.__version__} triton {triton.__version__} gdc {HAS_GDC}; per layer {layer_bytes / 1e6:.1f} MB, "
           f"floor {floor_us:.1f} us", flush=True)
@@ -144,7 +152,7 @@ def main() -> int:
         diff = float((y - ref[base]).abs().max()) if base in ref else 0.0
         ref.setdefault(base, y)
         per_layer = us / args.layers
-        row = {"variant": name, "us_per_layer": round(per_layer, 2), "tb_s": round(layer_bytes / per_layer / 1e6, 3),
+        row = {"model": args.model, "variant": name, "us_per_layer": round(per_layer, 2), "tb_s": round(layer_bytes / per_layer / 1e6, 3),
                "floor_ratio": round(floor_us / per_layer, 3), "max_diff_vs_no_pdl": diff}
         rows.append(row)
         print(f"{name:34s} {per_layer:7.2f} us/layer  {row['tb_s']:.2f} TB/s  {row['floor_ratio']:.2f} of floor  "
