@@ -254,8 +254,9 @@ class CudaHal(Hal):
         if self.decode_projections is not None:
             return attention.GEMV_MAX_ROWS if self.decode_projections else 0
         from hal.kernels import pdl
+        from hal.kernels.gemv_ops import SLICE_KEY
 
-        return 1 if "gemv_slice" in configs and pdl.enabled(self.device()) else 0
+        return 1 if SLICE_KEY in configs and pdl.enabled(self.device()) else 0
 
     def _log_once(self, key: Any, message: str, *args: Any) -> None:
         if key not in self._logged:

@@ -6,9 +6,9 @@ may start while the one before it still runs. A program here loads its `[BLOCK_N
 (all of K up to KS) into registers first, then waits for the previous kernel, then reads x and
 sums: the weight bytes of the next projection are in flight while the kernel before it (and its
 tail) finishes. One slice per program also drops the K loop and, for K <= KS, the split-K sum.
-Measured (H200, `tools/pdl_bench.py`, 24 layers of Ouro-1.4B's four projections in one graph):
-4 x 2048 slices on 4 warps 33.5 us per layer with PDL, 41.0 without, cuBLAS 40.9; the K-looping
-kernel of gemv.py 47-81 us.
+Measured (H200, `tools/pdl_bench.py --quick`, 24 layers of Ouro-1.4B's four projections in one
+graph, 2026-12-02): 4 x 2048 slices on 4 warps 32.1 us per layer with PDL, 37.4 without, cuBLAS
+41.1; the K-looping kernel of gemv.py 47-51 us.
 
 Prologues and the residual epilogue are gemv.py's (`PROLOGUE`, `ADD_RESIDUAL`, the same device
 functions, so the same rounding). K > KS splits into `cdiv(K, KS)` programs per column block whose
@@ -34,8 +34,8 @@ def _slice_gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, 
                        part_ptr, count_ptr, w_scale_ptr, N, K, eps, stride_wn,
                        PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
                        KS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                       K_VEC: tl.constexpr, STATS_BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
-                       W_SCALED: tl.constexpr, PDL: tl.constexpr = False):
+                       STATS_BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, W_SCALED: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """out `[1, N]` = prologue(x) `[1, K]` @ w `[N, K]`.T (+ out_res). Grid `(cdiv(N, BLOCK_N), SPLIT_K)`;
     split-K partials go to part `[SPLIT_K, N]` fp32."""
     DT = out_ptr.dtype.element_ty
@@ -44,8 +44,7 @@ def _slice_gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, 
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     ks = pid_k * KS + tl.arange(0, KS)
-    # K_VEC | K: the mask is constant over runs of K_VEC elements, so masked loads stay 16-byte vectors
-    k_mask = (ks // K_VEC) < (K // K_VEC)
+    k_mask = ks < K
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]
     if EVEN_N and EVEN_K:      # no mask: the loads stay 16-byte vectors
         w = tl.load(w_ptrs)
@@ -101,6 +100,5 @@ def slice_gemv_launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, 
         n, k, eps, weight.stride(0)), dict(
         PROLOGUE=prologue, ADD_RESIDUAL=out_residual is not None, BLOCK_N=config.block_n, KS=config.block_k,
         SPLIT_K=split, EVEN_K=k % config.block_k == 0, EVEN_N=n % config.block_n == 0,
-        K_VEC=16 if k % 16 == 0 else 8 if k % 8 == 0 else 1,
         STATS_BLOCK=min(next_pow2(k), gemv.STATS_ELEMENTS), ONE_PASS=next_pow2(k) <= gemv.STATS_ELEMENTS,
         W_SCALED=weight_scale is not None, **launch_options(config, target)))

@@ -10,7 +10,8 @@ also makes its writes visible) before it reads its input or writes anything.
 The rule every kernel launched with PDL keeps: `pdl_wait` comes before any load of data another
 kernel writes, before any store, and before any early return (a kernel whose programs all returned
 without waiting could finish before its predecessor). Kernels take `PDL: tl.constexpr = False`;
-`run_launch` turns it on for the kernels in PDL_KERNELS when `enabled(device)`.
+`run_launch` (hal/kernels/launch.py) turns it on for every kernel with that parameter when
+`enabled(device)`.
 """
 from __future__ import annotations
 
