@@ -3,7 +3,7 @@
 # suite, the kernel benchmark, the engine benchmark cells and a profile of a decode step.
 #   tools/gpu_check.sh [phase ...]     phases: conformance tests kernels bench models profile spec
 #                                      specasync sweep fp8 cells peer profile64 train finetune spec22
-#                                      fp8kernels fp8cells fp8quick restcuda tune diag pdl slice slicediag rows
+#                                      fp8kernels fp8cells fp8quick restcuda tune diag pdl slice slicediag
 #                                      (default: the first six)
 # Logs go to $OUT/gpu_check.log, benchmark rows to $OUT/bench.jsonl; a short table is printed last.
 set -u
@@ -96,22 +96,6 @@ for phase in $PHASES; do
         --out "$OUT/pdl.jsonl"
       run "gemv_slice chain nanbeige" 150 python3 tools/pdl_bench.py --quick --model nanbeige4.2-3b --layers 16 \
         --out "$OUT/pdl.jsonl" ;;
-    rows)    # lever 39: decode batches on gemv_slice.py's rows kernel (ROWS: the chain's rows), the sweep's
-             # fastest config (PDL on) through LOOPSTACK_KERNEL_CONFIGS against cuBLAS in the engine
-      for rows in ${ROWS:-64}; do
-        run "rows chain $rows" 270 python3 tools/pdl_bench.py --rows $rows --layers 12 --out "$OUT/pdl.jsonl"
-      done
-      PICK=$(python3 - "$OUT/pdl.jsonl" <<'PY'
-import json, re, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if '"rows": 64' in l and " pdl" in l]
-best = min(rows, key=lambda r: r["us_per_layer"])
-bn, bk, ch, w = map(int, re.match(r"rows bn(\d+) bk(\d+) x(\d+) w(\d+)", best["variant"]).groups())
-print(json.dumps({"gemv_slice_rows": [16, bn, w, 1, 0, 0, 1, bk, ch]}))
-PY
-)
-      echo "picked: $PICK" | tee -a "$LOG"
-      bench model=ouro-1.4b ${ROWS_CELLS:-'workload=[b64]'}
-      LOOPSTACK_KERNEL_CONFIGS=$PICK bench model=ouro-1.4b ${ROWS_PICK_CELLS:-'workload=[b1,b64,b128]'} ;;
     models)
       bench model=huginn-0125 'workload=[b1]'
       bench model=nanbeige4.2-3b 'workload=[b1]' ;;

@@ -14,10 +14,7 @@ input from the previous product's output (a true dependence), captured in one CU
 cuBLAS (`F.linear`), the whole-slice kernel (hal/kernels/gemv_slice.py) over a few tile shapes,
 and (without `--quick`) the K-looping kernel of hal/kernels/gemv.py, each with and without PDL.
 Prints us per layer, TB/s, and the largest difference to the non-PDL run of the same kernel (0: the
-waits order the chain). `--rows R` (R > 1) times a decode batch instead: cuBLAS with the SwiGLU kernel
-before each down projection (what the engine ran at 64-128 rows) against the rows kernel of
-gemv_slice.py (SwiGLU in the down projection's prologue); the difference is then also relative to
-cuBLAS's output. The first run (2026-12-02, call 1) timed a standalone prototype of the
+waits order the chain). The first run (2026-12-02, call 1) timed a standalone prototype of the
 slice kernel instead; gemv_slice.py is what it became.
 """
 from __future__ import annotations
@@ -45,7 +42,7 @@ ENV = "LOOPSTACK_PDL"
 
 
 def cublas_launch(x, w, out):
-    torch.nn.functional.linear(x[..., :w.shape[1]], w, out=out)
+    torch.nn.functional.linear(x, w, out=out)
 
 
 def gemv_launcher(pdl: bool, config=None):
@@ -79,55 +76,26 @@ def slice_gemv_launcher(pdl: bool, config):
     return launch
 
 
-def slice_rows_launcher(pdl: bool, config, down_config):
-    """hal/kernels/gemv_slice.py's rows kernel; the down projection (the chain's 4th) takes gate|up
-    with its SwiGLU prologue, in `down_config`."""
-    from hal.kernels.gemv_slice import slice_rows_launch
-    from hal.kernels.launch import run_launch
-    from hal.kernels.gemv import NONE, SILU_AND_MUL
-
-    counters = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
-    workspace = torch.empty(8 * 128 * 16384, dtype=torch.float32, device="cuda")
-
-    def launch(x, w, out):
-        os.environ[ENV] = "1" if pdl else "0"
-        swiglu = x.shape[1] == 2 * w.shape[1]
-        run_launch(slice_rows_launch(x, w, out, down_config if swiglu else config, "cuda",
-                                     prologue=SILU_AND_MUL if swiglu else NONE, workspace=workspace,
-                                     counters=counters))
-    return launch
-
-
-def cublas_silu_launch(x, w, out):
-    """cuBLAS, with the Hal's SwiGLU kernel before the down projection (what the engine runs at 64 rows)."""
-    from hal.kernels.ops import silu_and_mul
-
-    if x.shape[1] == 2 * w.shape[1]:
-        x = silu_and_mul(x)
-    torch.nn.functional.linear(x, w, out=out)
-
-
-def chain(launch, weights, bufs, x0, swiglu: bool = False):
+def chain(launch, weights, bufs, x0):
     """Every product reads the previous product's output (its first K values)."""
     prev = x0
-    for i, (w, out) in enumerate(zip(weights, bufs)):
-        down = swiglu and i % 4 == 3           # the rows mode: gate|up -> SwiGLU -> down
-        launch(prev[..., :2 * w.shape[1]] if down else prev[..., :w.shape[1]], w, out)
+    for w, out in zip(weights, bufs):
+        launch(prev[..., :w.shape[1]], w, out)
         prev = out
 
 
-def time_graph(launch, weights, x0, replays: int = 20, swiglu: bool = False):
-    bufs = [torch.empty(x0.shape[0], w.shape[0], dtype=w.dtype, device="cuda") for w in weights]
+def time_graph(launch, weights, x0, replays: int = 20):
+    bufs = [torch.empty(1, w.shape[0], dtype=w.dtype, device="cuda") for w in weights]
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(2):
-            chain(launch, weights, bufs, x0, swiglu)
+            chain(launch, weights, bufs, x0)
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        chain(launch, weights, bufs, x0, swiglu)
+        chain(launch, weights, bufs, x0)
     g.replay()
     torch.cuda.synchronize()
     times = []
@@ -142,24 +110,6 @@ def time_graph(launch, weights, x0, replays: int = 20, swiglu: bool = False):
     return times[len(times) // 2], bufs[-1].float().clone()
 
 
-# rows kernel sweep: (block_n, block_k, tiles per program, warps) of q|k|v, o and gate|up; the down
-# projection (SwiGLU prologue) takes what the Hal derives from it (gemv_ops._rows_config)
-ROWS_CONFIGS = ((32, 128, 8, 8), (64, 128, 4, 8), (32, 256, 4, 8), (64, 64, 8, 8), (16, 256, 4, 4), (32, 128, 8, 4))
-
-
-def rows_variants() -> list:
-    from hal.kernels.gemv import SILU_AND_MUL
-    from hal.kernels.gemv_ops import _rows_config
-
-    out = [("cublas (no swiglu)", cublas_launch), ("cublas+silu", cublas_silu_launch)]
-    for i, (bn, bk, ch, w) in enumerate(ROWS_CONFIGS):
-        config = KernelConfig(16, bn, w, 1, block_k=bk, split_k=ch)
-        for pdl in (False, True) if i == 0 else (True,):
-            out.append((f"rows bn{bn} bk{bk} x{ch} w{w}" + (" pdl" if pdl else ""),
-                        slice_rows_launcher(pdl, config, _rows_config(config, SILU_AND_MUL))))
-    return out
-
-
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", choices=sorted(MODEL_SHAPES), default="ouro-1.4b",
@@ -167,27 +117,23 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--out", default=None)
     p.add_argument("--quick", action="store_true", help="cuBLAS and the slice kernel's configs only")
-    p.add_argument("--rows", type=int, default=1,
-                   help="decode rows; > 1: cuBLAS (+ the SwiGLU kernel) against the rows kernel of gemv_slice.py")
     args = p.parse_args()
     torch.manual_seed(0)
     shapes = MODEL_SHAPES[args.model]
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
                for _ in range(args.layers) for _, n, k in shapes]
-    x0 = torch.randn(args.rows, max(k for _, _, k in shapes), device="cuda", dtype=torch.bfloat16)
+    x0 = torch.randn(1, max(k for _, _, k in shapes), device="cuda", dtype=torch.bfloat16)
     layer_bytes = sum(n * k * 2 for _, n, k in shapes)
     floor_us = layer_bytes / FLOOR_BANDWIDTH * 1e6
     print(f"torch {torch.__version__} triton {triton.__version__} gdc {HAS_GDC}; per layer {layer_bytes / 1e6:.1f} MB, "
           f"floor {floor_us:.1f} us", flush=True)
     variants = [("cublas", cublas_launch)]
-    if args.rows > 1:
-        variants = rows_variants()
-    for bn, bk, warps in () if args.rows > 1 else ((4, 2048, 4), (2, 2048, 2), (4, 2048, 2), (8, 2048, 4), (8, 2048, 8), (4, 4096, 4),
+    for bn, bk, warps in ((4, 2048, 4), (2, 2048, 2), (4, 2048, 2), (8, 2048, 4), (8, 2048, 8), (4, 4096, 4),
                           (4, 4096, 8), (2, 4096, 4), (16, 1024, 4), (8, 1024, 2)):
         for pdl in (False, True):
             variants.append((f"gemv_slice bn{bn} bk{bk} w{warps}{' pdl' if pdl else ''}",
                              slice_gemv_launcher(pdl, KernelConfig(1, bn, warps, 1, block_k=bk))))
-    if not args.quick and args.rows == 1:   # the K-looping kernel, in its table config and with one tile per split
+    if not args.quick:   # the K-looping kernel, in its table config and with one tile per split
         for label, config in (("sm_90 config", None),
                               ("bn16 bk512 one tile/split", KernelConfig(1, 16, 4, 2, block_k=512, split_k=16)),
                               ("bn8 bk1024 one tile/split", KernelConfig(1, 8, 4, 2, block_k=1024, split_k=16)),
@@ -198,18 +144,15 @@ def main() -> int:
     rows, ref = [], {}
     for name, launch in variants:
         try:
-            us, y = time_graph(launch, weights, x0, swiglu=args.rows > 1)
+            us, y = time_graph(launch, weights, x0)
         except Exception as e:  # noqa: BLE001 (a variant that fails to compile or capture is reported, not fatal)
             print(f"{name:34s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
         base = name.replace(" pdl", "")
         diff = float((y - ref[base]).abs().max()) if base in ref else 0.0
         ref.setdefault(base, y)
-        if args.rows > 1:      # the rows kernel against cuBLAS + the SwiGLU kernel, relative to its scale
-            base_y = ref.get("cublas+silu", y)
-            diff = max(diff, float((y - base_y).abs().max() / base_y.abs().max()))
         per_layer = us / args.layers
-        row = {"model": args.model, "rows": args.rows, "variant": name, "us_per_layer": round(per_layer, 2), "tb_s": round(layer_bytes / per_layer / 1e6, 3),
+        row = {"model": args.model, "variant": name, "us_per_layer": round(per_layer, 2), "tb_s": round(layer_bytes / per_layer / 1e6, 3),
                "floor_ratio": round(floor_us / per_layer, 3), "max_diff_vs_no_pdl": diff}
         rows.append(row)
         print(f"{name:34s} {per_layer:7.2f} us/layer  {row['tb_s']:.2f} TB/s  {row['floor_ratio']:.2f} of floor  "

@@ -254,9 +254,9 @@ class CudaHal(Hal):
         if self.decode_projections is not None:
             return attention.GEMV_MAX_ROWS if self.decode_projections else 0
         from hal.kernels import pdl
-        from hal.kernels.gemv_ops import ROWS_KEY, SLICE_KEY
+        from hal.kernels.gemv_ops import SLICE_KEY
 
-        return 1 if (SLICE_KEY in configs or ROWS_KEY in configs) and pdl.enabled(self.device()) else 0
+        return 1 if SLICE_KEY in configs and pdl.enabled(self.device()) else 0
 
     def _log_once(self, key: Any, message: str, *args: Any) -> None:
         if key not in self._logged:

@@ -37,9 +37,6 @@ callers; nothing else chooses tiles. Keys of a table are kernel names:
                       (a power of two) of K per program; K in one slice, or for the down projection (a
                       SwiGLU prologue) in up to split_k slices; a CUDA table with it runs batch-1
                       projections of those shapes there (hal/kernels/gemv_ops.py), the rest on cuBLAS
-  gemv_slice_rows     (optional) decode batches of block_m..128 rows on gemv_slice.py's rows kernel (tl.dot):
-                      block_n columns x split_k tiles of block_k of K per program, all loaded before the
-                      wait; the SwiGLU prologue takes tiles of block_k / 2 (gemv_ops._rows_config)
 
 AMD-only keys (`waves_per_eu`, `matrix_instr_nonkdim`, `kpack`) are passed to a launch only when
 it targets an AMD GPU (see `hal.kernels.launch`). On AMD `num_stages` 2 enables the stream
@@ -56,11 +53,10 @@ from dataclasses import dataclass
 KERNEL_NAMES = ("attention_prefill", "attention_decode", "attention_prefill_fp32", "attention_decode_fp32",
                 "attention_prefill_fp8", "attention_decode_fp8", "attention_row_decode",
                 "attention_row_decode_fp8", "attention_reduce", "kv_write", "rms_norm", "norm_add_norm",
-                "rotary", "silu_and_mul", "fp8_linear", "gemv_m1", "gemv", "gemv_slice", "gemv_slice_rows")
+                "rotary", "silu_and_mul", "fp8_linear", "gemv_m1", "gemv", "gemv_slice")
 # a table without the attention_row_* keys routes every decode batch to the unified kernel
 # (hal/kernels/attend.py); one without norm_add_norm launches it with the rms_norm entry
-OPTIONAL_KERNEL_NAMES = ("attention_row_decode", "attention_row_decode_fp8", "norm_add_norm", "gemv_slice",
-                         "gemv_slice_rows")
+OPTIONAL_KERNEL_NAMES = ("attention_row_decode", "attention_row_decode_fp8", "norm_add_norm", "gemv_slice")
 
 
 @dataclass(frozen=True)

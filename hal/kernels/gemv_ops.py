@@ -8,15 +8,13 @@ count up to their MAX_DOT_ROWS; tools and tests launch the kernels directly, pas
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
 
-from hal.kernels import gemv
 from hal.kernels.configs import KernelConfig, configs_for
 from hal.kernels.gemv import ADD_NORM, NONE, NORM_ADD, RMS_NORM, SILU_AND_MUL, config_key, gemv_launch, plan
-from hal.kernels.gemv_slice import MAX_CHUNKS, num_splits, rows_splits, slice_gemv_launch, slice_rows_launch
+from hal.kernels.gemv_slice import num_splits, slice_gemv_launch
 from hal.kernels.launch import backend_of, check_device, run_launch
 
 MAX_ROWS = 8                     # decode batches the kernels take; more rows go to the GEMM (cuBLAS)
@@ -28,7 +26,6 @@ MAX_ROWS = 8                     # decode batches the kernels take; more rows go
 NORM_PROLOGUE_MAX_ROWS = 1
 SANDWICH_PROLOGUE_MAX_ROWS = 1
 SLICE_KEY = "gemv_slice"         # a table with this entry runs one-row projections on hal/kernels/gemv_slice.py
-ROWS_KEY = "gemv_slice_rows"     # ... and with this one, batches of block_m..MAX_DOT_ROWS rows on its rows kernel
 COUNTER_SLOTS = 1 << 16          # column blocks a split-K launch may have (N / BLOCK_N)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -54,7 +51,6 @@ class Gemv:
         self.configs = configs or configs_for("default")
         self.num_compute_units = num_compute_units
         self.max_rows = min(max_rows, MAX_ROWS)
-        self.rows_config = self.configs.get(ROWS_KEY)
 
     def _fits(self, x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor | None,
               prologue: int = NONE) -> bool:
@@ -65,18 +61,8 @@ class Gemv:
 
     def takes(self, rows: int, k: int, prologue: int = NONE) -> bool:
         """Whether a projection of `rows` rows of K with `prologue` runs here (else the unfused path):
-        with `max_rows=1` (the CUDA Hal's default) only where the slice kernel takes it, and decode
-        batches the rows kernel takes (`_wide`)."""
-        if self._wide(rows):
-            return True
+        with `max_rows=1` (the CUDA Hal's default) only where the slice kernel takes it."""
         return 0 < rows <= self.max_rows and (self.max_rows > 1 or self._slice(k, prologue) is not None)
-
-    def _wide(self, rows: int) -> bool:
-        """Rows for the rows kernel of gemv_slice.py: from its config's block_m up to MAX_DOT_ROWS.
-        Their norms run in the kernel before (rows > the prologue limits above); SwiGLU runs in the
-        down projection's prologue."""
-        return (self.rows_config is not None and rows > self.max_rows
-                and self.rows_config.block_m <= rows <= gemv.MAX_DOT_ROWS)
 
     def projection_takes(self, rows: int, k: int, after_norm: bool = False) -> bool:
         """The Hal op "projection_takes": whether these ops fuse a projection of `rows` rows of K (that
@@ -97,14 +83,6 @@ class Gemv:
         check_device(x2)
         rows, n = x2.shape[0], weight.shape[0]
         out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
-        if self._wide(rows):
-            config = _rows_config(self.rows_config, prologue)
-            splits = rows_splits(weight.shape[1], config)
-            if splits > 1:
-                kw["workspace"] = torch.empty(splits * rows * n, dtype=torch.float32, device=x2.device)
-                kw["counters"] = _counters(x2.device)
-            run_launch(slice_rows_launch(x2, weight, out, config, backend_of(x2.device), prologue=prologue, **kw))
-            return out
         slice_config = self._slice(weight.shape[1], prologue) if rows == 1 else None
         if slice_config is not None:                        # one row: the whole-slice kernel (PDL)
             splits = num_splits(weight.shape[1], slice_config)
@@ -137,7 +115,7 @@ class Gemv:
         """W8A16 `x @ (weight * scale[:, None]).T` for x `[M, K]` bf16/fp16 with M <= MAX_ROWS, FP8 weight
         `[N, K]`, float32 `scale: [N]`; None for operands the kernel does not take (the caller's GEMM)."""
         rows = x.shape[0] if x.dim() == 2 else 0
-        if self._wide(rows) or not (self.takes(rows, weight.shape[-1]) and x.dtype in KERNEL_DTYPES and weight.dim() == 2
+        if not (self.takes(rows, weight.shape[-1]) and x.dtype in KERNEL_DTYPES and weight.dim() == 2
                 and weight.stride(-1) == 1 and scale.dtype == torch.float32 and x.shape[-1] == weight.shape[1]):
             return None
         return self._run(_rows(x), weight, NONE, weight_scale=scale)
@@ -202,14 +180,6 @@ class Gemv:
         from hal.kernels.ops import silu_and_mul
 
         return silu_and_mul(x, self.configs)
-
-
-def _rows_config(config: KernelConfig, prologue: int) -> KernelConfig:
-    """The rows kernel's config for `prologue`: SwiGLU's input (gate and up widened to fp32) takes
-    tiles of half the K, twice as many, so that the program's registers hold (xcompile: no spills)."""
-    if prologue != SILU_AND_MUL or config.block_k == 1:
-        return config
-    return dataclasses.replace(config, block_k=config.block_k // 2, split_k=min(2 * config.split_k, MAX_CHUNKS))
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

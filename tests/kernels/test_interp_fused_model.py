@@ -197,33 +197,3 @@ def test_projections_the_slice_kernel_does_not_take_leave_the_layers_as_without_
     h = torch.zeros(1, 1, model.config.hidden_size if name == "nanbeige-tiny" else model.config.n_embd)
     with torch.inference_mode():
         assert fuses_pre_norm_boundaries(types.SimpleNamespace(ops=ModelOps(hal)), h)
-
-
-@pytest.mark.parametrize("name", CASES)
-def test_decode_batches_on_the_rows_kernel_are_as_close_to_float32_as_unfused(name):
-    """16 rows (two sequences of 8) through the rows kernel of hal/kernels/gemv_slice.py (the CUDA
-    table's `gemv_slice_rows`, with the one-row ops off): every projection there, SwiGLU in the down
-    projection's prologue, and bf16 logits no further from float32 than the unfused path's."""
-    from hal.kernels import gemv_ops as routing
-    from hal.kernels.configs import KernelConfig
-
-    prompt = (golden_case(name).prompt(0) * 2)[:8]
-    ids = torch.tensor([prompt, prompt[::-1]])
-    truth = _logits(_model(name, "float32"), ids)
-    model = _model(name, "bfloat16")
-    plain_err = (_logits(model, ids, TritonOpsOnCpu(SMALL_OPS)) - truth).abs().max().item()
-    hal = TritonOpsOnCpu(SMALL_OPS + PROJECTION_OPS + ("projection_takes",))
-    configs = {**configs_for("default"), routing.ROWS_KEY: KernelConfig(16, 16, 4, 1, block_k=32, split_k=2)}
-    hal.table.update(gemv_ops(configs, 4, max_rows=1))
-    launches = collections.Counter()
-    real = routing.slice_rows_launch
-
-    def counted(*args, **kwargs):
-        launches[kwargs.get("prologue", 0)] += 1
-        return real(*args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(routing, "slice_rows_launch", counted)
-        rows_err = (_logits(model, ids, hal) - truth).abs().max().item()
-    assert launches[routing.SILU_AND_MUL] and launches[routing.NONE], (launches, hal.calls)
-    assert rows_err <= 1.5 * plain_err + 2e-2, f"{name}: rows kernel {rows_err:.3g} vs unfused {plain_err:.3g}"

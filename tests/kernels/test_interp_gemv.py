@@ -20,23 +20,17 @@ DOT_SPLIT = KernelConfig(16, 32, 4, 2, block_k=16, split_k=0)
 # one row through hal/kernels/gemv_slice.py: all of K in one slice (masked), and K over 3 slices
 SLICE = KernelConfig(1, 4, 4, 1, block_k=256)
 SLICE_SPLIT = KernelConfig(1, 8, 2, 1, block_k=32)
-# 16 rows and more through gemv_slice.py's rows kernel: two K tiles per program (K in several spans)
-ROWS = KernelConfig(16, 16, 4, 1, block_k=32, split_k=2)
 PATHS = {"fma": FMA, "fma-prefetch-split3": FMA_PREFETCH_SPLIT, "dot": DOT, "dot-autosplit": DOT_SPLIT,
-         "slice": SLICE, "slice-split": SLICE_SPLIT, "rows": ROWS}
+         "slice": SLICE, "slice-split": SLICE_SPLIT}
 
 
 def _ops(config: KernelConfig) -> gemv_ops.Gemv:
-    if config is ROWS:            # the CUDA Hal's default: one row on the slice kernel, batches on this
-        return gemv_ops.Gemv({**configs_for("default"), gemv_ops.ROWS_KEY: ROWS}, 16, max_rows=1)
     slices = {gemv_ops.SLICE_KEY: config} if config in (SLICE, SLICE_SPLIT) else {}
     return gemv_ops.Gemv({**configs_for("default"), "gemv_m1": config, "gemv": config, **slices},
                          num_compute_units=16)
 
 
 def _rows_for(config: KernelConfig) -> list[int]:
-    if config is ROWS:
-        return [16, 21]
     return [1] if config.block_m == 1 else [1, 3, 8]
 
 
@@ -192,8 +186,7 @@ def test_other_shapes_and_dtypes_take_the_unfused_path_bit_for_bit():
 
 def test_every_gemv_config_a_hal_can_choose():
     """Each distinct gemv config of every arch table, at a toy shape (one row and three)."""
-    configs = {c for table in all_configs().values() for key, c in table.items()
-               if key.startswith("gemv") and key != gemv_ops.ROWS_KEY}
+    configs = {c for table in all_configs().values() for key, c in table.items() if key.startswith("gemv")}
     weight = (torch.randn(40, 1040) / 32).bfloat16()
     norm_w = torch.randn(1040).bfloat16()
     for config in configs:
@@ -235,9 +228,6 @@ def test_fp8_weights_stream_and_scale_once(path, fp8):
     ops = _ops(PATHS[path])
     weight, scale = quantize(torch.randn(48, 160) * 0.05, fp8)
     dequantized = weight.float() * scale[:, None]
-    if path == "rows":            # FP8 batches keep the Hal's FP8 GEMM (the rows kernel is not timed on them)
-        assert ops.fp8_linear(torch.randn(16, 160).bfloat16(), weight, scale) is None
-        return
     for rows in _rows_for(PATHS[path]):
         x = torch.randn(rows, 160).bfloat16()
         out = ops.fp8_linear(x, weight, scale)
@@ -266,34 +256,3 @@ def test_one_row_slices_up_to_their_limit_and_leave_counters_zero():
     rows2 = torch.randn(2, 32).bfloat16()
     assert not ops._fits(rows2, weight) and torch.equal(ops.linear(rows2, weight),
                                                         torch.nn.functional.linear(rows2, weight))
-
-
-def test_decode_batches_run_the_rows_kernel_deterministically():
-    """From the rows config's block_m to 128 rows, every projection takes the rows kernel of
-    gemv_slice.py: SwiGLU in its prologue (tiles of half the K), split-K spans summed in order
-    (the same bits twice, counters left zero), each row independent of the batch around it. Fewer
-    rows or more than 128 take the unfused path bit for bit."""
-    ops = _ops(ROWS)
-    n, k = 40, 200
-    weight = (torch.randn(n, k) / k ** 0.5).bfloat16()
-    x = torch.randn(24, k).bfloat16()
-    first = ops.linear(x, weight)
-    assert torch.equal(first, ops.linear(x, weight)) and not gemv_ops._counters(torch.device("cpu")).any()
-    assert torch.equal(first[3:19], ops.linear(x[3:19], weight))
-    assert ops.projection_takes(16, k) and ops.projection_takes(128, k, after_norm=True)
-    assert gemv_ops._rows_config(ROWS, gemv.SILU_AND_MUL) == KernelConfig(16, 16, 4, 1, block_k=16, split_k=4)
-    for rows in (15, 129):
-        assert not ops.projection_takes(rows, k)
-        xr = torch.randn(rows, k).bfloat16()
-        assert torch.equal(ops.linear(xr, weight), torch.nn.functional.linear(xr, weight))
-
-
-def test_every_rows_config_a_hal_can_choose():
-    """Each table's rows-kernel config at a toy shape, 64 rows, K over two spans, with SwiGLU."""
-    configs = {table[gemv_ops.ROWS_KEY] for table in all_configs().values() if gemv_ops.ROWS_KEY in table}
-    for config in configs:
-        ops = gemv_ops.Gemv({**configs_for("default"), gemv_ops.ROWS_KEY: config}, 132, max_rows=1)
-        span = config.block_k * config.split_k
-        weight = (torch.randn(40, span + 64) / 32).bfloat16()
-        gate_up = torch.randn(64, 2 * (span + 64)).bfloat16()
-        _assert_product(ops.silu_mul_linear(gate_up, weight), silu_and_mul_ref(gate_up), weight, f"{config}")
