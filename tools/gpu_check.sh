@@ -4,6 +4,7 @@
 #   tools/gpu_check.sh [phase ...]     phases: conformance tests kernels bench models profile spec
 #                                      specasync sweep fp8 cells peer profile64 train finetune spec22
 #                                      fp8kernels fp8cells fp8quick restcuda tune diag pdl slice slicediag
+#                                      slicewide
 #                                      (default: the first six)
 # Logs go to $OUT/gpu_check.log, benchmark rows to $OUT/bench.jsonl; a short table is printed last.
 set -u
@@ -96,6 +97,12 @@ for phase in $PHASES; do
         --out "$OUT/pdl.jsonl"
       run "gemv_slice chain nanbeige" 150 python3 tools/pdl_bench.py --quick --model nanbeige4.2-3b --layers 16 \
         --out "$OUT/pdl.jsonl" ;;
+    slicewide)   # Nanbeige's K = 3072 in one slice of 4096 (a quarter masked) against cuBLAS, same call
+      bench model=nanbeige4.2-3b 'workload=[b1]'
+      for warps in 4 8; do
+        LOOPSTACK_KERNEL_CONFIGS="{\"gemv_slice\": [1, 4, $warps, 1, 0, 0, 1, 4096, 3]}" \
+          bench model=nanbeige4.2-3b 'workload=[b1]'
+      done ;;
     models)
       bench model=huginn-0125 'workload=[b1]'
       bench model=nanbeige4.2-3b 'workload=[b1]' ;;

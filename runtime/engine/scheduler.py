@@ -146,7 +146,7 @@ class Scheduler(RequestQueues):
 
     # ----- wavefront prefill ----------------------------------------------------------------
     def _wants_wave(self, request: Request, num_tokens: int) -> bool:
-        """A prompt too long for this step's budget enters as a wavefront (runtime/execution/wavefront.py);
+        """A prompt too long for this step's budget enters as a wavefront (runtime/execution/eager_pass.py);
         requests with early exit keep the standard path (their exit decisions span all loops)."""
         return (self.config.wavefront and request.num_loops > 1 and request.exit_threshold >= 1.0
                 and num_tokens < request.num_uncomputed_tokens)
