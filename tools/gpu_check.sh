@@ -4,7 +4,7 @@
 #   tools/gpu_check.sh [phase ...]     phases: conformance tests kernels bench models profile spec
 #                                      specasync sweep fp8 cells peer profile64 train finetune spec22
 #                                      fp8kernels fp8cells fp8quick restcuda tune diag pdl slice slicediag
-#                                      slicewide
+#                                      slicewide fp8b1
 #                                      (default: the first six)
 # Logs go to $OUT/gpu_check.log, benchmark rows to $OUT/bench.jsonl; a short table is printed last.
 set -u
@@ -173,6 +173,10 @@ for phase in $PHASES; do
         -q -rs -p no:cacheprovider
       bench model=ouro-1.4b 'workload=[b1,b64,b128]'
       bench model=ouro-1.4b engine.kv_dtype=fp8 'workload=[b1,b64,b128]' ;;
+    fp8b1)        # issue 20's batch-1 cells with FP8 weights beside bf16, same call
+      bench model=ouro-1.4b 'workload=[b1]'
+      bench model=ouro-1.4b engine.kv_dtype=fp8 engine.weights_dtype=fp8 'workload=[b1]'
+      bench model=ouro-1.4b engine.weights_dtype=fp8 'workload=[b1]' ;;
     fp8quick)     # issue 20's decode cells only (their bf16 twins come from the cells phase of the same call)
       bench model=ouro-1.4b engine.kv_dtype=fp8 'workload=[b1,b64,b128]'
       bench model=ouro-1.4b engine.kv_dtype=fp8 engine.weights_dtype=fp8 'workload=[b1]' ;;

@@ -69,21 +69,25 @@ class Gemv:
         normalises its input, `after_norm`), so a layer can keep its boundaries where they are not."""
         return self.takes(rows, k, RMS_NORM if after_norm else NONE)
 
-    def _slice(self, k: int, prologue: int) -> KernelConfig | None:
+    def _slice(self, k: int, prologue: int, fp8: bool = False) -> KernelConfig | None:
         """The whole-slice config for one row of K, or None. K in one slice; SwiGLU's input (which
-        each program reads only for its own slice) in up to `split_k` slices. More slices measured
-        slower than cuBLAS at Huginn's and Nanbeige's widths (docs/performance.md, lever 38)."""
+        each program reads only for its own slice) and FP8 weights in up to `split_k` slices. More
+        slices of 16-bit weights measured slower than cuBLAS at Huginn's and Nanbeige's widths
+        (docs/performance.md, lever 38); FP8 weights that the slice kernel does not take run the
+        K-looping kernel of gemv.py, slower than it at Ouro's down projection (lever 41)."""
         config = self.configs.get(SLICE_KEY)
         if config is None:
             return None
         splits = num_splits(k, config)
-        return config if splits == 1 or (prologue == SILU_AND_MUL and splits <= config.split_k) else None
+        several = prologue == SILU_AND_MUL or fp8
+        return config if splits == 1 or (several and splits <= config.split_k) else None
 
     def _run(self, x2: torch.Tensor, weight: torch.Tensor, prologue: int, **kw) -> torch.Tensor:
         check_device(x2)
         rows, n = x2.shape[0], weight.shape[0]
         out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
-        slice_config = self._slice(weight.shape[1], prologue) if rows == 1 else None
+        fp8 = kw.get("weight_scale") is not None
+        slice_config = self._slice(weight.shape[1], prologue, fp8) if rows == 1 else None
         if slice_config is not None:                        # one row: the whole-slice kernel (PDL)
             splits = num_splits(weight.shape[1], slice_config)
             if splits > 1:

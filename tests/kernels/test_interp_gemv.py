@@ -256,3 +256,25 @@ def test_one_row_slices_up_to_their_limit_and_leave_counters_zero():
     rows2 = torch.randn(2, 32).bfloat16()
     assert not ops._fits(rows2, weight) and torch.equal(ops.linear(rows2, weight),
                                                         torch.nn.functional.linear(rows2, weight))
+
+
+def test_fp8_one_row_takes_the_slice_kernel_in_up_to_split_k_slices(monkeypatch):
+    """FP8 weights at one row (`fp8_linear`, the CUDA Hal's W8A16 path): K in up to `split_k` slices
+    runs the slice kernel (Ouro-1.4B's down projection: 3 slices of 2048), more slices the K-looping
+    kernel; both give the dequantized product rounded once, and leave the counters zero."""
+    from hal.common.kv_quant import quantize
+
+    config = KernelConfig(1, 4, 4, 1, block_k=32, split_k=3)
+    ops = gemv_ops.Gemv({**configs_for("default"), gemv_ops.SLICE_KEY: config}, 16)
+    launches = []
+    real = gemv_ops.slice_gemv_launch
+    monkeypatch.setattr(gemv_ops, "slice_gemv_launch", lambda *a, **kw: launches.append(a[1].shape) or real(*a, **kw))
+    for k, sliced in ((96, True), (160, False)):                  # 3 slices; 5 slices
+        weight, scale = quantize(torch.randn(12, k) * 0.05, torch.float8_e4m3fn)
+        x = torch.randn(1, k).bfloat16()
+        out = ops.fp8_linear(x, weight, scale)
+        _assert_product(out, x.float(), weight.float() * scale[:, None], f"fp8 K={k}")
+        assert torch.equal(out, ops.fp8_linear(x, weight, scale))
+        assert (launches[-1:] == [weight.shape]) == sliced, (k, launches)
+        launches.clear()
+    assert not gemv_ops._counters(torch.device("cpu")).any()
