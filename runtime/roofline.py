@@ -84,6 +84,9 @@ def model_costs(model: LoopedCausalLM, num_loops: int, kv_mode: str = "full",
     attn_calls = model.num_kv_layers(spec.num_planes(num_loops))       # every loop attends, whatever it keeps
     attn_flops = attn_calls * 4 * num_heads * spec.head_dim      # QK^T and PV, 2 FLOPs each
     (loop_n, loop_b), (head_n, head_b) = _count(loop), _count(head)
+    for t in model.step_weights_of_loop_modules():          # read once per step, though in a loop module
+        loop_n, loop_b = loop_n - t.numel(), loop_b - t.numel() * t.element_size()
+        once, once_bytes = once + t.numel(), once_bytes + t.numel() * t.element_size()
     return ModelCosts(loop_n, once, head_n, kv_layers * kv_bytes_per_layer_token, attn_flops, loop_b,
                       once_bytes, head_b)
 

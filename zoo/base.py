@@ -125,6 +125,11 @@ class LoopedCausalLM(nn.Module):
         """The modules `loop` applies: their weights are read once per loop (for roofline math)."""
         raise NotImplementedError(f"{type(self).__name__} does not list its loop modules")
 
+    def step_weights_of_loop_modules(self) -> list[torch.Tensor]:
+        """Tensors (or views) inside `loop_modules` that a step reads once, not once per loop (for
+        roofline math): none unless a family hoists part of its loop out of it (Huginn's adapter)."""
+        return []
+
     # ----- helpers shared by the families ---------------------------------------------------
     def stop_token_ids(self) -> tuple[int, ...]:
         eos = getattr(self.config, "eos_token_id", None)

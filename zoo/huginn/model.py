@@ -101,6 +101,12 @@ class HuginnForCausalLM(LoopedCausalLM):
     def loop_modules(self) -> list[nn.Module]:
         return [self.transformer.adapter, self.transformer.core_block]
 
+    def step_weights_of_loop_modules(self) -> list[torch.Tensor]:
+        """The adapter's prelude half and bias: `c = e @ W_e^T + b` is computed once per step."""
+        w_e = self.adapter_halves()[1]
+        bias = self.transformer.adapter.bias
+        return [getattr(w_e, "weight", w_e)] + ([bias] if bias is not None else [])
+
     has_initial_state = True
 
     @property
