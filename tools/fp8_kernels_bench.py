@@ -39,10 +39,12 @@ UNIFIED_SWEEP = {                  # decode tile configs tried beside each table
     "fp8": [KernelConfig(16, n, w, st) for n, w, st in ((64, 4, 3), (128, 4, 3))],
 }
 ROW_SWEEP = {                      # row-stream decode kernel (hal/kernels/row_decode.py) configs, per cache dtype
-    # (the first also runs at twice the splits; 3 stages ran at half the speed of 2 on 2026-12-02)
-    "bf16": [KernelConfig(1, n, w, st) for n, w, st in ((64, 4, 2), (32, 4, 2), (32, 2, 2))],
-    "fp8": [KernelConfig(1, n, w, st) for n, w, st in ((64, 4, 2), (32, 4, 2), (64, 8, 2), (32, 2, 2), (16, 2, 2),
-                                                      (64, 2, 2), (16, 1, 2))],
+    # (the first also runs at twice the splits and with the eager rescale; 3 stages ran at half the speed
+    # of 2 on 2026-12-02; several heads per program at 1.5-2x the time, lever 43)
+    # the sm_90 table's config first; 3-4 stages read each tile's pages in its own iteration (lever 44)
+    "bf16": [KernelConfig(1, n, w, st) for n, w, st in ((16, 2, 3), (32, 4, 3), (32, 4, 2), (16, 1, 4))],
+    "fp8": [KernelConfig(1, n, w, st) for n, w, st in ((8, 1, 4), (8, 1, 3), (16, 2, 3), (16, 2, 4), (32, 4, 3),
+                                                      (16, 2, 2), (8, 1, 6))],
 }
 FP8 = torch.float8_e4m3fn
 
@@ -77,14 +79,22 @@ def _reference(backend, batch, cache, q, plane: int) -> torch.Tensor:
                        ref.build_meta(batch), plane, HEAD_DIM ** -0.5)
 
 
-def attention_cells(bench: Bench) -> None:
+def _eager_rescale(build):
+    """`build` with the row kernel's lazy rescale off: every tile rescales its streams (lever 43)."""
+    return lambda *args: [launch._replace(kwargs={**launch.kwargs, "LAZY": False})
+                          if "LAZY" in launch.kernel.arg_names else launch for launch in build(*args)]
+
+
+def attention_cells(bench: Bench, rows_only: bool = False) -> None:
+    """Decode attention per layer-plane; `rows_only`: batch 64 and 128, the table configs and the row
+    kernel's sweep only."""
     from hal.kernels import attention
     from hal.kernels.launch import run_launch
     from hal.kernels.row_decode import row_decode_launches
 
     scale = HEAD_DIM ** -0.5
     units = bench.device_units
-    for num_seqs, context in ATTENTION_CELLS:
+    for num_seqs, context in ATTENTION_CELLS[1:] if rows_only else ATTENTION_CELLS:
         seq_len = context + 1
         for kv_dtype in (None, FP8):
             value_bytes = 2 if kv_dtype is None else 1
@@ -122,12 +132,16 @@ def attention_cells(bench: Bench) -> None:
                 # the table config's other fields (heads_first) ride along with each swept tile
                 [(replace(default, block_n=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages), splits,
                   "unified") for c in UNIFIED_SWEEP[name]] + [(default, 2 * splits, "unified")]
-                + rows + [(rows[0][0], 2 * splits, "rows")])
+                + rows + [(rows[0][0], 2 * splits, "rows"), (rows[0][0], splits, "rows eager")])
+            if rows_only:
+                variants = [v for v in variants if v[2].startswith("rows")]
             for config, num_splits, kind in variants:
-                build = row_decode_launches if kind == "rows" else attention.attention_launches
+                build = row_decode_launches if kind.startswith("rows") else attention.attention_launches
+                if kind == "rows eager":
+                    build = _eager_rescale(build)
                 fn = lambda plane, c=config, n=num_splits, b=build: attend(plane, c, n, b)   # noqa: E731
-                bench.cell("attn", shape, num_seqs, f"{name} {kind} n{config.block_n} w{config.num_warps} "
-                           f"s{config.num_stages} x{num_splits}",
+                bench.cell("attn", shape, num_seqs, f"{name} {kind.split()[0]} n{config.block_n} w{config.num_warps} "
+                           f"s{config.num_stages} x{num_splits}" + (" eager" if kind == "rows eager" else ""),
                            lambda fn=fn: [lambda p=p: fn(p) for p in range(num_planes)], plane_bytes, check(fn))
             del backend, cache, meta
             torch.cuda.empty_cache()
@@ -204,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", type=float, default=120.0, help="seconds; later cells are skipped")
     parser.add_argument("--out", default=None, help="JSON lines of every cell")
-    parser.add_argument("--only", choices=("attn", "write", "proj"), default=None, help="one group of cells")
+    parser.add_argument("--only", choices=("attn", "attnrows", "write", "proj"), default=None,
+                        help="one group of cells (attnrows: the row kernel's sweep at batch 64 and 128)")
     args = parser.parse_args(argv)
     from hal.kernels.backend import device_compute_units
 
@@ -212,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(device, time.monotonic() + args.budget, device_units=device_compute_units(device))
     print(f"floor bandwidth {FLOOR_BANDWIDTH / 1e12:.2f} TB/s; {bench.device_units} SMs")
     print(HEADER)
+    if args.only == "attnrows":
+        attention_cells(bench, rows_only=True)
     for group, cells in (("attn", attention_cells), ("write", write_cells), ("proj", projection_cells)):
         if args.only in (None, group):
             cells(bench)

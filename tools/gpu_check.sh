@@ -4,7 +4,7 @@
 #   tools/gpu_check.sh [phase ...]     phases: conformance tests kernels bench models profile spec
 #                                      specasync sweep fp8 cells peer profile64 train finetune spec22
 #                                      fp8kernels fp8cells fp8quick restcuda tune diag pdl slice slicediag
-#                                      slicewide fp8b1
+#                                      slicewide fp8b1 rowtune
 #                                      (default: the first six)
 # Logs go to $OUT/gpu_check.log, benchmark rows to $OUT/bench.jsonl; a short table is printed last.
 set -u
@@ -165,14 +165,21 @@ for phase in $PHASES; do
     tune)     # decode attention: sweep the unified and the row-stream kernels (tools/fp8_kernels_bench.py),
               # pick the best for batch 64 + 128 (tools/pick_decode_configs.py), then the cuda attention
               # tests and the decode cells with the pick (LOOPSTACK_KERNEL_CONFIGS)
-      run "attention sweep" 300 python3 tools/fp8_kernels_bench.py --only attn --budget 260 --out "$OUT/attn_sweep.jsonl"
+      run "attention sweep" 230 python3 tools/fp8_kernels_bench.py --only attn --budget 200 --out "$OUT/attn_sweep.jsonl"
+      grep -E "B(64|128)xK1024" "$LOG" | grep -E " rows | \(table" | tail -n 40
       LOOPSTACK_KERNEL_CONFIGS=$(python3 tools/pick_decode_configs.py "$OUT/attn_sweep.jsonl" 2>>"$LOG")
       export LOOPSTACK_KERNEL_CONFIGS
       echo "picked: $LOOPSTACK_KERNEL_CONFIGS" | tee -a "$LOG"
-      run "pytest fp8+engine (pick)" 150 python3 -m pytest tests/cuda/test_fp8_cuda.py tests/cuda/test_engine_cuda.py \
-        -q -rs -p no:cacheprovider
-      bench model=ouro-1.4b 'workload=[b1,b64,b128]'
-      bench model=ouro-1.4b engine.kv_dtype=fp8 'workload=[b1,b64,b128]' ;;
+      run "pytest fp8 (pick)" 120 python3 -m pytest tests/cuda/test_fp8_cuda.py -q -rs -p no:cacheprovider
+      bench model=ouro-1.4b 'workload=[b64,b128]'
+      bench model=ouro-1.4b engine.kv_dtype=fp8 'workload=[b64,b128]' ;;
+    rowtune)  # the row-stream decode kernel's sweep at batch 64 and 128 (tools/fp8_kernels_bench.py), then the
+              # pick (tools/pick_decode_configs.py) exported for the phases after it in this call
+      run "row kernel sweep" 150 python3 tools/fp8_kernels_bench.py --only attnrows --budget 120 --out "$OUT/row_sweep.jsonl"
+      grep -E "B(64|128)xK1024" "$LOG" | grep -E " rows |\(table" | tail -n 30
+      LOOPSTACK_KERNEL_CONFIGS=$(python3 tools/pick_decode_configs.py "$OUT/row_sweep.jsonl" 2>>"$LOG")
+      export LOOPSTACK_KERNEL_CONFIGS
+      echo "picked: $LOOPSTACK_KERNEL_CONFIGS" | tee -a "$LOG" ;;
     fp8b1)        # issue 20's batch-1 cells with FP8 weights beside bf16, same call
       bench model=ouro-1.4b 'workload=[b1]'
       bench model=ouro-1.4b engine.kv_dtype=fp8 engine.weights_dtype=fp8 'workload=[b1]'

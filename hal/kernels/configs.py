@@ -122,13 +122,15 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         "attention_decode": KernelConfig(16, 64, 4, 2, heads_first=1),
         "attention_prefill_fp8": KernelConfig(128, 64, 8, 3),
         "attention_decode_fp8": KernelConfig(16, 128, 4, 2),
-        # multi-head decode over an FP8 cache: the row-stream kernel, 16-key tiles on 2 warps, one
-        # cp.async buffer: 96 registers, 10 programs per SM. 64 x 1K / 128 x 1K: 101 / 202 us per
-        # layer-plane, the unified kernel 164 / 341 (tools/fp8_kernels_bench.py, 2026-12-02). 64 keys
-        # on 4 warps sits at 128 registers, the edge of 4 programs per SM: 202 us in one build, 250 in
-        # another; 3 stages ran at half speed. bf16 caches stay on the unified kernel (within the
-        # bench's spread of it).
-        "attention_row_decode_fp8": KernelConfig(1, 16, 2, 2),
+        # multi-head decode: the row-stream kernel (hal/kernels/row_decode.py), picked by
+        # tools/pick_decode_configs.py from a `gpu_check.sh rowtune` sweep (2026-12-02, tenth session,
+        # levers 43-44: the lazy rescale, and tiles reading their own pages beyond two stages). Per
+        # layer-plane at 64 / 128 x 1K: FP8 8 keys x 1 warp x 4 stages (3 tiles in flight, 18 programs
+        # per SM) 79.6 / 168.1 us, the 16-key 2-stage config before 94.1 / 198.1, the unified kernel
+        # 165.0 / 334.8; bf16 16 keys x 2 warps x 3 stages 131.8 / 249.6 us (96% / 101% of the 4.27
+        # TB/s floor), the unified kernel 157.5 / 294.4 (still the choice for grouped queries)
+        "attention_row_decode_fp8": KernelConfig(1, 8, 1, 4),
+        "attention_row_decode": KernelConfig(1, 16, 2, 3),
         # fp32 prefill: 4 warps spill 16 bytes once the pages are loaded a tile ahead; 8 do not
         **_fp32_attention(KernelConfig(16, 32, 8, 2), KernelConfig(16, 32, 4, 2)),
         **_small_ops(4, 1),

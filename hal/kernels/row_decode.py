@@ -34,11 +34,14 @@ from hal.kernels.launch import Launch, launch_options, next_pow2
 from hal.kernels.pdl import pdl_wait
 from hal.kernels.splits import reduce_launch, split_parts, split_tiles
 
+LAZY_MARGIN = tl.constexpr(8.0)     # log2 units: how far a stream's reference maximum may trail its scores
+
 
 @triton.jit
 def _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page, head_off, head,
                  tile, last_pos, stride_cb, stride_ct, stride_sb, stride_st, dims, dim_valid,
-                 PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, KV_QUANT: tl.constexpr):
+                 PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, KV_QUANT: tl.constexpr,
+                 LAZY: tl.constexpr):
     """Keys [tile * BLOCK_N, (tile + 1) * BLOCK_N) on pages `page` [N] into the N streams."""
     keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)                          # [N]
     slot = (keys % PAGE_SIZE).to(tl.int64)
@@ -61,16 +64,31 @@ def _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
         s = s * k_scale
     if MASKED:
         s = tl.where(key_valid, s, float("-inf"))
-    m_new = tl.maximum(m_i, s)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                   # streams without keys yet
-    p = tl.exp2(s - m_safe)
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + p
-    if KV_QUANT:
-        p = p * v_scale
     v = tl.load(v_cache_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    acc = acc * alpha[:, None] + p[:, None] * v
-    return acc, m_new, l_i
+    if LAZY and not MASKED:
+        # A stream's reference maximum moves only when a score passes it by more than 2^LAZY_MARGIN:
+        # p stays <= 2^LAZY_MARGIN, which the fp32 sums hold as exactly, and most tiles skip the
+        # rescale of every acc element (a multiply per V value)
+        grow = tl.max(s - m_i, 0) > LAZY_MARGIN
+    else:
+        grow = True
+    if grow:
+        m_new = tl.maximum(m_i, s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)               # streams without keys yet
+        p = tl.exp2(s - m_safe)
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + p
+        if KV_QUANT:
+            p = p * v_scale
+        acc = acc * alpha[:, None] + p[:, None] * v
+        m_i = m_new
+    else:
+        p = tl.exp2(s - m_i)
+        l_i = l_i + p
+        if KV_QUANT:
+            p = p * v_scale
+        acc = acc + p[:, None] * v
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -81,7 +99,7 @@ def _row_decode_kernel(
         stride_sb, stride_st,
         PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, KV_QUANT: tl.constexpr, NUM_STAGES: tl.constexpr,
-        PDL: tl.constexpr = False):
+        LAZY: tl.constexpr = True, PDL: tl.constexpr = False):
     pdl_wait(PDL)
     head = tl.program_id(0)
     seq = tl.program_id(1)
@@ -104,19 +122,29 @@ def _row_decode_kernel(
     acc = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)
     table_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
     head_off = head.to(tl.int64) * stride_ch
-    page = _tile_pages(table_ptr, tile_lo, last_pos, PAGE_SIZE, BLOCK_N)
-    for tile in tl.range(tile_lo, tl.minimum(tile_hi, num_full), num_stages=NUM_STAGES):
-        next_page = _tile_pages(table_ptr, tile + 1, last_pos, PAGE_SIZE, BLOCK_N)
-        acc, m_i, l_i = _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page,
-                                     head_off, head, tile, last_pos, stride_cb, stride_ct, stride_sb,
-                                     stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, False, KV_QUANT)
-        page = next_page
+    if NUM_STAGES <= 2:
+        # one K/V tile in flight: the next tile's pages are loaded a tile ahead, by hand
+        page = _tile_pages(table_ptr, tile_lo, last_pos, PAGE_SIZE, BLOCK_N)
+        for tile in tl.range(tile_lo, tl.minimum(tile_hi, num_full), num_stages=NUM_STAGES):
+            next_page = _tile_pages(table_ptr, tile + 1, last_pos, PAGE_SIZE, BLOCK_N)
+            acc, m_i, l_i = _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                                         page, head_off, head, tile, last_pos, stride_cb, stride_ct, stride_sb,
+                                         stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, False, KV_QUANT, LAZY)
+            page = next_page
+    else:
+        # several tiles in flight: a page carried from the iteration before would tie every load to
+        # the previous iteration, so each tile reads its pages and the pipeliner runs those loads ahead
+        for tile in tl.range(tile_lo, tl.minimum(tile_hi, num_full), num_stages=NUM_STAGES):
+            page = _tile_pages(table_ptr, tile, last_pos, PAGE_SIZE, BLOCK_N)
+            acc, m_i, l_i = _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                                         page, head_off, head, tile, last_pos, stride_cb, stride_ct, stride_sb,
+                                         stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, False, KV_QUANT, LAZY)
     if tile_hi > num_full and tile_hi > tile_lo:             # the sequence's last, partial tile
         tile = tile_hi - 1
         page = _tile_pages(table_ptr, tile, last_pos, PAGE_SIZE, BLOCK_N)
         acc, m_i, l_i = _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page,
                                      head_off, head, tile, last_pos, stride_cb, stride_ct, stride_sb,
-                                     stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, True, KV_QUANT)
+                                     stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, True, KV_QUANT, LAZY)
 
     m_all = tl.max(m_i, 0)
     weight = tl.exp2(m_i - tl.where(m_all == float("-inf"), 0.0, m_all))    # empty streams weigh 0

@@ -1,9 +1,11 @@
 """The row-stream decode kernel (hal/kernels/row_decode.py) under the Triton interpreter against the
-CPU reference: 16-bit and FP8 caches, context splits, padded head dims, graph-padding sequences, and
-the routing that sends only multi-head single-token decode to it."""
+CPU reference: 16-bit and FP8 caches, context splits, padded head dims, graph-padding sequences, scores
+that keep rising (the lazy rescale), and the routing that sends only multi-head single-token decode to
+it."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,8 +24,10 @@ ROWS = {"attention_row_decode": KernelConfig(1, 32, 4, 2), "attention_row_decode
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
-def _backend(heads, kv_heads, head_dim, dtype, num_compute_units, kv_dtype=None):
-    return TritonPagedAttention(heads, kv_heads, head_dim, dtype, CPU, 16, configs={**configs_for("default"), **ROWS},
+def _backend(heads, kv_heads, head_dim, dtype, num_compute_units, kv_dtype=None, num_stages=2):
+    rows = {name: replace(config, num_stages=num_stages) if name.startswith("attention_row") else config
+            for name, config in ROWS.items()}
+    return TritonPagedAttention(heads, kv_heads, head_dim, dtype, CPU, 16, configs={**configs_for("default"), **rows},
                                 num_compute_units=num_compute_units, kv_dtype=kv_dtype)
 
 
@@ -56,12 +60,15 @@ def test_row_decode_matches_reference(monkeypatch, dtype, num_compute_units, hea
 
 
 @pytest.mark.parametrize("num_compute_units", [1, 64])
-def test_row_decode_over_fp8_cache_matches_reference(monkeypatch, num_compute_units):
-    """Every key's K and V scale applied in the stream; the unused cache slots hold zeros."""
+@pytest.mark.parametrize("num_stages", [2, 3], ids=["pages-ahead", "pages-per-tile"])
+def test_row_decode_over_fp8_cache_matches_reference(monkeypatch, num_compute_units, num_stages):
+    """Every key's K and V scale applied in the stream; the unused cache slots hold zeros; both loops
+    (pages loaded a tile ahead by hand at 2 stages, per tile at more)."""
     calls = _count_row_launches(monkeypatch)
     rng = random.Random(11)
     case = random_case(rng, 4, 4, 64, torch.bfloat16, seq_lens=[rng.randint(40, 90), 1, 70], query_lens=[1] * 3)
-    backend = _backend(4, 4, 64, torch.bfloat16, num_compute_units, kv_dtype=torch.float8_e4m3fn)
+    backend = _backend(4, 4, 64, torch.bfloat16, num_compute_units, kv_dtype=torch.float8_e4m3fn,
+                       num_stages=num_stages)
     reference = TorchPagedAttention(4, 4, 64, torch.float32, CPU, 16, kv_dtype=torch.float8_e4m3fn)
     cache = torch.zeros(backend.kv_cache_shape(case.num_blocks), dtype=backend.kv_cache_dtype)
     ref_cache = torch.zeros(reference.kv_cache_shape(case.num_blocks), dtype=reference.kv_cache_dtype)
@@ -110,3 +117,25 @@ def test_only_multi_head_single_token_decode_takes_the_row_kernel():
         row_decode_launches(q, torch.empty(2, 1, 16, 2, 32), torch.zeros(1, 1, dtype=torch.int32),
                             torch.ones(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 0.1,
                             ROWS["attention_row_decode"], 1, ROWS["attention_row_decode"], q, "interpreter")
+
+
+def test_rising_scores_move_the_lazy_maximum(monkeypatch):
+    """Keys whose scores climb by 4 lazy margins per tile, then a plateau: each stream's reference
+    maximum must move whenever a score passes it by more than 2^LAZY_MARGIN (a missed move sends p
+    past fp32's range within a few tiles), and the result equals the reference."""
+    from hal.kernels.row_decode import LAZY_MARGIN
+
+    calls = _count_row_launches(monkeypatch)
+    rng = random.Random(5)
+    head_dim, seq_lens = 32, [150, 70]
+    case = random_case(rng, 2, 2, head_dim, torch.float32, seq_lens=seq_lens, query_lens=[1, 1])
+    q = case.q
+    ramp = torch.arange(sum(seq_lens)).float().clamp(max=110) * (4 * LAZY_MARGIN.value / 16) / 1.4427  # nats
+    direction = torch.cat([q[0].expand(seq_lens[0], -1, -1), q[1].expand(seq_lens[1], -1, -1)])       # [T, H, D]
+    keys = case.keys[0] * 0.1 + direction * (ramp / direction.pow(2).sum(-1).mean(-1))[:, None, None]
+    case = case._replace(keys=torch.stack([keys, case.keys[1]]).to(torch.bfloat16),
+                         values=case.values.to(torch.bfloat16), q=case.q.to(torch.bfloat16))
+    out, ref = run_both(_backend(2, 2, head_dim, torch.bfloat16, 1), case, plane=0, scale=1.0)
+    assert calls and torch.isfinite(out).all()
+    err = (out.float() - ref).abs().max().item()
+    assert err <= TOLERANCE[torch.bfloat16], f"max error {err:.2e}"
