@@ -164,17 +164,17 @@ class TritonPagedAttention(AttentionBackend):
         """Rotary embedding of q `[T, H, D]` and k `[T, KVH, D]` at `positions: [T]` with the KV
         write of plane `plane` in one launch (hal/kernels/rotary_kv.py; over an 8-bit cache the
         write quantizes), then attention: the paged kernel, or for a batch of prefills without
-        context the fresh path over the rotated k, which the same launch hands back. None for a
-        fresh batch over an 8-bit cache, which attends over the dequantized write instead (`attend`)."""
+        context the fresh path over the rotated k, which the same launch hands back (over an 8-bit
+        cache: over the K and V the cache now holds, dequantized, which the launch hands back too)."""
         from hal.kernels.rotary_kv import rotary_kv_write
 
         slots, config = meta.slot_mapping[plane], self.configs["rotary"]
-        if meta.fresh_lens is not None:
-            if self.kv_layout is not None:
-                return None
-            q, k = rotary_kv_write(q, k, v, positions, theta, interleaved, kv_cache, slots, config, keep_k=True)
-            return fresh.attention(self.fresh_attention, q, k, v, meta.query_start_loc, meta.fresh_lens, scale)
         values, scales = self._views(kv_cache)
+        if meta.fresh_lens is not None:
+            q, k, *held = rotary_kv_write(q, k, v, positions, theta, interleaved, values, slots, config, keep_k=True,
+                                          kv_scales=scales)
+            v = held[0] if held else v
+            return fresh.attention(self.fresh_attention, q, k, v, meta.query_start_loc, meta.fresh_lens, scale)
         q = rotary_kv_write(q, k, v, positions, theta, interleaved, values, slots, config, kv_scales=scales)
         return self.forward(q, kv_cache, meta, plane, scale)
 

@@ -74,15 +74,18 @@ def _rotary_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, k_cache_p
 
 @triton.jit
 def _rotary_kv_write_quant_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_values_ptr, v_values_ptr, k_scales_ptr,
-                                  v_scales_ptr, positions_ptr, inv_freq_ptr, slot_ptr, num_heads, num_kv_heads,
+                                  v_scales_ptr, positions_ptr, inv_freq_ptr, slot_ptr, k_out_ptr, v_out_ptr,
+                                  num_heads, num_kv_heads,
                                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot,
                                   stride_qoh, stride_cb, stride_ct, stride_ch, stride_sb, stride_st,
                                   QMAX: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                                   HEAD_DIM_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
                                   HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr, INTERLEAVED: tl.constexpr,
-                                  PDL: tl.constexpr = False):
+                                  DEQUANT_OUT: tl.constexpr = False, PDL: tl.constexpr = False):
     """`_rotary_kv_write_kernel` into an 8-bit cache: values `[2, NB, page, KVH, D]` and one float32
-    scale per (slot, KV head), `[2, NB, page, KVH]`."""
+    scale per (slot, KV head), `[2, NB, page, KVH]`. DEQUANT_OUT: also K and V as the cache holds
+    them, dequantized to k's dtype, into k_out / v_out `[T, KVH, D]` (contiguous), every token (zeros
+    for slot -1, which no query attends), as `kv_write`'s own DEQUANT_OUT."""
     pdl_wait(PDL)
     token, kv_head, cos, sin = _rotary_program_queries(q_ptr, q_out_ptr, positions_ptr, inv_freq_ptr, num_heads,
                                                        stride_qt, stride_qh, stride_qot, stride_qoh, HALF, HALF_PAD,
@@ -99,26 +102,47 @@ def _rotary_kv_write_quant_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_values_ptr, 
                                          KV_HEADS_PAD, HALF, HALF_PAD, INTERLEAVED, k_ptr.dtype.element_ty)
     scale = _scale_of(tl.maximum(tl.max(tl.abs(first), axis=1), tl.max(tl.abs(second), axis=1)), QMAX)
     at_first, at_second = _rotary_offsets(HALF, HALF_PAD, INTERLEAVED)
-    tl.store(k_values_ptr + rows[:, None] + at_first, _quantized(first, scale[:, None], QMAX, fp8), mask=mask)
-    tl.store(k_values_ptr + rows[:, None] + at_second, _quantized(second, scale[:, None], QMAX, fp8), mask=mask)
+    first = _quantized(first, scale[:, None], QMAX, fp8)
+    second = _quantized(second, scale[:, None], QMAX, fp8)
+    tl.store(k_values_ptr + rows[:, None] + at_first, first, mask=mask)
+    tl.store(k_values_ptr + rows[:, None] + at_second, second, mask=mask)
     tl.store(k_scales_ptr + scale_rows, scale, mask=heads < live)
+    if DEQUANT_OUT:       # a fresh prefill attends over these (hal/kernels/fresh.py); slot -1 rows hold 0
+        out_rows = token.to(tl.int64) * (num_kv_heads * HEAD_DIM) + (kv_head + heads) * HEAD_DIM        # [KVH]
+        out_mask = (heads < num_kv_heads - kv_head)[:, None] & (tl.arange(0, HALF_PAD) < HALF)[None, :]
+        dtype = k_out_ptr.dtype.element_ty
+        tl.store(k_out_ptr + out_rows[:, None] + at_first, (first.to(tl.float32) * scale[:, None]).to(dtype),
+                 mask=out_mask)
+        tl.store(k_out_ptr + out_rows[:, None] + at_second, (second.to(tl.float32) * scale[:, None]).to(dtype),
+                 mask=out_mask)
     dims = tl.arange(0, HEAD_DIM_PAD)
     mask = (heads < live)[:, None] & (dims < HEAD_DIM)[None, :]
     v = tl.load(v_ptr + token * stride_vt + (kv_head + heads)[:, None] * stride_vh + dims[None, :], mask=mask,
                 other=0.0).to(tl.float32)
     scale = _scale_of(tl.max(tl.abs(v), axis=1), QMAX)
-    tl.store(v_values_ptr + rows[:, None] + dims[None, :], _quantized(v, scale[:, None], QMAX, fp8), mask=mask)
+    v = _quantized(v, scale[:, None], QMAX, fp8)
+    tl.store(v_values_ptr + rows[:, None] + dims[None, :], v, mask=mask)
     tl.store(v_scales_ptr + scale_rows, scale, mask=heads < live)
+    if DEQUANT_OUT:
+        out_mask = (heads < num_kv_heads - kv_head)[:, None] & (dims < HEAD_DIM)[None, :]
+        tl.store(v_out_ptr + out_rows[:, None] + dims[None, :], (v.to(tl.float32) * scale[:, None]).to(dtype),
+                 mask=out_mask)
 
 
 def rotary_kv_write_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                            inv_freq: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                            q_out: torch.Tensor, interleaved: bool, config: KernelConfig, target: str,
-                           k_out: torch.Tensor | None = None, kv_scales: torch.Tensor | None = None) -> Launch:
+                           k_out: torch.Tensor | None = None, kv_scales: torch.Tensor | None = None,
+                           dequantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> Launch:
     """q `[T, H, D]`, k and v `[T, KVH, D]` (unit stride along D), positions `[T]`, kv_cache
     `[2, NB, page, KVH, D]`, slot_mapping `[T]` int64 (one plane); q_out `[T, H, D]` receives q,
     `k_out` `[T, KVH, D]` (optional) the rotated k. With `kv_scales: [2, NB, page, KVH]` float32
-    the cache holds 8-bit values and the write quantizes (no `k_out` then)."""
+    the cache holds 8-bit values and the write quantizes (no `k_out` then); `dequantized` (two
+    contiguous `[T, KVH, D]` tensors) then receives K and V as the cache holds them."""
+    if dequantized is not None and kv_scales is None:
+        raise ValueError("dequantized K/V come back from an 8-bit cache's write only (use k_out)")
+    if k_out is not None and kv_scales is not None:
+        raise ValueError("the quantizing write hands back K and V as held (dequantized=), not the rotated k")
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     key_cache, value_cache = kv_cache[0], kv_cache[1]
@@ -132,11 +156,11 @@ def rotary_kv_write_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     if kv_scales is not None:
         from hal.common.kv_quant import quant_max
 
-        assert k_out is None, "the quantizing write hands back no k"
+        k_held, v_held = dequantized if dequantized is not None else (q_out, q_out)    # unused without
         return Launch(_rotary_kv_write_quant_kernel, (num_tokens, groups), (
             q, k, v, q_out, key_cache, value_cache, kv_scales[0], kv_scales[1], positions, inv_freq, slot_mapping,
-            num_heads, num_kv_heads, *strides, *cache_strides, kv_scales.stride(1), kv_scales.stride(2)),
-            dict(QMAX=quant_max(kv_cache.dtype), **shape))
+            k_held, v_held, num_heads, num_kv_heads, *strides, *cache_strides, kv_scales.stride(1),
+            kv_scales.stride(2)), dict(QMAX=quant_max(kv_cache.dtype), DEQUANT_OUT=dequantized is not None, **shape))
     keep_k = k_out is not None
     k_out = k_out if keep_k else q_out            # an unused pointer (KEEP_K=False compiles it away)
     return Launch(_rotary_kv_write_kernel, (num_tokens, groups), (
@@ -147,13 +171,13 @@ def rotary_kv_write_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
 def rotary_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, theta: float,
                     interleaved: bool, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                     config: KernelConfig, keep_k: bool = False,
-                    kv_scales: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                    kv_scales: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Rotate `q: [T, H, D]` and `k: [T, KVH, D]` at `positions: [T]` (NeoX halves, or GPT-J pairs
     when `interleaved`), store the rotated k and `v` at `slot_mapping: [T]` of `kv_cache` (-1 skips
     a token) and return the rotated q (a new tensor); with `keep_k`, `(q, k)` rotated. With
-    `kv_scales` (see `rotary_kv_write_launch`) the write quantizes."""
-    if keep_k and kv_scales is not None:
-        raise ValueError("keep_k with an 8-bit cache: the fresh path attends over the dequantized write (write_kv)")
+    `kv_scales` (see `rotary_kv_write_launch`) the write quantizes, and `keep_k` returns `(q, k, v)`
+    with k and v as the cache now holds them, dequantized (the fresh prefill attends over those:
+    the same K/V a later decode step reads)."""
     check_device(q)
     head_dim = q.shape[-1]
     if head_dim % 2 or k.shape[-1] != head_dim or v.shape[-1] != head_dim:
@@ -161,9 +185,13 @@ def rotary_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    quantized = kv_scales is not None
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device) if keep_k else None
+    held = (k_out, torch.empty(v.shape, dtype=v.dtype, device=v.device)) if keep_k and quantized else None
     if q.shape[0]:
         run_launch(rotary_kv_write_launch(q, k, v, positions, _inv_freq(head_dim, float(theta), q.device), kv_cache,
-                                          slot_mapping, q_out, interleaved, config, backend_of(q.device), k_out,
-                                          kv_scales))
+                                          slot_mapping, q_out, interleaved, config, backend_of(q.device),
+                                          None if quantized else k_out, kv_scales, held))
+    if held is not None:
+        return q_out, *held
     return (q_out, k_out) if keep_k else q_out

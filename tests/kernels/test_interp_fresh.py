@@ -158,18 +158,36 @@ def test_quantizing_rotary_kv_write_is_rotary_then_write_kv_bit_for_bit(interlea
     assert torch.equal(q_fused, q_plain)
     assert torch.equal(fused_cache.view(torch.uint8), plain_cache.view(torch.uint8))
     assert fused_cache.view(torch.uint8).any()
+    # with keep_k the same launch hands back K and V as the cache holds them, as the quantizing
+    # write_kv's `dequantize` does (zeros for the slot -1 token)
+    kept_cache = torch.zeros_like(fused_cache)
+    values, scales = backend._views(kept_cache)
+    q_kept, k_held, v_held = rotary_kv_write(q, k, v, positions, 1e4, interleaved, values, slots, ROTARY, keep_k=True,
+                                             kv_scales=scales)
+    values, scales = backend._views(torch.zeros_like(fused_cache))
+    k_ref, v_ref = write_kv(k_plain, v, values, slots, KernelConfig(1, 1, 4, 1), scales, dequantize=True)
+    assert torch.equal(q_kept, q_plain) and torch.equal(kept_cache.view(torch.uint8), plain_cache.view(torch.uint8))
+    assert torch.equal(k_held, k_ref) and torch.equal(v_held, v_ref)
+    assert k_held[0].abs().sum() > 0 and not k_held[1].any()
 
 
 def test_attend_rotary_over_an_8bit_cache():
-    """Decode-like batches take the quantizing launch and the paged kernel (the same output as
-    rotary then `attend`); a prefill without context declines (it attends over the dequantized write)."""
+    """Decode-like batches take the quantizing launch and the paged kernel; a prefill without context
+    the quantizing launch that hands back the dequantized K/V, then the fresh path over them: the
+    same outputs and cache bytes as rotary then `attend` in both cases."""
     backend = _backend("sdpa", kv_dtype=torch.float8_e4m3fn)
     q, k, v = torch.randn(3, 4, 32).bfloat16(), torch.randn(3, 2, 32).bfloat16(), torch.randn(3, 2, 32).bfloat16()
     cache = torch.zeros(backend.kv_cache_shape(6), dtype=backend.kv_cache_dtype)     # _batch's 5 blocks fit
     fresh_meta = backend.build_meta(_batch([12], [12])[0])
     assert fresh_meta.fresh_lens == (12,)
-    q12, k12 = torch.randn(12, 4, 32).bfloat16(), torch.randn(12, 2, 32).bfloat16()
-    assert backend.attend_rotary(q12, k12, k12, cache, fresh_meta, 0, torch.arange(12), 1e4, False, 0.2) is None
+    q12, k12, v12 = (torch.randn(12, n, 32).bfloat16() for n in (4, 2, 2))
+    fused_cache, plain_cache = cache.clone(), cache.clone()
+    positions = torch.arange(12) + 3
+    fused = backend.attend_rotary(q12, k12, v12, fused_cache, fresh_meta, 0, positions, 1e4, False, 0.2)
+    q_rot, k_rot = rotary(q12, k12, positions, 1e4, False)
+    plain = backend.attend(q_rot, k_rot, v12, plain_cache, fresh_meta, 0, 0.2)
+    assert torch.equal(fused, plain)
+    assert torch.equal(fused_cache.view(torch.uint8), plain_cache.view(torch.uint8))
     decode = _batch([1, 1, 1], [5, 2, 7])[0]
     meta = backend.build_meta(decode)
     assert meta.fresh_lens is None
