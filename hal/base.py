@@ -219,6 +219,9 @@ class Hal(ABC):
         - `rms_norm_linear(x, norm_weight, eps, weight) -> y`: `F.linear(norm(x, norm_weight, eps), weight)`.
         - `silu_mul_linear(x, weight, residual=None) -> y`: `F.linear(silu_and_mul(x), weight)`
           (`x: [..., 2K]`), with `residual` `residual + ...`.
+        - `silu_mul_fp8_linear(x, weight, weight_scale, residual=None) -> y`: the same with an FP8
+          weight, `fp8_linear(silu_and_mul(x), weight, weight_scale)` (`+ residual`); offered with
+          `fp8_linear`, and rounds as that op does.
         - `norm_residual_linear(x, residual, post_norm_weight, norm_weight, eps, weight, sum_first=False)
           -> (y, h)`: the residual stream `h = residual + norm(x, post_norm_weight, eps)` (sandwich
           norms: Ouro), or with `sum_first` `h = norm(x + residual, post_norm_weight, eps)` (Huginn), and

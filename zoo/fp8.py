@@ -119,6 +119,16 @@ class Fp8Linear(nn.Module):
                f"bias={self.bias is not None}"
 
 
+def fp8_matrix(module: Any) -> Fp8Weight | None:
+    """The FP8 weight and scales the Hal's FP8 projection ops take (`silu_mul_fp8_linear`): a fused
+    matrix, or a bias-free `Fp8Linear`'s; None for anything else."""
+    if isinstance(module, Fp8Weight):
+        return module
+    if type(module) is Fp8Linear and module.bias is None:
+        return Fp8Weight(module.weight, module.weight_scale)
+    return None
+
+
 def has_fp8_weights(model: nn.Module) -> bool:
     return any(isinstance(m, Fp8Linear) for m in model.modules())
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from zoo.context import PLAIN_OPS, ForwardContext, ModelOps
+from zoo.fp8 import fp8_matrix
 from zoo.rope import attend_rotary, rope_tables
 
 
@@ -118,6 +119,26 @@ def project(x: torch.Tensor, weight: Any, ctx: ForwardContext | None, norm: RMSN
     return y if residual is None else residual + y
 
 
+def silu_mul_project(x: torch.Tensor, down: nn.Module, ctx: ForwardContext | None,
+                     residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`down(silu_and_mul(x)) (+ residual)` for `x: [..., 2I]` = gate | up: SwiGLU in the projection's
+    prologue and the add in its epilogue where the Hal has `silu_mul_linear` (`silu_mul_fp8_linear`
+    for an FP8 `down`), else silu_and_mul, then the layer's own forward."""
+    ops = ops_of(ctx)
+    plain = linear_weight(down)
+    if plain is not None:
+        fused = ops.op("silu_mul_linear")
+        if fused is not None:
+            return fused(x, plain, residual)
+    else:
+        fp8 = fp8_matrix(down)
+        fused = ops.op("silu_mul_fp8_linear") if fp8 is not None else None
+        if fused is not None:
+            return fused(x, fp8.weight, fp8.scale, residual)
+    y = down(silu_and_mul(x, ctx))
+    return y if residual is None else residual + y
+
+
 class SwiGLU(nn.Module):
     """`down(silu(gate(x)) * up(x))`, no bias. After `zoo.fuse.fuse_projections`, gate and up are
     one matrix (`gate_up`, a non-persistent buffer whose halves the two weights view)."""
@@ -143,12 +164,7 @@ class SwiGLU(nn.Module):
     def down(self, gate_up: torch.Tensor, ctx: ForwardContext | None = None,
              residual: torch.Tensor | None = None) -> torch.Tensor:
         """`down(silu(gate) * up) (+ residual)` of the gate|up projection's output `[..., 2I]`."""
-        weight = linear_weight(self.down_proj)
-        fused = ops_of(ctx).op("silu_mul_linear") if weight is not None else None
-        if fused is not None:
-            return fused(gate_up, weight, residual)
-        y = self.down_proj(silu_and_mul(gate_up, ctx))
-        return y if residual is None else residual + y
+        return silu_mul_project(gate_up, self.down_proj, ctx, residual)
 
     def forward_sandwich(self, x: torch.Tensor, residual: torch.Tensor, post_norm: RMSNorm, norm: RMSNorm,
                          ctx: ForwardContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,8 @@ KV: the Hal's backend and the CPU reference each write the same keys and values 
 of the same format; what `read_kv` gives back must agree (same quantization rule, hal/common/kv_quant.py)
 and attention over the cache must match the reference's within the dtype's tolerance.
 FP8 linear: `y = x @ (q * scale).T` within e4m3's rounding of the activations (an implementation may
-quantize x per row, W8A8) plus the dtype's, against float64 on the dequantized weight.
+quantize x per row, W8A8) plus the dtype's, against float64 on the dequantized weight; where offered,
+`silu_mul_fp8_linear` the same on `silu(gate) * up` (and with a residual).
 """
 from __future__ import annotations
 
@@ -75,4 +76,31 @@ def check_fp8_linear(hal: Hal) -> str:
             bound = (x.double().abs() @ w.abs().T) * 2**-4 + TOLERANCE[dtype] * (1 + ref.abs())
             excess = ((out.double().cpu() - ref).abs() - bound).max().item()
             assert excess <= 0, f"fp8_linear {dtype} rows={rows}: error beyond the bound by {excess:.2e}"
-    return f"weights in {str(fp8).removeprefix('torch.')}"
+    checked = _check_silu_mul_fp8_linear(hal, fp8)
+    return f"weights in {str(fp8).removeprefix('torch.')}" + (", silu_mul_fp8_linear" if checked else "")
+
+
+def _check_silu_mul_fp8_linear(hal: Hal, fp8: torch.dtype) -> bool:
+    """`op("silu_mul_fp8_linear")` (x `[M, 2K]` = gate | up) against float64 `silu(gate) * up` times the
+    dequantized weight (+ residual), in the bound of `fp8_linear`; False where the Hal offers none."""
+    fused = hal.op("silu_mul_fp8_linear")
+    if fused is None:
+        return False
+    device = hal.device()
+    for dtype in [d for d in (torch.bfloat16, torch.float32) if d in hal.caps.dtypes]:
+        for rows in (1, 37):
+            gate_up = torch.randn(rows, 2 * 256, dtype=dtype) * 2
+            residual = torch.randn(rows, 192, dtype=dtype)
+            weight, scale = quantize(torch.randn(192, 256) * 0.05, fp8)
+            w = weight.double() * scale.double()[:, None]
+            act = torch.nn.functional.silu(gate_up[:, :256].double()) * gate_up[:, 256:].double()
+            for res in (None, residual):
+                ref = act @ w.T + (0 if res is None else res.double())
+                out = fused(gate_up.to(device), weight.to(device), scale.to(device),
+                            None if res is None else res.to(device))
+                what = f"silu_mul_fp8_linear {dtype} rows={rows} residual={res is not None}"
+                assert out.shape == ref.shape and out.dtype == dtype, f"{what}: {out.shape} {out.dtype}"
+                bound = (act.abs() @ w.abs().T) * 2**-4 + TOLERANCE[dtype] * (1 + ref.abs())
+                excess = ((out.double().cpu() - ref).abs() - bound).max().item()
+                assert excess <= 0, f"{what}: error beyond the bound by {excess:.2e}"
+    return True

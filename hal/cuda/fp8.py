@@ -102,6 +102,30 @@ def fp8_linear_op(arch: str, configs: dict[str, Any] | None, has_triton: bool) -
     return linear
 
 
+def silu_mul_fp8_linear_op(configs: dict[str, Any] | None, linear: Callable[..., Any],
+                           silu_and_mul: Callable[..., Any]) -> Callable[..., Any] | None:
+    """The `silu_mul_fp8_linear` op over this Hal's `linear` (`fp8_linear`) and `silu_and_mul`: where
+    `linear` would take the W8A16 decode GEMV, SwiGLU runs in that GEMV's prologue and the residual
+    add in its epilogue (one launch for the two or three of the unfused path, the same routing, the
+    same rounding); other operands run the two ops. None where `LOOPSTACK_FP8_GEMM` forces one GEMM:
+    the down projection then stays on it as well, so the comparison covers every product."""
+    if gemm_choice() != "auto":
+        return None
+    from hal.kernels.gemv_ops import Gemv
+
+    gemv = Gemv(configs).silu_mul_fp8_linear
+
+    def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                        residual: torch.Tensor | None = None) -> torch.Tensor:
+        y = gemv(x, weight, scale, residual)
+        if y is not None:
+            return y
+        act = silu_and_mul(x)
+        y = linear(act.reshape(-1, act.shape[-1]), weight, scale).view(*act.shape[:-1], weight.shape[0])
+        return y if residual is None else residual + y
+    return silu_mul_linear
+
+
 def dequantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                        bias: torch.Tensor | None = None) -> torch.Tensor:
     """The plain torch product (weights dequantized to float32), for operands no kernel takes."""

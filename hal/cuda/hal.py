@@ -241,6 +241,14 @@ class CudaHal(Hal):
 
                 has_fp8 = self.facts.fp8_dtype is not None
                 self._ops[name] = fp8_linear_op(self.facts.arch, configs, has_triton) if has_fp8 else None
+            elif name == "silu_mul_fp8_linear":   # SwiGLU in the prologue of fp8_linear's decode GEMV
+                from hal.cuda.fp8 import silu_mul_fp8_linear_op
+
+                # decode_projections=False asks for the separate small ops, before FP8 weights too
+                linear, silu = self.op("fp8_linear"), self.op("silu_and_mul")
+                self._ops[name] = (silu_mul_fp8_linear_op(configs, linear, silu)
+                                   if linear is not None and silu is not None and self.decode_projections
+                                   is not False else None)
             elif name in attention.GEMV_OPS:
                 rows = self._projection_rows(configs) if has_triton else 0
                 self._ops[name] = (attention.fused_op(name, configs, self.facts.num_compute_units, rows)

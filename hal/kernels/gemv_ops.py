@@ -1,6 +1,6 @@
 """The decode projection ops (`linear`, `rms_norm_linear`, `silu_mul_linear`, `norm_residual_linear`,
-and `fp8_linear` for FP8 weights): `Gemv` routes each call to the skinny-GEMM kernels of
-hal/kernels/gemv.py or to the unfused torch path.
+and `fp8_linear`, `silu_mul_fp8_linear` for FP8 weights): `Gemv` routes each call to the skinny-GEMM
+kernels of hal/kernels/gemv.py or to the unfused torch path.
 
 Why routing sits apart from the kernels: which operands go to them is a measured choice (MAX_ROWS,
 the prologue row limits below, both from H200 timings), while the kernels themselves take any row
@@ -123,6 +123,20 @@ class Gemv:
                 and weight.stride(-1) == 1 and scale.dtype == torch.float32 and x.shape[-1] == weight.shape[1]):
             return None
         return self._run(_rows(x), weight, NONE, weight_scale=scale)
+
+    def silu_mul_fp8_linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                            residual: torch.Tensor | None = None) -> torch.Tensor | None:
+        """W8A16 `linear(silu_and_mul(x), weight * scale[:, None]) (+ residual)`, x `[..., 2K]` = gate | up,
+        in the rows `fp8_linear` takes; None for operands the kernel does not take (the caller then
+        runs silu_and_mul and its FP8 GEMM)."""
+        rows = x.numel() // x.shape[-1] if x.dim() else 0
+        if not (self.takes(rows, weight.shape[-1], SILU_AND_MUL) and x.dtype in KERNEL_DTYPES
+                and weight.dim() == 2 and weight.stride(-1) == 1 and scale.dtype == torch.float32
+                and x.shape[-1] == 2 * weight.shape[1] and (residual is None or residual.dtype == x.dtype)):
+            return None
+        out_res = None if residual is None else _rows(residual)
+        return self._run(_rows(x), weight, SILU_AND_MUL, weight_scale=scale,
+                         out_residual=out_res).view(*x.shape[:-1], -1)
 
     def rms_norm_linear(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         weight: torch.Tensor) -> torch.Tensor:

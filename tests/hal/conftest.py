@@ -82,6 +82,9 @@ def fake_kernels(monkeypatch):
         def fp8_linear(self, x, weight, scale):
             return "gemv fp8_linear" if x.shape[0] <= 8 and x.dtype != torch.float32 else None
 
+        def silu_mul_fp8_linear(self, x, weight, scale, residual=None):
+            return "gemv silu_mul_fp8_linear" if x.shape[0] <= 8 and x.dtype != torch.float32 else None
+
     modules = {
         "hal.kernels": _module("hal.kernels", __path__=[]),
         "hal.kernels.configs": _module("hal.kernels.configs", configs_for=configs_for),

@@ -78,3 +78,27 @@ def test_fp8_options_measured_slower_are_named_at_start(simulate, fake_kernels, 
     with caplog.at_level(logging.WARNING, logger="runtime.engine.llm_engine"):
         LLMEngine(model, Noted(), EngineConfig(kv_dtype="fp8", num_kv_blocks=8))
     assert "kv True weights False" in caplog.text
+
+
+def test_fp8_down_projections_fuse_swiglu_where_fp8_linear_has_the_gemv(simulate, fake_kernels, monkeypatch):
+    """`op("silu_mul_fp8_linear")` comes with the W8A16 decode GEMV of `op("fp8_linear")` (CUDA sm_89+,
+    ROCm), not where FP8 has no GEMM, a GEMM is forced, or the decode projections are switched off;
+    the CPU and Ascend Hals offer none (their callers run silu_and_mul, then the FP8 linear)."""
+    import hal
+
+    monkeypatch.delenv(GEMM_ENV, raising=False)
+    weight, scale = quantize(torch.randn(32, 64), FN)
+    simulate("cuda", capability=(9, 0))
+    fused = CudaHal().op("silu_mul_fp8_linear")
+    assert fused(torch.randn(1, 128).bfloat16(), weight, scale) == "gemv silu_mul_fp8_linear"
+    assert CudaHal(decode_projections=False).op("silu_mul_fp8_linear") is None
+    monkeypatch.setenv(GEMM_ENV, "scaled_mm")
+    assert CudaHal().op("silu_mul_fp8_linear") is None
+    monkeypatch.delenv(GEMM_ENV)
+    simulate("cuda", capability=(8, 0))
+    assert CudaHal().op("silu_mul_fp8_linear") is None
+    simulate("rocm", arch="gfx942:sramecc+:xnack-")
+    assert RocmHal().op("silu_mul_fp8_linear")(torch.randn(1, 128).bfloat16(), *quantize(
+        torch.randn(32, 64), FNUZ)) == "gemv silu_mul_fp8_linear"
+    assert hal.get("cpu").op("silu_mul_fp8_linear") is None
+    assert hal.get("ascend-sim").op("silu_mul_fp8_linear") is None

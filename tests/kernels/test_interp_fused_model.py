@@ -197,3 +197,35 @@ def test_projections_the_slice_kernel_does_not_take_leave_the_layers_as_without_
     h = torch.zeros(1, 1, model.config.hidden_size if name == "nanbeige-tiny" else model.config.n_embd)
     with torch.inference_mode():
         assert fuses_pre_norm_boundaries(types.SimpleNamespace(ops=ModelOps(hal)), h)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_fp8_down_projections_take_swiglu_in_their_prologue(name):
+    """FP8 weights at one row with the CUDA/ROCm Hals' FP8 ops (hal/cuda/fp8.py): every MLP's down
+    projection is one `silu_mul_fp8_linear` call and no silu_and_mul runs; the logits are those of
+    silu_and_mul, then fp8_linear, up to silu's one-ulp moves."""
+    from hal.cuda.fp8 import fp8_linear_op, silu_mul_fp8_linear_op
+    from zoo.fp8 import Fp8Linear
+
+    case = golden_case(name)
+    model = fuse_projections(zoo.from_pretrained(case.path, dtype="bfloat16", weights_dtype="fp8").eval())
+    ids = torch.tensor([case.prompt(0)[:1]])
+    configs = configs_for("default")
+
+    def run(names):
+        hal = TritonOpsOnCpu(SMALL_OPS + names)
+        linear, silu = fp8_linear_op("gfx942", configs, True), hal.table["silu_and_mul"]
+        hal.table.update(fp8_linear=linear, silu_mul_fp8_linear=silu_mul_fp8_linear_op(configs, linear, silu))
+        for module in model.modules():
+            if isinstance(module, Fp8Linear):
+                module.ops = ModelOps(hal)                 # what the engine binds (quantize_fp8(..., ops=))
+        return _logits(model, ids, hal), hal.calls
+
+    fused, fused_calls = run(("fp8_linear", "silu_mul_fp8_linear"))
+    unfused, unfused_calls = run(("fp8_linear",))
+    downs = unfused_calls["silu_and_mul"]
+    assert "silu_and_mul" not in fused_calls and fused_calls["silu_mul_fp8_linear"] == downs > 0
+    assert fused_calls["fp8_linear"] == unfused_calls["fp8_linear"] - downs > 0
+    err = (fused - unfused).abs().max().item()
+    print(f"{name}: fused vs unfused FP8 down projections, max logit difference {err:.3g}")
+    assert err <= 2e-2 * unfused.abs().max().item(), err

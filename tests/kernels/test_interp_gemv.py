@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hal.kernels import gemv, gemv_ops
+from hal.kernels import gemv, gemv_ops, gemv_slice
 from hal.kernels.configs import KernelConfig, all_configs, configs_for
 from kernel_reference import rms_norm_ref, silu_and_mul_ref
 
@@ -278,3 +278,132 @@ def test_fp8_one_row_takes_the_slice_kernel_in_up_to_split_k_slices(monkeypatch)
         assert (launches[-1:] == [weight.shape]) == sliced, (k, launches)
         launches.clear()
     assert not gemv_ops._counters(torch.device("cpu")).any()
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e4m3fnuz], ids=["e4m3fn", "e4m3fnuz"])
+@pytest.mark.parametrize("path", PATHS, ids=list(PATHS))
+def test_fp8_down_projection_takes_swiglu_in_its_prologue(path, fp8):
+    """`silu_mul_fp8_linear`: SwiGLU rounded as silu_and_mul rounds it, then the FP8 product (and the
+    residual add) of `fp8_linear`: the dequantized product of that input rounded once, and the
+    unfused pair's bits up to the one-ulp moves of silu's exp. Operands `fp8_linear` declines answer None."""
+    from hal.common.kv_quant import quantize
+
+    ops = _ops(PATHS[path])
+    n, k = 40, 96
+    weight, scale = quantize(torch.randn(n, k) * 0.05, fp8)
+    dequantized = weight.float() * scale[:, None]
+    for rows in _rows_for(PATHS[path]):
+        gate_up, residual = (torch.randn(rows, 2 * k) * 2).bfloat16(), torch.randn(rows, n).bfloat16()
+        act = silu_and_mul_ref(gate_up)
+        unfused = ops.fp8_linear(act, weight, scale)
+        for res in (None, residual):
+            what = f"{path} rows={rows} residual={res is not None}"
+            out = ops.silu_mul_fp8_linear(gate_up, weight, scale, res)
+            _assert_product(out, act.float(), dequantized, what, res)
+            _assert_bits(out, unfused if res is None else res + unfused, what)
+    gate_up = torch.randn(gemv_ops.MAX_ROWS + 1, 2 * k).bfloat16()
+    assert ops.silu_mul_fp8_linear(gate_up, weight, scale) is None
+    assert ops.silu_mul_fp8_linear(gate_up[:1].float(), weight, scale) is None
+    assert ops.silu_mul_fp8_linear(gate_up[:1, :k], weight, scale) is None                 # not gate | up
+
+
+def test_fp8_swiglu_down_is_one_launch_on_fp8_linears_kernel(monkeypatch):
+    """At one row the fused op launches once, on the kernel `fp8_linear` takes for the same K: the
+    slice kernel for K in up to `split_k` slices, the K-looping one past that."""
+    from hal.common.kv_quant import quantize
+
+    config = KernelConfig(1, 4, 4, 1, block_k=32, split_k=3)
+    ops = gemv_ops.Gemv({**configs_for("default"), gemv_ops.SLICE_KEY: config}, 16)
+    kernels = []
+    real = gemv_ops.run_launch
+    monkeypatch.setattr(gemv_ops, "run_launch", lambda launch: kernels.append(launch.kernel) or real(launch))
+    for k, kernel in ((96, gemv_slice._slice_gemv_kernel), (160, gemv._gemv_kernel)):   # 3 slices; 5
+        weight, scale = quantize(torch.randn(12, k) * 0.05, torch.float8_e4m3fn)
+        gate_up, residual = torch.randn(1, 2 * k).bfloat16(), torch.randn(1, 12).bfloat16()
+        ops.fp8_linear(silu_and_mul_ref(gate_up), weight, scale)
+        assert kernels == [kernel], (k, kernels)
+        plain = kernels.pop()
+        kernels.clear()
+        out = ops.silu_mul_fp8_linear(gate_up, weight, scale, residual)
+        assert kernels == [plain], (k, kernels)
+        kernels.clear()
+        dequantized = weight.float() * scale[:, None]
+        _assert_product(out, silu_and_mul_ref(gate_up).float(), dequantized, f"K={k}", residual)
+    assert not gemv_ops._counters(torch.device("cpu")).any()
+
+
+class _Fp8Hal:
+    """A Hal offering `names` of the ops the CUDA/ROCm Hals build for FP8 weights (as hal/cuda/fp8.py
+    builds them for an MI300: W8A16 only), counting the calls by name."""
+
+    def __init__(self, names: tuple[str, ...]):
+        from hal.cuda.fp8 import fp8_linear_op, silu_mul_fp8_linear_op
+        from hal.kernels.ops import fused_ops
+
+        configs = configs_for("default")
+        silu, linear = fused_ops(configs)["silu_and_mul"], fp8_linear_op("gfx942", configs, True)
+        table = {"silu_and_mul": silu, "fp8_linear": linear,
+                 "silu_mul_fp8_linear": silu_mul_fp8_linear_op(configs, linear, silu)}
+        self.ops, self.calls = {name: table[name] for name in names}, {}
+
+    def op(self, name):
+        fn = self.ops.get(name)
+        if fn is None:
+            return None
+
+        def counted(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return counted
+
+
+@pytest.mark.parametrize("rows", [1, 9])
+def test_swiglu_down_runs_an_fp8_down_projection_as_one_op(rows):
+    """SwiGLU.down over an FP8 `down_proj`: one `silu_mul_fp8_linear` call (residual included, no
+    silu_and_mul) where the Hal has the op, silu_and_mul and the FP8 linear where it does not; the same
+    values (9 rows: the op's own unfused path, bit for bit)."""
+    from types import SimpleNamespace
+
+    from zoo.context import ModelOps
+    from zoo.fp8 import Fp8Linear
+    from zoo.layers import SwiGLU
+
+    mlp = SwiGLU(48, 80).bfloat16()
+    mlp.down_proj = Fp8Linear.from_linear(mlp.down_proj, torch.float8_e4m3fn)
+    gate_up, residual = (torch.randn(rows, 160) * 2).bfloat16(), torch.randn(rows, 48).bfloat16()
+    results = {}
+    for fused in (True, False):
+        names = ("silu_and_mul", "fp8_linear") + (("silu_mul_fp8_linear",) if fused else ())
+        hal = _Fp8Hal(names)
+        ops = ModelOps(hal, fused=True)
+        mlp.down_proj.ops = ops                                   # the engine binds its Hal (quantize_fp8)
+        with torch.inference_mode():
+            results[fused] = [mlp.down(gate_up, SimpleNamespace(ops=ops), res) for res in (None, residual)]
+        assert hal.calls == ({"silu_mul_fp8_linear": 2} if fused else {"silu_and_mul": 2, "fp8_linear": 2})
+    for got, want in zip(results[True], results[False]):
+        if rows == 1:
+            _assert_bits(got, want, "fused vs unfused")
+        else:
+            assert torch.equal(got, want)
+
+
+def test_fp8_swiglu_op_follows_the_fp8_gemm_choice(monkeypatch):
+    """A forced FP8 GEMM (`LOOPSTACK_FP8_GEMM`) runs every product, the down projection's too."""
+    from hal.cuda.fp8 import GEMM_ENV, silu_mul_fp8_linear_op
+
+    monkeypatch.setenv(GEMM_ENV, "triton")
+    assert silu_mul_fp8_linear_op(configs_for("default"), lambda *a: None, lambda x: x) is None
+
+
+def test_fp8_swiglu_op_passes_the_conformance_bound():
+    """The Hal conformance check of `silu_mul_fp8_linear` (hal/conformance/quant.py) on the op as the
+    CUDA/ROCm Hals build it: one row fused, 37 rows through silu_and_mul and the FP8 tile kernel."""
+    from types import SimpleNamespace
+
+    from hal.conformance.quant import _check_silu_mul_fp8_linear
+
+    fp8 = _Fp8Hal(("silu_and_mul", "fp8_linear", "silu_mul_fp8_linear"))
+    hal = SimpleNamespace(op=fp8.op, device=lambda: torch.device("cpu"),
+                          caps=SimpleNamespace(dtypes=(torch.bfloat16, torch.float32)))
+    assert _check_silu_mul_fp8_linear(hal, torch.float8_e4m3fn)
+    assert fp8.calls == {"silu_mul_fp8_linear": 8}

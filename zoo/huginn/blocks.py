@@ -13,7 +13,7 @@ from torch import nn
 
 from zoo.context import ForwardContext
 from zoo.huginn.config import HuginnConfig
-from zoo.layers import RMSNorm, linear_weight, norm_add_norm, ops_of, project, silu_and_mul
+from zoo.layers import RMSNorm, linear_weight, norm_add_norm, ops_of, project, silu_mul_project
 from zoo.rope import attend_rotary, rope_tables
 
 
@@ -69,9 +69,7 @@ class GatedMLP(nn.Module):
 
     def down(self, fc_out: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         """`proj(silu(a) * b)` of the fc output `[..., 2I]` (SwiGLU in proj's prologue where fused)."""
-        weight = linear_weight(self.proj)
-        fused = ops_of(ctx).op("silu_mul_linear") if weight is not None else None
-        return fused(fc_out, weight) if fused is not None else self.proj(silu_and_mul(fc_out, ctx))
+        return silu_mul_project(fc_out, self.proj, ctx)
 
     def forward_sandwich(self, x: torch.Tensor, residual: torch.Tensor, post_norm: RMSNorm, norm: RMSNorm,
                          ctx: ForwardContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
