@@ -4,7 +4,7 @@
 #   tools/gpu_check.sh [phase ...]     phases: conformance tests kernels bench models profile spec
 #                                      specasync sweep fp8 cells peer profile64 train finetune spec22
 #                                      fp8kernels fp8cells fp8quick restcuda tune diag pdl slice slicediag
-#                                      slicewide fp8b1 rowtune
+#                                      slicewide fp8b1 rowtune fp8prefill
 #                                      (default: the first six)
 # Logs go to $OUT/gpu_check.log, benchmark rows to $OUT/bench.jsonl; a short table is printed last.
 set -u
@@ -180,6 +180,9 @@ for phase in $PHASES; do
       LOOPSTACK_KERNEL_CONFIGS=$(python3 tools/pick_decode_configs.py "$OUT/row_sweep.jsonl" 2>>"$LOG")
       export LOOPSTACK_KERNEL_CONFIGS
       echo "picked: $LOOPSTACK_KERNEL_CONFIGS" | tee -a "$LOG" ;;
+    fp8prefill)   # issue 20: the 8k prefill over an FP8 cache beside bf16, same call
+      bench model=ouro-1.4b 'workload=[prefill8k]'
+      bench model=ouro-1.4b engine.kv_dtype=fp8 'workload=[prefill8k]' ;;
     fp8b1)        # issue 20's batch-1 cells with FP8 weights beside bf16, same call
       bench model=ouro-1.4b 'workload=[b1]'
       bench model=ouro-1.4b engine.kv_dtype=fp8 engine.weights_dtype=fp8 'workload=[b1]'
