@@ -38,26 +38,42 @@ def test_golden_greedy_with_speculation_fp32(name, mode):
     assert [o.token_ids for o in outs] == [case.greedy(i) for i in range(case.num_prompts)]
 
 
+NEAR_TIE = 0.25      # nats between the plain path's two most likely tokens
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_speculation_equals_plain_decoding_at_ouro_1_4b_shape(dtype):
     """float32: identical tokens (sync, async, off). bfloat16: the verify pass multiplies K+1 rows
-    per request where plain decoding multiplies one, so rounding may differ and flip a near-tie:
-    the agreement is printed and must stay high."""
+    per request where plain decoding multiplies one, and attends with the unified kernel where plain
+    multi-head decoding takes the row kernel (hal/kernels/attend.py), so rounding differs and random
+    weights (flat logits) flip near-ties: a request may diverge from plain decoding only where the
+    plain path's two best tokens were within NEAR_TIE nats. The agreement and the gaps are printed."""
     gpu = hal.get("cuda")
     model = zoo.from_config(CONFIGS / "ouro-1.4b.json", dtype=dtype, device=gpu.device(), seed=0)
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 49152) for _ in range(rng.randint(4, 120))] for _ in range(16)]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     config = dict(max_num_seqs=16, max_model_len=256, max_num_batched_tokens=4096)
     results = {}
     for mode in ("off", "sync", "async"):
         spec = SpeculativeConfig(0 if mode == "off" else 4, 2, "sync" if mode == "off" else mode)
-        results[mode] = [o.token_ids for o in _generate(model, gpu, prompts, params, spec, **config)]
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2 if mode == "off" else None)
+        results[mode] = _generate(model, gpu, prompts, params, spec, **config)
         torch.cuda.empty_cache()
+    plain = results["off"]
     for mode in ("sync", "async"):
-        same = sum(a == b for a, b in zip(results[mode], results["off"]))
-        print(f"speculation {mode} vs off, Ouro-1.4B shape {dtype}, 16 requests: {same}/16 identical")
-        assert same == 16 if dtype == "float32" else same >= 12
+        same = sum(o.token_ids == p.token_ids for o, p in zip(results[mode], plain))
+        gaps = []
+        for o, p in zip(results[mode], plain):
+            j = next((i for i, (a, b) in enumerate(zip(o.token_ids, p.token_ids)) if a != b), None)
+            if j is not None:
+                top = p.logprobs[j].top
+                gaps.append((j, round(top[0][1] - top[1][1], 4)))
+        print(f"speculation {mode} vs off, Ouro-1.4B shape {dtype}, 16 requests: {same}/16 identical; "
+              f"first divergence (token, plain top-2 gap in nats): {gaps}")
+        if dtype == "float32":
+            assert same == 16
+        else:
+            assert all(gap < NEAR_TIE for _, gap in gaps), gaps
 
 
 def test_step_costs_are_measured():
