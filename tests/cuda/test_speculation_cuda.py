@@ -4,10 +4,10 @@ import random
 
 import pytest
 import torch
+from helpers import CONFIGS, golden_case, golden_names
 
 import hal
 import zoo
-from helpers import CONFIGS, golden_case, golden_names
 from runtime import SamplingParams
 from runtime.config import EngineConfig, SpeculativeConfig
 from runtime.engine.llm_engine import LLMEngine

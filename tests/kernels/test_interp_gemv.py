@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_reference import rms_norm_ref, silu_and_mul_ref
 
 from hal.kernels import gemv, gemv_ops, gemv_slice
 from hal.kernels.configs import KernelConfig, all_configs, configs_for
-from kernel_reference import rms_norm_ref, silu_and_mul_ref
 
 pytestmark = pytest.mark.usefixtures("interpreted")
 

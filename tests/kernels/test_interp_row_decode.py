@@ -11,10 +11,10 @@ import pytest
 import torch
 from paged_cases import random_case, run_both
 
+from hal.common.torch_attention import TorchPagedAttention
 from hal.kernels import attend
 from hal.kernels.backend import TritonPagedAttention
 from hal.kernels.configs import KernelConfig, configs_for
-from hal.common.torch_attention import TorchPagedAttention
 
 pytestmark = pytest.mark.usefixtures("interpreted")
 
