@@ -4,7 +4,7 @@
 #   tools/gpu_check.sh [phase ...]     phases: conformance tests kernels bench models profile spec
 #                                      specasync sweep fp8 cells peer profile64 train finetune spec22
 #                                      fp8kernels fp8cells fp8quick restcuda tune diag pdl slice slicediag
-#                                      slicewide fp8b1 rowtune fp8prefill
+#                                      slicewide fp8b1 rowtune fp8prefill ncurow
 #                                      (default: the first six)
 # Logs go to $OUT/gpu_check.log, benchmark rows to $OUT/bench.jsonl; a short table is printed last.
 set -u
@@ -180,6 +180,15 @@ for phase in $PHASES; do
       LOOPSTACK_KERNEL_CONFIGS=$(python3 tools/pick_decode_configs.py "$OUT/row_sweep.jsonl" 2>>"$LOG")
       export LOOPSTACK_KERNEL_CONFIGS
       echo "picked: $LOOPSTACK_KERNEL_CONFIGS" | tee -a "$LOG" ;;
+    ncurow)   # Nsight Compute on the row decode kernel at 128 x 1K (tools/row_decode_ncu.py): FP8, then bf16
+      run "ncu row decode" 240 ncu --clock-control none -k regex:_row_decode_kernel -s 2 -c 2 --metrics \
+gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,\
+smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active,\
+smsp__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,smsp__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,\
+smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio,smsp__average_warp_latency_issue_stalled_short_scoreboard.ratio,\
+smsp__average_warp_latency_issue_stalled_not_selected.ratio,smsp__average_warp_latency_issue_stalled_math_pipe_throttle.ratio,\
+smsp__average_warp_latency_issue_stalled_wait.ratio,lts__t_sector_hit_rate.pct python3 tools/row_decode_ncu.py
+      grep -E "_row_decode_kernel|gpu__time|dram__|issue_active|pipe_|stalled|hit_rate" "$LOG" | tail -n 30 ;;
     fp8prefill)   # issue 20: the 8k prefill over an FP8 cache beside bf16, same call
       bench model=ouro-1.4b 'workload=[prefill8k]'
       bench model=ouro-1.4b engine.kv_dtype=fp8 'workload=[prefill8k]' ;;
