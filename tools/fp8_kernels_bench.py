@@ -49,7 +49,8 @@ ROW_SWEEP = {                      # row-stream decode kernel (hal/kernels/row_d
 FP8 = torch.float8_e4m3fn
 
 
-def _paged(device, num_seqs: int, seq_len: int, num_planes: int, kv_dtype):
+def _paged(device, num_seqs: int, seq_len: int, num_planes: int, kv_dtype, heads: int = HEADS,
+           head_dim: int = HEAD_DIM):
     from hal.kernels.backend import TritonPagedAttention
 
     blocks_per_seq = -(-seq_len // PAGE)
@@ -58,7 +59,7 @@ def _paged(device, num_seqs: int, seq_len: int, num_planes: int, kv_dtype):
     random.Random(0).shuffle(pool)
     tables = [[[pool.pop() for _ in range(blocks_per_seq)] for _ in range(num_seqs)] for _ in range(num_planes)]
     batch = PagedBatch([1] * num_seqs, [seq_len] * num_seqs, tables, PAGE)
-    backend = TritonPagedAttention(HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, device, PAGE, kv_dtype=kv_dtype)
+    backend = TritonPagedAttention(heads, heads, head_dim, torch.bfloat16, device, PAGE, kv_dtype=kv_dtype)
     cache = torch.empty(backend.kv_cache_shape(num_blocks), dtype=backend.kv_cache_dtype, device=device)
     if kv_dtype is None:
         cache.normal_()
@@ -66,7 +67,7 @@ def _paged(device, num_seqs: int, seq_len: int, num_planes: int, kv_dtype):
         layout = backend.kv_layout
         layout.values(cache).copy_(torch.randn(layout.values(cache).shape, device=device).to(kv_dtype))
         layout.scales(cache).copy_(torch.rand(layout.scales(cache).shape, device=device) * 0.1 + 0.01)
-    q = torch.randn(num_seqs, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    q = torch.randn(num_seqs, heads, head_dim, dtype=torch.bfloat16, device=device)
     return backend, batch, cache, q
 
 
@@ -83,6 +84,15 @@ def _eager_rescale(build):
     """`build` with the row kernel's lazy rescale off: every tile rescales its streams (lever 43)."""
     return lambda *args: [launch._replace(kwargs={**launch.kwargs, "LAZY": False})
                           if "LAZY" in launch.kernel.arg_names else launch for launch in build(*args)]
+
+
+def _scales_once(build):
+    """`build` with the scale tensor's block and slot strides at 0 (lever 49's diagnostic): the loads
+    and instructions stay, the scale reads all hit one cache line."""
+    def wrapped(*args):
+        scales = args[-1]
+        return build(*args[:-1], scales.as_strided(scales.shape, (scales.stride(0), 0, 0, scales.stride(3))))
+    return wrapped
 
 
 def attention_cells(bench: Bench, rows_only: bool = False) -> None:
@@ -132,19 +142,65 @@ def attention_cells(bench: Bench, rows_only: bool = False) -> None:
                 # the table config's other fields (heads_first) ride along with each swept tile
                 [(replace(default, block_n=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages), splits,
                   "unified") for c in UNIFIED_SWEEP[name]] + [(default, 2 * splits, "unified")]
-                + rows + [(rows[0][0], 2 * splits, "rows"), (rows[0][0], splits, "rows eager")])
+                + rows + [(rows[0][0], 2 * splits, "rows"), (rows[0][0], splits, "rows eager")]
+                + ([(rows[0][0], splits, "rows scales-once")] if kv_dtype is not None else []))
             if rows_only:
                 variants = [v for v in variants if v[2].startswith("rows")]
             for config, num_splits, kind in variants:
                 build = row_decode_launches if kind.startswith("rows") else attention.attention_launches
                 if kind == "rows eager":
                     build = _eager_rescale(build)
+                if kind == "rows scales-once":       # a diagnostic: every key reads one slot's scales (wrong
+                    build = _scales_once(build)       # values, the same instructions, no scale traffic)
                 fn = lambda plane, c=config, n=num_splits, b=build: attend(plane, c, n, b)   # noqa: E731
                 bench.cell("attn", shape, num_seqs, f"{name} {kind.split()[0]} n{config.block_n} w{config.num_warps} "
-                           f"s{config.num_stages} x{num_splits}" + (" eager" if kind == "rows eager" else ""),
+                           f"s{config.num_stages} x{num_splits}" + ("" if kind in ("rows", "unified") else
+                                                                    " " + kind.split()[1]),
                            lambda fn=fn: [lambda p=p: fn(p) for p in range(num_planes)], plane_bytes, check(fn))
             del backend, cache, meta
             torch.cuda.empty_cache()
+
+
+LAYOUT_CASES = (    # (label, cache dtype, heads, head dim, sequences) at 1K context, the row kernel's table config
+    ("fp8 16 heads D128 (Ouro-1.4B)", FP8, 16, 128, 128),
+    ("fp8 1 head D128 x16 seqs", FP8, 1, 128, 2048),
+    ("bf16 16 heads D128 (Ouro-1.4B)", None, 16, 128, 128),
+    ("bf16 16 heads D64", None, 16, 64, 128),
+    ("bf16 1 head D128 x16 seqs", None, 1, 128, 2048),
+)
+
+
+def layout_cells(bench: Bench, context: int = 1024) -> None:
+    """Lever 49's diagnostic: the row kernel over the same bytes laid out otherwise. One head per slot
+    row makes a program's keys nearly contiguous (a row is 144 bytes, not 2,112); bf16 at head dim 64
+    reads 128 bytes per key and head, as FP8 at 128 does, without FP8's conversions."""
+    from hal.kernels.launch import run_launch
+    from hal.kernels.row_decode import row_decode_launches
+
+    for label, kv_dtype, heads, head_dim, num_seqs in LAYOUT_CASES:
+        seq_len = context + 1
+        value_bytes, scale_bytes = (2, 0) if kv_dtype is None else (1, 4)
+        plane_bytes = num_seqs * seq_len * 2 * heads * (head_dim * value_bytes + scale_bytes)
+        num_planes = max(2, min(96, math.ceil(4 * L2_BYTES / plane_bytes)))
+        backend, batch, cache, q = _paged(bench.device, num_seqs, seq_len, num_planes, kv_dtype, heads, head_dim)
+        meta = backend.build_meta(batch)
+        values, scales = backend._views(cache)
+        configs = backend.configs
+        config = configs_for("sm_90")["attention_row_decode" + ("" if kv_dtype is None else "_fp8")]
+        splits = num_kv_splits(num_seqs, heads, bench.device_units)
+        out = torch.empty_like(q)
+
+        def attend(plane, values=values, scales=scales, meta=meta, q=q, out=out, config=config, splits=splits):
+            for launch in row_decode_launches(q, values, meta.block_tables[plane], meta.seq_lens,
+                                              meta.query_start_loc, head_dim ** -0.5, config, splits,
+                                              configs["attention_reduce"], out, "cuda", scales):
+                run_launch(launch)
+            return out
+
+        bench.cell("layout", f"{num_seqs}x{context}", num_seqs, f"{label} x{splits}",
+                   lambda attend=attend, n=num_planes: [lambda p=p: attend(p) for p in range(n)], plane_bytes)
+        del backend, cache, meta
+        torch.cuda.empty_cache()
 
 
 def write_cells(bench: Bench) -> None:
@@ -218,8 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", type=float, default=120.0, help="seconds; later cells are skipped")
     parser.add_argument("--out", default=None, help="JSON lines of every cell")
-    parser.add_argument("--only", choices=("attn", "attnrows", "write", "proj"), default=None,
-                        help="one group of cells (attnrows: the row kernel's sweep at batch 64 and 128)")
+    parser.add_argument("--only", choices=("attn", "attnrows", "write", "proj", "layout"), default=None,
+                        help="one group of cells (attnrows: the row kernel's sweep at batch 64 and 128; "
+                             "layout: lever 49's cache-layout diagnostic)")
     args = parser.parse_args(argv)
     from hal.kernels.backend import device_compute_units
 
@@ -229,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     print(HEADER)
     if args.only == "attnrows":
         attention_cells(bench, rows_only=True)
+    if args.only == "layout":
+        layout_cells(bench)
     for group, cells in (("attn", attention_cells), ("write", write_cells), ("proj", projection_cells)):
         if args.only in (None, group):
             cells(bench)

@@ -4,7 +4,7 @@
 #   tools/gpu_check.sh [phase ...]     phases: conformance tests kernels bench models profile spec
 #                                      specasync sweep fp8 cells peer profile64 train finetune spec22
 #                                      fp8kernels fp8cells fp8quick restcuda tune diag pdl slice slicediag
-#                                      slicewide fp8b1 rowtune fp8prefill ncurow
+#                                      slicewide fp8b1 rowtune fp8prefill ncurow layout
 #                                      (default: the first six)
 # Logs go to $OUT/gpu_check.log, benchmark rows to $OUT/bench.jsonl; a short table is printed last.
 set -u
@@ -180,6 +180,8 @@ for phase in $PHASES; do
       LOOPSTACK_KERNEL_CONFIGS=$(python3 tools/pick_decode_configs.py "$OUT/row_sweep.jsonl" 2>>"$LOG")
       export LOOPSTACK_KERNEL_CONFIGS
       echo "picked: $LOOPSTACK_KERNEL_CONFIGS" | tee -a "$LOG" ;;
+    layout)   # lever 49: the row kernel over other cache layouts (one head per slot row; bf16 at head dim 64)
+      run "layout diagnostic" 150 python3 tools/fp8_kernels_bench.py --only layout --budget 120 --out "$OUT/layout.jsonl" ;;
     ncurow)   # Nsight Compute on the row decode kernel at 128 x 1K (tools/row_decode_ncu.py): FP8, then bf16
       run "ncu row decode" 240 ncu --clock-control none -k regex:_row_decode_kernel -s 2 -c 2 --metrics \
 gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,\

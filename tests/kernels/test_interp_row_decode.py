@@ -69,17 +69,54 @@ def test_row_decode_over_fp8_cache_matches_reference(monkeypatch, num_compute_un
     case = random_case(rng, 4, 4, 64, torch.bfloat16, seq_lens=[rng.randint(40, 90), 1, 70], query_lens=[1] * 3)
     backend = _backend(4, 4, 64, torch.bfloat16, num_compute_units, kv_dtype=torch.float8_e4m3fn,
                        num_stages=num_stages)
-    reference = TorchPagedAttention(4, 4, 64, torch.float32, CPU, 16, kv_dtype=torch.float8_e4m3fn)
-    cache = torch.zeros(backend.kv_cache_shape(case.num_blocks), dtype=backend.kv_cache_dtype)
-    ref_cache = torch.zeros(reference.kv_cache_shape(case.num_blocks), dtype=reference.kv_cache_dtype)
-    history, ref_history = backend.build_meta(case.history), reference.build_meta(case.history)
-    for p in range(2):
-        backend.write_kv(case.keys[p], case.values[p], cache, history, p)
-        reference.write_kv(case.keys[p].float(), case.values[p].float(), ref_cache, ref_history, p)
-    out = backend.forward(case.q, cache, backend.build_meta(case.step), 0, 0.125)
-    ref = reference.forward(case.q.float(), ref_cache, reference.build_meta(case.step), 0, 0.125)
+    out, ref = _run_fp8(backend, case, 0.125)
     assert calls
     assert (out.float() - ref).abs().max().item() <= TOLERANCE[torch.bfloat16]
+
+
+def _run_fp8(backend, case, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(backend output, float32 reference reading the same FP8 cache: the two share the row layout,
+    so the difference is the kernel's arithmetic, not two quantizations) on plane 0."""
+    heads, head_dim = case.q.shape[1:]
+    reference = TorchPagedAttention(heads, case.keys.shape[2], head_dim, torch.float32, CPU, 16,
+                                    kv_dtype=torch.float8_e4m3fn)
+    assert reference.kv_cache_shape(case.num_blocks) == backend.kv_cache_shape(case.num_blocks)
+    cache = torch.zeros(backend.kv_cache_shape(case.num_blocks), dtype=backend.kv_cache_dtype)
+    history = backend.build_meta(case.history)
+    for p in range(2):
+        backend.write_kv(case.keys[p], case.values[p], cache, history, p)
+    out = backend.forward(case.q, cache, backend.build_meta(case.step), 0, scale)
+    ref = reference.forward(case.q.float(), cache, reference.build_meta(case.step), 0, scale)
+    return out, ref
+
+
+@pytest.mark.parametrize("config,head_dim", [
+    (KernelConfig(1, 8, 1, 4), 128),      # the sm_90 table's
+    (KernelConfig(1, 16, 2, 3), 48),      # head dim padded 48 -> 64, pages loaded per tile
+], ids=["8x1w-D128", "16x2w-D48"])
+@pytest.mark.parametrize("magnitude", [1.0, 300.0, 1e-3], ids=["unit", "large", "tiny"])
+def test_fp8_row_decode_over_wide_ranges(monkeypatch, config, head_dim, magnitude):
+    """q, K and V scaled by `magnitude` (scores of up to ~200 nats for "large": one key dominates;
+    values near fp8's smallest normals for "tiny", which the per-key scales absorb): partial last
+    tiles, one-key and multi-page sequences, with and without context splits."""
+    calls = _count_row_launches(monkeypatch)
+    torch.manual_seed(13)
+    rng = random.Random(13)
+    seq_lens = [rng.randint(40, 90), 1, 70, 203]
+    case = random_case(rng, 2, 2, head_dim, torch.float32, seq_lens=seq_lens, query_lens=[1] * 4)
+    q_scale = 1.0 if magnitude < 1 else magnitude ** 0.5 / 8
+    case = case._replace(q=(case.q * q_scale).to(torch.bfloat16),
+                         keys=(case.keys * magnitude).to(torch.bfloat16),
+                         values=(case.values * magnitude).to(torch.bfloat16))
+    rows = {**ROWS, "attention_row_decode_fp8": config}
+    for num_compute_units in (1, 64):
+        backend = TritonPagedAttention(2, 2, head_dim, torch.bfloat16, CPU, 16,
+                                       configs={**configs_for("default"), **rows},
+                                       num_compute_units=num_compute_units, kv_dtype=torch.float8_e4m3fn)
+        out, ref = _run_fp8(backend, case, head_dim ** -0.5)
+        assert calls and torch.isfinite(out).all()
+        err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+        assert err <= 1e-2, f"relative max error {err:.2e} ({num_compute_units} compute units)"
 
 
 def test_padding_sequences_without_a_query_are_skipped():
