@@ -4,7 +4,7 @@
 #   tools/gpu_check.sh [phase ...]     phases: conformance tests kernels bench models profile spec
 #                                      specasync sweep fp8 cells peer profile64 train finetune spec22
 #                                      fp8kernels fp8cells fp8quick restcuda tune diag pdl slice slicediag
-#                                      slicewide fp8b1 rowtune fp8prefill ncurow layout
+#                                      slicewide fp8b1 rowtune fp8prefill ncurow layout blas
 #                                      (default: the first six)
 # Logs go to $OUT/gpu_check.log, benchmark rows to $OUT/bench.jsonl; a short table is printed last.
 set -u
@@ -182,15 +182,27 @@ for phase in $PHASES; do
       echo "picked: $LOOPSTACK_KERNEL_CONFIGS" | tee -a "$LOG" ;;
     layout)   # lever 49: the row kernel over other cache layouts (one head per slot row; bf16 at head dim 64)
       run "layout diagnostic" 150 python3 tools/fp8_kernels_bench.py --only layout --budget 120 --out "$OUT/layout.jsonl" ;;
-    ncurow)   # Nsight Compute on the row decode kernel at 128 x 1K (tools/row_decode_ncu.py): FP8, then bf16
-      run "ncu row decode" 240 ncu --clock-control none -k regex:_row_decode_kernel -s 2 -c 2 --metrics \
+    blas)     # the projections' library paths at b64 and the 8k prefill, in this order: cuBLAS (torch's
+              # default), cuBLASLt (TORCH_BLAS_PREFER_CUBLASLT), TunableOp (every cuBLAS/cuBLASLt algorithm
+              # timed per shape in the eager warm-up before capture; the picks to $OUT/tunableop.csv)
+      echo "----- blas: default" | tee -a "$LOG"
+      bench model=ouro-1.4b 'workload=[b64,prefill8k]'
+      echo "----- blas: TORCH_BLAS_PREFER_CUBLASLT=1" | tee -a "$LOG"
+      TORCH_BLAS_PREFER_CUBLASLT=1 bench model=ouro-1.4b 'workload=[b64,prefill8k]'
+      echo "----- blas: PYTORCH_TUNABLEOP_ENABLED=1" | tee -a "$LOG"
+      PYTORCH_TUNABLEOP_ENABLED=1 PYTORCH_TUNABLEOP_FILENAME="$OUT/tunableop.csv" \
+        bench model=ouro-1.4b 'workload=[b64,prefill8k]' ;;
+    ncurow)   # Nsight Compute on the row decode kernel at 128 x 1K (tools/row_decode_ncu.py): FP8, bf16, bf16 D64
+      run "ncu row decode" 240 ncu --clock-control none -k regex:_row_decode_kernel -s 2 -c 7 --metrics \
 gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,\
 smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active,\
 smsp__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,smsp__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,\
 smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio,smsp__average_warp_latency_issue_stalled_short_scoreboard.ratio,\
 smsp__average_warp_latency_issue_stalled_not_selected.ratio,smsp__average_warp_latency_issue_stalled_math_pipe_throttle.ratio,\
-smsp__average_warp_latency_issue_stalled_wait.ratio,lts__t_sector_hit_rate.pct python3 tools/row_decode_ncu.py
-      grep -E "_row_decode_kernel|gpu__time|dram__|issue_active|pipe_|stalled|hit_rate" "$LOG" | tail -n 30 ;;
+smsp__average_warp_latency_issue_stalled_wait.ratio,lts__t_sector_hit_rate.pct,dram__bytes_read.sum,\
+lts__t_sectors_srcunit_tex_op_read.sum,lts__t_requests_srcunit_tex_op_read.sum,smsp__warps_eligible.avg.per_cycle_active \
+        python3 tools/row_decode_ncu.py
+      grep -E "_row_decode_kernel|gpu__time|dram__|issue_active|warps_|pipe_|stalled|hit_rate|lts__t_" "$LOG" | tail -n 120 ;;
     fp8prefill)   # issue 20: the 8k prefill over an FP8 cache beside bf16, same call
       bench model=ouro-1.4b 'workload=[prefill8k]'
       bench model=ouro-1.4b engine.kv_dtype=fp8 'workload=[prefill8k]' ;;

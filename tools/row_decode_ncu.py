@@ -1,7 +1,8 @@
-"""The row-stream decode kernel (hal/kernels/row_decode.py) at 128 x 1K, FP8 and bf16 caches in the
-sm_90 table's configs, three launches each: the workload `tools/gpu_check.sh ncurow` runs under
-Nsight Compute (`ncu --clock-control none`, the third FP8 and the first bf16 launch) to name what
-holds each kernel: DRAM share, issue activity, pipes, stall reasons (docs/performance.md, lever 47).
+"""The row-stream decode kernel (hal/kernels/row_decode.py) at 128 x 1K in the sm_90 table's configs,
+three launches per case: FP8 at head dim 128, bf16 at 128, and bf16 at head dim 64 (128 bytes per key
+and head, as FP8 at 128: lever 49). `tools/gpu_check.sh ncurow` runs it under Nsight Compute
+(`ncu --clock-control none`, every launch from the third FP8 one on) to name what holds each kernel:
+DRAM share, issue activity, pipes, stall reasons, L2 requests (docs/performance.md, levers 47, 49).
 
     PYTHONPATH=. python tools/row_decode_ncu.py
 """
@@ -21,14 +22,16 @@ from hal.kernels.row_decode import row_decode_launches  # noqa: E402
 
 def main() -> None:
     device = torch.device("cuda")
-    for kv_dtype, key in ((torch.float8_e4m3fn, "attention_row_decode_fp8"), (None, "attention_row_decode")):
-        backend, batch, cache, q = _paged(device, 128, 1025, 2, kv_dtype)
+    cases = ((torch.float8_e4m3fn, "attention_row_decode_fp8", 128), (None, "attention_row_decode", 128),
+             (None, "attention_row_decode", 64))
+    for kv_dtype, key, head_dim in cases:
+        backend, batch, cache, q = _paged(device, 128, 1025, 2, kv_dtype, head_dim=head_dim)
         meta = backend.build_meta(batch)
         values, scales = backend._views(cache)
         out = torch.empty_like(q)
         for _ in range(3):
             for launch in row_decode_launches(q, values, meta.block_tables[0], meta.seq_lens, meta.query_start_loc,
-                                              128 ** -0.5, backend.configs[key], 1, backend.configs["attention_reduce"],
+                                              head_dim ** -0.5, backend.configs[key], 1, backend.configs["attention_reduce"],
                                               out, "cuda", scales):
                 run_launch(launch)
         torch.cuda.synchronize()
