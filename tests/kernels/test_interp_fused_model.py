@@ -229,3 +229,42 @@ def test_fp8_down_projections_take_swiglu_in_their_prologue(name):
     err = (fused - unfused).abs().max().item()
     print(f"{name}: fused vs unfused FP8 down projections, max logit difference {err:.3g}")
     assert err <= 2e-2 * unfused.abs().max().item(), err
+
+
+@pytest.mark.parametrize("name", ["ouro-tiny-gqa-bf16", "huginn-tiny"])
+def test_fp8_gate_up_takes_the_sandwich_boundary_in_its_prologue(name):
+    """FP8 weights at one row with the CUDA/ROCm Hals' FP8 ops (hal/cuda/fp8.py): each MLP's sandwich
+    boundary (Ouro's `residual + post_norm(x)`, Huginn's `post_norm(x + residual)`, then the MLP's
+    norm) is one `norm_residual_fp8_linear` call in place of a norm_add_norm launch and the gate|up
+    (fc) `fp8_linear`: for Ouro one per layer and loop; the logits are those of the unfused pair up to
+    the row statistics' one-ulp moves."""
+    from hal.cuda.fp8 import fp8_linear_op, norm_residual_fp8_linear_op, silu_mul_fp8_linear_op
+    from zoo.fp8 import Fp8Linear
+
+    case = golden_case(name)
+    model = fuse_projections(zoo.from_pretrained(case.path, dtype="bfloat16", weights_dtype="fp8").eval())
+    ids = torch.tensor([case.prompt(0)[:1]])
+    configs = configs_for("default")
+
+    def run(names):
+        hal = TritonOpsOnCpu(SMALL_OPS + names)
+        linear, small = fp8_linear_op("gfx942", configs, True), hal.table
+        hal.table.update(fp8_linear=linear,
+                         silu_mul_fp8_linear=silu_mul_fp8_linear_op(configs, linear, small["silu_and_mul"]),
+                         norm_residual_fp8_linear=norm_residual_fp8_linear_op(configs, linear,
+                                                                              small["norm_add_norm"]))
+        for module in model.modules():
+            if isinstance(module, Fp8Linear):
+                module.ops = ModelOps(hal)                 # what the engine binds (quantize_fp8(..., ops=))
+        return _logits(model, ids, hal), hal.calls
+
+    fused, fused_calls = run(("fp8_linear", "silu_mul_fp8_linear", "norm_residual_fp8_linear"))
+    unfused, unfused_calls = run(("fp8_linear", "silu_mul_fp8_linear"))
+    boundaries = fused_calls["norm_residual_fp8_linear"]
+    if name.startswith("ouro"):
+        assert boundaries == model.config.num_hidden_layers * model.config.total_ut_steps, fused_calls
+    assert boundaries > 0 and fused_calls["norm_add_norm"] == unfused_calls["norm_add_norm"] - boundaries
+    assert fused_calls["fp8_linear"] == unfused_calls["fp8_linear"] - boundaries, (fused_calls, unfused_calls)
+    err = (fused - unfused).abs().max().item()
+    print(f"{name}: fused vs unfused FP8 sandwich boundaries, max logit difference {err:.3g}")
+    assert err <= 2e-2 * unfused.abs().max().item(), err
