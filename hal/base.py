@@ -226,9 +226,6 @@ class Hal(ABC):
           -> (y, h)`: the residual stream `h = residual + norm(x, post_norm_weight, eps)` (sandwich
           norms: Ouro), or with `sum_first` `h = norm(x + residual, post_norm_weight, eps)` (Huginn), and
           `y = F.linear(norm(h, norm_weight, eps), weight)`.
-        - `norm_residual_fp8_linear(x, residual, post_norm_weight, norm_weight, eps, weight, weight_scale,
-          sum_first=False) -> (y, h)`: the same with an FP8 weight, `y = fp8_linear(norm(h, norm_weight,
-          eps), weight, weight_scale)`; offered with `fp8_linear`, and rounds as that op does.
         - `projection_takes(rows, k, after_norm=False) -> bool`: whether the ops above fuse a product
           of `rows` rows of K (one that normalises its input: `after_norm`); where they do not they
           run the unfused expression, and a pre-norm layer then keeps its `norm_add_norm` boundaries.

@@ -120,8 +120,8 @@ class Fp8Linear(nn.Module):
 
 
 def fp8_matrix(module: Any) -> Fp8Weight | None:
-    """The FP8 weight and scales the Hal's FP8 projection ops take (`silu_mul_fp8_linear`,
-    `norm_residual_fp8_linear`): a fused matrix, or a bias-free `Fp8Linear`'s; None for anything else."""
+    """The FP8 weight and scales the Hal's FP8 projection ops take (`silu_mul_fp8_linear`): a fused
+    matrix, or a bias-free `Fp8Linear`'s; None for anything else."""
     if isinstance(module, Fp8Weight):
         return module
     if type(module) is Fp8Linear and module.bias is None:

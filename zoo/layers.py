@@ -139,30 +139,6 @@ def silu_mul_project(x: torch.Tensor, down: nn.Module, ctx: ForwardContext | Non
     return y if residual is None else residual + y
 
 
-def norm_residual_project(x: torch.Tensor, residual: torch.Tensor, post_norm: RMSNorm, norm: RMSNorm,
-                          weight: Any, ctx: ForwardContext | None, sum_first: bool = False
-                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`(linear(norm(h), weight), h)` at a sandwich boundary (h: `residual + post_norm(x)`, or
-    `post_norm(x + residual)` with `sum_first`) in one projection where the Hal has
-    `norm_residual_linear` (`norm_residual_fp8_linear` for an FP8 `weight`) and the norms share eps;
-    else None, and the caller runs the boundary before the projection."""
-    if post_norm.eps != norm.eps:                 # the ops take one eps for both norms
-        return None
-    ops = ops_of(ctx)
-    plain = linear_weight(weight)
-    if plain is not None:
-        fused = ops.op("norm_residual_linear")
-        if fused is None:
-            return None
-        return fused(x, residual, post_norm.weight, norm.weight, norm.eps, plain, sum_first=sum_first)
-    fp8 = fp8_matrix(weight)
-    fused = ops.op("norm_residual_fp8_linear") if fp8 is not None else None
-    if fused is None:
-        return None
-    return fused(x, residual, post_norm.weight, norm.weight, norm.eps, fp8.weight, fp8.scale,
-                 sum_first=sum_first)
-
-
 class SwiGLU(nn.Module):
     """`down(silu(gate(x)) * up(x))`, no bias. After `zoo.fuse.fuse_projections`, gate and up are
     one matrix (`gate_up`, a non-persistent buffer whose halves the two weights view)."""
@@ -195,11 +171,11 @@ class SwiGLU(nn.Module):
         """Sandwich norms around a sublayer boundary (Ouro): the residual stream
         `h = residual + post_norm(x)` of the sublayer before, then `self(norm(h))`. Returns
         `(mlp output, h)`; the two norms run in the gate|up projection's prologue where the Hal
-        has `norm_residual_linear` (`norm_residual_fp8_linear` for an FP8 gate|up), else in one
-        kernel before it where it has `norm_add_norm`."""
-        fused = norm_residual_project(x, residual, post_norm, norm, self.gate_up, ctx)
-        if fused is not None:
-            gate_up, h = fused
+        has `norm_residual_linear`, else in one kernel before it where it has `norm_add_norm`."""
+        weight = linear_weight(self.gate_up)
+        fused = ops_of(ctx).op("norm_residual_linear") if weight is not None else None
+        if fused is not None and post_norm.eps == norm.eps:
+            gate_up, h = fused(x, residual, post_norm.weight, norm.weight, norm.eps, weight)
             return self.down(gate_up, ctx), h
         normed = norm_add_norm(x, residual, post_norm, norm, ctx)
         if normed is not None:

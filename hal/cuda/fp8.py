@@ -126,32 +126,6 @@ def silu_mul_fp8_linear_op(configs: dict[str, Any] | None, linear: Callable[...,
     return silu_mul_linear
 
 
-def norm_residual_fp8_linear_op(configs: dict[str, Any] | None, linear: Callable[..., Any],
-                                norm_add_norm: Callable[..., Any]) -> Callable[..., Any] | None:
-    """The `norm_residual_fp8_linear` op over this Hal's `linear` (`fp8_linear`) and `norm_add_norm`:
-    at the one row the sandwich prologue takes (gemv_ops.SANDWICH_PROLOGUE_MAX_ROWS), a sublayer
-    boundary (`h = residual + post_norm(x)`, or `post_norm(x + residual)` with `sum_first`, then the
-    next norm) runs in the prologue of the W8A16 decode GEMV that `linear` takes (one launch for the
-    norm_add_norm launch and the GEMV); other operands run the two ops, as the layers do without
-    this op. None where `LOOPSTACK_FP8_GEMM` forces one GEMM, as for `silu_mul_fp8_linear`."""
-    if gemm_choice() != "auto":
-        return None
-    from hal.kernels.gemv_ops import Gemv
-
-    gemv = Gemv(configs).norm_residual_fp8_linear
-
-    def norm_residual_linear(x: torch.Tensor, residual: torch.Tensor, post_norm_weight: torch.Tensor,
-                             norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, scale: torch.Tensor,
-                             sum_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        fused = gemv(x, residual, post_norm_weight, norm_weight, eps, weight, scale, sum_first)
-        if fused is not None:
-            return fused
-        normed, h = norm_add_norm(x, residual, post_norm_weight, norm_weight, eps, sum_first=sum_first)
-        y = linear(normed.reshape(-1, normed.shape[-1]), weight, scale)
-        return y.view(*normed.shape[:-1], weight.shape[0]), h
-    return norm_residual_linear
-
-
 def dequantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                        bias: torch.Tensor | None = None) -> torch.Tensor:
     """The plain torch product (weights dequantized to float32), for operands no kernel takes."""

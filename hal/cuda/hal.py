@@ -249,14 +249,6 @@ class CudaHal(Hal):
                 self._ops[name] = (silu_mul_fp8_linear_op(configs, linear, silu)
                                    if linear is not None and silu is not None and self.decode_projections
                                    is not False else None)
-            elif name == "norm_residual_fp8_linear":   # the sandwich boundary in that GEMV's prologue
-                from hal.cuda.fp8 import norm_residual_fp8_linear_op
-
-                # as silu_mul_fp8_linear; the boundary's unfused path is norm_add_norm, then fp8_linear
-                linear, boundary = self.op("fp8_linear"), self.op("norm_add_norm")
-                self._ops[name] = (norm_residual_fp8_linear_op(configs, linear, boundary)
-                                   if linear is not None and boundary is not None and self.decode_projections
-                                   is not False else None)
             elif name in attention.GEMV_OPS:
                 rows = self._projection_rows(configs) if has_triton else 0
                 self._ops[name] = (attention.fused_op(name, configs, self.facts.num_compute_units, rows)

@@ -1,6 +1,6 @@
 """The decode projection ops (`linear`, `rms_norm_linear`, `silu_mul_linear`, `norm_residual_linear`,
-and `fp8_linear`, `silu_mul_fp8_linear`, `norm_residual_fp8_linear` for FP8 weights): `Gemv` routes
-each call to the skinny-GEMM kernels of hal/kernels/gemv.py or to the unfused torch path.
+and `fp8_linear`, `silu_mul_fp8_linear` for FP8 weights): `Gemv` routes each call to the skinny-GEMM
+kernels of hal/kernels/gemv.py or to the unfused torch path.
 
 Why routing sits apart from the kernels: which operands go to them is a measured choice (MAX_ROWS,
 the prologue row limits below, both from H200 timings), while the kernels themselves take any row
@@ -137,31 +137,6 @@ class Gemv:
         out_res = None if residual is None else _rows(residual)
         return self._run(_rows(x), weight, SILU_AND_MUL, weight_scale=scale,
                          out_residual=out_res).view(*x.shape[:-1], -1)
-
-    def norm_residual_fp8_linear(self, x: torch.Tensor, residual: torch.Tensor,
-                                 post_norm_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                                 weight: torch.Tensor, scale: torch.Tensor, sum_first: bool = False
-                                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """W8A16 `norm_residual_linear`: `(fp8_linear(rms_norm(h, norm_weight, eps), weight, scale), h)`
-        with h as there, the sandwich boundary in the GEMV's prologue, for the rows that prologue takes
-        (SANDWICH_PROLOGUE_MAX_ROWS); None for other operands (the caller then runs norm_add_norm and
-        its FP8 GEMM, which is what this computes above that row limit anyway)."""
-        prologue = NORM_ADD if sum_first else ADD_NORM
-        rows = x.numel() // x.shape[-1] if x.dim() else 0
-        k = x.shape[-1] if x.dim() else 0
-        if not (rows <= SANDWICH_PROLOGUE_MAX_ROWS and self.takes(rows, weight.shape[-1], prologue)
-                and x.dtype in KERNEL_DTYPES and residual.shape == x.shape
-                and residual.dtype == post_norm_weight.dtype == norm_weight.dtype == x.dtype
-                and post_norm_weight.shape == norm_weight.shape == (k,)   # the kernel reads them at stride 1
-                and post_norm_weight.is_contiguous() and norm_weight.is_contiguous()
-                and weight.dim() == 2 and weight.stride(-1) == 1 and scale.dtype == torch.float32
-                and k == weight.shape[1]):
-            return None
-        x2 = _rows(x)
-        h = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-        y = self._run(x2, weight, prologue, eps=eps, norm_weight=norm_weight, residual=_rows(residual),
-                      res_norm_weight=post_norm_weight, stream_out=h, weight_scale=scale)
-        return y.view(*x.shape[:-1], -1), h.view(x.shape)
 
     def rms_norm_linear(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         weight: torch.Tensor) -> torch.Tensor:

@@ -85,10 +85,6 @@ def fake_kernels(monkeypatch):
         def silu_mul_fp8_linear(self, x, weight, scale, residual=None):
             return "gemv silu_mul_fp8_linear" if x.shape[0] <= 8 and x.dtype != torch.float32 else None
 
-        def norm_residual_fp8_linear(self, x, residual, post_norm_weight, norm_weight, eps, weight, scale,
-                                     sum_first=False):   # one row: the sandwich prologue's limit
-            return "gemv norm_residual_fp8_linear" if x.shape[0] == 1 and x.dtype != torch.float32 else None
-
     modules = {
         "hal.kernels": _module("hal.kernels", __path__=[]),
         "hal.kernels.configs": _module("hal.kernels.configs", configs_for=configs_for),

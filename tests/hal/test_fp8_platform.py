@@ -102,30 +102,3 @@ def test_fp8_down_projections_fuse_swiglu_where_fp8_linear_has_the_gemv(simulate
         torch.randn(32, 64), FNUZ)) == "gemv silu_mul_fp8_linear"
     assert hal.get("cpu").op("silu_mul_fp8_linear") is None
     assert hal.get("ascend-sim").op("silu_mul_fp8_linear") is None
-
-
-def test_fp8_gate_up_fuses_the_sandwich_boundary_where_fp8_linear_has_the_gemv(simulate, fake_kernels,
-                                                                               monkeypatch):
-    """`op("norm_residual_fp8_linear")` comes with the W8A16 decode GEMV of `op("fp8_linear")` and the
-    Hal's `norm_add_norm` (CUDA sm_89+, ROCm), as `silu_mul_fp8_linear` does: not where FP8 has no
-    GEMM, a GEMM is forced, or the decode projections are switched off; the CPU and Ascend Hals offer
-    none (their callers run norm_add_norm, then the FP8 linear)."""
-    import hal
-
-    monkeypatch.delenv(GEMM_ENV, raising=False)
-    weight, scale = quantize(torch.randn(32, 64), FN)
-    x, w = torch.randn(1, 64).bfloat16(), torch.ones(64).bfloat16()
-    simulate("cuda", capability=(9, 0))
-    fused = CudaHal().op("norm_residual_fp8_linear")
-    assert fused(x, x, w, w, 1e-6, weight, scale) == "gemv norm_residual_fp8_linear"
-    assert CudaHal(decode_projections=False).op("norm_residual_fp8_linear") is None
-    monkeypatch.setenv(GEMM_ENV, "scaled_mm")
-    assert CudaHal().op("norm_residual_fp8_linear") is None
-    monkeypatch.delenv(GEMM_ENV)
-    simulate("cuda", capability=(8, 0))
-    assert CudaHal().op("norm_residual_fp8_linear") is None
-    simulate("rocm", arch="gfx942:sramecc+:xnack-")
-    assert RocmHal().op("norm_residual_fp8_linear")(x, x, w, w, 1e-6, *quantize(
-        torch.randn(32, 64), FNUZ), sum_first=True) == "gemv norm_residual_fp8_linear"
-    assert hal.get("cpu").op("norm_residual_fp8_linear") is None
-    assert hal.get("ascend-sim").op("norm_residual_fp8_linear") is None

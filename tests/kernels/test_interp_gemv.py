@@ -337,15 +337,13 @@ class _Fp8Hal:
     builds them for an MI300: W8A16 only), counting the calls by name."""
 
     def __init__(self, names: tuple[str, ...]):
-        from hal.cuda.fp8 import fp8_linear_op, norm_residual_fp8_linear_op, silu_mul_fp8_linear_op
+        from hal.cuda.fp8 import fp8_linear_op, silu_mul_fp8_linear_op
         from hal.kernels.ops import fused_ops
 
         configs = configs_for("default")
-        small, linear = fused_ops(configs), fp8_linear_op("gfx942", configs, True)
-        silu, boundary = small["silu_and_mul"], small["norm_add_norm"]
-        table = {"silu_and_mul": silu, "norm_add_norm": boundary, "fp8_linear": linear,
-                 "silu_mul_fp8_linear": silu_mul_fp8_linear_op(configs, linear, silu),
-                 "norm_residual_fp8_linear": norm_residual_fp8_linear_op(configs, linear, boundary)}
+        silu, linear = fused_ops(configs)["silu_and_mul"], fp8_linear_op("gfx942", configs, True)
+        table = {"silu_and_mul": silu, "fp8_linear": linear,
+                 "silu_mul_fp8_linear": silu_mul_fp8_linear_op(configs, linear, silu)}
         self.ops, self.calls = {name: table[name] for name in names}, {}
 
     def op(self, name):
@@ -409,131 +407,3 @@ def test_fp8_swiglu_op_passes_the_conformance_bound():
                           caps=SimpleNamespace(dtypes=(torch.bfloat16, torch.float32)))
     assert _check_silu_mul_fp8_linear(hal, torch.float8_e4m3fn)
     assert fp8.calls == {"silu_mul_fp8_linear": 8}
-
-
-def _boundary(x, residual, post_w, norm_w, sum_first):
-    """The unfused sandwich boundary `(norm(h), h)`: the norm_add_norm kernel the layers run."""
-    from hal.kernels.norms import norm_add_norm
-
-    return norm_add_norm(x, residual, post_w, norm_w, 1e-6, sum_first, configs_for("default"))
-
-
-@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e4m3fnuz], ids=["e4m3fn", "e4m3fnuz"])
-@pytest.mark.parametrize("path", PATHS, ids=list(PATHS))
-def test_fp8_gate_up_takes_the_sandwich_boundary_in_its_prologue(path, fp8):
-    """`norm_residual_fp8_linear` at one row: the stream h of norm_add_norm (Ouro's `residual +
-    post_norm(x)`, Huginn's `post_norm(x + residual)`), and the FP8 product of `fp8_linear` on its
-    `norm(h)`: that input's dequantized product rounded once, and the unfused pair's bits up to the
-    one-ulp moves of the row statistics' sum order. More rows than SANDWICH_PROLOGUE_MAX_ROWS, float32,
-    and operands of other shapes answer None (the caller runs norm_add_norm, then fp8_linear)."""
-    from hal.common.kv_quant import quantize
-
-    ops = _ops(PATHS[path])
-    n, k = 40, 96
-    weight, scale = quantize(torch.randn(n, k) * 0.05, fp8)
-    dequantized = weight.float() * scale[:, None]
-    post_w, norm_w = (torch.rand(k) + 0.5).bfloat16(), (torch.rand(k) + 0.5).bfloat16()
-    x, residual = (torch.randn(1, 1, k) * 3).bfloat16(), torch.randn(1, 1, k).bfloat16()
-    for sum_first in (False, True):
-        what = f"{path} sum_first={sum_first}"
-        normed, h_ref = _boundary(x, residual, post_w, norm_w, sum_first)
-        y, h = ops.norm_residual_fp8_linear(x, residual, post_w, norm_w, 1e-6, weight, scale, sum_first)
-        assert y.shape == (1, 1, n) and h.shape == x.shape, what
-        _assert_bits(h, h_ref, f"{what} stream")
-        _assert_product(y[0], normed[0].float(), dequantized, what)
-        _assert_bits(y[0], ops.fp8_linear(normed[0], weight, scale), what)
-    rows2 = torch.randn(2, k).bfloat16()
-    assert ops.norm_residual_fp8_linear(rows2, rows2, post_w, norm_w, 1e-6, weight, scale) is None
-    assert ops.norm_residual_fp8_linear(x.float(), residual.float(), post_w.float(), norm_w.float(), 1e-6,
-                                        weight, scale) is None
-    half = residual[..., :k // 2]
-    assert ops.norm_residual_fp8_linear(x, half, post_w, norm_w, 1e-6, weight, scale) is None
-    assert ops.norm_residual_fp8_linear(x, residual, post_w, norm_w, 1e-6, weight[:, :k // 2], scale) is None
-
-
-def test_fp8_sandwich_boundary_is_one_launch_on_fp8_linears_kernel(monkeypatch):
-    """At one row the fused op launches once, on the kernel `fp8_linear` takes for the same K (the
-    slice kernel for K in up to `split_k` slices, each slice writing its part of h; the K-looping one
-    past that), and gives the unfused boundary's h and product."""
-    from hal.common.kv_quant import quantize
-
-    config = KernelConfig(1, 4, 4, 1, block_k=32, split_k=3)
-    ops = gemv_ops.Gemv({**configs_for("default"), gemv_ops.SLICE_KEY: config}, 16)
-    kernels = []
-    real = gemv_ops.run_launch
-    monkeypatch.setattr(gemv_ops, "run_launch", lambda launch: kernels.append(launch.kernel) or real(launch))
-    for k, kernel in ((96, gemv_slice._slice_gemv_kernel), (160, gemv._gemv_kernel)):   # 3 slices; 5
-        weight, scale = quantize(torch.randn(12, k) * 0.05, torch.float8_e4m3fn)
-        post_w, norm_w = (torch.rand(k) + 0.5).bfloat16(), (torch.rand(k) + 0.5).bfloat16()
-        x, residual = (torch.randn(1, k) * 3).bfloat16(), torch.randn(1, k).bfloat16()
-        ops.fp8_linear(x, weight, scale)
-        assert kernels == [kernel], (k, kernels)
-        plain = kernels.pop()
-        for sum_first in (False, True):
-            normed, h_ref = _boundary(x, residual, post_w, norm_w, sum_first)
-            kernels.clear()
-            y, h = ops.norm_residual_fp8_linear(x, residual, post_w, norm_w, 1e-6, weight, scale, sum_first)
-            assert kernels == [plain], (k, kernels)
-            _assert_bits(h, h_ref, f"K={k} sum_first={sum_first} stream")
-            dequantized = weight.float() * scale[:, None]
-            _assert_product(y, normed.float(), dequantized, f"K={k} sum_first={sum_first}")
-        kernels.clear()
-    assert not gemv_ops._counters(torch.device("cpu")).any()
-
-
-@pytest.mark.parametrize("rows", [1, 3])
-def test_swiglu_sandwich_runs_an_fp8_gate_up_as_one_op(rows):
-    """SwiGLU.forward_sandwich over an FP8 gate|up (Ouro's post-attention boundary): one
-    `norm_residual_fp8_linear` call and no norm_add_norm where the Hal has the op, norm_add_norm and
-    the FP8 linear where it does not; the same values (3 rows: the op's own unfused path, bit for bit)."""
-    from types import SimpleNamespace
-
-    from zoo.context import ModelOps
-    from zoo.fp8 import quantize_matrix
-    from zoo.layers import RMSNorm, SwiGLU
-
-    mlp = SwiGLU(48, 80).bfloat16()
-    mlp.gate_up = quantize_matrix(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), torch.float8_e4m3fn)
-    post_norm, norm = RMSNorm(48, 1e-6), RMSNorm(48, 1e-6)
-    with torch.no_grad():
-        post_norm.weight.copy_(torch.rand(48) + 0.5)
-        norm.weight.copy_(torch.rand(48) + 0.5)
-    post_norm, norm = post_norm.bfloat16(), norm.bfloat16()
-    x, residual = (torch.randn(1, rows, 48) * 3).bfloat16(), torch.randn(1, rows, 48).bfloat16()
-    results = {}
-    for fused in (True, False):
-        names = ("norm_add_norm", "fp8_linear") + (("norm_residual_fp8_linear",) if fused else ())
-        hal = _Fp8Hal(names)
-        ops = ModelOps(hal, fused=True)
-        with torch.inference_mode():
-            gate_up, h = mlp.forward_sandwich(x, residual, post_norm, norm, SimpleNamespace(ops=ops))
-        results[fused] = gate_up, h
-        want = {"norm_residual_fp8_linear": 1} if fused else {"norm_add_norm": 1, "fp8_linear": 1}
-        assert hal.calls == want, hal.calls
-    for got, want in zip(results[True], results[False]):
-        if rows == 1:
-            _assert_bits(got, want, "fused vs unfused")
-        else:
-            assert torch.equal(got, want)
-
-
-def test_fp8_sandwich_op_follows_the_fp8_gemm_choice(monkeypatch):
-    """A forced FP8 GEMM (`LOOPSTACK_FP8_GEMM`) runs every product, the sandwich's gate|up too."""
-    from hal.cuda.fp8 import GEMM_ENV, norm_residual_fp8_linear_op
-
-    monkeypatch.setenv(GEMM_ENV, "scaled_mm")
-    assert norm_residual_fp8_linear_op(configs_for("default"), lambda *a: None, lambda *a, **kw: None) is None
-
-
-def test_fp8_sandwich_op_passes_the_conformance_bound():
-    """The Hal conformance check of `norm_residual_fp8_linear` (hal/conformance/quant.py) on the op as
-    the CUDA/ROCm Hals build it: one row fused, 37 rows through norm_add_norm and the FP8 tile kernel."""
-    from types import SimpleNamespace
-
-    from hal.conformance.quant import _check_norm_residual_fp8_linear
-
-    fp8 = _Fp8Hal(("norm_add_norm", "fp8_linear", "norm_residual_fp8_linear"))
-    hal = SimpleNamespace(op=fp8.op, device=lambda: torch.device("cpu"),
-                          caps=SimpleNamespace(dtypes=(torch.bfloat16, torch.float32)))
-    assert _check_norm_residual_fp8_linear(hal, torch.float8_e4m3fn)
-    assert fp8.calls == {"norm_residual_fp8_linear": 8}

@@ -13,7 +13,7 @@ from torch import nn
 
 from zoo.context import ForwardContext
 from zoo.huginn.config import HuginnConfig
-from zoo.layers import RMSNorm, norm_add_norm, norm_residual_project, project, silu_mul_project
+from zoo.layers import RMSNorm, linear_weight, norm_add_norm, ops_of, project, silu_mul_project
 from zoo.rope import attend_rotary, rope_tables
 
 
@@ -75,11 +75,11 @@ class GatedMLP(nn.Module):
                          ctx: ForwardContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The sandwich block's boundary: `h = post_norm(x + residual)`, then `self(norm(h))`. Returns
         `(mlp output, h)`; the add and both norms run in the fc projection's prologue where the Hal
-        has `norm_residual_linear` (`norm_residual_fp8_linear` for an FP8 fc; decode), else in one
-        kernel before it where it has `norm_add_norm`."""
-        fused = norm_residual_project(x, residual, post_norm, norm, self.fc, ctx, sum_first=True)
-        if fused is not None:
-            fc_out, h = fused
+        has `norm_residual_linear` (decode), else in one kernel before it where it has `norm_add_norm`."""
+        weight = linear_weight(self.fc)
+        fused = ops_of(ctx).op("norm_residual_linear") if weight is not None else None
+        if fused is not None and post_norm.eps == norm.eps:
+            fc_out, h = fused(x, residual, post_norm.weight, norm.weight, norm.eps, weight, sum_first=True)
             return self.down(fc_out, ctx), h
         normed = norm_add_norm(x, residual, post_norm, norm, ctx, sum_first=True)
         if normed is not None:
