@@ -86,6 +86,17 @@ def _eager_rescale(build):
                           if "LAZY" in launch.kernel.arg_names else launch for launch in build(*args)]
 
 
+def _attend(build, q, values, scales, meta, plane: int, scale: float, config, num_splits: int, reduce_config,
+            out: torch.Tensor) -> torch.Tensor:
+    """One decode attention call on `plane` through `build` (the unified or the row kernel's launches)."""
+    from hal.kernels.launch import run_launch
+
+    for launch in build(q, values, meta.block_tables[plane], meta.seq_lens, meta.query_start_loc, scale, config,
+                        num_splits, reduce_config, out, "cuda", scales):
+        run_launch(launch)
+    return out
+
+
 def _scales_once(build):
     """`build` with the scale tensor's block and slot strides at 0 (lever 49's diagnostic): the loads
     and instructions stay, the scale reads all hit one cache line."""
@@ -99,7 +110,6 @@ def attention_cells(bench: Bench, rows_only: bool = False) -> None:
     """Decode attention per layer-plane; `rows_only`: batch 64 and 128, the table configs and the row
     kernel's sweep only."""
     from hal.kernels import attention
-    from hal.kernels.launch import run_launch
     from hal.kernels.row_decode import row_decode_launches
 
     scale = HEAD_DIM ** -0.5
@@ -123,11 +133,8 @@ def attention_cells(bench: Bench, rows_only: bool = False) -> None:
             default = configs["attention_decode" if kv_dtype is None else "attention_decode_fp8"]
 
             def attend(plane, config=default, num_splits=splits, build=attention.attention_launches):
-                for launch in build(
-                        q, values, meta.block_tables[plane], meta.seq_lens, meta.query_start_loc, scale,
-                        config, num_splits, configs["attention_reduce"], out, "cuda", scales):
-                    run_launch(launch)
-                return out
+                return _attend(build, q, values, scales, meta, plane, scale, config, num_splits,
+                               configs["attention_reduce"], out)
 
             def check(fn):
                 return lambda: _rel_err(fn(0), ref)
@@ -174,7 +181,6 @@ def layout_cells(bench: Bench, context: int = 1024) -> None:
     """Lever 49's diagnostic: the row kernel over the same bytes laid out otherwise. One head per slot
     row makes a program's keys nearly contiguous (a row is 144 bytes, not 2,112); bf16 at head dim 64
     reads 128 bytes per key and head, as FP8 at 128 does, without FP8's conversions."""
-    from hal.kernels.launch import run_launch
     from hal.kernels.row_decode import row_decode_launches
 
     for label, kv_dtype, heads, head_dim, num_seqs in LAYOUT_CASES:
@@ -191,11 +197,8 @@ def layout_cells(bench: Bench, context: int = 1024) -> None:
         out = torch.empty_like(q)
 
         def attend(plane, values=values, scales=scales, meta=meta, q=q, out=out, config=config, splits=splits):
-            for launch in row_decode_launches(q, values, meta.block_tables[plane], meta.seq_lens,
-                                              meta.query_start_loc, head_dim ** -0.5, config, splits,
-                                              configs["attention_reduce"], out, "cuda", scales):
-                run_launch(launch)
-            return out
+            return _attend(row_decode_launches, q, values, scales, meta, plane, head_dim ** -0.5, config, splits,
+                           configs["attention_reduce"], out)
 
         bench.cell("layout", f"{num_seqs}x{context}", num_seqs, f"{label} x{splits}",
                    lambda attend=attend, n=num_planes: [lambda p=p: attend(p) for p in range(n)], plane_bytes)

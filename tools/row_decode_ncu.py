@@ -14,9 +14,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fp8_kernels_bench import _paged  # noqa: E402
+from fp8_kernels_bench import _attend, _paged  # noqa: E402
 
-from hal.kernels.launch import run_launch  # noqa: E402
 from hal.kernels.row_decode import row_decode_launches  # noqa: E402
 
 
@@ -30,10 +29,8 @@ def main() -> None:
         values, scales = backend._views(cache)
         out = torch.empty_like(q)
         for _ in range(3):
-            for launch in row_decode_launches(q, values, meta.block_tables[0], meta.seq_lens, meta.query_start_loc,
-                                              head_dim ** -0.5, backend.configs[key], 1, backend.configs["attention_reduce"],
-                                              out, "cuda", scales):
-                run_launch(launch)
+            _attend(row_decode_launches, q, values, scales, meta, 0, head_dim ** -0.5, backend.configs[key], 1,
+                    backend.configs["attention_reduce"], out)
         torch.cuda.synchronize()
 
 
