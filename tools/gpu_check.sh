@@ -4,7 +4,7 @@
 #   tools/gpu_check.sh [phase ...]     phases: conformance tests kernels bench models profile spec
 #                                      specasync sweep fp8 cells peer profile64 train finetune spec22
 #                                      fp8kernels fp8cells fp8quick restcuda tune diag pdl slice slicediag
-#                                      slicewide fp8b1 rowtune fp8prefill ncurow layout blas
+#                                      slicewide fp8b1 rowtune fp8prefill ncurow layout blas rows
 #                                      (default: the first six)
 # Logs go to $OUT/gpu_check.log, benchmark rows to $OUT/bench.jsonl; a short table is printed last.
 set -u
@@ -222,6 +222,40 @@ lts__t_sectors_srcunit_tex_op_read.sum,lts__t_requests_srcunit_tex_op_read.sum,s
       bench model=ouro-1.4b engine.kv_dtype=fp8 'workload=[b1,b128,prefill8k]'
       bench model=ouro-1.4b engine.kv_dtype=fp8 engine.weights_dtype=fp8 'workload=[b1]'
       bench model=ouro-1.4b engine.weights_dtype=fp8 'workload=[b1]' ;;
+    rows)     # lever 53: gemv.py's tl.dot path at 64 rows against cuBLAS (tools/pdl_bench.py --rows): the
+              # layer chain of Ouro-1.4B's projections, each config without PDL, with it, and with the first
+              # weight tile before the wait; the b64 cell on cuBLAS and with the chain's two fastest
+              # preloading configs as the gemv_wide entry; each projection alone; Nsight Compute on o and down
+      run "rows64 chain" 200 python3 tools/pdl_bench.py --rows 64 --out "$OUT/rows.jsonl"
+      bench model=ouro-1.4b 'workload=[b64]'
+      python3 - "$OUT/rows.jsonl" > "$OUT/wide_picks.txt" <<'PY'
+import json, re, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+chain = sorted((r for r in rows if r["shape"] == "chain" and r["variant"].endswith("pdl preload")),
+               key=lambda r: r["us_per_layer"])
+for r in chain[:2]:
+    bn, bk, w, s, sk = map(int, re.search(r"n(\d+) k(\d+) w(\d+) s(\d+) sk(\d+)", r["variant"]).groups())
+    print(json.dumps({"gemv_wide": [16, bn, w, s, 0, 0, 1, bk, sk]}))
+PY
+      while read -r cfg; do
+        echo "----- gemv_wide $cfg" | tee -a "$LOG"
+        LOOPSTACK_KERNEL_CONFIGS="$cfg" bench model=ouro-1.4b 'workload=[b64]' profile=4
+      done < "$OUT/wide_picks.txt"
+      for shape in o down qkv gate_up; do
+        run "rows64 $shape" 100 python3 tools/pdl_bench.py --rows 64 --shape $shape --out "$OUT/rows.jsonl"
+      done
+      grep -E "us/layer" "$LOG" | tail -n 120
+      run "ncu rows" 120 ncu --clock-control none --metrics \
+gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,launch__grid_size,\
+launch__registers_per_thread,launch__shared_mem_per_block_dynamic,launch__occupancy_limit_registers,\
+launch__occupancy_limit_shared_mem,sm__warps_active.avg.pct_of_peak_sustained_active,\
+smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio,\
+smsp__average_warp_latency_issue_stalled_barrier.ratio,smsp__average_warp_latency_issue_stalled_wait.ratio,\
+smsp__average_warp_latency_issue_stalled_membar.ratio,smsp__average_warp_latency_issue_stalled_lg_throttle.ratio,\
+smsp__average_warp_latency_issue_stalled_math_pipe_throttle.ratio,smsp__average_warp_latency_issue_stalled_short_scoreboard.ratio,\
+lts__t_bytes.sum,sm__cycles_active.avg \
+        python3 tools/rows_gemm_ncu.py
+      grep -E "^  [a-zA-Z_]|gpu__time|dram__|launch__|warps_|issue_active|stalled|lts__t|cycles_active" "$LOG" | tail -n 400 > "$OUT/ncu_rows.txt" ;;
     *) echo "unknown phase $phase" ;;
   esac
 done

@@ -1,6 +1,7 @@
 """Programmatic dependent launch (PDL) for the batch-1 projections: an experiment on the GPU.
 
     PYTHONPATH=. python tools/pdl_bench.py [--quick] [--model ouro-1.4b] [--layers 24] [--out rows.jsonl]
+    PYTHONPATH=. python tools/pdl_bench.py --rows 64 [--shape o]     # decode batches: cuBLAS vs gemv.py's tl.dot path
 
 Why: at batch 1 a decode step is a chain of about 7 launches per layer and loop, each paying its own
 ramp (the first weight bytes) and tail (the last programs, the split-K reduction); inside a CUDA
@@ -45,8 +46,9 @@ def cublas_launch(x, w, out):
     torch.nn.functional.linear(x, w, out=out)
 
 
-def gemv_launcher(pdl: bool, config=None):
-    """The Hal's decode GEMV kernel (hal/kernels/gemv.py) into the chain's buffers, PDL on or off."""
+def gemv_launcher(pdl: bool, config=None, preload: bool = False, rows: int = 1):
+    """The Hal's decode GEMV kernel (hal/kernels/gemv.py) into the chain's buffers, PDL on or off
+    (`preload`: the tl.dot path's first weight tile before the PDL wait)."""
     from hal.kernels.configs import configs_for
     from hal.kernels.gemv import gemv_launch
     from hal.kernels.launch import run_launch
@@ -54,11 +56,12 @@ def gemv_launcher(pdl: bool, config=None):
     config = config or configs_for("sm_90")["gemv_m1"]
     units = torch.cuda.get_device_properties(0).multi_processor_count
     counters = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
-    workspace = torch.empty(64 * 16384, dtype=torch.float32, device="cuda")
+    workspace = torch.empty(64 * max(rows, 16) * 16384, dtype=torch.float32, device="cuda")
 
     def launch(x, w, out):
         os.environ[ENV] = "1" if pdl else "0"
-        run_launch(gemv_launch(x, w, out, config, "cuda", units, workspace=workspace, counters=counters))
+        run_launch(gemv_launch(x, w, out, config, "cuda", units, workspace=workspace, counters=counters,
+                               preload=preload))
     return launch
 
 
@@ -76,26 +79,27 @@ def slice_gemv_launcher(pdl: bool, config):
     return launch
 
 
-def chain(launch, weights, bufs, x0):
-    """Every product reads the previous product's output (its first K values)."""
+def chain(launch, weights, bufs, x0, independent: bool = False):
+    """Every product reads the previous product's output (its first K values); `independent`: each
+    reads x0 (one shape repeated, whose output is narrower than its input)."""
     prev = x0
     for w, out in zip(weights, bufs):
-        launch(prev[..., :w.shape[1]], w, out)
+        launch((x0 if independent else prev)[..., :w.shape[1]], w, out)
         prev = out
 
 
-def time_graph(launch, weights, x0, replays: int = 20):
-    bufs = [torch.empty(1, w.shape[0], dtype=w.dtype, device="cuda") for w in weights]
+def time_graph(launch, weights, x0, replays: int = 20, independent: bool = False):
+    bufs = [torch.empty(x0.shape[0], w.shape[0], dtype=w.dtype, device="cuda") for w in weights]
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(2):
-            chain(launch, weights, bufs, x0)
+            chain(launch, weights, bufs, x0, independent)
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        chain(launch, weights, bufs, x0)
+        chain(launch, weights, bufs, x0, independent)
     g.replay()
     torch.cuda.synchronize()
     times = []
@@ -110,6 +114,23 @@ def time_graph(launch, weights, x0, replays: int = 20):
     return times[len(times) // 2], bufs[-1].float().clone()
 
 
+ROWS_CONFIGS = ((64, 128, 4, 4, 0), (64, 256, 4, 2, 0), (128, 256, 8, 2, 0), (128, 256, 8, 2, 8), (64, 256, 4, 2, 4),
+                (128, 128, 8, 2, 16))
+# (block_n, block_k, warps, stages, split_k; 0: split-K to fill the device)
+
+
+def rows_variants(rows: int) -> list:
+    """gemv.py's tl.dot path at decode-batch rows: each config without PDL, with it, and with the
+    first weight tile loaded before the wait."""
+    out = []
+    for bn, bk, warps, stages, split in ROWS_CONFIGS:
+        config = KernelConfig(16, bn, warps, stages, block_k=bk, split_k=split)
+        for pdl, preload in ((False, False), (True, False), (True, True)):
+            label = f"gemv n{bn} k{bk} w{warps} s{stages} sk{split}{' pdl' if pdl else ''}{' preload' if preload else ''}"
+            out.append((label, gemv_launcher(pdl, config, preload, rows)))
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", choices=sorted(MODEL_SHAPES), default="ouro-1.4b",
@@ -117,23 +138,29 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--out", default=None)
     p.add_argument("--quick", action="store_true", help="cuBLAS and the slice kernel's configs only")
+    p.add_argument("--rows", type=int, default=1, help="rows of x: above 1, cuBLAS against gemv.py's tl.dot path")
+    p.add_argument("--shape", default=None, help="one projection repeated (each reads the same x) instead of the chain")
     args = p.parse_args()
     torch.manual_seed(0)
     shapes = MODEL_SHAPES[args.model]
+    if args.shape:
+        shapes = tuple(s for s in shapes if s[0] == args.shape)
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
                for _ in range(args.layers) for _, n, k in shapes]
-    x0 = torch.randn(1, max(k for _, _, k in shapes), device="cuda", dtype=torch.bfloat16)
+    x0 = torch.randn(args.rows, max(k for _, _, k in shapes), device="cuda", dtype=torch.bfloat16)
     layer_bytes = sum(n * k * 2 for _, n, k in shapes)
     floor_us = layer_bytes / FLOOR_BANDWIDTH * 1e6
     print(f"torch {torch.__version__} triton {triton.__version__} gdc {HAS_GDC}; per layer {layer_bytes / 1e6:.1f} MB, "
           f"floor {floor_us:.1f} us", flush=True)
     variants = [("cublas", cublas_launch)]
-    for bn, bk, warps in ((4, 2048, 4), (2, 2048, 2), (4, 2048, 2), (8, 2048, 4), (8, 2048, 8), (4, 4096, 4),
+    if args.rows > 1:
+        variants += rows_variants(args.rows)
+    for bn, bk, warps in () if args.rows > 1 else ((4, 2048, 4), (2, 2048, 2), (4, 2048, 2), (8, 2048, 4), (8, 2048, 8), (4, 4096, 4),
                           (4, 4096, 8), (2, 4096, 4), (16, 1024, 4), (8, 1024, 2)):
         for pdl in (False, True):
             variants.append((f"gemv_slice bn{bn} bk{bk} w{warps}{' pdl' if pdl else ''}",
                              slice_gemv_launcher(pdl, KernelConfig(1, bn, warps, 1, block_k=bk))))
-    if not args.quick:   # the K-looping kernel, in its table config and with one tile per split
+    if not args.quick and args.rows == 1:   # the K-looping kernel, in its table config and with one tile per split
         for label, config in (("sm_90 config", None),
                               ("bn16 bk512 one tile/split", KernelConfig(1, 16, 4, 2, block_k=512, split_k=16)),
                               ("bn8 bk1024 one tile/split", KernelConfig(1, 8, 4, 2, block_k=1024, split_k=16)),
@@ -144,19 +171,22 @@ def main() -> int:
     rows, ref = [], {}
     for name, launch in variants:
         try:
-            us, y = time_graph(launch, weights, x0)
+            us, y = time_graph(launch, weights, x0, independent=bool(args.shape))
         except Exception as e:  # noqa: BLE001 (a variant that fails to compile or capture is reported, not fatal)
             print(f"{name:34s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
-        base = name.replace(" pdl", "")
+        base = name.replace(" pdl", "").replace(" preload", "")
         diff = float((y - ref[base]).abs().max()) if base in ref else 0.0
         ref.setdefault(base, y)
+        ref.setdefault("cublas", y)
+        rel = float((y.float() - ref["cublas"].float()).norm() / ref["cublas"].float().norm())
         per_layer = us / args.layers
-        row = {"model": args.model, "variant": name, "us_per_layer": round(per_layer, 2), "tb_s": round(layer_bytes / per_layer / 1e6, 3),
-               "floor_ratio": round(floor_us / per_layer, 3), "max_diff_vs_no_pdl": diff}
+        row = {"model": args.model, "rows": args.rows, "shape": args.shape or "chain", "variant": name, "us_per_layer": round(per_layer, 2), "tb_s": round(layer_bytes / per_layer / 1e6, 3),
+               "floor_ratio": round(floor_us / per_layer, 3), "max_diff_vs_no_pdl": diff,
+               "rel_diff_vs_cublas": rel}
         rows.append(row)
         print(f"{name:34s} {per_layer:7.2f} us/layer  {row['tb_s']:.2f} TB/s  {row['floor_ratio']:.2f} of floor  "
-              f"diff {diff:.3g}", flush=True)
+              f"diff {diff:.3g}  rel-to-cublas {rel:.2g}", flush=True)
     if args.out:
         with open(args.out, "a") as f:
             for row in rows:

@@ -63,20 +63,28 @@ def block_table_array(batch: PagedBatch, max_blocks: int | None = None) -> np.nd
     return out
 
 
-def slot_mapping(batch: PagedBatch) -> np.ndarray:
+def slot_mapping(batch: PagedBatch, tables: np.ndarray | None = None) -> np.ndarray:
     """Cache slot (block * block_size + offset) of every new token in every plane, `[P, T]` int64.
 
     A sequence whose table in a plane does not reach a token's position gets slot -1 there
     (that plane is not in use for it: fewer loops, or an exited token), and writers skip it.
+    `tables`: `block_table_array(batch)` (any width) where the caller has it already.
     """
     bs = batch.block_size
     positions = token_positions(batch)
-    seq_of_token = np.repeat(np.arange(len(batch.query_lens)), batch.query_lens)
-    tables = block_table_array(batch)                                   # [P, S, B]
+    tables = block_table_array(batch) if tables is None else tables      # [P, S, B]
     lengths = table_lengths(batch)
     if tables.shape[1] == 0:
         return np.zeros((tables.shape[0], 0), dtype=np.int64)
+    width = tables.shape[2]
     block_idx = positions // bs                                         # [T]
-    in_table = block_idx[None, :] < lengths[:, seq_of_token]            # [P, T]
-    blocks = tables[:, seq_of_token, np.minimum(block_idx, tables.shape[2] - 1)].astype(np.int64)
-    return np.where(in_table, blocks * bs + positions % bs, -1)
+    # np.take on one flat index per token: a third of the time of [P, T] fancy indexing at 8k tokens
+    if len(batch.query_lens) == 1:
+        flat, limit = np.minimum(block_idx, width - 1), lengths[:, :1]
+    else:
+        seq_of_token = np.repeat(np.arange(len(batch.query_lens)), batch.query_lens)
+        flat = seq_of_token * width + np.minimum(block_idx, width - 1)
+        limit = np.take(lengths, seq_of_token, axis=1)                 # [P, T]
+    slots = np.take(tables.reshape(tables.shape[0], -1), flat, axis=1).astype(np.int64) * bs + positions % bs
+    slots[block_idx[None, :] >= limit] = -1
+    return slots

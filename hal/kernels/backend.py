@@ -99,9 +99,9 @@ class TritonPagedAttention(AttentionBackend):
     def _host_arrays(self, batch: PagedBatch, max_blocks: int | None = None) -> list[np.ndarray]:
         if batch.block_size != self.block_size:
             raise ValueError(f"batch block_size={batch.block_size} != backend block_size={self.block_size}")
-        # (slot_mapping comes out of numpy column-major)
+        tables = block_table_array(batch, max_blocks)
         return [np.ascontiguousarray(a) for a in (query_start_loc(batch), np.asarray(batch.seq_lens, dtype=np.int32),
-                                                  block_table_array(batch, max_blocks), slot_mapping(batch))]
+                                                  tables, slot_mapping(batch, tables))]
 
     def build_meta(self, batch: PagedBatch, capacity: MetaCapacity | None = None) -> TritonMeta:
         arrays = self._host_arrays(batch, capacity.max_blocks_per_seq if capacity else None)

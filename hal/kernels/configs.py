@@ -53,10 +53,12 @@ from dataclasses import dataclass
 KERNEL_NAMES = ("attention_prefill", "attention_decode", "attention_prefill_fp32", "attention_decode_fp32",
                 "attention_prefill_fp8", "attention_decode_fp8", "attention_row_decode",
                 "attention_row_decode_fp8", "attention_reduce", "kv_write", "rms_norm", "norm_add_norm",
-                "rotary", "silu_and_mul", "fp8_linear", "gemv_m1", "gemv", "gemv_slice")
+                "rotary", "silu_and_mul", "fp8_linear", "gemv_m1", "gemv", "gemv_slice", "gemv_wide")
 # a table without the attention_row_* keys routes every decode batch to the unified kernel
-# (hal/kernels/attend.py); one without norm_add_norm launches it with the rms_norm entry
-OPTIONAL_KERNEL_NAMES = ("attention_row_decode", "attention_row_decode_fp8", "norm_add_norm", "gemv_slice")
+# (hal/kernels/attend.py); one without norm_add_norm launches it with the rms_norm entry; one without
+# gemv_wide leaves decode batches above gemv_ops.MAX_ROWS rows to the vendor's GEMM
+OPTIONAL_KERNEL_NAMES = ("attention_row_decode", "attention_row_decode_fp8", "norm_add_norm", "gemv_slice",
+                         "gemv_wide")
 
 
 @dataclass(frozen=True)

@@ -85,10 +85,11 @@ def _gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, res_no
                  PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STATS_BLOCK: tl.constexpr,
                  ONE_PASS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
-                 W_SCALED: tl.constexpr, PDL: tl.constexpr = False):
+                 W_SCALED: tl.constexpr, PRELOAD: tl.constexpr = False, PDL: tl.constexpr = False):
     """out `[M, N]` = prologue(x) `[M, K]` @ w `[N, K]`.T (+ out_res); see the module docstring.
     Grid `(cdiv(N, BLOCK_N), SPLIT_K)`; the split-K partials go to part `[SPLIT_K, M, N]` fp32.
-    W_SCALED: w is FP8 with one float32 scale per output column (`w_scale`), applied to the sum."""
+    W_SCALED: w is FP8 with one float32 scale per output column (`w_scale`), applied to the sum.
+    PRELOAD (tl.dot path): the split's first weight tile is loaded before the PDL wait."""
     DT = out_ptr.dtype.element_ty                    # bf16 or fp16: x, weights and outputs share it
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -106,6 +107,10 @@ def _gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, res_no
                                   k_hi, EVEN_K)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if PRELOAD:           # weights never depend on the kernel before: the first tile streams under its tail
+            ks0 = k_lo + tl.arange(0, BLOCK_K)
+            w_first = tl.load(w_cols[None, :] + ks0[:, None], mask=(ks0 < k_hi)[:, None] & col_mask[None, :],
+                              other=0.0)
     pdl_wait(PDL)             # the first weight tile is in flight; x comes from the kernel before
     inv_src = tl.zeros([BLOCK_M], tl.float32)
     inv_stream = inv_src
@@ -113,7 +118,14 @@ def _gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, res_no
         inv_src, inv_stream = _row_stats(x_ptr, res_ptr, res_norm_ptr, rows, row_mask, K, eps, stride_xm,
                                          stride_rm, PROLOGUE, BLOCK_M, STATS_BLOCK, ONE_PASS, DT)
     stream_rows = tl.where(pid_n == 0, M, 0)          # the first column block writes h
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    k_start = k_lo
+    if BLOCK_M > 1 and PRELOAD:
+        ks0 = k_lo + tl.arange(0, BLOCK_K)
+        a = _input_tile(x_ptr, res_ptr, in_norm_ptr, res_norm_ptr, stream_ptr, rows, row_mask, ks0, ks0 < k_hi, K,
+                        inv_src, inv_stream, stream_rows, stride_xm, stride_rm, stride_sm, PROLOGUE, DT)
+        acc = tl.dot(a, w_first.to(DT), acc)
+        k_start = k_lo + BLOCK_K
+    for k0 in range(k_start, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:            # K is a multiple of BLOCK_K: no mask along the loads' vector axis
             k_mask = tl.full([BLOCK_K], 1, tl.int1)
@@ -207,7 +219,8 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config
                 norm_weight: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                 res_norm_weight: torch.Tensor | None = None, stream_out: torch.Tensor | None = None,
                 out_residual: torch.Tensor | None = None, workspace: torch.Tensor | None = None,
-                counters: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None) -> Launch:
+                counters: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
+                preload: bool = False) -> Launch:
     """The launch of `out [M, N] = prologue(x) @ weight.T (+ out_residual)`; x `[M, K]` (`[M, 2K]`
     for SILU_AND_MUL), weight `[N, K]`, all rows with unit stride along K. Split-K launches need
     `workspace` (>= split * M * N float32) and `counters` (int32 zeros, >= cdiv(N, block_n)).
@@ -231,5 +244,5 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config
         BLOCK_K=config.block_k, STATS_BLOCK=min(next_pow2(k), STATS_ELEMENTS // p.block_m),
         ONE_PASS=next_pow2(k) <= STATS_ELEMENTS // p.block_m, SPLIT_K=p.split_k,
         EVEN_K=k % config.block_k == 0, PREFETCH=p.block_m == 1 and config.num_stages > 1,
-        W_SCALED=weight_scale is not None,
+        W_SCALED=weight_scale is not None, PRELOAD=preload and p.block_m > 1,
         **launch_options(config, target)))

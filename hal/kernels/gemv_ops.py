@@ -13,7 +13,17 @@ import functools
 import torch
 
 from hal.kernels.configs import KernelConfig, configs_for
-from hal.kernels.gemv import ADD_NORM, NONE, NORM_ADD, RMS_NORM, SILU_AND_MUL, config_key, gemv_launch, plan
+from hal.kernels.gemv import (
+    ADD_NORM,
+    MAX_DOT_ROWS,
+    NONE,
+    NORM_ADD,
+    RMS_NORM,
+    SILU_AND_MUL,
+    config_key,
+    gemv_launch,
+    plan,
+)
 from hal.kernels.gemv_slice import num_splits, slice_gemv_launch
 from hal.kernels.launch import backend_of, check_device, run_launch
 
@@ -26,6 +36,7 @@ MAX_ROWS = 8                     # decode batches the kernels take; more rows go
 NORM_PROLOGUE_MAX_ROWS = 1
 SANDWICH_PROLOGUE_MAX_ROWS = 1
 SLICE_KEY = "gemv_slice"         # a table with this entry runs one-row projections on hal/kernels/gemv_slice.py
+WIDE_KEY = "gemv_wide"           # a table with this entry runs MAX_ROWS+1..MAX_DOT_ROWS rows on the tl.dot path
 COUNTER_SLOTS = 1 << 16          # column blocks a split-K launch may have (N / BLOCK_N)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -51,6 +62,7 @@ class Gemv:
         self.configs = configs or configs_for("default")
         self.num_compute_units = num_compute_units
         self.max_rows = min(max_rows, MAX_ROWS)
+        self.wide = self.configs.get(WIDE_KEY)
 
     def _fits(self, x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor | None,
               prologue: int = NONE) -> bool:
@@ -61,7 +73,10 @@ class Gemv:
 
     def takes(self, rows: int, k: int, prologue: int = NONE) -> bool:
         """Whether a projection of `rows` rows of K with `prologue` runs here (else the unfused path):
-        with `max_rows=1` (the CUDA Hal's default) only where the slice kernel takes it."""
+        with `max_rows=1` (the CUDA Hal's default) only where the slice kernel takes it; decode batches
+        of more than MAX_ROWS rows where the table has a `gemv_wide` entry."""
+        if self.wide is not None and MAX_ROWS < rows <= MAX_DOT_ROWS:
+            return True
         return 0 < rows <= self.max_rows and (self.max_rows > 1 or self._slice(k, prologue) is not None)
 
     def projection_takes(self, rows: int, k: int, after_norm: bool = False) -> bool:
@@ -96,7 +111,8 @@ class Gemv:
             run_launch(slice_gemv_launch(x2, weight, out, slice_config, backend_of(x2.device), prologue=prologue,
                                          **kw))
             return out
-        config = self.configs[config_key(rows)]
+        wide = rows > MAX_ROWS
+        config = self.wide if wide else self.configs[config_key(rows)]
         if self.num_compute_units is None:
             self.num_compute_units = _compute_units(x2.device)
         units = self.num_compute_units
@@ -104,7 +120,9 @@ class Gemv:
         if p.split_k > 1:
             kw["workspace"] = torch.empty(p.split_k * rows * n, dtype=torch.float32, device=x2.device)
             kw["counters"] = _counters(x2.device)
-        run_launch(gemv_launch(x2, weight, out, config, backend_of(x2.device), units, prologue=prologue, **kw))
+        # wide rows load their first weight tile before the PDL wait (docs/performance.md, lever 53)
+        run_launch(gemv_launch(x2, weight, out, config, backend_of(x2.device), units, prologue=prologue,
+                               preload=wide, **kw))
         return out
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:

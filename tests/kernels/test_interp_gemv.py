@@ -127,6 +127,32 @@ def test_wide_row_blocks(rows, monkeypatch):
         gemv.plan(129, n, k, DOT_SPLIT, 16)
 
 
+@pytest.mark.parametrize("rows", [9, 64])
+def test_wide_entry_takes_decode_batches_past_max_rows(rows, monkeypatch):
+    """A table with `gemv_wide` runs MAX_ROWS+1..MAX_DOT_ROWS rows on the tl.dot path, the first weight
+    tile of each split loaded before the PDL wait: the same bits as the launch without the preload."""
+    from hal.kernels.launch import run_launch
+
+    wide = KernelConfig(16, 16, 4, 2, block_k=32, split_k=3)
+    ops = gemv_ops.Gemv({**configs_for("default"), "gemv_wide": wide}, num_compute_units=16, max_rows=1)
+    launches = []
+    monkeypatch.setattr(gemv_ops, "run_launch", lambda launch: launches.append(launch) or run_launch(launch))
+    n, k = 40, 96
+    weight = (torch.randn(n, k) / k ** 0.5).bfloat16()
+    x, out_res = torch.randn(rows, k).bfloat16(), torch.randn(rows, n).bfloat16()
+    y = ops.linear(x, weight, out_res)
+    _assert_product(y, x, weight, "wide +residual", out_res)
+    assert len(launches) == 1 and launches[0].kwargs["PRELOAD"] and launches[0].kwargs["SPLIT_K"] == 3
+    plain = torch.empty_like(y)
+    run_launch(gemv.gemv_launch(x, weight, plain, wide, "cpu", 16, out_residual=out_res,
+                                workspace=torch.empty(3 * rows * n), counters=torch.zeros(8, dtype=torch.int32)))
+    assert torch.equal(y, plain)
+    gate_up = torch.randn(rows, 2 * k).bfloat16()
+    _assert_product(ops.silu_mul_linear(gate_up, weight), silu_and_mul_ref(gate_up), weight, "wide silu_and_mul")
+    assert ops.projection_takes(rows, k) and not ops.projection_takes(4, k)     # 2..8 rows stay on the GEMM
+    assert not gemv_ops._counters(torch.device("cpu")).any()
+
+
 def test_prologue_switches_give_the_same_function(monkeypatch):
     """Above NORM_PROLOGUE_MAX_ROWS / SANDWICH_PROLOGUE_MAX_ROWS the norms run as their own launch
     first: the same values (up to the statistics' sum order)."""
