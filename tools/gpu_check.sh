@@ -224,16 +224,16 @@ lts__t_sectors_srcunit_tex_op_read.sum,lts__t_requests_srcunit_tex_op_read.sum,s
       bench model=ouro-1.4b engine.weights_dtype=fp8 'workload=[b1]' ;;
     rows)     # lever 53: gemv.py's tl.dot path at 64 rows against cuBLAS (tools/pdl_bench.py --rows): the
               # layer chain of Ouro-1.4B's projections, each config without PDL, with it, and with the first
-              # weight tile before the wait; the b64 cell on cuBLAS and with the chain's two fastest
-              # preloading configs as the gemv_wide entry; each projection alone; Nsight Compute on o and down
-      run "rows64 chain" 200 python3 tools/pdl_bench.py --rows 64 --out "$OUT/rows.jsonl"
+              # weight tile before the wait; the b64 cell on cuBLAS and with the chain's fastest
+              # preloading config as the gemv_wide entry; each projection alone; Nsight Compute on o and down
+      run "rows64 chain" 300 python3 tools/pdl_bench.py --rows 64 --out "$OUT/rows.jsonl"
       bench model=ouro-1.4b 'workload=[b64]'
       python3 - "$OUT/rows.jsonl" > "$OUT/wide_picks.txt" <<'PY'
 import json, re, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 chain = sorted((r for r in rows if r["shape"] == "chain" and r["variant"].endswith("pdl preload")),
                key=lambda r: r["us_per_layer"])
-for r in chain[:2]:
+for r in chain[:1]:
     bn, bk, w, s, sk = map(int, re.search(r"n(\d+) k(\d+) w(\d+) s(\d+) sk(\d+)", r["variant"]).groups())
     print(json.dumps({"gemv_wide": [16, bn, w, s, 0, 0, 1, bk, sk]}))
 PY

@@ -21,6 +21,7 @@ slice kernel instead; gemv_slice.py is what it became.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -50,7 +51,7 @@ def gemv_launcher(pdl: bool, config=None, preload: bool = False, rows: int = 1):
     """The Hal's decode GEMV kernel (hal/kernels/gemv.py) into the chain's buffers, PDL on or off
     (`preload`: the tl.dot path's first weight tile before the PDL wait)."""
     from hal.kernels.configs import configs_for
-    from hal.kernels.gemv import gemv_launch
+    from hal.kernels.gemv import gemv_launch, plan
     from hal.kernels.launch import run_launch
 
     config = config or configs_for("sm_90")["gemv_m1"]
@@ -60,7 +61,11 @@ def gemv_launcher(pdl: bool, config=None, preload: bool = False, rows: int = 1):
 
     def launch(x, w, out):
         os.environ[ENV] = "1" if pdl else "0"
-        run_launch(gemv_launch(x, w, out, config, "cuda", units, workspace=workspace, counters=counters,
+        shaped = config
+        if rows > 1 and config.split_k == 0:     # the wide plan (one wave of programs), preload or not
+            shaped = dataclasses.replace(config, split_k=plan(rows, w.shape[0], w.shape[1], config, units,
+                                                              wide=True).split_k)
+        run_launch(gemv_launch(x, w, out, shaped, "cuda", units, workspace=workspace, counters=counters,
                                preload=preload))
     return launch
 
@@ -114,18 +119,18 @@ def time_graph(launch, weights, x0, replays: int = 20, independent: bool = False
     return times[len(times) // 2], bufs[-1].float().clone()
 
 
-ROWS_CONFIGS = ((64, 128, 4, 4, 0), (64, 256, 4, 2, 0), (128, 256, 8, 2, 0), (128, 256, 8, 2, 8), (64, 256, 4, 2, 4),
-                (128, 128, 8, 2, 16))
-# (block_n, block_k, warps, stages, split_k; 0: split-K to fill the device)
+ROWS_CONFIGS = ((128, 64, 8, 3, 0), (128, 64, 8, 4, 0), (64, 64, 4, 4, 0), (64, 64, 4, 3, 0), (128, 64, 4, 3, 0),
+                (128, 128, 8, 2, 0), (256, 64, 8, 3, 0), (64, 128, 4, 4, 0))
+# (block_n, block_k, warps, stages, split_k; 0: gemv.plan's wide rule, one wave of programs)
 
 
 def rows_variants(rows: int) -> list:
-    """gemv.py's tl.dot path at decode-batch rows: each config without PDL, with it, and with the
-    first weight tile loaded before the wait."""
+    """gemv.py's tl.dot path at decode-batch rows: each config with PDL, and with the first weight
+    tile loaded before the wait (the first config also without PDL)."""
     out = []
-    for bn, bk, warps, stages, split in ROWS_CONFIGS:
+    for i, (bn, bk, warps, stages, split) in enumerate(ROWS_CONFIGS):
         config = KernelConfig(16, bn, warps, stages, block_k=bk, split_k=split)
-        for pdl, preload in ((False, False), (True, False), (True, True)):
+        for pdl, preload in ((False, False), (True, False), (True, True))[0 if i == 0 else 1:]:
             label = f"gemv n{bn} k{bk} w{warps} s{stages} sk{split}{' pdl' if pdl else ''}{' preload' if preload else ''}"
             out.append((label, gemv_launcher(pdl, config, preload, rows)))
     return out

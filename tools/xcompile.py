@@ -203,7 +203,8 @@ def _silu_and_mul(config: KernelConfig, target: str) -> Launch:
 def _gemv(config: KernelConfig, target: str, num_rows: int, n: int, k: int, prologue: str,
           out_residual: bool = False, fp8: torch.dtype | None = None) -> Launch:
     """A decode projection of hal/kernels/gemv.py at an Ouro-1.4B shape, `num_rows` rows, split-K as
-    the ops plan it for 132 compute units (an H200); with `fp8`, FP8 weights (W8A16)."""
+    the ops plan it for 132 compute units (an H200); with `fp8`, FP8 weights (W8A16). Past
+    gemv_ops.MAX_ROWS rows (the `gemv_wide` entry) the first weight tile loads before the PDL wait."""
     from hal.kernels import gemv
 
     mode = getattr(gemv, prologue.upper())
@@ -218,7 +219,7 @@ def _gemv(config: KernelConfig, target: str, num_rows: int, n: int, k: int, prol
         res_norm_weight=torch.empty(k, dtype=x.dtype), stream_out=rows if sandwich else None,
         out_residual=torch.empty_like(out) if out_residual else None, workspace=torch.empty(1),
         counters=torch.empty(1, dtype=torch.int32),
-        weight_scale=torch.empty(n, dtype=torch.float32) if fp8 is not None else None)
+        weight_scale=torch.empty(n, dtype=torch.float32) if fp8 is not None else None, preload=num_rows > 8)
 
 
 def _gemv_slice(config: KernelConfig, target: str, n: int, k: int, prologue: str, out_residual: bool = False,
@@ -256,6 +257,8 @@ GEMV_CASES = (
     ("gemv_m1/down-silu-res", "gemv_m1", 1, 2048, 5632, "silu_and_mul", True),
     ("gemv/qkv-norm_add", "gemv", 8, 6144, 2048, "norm_add", False),
     ("gemv/down-silu-res", "gemv", 8, 2048, 5632, "silu_and_mul", True),
+    ("gemv_wide/o-res", "gemv_wide", 64, 2048, 2048, "none", True),
+    ("gemv_wide/down-silu", "gemv_wide", 64, 2048, 5632, "silu_and_mul", False),
 )
 
 CASES = {c.name: c for c in (
@@ -287,7 +290,7 @@ CASES = {c.name: c for c in (
     Case("rotary_kv_write/gptj", "rotary", False, False, lambda c, t: _rotary_kv_write(c, t, interleaved=True)),
     Case("rotary_kv_write/keep-k", "rotary", False, False,
          lambda c, t: _rotary_kv_write(c, t, interleaved=False, keep_k=True)),
-    *(Case(name, key, key == "gemv", False,
+    *(Case(name, key, key in ("gemv", "gemv_wide"), key == "gemv_wide",
            lambda c, t, a=(rows, n, k, pro, res): _gemv(c, t, *a[:4], out_residual=a[4]))
       for name, key, rows, n, k, pro, res in GEMV_CASES),
     *(Case(name, "gemv_slice", False, False, lambda c, t, a=(n, k, pro, res): _gemv_slice(c, t, *a[:3],

@@ -55,6 +55,12 @@ MAX_DOT_ROWS = 128               # rows one program holds; gemv_ops routes at mo
 MAX_SPLIT_K = 16
 MIN_TILES_PER_SPLIT = 2          # a split streams at least this many BLOCK_K tiles
 STATS_ELEMENTS = 8192            # elements of x per step of the row-statistics pass
+# decode batches past gemv_ops.MAX_ROWS (the `gemv_wide` entry): the split-K plan fills one wave of
+# programs, counting how many fit a compute unit by shared memory (an H100/H200 SM has 227 KiB);
+# a program of 64 rows x 128 columns streams 16 KiB of weights per 64-element K tile, and more than
+# MAX_WIDE_SPLIT partials would make the last split's sum (64 x BLOCK_N fp32 each) the tail
+SMEM_PER_UNIT = 227 * 1024
+MAX_WIDE_SPLIT = 8
 
 
 @triton.jit
@@ -194,16 +200,19 @@ def config_key(num_rows: int) -> str:
     return "gemv_m1" if num_rows == 1 else "gemv"
 
 
-def plan(num_rows: int, n: int, k: int, config: KernelConfig, num_compute_units: int) -> Plan:
+def plan(num_rows: int, n: int, k: int, config: KernelConfig, num_compute_units: int, wide: bool = False) -> Plan:
     """Split-K and row block for an `[num_rows, k] x [n, k]` product. `config.split_k == 0` picks
     the smallest power of two that gives every compute unit a program, keeping at least
-    MIN_TILES_PER_SPLIT tiles of K per split."""
+    MIN_TILES_PER_SPLIT tiles of K per split; with `wide` (decode batches, the first weight tile
+    preloaded) the most splits, up to MAX_WIDE_SPLIT, whose programs all run at once."""
     if num_rows > MAX_DOT_ROWS:
         raise ValueError(f"the gemv kernels take at most {MAX_DOT_ROWS} rows, got {num_rows}")
     block_m = 1 if config.block_m == 1 and num_rows == 1 else max(DOT_ROWS, next_pow2(num_rows))
     k_tiles = -(-k // config.block_k)
     split = config.split_k
-    if split == 0:
+    if split == 0 and wide:
+        split = _wide_split(-(-n // config.block_n), k_tiles, block_m, config, num_compute_units)
+    elif split == 0:
         col_blocks = -(-n // config.block_n)
         split = 1
         while (col_blocks * split < num_compute_units and split < MAX_SPLIT_K
@@ -212,6 +221,21 @@ def plan(num_rows: int, n: int, k: int, config: KernelConfig, num_compute_units:
     split = max(1, min(split, k_tiles))
     tiles_per_split = -(-k_tiles // split)
     return Plan(block_m, -(-k_tiles // tiles_per_split), tiles_per_split * config.block_k)
+
+
+def _wide_split(col_blocks: int, k_tiles: int, block_m: int, config: KernelConfig, num_compute_units: int) -> int:
+    """The most splits (<= MAX_WIDE_SPLIT) whose `col_blocks x splits` programs fit the device at once,
+    programs per unit estimated from the pipeline's shared memory: a 16-bit x and weight tile per
+    stage, and one more for the preloaded tile's product (what Triton 3.6 allocates for sm_90)."""
+    tile_bytes = 2 * config.block_k * (block_m + config.block_n)
+    smem = (config.num_stages + 1) * tile_bytes
+    slots = num_compute_units * max(1, SMEM_PER_UNIT // smem)
+    split = 1
+    for s in range(1, min(MAX_WIDE_SPLIT, k_tiles) + 1):
+        whole = -(-k_tiles // -(-k_tiles // s))              # splits of whole tiles
+        if col_blocks * whole <= slots:
+            split = max(split, whole)
+    return split
 
 
 def gemv_launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: KernelConfig, target: str,
@@ -227,7 +251,7 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config
     An FP8 `weight` takes `weight_scale: [N]` float32 (one scale per output channel, zoo/fp8.py)."""
     rows, n = out.shape
     k = weight.shape[1]
-    p = plan(rows, n, k, config, num_compute_units)
+    p = plan(rows, n, k, config, num_compute_units, wide=preload)
     if p.split_k > 1 and (workspace is None or counters is None):
         raise ValueError("a split-K gemv needs a workspace and counters")
     unused = x                                         # pointers a prologue never reads (constexpr-dead)

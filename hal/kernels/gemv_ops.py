@@ -116,7 +116,7 @@ class Gemv:
         if self.num_compute_units is None:
             self.num_compute_units = _compute_units(x2.device)
         units = self.num_compute_units
-        p = plan(rows, n, weight.shape[1], config, units)
+        p = plan(rows, n, weight.shape[1], config, units, wide=wide)
         if p.split_k > 1:
             kw["workspace"] = torch.empty(p.split_k * rows * n, dtype=torch.float32, device=x2.device)
             kw["counters"] = _counters(x2.device)

@@ -76,6 +76,39 @@ def test_split_k_projection_replays_in_a_graph(gpu):
         assert torch.equal(captured, eager)
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
+def test_wide_entry_runs_decode_batches_in_a_graph(shape):
+    """A `gemv_wide` entry (not in the sm_90 table: slower than cuBLAS, docs/performance.md lever 53)
+    at 64 rows, PDL on and the first weight tile before the wait: the fp32 product, the same bits as
+    the launch without the preload, eagerly and replayed in a graph, with SwiGLU in the prologue."""
+    from hal.kernels import gemv, gemv_ops
+    from hal.kernels.configs import KernelConfig, configs_for
+    from hal.kernels.launch import run_launch
+
+    wide = KernelConfig(16, 64, 4, 4, block_k=128, split_k=0)
+    ops = gemv_ops.Gemv({**configs_for("sm_90"), "gemv_wide": wide}, max_rows=1)
+    n, k = SHAPES[shape]
+    weight, x = _randn(n, k, scale=k ** -0.5), _randn(64, k)
+    eager = ops.linear(x, weight)
+    assert _rel(eager, x.float() @ weight.float().T) < 8e-3
+    units = torch.cuda.get_device_properties(0).multi_processor_count
+    split = gemv.plan(64, n, k, wide, units, wide=True).split_k
+    plain = torch.empty_like(eager)
+    run_launch(gemv.gemv_launch(x, weight, plain, KernelConfig(16, 64, 4, 4, block_k=128, split_k=split), "cuda",
+                                units, workspace=torch.empty(split * 64 * n, device="cuda"),
+                                counters=gemv_ops._counters(x.device)))
+    assert torch.equal(eager, plain)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops.linear(x, weight)
+    graph.replay()
+    assert torch.equal(captured, eager)
+    if shape == "down":
+        gate_up = _randn(64, 2 * k)
+        ref = silu_and_mul(gate_up).float() @ weight.float().T
+        assert _rel(ops.silu_mul_linear(gate_up, weight), ref) < 8e-3
+
+
 def test_rotary_kv_write_equals_rotary_then_write_kv(gpu):
     tokens, heads, kv_heads, dim = 8, 16, 16, 128
     qkv = _randn(tokens, heads + 2 * kv_heads, dim)
