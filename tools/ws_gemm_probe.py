@@ -99,7 +99,8 @@ def main() -> int:
                 launch(0)
                 err = float((part.sum(0) - ref).norm() / ref.norm())
                 t = _graph_time(launch, copies)
-                t_sum = _graph_time(lambda i: torch.sum(part, 0, out=ref), 1) if split > 1 else 0.0
+                summed = torch.empty_like(ref)              # (not ref: the check of the next config reads it)
+                t_sum = _graph_time(lambda i: torch.sum(part, 0, out=summed), 1) if split > 1 else 0.0
             except Exception as e:  # noqa: BLE001 (a config that does not compile or launch is a finding)
                 print(f"{name:8s} {label:32s} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue

@@ -111,7 +111,7 @@ class Gemv:
             run_launch(slice_gemv_launch(x2, weight, out, slice_config, backend_of(x2.device), prologue=prologue,
                                          **kw))
             return out
-        wide = rows > MAX_ROWS
+        wide = rows > MAX_ROWS and self.wide is not None    # (tools call past MAX_ROWS on the "gemv" entry)
         config = self.wide if wide else self.configs[config_key(rows)]
         if self.num_compute_units is None:
             self.num_compute_units = _compute_units(x2.device)
