@@ -13,9 +13,14 @@ import argparse
 import json
 import sys
 
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).parent))
+from decode_kernels_bench import time_calls  # noqa: E402
 
 SHAPES = {"qkv": (6144, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632)}
 ROWS = 64
@@ -38,28 +43,9 @@ def _ws_kernel(part_ptr, x_desc, w_desc, M, N, k_per_split, BM: tl.constexpr, BN
     tl.store(part_ptr + pid_k * M * N + rows[:, None] * N + cols[None, :], acc, mask=(rows < M)[:, None])
 
 
-def _graph_time(fn, copies: int, replays: int = 10) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(copies):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(copies):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / copies)
-    return sorted(times)[len(times) // 2]
+def _graph_time(fn, copies: int) -> float:
+    """Median us per call of `fn(0) .. fn(copies - 1)` replayed in one CUDA graph."""
+    return time_calls([lambda i=i: fn(i) for i in range(copies)])[0]
 
 
 def main() -> int:

@@ -50,8 +50,9 @@ from hal.kernels.launch import Launch, launch_options, next_pow2
 from hal.kernels.pdl import pdl_wait
 
 DOT_ROWS = 16                    # tl.dot needs 16 rows: M = 2..8 pads to this
-MAX_DOT_ROWS = 128               # rows one program holds; gemv_ops routes at most MAX_ROWS here (at 64
-                                 # and 128 rows cuBLAS was faster on every projection: docs/performance.md, 23)
+MAX_DOT_ROWS = 128               # rows one program holds; gemv_ops routes more than MAX_ROWS here only
+                                 # with a gemv_wide entry, which no table has (at 64 and 128 rows cuBLAS
+                                 # was faster on every projection: docs/performance.md, levers 23 and 53)
 MAX_SPLIT_K = 16
 MIN_TILES_PER_SPLIT = 2          # a split streams at least this many BLOCK_K tiles
 STATS_ELEMENTS = 8192            # elements of x per step of the row-statistics pass
