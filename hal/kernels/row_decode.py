@@ -19,10 +19,7 @@ Grid `(num_heads, num_seqs, NUM_SPLITS)`, heads fastest: the programs of one seq
 by side and read the same cache rows (a slot's row holds every head's values and then their scales),
 so each 32-byte sector of scales serves 8 heads from L2 instead of being fetched once per head
 (H200, 128 x 1K over FP8: 212 -> 187 us per layer-plane against sequences fastest). Sequences
-without a query this step (graph padding) return at once; with `NUM_SPLITS > 1` each split writes its
-partial and the last split of a (token, head) to arrive (an atomic counter, reset by that program)
-merges them in split order with hal/kernels/splits.py's `merge_splits`: the same bits as the separate
-reduce launch it replaces, one launch fewer per layer-plane (docs/performance.md, lever 56). At two
+without a query this step (graph padding) return at once; with `NUM_SPLITS > 1` the partials go to hal/kernels/splits.py's reduce. At two
 stages the pages of a tile come from the block table one iteration ahead, as in the unified kernel
 (its lever 22); with more, each tile reads its own and the pipeliner keeps several tiles in flight
 (a page carried from the iteration before tied every load to it: 3 stages had run at half speed).
@@ -40,7 +37,7 @@ from hal.kernels.attention import LOG2E, _tile_pages
 from hal.kernels.configs import KernelConfig
 from hal.kernels.launch import Launch, launch_options, next_pow2
 from hal.kernels.pdl import pdl_wait
-from hal.kernels.splits import MAX_COUNTERS, arrival_counters, merge_splits, split_parts, split_tiles
+from hal.kernels.splits import reduce_launch, split_parts, split_tiles
 
 LAZY_MARGIN = tl.constexpr(8.0)     # log2 units: how far a stream's reference maximum may trail its scores
 
@@ -102,12 +99,12 @@ def _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
 @triton.jit
 def _row_decode_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, seq_lens_ptr,
-        query_start_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, count_ptr, qk_scale, num_tokens,
+        query_start_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, qk_scale, num_tokens,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
         stride_sb, stride_st,
         PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, KV_QUANT: tl.constexpr, NUM_STAGES: tl.constexpr,
-        LAZY: tl.constexpr = True, SPLITS_PAD: tl.constexpr = 2, PDL: tl.constexpr = False):
+        LAZY: tl.constexpr = True, PDL: tl.constexpr = False):
     pdl_wait(PDL)
     head = tl.program_id(0)
     seq = tl.program_id(1)
@@ -163,27 +160,18 @@ def _row_decode_kernel(
         tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
                  mask=dim_valid)
     else:
-        num_heads = tl.num_programs(0)
-        part_row = (split * num_tokens + token) * num_heads + head
+        part_row = (split * num_tokens + token) * tl.num_programs(0) + head
         tl.store(part_out_ptr + part_row * HEAD_DIM_PAD + dims, out)
         tl.store(part_max_ptr + part_row, m_all)
         tl.store(part_sum_ptr + part_row, l_all)
-        # the last split of (token, head) to arrive merges them all, in split order: no reduce launch
-        tl.debug_barrier()                    # every thread's partial is written before the release
-        counter = count_ptr + token * num_heads + head
-        if tl.atomic_add(counter, 1) == NUM_SPLITS - 1:                      # acq_rel, device scope
-            merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, token, head, num_tokens, num_heads,
-                         stride_ot, stride_oh, HEAD_DIM, HEAD_DIM_PAD, NUM_SPLITS, SPLITS_PAD)
-            tl.atomic_xchg(counter, 0)                                      # ready for the next launch
 
 
 def row_decode_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                         config: KernelConfig, num_splits: int, reduce_config: KernelConfig,
                         out: torch.Tensor, target: str, kv_scales: torch.Tensor | None = None) -> list[Launch]:
-    """The launch of one decode attention call with at most one query per sequence and as many KV
-    heads as query heads; arguments as `hal.kernels.attention.attention_launches` (`reduce_config`
-    unused: the last split merges the partials)."""
+    """The launches of one decode attention call with at most one query per sequence and as many KV
+    heads as query heads; arguments as `hal.kernels.attention.attention_launches`."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, _ = kv_cache.shape
     if num_kv_heads != num_heads:
@@ -194,16 +182,14 @@ def row_decode_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     k_scales, v_scales = (key_cache, value_cache) if kv_scales is None else (kv_scales[0], kv_scales[1])
     scale_strides = (0, 0) if kv_scales is None else (kv_scales.stride(1), kv_scales.stride(2))
     parts = split_parts(q, num_splits, head_dim_pad)
-    if num_splits > 1 and num_tokens * num_heads > MAX_COUNTERS:
-        raise ValueError(f"a split decode attention merges at most {MAX_COUNTERS} (token, head) pairs, "
-                         f"got {num_tokens} x {num_heads}")
-    counters = arrival_counters(q.device) if num_splits > 1 else seq_lens
     main = Launch(_row_decode_kernel, (num_heads, seq_lens.shape[0], num_splits), (
         out, q, key_cache, value_cache, k_scales, v_scales, block_table, seq_lens, query_start_loc, *parts,
-        counters, scale * LOG2E, num_tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        scale * LOG2E, num_tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
         *scale_strides), dict(
         PAGE_SIZE=page_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=config.block_n,
         NUM_SPLITS=num_splits, KV_QUANT=kv_scales is not None, NUM_STAGES=config.num_stages,
-        SPLITS_PAD=max(next_pow2(num_splits), 2), **launch_options(config, target)))
-    return [main]
+        **launch_options(config, target)))
+    if num_splits == 1:
+        return [main]
+    return [main, reduce_launch(out, parts, reduce_config, target)]

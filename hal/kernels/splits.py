@@ -9,8 +9,6 @@ weigh nothing.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -20,7 +18,6 @@ from hal.kernels.launch import Launch, launch_options, next_pow2
 from hal.kernels.pdl import pdl_wait
 
 MAX_SPLITS = 16                 # context splits per (sequence, KV head) at most
-MAX_COUNTERS = 1 << 16          # (token, head) pairs a last-split merge may count at once
 
 
 def num_kv_splits(num_seqs: int, num_kv_heads: int, num_compute_units: int) -> int:
@@ -51,44 +48,27 @@ def split_tiles(num_tiles, split, NUM_SPLITS: tl.constexpr):
 
 
 @triton.jit
-def merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, token, head, num_tokens, num_heads, stride_ot,
-                 stride_oh, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                 SPLITS_PAD: tl.constexpr):
-    """out[token, head] from the NUM_SPLITS partials of (token, head), in split order."""
+def _reduce_splits_kernel(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, num_tokens, stride_ot, stride_oh,
+                          HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                          SPLITS_PAD: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
     splits = tl.arange(0, SPLITS_PAD)
     split_valid = splits < NUM_SPLITS
     part_row = (splits * num_tokens + token) * num_heads + head                # [S]
-    m = tl.load(part_max_ptr + part_row, mask=split_valid, other=float("-inf"), cache_modifier=".cg")
-    l = tl.load(part_sum_ptr + part_row, mask=split_valid, other=0.0, cache_modifier=".cg")
+    m = tl.load(part_max_ptr + part_row, mask=split_valid, other=float("-inf"))
+    l = tl.load(part_sum_ptr + part_row, mask=split_valid, other=0.0)
     m_all = tl.max(m, 0)
     weight = tl.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all))        # empty splits weigh 0
     denom = tl.sum(weight * l, 0)
     dims = tl.arange(0, HEAD_DIM_PAD)
     parts = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM_PAD + dims[None, :],
-                    mask=split_valid[:, None], other=0.0, cache_modifier=".cg")  # [S, D]
+                    mask=split_valid[:, None], other=0.0)                      # [S, D]
     out = tl.sum(parts * weight[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
              mask=dims < HEAD_DIM)
-
-
-@triton.jit
-def _reduce_splits_kernel(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, num_tokens, stride_ot, stride_oh,
-                          HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                          SPLITS_PAD: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_wait(PDL)
-    merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1),
-                 num_tokens, tl.num_programs(1), stride_ot, stride_oh, HEAD_DIM, HEAD_DIM_PAD, NUM_SPLITS, SPLITS_PAD)
-
-
-@functools.lru_cache(maxsize=8)
-def arrival_counters(device: torch.device) -> torch.Tensor:
-    """Per-(token, head) arrival counters of `device` for kernels whose last split merges the others
-    (hal/kernels/row_decode.py), zero between launches (the merging program resets its own). Launches
-    on one stream run one after another, so one set per device serves them all."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("the split arrival counters must be allocated before graph capture: "
-                           "run the step once eagerly first (as the decode graphs do)")
-    return torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
 
 
 def reduce_launch(out: torch.Tensor, parts: list[torch.Tensor], config: KernelConfig, target: str) -> Launch:

@@ -176,31 +176,3 @@ def test_rising_scores_move_the_lazy_maximum(monkeypatch):
     assert calls and torch.isfinite(out).all()
     err = (out.float() - ref).abs().max().item()
     assert err <= TOLERANCE[torch.bfloat16], f"max error {err:.2e}"
-
-
-def test_last_split_merges_as_the_reduce_launch_did(monkeypatch):
-    """With context splits the row kernel is one launch: the last split of each (token, head) to
-    arrive merges the partials, bit for bit what splits.py's separate reduce launch computes from the
-    same partials, and leaves the arrival counters at zero for the next launch."""
-    from hal.kernels import splits
-    from hal.kernels.launch import run_launch
-
-    launches = []
-    real = attend.row_decode_launches
-
-    def keeping(*args, **kwargs):
-        launches.append(real(*args, **kwargs))
-        return launches[-1]
-
-    monkeypatch.setattr(attend, "row_decode_launches", keeping)
-    rng = random.Random(11)
-    case = random_case(rng, 4, 4, 128, torch.bfloat16, seq_lens=[70, 1, 131, 16], query_lens=[1] * 4)
-    out, ref = run_both(_backend(4, 4, 128, torch.bfloat16, 64), case, plane=1, scale=128 ** -0.5)
-    assert (out.float() - ref).abs().max().item() <= TOLERANCE[torch.bfloat16]
-    (main,), = launches
-    assert main.kwargs["NUM_SPLITS"] > 1
-    parts = list(main.args[9:12])
-    separate = torch.empty_like(out)
-    run_launch(splits.reduce_launch(separate, parts, configs_for("default")["attention_reduce"], "cpu"))
-    assert torch.equal(out, separate)
-    assert not splits.arrival_counters(CPU).any()
