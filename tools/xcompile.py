@@ -205,7 +205,7 @@ def _gemv(config: KernelConfig, target: str, num_rows: int, n: int, k: int, prol
     """A decode projection of hal/kernels/gemv.py at an Ouro-1.4B shape, `num_rows` rows, split-K as
     the ops plan it for 132 compute units (an H200); with `fp8`, FP8 weights (W8A16). Past
     gemv_ops.MAX_ROWS rows (the `gemv_wide` entry) the first weight tile loads before the PDL wait."""
-    from hal.kernels import gemv
+    from hal.kernels import gemv, gemv_ops
 
     mode = getattr(gemv, prologue.upper())
     x = torch.empty(num_rows, 2 * k if mode == gemv.SILU_AND_MUL else k, dtype=SHAPE["dtype"])
@@ -219,7 +219,7 @@ def _gemv(config: KernelConfig, target: str, num_rows: int, n: int, k: int, prol
         res_norm_weight=torch.empty(k, dtype=x.dtype), stream_out=rows if sandwich else None,
         out_residual=torch.empty_like(out) if out_residual else None, workspace=torch.empty(1),
         counters=torch.empty(1, dtype=torch.int32),
-        weight_scale=torch.empty(n, dtype=torch.float32) if fp8 is not None else None, preload=num_rows > 8)
+        weight_scale=torch.empty(n, dtype=torch.float32) if fp8 is not None else None, preload=num_rows > gemv_ops.MAX_ROWS)
 
 
 def _gemv_slice(config: KernelConfig, target: str, n: int, k: int, prologue: str, out_residual: bool = False,
