@@ -1,6 +1,10 @@
 """Triton kernels shared by the CUDA and ROCm Hals.
 
-  attention.py   paged "unified" attention (prefill, chunked prefill, split-context decode) + reduce
+  attend.py      which paged-attention kernel a batch takes (config, context splits), `paged_attention`
+  attention.py   paged "unified" attention (prefill, chunked prefill, split-context decode)
+  row_decode.py  multi-head decode attention, one softmax stream per tile row; for small batches it
+                 also rotates q and stores this step's K/V itself
+  splits.py      the context split of decode attention: how many, the partials, the reduce kernel
   kv_write.py    K/V scatter into the paged cache by slot mapping
   ops.py         fused small ops by their Hal names: rotary (NeoX / GPT-J), silu_and_mul, and the norms
   norms.py       rms_norm (+ residual), norm_add_norm (a sublayer boundary: residual add and norms,
@@ -14,6 +18,7 @@
                  early and waits for the one before (`pdl_wait`); `run_launch` turns it on
   rotary_kv.py   rotary + the KV write (quantizing over 8-bit caches) in one launch
                  (TritonPagedAttention.attend_rotary)
+  fp8_linear.py  the FP8-weight (W8A16) linear and the per-row activation quantization for `_scaled_mm`
   fresh.py       prefill without context over its fresh K/V through torch's flash (or cuDNN) kernel
   backend.py     TritonPagedAttention, the AttentionBackend over these kernels
   configs.py     launch parameters per arch (the Hals pick the table); launch.py: target + options

@@ -16,7 +16,7 @@ import torch
 from hal.kernels.attention import DECODE_MAX_QUERY_LEN, attention_launches, config_key
 from hal.kernels.configs import KernelConfig
 from hal.kernels.launch import Launch, backend_of, check_device, run_launch
-from hal.kernels.row_decode import row_decode_launches
+from hal.kernels.row_decode import NewKV, row_decode_launches
 from hal.kernels.splits import num_kv_splits
 
 
@@ -28,34 +28,57 @@ def row_decode_key(dtype: torch.dtype, num_heads: int, num_kv_heads: int, max_qu
     return "attention_row_decode" + ("_fp8" if is_quantized else "")
 
 
+def takes_row_kernel(dtype: torch.dtype, num_heads: int, num_kv_heads: int, max_query_len: int,
+                     is_quantized: bool, configs: dict[str, KernelConfig]) -> bool:
+    """Whether such a batch takes the row-stream kernel."""
+    return row_decode_key(dtype, num_heads, num_kv_heads, max_query_len, is_quantized) in configs
+
+
+def fuses_rotary(dtype: torch.dtype, num_heads: int, num_kv_heads: int, max_query_len: int, is_quantized: bool,
+                 configs: dict[str, KernelConfig], num_seqs: int, num_compute_units: int) -> bool:
+    """Whether the row kernel should rotate and store this step's K/V itself (`paged_attention(new_kv=)`):
+    where it takes the batch and splits the context, i.e. small decode batches. There the attention
+    is a chain of short dependent launches and one launch fewer per layer-plane pays (H200, Ouro-1.4B
+    batch 1: 4.658 -> 4.604 ms); unsplit, every program would pay the rotation and the store before
+    its first key, and the 128 x 1K FP8 step went 22.71 -> 23.01 ms (docs/performance.md, lever 58)."""
+    return (takes_row_kernel(dtype, num_heads, num_kv_heads, max_query_len, is_quantized, configs)
+            and num_kv_splits(num_seqs, num_kv_heads, num_compute_units) > 1)
+
+
 def launches_for(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                  query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                  configs: dict[str, KernelConfig], num_compute_units: int, out: torch.Tensor,
-                 kv_scales: torch.Tensor | None = None) -> list[Launch]:
+                 kv_scales: torch.Tensor | None = None, new_kv: NewKV | None = None) -> list[Launch]:
     """The launches `paged_attention` runs for this batch."""
     quantized = kv_scales is not None
     num_kv_heads = kv_cache.shape[3]
     args = (q, kv_cache, block_table, seq_lens, query_start_loc, scale)
+    row = takes_row_kernel(q.dtype, q.shape[1], num_kv_heads, max_query_len, quantized, configs)
+    if new_kv is not None and not row:
+        raise ValueError("only the row-stream decode kernel rotates and stores this step's K/V itself "
+                         "(check attend.fuses_rotary first)")
     if max_query_len > DECODE_MAX_QUERY_LEN:
         return attention_launches(*args, configs[config_key("prefill", q.dtype, quantized)], 1,
                                   configs["attention_reduce"], out, backend_of(q.device), kv_scales)
     num_splits = num_kv_splits(seq_lens.shape[0], num_kv_heads, num_compute_units)
-    row_key = row_decode_key(q.dtype, q.shape[1], num_kv_heads, max_query_len, quantized)
-    build, config = attention_launches, configs[config_key("decode", q.dtype, quantized)]
-    if row_key in configs:
-        build, config = row_decode_launches, configs[row_key]
-    return build(*args, config, num_splits, configs["attention_reduce"], out, backend_of(q.device), kv_scales)
+    reduce_config, target = configs["attention_reduce"], backend_of(q.device)
+    if row:
+        key = row_decode_key(q.dtype, q.shape[1], num_kv_heads, max_query_len, quantized)
+        return row_decode_launches(*args, configs[key], num_splits, reduce_config, out, target, kv_scales, new_kv)
+    return attention_launches(*args, configs[config_key("decode", q.dtype, quantized)], num_splits, reduce_config,
+                              out, target, kv_scales)
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                     configs: dict[str, KernelConfig], num_compute_units: int,
-                    kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                    kv_scales: torch.Tensor | None = None, new_kv: NewKV | None = None) -> torch.Tensor:
     """Causal attention of packed queries over one plane of the paged cache; returns `[T, H, D]`.
 
     q `[T, H, D]`; kv_cache `[2, NB, page, KVH, D]`; block_table `[S, max_blocks]` int32 (one plane);
     seq_lens `[S]` int32 (cached tokens incl. this step's); query_start_loc `[S + 1]` int32;
-    kv_scales `[2, NB, page, KVH]` float32 for an 8-bit kv_cache (`hal.common.kv_quant.RowLayout` views).
+    kv_scales `[2, NB, page, KVH]` float32 for an 8-bit kv_cache (`hal.common.kv_quant.RowLayout` views);
+    `new_kv` (row kernel only): q and this step's k, v before rotary, stored by the kernel itself.
     """
     check_device(q)
     if q.stride(-1) != 1:
@@ -66,6 +89,6 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     if q.shape[0] == 0:
         return out
     for launch in launches_for(q, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, scale,
-                               configs, num_compute_units, out, kv_scales):
+                               configs, num_compute_units, out, kv_scales, new_kv):
         run_launch(launch)
     return out

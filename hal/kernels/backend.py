@@ -25,11 +25,12 @@ from hal.attention import AttentionBackend, AttnCaps, MetaCapacity, PagedBatch
 from hal.common.paged import block_table_array, query_start_loc, slot_mapping
 from hal.common.staging import StagingRing
 from hal.kernels import fresh
-from hal.kernels.attend import paged_attention
+from hal.kernels.attend import fuses_rotary, paged_attention
 from hal.kernels.attention import DECODE_MAX_QUERY_LEN
 from hal.kernels.configs import KernelConfig, configs_for
 from hal.kernels.kv_write import write_kv
 from hal.kernels.launch import target_of
+from hal.kernels.row_decode import NewKV
 
 DEFAULT_CPU_COMPUTE_UNITS = 4     # the interpreter has no SMs; enough to exercise the context split
 MAX_HEAD_DIM = 128
@@ -165,7 +166,10 @@ class TritonPagedAttention(AttentionBackend):
         write of plane `plane` in one launch (hal/kernels/rotary_kv.py; over an 8-bit cache the
         write quantizes), then attention: the paged kernel, or for a batch of prefills without
         context the fresh path over the rotated k, which the same launch hands back (over an 8-bit
-        cache: over the K and V the cache now holds, dequantized, which the launch hands back too)."""
+        cache: over the K and V the cache now holds, dequantized, which the launch hands back too).
+        Small multi-head decode batches rotate and store inside the row kernel instead: one launch
+        (`attend.fuses_rotary`, hal/kernels/row_decode.py)."""
+        from hal.kernels.ops import _inv_freq
         from hal.kernels.rotary_kv import rotary_kv_write
 
         slots, config = meta.slot_mapping[plane], self.configs["rotary"]
@@ -175,6 +179,15 @@ class TritonPagedAttention(AttentionBackend):
                                           kv_scales=scales)
             v = held[0] if held else v
             return fresh.attention(self.fresh_attention, q, k, v, meta.query_start_loc, meta.fresh_lens, scale)
+        if q.dtype == self.dtype and fuses_rotary(q.dtype, self.num_heads, self.num_kv_heads, meta.max_query_len,
+                                                  scales is not None, self.configs, meta.seq_lens.shape[0],
+                                                  self.num_compute_units):
+            # small multi-head decode batches: the row kernel rotates q and stores k, v itself
+            q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+            new_kv = NewKV(k, v, positions, _inv_freq(self.head_dim, float(theta), q.device), slots, interleaved)
+            return paged_attention(q, values, meta.block_tables[plane], meta.seq_lens, meta.query_start_loc,
+                                   meta.max_query_len, scale, self.configs, self.num_compute_units, scales,
+                                   new_kv=new_kv)
         q = rotary_kv_write(q, k, v, positions, theta, interleaved, values, slots, config, kv_scales=scales)
         return self.forward(q, kv_cache, meta, plane, scale)
 

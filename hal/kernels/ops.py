@@ -57,6 +57,35 @@ def _rotary_offsets(HALF: tl.constexpr, HALF_PAD: tl.constexpr, INTERLEAVED: tl.
 
 
 @triton.jit
+def _head_angles(pos, inv_freq_ptr, dims, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """(cos, sin) of position `pos` for each lane of a head laid out along `dims` `[D_pad]` as in
+    memory, computed as `_rotary_angles` computes them for the lane's pair."""
+    pair = dims // 2 if INTERLEAVED else tl.where(dims < HALF, dims, dims - HALF)
+    angle = pos.to(tl.float32) * tl.load(inv_freq_ptr + pair, mask=dims < 2 * HALF, other=0.0)
+    return tl.cos(angle), tl.sin(angle)
+
+
+@triton.jit
+def _rotated_head(src, cos, sin, dims, HALF: tl.constexpr, INTERLEAVED: tl.constexpr, dtype: tl.constexpr):
+    """One head's vector at `src` rotated (`_head_angles`), laid out along `dims` as in memory (0 past
+    D): the values of `_rotary_values` to the bit (the same expressions per lane, each lane reading
+    its pair's other value itself), for kernels that hold a head as one vector."""
+    valid = dims < 2 * HALF
+    partner = dims ^ 1 if INTERLEAVED else tl.where(dims < HALF, dims + HALF, dims - HALF)
+    x = tl.load(src + dims, mask=valid, other=0.0).to(tl.float32)
+    p = tl.load(src + partner, mask=valid, other=0.0).to(tl.float32)
+    if INTERLEAVED:     # (even * cos - odd * sin, even * sin + odd * cos), fp32 math
+        out = tl.where(dims % 2 == 0, x * cos - p * sin, p * sin + x * cos)
+    else:               # NeoX: every product rounded to dtype, as x * cos + rotate_half(x) * sin
+        c = cos.to(dtype).to(tl.float32)
+        s = sin.to(dtype).to(tl.float32)
+        xc = (x * c).to(dtype).to(tl.float32)
+        ps = (p * s).to(dtype).to(tl.float32)
+        out = tl.where(dims < HALF, xc - ps, xc + ps)
+    return out.to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _rotary_one(ptr, out_ptr, stride_t, stride_h, stride_ot, stride_oh, token, cos, sin, num_heads,
                 HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
                 INTERLEAVED: tl.constexpr):

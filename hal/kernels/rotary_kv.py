@@ -30,6 +30,7 @@ from hal.kernels.ops import (
     _rotary_one,
     _rotary_program_queries,
     _rotary_values,
+    _rotated_head,
     rotary_head_groups,
 )
 from hal.kernels.pdl import pdl_wait
@@ -127,6 +128,31 @@ def _rotary_kv_write_quant_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_values_ptr, 
         out_mask = (heads < num_kv_heads - kv_head)[:, None] & (dims < HEAD_DIM)[None, :]
         tl.store(v_out_ptr + out_rows[:, None] + dims[None, :], (v.to(tl.float32) * scale[:, None]).to(dtype),
                  mask=out_mask)
+
+
+@triton.jit
+def _write_head_kv(k_src, v_src, cos, sin, k_dst, v_dst, k_scale_dst, v_scale_dst, dims,
+                   HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, KV_QUANT: tl.constexpr, QMAX: tl.constexpr):
+    """One (token, KV head): k rotated (`ops._head_angles`) and v stored at their slot (`k_dst`, `v_dst`: the
+    head's values there; an 8-bit cache also its scales), the bytes the two kernels above store, for
+    a kernel that holds a head as one vector `dims` `[D_pad]` (hal/kernels/row_decode.py)."""
+    valid = dims < HEAD_DIM
+    v = tl.load(v_src + dims, mask=valid, other=0.0)
+    if KV_QUANT:
+        fp8 = k_dst.dtype.element_ty
+        k = _rotated_head(k_src, cos, sin, dims, HEAD_DIM // 2, INTERLEAVED, k_src.dtype.element_ty)
+        k_scale = _scale_of(tl.max(tl.abs(k), 0), QMAX)
+        tl.store(k_dst + dims, _quantized(k, k_scale, QMAX, fp8), mask=valid)
+        tl.store(k_scale_dst, k_scale)
+        v = v.to(tl.float32)
+        v_scale = _scale_of(tl.max(tl.abs(v), 0), QMAX)
+        tl.store(v_dst + dims, _quantized(v, v_scale, QMAX, fp8), mask=valid)
+        tl.store(v_scale_dst, v_scale)
+    else:
+        dtype = k_dst.dtype.element_ty
+        k = _rotated_head(k_src, cos, sin, dims, HEAD_DIM // 2, INTERLEAVED, dtype)
+        tl.store(k_dst + dims, k.to(dtype), mask=valid)
+        tl.store(v_dst + dims, v.to(v_dst.dtype.element_ty), mask=valid)
 
 
 def rotary_kv_write_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

@@ -19,15 +19,25 @@ Grid `(num_heads, num_seqs, NUM_SPLITS)`, heads fastest: the programs of one seq
 by side and read the same cache rows (a slot's row holds every head's values and then their scales),
 so each 32-byte sector of scales serves 8 heads from L2 instead of being fetched once per head
 (H200, 128 x 1K over FP8: 212 -> 187 us per layer-plane against sequences fastest). Sequences
-without a query this step (graph padding) return at once; with `NUM_SPLITS > 1` the partials go to hal/kernels/splits.py's reduce. At two
-stages the pages of a tile come from the block table one iteration ahead, as in the unified kernel
-(its lever 22); with more, each tile reads its own and the pipeliner keeps several tiles in flight
-(a page carried from the iteration before tied every load to it: 3 stages had run at half speed).
+without a query this step (graph padding) return at once; with `NUM_SPLITS > 1` the partials go to
+hal/kernels/splits.py's reduce. At two stages the pages of a tile come from the block table one
+iteration ahead, as in the unified kernel (its lever 22); with more, each tile reads its own and the
+pipeliner keeps several tiles in flight (a page carried from the iteration before tied every load to
+it: 3 stages had run at half speed).
 Lazy rescale: a stream's reference maximum moves only when a score passes it by more than
 2^LAZY_MARGIN, so most tiles skip rescaling the accumulator (H200, bf16 64 x 1K: 152 -> 131 us).
 Used by every multi-head decode on sm_90 since 2026-12-02 (docs/performance.md, levers 25-26, 43-44).
+
+`ROTARY` (small batches, `attend.fuses_rotary`): q arrives unrotated and this step's k and v are not
+in the cache yet. Every program rotates its q row itself (`ops._rotated_head`: the rotary kernel's
+values to the bit); the program whose split holds the sequence's last key rotates k and stores k and
+v at the token's slot (`rotary_kv._write_head_kv`: the bytes rotary_kv.py stores, an 8-bit cache's
+scales too) and, after a barrier, reads them back as any other key. One launch per layer-plane
+fewer, with the same output: Ouro-1.4B batch 1 on the H200 4.66 -> 4.60 ms (lever 58).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -36,7 +46,9 @@ import triton.language as tl
 from hal.kernels.attention import LOG2E, _tile_pages
 from hal.kernels.configs import KernelConfig
 from hal.kernels.launch import Launch, launch_options, next_pow2
+from hal.kernels.ops import _head_angles, _rotated_head
 from hal.kernels.pdl import pdl_wait
+from hal.kernels.rotary_kv import _write_head_kv
 from hal.kernels.splits import reduce_launch, split_parts, split_tiles
 
 LAZY_MARGIN = tl.constexpr(8.0)     # log2 units: how far a stream's reference maximum may trail its scores
@@ -101,9 +113,11 @@ def _row_decode_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, seq_lens_ptr,
         query_start_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, qk_scale, num_tokens,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
-        stride_sb, stride_st,
+        stride_sb, stride_st, k_new_ptr, v_new_ptr, positions_ptr, inv_freq_ptr, slot_ptr,
+        stride_kt, stride_kh, stride_vt, stride_vh,
         PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, KV_QUANT: tl.constexpr, NUM_STAGES: tl.constexpr,
+        ROTARY: tl.constexpr = False, INTERLEAVED: tl.constexpr = False, QMAX: tl.constexpr = 0.0,
         LAZY: tl.constexpr = True, PDL: tl.constexpr = False):
     pdl_wait(PDL)
     head = tl.program_id(0)
@@ -116,11 +130,29 @@ def _row_decode_kernel(
     last_pos = tl.load(seq_lens_ptr + seq) - 1               # the query sees keys 0 .. last_pos
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_valid = dims < HEAD_DIM
-    q = tl.load(q_ptr + token * stride_qt + head * stride_qh + dims, mask=dim_valid, other=0.0)
-    q = q.to(tl.float32) * qk_scale                                         # [D], scores in the log2 domain
+    q_src = q_ptr + token * stride_qt + head * stride_qh
+    if ROTARY:
+        cos, sin = _head_angles(tl.load(positions_ptr + token), inv_freq_ptr, dims, HEAD_DIM // 2, INTERLEAVED)
+        q = _rotated_head(q_src, cos, sin, dims, HEAD_DIM // 2, INTERLEAVED, q_ptr.dtype.element_ty)
+    else:
+        q = tl.load(q_src + dims, mask=dim_valid, other=0.0).to(tl.float32)
+    q = q * qk_scale                                                        # [D], scores in the log2 domain
 
     num_full = (last_pos + 1) // BLOCK_N
     tile_lo, tile_hi = split_tiles(tl.cdiv(last_pos + 1, BLOCK_N), split, NUM_SPLITS)
+    if ROTARY:
+        # this step's key and value: the split that reads the last key stores them first (the bytes
+        # of rotary_kv.py's write), then reads them back as any other key
+        last_tile = last_pos // BLOCK_N
+        slot = tl.load(slot_ptr + token)
+        if (tile_lo <= last_tile) & (last_tile < tile_hi) & (slot >= 0):
+            row = (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_ct + head.to(tl.int64) * stride_ch
+            scale_row = (slot // PAGE_SIZE) * stride_sb + (slot % PAGE_SIZE) * stride_st + head
+            _write_head_kv(k_new_ptr + token * stride_kt + head * stride_kh,
+                           v_new_ptr + token * stride_vt + head * stride_vh, cos, sin,
+                           k_cache_ptr + row, v_cache_ptr + row, k_scale_ptr + scale_row, v_scale_ptr + scale_row,
+                           dims, HEAD_DIM, INTERLEAVED, KV_QUANT, QMAX)
+            tl.debug_barrier()                               # the stores are visible to the program's loads
 
     m_i = tl.full([BLOCK_N], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_N], tl.float32)
@@ -166,12 +198,26 @@ def _row_decode_kernel(
         tl.store(part_sum_ptr + part_row, l_all)
 
 
+class NewKV(NamedTuple):
+    """This step's k and v before rotary, for the row kernel to rotate and store itself (with q)."""
+    k: torch.Tensor                 # [T, H, D], unit stride along D
+    v: torch.Tensor                 # [T, H, D]
+    positions: torch.Tensor         # [T]
+    inv_freq: torch.Tensor          # [D / 2] float32 (hal.kernels.ops._inv_freq)
+    slot_mapping: torch.Tensor      # [T] int64, the plane's; -1 stores nothing
+    interleaved: bool               # GPT-J pairs, else NeoX halves
+
+
 def row_decode_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                         config: KernelConfig, num_splits: int, reduce_config: KernelConfig,
-                        out: torch.Tensor, target: str, kv_scales: torch.Tensor | None = None) -> list[Launch]:
+                        out: torch.Tensor, target: str, kv_scales: torch.Tensor | None = None,
+                        new_kv: NewKV | None = None) -> list[Launch]:
     """The launches of one decode attention call with at most one query per sequence and as many KV
-    heads as query heads; arguments as `hal.kernels.attention.attention_launches`."""
+    heads as query heads; arguments as `hal.kernels.attention.attention_launches`. With `new_kv`, q is
+    not rotated yet and the cache lacks this step's keys: the kernel rotates q, and the split that
+    reads a sequence's last key rotates and stores k and v first (one launch fewer than
+    `rotary_kv.rotary_kv_write` before it; the same bytes and the same output)."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, _ = kv_cache.shape
     if num_kv_heads != num_heads:
@@ -181,15 +227,28 @@ def row_decode_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     k_scales, v_scales = (key_cache, value_cache) if kv_scales is None else (kv_scales[0], kv_scales[1])
     scale_strides = (0, 0) if kv_scales is None else (kv_scales.stride(1), kv_scales.stride(2))
+    rotary, qmax = {}, {}
+    if new_kv is not None:
+        if head_dim % 2 or new_kv.k.stride(-1) != 1 or new_kv.v.stride(-1) != 1:
+            raise ValueError("the row kernel's rotary takes an even head dim and k, v with unit stride along D")
+        fresh = (new_kv.k, new_kv.v, new_kv.positions, new_kv.inv_freq, new_kv.slot_mapping,
+                 new_kv.k.stride(0), new_kv.k.stride(1), new_kv.v.stride(0), new_kv.v.stride(1))
+        rotary = dict(ROTARY=True, INTERLEAVED=new_kv.interleaved)
+        if kv_scales is not None:
+            from hal.common.kv_quant import quant_max
+
+            qmax = dict(QMAX=quant_max(kv_cache.dtype))
+    else:
+        fresh = (q, q, q, q, q, 0, 0, 0, 0)           # unused pointers (ROTARY=False compiles them away)
     parts = split_parts(q, num_splits, head_dim_pad)
     main = Launch(_row_decode_kernel, (num_heads, seq_lens.shape[0], num_splits), (
         out, q, key_cache, value_cache, k_scales, v_scales, block_table, seq_lens, query_start_loc, *parts,
         scale * LOG2E, num_tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
-        *scale_strides), dict(
+        *scale_strides, *fresh), dict(
         PAGE_SIZE=page_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=config.block_n,
         NUM_SPLITS=num_splits, KV_QUANT=kv_scales is not None, NUM_STAGES=config.num_stages,
-        **launch_options(config, target)))
+        **rotary, **qmax, **launch_options(config, target)))
     if num_splits == 1:
         return [main]
     return [main, reduce_launch(out, parts, reduce_config, target)]

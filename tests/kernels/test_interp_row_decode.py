@@ -176,3 +176,52 @@ def test_rising_scores_move_the_lazy_maximum(monkeypatch):
     assert calls and torch.isfinite(out).all()
     err = (out.float() - ref).abs().max().item()
     assert err <= TOLERANCE[torch.bfloat16], f"max error {err:.2e}"
+
+
+@pytest.mark.parametrize("kv_dtype,head_dim,interleaved", [
+    (None, 128, False), (None, 96, True), (torch.float8_e4m3fn, 64, False), (torch.float8_e4m3fn, 48, True),
+], ids=["bf16-neox-D128", "bf16-gptj-D96", "fp8-neox-D64", "fp8-gptj-D48"])
+@pytest.mark.parametrize("num_compute_units", [1, 64], ids=["whole", "split"])
+def test_row_kernel_rotary_is_rotary_kv_write_then_the_row_kernel_bit_for_bit(monkeypatch, kv_dtype, head_dim,
+                                                                              interleaved, num_compute_units):
+    """`attend_rotary` at multi-head decode with context splits: the row kernel rotates q and stores
+    this step's k and v (the split that reads the last key, before it reads it) in one launch, the
+    same output and cache bytes as `rotary_kv_write` then the row kernel; without splits the two
+    launches stay (`attend.fuses_rotary`). The last slots hold NaN until written, so a read before
+    the store fails; one token's slot is -1 (nothing stored: its stale key is read, as in the
+    two-launch path)."""
+    from hal.kernels import rotary_kv
+
+    rng = random.Random(17)
+    seq_lens = [rng.randint(2, 90), 1, rng.randint(100, 140), 32, 17]
+    case = random_case(rng, 4, 4, head_dim, torch.bfloat16, seq_lens=seq_lens, query_lens=[1] * 5)
+    backend = _backend(4, 4, head_dim, torch.bfloat16, num_compute_units, kv_dtype=kv_dtype)
+    cache = torch.zeros(backend.kv_cache_shape(case.num_blocks), dtype=backend.kv_cache_dtype)
+    history = backend.build_meta(case.history)
+    for p in range(2):
+        backend.write_kv(case.keys[p], case.values[p], cache, history, p)
+    meta = backend.build_meta(case.step)
+    plane, stale = 1, 3                              # sequence 3 keeps its slot's old key (slot -1)
+    slots = meta.slot_mapping.clone()
+    slots[plane, stale] = -1
+    meta = meta._replace(slot_mapping=slots)
+    byte_rows = cache.view(torch.uint8).view(2, -1, cache[0, 0, 0].numel() * cache.element_size())
+    for s in range(len(seq_lens)):
+        if s != stale:
+            byte_rows[:, int(meta.slot_mapping[plane, s])] = 0xFF        # NaN in bf16, fp8 and fp32 scales
+    q, k, v = (torch.randn(5, 4, head_dim).bfloat16() for _ in range(3))
+    positions = torch.tensor(seq_lens) - 1
+    writes = []
+    real_write = rotary_kv.rotary_kv_write
+    monkeypatch.setattr(rotary_kv, "rotary_kv_write", lambda *a, **kw: writes.append(1) or real_write(*a, **kw))
+    calls = _count_row_launches(monkeypatch)
+    fused_cache, plain_cache = cache.clone(), cache.clone()
+    fused = backend.attend_rotary(q, k, v, fused_cache, meta, plane, positions, 1e4, interleaved, head_dim ** -0.5)
+    assert calls and bool(writes) == (num_compute_units == 1), "small batches rotate inside the row kernel"
+    values, scales = backend._views(plain_cache)
+    q_rot = real_write(q, k, v, positions, 1e4, interleaved, values, meta.slot_mapping[plane],
+                       backend.configs["rotary"], kv_scales=scales)
+    plain = backend.forward(q_rot, plain_cache, meta, plane, head_dim ** -0.5)
+    assert torch.isfinite(fused).all()
+    assert torch.equal(fused, plain)
+    assert torch.equal(fused_cache.view(torch.uint8), plain_cache.view(torch.uint8))
