@@ -53,8 +53,8 @@ def launches_for(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
     quantized = kv_scales is not None
     num_kv_heads = kv_cache.shape[3]
     args = (q, kv_cache, block_table, seq_lens, query_start_loc, scale)
-    row = takes_row_kernel(q.dtype, q.shape[1], num_kv_heads, max_query_len, quantized, configs)
-    if new_kv is not None and not row:
+    row_key = row_decode_key(q.dtype, q.shape[1], num_kv_heads, max_query_len, quantized)
+    if new_kv is not None and row_key not in configs:
         raise ValueError("only the row-stream decode kernel rotates and stores this step's K/V itself "
                          "(check attend.fuses_rotary first)")
     if max_query_len > DECODE_MAX_QUERY_LEN:
@@ -62,9 +62,9 @@ def launches_for(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
                                   configs["attention_reduce"], out, backend_of(q.device), kv_scales)
     num_splits = num_kv_splits(seq_lens.shape[0], num_kv_heads, num_compute_units)
     reduce_config, target = configs["attention_reduce"], backend_of(q.device)
-    if row:
-        key = row_decode_key(q.dtype, q.shape[1], num_kv_heads, max_query_len, quantized)
-        return row_decode_launches(*args, configs[key], num_splits, reduce_config, out, target, kv_scales, new_kv)
+    if row_key in configs:
+        return row_decode_launches(*args, configs[row_key], num_splits, reduce_config, out, target, kv_scales,
+                                   new_kv)
     return attention_launches(*args, configs[config_key("decode", q.dtype, quantized)], num_splits, reduce_config,
                               out, target, kv_scales)
 
