@@ -72,3 +72,45 @@ def test_speculation_rounds_in_one_graph_through_triton_attention():
     assert engine.speculator.advances and {k[0] for k in engine.runner.graphs.chains} == {"round"}
     for i in range(2):
         assert outs[str(i)] == case.greedy(i)[:6]
+
+
+def test_row_kernel_rotary_in_the_engine_gives_the_two_launch_tokens(monkeypatch):
+    """Multi-head decode on the row kernel in bf16 with context splits, graphs on (Ouro's NeoX rotary
+    and Huginn's GPT-J pairs): the fused rotary + KV write (`attend.fuses_rotary`, lever 58) gives the
+    greedy tokens of the two-launch path (rotary_kv_write, then the row kernel) token for token."""
+    from hal.kernels import backend as backend_module
+    from hal.kernels.configs import KernelConfig, configs_for
+    from hal.kernels.ops import fused_ops
+
+    configs = {**configs_for("default"), "attention_row_decode": KernelConfig(1, 16, 1, 2)}
+
+    class RowsOnCpu(CpuHal):
+        def attention(self, num_heads, num_kv_heads, head_dim, dtype, block_size=None, backend=None):
+            return TritonPagedAttention(num_heads, num_kv_heads, head_dim, dtype, self.device(), block_size or 16,
+                                        configs=configs, num_compute_units=4)
+
+        def op(self, name):     # with a rotary op, layers hand q, k, v unrotated to attend_rotary
+            return fused_ops(configs)["rotary"] if name == "rotary" else super().op(name)
+
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, seed=5)   # seed: Huginn's draw
+    fused_steps = []
+    real_fuses = backend_module.fuses_rotary
+    for name in ("ouro-tiny", "huginn-tiny"):
+        case = golden_case(name)
+        model = zoo.from_pretrained(case.path, dtype="bfloat16")
+        outs = {}
+        for fused in (True, False):
+            def fuses(*args, fused=fused):
+                answer = fused and real_fuses(*args)
+                fused_steps.append(answer)
+                return answer
+
+            monkeypatch.setattr(backend_module, "fuses_rotary", fuses)
+            with interpreter(), torch.inference_mode():
+                engine = LLMEngine(model, RowsOnCpu(), EngineConfig(block_size=4, max_num_batched_tokens=16,
+                                                                    graphs=True))
+                engine.add_request("0", case.prompt(0), params)
+                outs[fused] = [o.token_ids for o in engine.run_until_done()]
+            assert engine.runner.graphs.captured, "the padded decode path was not used"
+        assert outs[True] == outs[False], name
+    assert any(fused_steps), "no decode step took the fused path"
