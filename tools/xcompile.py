@@ -9,7 +9,7 @@ alignment, integers equal to 1). Checks per compiled kernel:
     scratch (`.private_segment_fixed_size`), LDS (`metadata.shared`) within the CU's LDS;
   * NVIDIA (sm_90, sm_80): `wgmma` in the PTX of the large-tile (prefill) configs on sm_90, an MMA
     otherwise, no spills (`cuobjdump -res-usage`: STACK/LOCAL 0; a 32-byte stack that is only
-    libdevice's sin/cos reduction array for arguments past 105615 rad is allowed, `TRIG_DEPOT`),
+    libdevice's sin/cos reduction array for arguments past 105615 rad is allowed, `TRIG_DEPOT_BYTES`),
     shared memory within the SM's.
 A table is compiled for the targets that can pick it: each arch's own, "default" for all three.
 The decode projections (hal/kernels/gemv.py) compile at Ouro-1.4B shapes, one prologue each
@@ -94,15 +94,13 @@ def _attention(config: KernelConfig, target: str, num_seqs: int, query_len: int,
     table = torch.zeros(num_seqs, 8, dtype=torch.int32)
     seq_lens = torch.zeros(num_seqs, dtype=torch.int32)
     starts = torch.zeros(num_seqs + 1, dtype=torch.int32)
-    if rotary:
-        tokens = q.shape[0]
-        new_kv = NewKV(torch.empty_like(q), torch.empty_like(q), torch.zeros(tokens, dtype=torch.int64),
-                       torch.empty(s["head_dim"] // 2), torch.zeros(tokens, dtype=torch.int64), False)
-        return row_decode_launches(q, cache, table, seq_lens, starts, 0.1, config, num_splits, config,
-                                   torch.empty_like(q), target, scales, new_kv)[0]
-    build = row_decode_launches if rows else attention_launches
-    return build(q, cache, table, seq_lens, starts, 0.1, config, num_splits, config, torch.empty_like(q), target,
-                 scales)[0]
+    args = (q, cache, table, seq_lens, starts, 0.1, config, num_splits, config, torch.empty_like(q), target, scales)
+    if not rows:
+        return attention_launches(*args)[0]
+    tokens = q.shape[0]
+    new_kv = NewKV(torch.empty_like(q), torch.empty_like(q), torch.zeros(tokens, dtype=torch.int64),
+                   torch.empty(s["head_dim"] // 2), torch.zeros(tokens, dtype=torch.int64), False) if rotary else None
+    return row_decode_launches(*args, new_kv)[0]
 
 
 def _reduce(config: KernelConfig, target: str) -> Launch:
@@ -421,20 +419,20 @@ def _nvidia_occupancy(regs: int, shared: int, num_warps: int, arch: int) -> int:
 # libdevice's sinf/cosf reduce arguments of 105615 rad and more (Payne-Hanek) through a 28-byte local
 # array indexed at run time: a stack frame no register budget removes, used only on that path
 # (positions past ~105k at the rotary's first frequency); ptxas keeps it in some kernels and not in others
-TRIG_DEPOT = re.compile(r"__local_depot\d+\[28\]")
+TRIG_DEPOT_BYTES = 28
 TRIG_STACK_BYTES = 32
 
 
 def _trig_stack_only(ptx: str, stack: int) -> bool:
-    """Whether a kernel's whole stack frame is libdevice's trig reduction array (`TRIG_DEPOT`)."""
-    depots = re.findall(r"__local_depot\d+\[\d+\]", ptx)
-    return (0 < stack <= TRIG_STACK_BYTES and "__cudart_i2opi_f" in ptx and len(depots) == 1
-            and bool(TRIG_DEPOT.fullmatch(depots[0])))
+    """Whether a kernel's whole stack frame is libdevice's trig reduction array (`TRIG_DEPOT_BYTES`)."""
+    depots = re.findall(r"__local_depot\d+\[(\d+)\]", ptx)
+    return 0 < stack <= TRIG_STACK_BYTES and "__cudart_i2opi_f" in ptx and depots == [str(TRIG_DEPOT_BYTES)]
 
 
-def _problems(case: Case, target_name: str, config: KernelConfig, r: dict) -> tuple[str, ...]:
+def _problems(case: Case, target_name: str, config: KernelConfig, r: dict,
+              trig_stack: bool = False) -> tuple[str, ...]:
     target, out = TARGETS[target_name], []
-    if r["spill"] and not r.get("trig_stack"):
+    if r["spill"] and not trig_stack:
         out.append(f"register spills ({r['spill']})")
     if r["scratch"]:
         out.append(f"scratch/local memory ({r['scratch']} bytes)")
@@ -465,7 +463,7 @@ def _compile_case(case_name: str, config: KernelConfig, target_name: str) -> Rep
     except Exception as e:  # a config that does not compile is a finding, not a crash of the table
         return Report(table, case_name, target_name, config, None, None, None, 0, 0, None, 0, "-", False,
                       time.perf_counter() - start, (f"compile failed: {type(e).__name__}: {str(e)[:300]}",))
-    shared = int(kernel.metadata.shared)
+    shared, trig_stack = int(kernel.metadata.shared), False
     if target.backend == "hip":
         asm = kernel.asm["amdgcn"]
         mfma = sorted(set(re.findall(r"v_mfma_\w+", asm)))
@@ -482,9 +480,9 @@ def _compile_case(case_name: str, config: KernelConfig, target_name: str) -> Rep
         r = dict(vgpr=res.get("REG"), agpr=None, sgpr=None, spill=res.get("STACK", 0),
                  scratch=res.get("LOCAL", 0), shared=shared, mma=mma, vec16=vec16,
                  occupancy=_nvidia_occupancy(res.get("REG", 0), shared, config.num_warps, int(target.arch)))
-    problems = _problems(case, target_name, config,
-                         {**r, "trig_stack": target.backend == "cuda" and _trig_stack_only(ptx, r["spill"])})
-    return Report(table, case_name, target_name, config, seconds=time.perf_counter() - start, problems=problems, **r)
+        trig_stack = _trig_stack_only(ptx, r["spill"])
+    return Report(table, case_name, target_name, config, seconds=time.perf_counter() - start,
+                  problems=_problems(case, target_name, config, r, trig_stack), **r)
 
 
 def check_all(tables: dict[str, dict[str, KernelConfig]] | None = None,

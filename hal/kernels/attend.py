@@ -28,12 +28,6 @@ def row_decode_key(dtype: torch.dtype, num_heads: int, num_kv_heads: int, max_qu
     return "attention_row_decode" + ("_fp8" if is_quantized else "")
 
 
-def takes_row_kernel(dtype: torch.dtype, num_heads: int, num_kv_heads: int, max_query_len: int,
-                     is_quantized: bool, configs: dict[str, KernelConfig]) -> bool:
-    """Whether such a batch takes the row-stream kernel."""
-    return row_decode_key(dtype, num_heads, num_kv_heads, max_query_len, is_quantized) in configs
-
-
 def fuses_rotary(dtype: torch.dtype, num_heads: int, num_kv_heads: int, max_query_len: int, is_quantized: bool,
                  configs: dict[str, KernelConfig], num_seqs: int, num_compute_units: int) -> bool:
     """Whether the row kernel should rotate and store this step's K/V itself (`paged_attention(new_kv=)`):
@@ -41,7 +35,7 @@ def fuses_rotary(dtype: torch.dtype, num_heads: int, num_kv_heads: int, max_quer
     is a chain of short dependent launches and one launch fewer per layer-plane pays (H200, Ouro-1.4B
     batch 1: 4.658 -> 4.604 ms); unsplit, every program would pay the rotation and the store before
     its first key, and the 128 x 1K FP8 step went 22.71 -> 23.01 ms (docs/performance.md, lever 58)."""
-    return (takes_row_kernel(dtype, num_heads, num_kv_heads, max_query_len, is_quantized, configs)
+    return (row_decode_key(dtype, num_heads, num_kv_heads, max_query_len, is_quantized) in configs
             and num_kv_splits(num_seqs, num_kv_heads, num_compute_units) > 1)
 
 

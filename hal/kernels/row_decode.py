@@ -146,8 +146,9 @@ def _row_decode_kernel(
         last_tile = last_pos // BLOCK_N
         slot = tl.load(slot_ptr + token)
         if (tile_lo <= last_tile) & (last_tile < tile_hi) & (slot >= 0):
-            row = (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_ct + head.to(tl.int64) * stride_ch
-            scale_row = (slot // PAGE_SIZE) * stride_sb + (slot % PAGE_SIZE) * stride_st + head
+            slot_page, slot_offset = slot // PAGE_SIZE, slot % PAGE_SIZE
+            row = slot_page * stride_cb + slot_offset * stride_ct + head.to(tl.int64) * stride_ch
+            scale_row = slot_page * stride_sb + slot_offset * stride_st + head
             _write_head_kv(k_new_ptr + token * stride_kt + head * stride_kh,
                            v_new_ptr + token * stride_vt + head * stride_vh, cos, sin,
                            k_cache_ptr + row, v_cache_ptr + row, k_scale_ptr + scale_row, v_scale_ptr + scale_row,
