@@ -32,7 +32,8 @@ MAX_ROWS = 8                     # decode batches the kernels take; more rows go
 # runs first and the projection takes its output (each program recomputes the row statistics, which
 # costs L2 reads in proportion to the rows). tools/decode_kernels_bench.py on an H200 (2026-12-01):
 # at 2 rows the prologues took 18-42 us where the separate launches took 12-19 us, and at 4 rows
-# one value of the sandwich prologue was 2 bf16 ulps from the unfused kernels: one row only
+# one value of the sandwich prologue was 2 bf16 ulps from the unfused kernels: one row only, and the
+# sandwich not on the whole-slice kernel (`norm_residual_linear`, docs/performance.md lever 61)
 NORM_PROLOGUE_MAX_ROWS = 1
 SANDWICH_PROLOGUE_MAX_ROWS = 1
 SLICE_KEY = "gemv_slice"         # a table with this entry runs one-row projections on hal/kernels/gemv_slice.py
@@ -193,8 +194,11 @@ class Gemv:
                 h = self._rms_norm(x, post_norm_weight, eps, residual)
             return torch.nn.functional.linear(self._rms_norm(h, norm_weight, eps), weight), h
         x2 = _rows(x)
-        if x2.shape[0] > SANDWICH_PROLOGUE_MAX_ROWS:
-            y, h = self._norm_add_norm(x, residual, post_norm_weight, norm_weight, eps, sum_first)  # one launch
+        if x2.shape[0] > SANDWICH_PROLOGUE_MAX_ROWS or self._slice(weight.shape[1], prologue) is not None:
+            # the boundary in one launch, then the projection. On the whole-slice kernel too: there each
+            # program would recompute both row norms after its PDL wait, on the step's critical path
+            # (H200, Ouro-1.4B batch 1, 2026-12-03: 4.595 ms with the prologue, 4.406 without; lever 61)
+            y, h = self._norm_add_norm(x, residual, post_norm_weight, norm_weight, eps, sum_first)
             return self._run(_rows(y), weight, NONE).view(*x.shape[:-1], -1), h
         h = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
         y = self._run(x2, weight, prologue, eps=eps, norm_weight=norm_weight,

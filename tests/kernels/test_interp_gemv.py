@@ -284,6 +284,30 @@ def test_one_row_slices_up_to_their_limit_and_leave_counters_zero():
                                                         torch.nn.functional.linear(rows2, weight))
 
 
+def test_one_row_sandwich_runs_norm_add_norm_then_the_plain_slice(monkeypatch):
+    """Where the slice kernel takes a sandwich projection (Ouro's gate|up at batch 1), the boundary runs
+    as one norm_add_norm launch and the slice kernel takes its output without a prologue (lever 61:
+    faster than recomputing both row norms in every program); the same values as the prologue path."""
+    from hal.kernels import norms
+
+    config = KernelConfig(1, 4, 4, 1, block_k=32, split_k=2)
+    ops = gemv_ops.Gemv({**configs_for("default"), gemv_ops.SLICE_KEY: config}, 16, max_rows=1)
+    launched = []
+    run = gemv_ops.run_launch
+    monkeypatch.setattr(gemv_ops, "run_launch", lambda launch: launched.append(launch) or run(launch))
+    boundaries = []
+    add_norm = norms.norm_add_norm
+    monkeypatch.setattr(norms, "norm_add_norm", lambda *a, **k: boundaries.append(a) or add_norm(*a, **k))
+    x, residual = (torch.randn(1, 32) * 3).bfloat16(), torch.randn(1, 32).bfloat16()
+    w1, w2, eye = torch.randn(32).bfloat16(), torch.randn(32).bfloat16(), _permutation(32, torch.bfloat16)
+    y, h = ops.norm_residual_linear(x, residual, w1, w2, 1e-6, eye)
+    assert len(boundaries) == 1 and [launch.kernel for launch in launched] == [gemv_slice._slice_gemv_kernel]
+    assert launched[0].kwargs["PROLOGUE"] == gemv.NONE
+    h_ref = rms_norm_ref(x, w1, 1e-6, residual)
+    _assert_bits(h, h_ref, "stream")
+    _assert_bits(y, rms_norm_ref(h_ref, w2, 1e-6) @ eye.T, "sandwich")
+
+
 def test_fp8_one_row_takes_the_slice_kernel_in_up_to_split_k_slices(monkeypatch):
     """FP8 weights at one row (`fp8_linear`, the CUDA Hal's W8A16 path): K in up to `split_k` slices
     runs the slice kernel (Ouro-1.4B's down projection: 3 slices of 2048), more slices the K-looping
