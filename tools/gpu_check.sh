@@ -4,7 +4,7 @@
 #   tools/gpu_check.sh [phase ...]     phases: conformance tests kernels bench models profile spec
 #                                      specasync sweep fp8 cells peer profile64 train finetune spec22
 #                                      fp8kernels fp8cells fp8quick restcuda tune diag pdl slice slicediag
-#                                      slicewide fp8b1 rowtune fp8prefill ncurow layout blas rows
+#                                      slicewide fp8b1 rowtune fp8prefill ncurow layout blas rows ab
 #                                      (default: the first six)
 # Logs go to $OUT/gpu_check.log, benchmark rows to $OUT/bench.jsonl; a short table is printed last.
 set -u
@@ -115,6 +115,18 @@ for phase in $PHASES; do
       bench model=ouro-1.4b 'workload=[b1]' profile=4
       bench model=huginn-0125 'workload=[b1]' profile=4
       bench model=nanbeige4.2-3b 'workload=[b1]' profile=4 ;;
+    ab)      # a change against the code before it, alternating on one machine: `.old` holds the old tree
+             # (mkdir .old && git archive <commit> hal runtime zoo conf pyproject.toml | tar -x -C .old);
+             # the small cells a kernel or routing change moves, each new then old (rows of the old code in
+             # $OUT/bench-old.jsonl), twice for Ouro b1
+      [ -d .old/runtime ] || { echo "ab: no .old tree (see the comment)" | tee -a "$LOG"; continue; }
+      for cell in "model=ouro-1.4b workload=[b1]" "model=ouro-1.4b workload=[b1]" \
+                  "model=ouro-1.4b workload=[b1] engine.kv_dtype=fp8 engine.weights_dtype=fp8" \
+                  "model=huginn-0125 workload=[b1]" "model=nanbeige4.2-3b workload=[b1]" "model=ouro-1.4b workload=[b64]"; do
+        bench $cell
+        (cd .old && run "old: $cell" 200 python3 -m runtime.bench hal=cuda weights=random \
+          output="$OUT/bench-old.jsonl" $cell)
+      done ;;
     cells)   # the cells the issues quote: batch 1, 64 and 128 at the Ouro-1.4B shape; time to first token
       bench model=ouro-1.4b 'workload=[b1,b64,b128]' profile=4
       bench model=ouro-1.4b 'workload=[ttft1k,prefill8k]' ;;
