@@ -124,8 +124,8 @@ for phase in $PHASES; do
                   "model=ouro-1.4b workload=[b1] engine.kv_dtype=fp8 engine.weights_dtype=fp8" \
                   "model=huginn-0125 workload=[b1]" "model=nanbeige4.2-3b workload=[b1]" "model=ouro-1.4b workload=[b64]"; do
         bench $cell
-        (cd .old && run "old: $cell" 200 python3 -m runtime.bench hal=cuda weights=random \
-          output="$OUT/bench-old.jsonl" $cell)
+        run "old: $cell" 200 bash -c "cd .old && exec python3 -m runtime.bench hal=cuda weights=random \
+          output='$OUT/bench-old.jsonl' $cell"
       done ;;
     cells)   # the cells the issues quote: batch 1, 64 and 128 at the Ouro-1.4B shape; time to first token
       bench model=ouro-1.4b 'workload=[b1,b64,b128]' profile=4
