@@ -281,6 +281,8 @@ CASES = {c.name: c for c in (
          lambda c, t: _attention(c, t, num_seqs=64, query_len=1, num_splits=1, rows=True)),
     Case("attention_row_decode/rotary", "attention_row_decode", False, False,
          lambda c, t: _attention(c, t, num_seqs=1, query_len=1, num_splits=8, rows=True, rotary=True)),
+    Case("attention_row_decode_split/rotary", "attention_row_decode_split", False, False,
+         lambda c, t: _attention(c, t, num_seqs=1, query_len=1, num_splits=8, rows=True, rotary=True)),
     Case("attention_prefill_fp32", "attention_prefill_fp32", True, False,   # golden / conformance runs
          lambda c, t: _attention(c, t, num_seqs=2, query_len=256, num_splits=1, dtype=torch.float32)),
     Case("attention_decode_fp32", "attention_decode_fp32", True, False,

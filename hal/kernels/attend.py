@@ -2,7 +2,8 @@
 
 - Multi-head decode (one new token per sequence, one query head per KV head, 16-bit queries) takes
   the row-stream kernel (hal/kernels/row_decode.py) where the arch's table has a config for it
-  (`attention_row_decode`, `attention_row_decode_fp8`);
+  (`attention_row_decode`, `attention_row_decode_fp8`; a 16-bit cache whose context splits takes
+  `attention_row_decode_split` where the table has it);
 - every other batch takes the unified kernel (hal/kernels/attention.py): its decode config for
   batches of at most `DECODE_MAX_QUERY_LEN` new tokens per sequence, its prefill config otherwise.
 Decode-like batches split the context (hal/kernels/splits.py). Every choice depends on host integers
@@ -18,6 +19,8 @@ from hal.kernels.configs import KernelConfig
 from hal.kernels.launch import Launch, backend_of, check_device, run_launch
 from hal.kernels.row_decode import NewKV, row_decode_launches
 from hal.kernels.splits import num_kv_splits
+
+SPLIT_ROW_KEY = "attention_row_decode_split"     # the 16-bit row kernel's config where the context splits
 
 
 def row_decode_key(dtype: torch.dtype, num_heads: int, num_kv_heads: int, max_query_len: int,
@@ -57,8 +60,9 @@ def launches_for(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
     num_splits = num_kv_splits(seq_lens.shape[0], num_kv_heads, num_compute_units)
     reduce_config, target = configs["attention_reduce"], backend_of(q.device)
     if row_key in configs:
-        return row_decode_launches(*args, configs[row_key], num_splits, reduce_config, out, target, kv_scales,
-                                   new_kv)
+        config = configs.get(SPLIT_ROW_KEY) if num_splits > 1 and not quantized else None
+        return row_decode_launches(*args, config or configs[row_key], num_splits, reduce_config, out, target,
+                                   kv_scales, new_kv)
     return attention_launches(*args, configs[config_key("decode", q.dtype, quantized)], num_splits, reduce_config,
                               out, target, kv_scales)
 

@@ -156,6 +156,29 @@ def test_only_multi_head_single_token_decode_takes_the_row_kernel():
                             ROWS["attention_row_decode"], 1, ROWS["attention_row_decode"], q, "interpreter")
 
 
+def test_split_contexts_take_the_split_config_where_the_table_has_one():
+    """`attention_row_decode_split` serves 16-bit caches whose context splits (few sequences); unsplit
+    batches and 8-bit caches keep their own entries, and a table without it uses the row entry."""
+    split = KernelConfig(1, 8, 1, 2)
+    configs = {**ROWS, "attention_reduce": KernelConfig(1, 1, 1, 1), attend.SPLIT_ROW_KEY: split}
+
+    def block_n(num_seqs, table, kv_scales=None, dtype=torch.bfloat16):
+        cache = torch.empty(2, 4, 16, 2, 32, dtype=dtype)
+        q = torch.empty(num_seqs, 2, 32, dtype=torch.bfloat16)
+        launches = attend.launches_for(q, cache, torch.zeros(num_seqs, 4, dtype=torch.int32),
+                                       torch.ones(num_seqs, dtype=torch.int32),
+                                       torch.arange(num_seqs + 1, dtype=torch.int32), 1, 0.1, table, 4,
+                                       torch.empty_like(q), kv_scales)
+        return launches[0].kwargs["BLOCK_N"], len(launches)
+
+    assert block_n(1, configs) == (8, 2)                                  # split: the split entry, and the reduce
+    assert block_n(64, configs) == (ROWS["attention_row_decode"].block_n, 1)
+    assert block_n(1, {k: v for k, v in configs.items() if k != attend.SPLIT_ROW_KEY})[0] == \
+        ROWS["attention_row_decode"].block_n
+    fp8 = block_n(1, configs, torch.ones(2, 4, 16, 2), torch.float8_e4m3fn)
+    assert fp8[0] == ROWS["attention_row_decode_fp8"].block_n
+
+
 def test_rising_scores_move_the_lazy_maximum(monkeypatch):
     """Keys whose scores climb by 4 lazy margins per tile, then a plateau: each stream's reference
     maximum must move whenever a score passes it by more than 2^LAZY_MARGIN (a missed move sends p
