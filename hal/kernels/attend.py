@@ -3,7 +3,8 @@
 - Multi-head decode (one new token per sequence, one query head per KV head, 16-bit queries) takes
   the row-stream kernel (hal/kernels/row_decode.py) where the arch's table has a config for it
   (`attention_row_decode`, `attention_row_decode_fp8`; a 16-bit cache whose context splits takes
-  `attention_row_decode_split` where the table has it);
+  `attention_row_decode_split` where the table has it); grouped-query decode takes it only where even
+  one program per query head leaves the context split (a few sequences: `row_decode_key`);
 - every other batch takes the unified kernel (hal/kernels/attention.py): its decode config for
   batches of at most `DECODE_MAX_QUERY_LEN` new tokens per sequence, its prefill config otherwise.
 Decode-like batches split the context (hal/kernels/splits.py). Every choice depends on host integers
@@ -24,11 +25,24 @@ SPLIT_ROW_KEY = "attention_row_decode_split"     # the 16-bit row kernel's confi
 
 
 def row_decode_key(dtype: torch.dtype, num_heads: int, num_kv_heads: int, max_query_len: int,
-                   is_quantized: bool) -> str | None:
-    """The table key of the row-stream kernel's config where the batch fits it, else None."""
-    if max_query_len != 1 or num_heads != num_kv_heads or dtype == torch.float32:
+                   is_quantized: bool, num_seqs: int, num_compute_units: int) -> str | None:
+    """The table key of the row-stream kernel's config where the batch fits it, else None.
+
+    Grouped queries fit it only where one program per (sequence, query head) still leaves the
+    context split: there the attention is a few short dependent tiles per program, and the row
+    kernel's shorter chain (and its rotary + KV store, `fuses_rotary`) beats the unified kernel's
+    tensor-core tile of 16 rows holding a group of a few; with more sequences the unified kernel,
+    reading each KV head once per group, keeps them."""
+    if max_query_len != 1 or dtype == torch.float32 or num_heads % num_kv_heads:
+        return None
+    if num_heads != num_kv_heads and num_row_splits(num_seqs, num_heads, num_compute_units) == 1:
         return None
     return "attention_row_decode" + ("_fp8" if is_quantized else "")
+
+
+def num_row_splits(num_seqs: int, num_heads: int, num_compute_units: int) -> int:
+    """Context splits of the row kernel, whose programs are (sequence, query head) pairs."""
+    return num_kv_splits(num_seqs, num_heads, num_compute_units)
 
 
 def fuses_rotary(dtype: torch.dtype, num_heads: int, num_kv_heads: int, max_query_len: int, is_quantized: bool,
@@ -38,8 +52,9 @@ def fuses_rotary(dtype: torch.dtype, num_heads: int, num_kv_heads: int, max_quer
     is a chain of short dependent launches and one launch fewer per layer-plane pays (H200, Ouro-1.4B
     batch 1: 4.658 -> 4.604 ms); unsplit, every program would pay the rotation and the store before
     its first key, and the 128 x 1K FP8 step went 22.71 -> 23.01 ms (docs/performance.md, lever 58)."""
-    return (row_decode_key(dtype, num_heads, num_kv_heads, max_query_len, is_quantized) in configs
-            and num_kv_splits(num_seqs, num_kv_heads, num_compute_units) > 1)
+    return (row_decode_key(dtype, num_heads, num_kv_heads, max_query_len, is_quantized, num_seqs,
+                           num_compute_units) in configs
+            and num_row_splits(num_seqs, num_heads, num_compute_units) > 1)
 
 
 def launches_for(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -50,19 +65,22 @@ def launches_for(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
     quantized = kv_scales is not None
     num_kv_heads = kv_cache.shape[3]
     args = (q, kv_cache, block_table, seq_lens, query_start_loc, scale)
-    row_key = row_decode_key(q.dtype, q.shape[1], num_kv_heads, max_query_len, quantized)
+    num_seqs = seq_lens.shape[0]
+    row_key = row_decode_key(q.dtype, q.shape[1], num_kv_heads, max_query_len, quantized, num_seqs,
+                             num_compute_units)
     if new_kv is not None and row_key not in configs:
         raise ValueError("only the row-stream decode kernel rotates and stores this step's K/V itself "
                          "(check attend.fuses_rotary first)")
     if max_query_len > DECODE_MAX_QUERY_LEN:
         return attention_launches(*args, configs[config_key("prefill", q.dtype, quantized)], 1,
                                   configs["attention_reduce"], out, backend_of(q.device), kv_scales)
-    num_splits = num_kv_splits(seq_lens.shape[0], num_kv_heads, num_compute_units)
     reduce_config, target = configs["attention_reduce"], backend_of(q.device)
     if row_key in configs:
+        num_splits = num_row_splits(num_seqs, q.shape[1], num_compute_units)
         config = configs.get(SPLIT_ROW_KEY) if num_splits > 1 and not quantized else None
         return row_decode_launches(*args, config or configs[row_key], num_splits, reduce_config, out, target,
                                    kv_scales, new_kv)
+    num_splits = num_kv_splits(num_seqs, num_kv_heads, num_compute_units)
     return attention_launches(*args, configs[config_key("decode", q.dtype, quantized)], num_splits, reduce_config,
                               out, target, kv_scales)
 

@@ -1,11 +1,11 @@
-"""Decode attention for one query row per KV head (multi-head attention, one new token per
-sequence): the keys' softmax streams run side by side in a program's lanes, without `tl.dot`.
+"""Decode attention for one query row per program (one new token per sequence): the keys' softmax
+streams run side by side in a program's lanes, without `tl.dot`.
 
 Why a second kernel. The unified kernel (hal/kernels/attention.py) puts a program's query rows on the
 tensor cores, which take at least 16 rows: for multi-head decode 15 of them are padding, and an 8-bit
 V tile can only reach them through byte-wise shared-memory reads (no transposing load exists for
 8-bit data on sm_90), which left FP8 decode slower than bf16 (docs/performance.md, levers 21-24).
-Here a program owns one (sequence, head) and walks its keys in tiles of `BLOCK_N`: the tile is loaded
+Here a program owns one (sequence, query head) and walks its KV head's keys in tiles of `BLOCK_N`: the tile is loaded
 `[BLOCK_N, D]` row-major, as it lies in the cache; QK^T is a product and a sum along D (within a few
 lanes); and every tile row n keeps its own online softmax: its running maximum m[n], sum l[n] and
 unnormalised output acc[n, :]. Tile row n of every tile belongs to stream n, so a tile needs no
@@ -28,10 +28,17 @@ Lazy rescale: a stream's reference maximum moves only when a score passes it by 
 2^LAZY_MARGIN, so most tiles skip rescaling the accumulator (H200, bf16 64 x 1K: 152 -> 131 us).
 Used by every multi-head decode on sm_90 since 2026-12-02 (docs/performance.md, levers 25-26, 43-44).
 
+Grouped queries (`GROUP` query heads per KV head): each query head keeps its own program and reads
+its KV head's keys, so a group reads them `GROUP` times, from L2 after the first (the group's
+programs are neighbours in the grid). That pays only where the batch is small enough that the
+context splits anyway (hal/kernels/attend.py); larger batches keep the unified kernel, which reads a
+KV head once for the whole group on the tensor cores.
+
 `ROTARY` (small batches, `attend.fuses_rotary`): q arrives unrotated and this step's k and v are not
 in the cache yet. Every program rotates its q row itself (`ops._rotated_head`: the rotary kernel's
 values to the bit); the program whose split holds the sequence's last key rotates k and stores k and
-v at the token's slot (`rotary_kv._write_head_kv`: the bytes rotary_kv.py stores, an 8-bit cache's
+v at the token's slot (with grouped queries every program of the group stores the same bytes, so
+none reads the slot before its own store) (`rotary_kv._write_head_kv`: the bytes rotary_kv.py stores, an 8-bit cache's
 scales too) and, after a barrier, reads them back as any other key. One launch per layer-plane
 fewer, with the same output: Ouro-1.4B batch 1 on the H200 4.66 -> 4.60 ms (lever 58).
 """
@@ -118,9 +125,10 @@ def _row_decode_kernel(
         PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, KV_QUANT: tl.constexpr, NUM_STAGES: tl.constexpr,
         ROTARY: tl.constexpr = False, INTERLEAVED: tl.constexpr = False, QMAX: tl.constexpr = 0.0,
-        LAZY: tl.constexpr = True, PDL: tl.constexpr = False):
+        LAZY: tl.constexpr = True, GROUP: tl.constexpr = 1, PDL: tl.constexpr = False):
     pdl_wait(PDL)
     head = tl.program_id(0)
+    kv_head = head // GROUP
     seq = tl.program_id(1)
     split = tl.program_id(2)
     token = tl.load(query_start_ptr + seq)
@@ -147,10 +155,10 @@ def _row_decode_kernel(
         slot = tl.load(slot_ptr + token)
         if (tile_lo <= last_tile) & (last_tile < tile_hi) & (slot >= 0):
             slot_page, slot_offset = slot // PAGE_SIZE, slot % PAGE_SIZE
-            row = slot_page * stride_cb + slot_offset * stride_ct + head.to(tl.int64) * stride_ch
-            scale_row = slot_page * stride_sb + slot_offset * stride_st + head
-            _write_head_kv(k_new_ptr + token * stride_kt + head * stride_kh,
-                           v_new_ptr + token * stride_vt + head * stride_vh, cos, sin,
+            row = slot_page * stride_cb + slot_offset * stride_ct + kv_head.to(tl.int64) * stride_ch
+            scale_row = slot_page * stride_sb + slot_offset * stride_st + kv_head
+            _write_head_kv(k_new_ptr + token * stride_kt + kv_head * stride_kh,
+                           v_new_ptr + token * stride_vt + kv_head * stride_vh, cos, sin,
                            k_cache_ptr + row, v_cache_ptr + row, k_scale_ptr + scale_row, v_scale_ptr + scale_row,
                            dims, HEAD_DIM, INTERLEAVED, KV_QUANT, QMAX)
             tl.debug_barrier()                               # the stores are visible to the program's loads
@@ -159,14 +167,14 @@ def _row_decode_kernel(
     l_i = tl.zeros([BLOCK_N], tl.float32)
     acc = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)
     table_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
-    head_off = head.to(tl.int64) * stride_ch
+    head_off = kv_head.to(tl.int64) * stride_ch
     if NUM_STAGES <= 2:
         # one K/V tile in flight: the next tile's pages are loaded a tile ahead, by hand
         page = _tile_pages(table_ptr, tile_lo, last_pos, PAGE_SIZE, BLOCK_N)
         for tile in tl.range(tile_lo, tl.minimum(tile_hi, num_full), num_stages=NUM_STAGES):
             next_page = _tile_pages(table_ptr, tile + 1, last_pos, PAGE_SIZE, BLOCK_N)
             acc, m_i, l_i = _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                                         page, head_off, head, tile, last_pos, stride_cb, stride_ct, stride_sb,
+                                         page, head_off, kv_head, tile, last_pos, stride_cb, stride_ct, stride_sb,
                                          stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, False, KV_QUANT, LAZY)
             page = next_page
     else:
@@ -175,13 +183,13 @@ def _row_decode_kernel(
         for tile in tl.range(tile_lo, tl.minimum(tile_hi, num_full), num_stages=NUM_STAGES):
             page = _tile_pages(table_ptr, tile, last_pos, PAGE_SIZE, BLOCK_N)
             acc, m_i, l_i = _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                                         page, head_off, head, tile, last_pos, stride_cb, stride_ct, stride_sb,
+                                         page, head_off, kv_head, tile, last_pos, stride_cb, stride_ct, stride_sb,
                                          stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, False, KV_QUANT, LAZY)
     if tile_hi > num_full and tile_hi > tile_lo:             # the sequence's last, partial tile
         tile = tile_hi - 1
         page = _tile_pages(table_ptr, tile, last_pos, PAGE_SIZE, BLOCK_N)
         acc, m_i, l_i = _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page,
-                                     head_off, head, tile, last_pos, stride_cb, stride_ct, stride_sb,
+                                     head_off, kv_head, tile, last_pos, stride_cb, stride_ct, stride_sb,
                                      stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, True, KV_QUANT, LAZY)
 
     m_all = tl.max(m_i, 0)
@@ -214,16 +222,16 @@ def row_decode_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
                         config: KernelConfig, num_splits: int, reduce_config: KernelConfig,
                         out: torch.Tensor, target: str, kv_scales: torch.Tensor | None = None,
                         new_kv: NewKV | None = None) -> list[Launch]:
-    """The launches of one decode attention call with at most one query per sequence and as many KV
-    heads as query heads; arguments as `hal.kernels.attention.attention_launches`. With `new_kv`, q is
+    """The launches of one decode attention call with at most one query per sequence (query heads a
+    multiple of the KV heads); arguments as `hal.kernels.attention.attention_launches`. With `new_kv`, q is
     not rotated yet and the cache lacks this step's keys: the kernel rotates q, and the split that
     reads a sequence's last key rotates and stores k and v first (one launch fewer than
     `rotary_kv.rotary_kv_write` before it; the same bytes and the same output)."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, _ = kv_cache.shape
-    if num_kv_heads != num_heads:
-        raise ValueError(f"row decode attention takes one query head per KV head, got {num_heads} query heads "
-                         f"over {num_kv_heads} KV heads (grouped queries take hal.kernels.attention)")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"row decode attention takes a whole number of query heads per KV head, got "
+                         f"{num_heads} query heads over {num_kv_heads} KV heads")
     head_dim_pad = max(next_pow2(head_dim), 16)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     k_scales, v_scales = (key_cache, value_cache) if kv_scales is None else (kv_scales[0], kv_scales[1])
@@ -249,7 +257,7 @@ def row_decode_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
         *scale_strides, *fresh), dict(
         PAGE_SIZE=page_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=config.block_n,
         NUM_SPLITS=num_splits, KV_QUANT=kv_scales is not None, NUM_STAGES=config.num_stages,
-        **rotary, **qmax, **launch_options(config, target)))
+        GROUP=num_heads // num_kv_heads, **rotary, **qmax, **launch_options(config, target)))
     if num_splits == 1:
         return [main]
     return [main, reduce_launch(out, parts, reduce_config, target)]

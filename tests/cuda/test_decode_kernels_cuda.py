@@ -142,3 +142,38 @@ def test_fresh_prefill_matches_the_paged_kernel(gpu, lens):
     ref = paged.attend(q, k, v, caches[1], paged.build_meta(batch), 0, 128 ** -0.5)
     assert torch.equal(caches[0], caches[1])
     assert _rel(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("lens", [[300], [129, 700, 17, 1000]], ids=["b1", "b4"])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(16, 16, 128), (55, 55, 96), (48, 8, 128)],
+                         ids=["ouro", "huginn", "nanbeige"])
+def test_small_decode_batches_rotate_inside_the_row_kernel(gpu, heads, kv_heads, dim, lens):
+    """Decode at batch 1 and 4 at the three families' head shapes (Nanbeige's grouped queries take the
+    row kernel there too): `attend_rotary` (the row kernel rotating and storing this step's K/V) gives
+    the bytes of `rotary_kv_write` then the kernel, and the float32 reference's values."""
+    from hal.common.torch_attention import TorchPagedAttention
+
+    backend = gpu.attention(heads, kv_heads, dim, torch.bfloat16)
+    page, tables, nxt = 16, [], 0
+    for n in lens:
+        tables.append(list(range(nxt, nxt + -(-n // page))))
+        nxt += -(-n // page)
+    history = PagedBatch([n - 1 for n in lens], [n - 1 for n in lens], [tables], page)
+    step = PagedBatch([1] * len(lens), lens, [tables], page)
+    cache = torch.zeros(backend.kv_cache_shape(nxt), device="cuda", dtype=torch.bfloat16)
+    num_old = sum(lens) - len(lens)
+    backend.write_kv(_randn(num_old, kv_heads, dim), _randn(num_old, kv_heads, dim), cache,
+                     backend.build_meta(history), 0)
+    meta = backend.build_meta(step)
+    q, k, v = _randn(len(lens), heads, dim), _randn(len(lens), kv_heads, dim), _randn(len(lens), kv_heads, dim)
+    positions = torch.tensor(lens, device="cuda") - 1
+    fused_cache, plain_cache = cache.clone(), cache.clone()
+    fused = backend.attend_rotary(q, k, v, fused_cache, meta, 0, positions, 1e4, False, dim ** -0.5)
+    values_view, _ = backend._views(plain_cache)
+    q_rot = rotary_kv_write(q, k, v, positions, 1e4, False, values_view, meta.slot_mapping[0],
+                            backend.configs["rotary"])
+    plain = backend.forward(q_rot, plain_cache, meta, 0, dim ** -0.5)
+    assert torch.equal(fused_cache, plain_cache) and torch.equal(fused, plain)
+    reference = TorchPagedAttention(heads, kv_heads, dim, torch.float32, torch.device("cuda"), page)
+    ref = reference.forward(q_rot.float(), plain_cache.float(), reference.build_meta(step), 0, dim ** -0.5)
+    assert _rel(fused, ref) < 1e-2

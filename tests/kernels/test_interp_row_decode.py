@@ -141,19 +141,42 @@ def test_padding_sequences_without_a_query_are_skipped():
     assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
 
 
-def test_only_multi_head_single_token_decode_takes_the_row_kernel():
-    assert attend.row_decode_key(torch.bfloat16, 16, 16, 1, False) == "attention_row_decode"
-    assert attend.row_decode_key(torch.float16, 16, 16, 1, True) == "attention_row_decode_fp8"
-    assert attend.row_decode_key(torch.bfloat16, 16, 4, 1, False) is None       # grouped queries
-    assert attend.row_decode_key(torch.bfloat16, 16, 16, 2, False) is None      # speculative verify
-    assert attend.row_decode_key(torch.float32, 16, 16, 1, False) is None       # golden runs: tf32x3 kernel
-    with pytest.raises(ValueError, match="one query head per KV head"):
+def test_single_token_decode_takes_the_row_kernel_grouped_queries_only_when_split():
+    def key(dtype, heads, kv_heads, max_query_len, quantized, num_seqs=64):
+        return attend.row_decode_key(dtype, heads, kv_heads, max_query_len, quantized, num_seqs, 132)
+
+    assert key(torch.bfloat16, 16, 16, 1, False) == "attention_row_decode"
+    assert key(torch.float16, 16, 16, 1, True) == "attention_row_decode_fp8"
+    assert key(torch.bfloat16, 16, 4, 1, False) is None                 # grouped queries, 64 sequences
+    assert key(torch.bfloat16, 48, 8, 1, False, num_seqs=1) == "attention_row_decode"   # Nanbeige, batch 1
+    assert key(torch.bfloat16, 48, 8, 1, True, num_seqs=4) == "attention_row_decode_fp8"
+    assert key(torch.bfloat16, 48, 8, 1, False, num_seqs=8) is None     # one program per head fills the GPU
+    assert key(torch.bfloat16, 12, 8, 1, False, num_seqs=1) is None     # not a whole group per KV head
+    assert key(torch.bfloat16, 16, 16, 2, False) is None                # speculative verify
+    assert key(torch.float32, 16, 16, 1, False) is None                 # golden runs: tf32x3 kernel
+    with pytest.raises(ValueError, match="whole number of query heads per KV head"):
         from hal.kernels.row_decode import row_decode_launches
 
-        q = torch.empty(1, 4, 32)
+        q = torch.empty(1, 3, 32)
         row_decode_launches(q, torch.empty(2, 1, 16, 2, 32), torch.zeros(1, 1, dtype=torch.int32),
                             torch.ones(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 0.1,
                             ROWS["attention_row_decode"], 1, ROWS["attention_row_decode"], q, "interpreter")
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_grouped_query_decode_on_the_row_kernel_matches_reference(monkeypatch, kv_dtype):
+    """Nanbeige's grouping (6 query heads per KV head) at a few sequences: each query head's program
+    reads its KV head's keys, with context splits; head dim 64."""
+    calls = _count_row_launches(monkeypatch)
+    rng = random.Random(11)
+    seq_lens = [rng.randint(40, 90), 1, 33]
+    case = random_case(rng, 12, 2, 64, torch.bfloat16, seq_lens=seq_lens, query_lens=[1] * 3)
+    backend = _backend(12, 2, 64, torch.bfloat16, 64, kv_dtype=kv_dtype)
+    out, ref = _run_fp8(backend, case, 0.125) if kv_dtype else run_both(backend, case, plane=1, scale=0.125)
+    assert calls, "the batch did not take the row kernel"
+    assert torch.isfinite(out).all()
+    err = (out.float() - ref).abs().max().item()
+    assert err <= TOLERANCE[torch.bfloat16], f"max error {err:.2e}"
 
 
 def test_split_contexts_take_the_split_config_where_the_table_has_one():
@@ -204,9 +227,11 @@ def test_rising_scores_move_the_lazy_maximum(monkeypatch):
 @pytest.mark.parametrize("kv_dtype,head_dim,interleaved", [
     (None, 128, False), (None, 96, True), (torch.float8_e4m3fn, 64, False), (torch.float8_e4m3fn, 48, True),
 ], ids=["bf16-neox-D128", "bf16-gptj-D96", "fp8-neox-D64", "fp8-gptj-D48"])
-@pytest.mark.parametrize("num_compute_units", [1, 64], ids=["whole", "split"])
+@pytest.mark.parametrize("num_compute_units,kv_heads", [(1, 4), (64, 4), (64, 2)],
+                         ids=["whole", "split", "split-grouped"])
 def test_row_kernel_rotary_is_rotary_kv_write_then_the_row_kernel_bit_for_bit(monkeypatch, kv_dtype, head_dim,
-                                                                              interleaved, num_compute_units):
+                                                                              interleaved, num_compute_units,
+                                                                              kv_heads):
     """`attend_rotary` at multi-head decode with context splits: the row kernel rotates q and stores
     this step's k and v (the split that reads the last key, before it reads it) in one launch, the
     same output and cache bytes as `rotary_kv_write` then the row kernel; without splits the two
@@ -217,8 +242,8 @@ def test_row_kernel_rotary_is_rotary_kv_write_then_the_row_kernel_bit_for_bit(mo
 
     rng = random.Random(17)
     seq_lens = [rng.randint(2, 90), 1, rng.randint(100, 140), 32, 17]
-    case = random_case(rng, 4, 4, head_dim, torch.bfloat16, seq_lens=seq_lens, query_lens=[1] * 5)
-    backend = _backend(4, 4, head_dim, torch.bfloat16, num_compute_units, kv_dtype=kv_dtype)
+    case = random_case(rng, 4, kv_heads, head_dim, torch.bfloat16, seq_lens=seq_lens, query_lens=[1] * 5)
+    backend = _backend(4, kv_heads, head_dim, torch.bfloat16, num_compute_units, kv_dtype=kv_dtype)
     cache = torch.zeros(backend.kv_cache_shape(case.num_blocks), dtype=backend.kv_cache_dtype)
     history = backend.build_meta(case.history)
     for p in range(2):
@@ -232,7 +257,8 @@ def test_row_kernel_rotary_is_rotary_kv_write_then_the_row_kernel_bit_for_bit(mo
     for s in range(len(seq_lens)):
         if s != stale:
             byte_rows[:, int(meta.slot_mapping[plane, s])] = 0xFF        # NaN in bf16, fp8 and fp32 scales
-    q, k, v = (torch.randn(5, 4, head_dim).bfloat16() for _ in range(3))
+    q = torch.randn(5, 4, head_dim).bfloat16()
+    k, v = (torch.randn(5, kv_heads, head_dim).bfloat16() for _ in range(2))
     positions = torch.tensor(seq_lens) - 1
     writes = []
     real_write = rotary_kv.rotary_kv_write
