@@ -117,15 +117,20 @@ for phase in $PHASES; do
       bench model=nanbeige4.2-3b 'workload=[b1]' profile=4 ;;
     ab)      # a change against the code before it, alternating on one machine: `.old` holds the old tree
              # (mkdir .old && git archive <commit> hal runtime zoo conf pyproject.toml | tar -x -C .old);
-             # the small cells a kernel or routing change moves, each new then old (rows of the old code in
-             # $OUT/bench-old.jsonl), twice for Ouro b1
-      [ -d .old/runtime ] || { echo "ab: no .old tree (see the comment)" | tee -a "$LOG"; continue; }
-      for cell in "model=ouro-1.4b workload=[b1]" "model=ouro-1.4b workload=[b1]" \
-                  "model=ouro-1.4b workload=[b1] engine.kv_dtype=fp8 engine.weights_dtype=fp8" \
-                  "model=huginn-0125 workload=[b1]" "model=nanbeige4.2-3b workload=[b1]" "model=ouro-1.4b workload=[b64]"; do
+             # the small cells a kernel or routing change moves, each new then old (rows of tree .NAME in
+             # $OUT/bench-NAME.jsonl), twice for Ouro b1. AB_TREES=".old .mid" compares several trees;
+             # AB_CELLS="cell;cell" replaces the cells
+      trees=${AB_TREES:-.old}
+      IFS=';' read -ra cells <<< "${AB_CELLS:-model=ouro-1.4b workload=[b1];model=ouro-1.4b workload=[b1];\
+model=ouro-1.4b workload=[b1] engine.kv_dtype=fp8 engine.weights_dtype=fp8;model=huginn-0125 workload=[b1];\
+model=nanbeige4.2-3b workload=[b1];model=ouro-1.4b workload=[b64]}"
+      for cell in "${cells[@]}"; do
         bench $cell
-        run "old: $cell" 200 bash -c "cd .old && exec python3 -m runtime.bench hal=cuda weights=random \
-          output='$OUT/bench-old.jsonl' $cell"
+        for tree in $trees; do
+          [ -d "$tree/runtime" ] || { echo "ab: no $tree tree (see the comment)" | tee -a "$LOG"; continue; }
+          run "$tree: $cell" 200 bash -c "cd $tree && exec python3 -m runtime.bench hal=cuda weights=random \
+            output='$OUT/bench-${tree#.}.jsonl' $cell"
+        done
       done ;;
     cells)   # the cells the issues quote: batch 1, 64 and 128 at the Ouro-1.4B shape; time to first token
       bench model=ouro-1.4b 'workload=[b1,b64,b128]' profile=4
