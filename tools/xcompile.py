@@ -79,15 +79,15 @@ def _fp8_cache(kv_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _attention(config: KernelConfig, target: str, num_seqs: int, query_len: int, num_splits: int,
                dtype: torch.dtype = SHAPE["dtype"], kv_dtype: torch.dtype | None = None,
-               rows: bool = False, rotary: bool = False) -> Launch:
+               rows: bool = False, rotary: bool = False, group: int = 1) -> Launch:
     """The unified kernel's launch, or with `rows` the row-stream decode kernel's (with `rotary`: the
-    variant that rotates and stores this step's K/V itself)."""
+    variant that rotates and stores this step's K/V itself; `group` query heads per KV head)."""
     from hal.kernels.attention import attention_launches
     from hal.kernels.row_decode import NewKV, row_decode_launches
 
     s = SHAPE
     q = torch.empty(num_seqs * query_len, s["num_heads"], s["head_dim"], dtype=dtype)
-    cache = torch.empty(2, 8, s["page_size"], s["num_kv_heads"], s["head_dim"], dtype=dtype)
+    cache = torch.empty(2, 8, s["page_size"], s["num_kv_heads"] // group, s["head_dim"], dtype=dtype)
     scales = None
     if kv_dtype is not None:
         cache, scales = _fp8_cache(kv_dtype)
@@ -98,7 +98,7 @@ def _attention(config: KernelConfig, target: str, num_seqs: int, query_len: int,
     if not rows:
         return attention_launches(*args)[0]
     tokens = q.shape[0]
-    new_kv = NewKV(torch.empty_like(q), torch.empty_like(q), torch.zeros(tokens, dtype=torch.int64),
+    new_kv = NewKV(torch.empty_like(q[:, ::group]), torch.empty_like(q[:, ::group]), torch.zeros(tokens, dtype=torch.int64),
                    torch.empty(s["head_dim"] // 2), torch.zeros(tokens, dtype=torch.int64), False) if rotary else None
     return row_decode_launches(*args, new_kv)[0]
 
@@ -283,6 +283,8 @@ CASES = {c.name: c for c in (
          lambda c, t: _attention(c, t, num_seqs=1, query_len=1, num_splits=8, rows=True, rotary=True)),
     Case("attention_row_decode_split/rotary", "attention_row_decode_split", False, False,
          lambda c, t: _attention(c, t, num_seqs=1, query_len=1, num_splits=8, rows=True, rotary=True)),
+    Case("attention_row_decode_split/grouped", "attention_row_decode_split", False, False,   # Nanbeige b1
+         lambda c, t: _attention(c, t, num_seqs=1, query_len=1, num_splits=8, rows=True, rotary=True, group=4)),
     Case("attention_prefill_fp32", "attention_prefill_fp32", True, False,   # golden / conformance runs
          lambda c, t: _attention(c, t, num_seqs=2, query_len=256, num_splits=1, dtype=torch.float32)),
     Case("attention_decode_fp32", "attention_decode_fp32", True, False,
