@@ -82,7 +82,11 @@ class Gemv:
 
     def projection_takes(self, rows: int, k: int, after_norm: bool = False) -> bool:
         """The Hal op "projection_takes": whether these ops fuse a projection of `rows` rows of K (that
-        normalises its input, `after_norm`), so a layer can keep its boundaries where they are not."""
+        normalises its input, `after_norm`), so a layer can keep its boundaries where they are not.
+        A norm before the whole-slice kernel runs as its own launch (`rms_norm_linear`), so there a
+        pre-norm layer does better to keep its boundaries (residual add and norm in one launch)."""
+        if after_norm and rows == 1 and self._slice(k, RMS_NORM) is not None:
+            return False
         return self.takes(rows, k, RMS_NORM if after_norm else NONE)
 
     def _slice(self, k: int, prologue: int, fp8: bool = False) -> KernelConfig | None:
@@ -163,7 +167,9 @@ class Gemv:
         if not self._fits(x, weight, norm_weight, prologue=RMS_NORM):
             return torch.nn.functional.linear(self._rms_norm(x, norm_weight, eps), weight)
         x2 = _rows(x)
-        if x2.shape[0] > NORM_PROLOGUE_MAX_ROWS:
+        if x2.shape[0] > NORM_PROLOGUE_MAX_ROWS or self._slice(weight.shape[1], RMS_NORM) is not None:
+            # the norm in its own launch, then the projection; on the whole-slice kernel too, where
+            # every program would recompute the row norm after its PDL wait (lever 61's reason)
             return self._run(_rows(self._rms_norm(x2, norm_weight, eps)), weight, NONE).view(*x.shape[:-1], -1)
         return self._run(x2, weight, RMS_NORM, eps=eps, norm_weight=norm_weight).view(*x.shape[:-1], -1)
 

@@ -197,6 +197,13 @@ def test_projections_the_slice_kernel_does_not_take_leave_the_layers_as_without_
     h = torch.zeros(1, 1, model.config.hidden_size if name == "nanbeige-tiny" else model.config.n_embd)
     with torch.inference_mode():
         assert fuses_pre_norm_boundaries(types.SimpleNamespace(ops=ModelOps(hal)), h)
+    # where the slice kernel takes a one-row projection after a norm, the norm would be a launch of
+    # its own: a pre-norm layer keeps its boundaries then too (residual add and norm in one launch)
+    wide = TritonOpsOnCpu(SMALL_OPS + PROJECTION_OPS + ("projection_takes",))
+    wide.table.update(gemv_ops({**configs, "gemv_slice": KernelConfig(1, 4, 4, 1, block_k=1024, split_k=1)}, 4,
+                               max_rows=1))
+    with torch.inference_mode():
+        assert fuses_pre_norm_boundaries(types.SimpleNamespace(ops=ModelOps(wide)), h)
 
 
 @pytest.mark.parametrize("name", CASES)

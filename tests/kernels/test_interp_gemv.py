@@ -269,7 +269,8 @@ def test_one_row_slices_up_to_their_limit_and_leave_counters_zero():
     config = KernelConfig(1, 4, 4, 1, block_k=32, split_k=2)
     ops = gemv_ops.Gemv({**configs_for("default"), gemv_ops.SLICE_KEY: config}, 16, max_rows=1)
     x, weight = torch.randn(1, 32).bfloat16(), (torch.randn(12, 32) / 6).bfloat16()
-    assert ops._fits(x, weight) and ops.projection_takes(1, 32, after_norm=True)
+    assert ops._fits(x, weight) and ops.projection_takes(1, 32)
+    assert not ops.projection_takes(1, 32, after_norm=True)     # the norm would be a launch of its own
     _assert_product(ops.linear(x, weight), x, weight, "one slice")
     gate_up, down = torch.randn(1, 128).bfloat16(), (torch.randn(12, 64) / 8).bfloat16()   # two slices
     first = ops.silu_mul_linear(gate_up, down)
@@ -306,6 +307,27 @@ def test_one_row_sandwich_runs_norm_add_norm_then_the_plain_slice(monkeypatch):
     h_ref = rms_norm_ref(x, w1, 1e-6, residual)
     _assert_bits(h, h_ref, "stream")
     _assert_bits(y, rms_norm_ref(h_ref, w2, 1e-6) @ eye.T, "sandwich")
+
+
+def test_one_row_norm_runs_rms_norm_then_the_plain_slice(monkeypatch):
+    """`rms_norm_linear` where the slice kernel takes the projection (Ouro's first q|k|v per loop at
+    batch 1): the norm as its own launch, the slice kernel without a prologue (lever 61's reason);
+    the values of the prologue path, to the bit."""
+    from hal.kernels import ops as small_ops
+
+    config = KernelConfig(1, 4, 4, 1, block_k=32, split_k=2)
+    ops = gemv_ops.Gemv({**configs_for("default"), gemv_ops.SLICE_KEY: config}, 16, max_rows=1)
+    launched = []
+    run = gemv_ops.run_launch
+    monkeypatch.setattr(gemv_ops, "run_launch", lambda launch: launched.append(launch) or run(launch))
+    norms = []
+    real_norm = small_ops.rms_norm
+    monkeypatch.setattr(small_ops, "rms_norm", lambda *a, **k: norms.append(a) or real_norm(*a, **k))
+    x, w, eye = (torch.randn(1, 32) * 3).bfloat16(), torch.randn(32).bfloat16(), _permutation(32, torch.bfloat16)
+    y = ops.rms_norm_linear(x, w, 1e-6, eye)
+    assert len(norms) == 1 and [launch.kernel for launch in launched] == [gemv_slice._slice_gemv_kernel]
+    assert launched[0].kwargs["PROLOGUE"] == gemv.NONE
+    _assert_bits(y, rms_norm_ref(x, w, 1e-6) @ eye.T, "norm")
 
 
 def test_fp8_one_row_takes_the_slice_kernel_in_up_to_split_k_slices(monkeypatch):
