@@ -2,8 +2,8 @@
 
 - Multi-head decode (one new token per sequence, one query head per KV head, 16-bit queries) takes
   the row-stream kernel (hal/kernels/row_decode.py) where the arch's table has a config for it
-  (`attention_row_decode`, `attention_row_decode_fp8`; a 16-bit cache whose context splits takes
-  `attention_row_decode_split` where the table has it); grouped-query decode takes it only where even
+  (`attention_row_decode`, `attention_row_decode_fp8`; a 16-bit cache whose context splits 16 ways
+  takes `attention_row_decode_split` where the table has it); grouped-query decode takes it only where even
   one program per query head leaves the context split (a few sequences: `row_decode_key`);
 - every other batch takes the unified kernel (hal/kernels/attention.py): its decode config for
   batches of at most `DECODE_MAX_QUERY_LEN` new tokens per sequence, its prefill config otherwise.
@@ -22,6 +22,10 @@ from hal.kernels.row_decode import NewKV, row_decode_launches
 from hal.kernels.splits import num_kv_splits
 
 SPLIT_ROW_KEY = "attention_row_decode_split"     # the 16-bit row kernel's config where the context splits
+# ... into at least this many parts. H200, batch 1, 8 keys x 2 warps x 2 stages against the row entry's
+# 16 x 2 x 3 (2026-12-03): Ouro-1.4B (16 splits) 4.415 -> 4.352 ms; Huginn-0125 (8 splits of 55
+# heads) 30.71 -> 30.89 and Nanbeige4.2-3B (8 splits of 48 query heads) 4.519 -> 4.540, slower
+SPLIT_ROW_MIN_SPLITS = 16
 
 
 def row_decode_key(dtype: torch.dtype, num_heads: int, num_kv_heads: int, max_query_len: int,
@@ -77,7 +81,7 @@ def launches_for(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
     reduce_config, target = configs["attention_reduce"], backend_of(q.device)
     if row_key in configs:
         num_splits = num_row_splits(num_seqs, q.shape[1], num_compute_units)
-        config = configs.get(SPLIT_ROW_KEY) if num_splits > 1 and not quantized else None
+        config = configs.get(SPLIT_ROW_KEY) if num_splits >= SPLIT_ROW_MIN_SPLITS and not quantized else None
         return row_decode_launches(*args, config or configs[row_key], num_splits, reduce_config, out, target,
                                    kv_scales, new_kv)
     num_splits = num_kv_splits(num_seqs, num_kv_heads, num_compute_units)

@@ -21,9 +21,10 @@ callers; nothing else chooses tiles. Keys of a table are kernel names:
   attention_row_decode, attention_row_decode_fp8  (optional) the row-stream kernel for multi-head decode
                       (hal/kernels/row_decode.py), 16-bit / FP8 cache: block_n = keys per tile, one
                       softmax stream per tile row; num_stages = cp.async stages of the K/V tiles
-  attention_row_decode_split  (optional) attention_row_decode where the context splits (a few sequences:
-                      hal/kernels/splits.py), when the latency of a short tile walk matters more than the
-                      copy rate; without it those batches take attention_row_decode too
+  attention_row_decode_split  (optional) attention_row_decode where the context splits into at least
+                      attend.SPLIT_ROW_MIN_SPLITS parts (a sequence or two: hal/kernels/splits.py), when
+                      the latency of a short tile walk matters more than the copy rate; without it those
+                      batches take attention_row_decode too
   attention_reduce    merges the context splits of attention_decode (num_warps only)
   kv_write            scatter of new K/V rows into the paged cache: block_m tokens per program
   rms_norm, rotary    one row / one token per program (num_warps only)
@@ -137,9 +138,10 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         # TB/s floor), the unified kernel 157.5 / 294.4 (still the choice for grouped queries)
         "attention_row_decode_fp8": KernelConfig(1, 8, 1, 4),
         "attention_row_decode": KernelConfig(1, 16, 2, 3),
-        # bf16 with the context split (batch 1: 16 programs per head, a tile or two each): 8 keys x 2
-        # warps x 2 stages, Ouro-1.4B b1 4.595 -> 4.541 ms (2026-12-03, fourteenth session; 16 keys x 4
-        # warps 4.562, 32 keys 4.740, 8 keys x 1 warp x 4 stages 4.917)
+        # bf16 with the context in 16 splits (batch 1: 16 programs per head, a tile or two each): 8 keys
+        # x 2 warps x 2 stages, Ouro-1.4B b1 4.595 -> 4.541 ms as a whole-table override (2026-12-03,
+        # fourteenth session; 16 keys x 4 warps 4.562, 32 keys 4.740, 8 keys x 1 warp x 4 stages 4.917),
+        # 4.415 -> 4.352 as this entry (fifteenth); at 8 splits it lost (hal/kernels/attend.py)
         "attention_row_decode_split": KernelConfig(1, 8, 2, 2),
         # fp32 prefill: 4 warps spill 16 bytes once the pages are loaded a tile ahead; 8 do not
         **_fp32_attention(KernelConfig(16, 32, 8, 2), KernelConfig(16, 32, 4, 2)),

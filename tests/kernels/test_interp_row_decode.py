@@ -180,8 +180,9 @@ def test_grouped_query_decode_on_the_row_kernel_matches_reference(monkeypatch, k
 
 
 def test_split_contexts_take_the_split_config_where_the_table_has_one():
-    """`attention_row_decode_split` serves 16-bit caches whose context splits (few sequences); unsplit
-    batches and 8-bit caches keep their own entries, and a table without it uses the row entry."""
+    """`attention_row_decode_split` serves 16-bit caches whose context splits 16 ways (a sequence or
+    two); fewer splits, unsplit batches and 8-bit caches keep their own entries, and a table without
+    it uses the row entry."""
     split = KernelConfig(1, 8, 1, 2)
     configs = {**ROWS, "attention_reduce": KernelConfig(1, 1, 1, 1), attend.SPLIT_ROW_KEY: split}
 
@@ -190,11 +191,12 @@ def test_split_contexts_take_the_split_config_where_the_table_has_one():
         q = torch.empty(num_seqs, 2, 32, dtype=torch.bfloat16)
         launches = attend.launches_for(q, cache, torch.zeros(num_seqs, 4, dtype=torch.int32),
                                        torch.ones(num_seqs, dtype=torch.int32),
-                                       torch.arange(num_seqs + 1, dtype=torch.int32), 1, 0.1, table, 4,
+                                       torch.arange(num_seqs + 1, dtype=torch.int32), 1, 0.1, table, 64,
                                        torch.empty_like(q), kv_scales)
         return launches[0].kwargs["BLOCK_N"], len(launches)
 
-    assert block_n(1, configs) == (8, 2)                                  # split: the split entry, and the reduce
+    assert block_n(1, configs) == (8, 2)                                  # 16 splits: the split entry, the reduce
+    assert block_n(8, configs) == (ROWS["attention_row_decode"].block_n, 2)          # 8 splits
     assert block_n(64, configs) == (ROWS["attention_row_decode"].block_n, 1)
     assert block_n(1, {k: v for k, v in configs.items() if k != attend.SPLIT_ROW_KEY})[0] == \
         ROWS["attention_row_decode"].block_n
