@@ -40,7 +40,9 @@ values to the bit); the program whose split holds the sequence's last key rotate
 v at the token's slot (with grouped queries every program of the group stores the same bytes, so
 none reads the slot before its own store) (`rotary_kv._write_head_kv`: the bytes rotary_kv.py stores, an 8-bit cache's
 scales too) and, after a barrier, reads them back as any other key. One launch per layer-plane
-fewer, with the same output: Ouro-1.4B batch 1 on the H200 4.66 -> 4.60 ms (lever 58).
+fewer: Ouro-1.4B batch 1 on the H200 4.66 -> 4.60 ms (lever 58). The same bytes in the interpreter;
+on the H200 a few of the rotated keys come out one bf16 ulp from the rotary kernel's (measured at
+three head shapes, docs/performance.md after lever 65), for a reason not found.
 """
 from __future__ import annotations
 
