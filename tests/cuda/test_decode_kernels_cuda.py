@@ -152,7 +152,9 @@ def test_small_decode_batches_rotate_inside_the_row_kernel(gpu, heads, kv_heads,
     row kernel there too): `attend_rotary` (the row kernel rotating and storing this step's K/V) stores
     the values of `rotary_kv_write` and attends as the two launches do. Not to the bit on the H200
     (2026-12-03: 219-4,300 of the rotated keys one bf16 ulp apart, outputs 2.4-2.8e-3 apart; equal in
-    the interpreter, tests/kernels/test_interp_row_decode.py): v to the bit, k within an ulp."""
+    the interpreter, tests/kernels/test_interp_row_decode.py): v to the bit, k within an ulp. Why: on
+    sm_90 the compiler contracts the rotary kernel's rounded NeoX products and their difference into
+    `fma.rn.bf16` (one rounding where the source and torch round twice); docs/performance.md."""
     from hal.common.torch_attention import TorchPagedAttention
 
     backend = gpu.attention(heads, kv_heads, dim, torch.bfloat16)
@@ -181,9 +183,13 @@ def test_small_decode_batches_rotate_inside_the_row_kernel(gpu, heads, kv_heads,
                             dim ** -0.5)
     slots = meta.slot_mapping[0]
     k_fused, k_plain = (c[0].flatten(0, 1)[slots].float() for c in (fused_cache, plain_cache))
-    ulps = ((k_fused - k_plain).abs() / (k_plain.abs() * 2 ** -8).clamp(min=1e-30)).max().item()
+    # an ulp of either value (2^-7 of its magnitude at most), or of the products whose difference
+    # it is where they cancel
+    tolerance = 2 ** -7 * torch.maximum(k_fused.abs(), k_plain.abs()) + 2 ** -8 * k_plain.abs().max()
+    apart = ((k_fused - k_plain).abs() > tolerance).sum().item()
     fused_cache[0].flatten(0, 1)[slots] = plain_cache[0].flatten(0, 1)[slots]
-    errors = (ulps, _rel(fused, plain), _rel(plain.cpu(), ref), _rel(fused.cpu(), ref))
+    errors = (apart, (k_fused != k_plain).sum().item(), _rel(fused, plain), _rel(plain.cpu(), ref),
+              _rel(fused.cpu(), ref))
     print("row kernel rotary", heads, kv_heads, dim, lens, errors)
     assert torch.equal(fused_cache, plain_cache), "only this step's keys may differ"
-    assert ulps <= 2 and max(errors[1:]) < 1e-2, errors
+    assert apart == 0 and max(errors[2:]) < 1e-2, errors
