@@ -41,8 +41,9 @@ v at the token's slot (with grouped queries every program of the group stores th
 none reads the slot before its own store) (`rotary_kv._write_head_kv`: the bytes rotary_kv.py stores, an 8-bit cache's
 scales too) and, after a barrier, reads them back as any other key. One launch per layer-plane
 fewer: Ouro-1.4B batch 1 on the H200 4.66 -> 4.60 ms (lever 58). The same bytes in the interpreter;
-on the H200 a few of the rotated keys come out one bf16 ulp from the rotary kernel's (measured at
-three head shapes, docs/performance.md after lever 65), for a reason not found.
+on the H200 about a quarter of the rotated keys come out one bf16 ulp from the rotary kernel's, whose
+NeoX products and difference the compiler contracts into one `fma.rn.bf16` (docs/performance.md,
+after lever 65).
 """
 from __future__ import annotations
 
