@@ -98,7 +98,8 @@ def _attention(config: KernelConfig, target: str, num_seqs: int, query_len: int,
     if not rows:
         return attention_launches(*args)[0]
     tokens = q.shape[0]
-    new_kv = NewKV(torch.empty_like(q[:, ::group]), torch.empty_like(q[:, ::group]), torch.zeros(tokens, dtype=torch.int64),
+    kv = q[:, ::group]
+    new_kv = NewKV(torch.empty_like(kv), torch.empty_like(kv), torch.zeros(tokens, dtype=torch.int64),
                    torch.empty(s["head_dim"] // 2), torch.zeros(tokens, dtype=torch.int64), False) if rotary else None
     return row_decode_launches(*args, new_kv)[0]
 
@@ -284,7 +285,8 @@ CASES = {c.name: c for c in (
     Case("attention_row_decode_split/rotary", "attention_row_decode_split", False, False,
          lambda c, t: _attention(c, t, num_seqs=1, query_len=1, num_splits=8, rows=True, rotary=True)),
     Case("attention_row_decode_split/grouped", "attention_row_decode_split", False, False,   # Nanbeige b1
-         lambda c, t: _attention(c, t, num_seqs=1, query_len=1, num_splits=8, rows=True, rotary=True, group=4)),
+         lambda c, t: _attention(c, t, num_seqs=1, query_len=1, num_splits=8, rows=True, rotary=True,
+                                 group=4)),
     Case("attention_prefill_fp32", "attention_prefill_fp32", True, False,   # golden / conformance runs
          lambda c, t: _attention(c, t, num_seqs=2, query_len=256, num_splits=1, dtype=torch.float32)),
     Case("attention_decode_fp32", "attention_decode_fp32", True, False,

@@ -3,8 +3,8 @@
 - Multi-head decode (one new token per sequence, one query head per KV head, 16-bit queries) takes
   the row-stream kernel (hal/kernels/row_decode.py) where the arch's table has a config for it
   (`attention_row_decode`, `attention_row_decode_fp8`; a 16-bit cache whose context splits 16 ways
-  takes `attention_row_decode_split` where the table has it); grouped-query decode takes it only where even
-  one program per query head leaves the context split (a few sequences: `row_decode_key`);
+  takes `attention_row_decode_split` where the table has it); grouped-query decode takes it only
+  where even one program per query head leaves the context split (a few sequences: `row_decode_key`);
 - every other batch takes the unified kernel (hal/kernels/attention.py): its decode config for
   batches of at most `DECODE_MAX_QUERY_LEN` new tokens per sequence, its prefill config otherwise.
 Decode-like batches split the context (hal/kernels/splits.py). Every choice depends on host integers
@@ -81,7 +81,8 @@ def launches_for(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
     reduce_config, target = configs["attention_reduce"], backend_of(q.device)
     if row_key in configs:
         num_splits = num_row_splits(num_seqs, q.shape[1], num_compute_units)
-        config = configs.get(SPLIT_ROW_KEY) if num_splits >= SPLIT_ROW_MIN_SPLITS and not quantized else None
+        short = num_splits >= SPLIT_ROW_MIN_SPLITS and not quantized
+        config = configs.get(SPLIT_ROW_KEY) if short else None
         return row_decode_launches(*args, config or configs[row_key], num_splits, reduce_config, out, target,
                                    kv_scales, new_kv)
     num_splits = num_kv_splits(num_seqs, num_kv_heads, num_compute_units)

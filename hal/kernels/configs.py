@@ -57,13 +57,13 @@ from dataclasses import dataclass
 KERNEL_NAMES = ("attention_prefill", "attention_decode", "attention_prefill_fp32", "attention_decode_fp32",
                 "attention_prefill_fp8", "attention_decode_fp8", "attention_row_decode",
                 "attention_row_decode_fp8", "attention_row_decode_split", "attention_reduce", "kv_write",
-                "rms_norm", "norm_add_norm", "rotary", "silu_and_mul", "fp8_linear", "gemv_m1", "gemv", "gemv_slice", "gemv_wide")
+                "rms_norm", "norm_add_norm", "rotary", "silu_and_mul", "fp8_linear", "gemv_m1", "gemv",
+                "gemv_slice", "gemv_wide")
 # a table without the attention_row_* keys routes every decode batch to the unified kernel
 # (hal/kernels/attend.py); one without norm_add_norm launches it with the rms_norm entry; one without
 # gemv_wide leaves decode batches above gemv_ops.MAX_ROWS rows to the vendor's GEMM
 OPTIONAL_KERNEL_NAMES = ("attention_row_decode", "attention_row_decode_fp8", "attention_row_decode_split",
-                         "norm_add_norm", "gemv_slice",
-                         "gemv_wide")
+                         "norm_add_norm", "gemv_slice", "gemv_wide")
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,8 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         # layer-plane at 64 / 128 x 1K: FP8 8 keys x 1 warp x 4 stages (3 tiles in flight, 18 programs
         # per SM) 79.6 / 168.1 us, the 16-key 2-stage config before 94.1 / 198.1, the unified kernel
         # 165.0 / 334.8; bf16 16 keys x 2 warps x 3 stages 131.8 / 249.6 us (96% / 101% of the 4.27
-        # TB/s floor), the unified kernel 157.5 / 294.4 (still the choice for grouped queries)
+        # TB/s floor), the unified kernel 157.5 / 294.4 (still the choice for grouped queries past a
+        # few sequences)
         "attention_row_decode_fp8": KernelConfig(1, 8, 1, 4),
         "attention_row_decode": KernelConfig(1, 16, 2, 3),
         # bf16 with the context in 16 splits (batch 1: 16 programs per head, a tile or two each): 8 keys

@@ -5,8 +5,8 @@ Why a second kernel. The unified kernel (hal/kernels/attention.py) puts a progra
 tensor cores, which take at least 16 rows: for multi-head decode 15 of them are padding, and an 8-bit
 V tile can only reach them through byte-wise shared-memory reads (no transposing load exists for
 8-bit data on sm_90), which left FP8 decode slower than bf16 (docs/performance.md, levers 21-24).
-Here a program owns one (sequence, query head) and walks its KV head's keys in tiles of `BLOCK_N`: the tile is loaded
-`[BLOCK_N, D]` row-major, as it lies in the cache; QK^T is a product and a sum along D (within a few
+Here a program owns one (sequence, query head) and walks its KV head's keys in tiles of `BLOCK_N`:
+the tile is loaded `[BLOCK_N, D]` row-major, as it lies in the cache; QK^T is a product and a sum along D (within a few
 lanes); and every tile row n keeps its own online softmax: its running maximum m[n], sum l[n] and
 unnormalised output acc[n, :]. Tile row n of every tile belongs to stream n, so a tile needs no
 exchange between lanes except the sum along D, and the streams merge once at the end (the same
@@ -37,9 +37,9 @@ KV head once for the whole group on the tensor cores.
 `ROTARY` (small batches, `attend.fuses_rotary`): q arrives unrotated and this step's k and v are not
 in the cache yet. Every program rotates its q row itself (`ops._rotated_head`: the rotary kernel's
 values to the bit); the program whose split holds the sequence's last key rotates k and stores k and
-v at the token's slot (with grouped queries every program of the group stores the same bytes, so
-none reads the slot before its own store) (`rotary_kv._write_head_kv`: the bytes rotary_kv.py stores, an 8-bit cache's
-scales too) and, after a barrier, reads them back as any other key. One launch per layer-plane
+v at the token's slot (`rotary_kv._write_head_kv`: the bytes rotary_kv.py stores, an 8-bit cache's
+scales too; with grouped queries every program of the group stores the same bytes, so none reads the
+slot before its own store) and, after a barrier, reads them back as any other key. One launch per layer-plane
 fewer: Ouro-1.4B batch 1 on the H200 4.66 -> 4.60 ms (lever 58). The same bytes in the interpreter;
 on the H200 about a quarter of the rotated keys come out one bf16 ulp from the rotary kernel's, whose
 NeoX products and difference the compiler contracts into one `fma.rn.bf16` (docs/performance.md,
@@ -177,8 +177,9 @@ def _row_decode_kernel(
         for tile in tl.range(tile_lo, tl.minimum(tile_hi, num_full), num_stages=NUM_STAGES):
             next_page = _tile_pages(table_ptr, tile + 1, last_pos, PAGE_SIZE, BLOCK_N)
             acc, m_i, l_i = _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                                         page, head_off, kv_head, tile, last_pos, stride_cb, stride_ct, stride_sb,
-                                         stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, False, KV_QUANT, LAZY)
+                                         page, head_off, kv_head, tile, last_pos, stride_cb, stride_ct,
+                                         stride_sb, stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, False,
+                                         KV_QUANT, LAZY)
             page = next_page
     else:
         # several tiles in flight: a page carried from the iteration before would tie every load to
@@ -186,8 +187,9 @@ def _row_decode_kernel(
         for tile in tl.range(tile_lo, tl.minimum(tile_hi, num_full), num_stages=NUM_STAGES):
             page = _tile_pages(table_ptr, tile, last_pos, PAGE_SIZE, BLOCK_N)
             acc, m_i, l_i = _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                                         page, head_off, kv_head, tile, last_pos, stride_cb, stride_ct, stride_sb,
-                                         stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, False, KV_QUANT, LAZY)
+                                         page, head_off, kv_head, tile, last_pos, stride_cb, stride_ct,
+                                         stride_sb, stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, False,
+                                         KV_QUANT, LAZY)
     if tile_hi > num_full and tile_hi > tile_lo:             # the sequence's last, partial tile
         tile = tile_hi - 1
         page = _tile_pages(table_ptr, tile, last_pos, PAGE_SIZE, BLOCK_N)
@@ -226,10 +228,10 @@ def row_decode_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
                         out: torch.Tensor, target: str, kv_scales: torch.Tensor | None = None,
                         new_kv: NewKV | None = None) -> list[Launch]:
     """The launches of one decode attention call with at most one query per sequence (query heads a
-    multiple of the KV heads); arguments as `hal.kernels.attention.attention_launches`. With `new_kv`, q is
-    not rotated yet and the cache lacks this step's keys: the kernel rotates q, and the split that
-    reads a sequence's last key rotates and stores k and v first (one launch fewer than
-    `rotary_kv.rotary_kv_write` before it; the same bytes and the same output)."""
+    multiple of the KV heads); arguments as `hal.kernels.attention.attention_launches`. With `new_kv`,
+    q is not rotated yet and the cache lacks this step's keys: the kernel rotates q, and the split
+    that reads a sequence's last key rotates and stores k and v first (one launch fewer than
+    `rotary_kv.rotary_kv_write` before it; its bytes, up to the ulp the module docstring names)."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, _ = kv_cache.shape
     if num_heads % num_kv_heads:

@@ -169,7 +169,8 @@ def test_small_decode_batches_rotate_inside_the_row_kernel(gpu, heads, kv_heads,
     backend.write_kv(_randn(num_old, kv_heads, dim), _randn(num_old, kv_heads, dim), cache,
                      backend.build_meta(history), 0)
     meta = backend.build_meta(step)
-    q, k, v = _randn(len(lens), heads, dim), _randn(len(lens), kv_heads, dim), _randn(len(lens), kv_heads, dim)
+    q = _randn(len(lens), heads, dim)
+    k, v = _randn(len(lens), kv_heads, dim), _randn(len(lens), kv_heads, dim)
     positions = torch.tensor(lens, device="cuda") - 1
     fused_cache, plain_cache = cache.clone(), cache.clone()
     fused = backend.attend_rotary(q, k, v, fused_cache, meta, 0, positions, 1e4, False, dim ** -0.5)

@@ -200,8 +200,8 @@ def test_projections_the_slice_kernel_does_not_take_leave_the_layers_as_without_
     # where the slice kernel takes a one-row projection after a norm, the norm would be a launch of
     # its own: a pre-norm layer keeps its boundaries then too (residual add and norm in one launch)
     wide = TritonOpsOnCpu(SMALL_OPS + PROJECTION_OPS + ("projection_takes",))
-    wide.table.update(gemv_ops({**configs, "gemv_slice": KernelConfig(1, 4, 4, 1, block_k=1024, split_k=1)}, 4,
-                               max_rows=1))
+    one_slice = KernelConfig(1, 4, 4, 1, block_k=1024, split_k=1)
+    wide.table.update(gemv_ops({**configs, "gemv_slice": one_slice}, 4, max_rows=1))
     with torch.inference_mode():
         assert fuses_pre_norm_boundaries(types.SimpleNamespace(ops=ModelOps(wide)), h)
 

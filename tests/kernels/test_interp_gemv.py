@@ -323,7 +323,8 @@ def test_one_row_norm_runs_rms_norm_then_the_plain_slice(monkeypatch):
     norms = []
     real_norm = small_ops.rms_norm
     monkeypatch.setattr(small_ops, "rms_norm", lambda *a, **k: norms.append(a) or real_norm(*a, **k))
-    x, w, eye = (torch.randn(1, 32) * 3).bfloat16(), torch.randn(32).bfloat16(), _permutation(32, torch.bfloat16)
+    x, w = (torch.randn(1, 32) * 3).bfloat16(), torch.randn(32).bfloat16()
+    eye = _permutation(32, torch.bfloat16)
     y = ops.rms_norm_linear(x, w, 1e-6, eye)
     assert len(norms) == 1 and [launch.kernel for launch in launched] == [gemv_slice._slice_gemv_kernel]
     assert launched[0].kwargs["PROLOGUE"] == gemv.NONE

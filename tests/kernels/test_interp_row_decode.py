@@ -195,7 +195,7 @@ def test_split_contexts_take_the_split_config_where_the_table_has_one():
                                        torch.empty_like(q), kv_scales)
         return launches[0].kwargs["BLOCK_N"], len(launches)
 
-    assert block_n(1, configs) == (8, 2)                                  # 16 splits: the split entry, the reduce
+    assert block_n(1, configs) == (8, 2)                 # 16 splits: the split entry, and the reduce
     assert block_n(8, configs) == (ROWS["attention_row_decode"].block_n, 2)          # 8 splits
     assert block_n(64, configs) == (ROWS["attention_row_decode"].block_n, 1)
     assert block_n(1, {k: v for k, v in configs.items() if k != attend.SPLIT_ROW_KEY})[0] == \
