@@ -285,20 +285,25 @@ def test_one_row_slices_up_to_their_limit_and_leave_counters_zero():
                                                         torch.nn.functional.linear(rows2, weight))
 
 
+def _one_row_ops_recording(monkeypatch, module, name: str):
+    """(one-row ops on 32-wide slices, the launches they run, the calls of `module.name` they make)."""
+    config = KernelConfig(1, 4, 4, 1, block_k=32, split_k=2)
+    ops = gemv_ops.Gemv({**configs_for("default"), gemv_ops.SLICE_KEY: config}, 16, max_rows=1)
+    launched, calls = [], []
+    run = gemv_ops.run_launch
+    monkeypatch.setattr(gemv_ops, "run_launch", lambda launch: launched.append(launch) or run(launch))
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(a) or real(*a, **k))
+    return ops, launched, calls
+
+
 def test_one_row_sandwich_runs_norm_add_norm_then_the_plain_slice(monkeypatch):
     """Where the slice kernel takes a sandwich projection (Ouro's gate|up at batch 1), the boundary runs
     as one norm_add_norm launch and the slice kernel takes its output without a prologue (lever 61:
     faster than recomputing both row norms in every program); the same values as the prologue path."""
     from hal.kernels import norms
 
-    config = KernelConfig(1, 4, 4, 1, block_k=32, split_k=2)
-    ops = gemv_ops.Gemv({**configs_for("default"), gemv_ops.SLICE_KEY: config}, 16, max_rows=1)
-    launched = []
-    run = gemv_ops.run_launch
-    monkeypatch.setattr(gemv_ops, "run_launch", lambda launch: launched.append(launch) or run(launch))
-    boundaries = []
-    add_norm = norms.norm_add_norm
-    monkeypatch.setattr(norms, "norm_add_norm", lambda *a, **k: boundaries.append(a) or add_norm(*a, **k))
+    ops, launched, boundaries = _one_row_ops_recording(monkeypatch, norms, "norm_add_norm")
     x, residual = (torch.randn(1, 32) * 3).bfloat16(), torch.randn(1, 32).bfloat16()
     w1, w2, eye = torch.randn(32).bfloat16(), torch.randn(32).bfloat16(), _permutation(32, torch.bfloat16)
     y, h = ops.norm_residual_linear(x, residual, w1, w2, 1e-6, eye)
@@ -315,14 +320,7 @@ def test_one_row_norm_runs_rms_norm_then_the_plain_slice(monkeypatch):
     the values of the prologue path, to the bit."""
     from hal.kernels import ops as small_ops
 
-    config = KernelConfig(1, 4, 4, 1, block_k=32, split_k=2)
-    ops = gemv_ops.Gemv({**configs_for("default"), gemv_ops.SLICE_KEY: config}, 16, max_rows=1)
-    launched = []
-    run = gemv_ops.run_launch
-    monkeypatch.setattr(gemv_ops, "run_launch", lambda launch: launched.append(launch) or run(launch))
-    norms = []
-    real_norm = small_ops.rms_norm
-    monkeypatch.setattr(small_ops, "rms_norm", lambda *a, **k: norms.append(a) or real_norm(*a, **k))
+    ops, launched, norms = _one_row_ops_recording(monkeypatch, small_ops, "rms_norm")
     x, w = (torch.randn(1, 32) * 3).bfloat16(), torch.randn(32).bfloat16()
     eye = _permutation(32, torch.bfloat16)
     y = ops.rms_norm_linear(x, w, 1e-6, eye)
