@@ -234,7 +234,8 @@ def test_rising_scores_move_the_lazy_maximum(monkeypatch):
 def test_row_kernel_rotary_is_rotary_kv_write_then_the_row_kernel_bit_for_bit(monkeypatch, kv_dtype, head_dim,
                                                                               interleaved, num_compute_units,
                                                                               kv_heads):
-    """`attend_rotary` at multi-head decode with context splits: the row kernel rotates q and stores
+    """`attend_rotary` at decode with context splits (multi-head, and grouped: every program of a
+    group stores the same bytes): the row kernel rotates q and stores
     this step's k and v (the split that reads the last key, before it reads it) in one launch, the
     same output and cache bytes as `rotary_kv_write` then the row kernel; without splits the two
     launches stay (`attend.fuses_rotary`). The last slots hold NaN until written, so a read before
