@@ -85,9 +85,17 @@ class Gemv:
         normalises its input, `after_norm`), so a layer can keep its boundaries where they are not.
         A norm before the whole-slice kernel runs as its own launch (`rms_norm_linear`), so there a
         pre-norm layer does better to keep its boundaries (residual add and norm in one launch)."""
-        if after_norm and rows == 1 and self._slice(k, RMS_NORM) is not None:
+        if after_norm and rows == 1 and self._norm_apart(rows, k, RMS_NORM):
             return False
         return self.takes(rows, k, RMS_NORM if after_norm else NONE)
+
+    def _norm_apart(self, rows: int, k: int, prologue: int) -> bool:
+        """Whether a projection's norm prologue (RMS_NORM, ADD_NORM, NORM_ADD) runs as a launch of its
+        own before it: past the prologue's row limit, and on the whole-slice kernel, where each
+        program would recompute the row norms after its PDL wait, on the step's critical path (H200,
+        Ouro-1.4B batch 1, 2026-12-03: 4.595 ms with the sandwich prologue, 4.406 without; lever 61)."""
+        limit = NORM_PROLOGUE_MAX_ROWS if prologue == RMS_NORM else SANDWICH_PROLOGUE_MAX_ROWS
+        return rows > limit or self._slice(k, prologue) is not None
 
     def _slice(self, k: int, prologue: int, fp8: bool = False) -> KernelConfig | None:
         """The whole-slice config for one row of K, or None. K in one slice; SwiGLU's input (which
@@ -167,9 +175,7 @@ class Gemv:
         if not self._fits(x, weight, norm_weight, prologue=RMS_NORM):
             return torch.nn.functional.linear(self._rms_norm(x, norm_weight, eps), weight)
         x2 = _rows(x)
-        if x2.shape[0] > NORM_PROLOGUE_MAX_ROWS or self._slice(weight.shape[1], RMS_NORM) is not None:
-            # the norm in its own launch, then the projection; on the whole-slice kernel too, where
-            # every program would recompute the row norm after its PDL wait (lever 61's reason)
+        if self._norm_apart(x2.shape[0], weight.shape[1], RMS_NORM):
             return self._run(_rows(self._rms_norm(x2, norm_weight, eps)), weight, NONE).view(*x.shape[:-1], -1)
         return self._run(x2, weight, RMS_NORM, eps=eps, norm_weight=norm_weight).view(*x.shape[:-1], -1)
 
@@ -200,10 +206,7 @@ class Gemv:
                 h = self._rms_norm(x, post_norm_weight, eps, residual)
             return torch.nn.functional.linear(self._rms_norm(h, norm_weight, eps), weight), h
         x2 = _rows(x)
-        if x2.shape[0] > SANDWICH_PROLOGUE_MAX_ROWS or self._slice(weight.shape[1], prologue) is not None:
-            # the boundary in one launch, then the projection. On the whole-slice kernel too: there each
-            # program would recompute both row norms after its PDL wait, on the step's critical path
-            # (H200, Ouro-1.4B batch 1, 2026-12-03: 4.595 ms with the prologue, 4.406 without; lever 61)
+        if self._norm_apart(x2.shape[0], weight.shape[1], prologue):      # the boundary in one launch
             y, h = self._norm_add_norm(x, residual, post_norm_weight, norm_weight, eps, sum_first)
             return self._run(_rows(y), weight, NONE).view(*x.shape[:-1], -1), h
         h = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
