@@ -73,6 +73,13 @@ def launch_options(config: KernelConfig, target: str) -> dict[str, Any]:
     return options
 
 
+# Launch options of kernels whose bytes another kernel must reproduce (rotary: the standalone write
+# and the row kernel's fused one). With contraction on, the sm_90 compiler fused the NeoX product and
+# difference of one kernel into a single `fma.rn.bf16` but not the other's, so about a quarter of the
+# rotated keys differed by an ulp; without it every product and sum rounds as written, in both.
+EXACT_ROUNDING: dict[str, Any] = {"enable_fp_fusion": False}
+
+
 def run_launch(launch: Launch) -> None:
     """Launch; a kernel that takes `PDL` gets programmatic dependent launch where the device has it
     (hal/kernels/pdl.py)."""

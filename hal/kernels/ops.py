@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from hal.kernels.configs import KernelConfig, config_or_default
-from hal.kernels.launch import Launch, backend_of, check_device, launch_options, next_pow2, run_launch
+from hal.kernels.launch import (EXACT_ROUNDING, Launch, backend_of, check_device, launch_options, next_pow2,
+                               run_launch)
 from hal.kernels.norms import norm_add_norm, rms_norm
 from hal.kernels.pdl import pdl_wait
 
@@ -180,7 +181,7 @@ def rotary_launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv
         q, k, q_out, k_out, positions, inv_freq, num_heads, num_kv_heads, q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1)), dict(
         HALF=head_dim // 2, HALF_PAD=next_pow2(head_dim // 2), HEADS_PAD=heads,
-        KV_HEADS_PAD=kv_heads, INTERLEAVED=interleaved, **launch_options(config, target)))
+        KV_HEADS_PAD=kv_heads, INTERLEAVED=interleaved, **EXACT_ROUNDING, **launch_options(config, target)))
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta: float, interleaved: bool,

@@ -23,7 +23,8 @@ import triton.language as tl
 
 from hal.kernels.configs import KernelConfig
 from hal.kernels.kv_write import _quantized, _scale_of
-from hal.kernels.launch import Launch, backend_of, check_device, launch_options, next_pow2, run_launch
+from hal.kernels.launch import (EXACT_ROUNDING, Launch, backend_of, check_device, launch_options, next_pow2,
+                               run_launch)
 from hal.kernels.ops import (
     _inv_freq,
     _rotary_offsets,
@@ -175,7 +176,7 @@ def rotary_kv_write_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     heads, kv_heads, groups = rotary_head_groups(num_tokens, num_heads, num_kv_heads)
     shape = dict(PAGE_SIZE=kv_cache.shape[2], HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim),
                  HALF=head_dim // 2, HALF_PAD=next_pow2(head_dim // 2), HEADS_PAD=heads, KV_HEADS_PAD=kv_heads,
-                 INTERLEAVED=interleaved, **launch_options(config, target))
+                 INTERLEAVED=interleaved, **EXACT_ROUNDING, **launch_options(config, target))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_out.stride(0),
                q_out.stride(1))
     cache_strides = (key_cache.stride(0), key_cache.stride(1), key_cache.stride(2))

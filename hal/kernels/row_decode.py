@@ -40,10 +40,8 @@ values to the bit); the program whose split holds the sequence's last key rotate
 v at the token's slot (`rotary_kv._write_head_kv`: the bytes rotary_kv.py stores, an 8-bit cache's
 scales too; with grouped queries every program of the group stores the same bytes, so none reads the
 slot before its own store) and, after a barrier, reads them back as any other key. One launch per layer-plane
-fewer: Ouro-1.4B batch 1 on the H200 4.66 -> 4.60 ms (lever 58). The same bytes in the interpreter;
-on the H200 about a quarter of the rotated keys come out one bf16 ulp from the rotary kernel's, whose
-NeoX products and difference the compiler contracts into one `fma.rn.bf16` (docs/performance.md,
-after lever 65).
+fewer: Ouro-1.4B batch 1 on the H200 4.66 -> 4.60 ms (lever 58). The same bytes on the H200 since
+both kernels compile without floating-point contraction (`launch.EXACT_ROUNDING`, lever 66).
 """
 from __future__ import annotations
 
@@ -55,7 +53,7 @@ import triton.language as tl
 
 from hal.kernels.attention import LOG2E, _tile_pages
 from hal.kernels.configs import KernelConfig
-from hal.kernels.launch import Launch, launch_options, next_pow2
+from hal.kernels.launch import EXACT_ROUNDING, Launch, launch_options, next_pow2
 from hal.kernels.ops import _head_angles, _rotated_head
 from hal.kernels.pdl import pdl_wait
 from hal.kernels.rotary_kv import _write_head_kv
@@ -247,7 +245,7 @@ def row_decode_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
             raise ValueError("the row kernel's rotary takes an even head dim and k, v with unit stride along D")
         fresh = (new_kv.k, new_kv.v, new_kv.positions, new_kv.inv_freq, new_kv.slot_mapping,
                  new_kv.k.stride(0), new_kv.k.stride(1), new_kv.v.stride(0), new_kv.v.stride(1))
-        rotary = dict(ROTARY=True, INTERLEAVED=new_kv.interleaved)
+        rotary = dict(ROTARY=True, INTERLEAVED=new_kv.interleaved, **EXACT_ROUNDING)
         if kv_scales is not None:
             from hal.common.kv_quant import quant_max
 

@@ -120,3 +120,16 @@ def test_sm90_kernels_compile_with_programmatic_dependent_launch(case_name):
     launch = launch._replace(kwargs={**launch.kwargs, "PDL": True, "launch_pdl": True})
     ptx = xcompile.compile_launch(launch, xcompile.TARGETS["sm_90"]).asm["ptx"]
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+
+
+@pytest.mark.parametrize("case_name", ["rotary/neox", "rotary_kv_write/neox", "rotary_kv_write/keep-k",
+                                       "attention_row_decode/rotary", "attention_row_decode_split/grouped"])
+def test_sm90_rotary_rounds_every_product_as_written(case_name):
+    """The standalone rotary kernels and the row kernel's fused rotary must store the same bytes, so
+    both compile without contraction (`launch.EXACT_ROUNDING`): no product and difference of the NeoX
+    rotation may become one `fma` (with it, a quarter of the keys differed by an ulp on the H200)."""
+    case = xcompile.CASES[case_name]
+    ptx = xcompile.compile_launch(case.build(all_configs()["sm_90"][case.config_key], "cuda"),
+                                  xcompile.TARGETS["sm_90"]).asm["ptx"]
+    assert "fma.rn.bf16" not in ptx and "fma.rn.f32" not in ptx
+    assert "mul.rn.bf16" in ptx
