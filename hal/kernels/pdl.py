@@ -7,9 +7,13 @@ With PDL a kernel tells the next one to launch as soon as all of its programs ru
 projection's weights) and then waits for the predecessor to finish (`griddepcontrol.wait`, which
 also makes its writes visible) before it reads its input or writes anything.
 
-The rule every kernel launched with PDL keeps: `pdl_wait` comes before any load of data another
-kernel writes, before any store, and before any early return (a kernel whose programs all returned
-without waiting could finish before its predecessor). Kernels take `PDL: tl.constexpr = False`;
+The rule every kernel launched with PDL keeps: `pdl_wait` comes before any load of data a kernel of
+the same step may write, before any store, and before any early return (a kernel whose programs all
+returned without waiting could finish before its predecessor). Before the wait a kernel may read
+what nothing in the step writes: weights, the step's metadata (copied in before its first kernel),
+and KV cache rows of earlier positions (stored by earlier steps; every step starts and ends with
+launches made without PDL, the embedding and the sampler, which wait for everything before them).
+Kernels take `PDL: tl.constexpr = False`;
 `run_launch` (hal/kernels/launch.py) turns it on for every kernel with that parameter when
 `enabled(device)`.
 """

@@ -63,11 +63,12 @@ LAZY_MARGIN = tl.constexpr(8.0)     # log2 units: how far a stream's reference m
 
 
 @triton.jit
-def _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page, head_off, head,
-                 tile, last_pos, stride_cb, stride_ct, stride_sb, stride_st, dims, dim_valid,
-                 PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, KV_QUANT: tl.constexpr,
-                 LAZY: tl.constexpr):
-    """Keys [tile * BLOCK_N, (tile + 1) * BLOCK_N) on pages `page` [N] into the N streams."""
+def _load_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page, head_off, head, tile, last_pos, stride_cb,
+               stride_ct, stride_sb, stride_st, dims, dim_valid, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASKED: tl.constexpr, KV_QUANT: tl.constexpr):
+    """Keys and values [tile * BLOCK_N, (tile + 1) * BLOCK_N) on pages `page` [N], as the cache holds
+    them, and their scales (8-bit caches; else 1): `(k, v, k_scale, v_scale)`. `MASKED`: keys past
+    `last_pos` read as zeros (a last position of -1 reads nothing)."""
     keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)                          # [N]
     slot = (keys % PAGE_SIZE).to(tl.int64)
     offsets = (page * stride_cb + slot * stride_ct + head_off)[:, None] + dims[None, :]   # [N, D]
@@ -76,8 +77,8 @@ def _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
         mask = key_valid[:, None] & dim_valid[None, :]
     else:
         mask = dim_valid[None, :]
-    k = tl.load(k_cache_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    s = tl.sum(k * q[None, :], 1)                                           # [N]
+    k = tl.load(k_cache_ptr + offsets, mask=mask, other=0.0)
+    v = tl.load(v_cache_ptr + offsets, mask=mask, other=0.0)
     if KV_QUANT:
         scale_off = page * stride_sb + slot * stride_st + head
         if MASKED:
@@ -86,10 +87,22 @@ def _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
         else:
             k_scale = tl.load(k_scale_ptr + scale_off)
             v_scale = tl.load(v_scale_ptr + scale_off)
+    else:
+        k_scale = tl.full([BLOCK_N], 1.0, tl.float32)
+        v_scale = k_scale
+    return k, v, k_scale, v_scale
+
+
+@triton.jit
+def _consume_tile(acc, m_i, l_i, q, k, v, k_scale, v_scale, tile, last_pos, BLOCK_N: tl.constexpr,
+                  MASKED: tl.constexpr, KV_QUANT: tl.constexpr, LAZY: tl.constexpr):
+    """One online-softmax step of the N streams over a tile `_load_tile` read."""
+    s = tl.sum(k.to(tl.float32) * q[None, :], 1)                            # [N]
+    if KV_QUANT:
         s = s * k_scale
     if MASKED:
-        s = tl.where(key_valid, s, float("-inf"))
-    v = tl.load(v_cache_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        s = tl.where(tile * BLOCK_N + tl.arange(0, BLOCK_N) <= last_pos, s, float("-inf"))
+    v = v.to(tl.float32)
     if LAZY and not MASKED:
         # A stream's reference maximum moves only when a score passes it by more than 2^LAZY_MARGIN:
         # p stays <= 2^LAZY_MARGIN, which the fp32 sums hold as exactly, and most tiles skip the
@@ -117,6 +130,19 @@ def _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
 
 
 @triton.jit
+def _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page, head_off, head,
+                 tile, last_pos, stride_cb, stride_ct, stride_sb, stride_st, dims, dim_valid,
+                 PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, KV_QUANT: tl.constexpr,
+                 LAZY: tl.constexpr):
+    """Keys [tile * BLOCK_N, (tile + 1) * BLOCK_N) on pages `page` [N] into the N streams."""
+    k, v, k_scale, v_scale = _load_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page, head_off, head,
+                                        tile, last_pos, stride_cb, stride_ct, stride_sb, stride_st, dims,
+                                        dim_valid, PAGE_SIZE, BLOCK_N, MASKED, KV_QUANT)
+    return _consume_tile(acc, m_i, l_i, q, k, v, k_scale, v_scale, tile, last_pos, BLOCK_N, MASKED, KV_QUANT,
+                         LAZY)
+
+
+@triton.jit
 def _row_decode_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, seq_lens_ptr,
         query_start_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, qk_scale, num_tokens,
@@ -127,33 +153,49 @@ def _row_decode_kernel(
         NUM_SPLITS: tl.constexpr, KV_QUANT: tl.constexpr, NUM_STAGES: tl.constexpr,
         ROTARY: tl.constexpr = False, INTERLEAVED: tl.constexpr = False, QMAX: tl.constexpr = 0.0,
         LAZY: tl.constexpr = True, GROUP: tl.constexpr = 1, PDL: tl.constexpr = False):
-    pdl_wait(PDL)
     head = tl.program_id(0)
     kv_head = head // GROUP
     seq = tl.program_id(1)
     split = tl.program_id(2)
+    # Before the wait, what no kernel of this step writes (hal/kernels/pdl.py): the batch's metadata
+    # (copied in before the step), the rotary angles, and the keys before this step's one, which
+    # earlier steps stored; so the split's first tile is on its way while the predecessor drains
     token = tl.load(query_start_ptr + seq)
-    if tl.load(query_start_ptr + seq + 1) == token:         # no query this step (graph padding)
-        return
+    is_padding = tl.load(query_start_ptr + seq + 1) == token  # no query this step (graph padding)
     token = token.to(tl.int64)
     last_pos = tl.load(seq_lens_ptr + seq) - 1               # the query sees keys 0 .. last_pos
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_valid = dims < HEAD_DIM
-    q_src = q_ptr + token * stride_qt + head * stride_qh
+    num_full = (last_pos + 1) // BLOCK_N
+    tile_lo, tile_hi = split_tiles(tl.cdiv(last_pos + 1, BLOCK_N), split, NUM_SPLITS)
+    full_hi = tl.minimum(tile_hi, num_full)
+    table_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
+    head_off = kv_head.to(tl.int64) * stride_ch
+    early = (tile_lo < full_hi) & ((tile_lo + 1) * BLOCK_N <= last_pos)    # keys before this step's only
+    page = _tile_pages(table_ptr, tile_lo, last_pos, PAGE_SIZE, BLOCK_N)
+    early_last = tl.where(early, last_pos, -1)
+    k0, v0, k0_scale, v0_scale = _load_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page, head_off,
+                                            kv_head, tile_lo, early_last, stride_cb, stride_ct, stride_sb, stride_st,
+                                            dims, dim_valid, PAGE_SIZE, BLOCK_N, True, KV_QUANT)
+    first = tile_lo + early.to(tl.int32)                     # the first tile the loop below reads
+    page = _tile_pages(table_ptr, first, last_pos, PAGE_SIZE, BLOCK_N)
     if ROTARY:
         cos, sin = _head_angles(tl.load(positions_ptr + token), inv_freq_ptr, dims, HEAD_DIM // 2, INTERLEAVED)
+        slot = tl.load(slot_ptr + token)
+    pdl_wait(PDL)
+    if is_padding:
+        return
+    q_src = q_ptr + token * stride_qt + head * stride_qh
+    if ROTARY:
         q = _rotated_head(q_src, cos, sin, dims, HEAD_DIM // 2, INTERLEAVED, q_ptr.dtype.element_ty)
     else:
         q = tl.load(q_src + dims, mask=dim_valid, other=0.0).to(tl.float32)
     q = q * qk_scale                                                        # [D], scores in the log2 domain
 
-    num_full = (last_pos + 1) // BLOCK_N
-    tile_lo, tile_hi = split_tiles(tl.cdiv(last_pos + 1, BLOCK_N), split, NUM_SPLITS)
     if ROTARY:
         # this step's key and value: the split that reads the last key stores them first (the bytes
         # of rotary_kv.py's write), then reads them back as any other key
         last_tile = last_pos // BLOCK_N
-        slot = tl.load(slot_ptr + token)
         if (tile_lo <= last_tile) & (last_tile < tile_hi) & (slot >= 0):
             slot_page, slot_offset = slot // PAGE_SIZE, slot % PAGE_SIZE
             row = slot_page * stride_cb + slot_offset * stride_ct + kv_head.to(tl.int64) * stride_ch
@@ -167,12 +209,12 @@ def _row_decode_kernel(
     m_i = tl.full([BLOCK_N], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_N], tl.float32)
     acc = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)
-    table_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
-    head_off = kv_head.to(tl.int64) * stride_ch
+    # the early tile (no keys where it was not read: its streams stay empty, no branch around it)
+    acc, m_i, l_i = _consume_tile(acc, m_i, l_i, q, k0, v0, k0_scale, v0_scale, tile_lo, early_last, BLOCK_N,
+                                  True, KV_QUANT, LAZY)
     if NUM_STAGES <= 2:
         # one K/V tile in flight: the next tile's pages are loaded a tile ahead, by hand
-        page = _tile_pages(table_ptr, tile_lo, last_pos, PAGE_SIZE, BLOCK_N)
-        for tile in tl.range(tile_lo, tl.minimum(tile_hi, num_full), num_stages=NUM_STAGES):
+        for tile in tl.range(first, full_hi, num_stages=NUM_STAGES):
             next_page = _tile_pages(table_ptr, tile + 1, last_pos, PAGE_SIZE, BLOCK_N)
             acc, m_i, l_i = _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                                          page, head_off, kv_head, tile, last_pos, stride_cb, stride_ct,
@@ -182,7 +224,7 @@ def _row_decode_kernel(
     else:
         # several tiles in flight: a page carried from the iteration before would tie every load to
         # the previous iteration, so each tile reads its pages and the pipeliner runs those loads ahead
-        for tile in tl.range(tile_lo, tl.minimum(tile_hi, num_full), num_stages=NUM_STAGES):
+        for tile in tl.range(first, full_hi, num_stages=NUM_STAGES):
             page = _tile_pages(table_ptr, tile, last_pos, PAGE_SIZE, BLOCK_N)
             acc, m_i, l_i = _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                                          page, head_off, kv_head, tile, last_pos, stride_cb, stride_ct,
