@@ -118,6 +118,7 @@ def _gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, res_no
             ks0 = k_lo + tl.arange(0, BLOCK_K)
             w_first = tl.load(w_cols[None, :] + ks0[:, None], mask=(ks0 < k_hi)[:, None] & col_mask[None, :],
                               other=0.0)
+    w_scale = _weight_scale(w_scale_ptr, cols, col_mask, W_SCALED, BLOCK_N)
     pdl_wait(PDL)             # the first weight tile is in flight; x comes from the kernel before
     inv_src = tl.zeros([BLOCK_M], tl.float32)
     inv_stream = inv_src
@@ -154,21 +155,27 @@ def _gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, res_no
             acc = tl.dot(a, w.to(DT), acc)                                         # FP8 widens exactly
     if BLOCK_M == 1:
         acc = tl.sum(acc2, 1)[None, :]
-    _finish(acc, out_ptr, out_res_ptr, part_ptr, count_ptr, w_scale_ptr, rows, cols, row_mask, col_mask, M, N,
+    _finish(acc, out_ptr, out_res_ptr, part_ptr, count_ptr, w_scale, rows, cols, row_mask, col_mask, M, N,
             pid_n, pid_k, stride_om, stride_orm, ADD_RESIDUAL, SPLIT_K, W_SCALED, BLOCK_M, BLOCK_N, DT)
 
 
 @triton.jit
-def _finish(acc, out_ptr, out_res_ptr, part_ptr, count_ptr, w_scale_ptr, rows, cols, row_mask, col_mask, M, N,
+def _weight_scale(w_scale_ptr, cols, col_mask, W_SCALED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The FP8 weight's scale of every column `[BLOCK_N]` (1 unscaled): a weight, so kernels read it
+    before their PDL wait."""
+    if W_SCALED:
+        return tl.load(w_scale_ptr + cols, mask=col_mask, other=0.0)
+    return tl.full([BLOCK_N], 1.0, tl.float32)
+
+
+@triton.jit
+def _finish(acc, out_ptr, out_res_ptr, part_ptr, count_ptr, w_scale, rows, cols, row_mask, col_mask, M, N,
             pid_n, pid_k, stride_om, stride_orm, ADD_RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr,
             W_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr):
-    """The epilogue of a program's fp32 sum `acc [BLOCK_M, BLOCK_N]`: the FP8 weight scale, the
+    """The epilogue of a program's fp32 sum `acc [BLOCK_M, BLOCK_N]`: the FP8 weight scale (`w_scale`), the
     residual add, the store; with split-K the partial goes to part `[SPLIT_K, M, N]` and the last
     split to arrive at the column block sums them in split order (deterministic) and stores."""
     mask = row_mask[:, None] & col_mask[None, :]
-    w_scale = tl.full([BLOCK_N], 1.0, tl.float32)
-    if W_SCALED:
-        w_scale = tl.load(w_scale_ptr + cols, mask=col_mask, other=0.0)
     if SPLIT_K == 1:
         if W_SCALED:
             acc = acc * w_scale[None, :]

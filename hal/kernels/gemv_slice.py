@@ -23,7 +23,7 @@ import triton.language as tl
 
 from hal.kernels import gemv
 from hal.kernels.configs import KernelConfig
-from hal.kernels.gemv import _finish
+from hal.kernels.gemv import _finish, _weight_scale
 from hal.kernels.gemv_prologue import NONE, _input_tile, _row_stats
 from hal.kernels.launch import Launch, launch_options, next_pow2
 from hal.kernels.pdl import pdl_wait
@@ -52,6 +52,7 @@ def _slice_gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, 
         w = tl.load(w_ptrs, mask=col_mask[:, None], other=0.0)
     else:
         w = tl.load(w_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+    w_scale = _weight_scale(w_scale_ptr, cols, col_mask, W_SCALED, BLOCK_N)
     pdl_wait(PDL)             # the slice is in flight; x and the outputs belong to the kernels around
     rows = tl.arange(0, 1)
     row_mask = rows < 1
@@ -63,7 +64,7 @@ def _slice_gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, 
     a = _input_tile(x_ptr, res_ptr, in_norm_ptr, res_norm_ptr, stream_ptr, rows, row_mask, ks, k_mask, K,
                     inv_src, inv_stream, tl.where(pid_n == 0, 1, 0), 0, 0, 0, PROLOGUE, DT)   # [1, KS]
     acc = tl.sum(w.to(tl.float32) * a.to(tl.float32), 1)[None, :]                     # [1, BLOCK_N]
-    _finish(acc, out_ptr, out_res_ptr, part_ptr, count_ptr, w_scale_ptr, rows, cols, row_mask, col_mask, 1, N,
+    _finish(acc, out_ptr, out_res_ptr, part_ptr, count_ptr, w_scale, rows, cols, row_mask, col_mask, 1, N,
             pid_n, pid_k, 0, 0, ADD_RESIDUAL, SPLIT_K, W_SCALED, 1, BLOCK_N, DT)
 
 

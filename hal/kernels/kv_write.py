@@ -23,10 +23,10 @@ def _kv_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_sl
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
                      HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr,
                      PDL: tl.constexpr = False):
-    pdl_wait(PDL)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     token_ok = tokens < num_tokens
     slots = tl.load(slot_ptr + tokens * stride_slot, mask=token_ok, other=-1).to(tl.int64)   # [T]
+    pdl_wait(PDL)             # the slots are the step's metadata (hal/kernels/pdl.py); k and v are not
     heads = tl.arange(0, HEADS_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
     mask = (slots >= 0)[:, None, None] & (heads < NUM_KV_HEADS)[None, :, None] \
@@ -74,10 +74,10 @@ def _kv_write_quant_kernel(k_ptr, v_ptr, k_values_ptr, v_values_ptr, k_scales_pt
                            BLOCK_T: tl.constexpr, DEQUANT_OUT: tl.constexpr, PDL: tl.constexpr = False):
     """DEQUANT_OUT: also write what the cache holds, dequantized to k's dtype, to k_out/v_out
     `[T, KVH, D]` (contiguous): a prefill that attends over its fresh K/V reads those (fresh.py)."""
-    pdl_wait(PDL)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     token_ok = tokens < num_tokens
     slots = tl.load(slot_ptr + tokens * stride_slot, mask=token_ok, other=-1).to(tl.int64)   # [T]
+    pdl_wait(PDL)             # the slots are the step's metadata (hal/kernels/pdl.py); k and v are not
     heads = tl.arange(0, HEADS_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
     scale_mask = (slots >= 0)[:, None] & (heads < NUM_KV_HEADS)[None, :]                     # [T, KVH]

@@ -29,13 +29,13 @@ def _normed(x, num_cols, eps, X_DTYPE: tl.constexpr):
 def _rms_norm_kernel(out_ptr, x_ptr, weight_ptr, residual_ptr, eps, num_cols, stride_x, stride_r, stride_o,
                      BLOCK: tl.constexpr, X_DTYPE: tl.constexpr, NORM_DTYPE: tl.constexpr,
                      HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)     # before the wait: a weight
+    pdl_wait(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     normed = _normed(x, num_cols, eps, X_DTYPE)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = (weight * normed).to(NORM_DTYPE)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
@@ -48,16 +48,20 @@ def _norm_add_norm_kernel(y_ptr, h_ptr, x_ptr, residual_ptr, post_weight_ptr, we
                           stride_x, stride_r, stride_h, stride_y, BLOCK: tl.constexpr, X_DTYPE: tl.constexpr,
                           MID_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr, NORM_DTYPE: tl.constexpr,
                           HAS_POST: tl.constexpr, SUM_FIRST: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_wait(PDL)
     # the residual stream h (one of three boundaries, below), then y = norm(h): each step rounds to
     # the dtype torch's expression rounds to, h included, as the launches it replaces store it
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
+    # the norm weights before the wait: at one row their reads from HBM, not the rows from L2, are
+    # what the kernel would wait on after it
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_POST:
+        post_weight = tl.load(post_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_wait(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_POST:
-        post_weight = tl.load(post_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if SUM_FIRST:       # Huginn: h = post_norm(x + residual), the sum (MID_DTYPE) normalised
             total = (x + residual).to(MID_DTYPE).to(tl.float32)
             h = (post_weight * _normed(total, num_cols, eps, MID_DTYPE)).to(H_DTYPE)
@@ -68,7 +72,6 @@ def _norm_add_norm_kernel(y_ptr, h_ptr, x_ptr, residual_ptr, post_weight_ptr, we
         h = (residual + x).to(H_DTYPE)
     tl.store(h_ptr + row * stride_h + cols, h, mask=mask)               # masked columns are 0 in h
     normed = _normed(h.to(tl.float32), num_cols, eps, H_DTYPE)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = (weight * normed).to(NORM_DTYPE)
     tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 

@@ -111,13 +111,17 @@ def _rotary_angles(positions_ptr, inv_freq_ptr, token, HALF: tl.constexpr, HALF_
 @triton.jit
 def _rotary_program_queries(q_ptr, q_out_ptr, positions_ptr, inv_freq_ptr, num_heads, stride_qt, stride_qh,
                             stride_qot, stride_qoh, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                            HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """The start of a rotary program (t, g) (`rotary_head_groups`): token t's angles and its query heads
-    [g * HEADS_PAD, ...) rotated; returns (t, the group's first KV head g * KV_HEADS_PAD, cos, sin)."""
+                            HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr, INTERLEAVED: tl.constexpr,
+                            PDL: tl.constexpr):
+    """The start of a rotary program (t, g) (`rotary_head_groups`): token t's angles, the PDL wait (the
+    angles come from the step's positions, which no kernel of the step writes: hal/kernels/pdl.py),
+    then its query heads [g * HEADS_PAD, ...) rotated; returns (t, the group's first KV head
+    g * KV_HEADS_PAD, cos, sin)."""
     token = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     q_head = group * HEADS_PAD
     cos, sin = _rotary_angles(positions_ptr, inv_freq_ptr, token, HALF, HALF_PAD)
+    pdl_wait(PDL)
     _rotary_one(q_ptr + q_head * stride_qh, q_out_ptr + q_head * stride_qoh, stride_qt, stride_qh, stride_qot,
                 stride_qoh, token, cos, sin, num_heads - q_head, HEADS_PAD, HALF, HALF_PAD, INTERLEAVED)
     return token, group * KV_HEADS_PAD, cos, sin
@@ -129,10 +133,9 @@ def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, inv_freq_p
                    HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
                    KV_HEADS_PAD: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr = False):
     """Program (t, g): token t's query heads [g * HEADS_PAD, ...) and key heads [g * KV_HEADS_PAD, ...)."""
-    pdl_wait(PDL)
     token, kv_head, cos, sin = _rotary_program_queries(q_ptr, q_out_ptr, positions_ptr, inv_freq_ptr, num_heads,
                                                        stride_qt, stride_qh, stride_qot, stride_qoh, HALF, HALF_PAD,
-                                                       HEADS_PAD, KV_HEADS_PAD, INTERLEAVED)
+                                                       HEADS_PAD, KV_HEADS_PAD, INTERLEAVED, PDL)
     _rotary_one(k_ptr + kv_head * stride_kh, k_out_ptr + kv_head * stride_koh, stride_kt, stride_kh, stride_kot,
                 stride_koh, token, cos, sin, num_kv_heads - kv_head, KV_HEADS_PAD, HALF, HALF_PAD, INTERLEAVED)
 

@@ -34,7 +34,6 @@ from hal.kernels.ops import (
     _rotated_head,
     rotary_head_groups,
 )
-from hal.kernels.pdl import pdl_wait
 
 
 @triton.jit
@@ -49,17 +48,16 @@ def _rotary_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, k_cache_p
     """q_out[t] = rotate(q[t]); cache[0][slot[t]] = rotate(k[t]); cache[1][slot[t]] = v[t] (slot -1: no write);
     with KEEP_K also k_out[t] = rotate(k[t]). Program (t, g): query heads [g * HEADS_PAD, ...) and key
     and value heads [g * KV_HEADS_PAD, ...) of token t (`ops.rotary_head_groups`)."""
-    pdl_wait(PDL)
+    slot = tl.load(slot_ptr + tl.program_id(0)).to(tl.int64)          # the step's metadata: before the wait
     token, kv_head, cos, sin = _rotary_program_queries(q_ptr, q_out_ptr, positions_ptr, inv_freq_ptr, num_heads,
                                                        stride_qt, stride_qh, stride_qot, stride_qoh, HALF, HALF_PAD,
-                                                       HEADS_PAD, KV_HEADS_PAD, INTERLEAVED)
+                                                       HEADS_PAD, KV_HEADS_PAD, INTERLEAVED, PDL)
     k_ptr += kv_head * stride_kh
     v_ptr += kv_head * stride_vh
     num_kv_heads -= kv_head
     if KEEP_K:
         _rotary_one(k_ptr, k_out_ptr + kv_head * stride_koh, stride_kt, stride_kh, stride_kot, stride_koh, token,
                     cos, sin, num_kv_heads, KV_HEADS_PAD, HALF, HALF_PAD, INTERLEAVED)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
     live_heads = tl.where(slot >= 0, num_kv_heads, 0)                  # a skipped token writes no head
     slot = tl.maximum(slot, 0)
     dst = (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_ct + kv_head * stride_ch
@@ -88,11 +86,10 @@ def _rotary_kv_write_quant_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_values_ptr, 
     scale per (slot, KV head), `[2, NB, page, KVH]`. DEQUANT_OUT: also K and V as the cache holds
     them, dequantized to k's dtype, into k_out / v_out `[T, KVH, D]` (contiguous), every token (zeros
     for slot -1, which no query attends), as `kv_write`'s own DEQUANT_OUT."""
-    pdl_wait(PDL)
+    slot = tl.load(slot_ptr + tl.program_id(0)).to(tl.int64)          # the step's metadata: before the wait
     token, kv_head, cos, sin = _rotary_program_queries(q_ptr, q_out_ptr, positions_ptr, inv_freq_ptr, num_heads,
                                                        stride_qt, stride_qh, stride_qot, stride_qoh, HALF, HALF_PAD,
-                                                       HEADS_PAD, KV_HEADS_PAD, INTERLEAVED)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
+                                                       HEADS_PAD, KV_HEADS_PAD, INTERLEAVED, PDL)
     live = tl.where(slot >= 0, num_kv_heads - kv_head, 0)              # a skipped token writes no head
     slot = tl.maximum(slot, 0)
     page, offset = slot // PAGE_SIZE, slot % PAGE_SIZE
