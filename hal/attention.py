@@ -67,7 +67,7 @@ class AttentionBackend(ABC):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, block_size: int, *, kv_dtype: torch.dtype | None = None) -> None:
-        from hal.common.kv_quant import RowLayout, is_quantized
+        from hal.common.kv_quant import QuantLayout, is_quantized
 
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
@@ -77,7 +77,8 @@ class AttentionBackend(ABC):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.dtype, self.device, self.block_size = dtype, device, block_size
         self.kv_dtype = kv_dtype or dtype
-        self.kv_layout = RowLayout(num_kv_heads, head_dim, kv_dtype) if is_quantized(kv_dtype) else None
+        self.kv_layout = (QuantLayout(num_kv_heads, head_dim, block_size, kv_dtype) if is_quantized(kv_dtype)
+                          else None)
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
@@ -139,11 +140,8 @@ class AttentionBackend(ABC):
         return None
 
     def slot_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """The cache as `[2, num_blocks * block_size, ...]` (K then V, everything one slot stores:
-        `[KVH, D]` values, or a quantized cache's byte row); the default fits every layout whose
-        blocks are contiguous runs of slots."""
-        if self.kv_layout is not None:
-            return kv_cache.view(2, -1, kv_cache.shape[-1])
+        """A 16-bit cache as `[2, num_blocks * block_size, KVH, D]` (K then V); the default fits every
+        layout whose blocks are contiguous runs of slots (a quantized cache is `kv_layout`'s business)."""
         return kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)
 
     def read_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,12 +154,17 @@ class AttentionBackend(ABC):
 
     def block_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Views of everything the cache stores, each `[2, num_blocks, ...]` (dim 1 = block): what
-        swap copies to host and back. The default fits every slot-major layout."""
+        swap copies to host and back. The default fits every slot-major layout and `kv_layout`."""
+        if self.kv_layout is not None:
+            return self.kv_layout.block_views(kv_cache)
         view = self.slot_view(kv_cache)
         return (view.unflatten(1, (-1, self.block_size)),)
 
     def copy_kv(self, kv_cache: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Copy the KV of `src_slots` to `dst_slots` (early-exit fill into the planes a token skipped)."""
+        if self.kv_layout is not None:
+            self.kv_layout.copy_slots(kv_cache, src_slots, dst_slots)
+            return
         view = self.slot_view(kv_cache)
         view[:, dst_slots] = view[:, src_slots]
 

@@ -68,12 +68,12 @@ class Case(NamedTuple):
 
 
 def _fp8_cache(kv_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, scales) views of an FP8 cache of 8 blocks in `hal.common.kv_quant`'s row layout."""
-    from hal.common.kv_quant import RowLayout
+    """(values, scales) views of an FP8 cache of 8 blocks in `hal.common.kv_quant.QuantLayout`."""
+    from hal.common.kv_quant import QuantLayout
 
     s = SHAPE
-    layout = RowLayout(s["num_kv_heads"], s["head_dim"], kv_dtype)
-    cache = torch.empty(layout.cache_shape(8, s["page_size"]), dtype=torch.uint8)
+    layout = QuantLayout(s["num_kv_heads"], s["head_dim"], s["page_size"], kv_dtype)
+    cache = torch.empty(layout.cache_shape(8), dtype=torch.uint8)
     return layout.values(cache), layout.scales(cache)
 
 

@@ -183,7 +183,7 @@ class AscendHal(Hal):
                   block_size: int | None = None, backend: str | None = None,
                   kv_dtype: torch.dtype | None = None) -> AttentionBackend:
         """`kv_dtype=torch.int8` quantizes the KV cache (hal/ascend/quant_attention.py; the 910B has no
-        FP8); the torch fallback keeps hal/common/kv_quant.py's row layout."""
+        FP8); every backend here keeps hal/common/kv_quant.py's `QuantLayout`."""
         requested = backend or self.attention_backend_name
         if requested not in ("auto", *BACKENDS):
             raise ValueError(f"unknown Ascend attention backend {requested!r}; choose auto or one of "

@@ -2,9 +2,8 @@
 for the fused backends.
 
 Quantization as everywhere (hal/common/kv_quant.py): one float32 scale per (token, KV head), `absmax / 127`,
-fixed when the token is written. Layout, chosen for the fused op's paged antiquant (mode 5, "per-token
-+ per-head, scales managed by page attention"): one uint8 tensor per layer `[2, num_blocks *
-block_bytes]`, K then V, each half holding
+fixed when the token is written. Layout: `hal.common.kv_quant.QuantLayout`, which every backend shares and which suits the fused op's
+paged antiquant (mode 5, "per-token + per-head, scales managed by page attention"): per half (K, V)
     values `[num_blocks, block_size, KVH * D]` int8 (BnBsH, what the op and the KV scatter take), then
     scales `[num_blocks, KVH, block_size]` float32 (what mode 5 takes).
 - decode-only steps: `npu_fused_infer_attention_score` in BSH (one query per sequence) with
@@ -23,7 +22,7 @@ from typing import Any
 import torch
 
 from hal.ascend.attention import AscendMeta, FusedAttention
-from hal.common.kv_quant import dequantize, quantize
+from hal.common.kv_quant import QuantLayout, dequantize, quantize
 
 SITE = "fused_infer_attention_int8"
 
@@ -34,50 +33,20 @@ class Int8FusedAttention(FusedAttention):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.kv_dtype = torch.int8
+        self.kv_layout = QuantLayout(self.num_kv_heads, self.head_dim, self.block_size, torch.int8)
         self.name += "+int8"
-        self.value_bytes = self.block_size * self.num_kv_heads * self.head_dim
-        self.block_bytes = self.value_bytes + 4 * self.num_kv_heads * self.block_size
-
-    @property
-    def kv_cache_dtype(self) -> torch.dtype:
-        return torch.uint8
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (2, num_blocks * self.block_bytes)
+        return self.kv_layout.cache_shape(num_blocks)
 
-    # ----- views of the byte cache ----------------------------------------------------------
+    # ----- views of the byte cache (read_kv, copy_kv and block_views: the base class's, by kv_layout)
     def values(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """`[2, NB, block_size, KVH * D]` int8."""
-        num_blocks = kv_cache.shape[1] // self.block_bytes
-        width = self.num_kv_heads * self.head_dim
-        values = kv_cache[:, :num_blocks * self.value_bytes].view(torch.int8)
-        return values.view(2, num_blocks, self.block_size, width)
+        return self.kv_layout.values(kv_cache).flatten(-2)
 
     def scales(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """`[2, NB, KVH, block_size]` float32."""
-        num_blocks = kv_cache.shape[1] // self.block_bytes
-        start = num_blocks * self.value_bytes
-        return kv_cache[:, start:].view(torch.float32).view(2, num_blocks, self.num_kv_heads, self.block_size)
-
-    def block_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.values(kv_cache), self.scales(kv_cache)
-
-    def _at(self, slots: torch.Tensor) -> tuple[torch.Tensor, slice, torch.Tensor]:
-        """Index of `slots: [N]` into one half's scales `[NB, KVH, bs]` (`scales[half][index]`: `[N, KVH]`)."""
-        slots = slots.long()
-        return slots // self.block_size, slice(None), slots % self.block_size
-
-    def read_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        values = self.values(kv_cache).flatten(1, 2).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        scales, at = self.scales(kv_cache), self._at(slots)
-        return tuple(dequantize(values[i][slots], scales[i][at], self.dtype) for i in (0, 1))   # [N, KVH, D]
-
-    def copy_kv(self, kv_cache: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-        values, scales = self.values(kv_cache).flatten(1, 2), self.scales(kv_cache)
-        src, dst = self._at(src_slots), self._at(dst_slots)
-        for i in (0, 1):
-            values[i][dst_slots] = values[i][src_slots]
-            scales[i][dst] = scales[i][src]
+        return self.kv_layout.head_scales(kv_cache)
 
     # ----- KV write and attention -----------------------------------------------------------
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AscendMeta,
@@ -90,7 +59,7 @@ class Int8FusedAttention(FusedAttention):
         (qk, k_scale), (qv, v_scale) = quantize(k, torch.int8), quantize(v, torch.int8)   # [T, KVH, D], [T, KVH]
         values = self.values(kv_cache).unflatten(-1, (self.num_kv_heads, self.head_dim))
         self.ops.scatter_kv(qk.contiguous(), qv.contiguous(), values[0], values[1], slots)
-        scales, at = self.scales(kv_cache), self._at(slots)
+        scales, at = self.scales(kv_cache), self.kv_layout.slot_index(slots)
         scales[0][at] = k_scale
         scales[1][at] = v_scale
 

@@ -1,4 +1,4 @@
-"""8-bit KV cache: the quantization every backend shares, and the per-slot row layout.
+"""8-bit KV cache: the quantization every backend shares, and the cache layout.
 
 Scales: one float32 scale per (token, KV head), computed when the token's K or V is written:
 `scale = absmax(x[token, head, :]) / QMAX`, `q = clamp(x / scale, -QMAX, QMAX)` rounded to the 8-bit
@@ -12,11 +12,14 @@ no calibration pass, no running statistic, no host sync: the scale is computed o
 the KV write, so the write stays capturable in graphs. The cost is 4 bytes per (token, head) next to
 `head_dim` bytes of values (3% at head dim 128).
 
-Layout (the CPU reference and the Triton kernels; Ascend has its own, see hal/ascend/attention.py):
-one cache tensor per layer of raw bytes `[2, num_blocks, block_size, row_bytes]` (uint8), K then V;
-a slot's row is its `KVH * D` values, then `KVH` float32 scales, padded to 16 bytes so every row
-starts on a 16-byte boundary (vector loads). A slot is one contiguous row: `slot_view`, `copy_kv`
-and swap move values and scales together.
+Layout (`QuantLayout`; every backend: the CPU reference, the Triton kernels, Ascend's fused op): one
+uint8 tensor per layer `[2, num_blocks * block_bytes]`, K then V; each half holds the values of every
+block `[NB, block_size, KVH, D]` (slot-major, as a 16-bit cache holds them), then the scales of every
+block `[NB, KVH, block_size]` float32. Why scales head-major per block: a decode kernel reads one KV
+head's keys a tile at a time, and a tile's scales are then one contiguous run (a 32-byte sector for 8
+keys) instead of one sector per key (H200, FP8 row kernel at 128 x 1K: docs/performance.md, lever
+70); it is also the layout Ascend's paged antiquant takes (`antiquant_mode=5`). A slot's bytes are
+therefore two pieces: `copy_slots`, `read_slots` and `block_views` (swap) move both.
 """
 from __future__ import annotations
 
@@ -26,7 +29,6 @@ import torch
 
 QUANT_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0, torch.int8: 127.0}
 KV_DTYPE_NAMES = {"fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e4m3fnuz": torch.float8_e4m3fnuz, "int8": torch.int8}
-ROW_ALIGN = 16                      # bytes
 
 
 def is_quantized(kv_dtype: torch.dtype | None) -> bool:
@@ -61,41 +63,60 @@ def fake_quantize(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return dequantize(*quantize(x, dtype), x.dtype)
 
 
-class RowLayout(NamedTuple):
-    """Byte rows of one quantized slot: `KVH * D` values, `KVH` float32 scales, padding."""
+class QuantLayout(NamedTuple):
+    """Where a quantized cache keeps values and scales: per half (K, then V) the values of every
+    block `[NB, block_size, KVH, D]`, then the scales of every block `[NB, KVH, block_size]`."""
 
     num_kv_heads: int
     head_dim: int
+    block_size: int
     dtype: torch.dtype              # the 8-bit format of the values
 
     @property
-    def row_bytes(self) -> int:
-        used = self.num_kv_heads * self.head_dim + 4 * self.num_kv_heads
-        return -(-used // ROW_ALIGN) * ROW_ALIGN
+    def slot_bytes(self) -> int:
+        """Bytes one slot takes in one half: its values and its scales."""
+        return self.num_kv_heads * (self.head_dim + 4)
 
-    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, self.row_bytes)
+    @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.slot_bytes
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        if (self.block_size * self.num_kv_heads * self.head_dim) % 16:
+            raise ValueError(f"a quantized cache needs block_size * num_kv_heads * head_dim to be a multiple "
+                             f"of 16 bytes (aligned scales and vector loads), got {self.block_size} * "
+                             f"{self.num_kv_heads} * {self.head_dim}; pick another block_size")
+        return (2, num_blocks * self.block_bytes)
+
+    def num_blocks(self, cache: torch.Tensor) -> int:
+        return cache.shape[1] // self.block_bytes
 
     def value_bytes(self, cache: torch.Tensor) -> torch.Tensor:
-        """`[2, NB, bs, KVH, D]` uint8, a strided view of `cache: [2, NB, bs, row_bytes]` (torch's
-        indexing ops take bytes where they take no float8)."""
-        width = self.num_kv_heads * self.head_dim
-        return cache[..., :width].unflatten(-1, (self.num_kv_heads, self.head_dim))
+        """`[2, NB, bs, KVH, D]` uint8, a view of `cache` (torch's indexing ops take bytes where
+        they take no float8)."""
+        num_blocks = self.num_blocks(cache)
+        width = num_blocks * self.block_size * self.num_kv_heads * self.head_dim
+        return cache[:, :width].view(2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     def values(self, cache: torch.Tensor) -> torch.Tensor:
-        """`[2, NB, bs, KVH, D]` in `dtype`, a strided view of `cache`."""
+        """`[2, NB, bs, KVH, D]` in `dtype`, a view of `cache`."""
         return self.value_bytes(cache).view(self.dtype)
 
+    def head_scales(self, cache: torch.Tensor) -> torch.Tensor:
+        """`[2, NB, KVH, bs]` float32 as stored (each half's part contiguous), a view of `cache`."""
+        num_blocks = self.num_blocks(cache)
+        start = num_blocks * self.block_size * self.num_kv_heads * self.head_dim
+        return cache[:, start:].view(torch.float32).view(2, num_blocks, self.num_kv_heads, self.block_size)
+
     def scales(self, cache: torch.Tensor) -> torch.Tensor:
-        """`[2, NB, bs, KVH]` float32, a strided view of `cache`."""
-        start = self.num_kv_heads * self.head_dim
-        return cache[..., start:start + 4 * self.num_kv_heads].view(torch.float32)
+        """`[2, NB, bs, KVH]` float32 indexed as the values are (a strided view; kernels take its strides)."""
+        return self.head_scales(cache).transpose(2, 3)
 
     def write(self, cache: torch.Tensor, plane_kv: int, slots: torch.Tensor, x: torch.Tensor) -> None:
         """Quantize `x: [T, KVH, D]` into slots `slots: [T]` of K (`plane_kv=0`) or V (1), in place."""
         q, scale = quantize(x, self.dtype)
         self.value_bytes(cache)[plane_kv].flatten(0, 1).index_copy_(0, slots, q.view(torch.uint8))
-        self.scales(cache)[plane_kv].flatten(0, 1).index_copy_(0, slots, scale)
+        self.head_scales(cache)[plane_kv][self.slot_index(slots)] = scale
 
     def read_blocks(self, cache: torch.Tensor, plane_kv: int, blocks: torch.Tensor,
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -107,5 +128,21 @@ class RowLayout(NamedTuple):
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dequantized K (0) or V (1) `[N, KVH, D]` stored at `slots: [N]`."""
         values = self.value_bytes(cache)[plane_kv].flatten(0, 1).index_select(0, slots).view(self.dtype)
-        scales = self.scales(cache)[plane_kv].flatten(0, 1).index_select(0, slots)
-        return dequantize(values, scales, dtype)
+        return dequantize(values, self.head_scales(cache)[plane_kv][self.slot_index(slots)], dtype)
+
+    def copy_slots(self, cache: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Values and scales of `src_slots: [N]` to `dst_slots: [N]`, K and V."""
+        values, scales = self.value_bytes(cache).flatten(1, 2), self.head_scales(cache)
+        src, dst = self.slot_index(src_slots), self.slot_index(dst_slots)
+        for half in (0, 1):
+            values[half][dst_slots] = values[half][src_slots]
+            scales[half][dst] = scales[half][src]
+
+    def block_views(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Values `[2, NB, bs, KVH, D]` and scales `[2, NB, KVH, bs]`: what a block holds (swap)."""
+        return self.value_bytes(cache), self.head_scales(cache)
+
+    def slot_index(self, slots: torch.Tensor) -> tuple[torch.Tensor, slice, torch.Tensor]:
+        """Index of `slots: [N]` into one half's `[NB, KVH, bs]` scales (`[N, KVH]` when indexed)."""
+        slots = slots.long()
+        return slots // self.block_size, slice(None), slots % self.block_size

@@ -2,7 +2,7 @@
 
 One layer's cache is `[2, num_blocks, block_size, KVH, D]` (K then V). Every sequence gathers its
 blocks and runs dense attention with a bottom-right causal mask; clear rather than fast.
-With an 8-bit `kv_dtype` the cache is `hal.common.kv_quant`'s byte rows: writes quantize (FP8 emulated with
+With an 8-bit `kv_dtype` the cache is `hal.common.kv_quant.QuantLayout`'s bytes: writes quantize (FP8 emulated with
 torch's float8 dtypes, which work on the CPU), attention dequantizes to float32 and runs as above.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ class TorchPagedAttention(AttentionBackend):
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         if self.kv_layout is not None:
-            return self.kv_layout.cache_shape(num_blocks, self.block_size)
+            return self.kv_layout.cache_shape(num_blocks)
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     def build_meta(self, batch: PagedBatch, capacity: MetaCapacity | None = None) -> CpuMeta:

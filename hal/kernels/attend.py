@@ -98,7 +98,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 
     q `[T, H, D]`; kv_cache `[2, NB, page, KVH, D]`; block_table `[S, max_blocks]` int32 (one plane);
     seq_lens `[S]` int32 (cached tokens incl. this step's); query_start_loc `[S + 1]` int32;
-    kv_scales `[2, NB, page, KVH]` float32 for an 8-bit kv_cache (`hal.common.kv_quant.RowLayout` views);
+    kv_scales `[2, NB, page, KVH]` float32 for an 8-bit kv_cache (`hal.common.kv_quant.QuantLayout.scales`);
     `new_kv` (row kernel only): q and this step's k, v before rotary, stored by the kernel itself.
     """
     check_device(q)

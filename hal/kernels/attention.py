@@ -125,7 +125,7 @@ def _paged_attention_kernel(
         query_start_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
         qk_scale, num_seqs, num_tokens,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
-        stride_sb, stride_st,
+        stride_sb, stride_st, stride_sh,
         NUM_QUERIES_PER_KV: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, HEADS_FIRST: tl.constexpr,
@@ -169,13 +169,14 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     table_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head.to(tl.int64) * stride_ch
+    scale_head = kv_head.to(tl.int64) * stride_sh
     # each tile's pages are loaded one iteration ahead: the K/V loads then depend on no load of their
     # own iteration, and the pipeliner gives them num_stages - 1 buffers instead of one
     page = _tile_pages(table_ptr, tile_lo, last_pos, PAGE_SIZE, BLOCK_N)
     for tile in range(tile_lo, tl.minimum(tile_hi, num_full)):
         next_page = _tile_pages(table_ptr, tile + 1, last_pos, PAGE_SIZE, BLOCK_N)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                                     page, head_off, kv_head, tile, row_pos, last_pos, qk_scale, stride_cb,
+                                     page, head_off, scale_head, tile, row_pos, last_pos, qk_scale, stride_cb,
                                      stride_ct, stride_sb, stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, False,
                                      DOT_PRECISION, KV_QUANT)
         page = next_page
@@ -184,7 +185,7 @@ def _paged_attention_kernel(
     for tile in range(first_masked, tile_hi):
         next_page = _tile_pages(table_ptr, tile + 1, last_pos, PAGE_SIZE, BLOCK_N)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                                     page, head_off, kv_head, tile, row_pos, last_pos, qk_scale, stride_cb,
+                                     page, head_off, scale_head, tile, row_pos, last_pos, qk_scale, stride_cb,
                                      stride_ct, stride_sb, stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, True,
                                      DOT_PRECISION, KV_QUANT)
         page = next_page
@@ -229,7 +230,7 @@ def attention_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
 
     q `[T, H, D]`; kv_cache `[2, NB, page, KVH, D]`; block_table `[S, max_blocks]` int32 (one plane);
     seq_lens `[S]` int32 (cached tokens incl. this step's); query_start_loc `[S + 1]` int32.
-    kv_scales `[2, NB, page, KVH]` float32 for an 8-bit kv_cache (`hal.common.kv_quant.RowLayout` views).
+    kv_scales `[2, NB, page, KVH]` float32 for an 8-bit kv_cache (`hal.common.kv_quant.QuantLayout.scales`, any strides).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, _ = kv_cache.shape
@@ -241,7 +242,7 @@ def attention_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     # unquantized: the scale pointers are never read (KV_QUANT is a constexpr); any pointer will do
     k_scales, v_scales = (key_cache, value_cache) if kv_scales is None else (kv_scales[0], kv_scales[1])
-    scale_strides = (0, 0) if kv_scales is None else (kv_scales.stride(1), kv_scales.stride(2))
+    scale_strides = (0, 0, 0) if kv_scales is None else kv_scales.stride()[1:]
     parts = split_parts(q, num_splits, head_dim_pad)
     num_q_blocks = num_tokens // block_q + num_seqs
     heads_first = bool(config.heads_first) and num_q_blocks <= MAX_GRID_Y

@@ -2,7 +2,7 @@
 
 Cache layout as the CPU reference, `[2, num_blocks, block_size, KVH, D]`, so caches, slot
 mappings and `read_kv`/`copy_kv` carry over unchanged; an FP8 cache (`kv_dtype`) is the reference's
-byte rows too (hal/common/kv_quant.py), which the kernels read through strided values/scales views.
+`QuantLayout` too (hal/common/kv_quant.py), which the kernels read through strided values/scales views.
 
 Prefill chunks without prior context (every sequence of the batch starts at position 0) may attend
 over their fresh K/V through torch's vendor kernel instead (`attend`, `fresh_attention` mode chosen
@@ -88,7 +88,7 @@ class TritonPagedAttention(AttentionBackend):
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         if self.kv_layout is not None:
-            return self.kv_layout.cache_shape(num_blocks, self.block_size)
+            return self.kv_layout.cache_shape(num_blocks)
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     def _views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -68,7 +68,7 @@ def _quantize_store(x, values_ptrs, scales_ptrs, mask, scale_mask, QMAX: tl.cons
 @triton.jit
 def _kv_write_quant_kernel(k_ptr, v_ptr, k_values_ptr, v_values_ptr, k_scales_ptr, v_scales_ptr, slot_ptr,
                            k_out_ptr, v_out_ptr, stride_slot, num_tokens, stride_kt, stride_kh, stride_vt, stride_vh,
-                           stride_cb, stride_ct, stride_ch, stride_sb, stride_st,
+                           stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_sh,
                            QMAX: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                            HEADS_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                            BLOCK_T: tl.constexpr, DEQUANT_OUT: tl.constexpr, PDL: tl.constexpr = False):
@@ -85,7 +85,7 @@ def _kv_write_quant_kernel(k_ptr, v_ptr, k_values_ptr, v_values_ptr, k_scales_pt
     page, offset = slots // PAGE_SIZE, slots % PAGE_SIZE
     dst = (page * stride_cb + offset * stride_ct)[:, None, None] + (heads * stride_ch)[None, :, None] \
         + dims[None, None, :]                                                                  # [T, KVH, D]
-    scale_dst = (page * stride_sb + offset * stride_st)[:, None] + heads[None, :]               # [T, KVH]
+    scale_dst = (page * stride_sb + offset * stride_st)[:, None] + (heads * stride_sh)[None, :]  # [T, KVH]
     rows = tokens.to(tl.int64)[:, None, None]
     cols = dims[None, None, :]
     k = tl.load(k_ptr + rows * stride_kt + (heads * stride_kh)[None, :, None] + cols, mask=mask, other=0.0)
@@ -106,7 +106,7 @@ def kv_write_launch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, sl
                     dequantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> Launch:
     """k, v `[T, KVH, D]`; kv_cache `[2, NB, page, KVH, D]`; slot_mapping `[T]` int64 (one plane).
     `config.block_m` tokens per program. With `kv_scales: [2, NB, page, KVH]` float32, `kv_cache`
-    holds 8-bit values (`hal.common.kv_quant.RowLayout` views) and the write quantizes; `dequantized`
+    holds 8-bit values (`hal.common.kv_quant.QuantLayout` views) and the write quantizes; `dequantized`
     (two contiguous `[T, KVH, D]` tensors) then receives K and V as the cache holds them."""
     num_tokens, num_kv_heads, head_dim = k.shape
     key_cache, value_cache = kv_cache[0], kv_cache[1]
@@ -124,7 +124,7 @@ def kv_write_launch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, sl
     k_out, v_out = dequantized if dequantized is not None else (k, v)
     return Launch(_kv_write_quant_kernel, grid, (
         k, v, key_cache, value_cache, kv_scales[0], kv_scales[1], slot_mapping, k_out, v_out, slot_mapping.stride(0),
-        num_tokens, *strides, kv_scales.stride(1), kv_scales.stride(2)), dict(
+        num_tokens, *strides, *kv_scales.stride()[1:]), dict(
         QMAX=quant_max(kv_cache.dtype), DEQUANT_OUT=dequantized is not None, **shape))
 
 

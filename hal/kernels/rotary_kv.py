@@ -77,7 +77,7 @@ def _rotary_kv_write_quant_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_values_ptr, 
                                   v_scales_ptr, positions_ptr, inv_freq_ptr, slot_ptr, k_out_ptr, v_out_ptr,
                                   num_heads, num_kv_heads,
                                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot,
-                                  stride_qoh, stride_cb, stride_ct, stride_ch, stride_sb, stride_st,
+                                  stride_qoh, stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_sh,
                                   QMAX: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                                   HEAD_DIM_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
                                   HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr, INTERLEAVED: tl.constexpr,
@@ -95,7 +95,7 @@ def _rotary_kv_write_quant_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_values_ptr, 
     page, offset = slot // PAGE_SIZE, slot % PAGE_SIZE
     heads = tl.arange(0, KV_HEADS_PAD)
     rows = page * stride_cb + offset * stride_ct + (kv_head + heads) * stride_ch           # [KVH]
-    scale_rows = page * stride_sb + offset * stride_st + kv_head + heads                   # [KVH]
+    scale_rows = page * stride_sb + offset * stride_st + (kv_head + heads) * stride_sh     # [KVH]
     fp8 = k_values_ptr.dtype.element_ty
     first, second, mask = _rotary_values(k_ptr + kv_head * stride_kh, stride_kt, stride_kh, token, cos, sin, live,
                                          KV_HEADS_PAD, HALF, HALF_PAD, INTERLEAVED, k_ptr.dtype.element_ty)
@@ -183,8 +183,7 @@ def rotary_kv_write_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
         k_held, v_held = dequantized if dequantized is not None else (q_out, q_out)    # unused without
         return Launch(_rotary_kv_write_quant_kernel, (num_tokens, groups), (
             q, k, v, q_out, key_cache, value_cache, kv_scales[0], kv_scales[1], positions, inv_freq, slot_mapping,
-            k_held, v_held, num_heads, num_kv_heads, *strides, *cache_strides, kv_scales.stride(1),
-            kv_scales.stride(2)), dict(QMAX=quant_max(kv_cache.dtype), DEQUANT_OUT=dequantized is not None, **shape))
+            k_held, v_held, num_heads, num_kv_heads, *strides, *cache_strides, *kv_scales.stride()[1:]), dict(QMAX=quant_max(kv_cache.dtype), DEQUANT_OUT=dequantized is not None, **shape))
     keep_k = k_out is not None
     k_out = k_out if keep_k else q_out            # an unused pointer (KEEP_K=False compiles it away)
     return Launch(_rotary_kv_write_kernel, (num_tokens, groups), (

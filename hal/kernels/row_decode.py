@@ -16,9 +16,10 @@ algebra as the context split): out = sum_n 2^(m[n] - M) acc[n] / sum_n 2^(m[n] -
 its P before the PV accumulation (v_scale[n]); the sums stay the unscaled P's.
 
 Grid `(num_heads, num_seqs, NUM_SPLITS)`, heads fastest: the programs of one sequence's heads run side
-by side and read the same cache rows (a slot's row holds every head's values and then their scales),
-so each 32-byte sector of scales serves 8 heads from L2 instead of being fetched once per head
-(H200, 128 x 1K over FP8: 212 -> 187 us per layer-plane against sequences fastest). Sequences
+by side over the same cache rows (a slot's row holds every head's values; H200, 128 x 1K over FP8:
+212 -> 187 us per layer-plane against sequences fastest, when the scales still lay in the rows too).
+A tile's scales are one contiguous run per KV head (hal/common/kv_quant.py) and a tile of at most a
+page looks its page up once (`_pages`): per tile, not per key (lever 70). Sequences
 without a query this step (graph padding) return at once; with `NUM_SPLITS > 1` the partials go to
 hal/kernels/splits.py's reduce. At two stages the pages of a tile come from the block table one
 iteration ahead, as in the unified kernel (its lever 22); with more, each tile reads its own and the
@@ -63,7 +64,18 @@ LAZY_MARGIN = tl.constexpr(8.0)     # log2 units: how far a stream's reference m
 
 
 @triton.jit
-def _load_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page, head_off, head, tile, last_pos, stride_cb,
+def _pages(table_ptr, tile, last_pos, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The page of `tile`'s keys: one lookup where a tile lies on one page (a scalar), else one per key
+    (`attention._tile_pages`, [N]); 0 past the sequence's last key."""
+    if PAGE_SIZE % BLOCK_N == 0:
+        first = tile * BLOCK_N
+        return tl.load(table_ptr + first // PAGE_SIZE, mask=first <= last_pos, other=0).to(tl.int64)
+    else:
+        return _tile_pages(table_ptr, tile, last_pos, PAGE_SIZE, BLOCK_N)
+
+
+@triton.jit
+def _load_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page, head_off, scale_head, tile, last_pos, stride_cb,
                stride_ct, stride_sb, stride_st, dims, dim_valid, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                MASKED: tl.constexpr, KV_QUANT: tl.constexpr):
     """Keys and values [tile * BLOCK_N, (tile + 1) * BLOCK_N) on pages `page` [N], as the cache holds
@@ -80,7 +92,7 @@ def _load_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page, head_of
     k = tl.load(k_cache_ptr + offsets, mask=mask, other=0.0)
     v = tl.load(v_cache_ptr + offsets, mask=mask, other=0.0)
     if KV_QUANT:
-        scale_off = page * stride_sb + slot * stride_st + head
+        scale_off = page * stride_sb + slot * stride_st + scale_head
         if MASKED:
             k_scale = tl.load(k_scale_ptr + scale_off, mask=key_valid, other=0.0)
             v_scale = tl.load(v_scale_ptr + scale_off, mask=key_valid, other=0.0)
@@ -130,12 +142,12 @@ def _consume_tile(acc, m_i, l_i, q, k, v, k_scale, v_scale, tile, last_pos, BLOC
 
 
 @triton.jit
-def _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page, head_off, head,
+def _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page, head_off, scale_head,
                  tile, last_pos, stride_cb, stride_ct, stride_sb, stride_st, dims, dim_valid,
                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, KV_QUANT: tl.constexpr,
                  LAZY: tl.constexpr):
     """Keys [tile * BLOCK_N, (tile + 1) * BLOCK_N) on pages `page` [N] into the N streams."""
-    k, v, k_scale, v_scale = _load_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page, head_off, head,
+    k, v, k_scale, v_scale = _load_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page, head_off, scale_head,
                                         tile, last_pos, stride_cb, stride_ct, stride_sb, stride_st, dims,
                                         dim_valid, PAGE_SIZE, BLOCK_N, MASKED, KV_QUANT)
     return _consume_tile(acc, m_i, l_i, q, k, v, k_scale, v_scale, tile, last_pos, BLOCK_N, MASKED, KV_QUANT,
@@ -147,7 +159,7 @@ def _row_decode_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, seq_lens_ptr,
         query_start_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, qk_scale, num_tokens,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
-        stride_sb, stride_st, k_new_ptr, v_new_ptr, positions_ptr, inv_freq_ptr, slot_ptr,
+        stride_sb, stride_st, stride_sh, k_new_ptr, v_new_ptr, positions_ptr, inv_freq_ptr, slot_ptr,
         stride_kt, stride_kh, stride_vt, stride_vh,
         PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, KV_QUANT: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -171,14 +183,15 @@ def _row_decode_kernel(
     full_hi = tl.minimum(tile_hi, num_full)
     table_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head.to(tl.int64) * stride_ch
+    scale_head = kv_head.to(tl.int64) * stride_sh
     early = (tile_lo < full_hi) & ((tile_lo + 1) * BLOCK_N <= last_pos)    # keys before this step's only
-    page = _tile_pages(table_ptr, tile_lo, last_pos, PAGE_SIZE, BLOCK_N)
+    page = _pages(table_ptr, tile_lo, last_pos, PAGE_SIZE, BLOCK_N)
     early_last = tl.where(early, last_pos, -1)
     k0, v0, k0_scale, v0_scale = _load_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page, head_off,
-                                            kv_head, tile_lo, early_last, stride_cb, stride_ct, stride_sb, stride_st,
+                                            scale_head, tile_lo, early_last, stride_cb, stride_ct, stride_sb, stride_st,
                                             dims, dim_valid, PAGE_SIZE, BLOCK_N, True, KV_QUANT)
     first = tile_lo + early.to(tl.int32)                     # the first tile the loop below reads
-    page = _tile_pages(table_ptr, first, last_pos, PAGE_SIZE, BLOCK_N)
+    page = _pages(table_ptr, first, last_pos, PAGE_SIZE, BLOCK_N)
     if ROTARY:
         cos, sin = _head_angles(tl.load(positions_ptr + token), inv_freq_ptr, dims, HEAD_DIM // 2, INTERLEAVED)
         slot = tl.load(slot_ptr + token)
@@ -199,7 +212,7 @@ def _row_decode_kernel(
         if (tile_lo <= last_tile) & (last_tile < tile_hi) & (slot >= 0):
             slot_page, slot_offset = slot // PAGE_SIZE, slot % PAGE_SIZE
             row = slot_page * stride_cb + slot_offset * stride_ct + kv_head.to(tl.int64) * stride_ch
-            scale_row = slot_page * stride_sb + slot_offset * stride_st + kv_head
+            scale_row = slot_page * stride_sb + slot_offset * stride_st + scale_head
             _write_head_kv(k_new_ptr + token * stride_kt + kv_head * stride_kh,
                            v_new_ptr + token * stride_vt + kv_head * stride_vh, cos, sin,
                            k_cache_ptr + row, v_cache_ptr + row, k_scale_ptr + scale_row, v_scale_ptr + scale_row,
@@ -215,9 +228,9 @@ def _row_decode_kernel(
     if NUM_STAGES <= 2:
         # one K/V tile in flight: the next tile's pages are loaded a tile ahead, by hand
         for tile in tl.range(first, full_hi, num_stages=NUM_STAGES):
-            next_page = _tile_pages(table_ptr, tile + 1, last_pos, PAGE_SIZE, BLOCK_N)
+            next_page = _pages(table_ptr, tile + 1, last_pos, PAGE_SIZE, BLOCK_N)
             acc, m_i, l_i = _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                                         page, head_off, kv_head, tile, last_pos, stride_cb, stride_ct,
+                                         page, head_off, scale_head, tile, last_pos, stride_cb, stride_ct,
                                          stride_sb, stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, False,
                                          KV_QUANT, LAZY)
             page = next_page
@@ -225,16 +238,16 @@ def _row_decode_kernel(
         # several tiles in flight: a page carried from the iteration before would tie every load to
         # the previous iteration, so each tile reads its pages and the pipeliner runs those loads ahead
         for tile in tl.range(first, full_hi, num_stages=NUM_STAGES):
-            page = _tile_pages(table_ptr, tile, last_pos, PAGE_SIZE, BLOCK_N)
+            page = _pages(table_ptr, tile, last_pos, PAGE_SIZE, BLOCK_N)
             acc, m_i, l_i = _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                                         page, head_off, kv_head, tile, last_pos, stride_cb, stride_ct,
+                                         page, head_off, scale_head, tile, last_pos, stride_cb, stride_ct,
                                          stride_sb, stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, False,
                                          KV_QUANT, LAZY)
     if tile_hi > num_full and tile_hi > tile_lo:             # the sequence's last, partial tile
         tile = tile_hi - 1
-        page = _tile_pages(table_ptr, tile, last_pos, PAGE_SIZE, BLOCK_N)
+        page = _pages(table_ptr, tile, last_pos, PAGE_SIZE, BLOCK_N)
         acc, m_i, l_i = _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page,
-                                     head_off, kv_head, tile, last_pos, stride_cb, stride_ct, stride_sb,
+                                     head_off, scale_head, tile, last_pos, stride_cb, stride_ct, stride_sb,
                                      stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, True, KV_QUANT, LAZY)
 
     m_all = tl.max(m_i, 0)
@@ -280,7 +293,7 @@ def row_decode_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     head_dim_pad = max(next_pow2(head_dim), 16)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     k_scales, v_scales = (key_cache, value_cache) if kv_scales is None else (kv_scales[0], kv_scales[1])
-    scale_strides = (0, 0) if kv_scales is None else (kv_scales.stride(1), kv_scales.stride(2))
+    scale_strides = (0, 0, 0) if kv_scales is None else kv_scales.stride()[1:]
     rotary, qmax = {}, {}
     if new_kv is not None:
         if head_dim % 2 or new_kv.k.stride(-1) != 1 or new_kv.v.stride(-1) != 1:

@@ -25,7 +25,8 @@ def test_int8_cache_layout_round_trips(single_thread):
     assert isinstance(backend, Int8FusedAttention) and backend.kv_cache_dtype == torch.uint8
     cache = torch.zeros(backend.kv_cache_shape(6), dtype=torch.uint8)
     values, scales = backend.block_views(cache)
-    assert values.shape == (2, 6, 16, 48) and values.dtype == torch.int8 and values[0].is_contiguous()
+    assert values.shape == (2, 6, 16, 2, 24) and values.dtype == torch.uint8 and values[0].is_contiguous()
+    assert backend.values(cache).shape == (2, 6, 16, 48) and backend.values(cache).dtype == torch.int8
     assert scales.shape == (2, 6, 2, 16) and scales.dtype == torch.float32 and scales[1].is_contiguous()
     batch = PagedBatch([20, 9], [20, 9], [[[4, 1], [0]]], 16)
     k, v = torch.randn(29, 2, 24).bfloat16() * 5, torch.randn(29, 2, 24).bfloat16()

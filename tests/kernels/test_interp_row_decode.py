@@ -226,6 +226,16 @@ def test_rising_scores_move_the_lazy_maximum(monkeypatch):
     assert err <= TOLERANCE[torch.bfloat16], f"max error {err:.2e}"
 
 
+def _poison_slot(backend, cache: torch.Tensor, slot: int) -> None:
+    """Every byte the slot stores set to 0xFF: NaN in bf16 and fp8 values and in float32 scales."""
+    layout = backend.kv_layout
+    if layout is None:
+        cache.view(torch.uint8).view(2, -1, cache[0, 0, 0].numel() * cache.element_size())[:, slot] = 0xFF
+        return
+    layout.value_bytes(cache).flatten(1, 2)[:, slot] = 0xFF
+    layout.head_scales(cache)[:, slot // layout.block_size, :, slot % layout.block_size] = float("nan")
+
+
 @pytest.mark.parametrize("kv_dtype,head_dim,interleaved", [
     (None, 128, False), (None, 96, True), (torch.float8_e4m3fn, 64, False), (torch.float8_e4m3fn, 48, True),
 ], ids=["bf16-neox-D128", "bf16-gptj-D96", "fp8-neox-D64", "fp8-gptj-D48"])
@@ -256,10 +266,9 @@ def test_row_kernel_rotary_is_rotary_kv_write_then_the_row_kernel_bit_for_bit(mo
     slots = meta.slot_mapping.clone()
     slots[plane, stale] = -1
     meta = meta._replace(slot_mapping=slots)
-    byte_rows = cache.view(torch.uint8).view(2, -1, cache[0, 0, 0].numel() * cache.element_size())
     for s in range(len(seq_lens)):
         if s != stale:
-            byte_rows[:, int(meta.slot_mapping[plane, s])] = 0xFF        # NaN in bf16, fp8 and fp32 scales
+            _poison_slot(backend, cache, int(meta.slot_mapping[plane, s]))
     q = torch.randn(5, 4, head_dim).bfloat16()
     k, v = (torch.randn(5, kv_heads, head_dim).bfloat16() for _ in range(2))
     positions = torch.tensor(seq_lens) - 1

@@ -15,7 +15,7 @@ import zoo
 from hal.base import Caps
 from hal.cpu import CpuHal
 from hal.common.torch_attention import TorchPagedAttention
-from hal.common.kv_quant import QUANT_MAX, RowLayout, fake_quantize, quantize
+from hal.common.kv_quant import QUANT_MAX, QuantLayout, fake_quantize, quantize
 from runtime import SamplingParams
 from runtime.config import EngineConfig
 from runtime.engine.llm_engine import LLMEngine
@@ -41,11 +41,12 @@ def test_quantization_error_and_row_layout(kv_dtype, single_thread):
     peaks = q.float().abs().amax(-1)                                # each vector's absmax maps to QMAX
     assert peaks[3, 1] == 0 and (peaks.index_fill(0, torch.tensor([3]), QUANT_MAX[kv_dtype]) ==
                                  QUANT_MAX[kv_dtype]).all()
-    # one slot = one byte row (values, then scales): written once, read back, copied whole
+    # a slot's values and scales: written once, read back, copied together
     backend = TorchPagedAttention(6, 3, 24, torch.float32, torch.device("cpu"), 4, kv_dtype=kv_dtype)
     layout = backend.kv_layout
-    assert layout == RowLayout(3, 24, kv_dtype) and layout.row_bytes % 16 == 0
+    assert layout == QuantLayout(3, 24, 4, kv_dtype) and layout.slot_bytes == 3 * (24 + 4)
     cache = torch.zeros(backend.kv_cache_shape(12), dtype=backend.kv_cache_dtype)
+    assert cache.shape == (2, 12 * 4 * 3 * 28)
     slots = torch.randperm(48)[:40]
     layout.write(cache, 0, slots, x)
     layout.write(cache, 1, slots, -x)
@@ -178,7 +179,7 @@ def test_kv_dtype_settings_and_cache_size(single_thread):
     blocks = {kv: LLMEngine(model, CPU, EngineConfig(kv_dtype=kv, kv_cache_memory_bytes=budget)).runner.num_blocks
               for kv in ("auto", "fp8", "int8")}
     spec = model.kv_spec
-    row = RowLayout(spec.num_kv_heads, spec.head_dim, FP8).row_bytes
+    row = QuantLayout(spec.num_kv_heads, spec.head_dim, 16, FP8).slot_bytes
     assert blocks["fp8"] == blocks["int8"] and abs(blocks["fp8"] / blocks["auto"] - 4 * spec.num_kv_heads *
                                                    spec.head_dim / row) < 0.1
 
@@ -202,7 +203,7 @@ def test_bench_runs_fp8_cells(single_thread):
     model = zoo.from_pretrained(path, dtype="float32")
     plain = model_costs(model, 4)
     quantize_fp8(model)
-    fp8 = model_costs(model, 4, kv_bytes_per_layer_token=2 * RowLayout(4, 16, FP8).row_bytes)
+    fp8 = model_costs(model, 4, kv_bytes_per_layer_token=2 * QuantLayout(4, 16, 16, FP8).slot_bytes)
     assert fp8.loop_params == plain.loop_params and fp8.loop_bytes < plain.loop_bytes / 3.5
     # KVH 4 x D 16: 2 x 256 bytes per layer-token in float32, 2 x (64 values + 16 bytes of scales) in FP8
     assert fp8.kv_bytes_per_token * 512 == plain.kv_bytes_per_token * 160
