@@ -44,7 +44,7 @@ ROW_SWEEP = {                      # row-stream decode kernel (hal/kernels/row_d
     # the sm_90 table's config first; 3-4 stages read each tile's pages in its own iteration (lever 44)
     "bf16": [KernelConfig(1, n, w, st) for n, w, st in ((16, 2, 3), (32, 4, 3), (32, 4, 2), (16, 1, 4))],
     "fp8": [KernelConfig(1, n, w, st) for n, w, st in ((8, 1, 4), (8, 1, 3), (16, 2, 3), (16, 2, 4), (32, 4, 3),
-                                                      (16, 2, 2), (8, 1, 6))],
+                                                      (16, 2, 2), (8, 1, 6), (16, 1, 3), (16, 1, 4), (16, 4, 3))],
 }
 FP8 = torch.float8_e4m3fn
 

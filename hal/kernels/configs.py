@@ -136,8 +136,11 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         # per SM) 79.6 / 168.1 us, the 16-key 2-stage config before 94.1 / 198.1, the unified kernel
         # 165.0 / 334.8; bf16 16 keys x 2 warps x 3 stages 131.8 / 249.6 us (96% / 101% of the 4.27
         # TB/s floor), the unified kernel 157.5 / 294.4 (still the choice for grouped queries past a
-        # few sequences)
-        "attention_row_decode_fp8": KernelConfig(1, 8, 1, 4),
+        # few sequences). FP8 since the scales lie head-major per block (lever 70, seventeenth
+        # session): 16 keys x 1 warp x 3 stages 71.1 / 137.6 us against 73.3 / 143.1 for 8 x 1 x 4,
+        # and in the engine the 8-key tile lost 1.6 ms per step at 64 x 1K (16-key configs 12.44-12.51
+        # against 14.1 ms; docs/performance.md lever 71)
+        "attention_row_decode_fp8": KernelConfig(1, 16, 1, 3),
         "attention_row_decode": KernelConfig(1, 16, 2, 3),
         # bf16 with the context in 16 splits (batch 1: 16 programs per head, a tile or two each): 8 keys
         # x 2 warps x 2 stages, Ouro-1.4B b1 4.595 -> 4.541 ms as a whole-table override (2026-12-03,

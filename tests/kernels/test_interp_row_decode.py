@@ -91,9 +91,10 @@ def _run_fp8(backend, case, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("config,head_dim", [
-    (KernelConfig(1, 8, 1, 4), 128),      # the sm_90 table's
-    (KernelConfig(1, 16, 2, 3), 48),      # head dim padded 48 -> 64, pages loaded per tile
-], ids=["8x1w-D128", "16x2w-D48"])
+    (KernelConfig(1, 16, 1, 3), 128),     # the sm_90 table's
+    (KernelConfig(1, 8, 1, 4), 128),      # 4 stages, pages per tile
+    (KernelConfig(1, 32, 2, 3), 48),      # head dim padded 48 -> 64; a tile over two pages looks each key's up
+], ids=["16x1w-D128", "8x1w-D128", "32x2w-D48"])
 @pytest.mark.parametrize("magnitude", [1.0, 300.0, 1e-3], ids=["unit", "large", "tiny"])
 def test_fp8_row_decode_over_wide_ranges(monkeypatch, config, head_dim, magnitude):
     """q, K and V scaled by `magnitude` (scores of up to ~200 nats for "large": one key dominates;
