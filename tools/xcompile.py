@@ -331,6 +331,9 @@ def _fp8_cases(fmt: str, fp8: torch.dtype) -> tuple[Case, ...]:
         Case(f"attention_row_decode/rotary-{fmt}", "attention_row_decode_fp8", False, False,
              lambda c, t: _attention(c, t, num_seqs=64, query_len=1, num_splits=1, kv_dtype=fp8, rows=True,
                                      rotary=True)),
+        Case(f"attention_row_decode_split/rotary-{fmt}", "attention_row_decode_split_fp8", False, False,   # b1
+             lambda c, t: _attention(c, t, num_seqs=1, query_len=1, num_splits=16, kv_dtype=fp8, rows=True,
+                                     rotary=True)),
         Case(f"kv_write/{fmt}", "kv_write", False, False, lambda c, t: _kv_write(c, t, kv_dtype=fp8)),
         Case(f"kv_write/dequant-{fmt}", "kv_write", False, False,
              lambda c, t: _kv_write(c, t, kv_dtype=fp8, dequantized=True)),

@@ -2,9 +2,10 @@
 
 - Multi-head decode (one new token per sequence, one query head per KV head, 16-bit queries) takes
   the row-stream kernel (hal/kernels/row_decode.py) where the arch's table has a config for it
-  (`attention_row_decode`, `attention_row_decode_fp8`; a 16-bit cache whose context splits 16 ways
-  takes `attention_row_decode_split` where the table has it); grouped-query decode takes it only
-  where even one program per query head leaves the context split (a few sequences: `row_decode_key`);
+  (`attention_row_decode`, `attention_row_decode_fp8`; a context split 16 ways takes
+  `attention_row_decode_split` / `attention_row_decode_split_fp8` where the table has it);
+  grouped-query decode takes it only where even one program per query head leaves the context split
+  (a few sequences: `row_decode_key`);
 - every other batch takes the unified kernel (hal/kernels/attention.py): its decode config for
   batches of at most `DECODE_MAX_QUERY_LEN` new tokens per sequence, its prefill config otherwise.
 Decode-like batches split the context (hal/kernels/splits.py). Every choice depends on host integers
@@ -21,7 +22,7 @@ from hal.kernels.launch import Launch, backend_of, check_device, run_launch
 from hal.kernels.row_decode import NewKV, row_decode_launches
 from hal.kernels.splits import num_kv_splits
 
-SPLIT_ROW_KEY = "attention_row_decode_split"     # the 16-bit row kernel's config where the context splits
+SPLIT_ROW_KEY = "attention_row_decode_split"     # the row kernel's config where the context splits (+ "_fp8")
 # ... into at least this many parts. H200, batch 1, 8 keys x 2 warps x 2 stages against the row entry's
 # 16 x 2 x 3 (2026-12-03): Ouro-1.4B (16 splits) 4.415 -> 4.352 ms; Huginn-0125 (8 splits of 55
 # heads) 30.71 -> 30.89 and Nanbeige4.2-3B (8 splits of 48 query heads) 4.519 -> 4.540, slower
@@ -81,8 +82,8 @@ def launches_for(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
     reduce_config, target = configs["attention_reduce"], backend_of(q.device)
     if row_key in configs:
         num_splits = num_row_splits(num_seqs, q.shape[1], num_compute_units)
-        short = num_splits >= SPLIT_ROW_MIN_SPLITS and not quantized
-        config = configs.get(SPLIT_ROW_KEY) if short else None
+        short = num_splits >= SPLIT_ROW_MIN_SPLITS
+        config = configs.get(SPLIT_ROW_KEY + ("_fp8" if quantized else "")) if short else None
         return row_decode_launches(*args, config or configs[row_key], num_splits, reduce_config, out, target,
                                    kv_scales, new_kv)
     num_splits = num_kv_splits(num_seqs, num_kv_heads, num_compute_units)

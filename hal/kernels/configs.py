@@ -21,10 +21,10 @@ callers; nothing else chooses tiles. Keys of a table are kernel names:
   attention_row_decode, attention_row_decode_fp8  (optional) the row-stream kernel for multi-head decode
                       (hal/kernels/row_decode.py), 16-bit / FP8 cache: block_n = keys per tile, one
                       softmax stream per tile row; num_stages = cp.async stages of the K/V tiles
-  attention_row_decode_split  (optional) attention_row_decode where the context splits into at least
-                      attend.SPLIT_ROW_MIN_SPLITS parts (a sequence or two: hal/kernels/splits.py), when
-                      the latency of a short tile walk matters more than the copy rate; without it those
-                      batches take attention_row_decode too
+  attention_row_decode_split, attention_row_decode_split_fp8  (optional) attention_row_decode(_fp8)
+                      where the context splits into at least attend.SPLIT_ROW_MIN_SPLITS parts (a sequence
+                      or two: hal/kernels/splits.py), when the latency of a short tile walk matters more
+                      than the copy rate; without them those batches take the whole-batch entry too
   attention_reduce    merges the context splits of attention_decode (num_warps only)
   kv_write            scatter of new K/V rows into the paged cache: block_m tokens per program
   rms_norm, rotary    one row / one token per program (num_warps only)
@@ -56,14 +56,15 @@ from dataclasses import dataclass
 
 KERNEL_NAMES = ("attention_prefill", "attention_decode", "attention_prefill_fp32", "attention_decode_fp32",
                 "attention_prefill_fp8", "attention_decode_fp8", "attention_row_decode",
-                "attention_row_decode_fp8", "attention_row_decode_split", "attention_reduce", "kv_write",
+                "attention_row_decode_fp8", "attention_row_decode_split", "attention_row_decode_split_fp8",
+                "attention_reduce", "kv_write",
                 "rms_norm", "norm_add_norm", "rotary", "silu_and_mul", "fp8_linear", "gemv_m1", "gemv",
                 "gemv_slice", "gemv_wide")
 # a table without the attention_row_* keys routes every decode batch to the unified kernel
 # (hal/kernels/attend.py); one without norm_add_norm launches it with the rms_norm entry; one without
 # gemv_wide leaves decode batches above gemv_ops.MAX_ROWS rows to the vendor's GEMM
 OPTIONAL_KERNEL_NAMES = ("attention_row_decode", "attention_row_decode_fp8", "attention_row_decode_split",
-                         "norm_add_norm", "gemv_slice", "gemv_wide")
+                         "attention_row_decode_split_fp8", "norm_add_norm", "gemv_slice", "gemv_wide")
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,10 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         # fourteenth session; 16 keys x 4 warps 4.562, 32 keys 4.740, 8 keys x 1 warp x 4 stages 4.917),
         # 4.415 -> 4.352 as this entry (fifteenth); at 8 splits it lost (hal/kernels/attend.py)
         "attention_row_decode_split": KernelConfig(1, 8, 2, 2),
+        # FP8 at batch 1 (16 splits): 8 keys x 1 warp x 4 stages, the whole-batch entry before lever 71;
+        # Ouro-1.4B b1 FP8 KV 4.278 -> 4.225 ms, FP8 weights + KV 3.282 -> 3.180 against 16 x 1 x 3
+        # (2026-12-03, seventeenth session, call 4)
+        "attention_row_decode_split_fp8": KernelConfig(1, 8, 1, 4),
         # fp32 prefill: 4 warps spill 16 bytes once the pages are loaded a tile ahead; 8 do not
         **_fp32_attention(KernelConfig(16, 32, 8, 2), KernelConfig(16, 32, 4, 2)),
         **_small_ops(4, 1),

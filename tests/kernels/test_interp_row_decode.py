@@ -182,8 +182,8 @@ def test_grouped_query_decode_on_the_row_kernel_matches_reference(monkeypatch, k
 
 def test_split_contexts_take_the_split_config_where_the_table_has_one():
     """`attention_row_decode_split` serves 16-bit caches whose context splits 16 ways (a sequence or
-    two); fewer splits, unsplit batches and 8-bit caches keep their own entries, and a table without
-    it uses the row entry."""
+    two), `attention_row_decode_split_fp8` 8-bit ones; fewer splits and unsplit batches keep the
+    row entries, and a table without the split entry uses the row entry."""
     split = KernelConfig(1, 8, 1, 2)
     configs = {**ROWS, "attention_reduce": KernelConfig(1, 1, 1, 1), attend.SPLIT_ROW_KEY: split}
 
@@ -203,6 +203,10 @@ def test_split_contexts_take_the_split_config_where_the_table_has_one():
         ROWS["attention_row_decode"].block_n
     fp8 = block_n(1, configs, torch.ones(2, 4, 16, 2), torch.float8_e4m3fn)
     assert fp8[0] == ROWS["attention_row_decode_fp8"].block_n
+    split_fp8 = {**configs, attend.SPLIT_ROW_KEY + "_fp8": KernelConfig(1, 4, 1, 2)}
+    assert block_n(1, split_fp8, torch.ones(2, 4, 16, 2), torch.float8_e4m3fn)[0] == 4
+    assert block_n(64, split_fp8, torch.ones(2, 4, 16, 2), torch.float8_e4m3fn)[0] == \
+        ROWS["attention_row_decode_fp8"].block_n
 
 
 def test_rising_scores_move_the_lazy_maximum(monkeypatch):
