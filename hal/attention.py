@@ -141,7 +141,11 @@ class AttentionBackend(ABC):
 
     def slot_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """A 16-bit cache as `[2, num_blocks * block_size, KVH, D]` (K then V); the default fits every
-        layout whose blocks are contiguous runs of slots (a quantized cache is `kv_layout`'s business)."""
+        layout whose blocks are contiguous runs of slots. A quantized cache has no such view: a slot's
+        values and scales lie apart (`kv_layout`)."""
+        if self.kv_layout is not None:
+            raise ValueError("a quantized KV cache has no slot view: its values and scales lie apart; use "
+                             "kv_layout (values, scales, read_slots, copy_slots) or read_kv / copy_kv")
         return kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)
 
     def read_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -69,8 +69,8 @@ class ModelCosts(NamedTuple):
 
 def model_costs(model: LoopedCausalLM, num_loops: int, kv_mode: str = "full",
                 kv_bytes_per_layer_token: int | None = None) -> ModelCosts:
-    """`kv_bytes_per_layer_token`: K and V bytes one token takes in one layer (an 8-bit cache's row
-    with its scales); None: the model dtype's `2 * KVH * D` elements."""
+    """`kv_bytes_per_layer_token`: K and V bytes one token takes in one layer (an 8-bit cache's
+    values with their scales); None: the model dtype's `2 * KVH * D` elements."""
     loop = model.loop_modules()
     head = [m for name, m in model.named_children() if name == "lm_head"]
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]

@@ -178,9 +178,9 @@ LAYOUT_CASES = (    # (label, cache dtype, heads, head dim, sequences) at 1K con
 
 
 def layout_cells(bench: Bench, context: int = 1024) -> None:
-    """Lever 49's diagnostic: the row kernel over the same bytes laid out otherwise. One head per slot
-    row makes a program's keys nearly contiguous (a row is 144 bytes, not 2,112); bf16 at head dim 64
-    reads 128 bytes per key and head, as FP8 at 128 does, without FP8's conversions."""
+    """Lever 49's diagnostic: the row kernel over the same bytes laid out otherwise. One KV head makes
+    a program's keys nearly contiguous (a slot's values are 128 bytes apart, not 2,048); bf16 at head
+    dim 64 reads 128 bytes per key and head, as FP8 at 128 does, without FP8's conversions."""
     from hal.kernels.row_decode import row_decode_launches
 
     for label, kv_dtype, heads, head_dim, num_seqs in LAYOUT_CASES:

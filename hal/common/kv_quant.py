@@ -82,10 +82,13 @@ class QuantLayout(NamedTuple):
         return self.block_size * self.slot_bytes
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        if (self.block_size * self.num_kv_heads * self.head_dim) % 16:
-            raise ValueError(f"a quantized cache needs block_size * num_kv_heads * head_dim to be a multiple "
-                             f"of 16 bytes (aligned scales and vector loads), got {self.block_size} * "
-                             f"{self.num_kv_heads} * {self.head_dim}; pick another block_size")
+        slots = self.block_size * self.num_kv_heads
+        if slots % 4 or (slots * self.head_dim) % 16:
+            # every region (K values, K scales, V values, V scales) then starts on a 16-byte boundary
+            raise ValueError(f"a quantized cache needs block_size * num_kv_heads to be a multiple of 4 and "
+                             f"block_size * num_kv_heads * head_dim of 16 (aligned regions for vector loads), "
+                             f"got block_size {self.block_size}, {self.num_kv_heads} KV heads of "
+                             f"{self.head_dim}; a block_size that is a multiple of 16 always fits")
         return (2, num_blocks * self.block_bytes)
 
     def num_blocks(self, cache: torch.Tensor) -> int:
