@@ -94,12 +94,16 @@ class QuantLayout(NamedTuple):
     def num_blocks(self, cache: torch.Tensor) -> int:
         return cache.shape[1] // self.block_bytes
 
+    def _values_end(self, cache: torch.Tensor) -> tuple[int, int]:
+        """(blocks, where each half's values end and its scales begin, in bytes)."""
+        num_blocks = self.num_blocks(cache)
+        return num_blocks, num_blocks * self.block_size * self.num_kv_heads * self.head_dim
+
     def value_bytes(self, cache: torch.Tensor) -> torch.Tensor:
         """`[2, NB, bs, KVH, D]` uint8, a view of `cache` (torch's indexing ops take bytes where
         they take no float8)."""
-        num_blocks = self.num_blocks(cache)
-        width = num_blocks * self.block_size * self.num_kv_heads * self.head_dim
-        return cache[:, :width].view(2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        num_blocks, end = self._values_end(cache)
+        return cache[:, :end].view(2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     def values(self, cache: torch.Tensor) -> torch.Tensor:
         """`[2, NB, bs, KVH, D]` in `dtype`, a view of `cache`."""
@@ -107,8 +111,7 @@ class QuantLayout(NamedTuple):
 
     def head_scales(self, cache: torch.Tensor) -> torch.Tensor:
         """`[2, NB, KVH, bs]` float32 as stored (each half's part contiguous), a view of `cache`."""
-        num_blocks = self.num_blocks(cache)
-        start = num_blocks * self.block_size * self.num_kv_heads * self.head_dim
+        num_blocks, start = self._values_end(cache)
         return cache[:, start:].view(torch.float32).view(2, num_blocks, self.num_kv_heads, self.block_size)
 
     def scales(self, cache: torch.Tensor) -> torch.Tensor:

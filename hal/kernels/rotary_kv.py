@@ -183,7 +183,8 @@ def rotary_kv_write_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
         k_held, v_held = dequantized if dequantized is not None else (q_out, q_out)    # unused without
         return Launch(_rotary_kv_write_quant_kernel, (num_tokens, groups), (
             q, k, v, q_out, key_cache, value_cache, kv_scales[0], kv_scales[1], positions, inv_freq, slot_mapping,
-            k_held, v_held, num_heads, num_kv_heads, *strides, *cache_strides, *kv_scales.stride()[1:]), dict(QMAX=quant_max(kv_cache.dtype), DEQUANT_OUT=dequantized is not None, **shape))
+            k_held, v_held, num_heads, num_kv_heads, *strides, *cache_strides, *kv_scales.stride()[1:]),
+            dict(QMAX=quant_max(kv_cache.dtype), DEQUANT_OUT=dequantized is not None, **shape))
     keep_k = k_out is not None
     k_out = k_out if keep_k else q_out            # an unused pointer (KEEP_K=False compiles it away)
     return Launch(_rotary_kv_write_kernel, (num_tokens, groups), (
