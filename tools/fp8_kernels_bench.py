@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from decode_kernels_bench import FLOOR_BANDWIDTH, HEADER, L2_BYTES, SHAPES, Bench, _randn, _rel_err  # noqa: E402
 
 from hal.attention import PagedBatch  # noqa: E402
+from hal.common.kv_quant import scale_dtype  # noqa: E402
 from hal.kernels.configs import KernelConfig, configs_for  # noqa: E402
 from hal.kernels.splits import num_kv_splits  # noqa: E402
 
@@ -51,6 +52,7 @@ FP8 = torch.float8_e4m3fn
 
 def _paged(device, num_seqs: int, seq_len: int, num_planes: int, kv_dtype, heads: int = HEADS,
            head_dim: int = HEAD_DIM):
+    from hal.common.kv_quant import encode_scales, power_of_two_at_least
     from hal.kernels.backend import TritonPagedAttention
 
     blocks_per_seq = -(-seq_len // PAGE)
@@ -66,7 +68,8 @@ def _paged(device, num_seqs: int, seq_len: int, num_planes: int, kv_dtype, heads
     else:                                    # random FP8 values (never NaN) and positive scales
         layout = backend.kv_layout
         layout.values(cache).copy_(torch.randn(layout.values(cache).shape, device=device).to(kv_dtype))
-        layout.scales(cache).copy_(torch.rand(layout.scales(cache).shape, device=device) * 0.1 + 0.01)
+        scales = power_of_two_at_least(torch.rand(layout.scales(cache).shape, device=device) * 0.1 + 0.01)
+        layout.scales(cache).copy_(encode_scales(scales, kv_dtype))
     q = torch.randn(num_seqs, heads, head_dim, dtype=torch.bfloat16, device=device)
     return backend, batch, cache, q
 
@@ -118,7 +121,7 @@ def attention_cells(bench: Bench, rows_only: bool = False) -> None:
         seq_len = context + 1
         for kv_dtype in (None, FP8):
             value_bytes = 2 if kv_dtype is None else 1
-            scale_bytes = 0 if kv_dtype is None else 4
+            scale_bytes = 0 if kv_dtype is None else scale_dtype(kv_dtype).itemsize
             plane_bytes = num_seqs * seq_len * 2 * KV_HEADS * (HEAD_DIM * value_bytes + scale_bytes)
             num_planes = max(2, min(96, math.ceil(4 * L2_BYTES / plane_bytes)))
             backend, batch, cache, q = _paged(bench.device, num_seqs, seq_len, num_planes, kv_dtype)
@@ -185,7 +188,7 @@ def layout_cells(bench: Bench, context: int = 1024) -> None:
 
     for label, kv_dtype, heads, head_dim, num_seqs in LAYOUT_CASES:
         seq_len = context + 1
-        value_bytes, scale_bytes = (2, 0) if kv_dtype is None else (1, 4)
+        value_bytes, scale_bytes = (2, 0) if kv_dtype is None else (1, scale_dtype(kv_dtype).itemsize)
         plane_bytes = num_seqs * seq_len * 2 * heads * (head_dim * value_bytes + scale_bytes)
         num_planes = max(2, min(96, math.ceil(4 * L2_BYTES / plane_bytes)))
         backend, batch, cache, q = _paged(bench.device, num_seqs, seq_len, num_planes, kv_dtype, heads, head_dim)

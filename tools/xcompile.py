@@ -331,6 +331,8 @@ def _fp8_cases(fmt: str, fp8: torch.dtype) -> tuple[Case, ...]:
         Case(f"attention_row_decode/rotary-{fmt}", "attention_row_decode_fp8", False, False,
              lambda c, t: _attention(c, t, num_seqs=64, query_len=1, num_splits=1, kv_dtype=fp8, rows=True,
                                      rotary=True)),
+        Case(f"attention_row_decode_dense/batch-{fmt}", "attention_row_decode_dense_fp8", False, False,   # b128
+             lambda c, t: _attention(c, t, num_seqs=128, query_len=1, num_splits=1, kv_dtype=fp8, rows=True)),
         Case(f"attention_row_decode_split/rotary-{fmt}", "attention_row_decode_split_fp8", False, False,   # b1
              lambda c, t: _attention(c, t, num_seqs=1, query_len=1, num_splits=16, kv_dtype=fp8, rows=True,
                                      rotary=True)),

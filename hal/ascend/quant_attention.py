@@ -2,9 +2,9 @@
 for the fused backends.
 
 Quantization as everywhere (hal/common/kv_quant.py): one float32 scale per (token, KV head), `absmax / 127`,
-fixed when the token is written. Layout: `hal.common.kv_quant.QuantLayout`, which every backend
-shares and which the fused op's paged antiquant takes (mode 5, "per-token + per-head, scales managed
-by page attention"): per half (K, V)
+fixed when the token is written. Layout: `hal.common.kv_quant.QuantLayout` slot-major
+(`heads_outer=False`), which the fused op's paged antiquant takes (mode 5, "per-token + per-head,
+scales managed by page attention"): per half (K, V)
     values `[num_blocks, block_size, KVH * D]` int8 (BnBsH, what the op and the KV scatter take), then
     scales `[num_blocks, KVH, block_size]` float32 (what mode 5 takes).
 - decode-only steps: `npu_fused_infer_attention_score` in BSH (one query per sequence) with
@@ -34,7 +34,8 @@ class Int8FusedAttention(FusedAttention):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.kv_dtype = torch.int8
-        self.kv_layout = QuantLayout(self.num_kv_heads, self.head_dim, self.block_size, torch.int8)
+        self.kv_layout = QuantLayout(self.num_kv_heads, self.head_dim, self.block_size, torch.int8,
+                                     heads_outer=False)
         self.name += "+int8"
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:

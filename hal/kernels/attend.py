@@ -3,7 +3,8 @@
 - Multi-head decode (one new token per sequence, one query head per KV head, 16-bit queries) takes
   the row-stream kernel (hal/kernels/row_decode.py) where the arch's table has a config for it
   (`attention_row_decode`, `attention_row_decode_fp8`; a context split 16 ways takes
-  `attention_row_decode_split` / `attention_row_decode_split_fp8` where the table has it);
+  `attention_row_decode_split` / `attention_row_decode_split_fp8` where the table has it, a batch
+  of many programs per compute unit `attention_row_decode_dense(_fp8)`);
   grouped-query decode takes it only where even one program per query head leaves the context split
   (a few sequences: `row_decode_key`);
 - every other batch takes the unified kernel (hal/kernels/attention.py): its decode config for
@@ -27,6 +28,12 @@ SPLIT_ROW_KEY = "attention_row_decode_split"     # the row kernel's config where
 # 16 x 2 x 3 (2026-12-03): Ouro-1.4B (16 splits) 4.415 -> 4.352 ms; Huginn-0125 (8 splits of 55
 # heads) 30.71 -> 30.89 and Nanbeige4.2-3B (8 splits of 48 query heads) 4.519 -> 4.540, slower
 SPLIT_ROW_MIN_SPLITS = 16
+DENSE_ROW_KEY = "attention_row_decode_dense"     # the row kernel's config where programs crowd the SMs (+ "_fp8")
+# ... at least this many (sequence, head) programs per compute unit. H200, FP8 at 128 x 1K (15.5 per SM),
+# head-major values: 8 keys x 1 warp x 3 stages 137.3 us per layer-plane against 138.5 for the whole-batch
+# entry's 16 x 1 x 3, engine step 19.24 -> 19.03 ms; at 64 x 1K (7.75 per SM) 78.1 against 72.5
+# (2026-12-03, eighteenth session, lever 74)
+DENSE_ROW_MIN_PROGRAMS = 12
 
 
 def row_decode_key(dtype: torch.dtype, num_heads: int, num_kv_heads: int, max_query_len: int,
@@ -82,8 +89,13 @@ def launches_for(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
     reduce_config, target = configs["attention_reduce"], backend_of(q.device)
     if row_key in configs:
         num_splits = num_row_splits(num_seqs, q.shape[1], num_compute_units)
-        short = num_splits >= SPLIT_ROW_MIN_SPLITS
-        config = configs.get(SPLIT_ROW_KEY + ("_fp8" if quantized else "")) if short else None
+        suffix = "_fp8" if quantized else ""
+        if num_splits >= SPLIT_ROW_MIN_SPLITS:
+            config = configs.get(SPLIT_ROW_KEY + suffix)
+        elif num_seqs * q.shape[1] >= DENSE_ROW_MIN_PROGRAMS * num_compute_units:
+            config = configs.get(DENSE_ROW_KEY + suffix)
+        else:
+            config = None
         return row_decode_launches(*args, config or configs[row_key], num_splits, reduce_config, out, target,
                                    kv_scales, new_kv)
     num_splits = num_kv_splits(num_seqs, num_kv_heads, num_compute_units)
@@ -99,7 +111,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 
     q `[T, H, D]`; kv_cache `[2, NB, page, KVH, D]`; block_table `[S, max_blocks]` int32 (one plane);
     seq_lens `[S]` int32 (cached tokens incl. this step's); query_start_loc `[S + 1]` int32;
-    kv_scales `[2, NB, page, KVH]` float32 for an 8-bit kv_cache (`hal.common.kv_quant.QuantLayout.scales`);
+    kv_scales `[2, NB, page, KVH]` exponent bytes for an 8-bit kv_cache (`hal.common.kv_quant.QuantLayout.scales`);
     `new_kv` (row kernel only): q and this step's k, v before rotary, stored by the kernel itself.
     """
     check_device(q)

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from hal.kernels.configs import KernelConfig
+from hal.kernels.kv_write import _loaded_scale
 from hal.kernels.launch import Launch, launch_options, next_pow2
 from hal.kernels.pdl import pdl_wait
 from hal.kernels.splits import reduce_launch, split_parts, split_tiles
@@ -92,11 +93,11 @@ def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
     if KV_QUANT:
         scale_off = page * stride_sb + (keys % PAGE_SIZE).to(tl.int64) * stride_st + scale_head     # [N]
         if MASKED:
-            k_scale = tl.load(k_scale_ptr + scale_off, mask=key_valid, other=0.0)
-            v_scale = tl.load(v_scale_ptr + scale_off, mask=key_valid, other=0.0)
+            k_scale = _loaded_scale(tl.load(k_scale_ptr + scale_off, mask=key_valid, other=0))
+            v_scale = _loaded_scale(tl.load(v_scale_ptr + scale_off, mask=key_valid, other=0))
         else:
-            k_scale = tl.load(k_scale_ptr + scale_off)
-            v_scale = tl.load(v_scale_ptr + scale_off)
+            k_scale = _loaded_scale(tl.load(k_scale_ptr + scale_off))
+            v_scale = _loaded_scale(tl.load(v_scale_ptr + scale_off))
         k = k.to(q.dtype)                   # q is float16 here unless the batch is float32
         v = v.to(q.dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * (k_scale * qk_scale)[None, :]
@@ -230,7 +231,7 @@ def attention_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
 
     q `[T, H, D]`; kv_cache `[2, NB, page, KVH, D]`; block_table `[S, max_blocks]` int32 (one plane);
     seq_lens `[S]` int32 (cached tokens incl. this step's); query_start_loc `[S + 1]` int32.
-    kv_scales `[2, NB, page, KVH]` float32 for an 8-bit kv_cache (`hal.common.kv_quant.QuantLayout.scales`,
+    kv_scales `[2, NB, page, KVH]` exponent bytes for an 8-bit kv_cache (`hal.common.kv_quant.QuantLayout.scales`,
     any strides).
     """
     num_tokens, num_heads, head_dim = q.shape

@@ -25,6 +25,8 @@ callers; nothing else chooses tiles. Keys of a table are kernel names:
                       where the context splits into at least attend.SPLIT_ROW_MIN_SPLITS parts (a sequence
                       or two: hal/kernels/splits.py), when the latency of a short tile walk matters more
                       than the copy rate; without them those batches take the whole-batch entry too
+  attention_row_decode_dense, attention_row_decode_dense_fp8  (optional) attention_row_decode(_fp8)
+                      where a batch has at least attend.DENSE_ROW_MIN_PROGRAMS programs per compute unit
   attention_reduce    merges the context splits of attention_decode (num_warps only)
   kv_write            scatter of new K/V rows into the paged cache: block_m tokens per program
   rms_norm, rotary    one row / one token per program (num_warps only)
@@ -57,6 +59,7 @@ from dataclasses import dataclass
 KERNEL_NAMES = ("attention_prefill", "attention_decode", "attention_prefill_fp32", "attention_decode_fp32",
                 "attention_prefill_fp8", "attention_decode_fp8", "attention_row_decode",
                 "attention_row_decode_fp8", "attention_row_decode_split", "attention_row_decode_split_fp8",
+                "attention_row_decode_dense", "attention_row_decode_dense_fp8",
                 "attention_reduce", "kv_write",
                 "rms_norm", "norm_add_norm", "rotary", "silu_and_mul", "fp8_linear", "gemv_m1", "gemv",
                 "gemv_slice", "gemv_wide")
@@ -64,7 +67,8 @@ KERNEL_NAMES = ("attention_prefill", "attention_decode", "attention_prefill_fp32
 # (hal/kernels/attend.py); one without norm_add_norm launches it with the rms_norm entry; one without
 # gemv_wide leaves decode batches above gemv_ops.MAX_ROWS rows to the vendor's GEMM
 OPTIONAL_KERNEL_NAMES = ("attention_row_decode", "attention_row_decode_fp8", "attention_row_decode_split",
-                         "attention_row_decode_split_fp8", "norm_add_norm", "gemv_slice", "gemv_wide")
+                         "attention_row_decode_split_fp8", "attention_row_decode_dense",
+                         "attention_row_decode_dense_fp8", "norm_add_norm", "gemv_slice", "gemv_wide")
 
 
 @dataclass(frozen=True)
@@ -140,8 +144,10 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         # few sequences). FP8 since the scales lie head-major per block (lever 70, seventeenth
         # session): 16 keys x 1 warp x 3 stages 71.1 / 137.6 us against 73.3 / 143.1 for 8 x 1 x 4,
         # and in the engine the 8-key tile lost 1.6 ms per step at 64 x 1K (16-key configs 12.44-12.51
-        # against 14.1 ms; docs/performance.md lever 71)
+        # against 14.1 ms; docs/performance.md lever 71). Since the values lie head-major too (lever
+        # 74): 72.5 / 138.5 us; 8 x 1 x 3 78.1 / 137.3, which the dense entry below takes at 128 x 1K
         "attention_row_decode_fp8": KernelConfig(1, 16, 1, 3),
+        "attention_row_decode_dense_fp8": KernelConfig(1, 8, 1, 3),
         "attention_row_decode": KernelConfig(1, 16, 2, 3),
         # bf16 with the context in 16 splits (batch 1: 16 programs per head, a tile or two each): 8 keys
         # x 2 warps x 2 stages, Ouro-1.4B b1 4.595 -> 4.541 ms as a whole-table override (2026-12-03,

@@ -2,9 +2,9 @@
 
 A program moves the `[KVH, D]` key and value rows of `block_m` tokens (each token's rows are one
 contiguous run of KVH * D elements in the cache: 16-byte vectors at head dims that are multiples of 8).
-An 8-bit cache (hal/common/kv_quant.py) quantizes on the way: per (token, KV head) `scale = absmax / QMAX`,
-values `x / scale` rounded to FP8, both divisions correctly rounded (`div_rn`) so the stored bytes
-equal the torch reference's.
+An 8-bit cache (hal/common/kv_quant.py) quantizes on the way: per (token, KV head) the scale is the
+power of two at or above `absmax / QMAX` (stored as its exponent byte), values `x / scale` rounded to
+FP8, the divisions correctly rounded (`div_rn`) so the stored bytes equal the torch reference's.
 """
 from __future__ import annotations
 
@@ -43,9 +43,26 @@ def _kv_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_sl
 
 @triton.jit
 def _scale_of(amax, QMAX: tl.constexpr):
-    """The scale of a vector whose largest magnitude is `amax` (correctly rounded, as torch divides)."""
-    scale = tl.math.div_rn(amax, QMAX)
-    return tl.where(scale > 0.0, scale, 1.0)                          # an all-zero vector stores zeros
+    """The scale of a vector whose largest magnitude is `amax`: the least power of two at or above
+    `amax / QMAX` (the division correctly rounded, as torch divides; then by the bits, as
+    `kv_quant.power_of_two_at_least`), 1 for an all-zero vector (it stores zeros)."""
+    ratio = tl.math.div_rn(amax, QMAX)
+    bits = ratio.to(tl.int32, bitcast=True)
+    exponent = tl.minimum((bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32), 254)
+    exponent = tl.where(ratio > 0.0, exponent, 127)
+    return (exponent << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _stored_scale(scale):
+    """A power-of-two scale as the cache stores it: its exponent byte (E8M0, hal/common/kv_quant.py)."""
+    return (scale.to(tl.int32, bitcast=True) >> 23).to(tl.uint8)
+
+
+@triton.jit
+def _loaded_scale(stored):
+    """A stored exponent byte as the float32 scale `2^(byte - 127)` (a masked-off 0 reads as 0.0)."""
+    return (stored.to(tl.int32) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -56,12 +73,12 @@ def _quantized(x, scale, QMAX: tl.constexpr, dtype: tl.constexpr):
 
 @triton.jit
 def _quantize_store(x, values_ptrs, scales_ptrs, mask, scale_mask, QMAX: tl.constexpr):
-    """x `[T, KVH, D]` fp32 -> FP8 values and one float32 scale per (token, head); returns what the
+    """x `[T, KVH, D]` fp32 -> FP8 values and one scale per (token, head); returns what the
     cache now holds, dequantized: `[T, KVH, D]` fp32 (values x scale)."""
     scale = _scale_of(tl.max(tl.abs(x), axis=2), QMAX)                                # [T, KVH]
     q = _quantized(x, scale[:, :, None], QMAX, values_ptrs.dtype.element_ty)
     tl.store(values_ptrs, q, mask=mask)
-    tl.store(scales_ptrs, scale, mask=scale_mask)
+    tl.store(scales_ptrs, _stored_scale(scale), mask=scale_mask)
     return q.to(tl.float32) * scale[:, :, None]
 
 
@@ -105,7 +122,7 @@ def kv_write_launch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, sl
                     config: KernelConfig, target: str, kv_scales: torch.Tensor | None = None,
                     dequantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> Launch:
     """k, v `[T, KVH, D]`; kv_cache `[2, NB, page, KVH, D]`; slot_mapping `[T]` int64 (one plane).
-    `config.block_m` tokens per program. With `kv_scales: [2, NB, page, KVH]` float32, `kv_cache`
+    `config.block_m` tokens per program. With `kv_scales: [2, NB, page, KVH]` exponent bytes, `kv_cache`
     holds 8-bit values (`hal.common.kv_quant.QuantLayout` views) and the write quantizes; `dequantized`
     (two contiguous `[T, KVH, D]` tensors) then receives K and V as the cache holds them."""
     num_tokens, num_kv_heads, head_dim = k.shape

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from hal.kernels.configs import KernelConfig
-from hal.kernels.kv_write import _quantized, _scale_of
+from hal.kernels.kv_write import _quantized, _scale_of, _stored_scale
 from hal.kernels.launch import (EXACT_ROUNDING, Launch, backend_of, check_device, launch_options, next_pow2,
                                run_launch)
 from hal.kernels.ops import (
@@ -82,7 +82,7 @@ def _rotary_kv_write_quant_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_values_ptr, 
                                   HEAD_DIM_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
                                   HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr, INTERLEAVED: tl.constexpr,
                                   DEQUANT_OUT: tl.constexpr = False, PDL: tl.constexpr = False):
-    """`_rotary_kv_write_kernel` into an 8-bit cache: values `[2, NB, page, KVH, D]` and one float32
+    """`_rotary_kv_write_kernel` into an 8-bit cache: values `[2, NB, page, KVH, D]` and one exponent byte
     scale per (slot, KV head), `[2, NB, page, KVH]`. DEQUANT_OUT: also K and V as the cache holds
     them, dequantized to k's dtype, into k_out / v_out `[T, KVH, D]` (contiguous), every token (zeros
     for slot -1, which no query attends), as `kv_write`'s own DEQUANT_OUT."""
@@ -105,7 +105,7 @@ def _rotary_kv_write_quant_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_values_ptr, 
     second = _quantized(second, scale[:, None], QMAX, fp8)
     tl.store(k_values_ptr + rows[:, None] + at_first, first, mask=mask)
     tl.store(k_values_ptr + rows[:, None] + at_second, second, mask=mask)
-    tl.store(k_scales_ptr + scale_rows, scale, mask=heads < live)
+    tl.store(k_scales_ptr + scale_rows, _stored_scale(scale), mask=heads < live)
     if DEQUANT_OUT:       # a fresh prefill attends over these (hal/kernels/fresh.py); slot -1 rows hold 0
         out_rows = token.to(tl.int64) * (num_kv_heads * HEAD_DIM) + (kv_head + heads) * HEAD_DIM        # [KVH]
         out_mask = (heads < num_kv_heads - kv_head)[:, None] & (tl.arange(0, HALF_PAD) < HALF)[None, :]
@@ -121,7 +121,7 @@ def _rotary_kv_write_quant_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_values_ptr, 
     scale = _scale_of(tl.max(tl.abs(v), axis=1), QMAX)
     v = _quantized(v, scale[:, None], QMAX, fp8)
     tl.store(v_values_ptr + rows[:, None] + dims[None, :], v, mask=mask)
-    tl.store(v_scales_ptr + scale_rows, scale, mask=heads < live)
+    tl.store(v_scales_ptr + scale_rows, _stored_scale(scale), mask=heads < live)
     if DEQUANT_OUT:
         out_mask = (heads < num_kv_heads - kv_head)[:, None] & (dims < HEAD_DIM)[None, :]
         tl.store(v_out_ptr + out_rows[:, None] + dims[None, :], (v.to(tl.float32) * scale[:, None]).to(dtype),
@@ -141,11 +141,11 @@ def _write_head_kv(k_src, v_src, cos, sin, k_dst, v_dst, k_scale_dst, v_scale_ds
         k = _rotated_head(k_src, cos, sin, dims, HEAD_DIM // 2, INTERLEAVED, k_src.dtype.element_ty)
         k_scale = _scale_of(tl.max(tl.abs(k), 0), QMAX)
         tl.store(k_dst + dims, _quantized(k, k_scale, QMAX, fp8), mask=valid)
-        tl.store(k_scale_dst, k_scale)
+        tl.store(k_scale_dst, _stored_scale(k_scale))
         v = v.to(tl.float32)
         v_scale = _scale_of(tl.max(tl.abs(v), 0), QMAX)
         tl.store(v_dst + dims, _quantized(v, v_scale, QMAX, fp8), mask=valid)
-        tl.store(v_scale_dst, v_scale)
+        tl.store(v_scale_dst, _stored_scale(v_scale))
     else:
         dtype = k_dst.dtype.element_ty
         k = _rotated_head(k_src, cos, sin, dims, HEAD_DIM // 2, INTERLEAVED, dtype)
@@ -160,7 +160,7 @@ def rotary_kv_write_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
                            dequantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> Launch:
     """q `[T, H, D]`, k and v `[T, KVH, D]` (unit stride along D), positions `[T]`, kv_cache
     `[2, NB, page, KVH, D]`, slot_mapping `[T]` int64 (one plane); q_out `[T, H, D]` receives q,
-    `k_out` `[T, KVH, D]` (optional) the rotated k. With `kv_scales: [2, NB, page, KVH]` float32
+    `k_out` `[T, KVH, D]` (optional) the rotated k. With `kv_scales: [2, NB, page, KVH]` exponent bytes
     the cache holds 8-bit values and the write quantizes (no `k_out` then); `dequantized` (two
     contiguous `[T, KVH, D]` tensors) then receives K and V as the cache holds them."""
     if dequantized is not None and kv_scales is None:

@@ -180,10 +180,11 @@ def test_grouped_query_decode_on_the_row_kernel_matches_reference(monkeypatch, k
     assert err <= TOLERANCE[torch.bfloat16], f"max error {err:.2e}"
 
 
-def test_split_contexts_take_the_split_config_where_the_table_has_one():
+def test_split_and_dense_batches_take_their_config_where_the_table_has_one():
     """`attention_row_decode_split` serves 16-bit caches whose context splits 16 ways (a sequence or
     two), `attention_row_decode_split_fp8` 8-bit ones; fewer splits and unsplit batches keep the
-    row entries, and a table without the split entry uses the row entry."""
+    row entries, and a table without the split entry uses the row entry. Batches with many programs
+    per compute unit take `attention_row_decode_dense(_fp8)` where the table has it."""
     split = KernelConfig(1, 8, 1, 2)
     configs = {**ROWS, "attention_reduce": KernelConfig(1, 1, 1, 1), attend.SPLIT_ROW_KEY: split}
 
@@ -207,6 +208,13 @@ def test_split_contexts_take_the_split_config_where_the_table_has_one():
     assert block_n(1, split_fp8, torch.ones(2, 4, 16, 2), torch.float8_e4m3fn)[0] == 4
     assert block_n(64, split_fp8, torch.ones(2, 4, 16, 2), torch.float8_e4m3fn)[0] == \
         ROWS["attention_row_decode_fp8"].block_n
+    # at least DENSE_ROW_MIN_PROGRAMS (sequence, head) programs per compute unit: the dense entry
+    dense = {**split_fp8, attend.DENSE_ROW_KEY + "_fp8": KernelConfig(1, 2, 1, 3)}
+    many = attend.DENSE_ROW_MIN_PROGRAMS * 64 // 2                 # 2 heads per sequence, 64 units
+    assert block_n(many, dense, torch.ones(2, 4, 16, 2), torch.float8_e4m3fn) == (2, 1)
+    assert block_n(many - 1, dense, torch.ones(2, 4, 16, 2), torch.float8_e4m3fn)[0] == \
+        ROWS["attention_row_decode_fp8"].block_n
+    assert block_n(many, dense)[0] == ROWS["attention_row_decode"].block_n     # no 16-bit dense entry
 
 
 def test_rising_scores_move_the_lazy_maximum(monkeypatch):
@@ -232,13 +240,16 @@ def test_rising_scores_move_the_lazy_maximum(monkeypatch):
 
 
 def _poison_slot(backend, cache: torch.Tensor, slot: int) -> None:
-    """Every byte the slot stores set to 0xFF: NaN in bf16 and fp8 values and in float32 scales."""
+    """Every byte the slot stores set to 0xFF: NaN in bf16 and fp8 values, an infinite exponent-byte
+    scale, NaN in a float32 one."""
     layout = backend.kv_layout
     if layout is None:
         cache.view(torch.uint8).view(2, -1, cache[0, 0, 0].numel() * cache.element_size())[:, slot] = 0xFF
         return
-    layout.value_bytes(cache).flatten(1, 2)[:, slot] = 0xFF
-    layout.head_scales(cache)[:, slot // layout.block_size, :, slot % layout.block_size] = float("nan")
+    layout.value_bytes(cache)[:, slot // layout.block_size, slot % layout.block_size] = 0xFF
+    scales = layout.head_scales(cache)
+    scales[:, slot // layout.block_size, :, slot % layout.block_size] = \
+        0xFF if scales.dtype == torch.uint8 else float("nan")
 
 
 @pytest.mark.parametrize("kv_dtype,head_dim,interleaved", [

@@ -15,7 +15,7 @@ import zoo
 from hal.base import Caps
 from hal.cpu import CpuHal
 from hal.common.torch_attention import TorchPagedAttention
-from hal.common.kv_quant import QUANT_MAX, QuantLayout, fake_quantize, quantize
+from hal.common.kv_quant import QUANT_MAX, QuantLayout, decode_scales, encode_scales, fake_quantize, quantize
 from runtime import SamplingParams
 from runtime.config import EngineConfig
 from runtime.engine.llm_engine import LLMEngine
@@ -38,15 +38,22 @@ def test_quantization_error_and_row_layout(kv_dtype, single_thread):
     back = fake_quantize(x, kv_dtype)
     bound = x.abs() * RELATIVE[kv_dtype] + scale[..., None] * ABSOLUTE[kv_dtype] * (1 + 1e-6)
     assert (back - x).abs().le(bound).all() and torch.equal(back[3, 1], x[3, 1])
-    peaks = q.float().abs().amax(-1)                                # each vector's absmax maps to QMAX
-    assert peaks[3, 1] == 0 and (peaks.index_fill(0, torch.tensor([3]), QUANT_MAX[kv_dtype]) ==
-                                 QUANT_MAX[kv_dtype]).all()
+    qmax = QUANT_MAX[kv_dtype]
+    peaks = q.float().abs().amax(-1).index_fill(0, torch.tensor([3]), qmax)
+    assert q[3, 1].float().abs().max() == 0
+    if kv_dtype.is_floating_point:     # a power-of-two scale: each absmax lands in [QMAX / 2, QMAX]
+        assert (peaks >= qmax / 2).all() and (peaks <= qmax).all()
+        assert torch.equal(scale, 2.0 ** scale.log2().round()) and scale[3, 1] == 1.0
+        assert torch.equal(decode_scales(encode_scales(scale, kv_dtype)), scale)
+    else:                              # int8: each absmax maps to QMAX
+        assert (peaks == qmax).all()
     # a slot's values and scales: written once, read back, copied together
     backend = TorchPagedAttention(6, 3, 24, torch.float32, torch.device("cpu"), 4, kv_dtype=kv_dtype)
     layout = backend.kv_layout
-    assert layout == QuantLayout(3, 24, 4, kv_dtype) and layout.slot_bytes == 3 * (24 + 4)
+    scale_bytes = 1 if kv_dtype.is_floating_point else 4             # exponent bytes, float32
+    assert layout == QuantLayout(3, 24, 4, kv_dtype) and layout.slot_bytes == 3 * (24 + scale_bytes)
     cache = torch.zeros(backend.kv_cache_shape(12), dtype=backend.kv_cache_dtype)
-    assert cache.shape == (2, 12 * 4 * 3 * 28)
+    assert cache.shape == (2, -(-12 * 4 * 3 * (24 + scale_bytes) // 16) * 16)   # halves 16-byte aligned
     slots = torch.randperm(48)[:40]
     layout.write(cache, 0, slots, x)
     layout.write(cache, 1, slots, -x)
@@ -55,6 +62,17 @@ def test_quantization_error_and_row_layout(kv_dtype, single_thread):
     free = torch.tensor(sorted(set(range(48)) - set(slots.tolist())))
     backend.copy_kv(cache, slots[:8], free[:8])
     assert torch.equal(backend.read_kv(cache, free[:8])[0], back[:8])
+    # head-major values: one head's keys of a block are one contiguous run, as are their scales;
+    # slot-major (Ascend's) holds the same slots' values in the other order
+    tile = layout.values(cache)[0, 5, :, 1]                          # [bs, D]: block 5, KV head 1
+    assert tile.is_contiguous() and layout.scales(cache)[0, 5, :, 1].is_contiguous()
+    slot_major = layout._replace(heads_outer=False)
+    mine, other = torch.zeros_like(cache), torch.zeros_like(cache)
+    layout.write(mine, 0, slots, x)
+    slot_major.write(other, 0, slots, x)
+    assert slot_major.values(other)[0, 5, :, 1].stride() == (3 * 24, 1)
+    assert torch.equal(slot_major.value_bytes(other), layout.value_bytes(mine)) and not torch.equal(mine, other)
+    assert torch.equal(slot_major.head_scales(other), layout.head_scales(mine))
 
 
 @pytest.mark.parametrize("name", golden_names())
@@ -179,9 +197,10 @@ def test_kv_dtype_settings_and_cache_size(single_thread):
     blocks = {kv: LLMEngine(model, CPU, EngineConfig(kv_dtype=kv, kv_cache_memory_bytes=budget)).runner.num_blocks
               for kv in ("auto", "fp8", "int8")}
     spec = model.kv_spec
-    row = QuantLayout(spec.num_kv_heads, spec.head_dim, 16, FP8).slot_bytes
-    assert blocks["fp8"] == blocks["int8"] and abs(blocks["fp8"] / blocks["auto"] - 4 * spec.num_kv_heads *
-                                                   spec.head_dim / row) < 0.1
+    for kv, dtype in (("fp8", FP8), ("int8", torch.int8)):      # fp32 rows against 8-bit rows and scales
+        row = QuantLayout(spec.num_kv_heads, spec.head_dim, 16, dtype).slot_bytes
+        assert abs(blocks[kv] / blocks["auto"] - 4 * spec.num_kv_heads * spec.head_dim / row) < 0.1
+    assert blocks["fp8"] > blocks["int8"]                        # exponent-byte scales against float32
 
 
 def test_bench_runs_fp8_cells(single_thread):
@@ -205,5 +224,5 @@ def test_bench_runs_fp8_cells(single_thread):
     quantize_fp8(model)
     fp8 = model_costs(model, 4, kv_bytes_per_layer_token=2 * QuantLayout(4, 16, 16, FP8).slot_bytes)
     assert fp8.loop_params == plain.loop_params and fp8.loop_bytes < plain.loop_bytes / 3.5
-    # KVH 4 x D 16: 2 x 256 bytes per layer-token in float32, 2 x (64 values + 16 bytes of scales) in FP8
-    assert fp8.kv_bytes_per_token * 512 == plain.kv_bytes_per_token * 160
+    # KVH 4 x D 16: 2 x 256 bytes per layer-token in float32, 2 x (64 values + 4 exponent bytes) in FP8
+    assert fp8.kv_bytes_per_token * 512 == plain.kv_bytes_per_token * 136
