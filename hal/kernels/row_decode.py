@@ -18,8 +18,9 @@ its P before the PV accumulation (v_scale[n]); the sums stay the unscaled P's.
 Grid `(num_heads, num_seqs, NUM_SPLITS)`, heads fastest: the programs of one sequence's heads run side
 by side over the same cache rows (a slot's row holds every head's values; H200, 128 x 1K over FP8:
 212 -> 187 us per layer-plane against sequences fastest, when the scales still lay in the rows too).
-A tile's scales are one contiguous run per KV head (hal/common/kv_quant.py) and a tile of at most a
-page looks its page up once (`_pages`): per tile, not per key (lever 70). Sequences
+A tile's values and scales are one contiguous run each per KV head (hal/common/kv_quant.py; the
+scales exponent bytes, which tiles of 16 keys or more load as words: lever 76) and a tile of at most a
+page looks its page up once (`_pages`): per tile, not per key (levers 70, 74). Sequences
 without a query this step (graph padding) return at once; with `NUM_SPLITS > 1` the partials go to
 hal/kernels/splits.py's reduce. At two stages the pages of a tile come from the block table one
 iteration ahead, as in the unified kernel (its lever 22); with more, each tile reads its own and the
@@ -76,9 +77,19 @@ def _pages(table_ptr, tile, last_pos, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.const
 
 
 @triton.jit
+def _word_scales(scale_ptr, BLOCK_N: tl.constexpr):
+    """The `BLOCK_N` exponent bytes from `scale_ptr` (4-byte aligned), loaded as `BLOCK_N / 4` words.
+    Why: a lane's 1-byte load is no cp.async candidate; words are, and the pipeliner stages them in
+    shared memory with the K/V tiles (sm_90, 16 keys x 1 warp x 3 stages: 8,200 -> 8,264 bytes)."""
+    words = tl.load(scale_ptr.to(tl.pointer_type(tl.int32)) + tl.arange(0, BLOCK_N // 4))      # [N / 4]
+    stored = (words[:, None] >> (tl.arange(0, 4) * 8)[None, :]) & 0xFF       # [N / 4, 4]: key 4i + j (little-endian)
+    return _loaded_scale(tl.reshape(stored, [BLOCK_N]))
+
+
+@triton.jit
 def _load_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page, head_off, scale_head, tile, last_pos, stride_cb,
                stride_ct, stride_sb, stride_st, dims, dim_valid, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-               MASKED: tl.constexpr, KV_QUANT: tl.constexpr):
+               MASKED: tl.constexpr, KV_QUANT: tl.constexpr, WORD_SCALES: tl.constexpr = False):
     """Keys and values [tile * BLOCK_N, (tile + 1) * BLOCK_N) on pages `page` [N], as the cache holds
     them, and their scales (8-bit caches; else 1): `(k, v, k_scale, v_scale)`. `MASKED`: keys past
     `last_pos` read as zeros (a last position of -1 reads nothing)."""
@@ -94,7 +105,11 @@ def _load_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page, head_of
     v = tl.load(v_cache_ptr + offsets, mask=mask, other=0.0)
     if KV_QUANT:
         scale_off = page * stride_sb + slot * stride_st + scale_head
-        if MASKED:
+        if WORD_SCALES and not MASKED:       # the tile's scales: one run of BLOCK_N bytes on one page
+            first = page * stride_sb + (tile * BLOCK_N) % PAGE_SIZE + scale_head
+            k_scale = _word_scales(k_scale_ptr + first, BLOCK_N)
+            v_scale = _word_scales(v_scale_ptr + first, BLOCK_N)
+        elif MASKED:
             k_scale = _loaded_scale(tl.load(k_scale_ptr + scale_off, mask=key_valid, other=0))
             v_scale = _loaded_scale(tl.load(v_scale_ptr + scale_off, mask=key_valid, other=0))
         else:
@@ -146,11 +161,11 @@ def _consume_tile(acc, m_i, l_i, q, k, v, k_scale, v_scale, tile, last_pos, BLOC
 def _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page, head_off, scale_head,
                  tile, last_pos, stride_cb, stride_ct, stride_sb, stride_st, dims, dim_valid,
                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, KV_QUANT: tl.constexpr,
-                 LAZY: tl.constexpr):
+                 LAZY: tl.constexpr, WORD_SCALES: tl.constexpr = False):
     """Keys [tile * BLOCK_N, (tile + 1) * BLOCK_N) on pages `page` [N] into the N streams."""
     k, v, k_scale, v_scale = _load_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page, head_off, scale_head,
                                         tile, last_pos, stride_cb, stride_ct, stride_sb, stride_st, dims,
-                                        dim_valid, PAGE_SIZE, BLOCK_N, MASKED, KV_QUANT)
+                                        dim_valid, PAGE_SIZE, BLOCK_N, MASKED, KV_QUANT, WORD_SCALES)
     return _consume_tile(acc, m_i, l_i, q, k, v, k_scale, v_scale, tile, last_pos, BLOCK_N, MASKED, KV_QUANT,
                          LAZY)
 
@@ -165,7 +180,8 @@ def _row_decode_kernel(
         PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, KV_QUANT: tl.constexpr, NUM_STAGES: tl.constexpr,
         ROTARY: tl.constexpr = False, INTERLEAVED: tl.constexpr = False, QMAX: tl.constexpr = 0.0,
-        LAZY: tl.constexpr = True, GROUP: tl.constexpr = 1, PDL: tl.constexpr = False):
+        LAZY: tl.constexpr = True, GROUP: tl.constexpr = 1, WORD_SCALES: tl.constexpr = False,
+        PDL: tl.constexpr = False):
     head = tl.program_id(0)
     kv_head = head // GROUP
     seq = tl.program_id(1)
@@ -233,7 +249,7 @@ def _row_decode_kernel(
             acc, m_i, l_i = _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                                          page, head_off, scale_head, tile, last_pos, stride_cb, stride_ct,
                                          stride_sb, stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, False,
-                                         KV_QUANT, LAZY)
+                                         KV_QUANT, LAZY, WORD_SCALES)
             page = next_page
     else:
         # several tiles in flight: a page carried from the iteration before would tie every load to
@@ -243,7 +259,7 @@ def _row_decode_kernel(
             acc, m_i, l_i = _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                                          page, head_off, scale_head, tile, last_pos, stride_cb, stride_ct,
                                          stride_sb, stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, False,
-                                         KV_QUANT, LAZY)
+                                         KV_QUANT, LAZY, WORD_SCALES)
     if tile_hi > num_full and tile_hi > tile_lo:             # the sequence's last, partial tile
         tile = tile_hi - 1
         page = _pages(table_ptr, tile, last_pos, PAGE_SIZE, BLOCK_N)
@@ -274,6 +290,19 @@ class NewKV(NamedTuple):
     inv_freq: torch.Tensor          # [D / 2] float32 (hal.kernels.ops._inv_freq)
     slot_mapping: torch.Tensor      # [T] int64, the plane's; -1 stores nothing
     interleaved: bool               # GPT-J pairs, else NeoX halves
+
+
+def _word_scales_fit(kv_scales: torch.Tensor | None, page_size: int, block_n: int) -> bool:
+    """Whether the kernel loads a tile's exponent bytes as words (`_word_scales`): head-major bytes
+    (`QuantLayout`) in aligned runs, a tile on one page, and at least 16 keys. H200, FP8 at 64 / 128 x
+    1K, per layer-plane: 16 keys x 1 warp x 3 stages 72.95 -> 69.49 / 140.52 -> 132.65 us with words,
+    engine step at 64 x 1K 12.46 -> 12.01 ms; 8 keys x 1 x 3 (the dense entry at 128 x 1K) 129.89 ->
+    132.54, step 18.77 -> 18.93 ms: bytes stay there (docs/performance.md, lever 76)."""
+    if kv_scales is None or kv_scales.dtype != torch.uint8 or kv_scales.stride(2) != 1:
+        return False
+    strides = kv_scales.stride()[:2] + kv_scales.stride()[3:]
+    aligned = kv_scales.data_ptr() % 4 == 0 and all(stride % 4 == 0 for stride in strides)
+    return page_size % block_n == 0 and block_n >= 16 and aligned
 
 
 def row_decode_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -316,6 +345,7 @@ def row_decode_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
         *scale_strides, *fresh), dict(
         PAGE_SIZE=page_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=config.block_n,
         NUM_SPLITS=num_splits, KV_QUANT=kv_scales is not None, NUM_STAGES=config.num_stages,
+        WORD_SCALES=_word_scales_fit(kv_scales, page_size, config.block_n),
         GROUP=num_heads // num_kv_heads, **rotary, **qmax, **launch_options(config, target)))
     if num_splits == 1:
         return [main]
