@@ -47,9 +47,9 @@ def test_tables_compile_clean(table, target, reports, record_property):
 def test_fp8_kernels_compile_clean(target, reports, record_property):
     """Attention over an FP8 KV cache, the quantizing KV writes (alone and with rotary), the W8A16
     linear and decode GEMV, each in the target's own format (e4m3fnuz on gfx942, e4m3fn on gfx950),
-    in its arch table. (sm_90 compiles
-    clean too, `python -m xcompile --fp8 --targets sm_90`; left to the H200 run to save
-    10 s of CI.)"""
+    in its arch table. (sm_90: `python -m xcompile --fp8 --targets sm_90`, left out of CI to save
+    10 s; clean but for the unified FP8 decode kernel, which has spilled 16-56 bytes since the
+    exponent-byte scales, docs/performance.md lever 75.)"""
     rows = xcompile.check_fp8((target,))
     reports.extend(rows)
     record_property("xcompile_fp8", xcompile.format_table(rows))
