@@ -150,12 +150,16 @@ class QuantLayout(NamedTuple):
         num_blocks = self.num_blocks(cache)
         return num_blocks, num_blocks * self.block_size * self.num_kv_heads * self.head_dim
 
+    def _stored_values(self, cache: torch.Tensor) -> torch.Tensor:
+        """The values in memory order: `[2, NB, KVH, bs, D]` head-major, `[2, NB, bs, KVH, D]` slot-major."""
+        num_blocks, end = self._values_end(cache)
+        inner = (self.num_kv_heads, self.block_size) if self.heads_outer else (self.block_size, self.num_kv_heads)
+        return cache[:, :end].view(2, num_blocks, *inner, self.head_dim)
+
     def value_bytes(self, cache: torch.Tensor) -> torch.Tensor:
         """`[2, NB, bs, KVH, D]` uint8, a view of `cache` (strided when head-major; torch's indexing
         ops take bytes where they take no float8)."""
-        num_blocks, end = self._values_end(cache)
-        inner = (self.num_kv_heads, self.block_size) if self.heads_outer else (self.block_size, self.num_kv_heads)
-        values = cache[:, :end].view(2, num_blocks, *inner, self.head_dim)
+        values = self._stored_values(cache)
         return values.transpose(2, 3) if self.heads_outer else values
 
     def values(self, cache: torch.Tensor) -> torch.Tensor:
@@ -204,8 +208,7 @@ class QuantLayout(NamedTuple):
     def block_views(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Values `[2, NB, KVH, bs, D]` (slot-major: `[2, NB, bs, KVH, D]`) and scales `[2, NB, KVH, bs]`
         as stored, in memory order: what a block holds (swap)."""
-        values = self.value_bytes(cache)
-        return values.transpose(2, 3) if self.heads_outer else values, self.head_scales(cache)
+        return self._stored_values(cache), self.head_scales(cache)
 
     def slot_index(self, slots: torch.Tensor) -> tuple[torch.Tensor, slice, torch.Tensor]:
         """Index of `slots: [N]` into one half's `[NB, KVH, bs]` scales (`[N, KVH]` when indexed)."""
