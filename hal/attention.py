@@ -47,6 +47,9 @@ class MetaCapacity(NamedTuple):
     max_blocks_per_seq: int
     num_planes: int
     max_seq_len: int
+    # every batch is prefills without prior context (each sequence attends over its own new K/V
+    # only): a backend may capture its fresh path (`attend`) for them; `update_meta` refuses others
+    fresh: bool = False
 
 
 class AttentionBackend(ABC):

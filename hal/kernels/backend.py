@@ -111,11 +111,12 @@ class TritonPagedAttention(AttentionBackend):
             # pinned host mirrors: update_meta stages each step's values there and copies them
             # asynchronously into these same device tensors, whose addresses graphs captured
             self._staging[id(tensors[0])] = StagingRing(arrays, self.device)
-        is_fresh = capacity is None and fresh.takes(self.fresh_attention, batch.query_lens, batch.seq_lens,
-                                                    DECODE_MAX_QUERY_LEN)
+        # a captured pass takes the fresh path only where its capacity promises prefills without context
+        is_fresh = (capacity is None or capacity.fresh) and fresh.takes(self.fresh_attention, batch.query_lens,
+                                                                         batch.seq_lens, DECODE_MAX_QUERY_LEN)
         return TritonMeta(*tensors, max_query_len=max(batch.query_lens, default=0),
                           max_seq_len=capacity.max_seq_len if capacity else max(batch.seq_lens, default=0),
-                          fresh_lens=tuple(batch.query_lens) if is_fresh else None)
+                          fresh_lens=tuple(map(int, batch.query_lens)) if is_fresh else None)
 
     def update_meta(self, meta: TritonMeta, batch: PagedBatch) -> list[dict]:
         """Refill a capacity-built `meta` in place: same shapes (the captured bucket), new values."""
@@ -124,6 +125,9 @@ class TritonPagedAttention(AttentionBackend):
             raise ValueError("update_meta needs a meta built with a capacity (build_meta(batch, capacity))")
         if max(batch.query_lens, default=0) != meta.max_query_len:
             raise ValueError("a captured meta takes batches with the same max query length")
+        if meta.fresh_lens is not None and (tuple(map(int, batch.query_lens)) != meta.fresh_lens or not fresh.takes(
+                self.fresh_attention, batch.query_lens, batch.seq_lens, DECODE_MAX_QUERY_LEN)):
+            raise ValueError(f"a captured fresh prefill takes prefills without context of {meta.fresh_lens} tokens")
         staging.stage(self._host_arrays(batch, meta.block_tables.shape[-1]), meta[:4])
         return []
 

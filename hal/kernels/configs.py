@@ -154,10 +154,11 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         # fourteenth session; 16 keys x 4 warps 4.562, 32 keys 4.740, 8 keys x 1 warp x 4 stages 4.917),
         # 4.415 -> 4.352 as this entry (fifteenth); at 8 splits it lost (hal/kernels/attend.py)
         "attention_row_decode_split": KernelConfig(1, 8, 2, 2),
-        # FP8 at batch 1 (16 splits): 8 keys x 1 warp x 4 stages, the whole-batch entry before lever 71;
-        # Ouro-1.4B b1 FP8 KV 4.278 -> 4.225 ms, FP8 weights + KV 3.282 -> 3.180 against 16 x 1 x 3
-        # (2026-12-03, seventeenth session, call 4)
-        "attention_row_decode_split_fp8": KernelConfig(1, 8, 1, 4),
+        # FP8 at batch 1 (16 splits): bf16's 8 keys x 2 warps x 2 stages since levers 74-76 (head-major
+        # values, exponent-byte scales): Ouro-1.4B b1 FP8 KV 4.221 / 4.225 ms -> 4.178 (bf16 4.175 in
+        # the same call; 16 x 2 x 2 4.188, 8 x 1 x 3 4.228, 16 x 1 x 3 4.239), nineteenth session call
+        # 1. Before them 8 x 1 x 4 (4.225 against 16 x 1 x 3's 4.278, seventeenth session)
+        "attention_row_decode_split_fp8": KernelConfig(1, 8, 2, 2),
         # fp32 prefill: 4 warps spill 16 bytes once the pages are loaded a tile ahead; 8 do not
         **_fp32_attention(KernelConfig(16, 32, 8, 2), KernelConfig(16, 32, 4, 2)),
         **_small_ops(4, 1),

@@ -50,8 +50,8 @@ def usable(mode: str | None, dtype: torch.dtype, head_dim: int) -> bool:
 
 def takes(mode: str | None, query_lens: Sequence[int], seq_lens: Sequence[int], decode_max_query_len: int) -> bool:
     """Whether a batch goes to the fresh path: every sequence is a prefill chunk without prior
-    context (query_len == seq_len) and the batch is not decode-like (graphs capture decode batches
-    only; those keep the paged kernel)."""
+    context (query_len == seq_len) and the batch is not decode-like (decode graphs keep the paged
+    kernel; captured prefills take this path where their capacity says `fresh`)."""
     if mode not in MODES or len(query_lens) == 0 or max(query_lens) <= decode_max_query_len:
         return False
     if mode == "sdpa" and len(query_lens) > MAX_SDPA_SEQS:

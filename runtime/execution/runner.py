@@ -7,11 +7,13 @@ of the pool in the backend's layout; a block id means the same block in every on
 `execute` runs every kind of step through one path: a pure decode step (every request computes one
 token and samples it, all at the same depth, no early exit) replays a captured pass
 (runtime/execution/graphs.py), its rows kept across steps in the persistent batch
-(runtime/execution/input_batch.py); a step that is one short prompt (or its last chunk) replays a
+(runtime/execution/input_batch.py); a step that is one prompt (or its last chunk) replays a
 captured prefill of a token-count bucket, so a short prompt costs its weight reads rather than a
-thousand small launches; any other step runs eagerly, packed: prompts, prompt chunks and decodes
-together, and wavefront segments (the eager pass, runtime/execution/eager_pass.py, which the runner
-inherits). Every path ends in `finish_step`, which samples the logits.
+thousand small launches (a long one, where it fills its bucket, saves the launch gaps and attends
+through the backend's fresh path inside the graph, as the eager pass does); any other step runs
+eagerly, packed: prompts, prompt chunks and decodes together, and wavefront segments (the eager
+pass, runtime/execution/eager_pass.py, which the runner inherits). Every path ends in
+`finish_step`, which samples the logits.
 """
 from __future__ import annotations
 
@@ -60,6 +62,20 @@ def plan_num_blocks(hal: Hal, config: EngineConfig, bytes_per_block: int, max_bl
 
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)    # token counts of captured prefills
+# Longer prompts (or last chunks) are captured too where the Hal captures (not the CPU) and they fill a
+# bucket to within 1/64: a 2k-8k token pass is compute-bound, so padding costs its share of the work,
+# while capture saves the eager pass's ~1,300 launch gaps and the host's lead over the first layer
+# (about 2% at 8k tokens). Chunks of max_num_batched_tokens fill theirs exactly.
+LONG_PREFILL_BUCKETS = (2048, 4096, 8192, 16384, 32768)
+MAX_LONG_PADDING = 1 / 64
+
+
+def prefill_buckets(max_num_batched_tokens: int) -> list[int]:
+    """Token counts of the captured prefills a step of at most `max_num_batched_tokens` may take."""
+    buckets = {b for b in PREFILL_BUCKETS + LONG_PREFILL_BUCKETS if b <= max_num_batched_tokens}
+    if max_num_batched_tokens > PREFILL_BUCKETS[-1]:
+        buckets.add(max_num_batched_tokens)          # the width of every full chunk of a long prompt
+    return sorted(buckets)
 
 
 def prefill_program(model: LoopedCausalLM, num_loops: int, sample_row: torch.Tensor):
@@ -115,9 +131,12 @@ class ModelRunner(EagerPass):
         # padded rows need no special slot values in any backend's kernels (step_inputs.pad): enough
         # for the largest captured pass (a verify pass: the drafts and the token before them, per
         # sequence; a prefill capture: one sequence of the widest bucket)
-        self.prefill_buckets = [b for b in PREFILL_BUCKETS if b <= config.max_num_batched_tokens]
+        self.prefill_buckets = prefill_buckets(config.max_num_batched_tokens)
+        # a long bucket's capture runs over its first prompt (graphs.PassGraphs.run): its scratch
+        # slots hold only the padding
         num_scratch_slots = max(config.max_num_seqs * (config.speculative.num_tokens + 1),
-                                max(self.prefill_buckets, default=0))
+                                *(b if b <= PREFILL_BUCKETS[-1] else math.ceil(b * MAX_LONG_PADDING) + self.block_size
+                                  for b in self.prefill_buckets), 0)
         cache_blocks = self.num_blocks + math.ceil(num_scratch_slots / self.block_size)
         self.kv_caches = [torch.zeros(self.backend.kv_cache_shape(cache_blocks), dtype=self.backend.kv_cache_dtype,
                                       device=self.device) for _ in range(spec.layers_per_plane)]
@@ -176,7 +195,12 @@ class ModelRunner(EagerPass):
         if (item.is_wave or not item.samples or item.num_tokens < 2 or req.exit_threshold < 1.0
                 or req.params.prompt_logprobs is not None):
             return None
-        return next((b for b in self.prefill_buckets if b >= item.num_tokens), None)
+        bucket = next((b for b in self.prefill_buckets if b >= item.num_tokens), None)
+        if bucket is not None and bucket > PREFILL_BUCKETS[-1]:
+            # a long pass gains only the launches a real capture saves; padding costs its share
+            if not self.graphs.capture or bucket - item.num_tokens > bucket * MAX_LONG_PADDING:
+                return None
+        return bucket
 
     def is_graph_step(self, scheduled: Sequence[ScheduledRequest]) -> bool:
         """A pure decode step that a captured pass can run (see the module docstring)."""
@@ -207,13 +231,17 @@ class ModelRunner(EagerPass):
         item = scheduled[0]
         req, bucket = item.request, self.prefill_bucket(scheduled)
         host = extend(describe([self.slice_of(item, blocks)], req.num_planes, self.block_size), bucket, self.env)
-        key = ("prefill", bucket, req.num_loops, self.layout.num_planes(req.num_loops))
+        # a long prompt's first chunk (no cached prefix) attends over its own K/V only: the backend's
+        # fresh path, as in the eager pass (cuDNN on Hopper, twice the paged kernel's rate at 8k). Short
+        # buckets keep the paged kernel: flash inside the 1,024-token graph lost 1.6 ms of TTFT (H200).
+        fresh = item.first_token == 0 and bucket > PREFILL_BUCKETS[-1]
+        key = ("prefill", bucket, req.num_loops, self.layout.num_planes(req.num_loops), fresh)
         if key not in self.prefill_rows:
             self.prefill_rows[key] = torch.zeros(1, dtype=torch.long, device=self.device)
         sample_row = self.prefill_rows[key]
         sample_row.copy_(torch.tensor([item.num_tokens - 1]), non_blocking=True)
         logits = self.graphs.run(key, prefill_program(self.model, req.num_loops, sample_row), host, bucket,
-                                 key[3], fed_from=fed_from)
+                                 key[3], fed_from=fed_from, fresh=fresh)
         return self.finish_step(logits, [req], [req.num_loops], item.num_tokens, deferred, fed_from=fed_from)
 
     def _execute_eager(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager,

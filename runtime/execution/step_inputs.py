@@ -204,8 +204,10 @@ def extend(host: HostInputs, num_tokens: int, env: PassEnv) -> HostInputs:
     tables = [[list(plane[0]) + [env.scratch_block + j for j in range(max(0, need - len(plane[0])))]]
               for plane in batch.block_tables]
     assert need - len(batch.block_tables[0][0]) <= env.num_scratch_slots // bs, "too few scratch blocks"
-    return host._replace(token_ids=list(host.token_ids) + [0] * extra,
-                         positions=list(host.positions) + list(range(end, end + extra)),
+    return host._replace(token_ids=np.concatenate([np.asarray(host.token_ids, dtype=np.int64),
+                                                   np.zeros(extra, dtype=np.int64)]),
+                         positions=np.concatenate([np.asarray(host.positions, dtype=np.int64),
+                                                   np.arange(end, end + extra, dtype=np.int64)]),
                          batch=batch._replace(query_lens=[num_tokens], seq_lens=[end + extra], block_tables=tables),
                          draws=host.draws + ([(None, extra)] if extra else []))
 

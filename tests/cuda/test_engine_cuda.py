@@ -71,3 +71,34 @@ def test_graphs_equal_eager_at_ouro_1_4b_shape_bf16():
     same = sum(results[True][k] == results[False][k] for k in results[False])
     print(f"graphs vs eager, Ouro-1.4B shape bf16, 64 requests: {same}/64 identical")
     assert same == 64
+
+
+@pytest.mark.parametrize("prompt_len", [4096, 2040])
+def test_a_long_prompt_replays_a_captured_fresh_prefill(prompt_len, monkeypatch):
+    """A prompt that fills a long prefill bucket (exactly, or to within 1/64) replays a captured pass
+    whose attention is the fresh path (cuDNN from 2,048 tokens at Ouro's head shape), captured over
+    the prompt itself; its greedy tokens equal the eager pass's."""
+    from hal.kernels import fresh
+    from runtime.execution.runner import ModelRunner
+
+    gpu = hal.get("cuda")
+    model = zoo.from_config(CONFIGS / "ouro-1.4b.json", dtype="bfloat16", device=gpu.device(), seed=0)
+    rng = random.Random(prompt_len)
+    prompt = [rng.randrange(1, 49152) for _ in range(prompt_len)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    results = {}
+    for captured in (True, False):
+        if not captured:
+            monkeypatch.setattr(ModelRunner, "prefill_bucket", lambda self, scheduled: None)
+        engine = LLMEngine(model, gpu, EngineConfig(max_num_seqs=1, max_model_len=4200, max_num_batched_tokens=4096))
+        engine.add_request("0", prompt, params)
+        results[captured] = [o.token_ids for o in engine.run_until_done()]
+        if captured:
+            keys = [k for k in engine.runner.graphs.captured if k[0] == "prefill"]
+            assert len(keys) == 1 and keys[0][1] == (4096 if prompt_len == 4096 else 2048) and keys[0][-1], keys
+            assert engine.runner.graphs.captured[keys[0]].ctx.meta.fresh_lens == (keys[0][1],)
+        del engine
+        torch.cuda.empty_cache()
+    assert not fresh._cudnn_refused, fresh._cudnn_refused[:1]
+    print(f"captured vs eager prefill of {prompt_len} tokens: {results[True]} / {results[False]}")
+    assert results[True] == results[False]

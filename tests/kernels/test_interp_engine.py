@@ -114,3 +114,49 @@ def test_row_kernel_rotary_in_the_engine_gives_the_two_launch_tokens(monkeypatch
             assert engine.runner.graphs.captured, "the padded decode path was not used"
         assert outs[True] == outs[False], name
     assert any(fused_steps), "no decode step took the fused path"
+
+
+def test_long_prompts_replay_captured_fresh_prefills(monkeypatch):
+    """A prompt that fills a long bucket to within `MAX_LONG_PADDING` replays a captured prefill
+    whose attention is the backend's fresh path (`MetaCapacity.fresh`), captured over its own first
+    batch (the scratch slots hold only padding); one that would pad more runs eagerly; a short
+    prompt whose bucket reaches past max_model_len fits the captured tables (it once raised "a block
+    table has 4 blocks, more than max_blocks=3"). Greedy tokens are the eager pass's."""
+    from runtime.execution import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "PREFILL_BUCKETS", (16,))      # 32 and 64 stand in for 2k-32k
+    monkeypatch.setattr(runner_module, "LONG_PREFILL_BUCKETS", (32, 64))
+
+    class FreshOnCpu(CpuHal):
+        def attention(self, num_heads, num_kv_heads, head_dim, dtype, block_size=None, backend=None):
+            return TritonPagedAttention(num_heads, num_kv_heads, head_dim, dtype, self.device(), block_size or 16,
+                                        fresh_attention="sdpa")
+
+    case = golden_case("ouro-tiny")
+    model = zoo.from_pretrained(case.path, dtype="bfloat16")
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=gen).tolist() for n in (64, 60, 10)]
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for captured in (True, False):
+        if not captured:
+            monkeypatch.setattr(runner_module.ModelRunner, "prefill_bucket", lambda self, scheduled: None)
+        with interpreter(), torch.inference_mode():
+            engine = LLMEngine(model, FreshOnCpu(), EngineConfig(block_size=4, max_num_batched_tokens=64,
+                                                                 max_model_len=66, graphs=True, max_num_seqs=1))
+            short = LLMEngine(model, FreshOnCpu(), EngineConfig(block_size=4, max_num_batched_tokens=64,
+                                                                max_model_len=12, graphs=True, max_num_seqs=1))
+            outs[captured] = []
+            for eng, prompt in ((engine, prompts[0]), (engine, prompts[1]), (short, prompts[2])):
+                eng.add_request(str(len(prompt)), prompt, params)
+                outs[captured] += [o.token_ids for o in eng.run_until_done()]
+        if captured:
+            runner = engine.runner
+            assert runner.env.num_scratch_slots < 64
+            prefills = {k[1:] for k in runner.graphs.captured if k[0] == "prefill"}
+            loops = model.default_num_loops
+            assert prefills == {(64, loops, runner.layout.num_planes(loops), True)}     # not the 60-token prompt
+            meta = runner.graphs.captured[("prefill", 64, loops, runner.layout.num_planes(loops), True)].ctx.meta
+            assert meta.fresh_lens == (64,)
+            assert {k[1] for k in short.runner.graphs.captured if k[0] == "prefill"} == {16}
+    assert outs[True] == outs[False]
