@@ -8,9 +8,8 @@ of the pool in the backend's layout; a block id means the same block in every on
 token and samples it, all at the same depth, no early exit) replays a captured pass
 (runtime/execution/graphs.py), its rows kept across steps in the persistent batch
 (runtime/execution/input_batch.py); a step that is one prompt (or its last chunk) replays a
-captured prefill of a token-count bucket, so a short prompt costs its weight reads rather than a
-thousand small launches (a long one, where it fills its bucket, saves the launch gaps and attends
-through the backend's fresh path inside the graph, as the eager pass does); any other step runs
+captured prefill of a token-count bucket (runtime/execution/prefill_buckets.py), so a prompt costs
+its device work rather than a thousand launches from the host; any other step runs
 eagerly, packed: prompts, prompt chunks and decodes together, and wavefront segments (the eager
 pass, runtime/execution/eager_pass.py, which the runner inherits). Every path ends in
 `finish_step`, which samples the logits.
@@ -34,6 +33,7 @@ from runtime.execution.graphs import PassGraphs
 from runtime.execution.input_batch import InputBatch
 from runtime.execution.quantization import prepare_weights, resolve_kv_dtype
 from runtime.execution.logprobs import StepLogprobs
+from runtime.execution.prefill_buckets import PrefillBuckets
 from runtime.execution.row_sampling import RowSampling, StepRows
 from runtime.execution.sampler import SamplingTensors, sample
 from runtime.execution.step_inputs import PassEnv, describe, describe_rows, extend
@@ -59,23 +59,6 @@ def plan_num_blocks(hal: Hal, config: EngineConfig, bytes_per_block: int, max_bl
         raise MemoryError(f"no memory left for the KV cache (budget {budget / 2**20:.0f} MiB, "
                           f"{bytes_per_block} bytes per block); raise gpu_memory_utilization or set num_kv_blocks")
     return int(num_blocks)
-
-
-PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)    # token counts of captured prefills
-# Longer prompts (or last chunks) are captured too where the Hal captures (not the CPU) and they fill a
-# bucket to within 1/64: a 2k-8k token pass is compute-bound, so padding costs its share of the work,
-# while capture saves the eager pass's ~1,300 launch gaps and the host's lead over the first layer
-# (about 2% at 8k tokens). Chunks of max_num_batched_tokens fill theirs exactly.
-LONG_PREFILL_BUCKETS = (2048, 4096, 8192, 16384, 32768)
-MAX_LONG_PADDING = 1 / 64
-
-
-def prefill_buckets(max_num_batched_tokens: int) -> list[int]:
-    """Token counts of the captured prefills a step of at most `max_num_batched_tokens` may take."""
-    buckets = {b for b in PREFILL_BUCKETS + LONG_PREFILL_BUCKETS if b <= max_num_batched_tokens}
-    if max_num_batched_tokens > PREFILL_BUCKETS[-1]:
-        buckets.add(max_num_batched_tokens)          # the width of every full chunk of a long prompt
-    return sorted(buckets)
 
 
 def prefill_program(model: LoopedCausalLM, num_loops: int, sample_row: torch.Tensor):
@@ -130,13 +113,14 @@ class ModelRunner(EagerPass):
         # scratch slots past the pool, which the padding rows of captured passes write and read, so
         # padded rows need no special slot values in any backend's kernels (step_inputs.pad): enough
         # for the largest captured pass (a verify pass: the drafts and the token before them, per
-        # sequence; a prefill capture: one sequence of the widest bucket)
-        self.prefill_buckets = prefill_buckets(config.max_num_batched_tokens)
-        # a long bucket's capture runs over its first prompt (graphs.PassGraphs.run): its scratch
-        # slots hold only the padding
+        # sequence; a prefill capture: one sequence of a short bucket, the padding of a longer one)
+        if config.graphs and not self.backend.caps.graphs:
+            raise ValueError(f"graphs=true, but attention backend {self.backend.name!r} cannot be captured")
+        # on by default where the Hal records device work; off = the same padded path, eager
+        captures = self.backend.caps.graphs and capture_allowed(hal, model, config.graphs)
+        self.prefill_buckets = PrefillBuckets(config.max_num_batched_tokens, captures)
         num_scratch_slots = max(config.max_num_seqs * (config.speculative.num_tokens + 1),
-                                *(b if b <= PREFILL_BUCKETS[-1] else math.ceil(b * MAX_LONG_PADDING) + self.block_size
-                                  for b in self.prefill_buckets), 0)
+                                self.prefill_buckets.scratch_tokens(self.block_size))
         cache_blocks = self.num_blocks + math.ceil(num_scratch_slots / self.block_size)
         self.kv_caches = [torch.zeros(self.backend.kv_cache_shape(cache_blocks), dtype=self.backend.kv_cache_dtype,
                                       device=self.device) for _ in range(spec.layers_per_plane)]
@@ -146,12 +130,8 @@ class ModelRunner(EagerPass):
         self.env = PassEnv(model, self.ops, self.backend, self.kv_caches, self.layout, self.device, self.dtype,
                            self.block_size, self.num_blocks, num_scratch_slots)
         self.graphs: PassGraphs | None = None
-        if config.graphs and not self.backend.caps.graphs:
-            raise ValueError(f"graphs=true, but attention backend {self.backend.name!r} cannot be captured")
         if self.backend.caps.graphs:
-            # on by default where the Hal records device work; off = the same padded path, eager
-            self.graphs = PassGraphs(self.env, hal, config.max_num_seqs, max_model_len,
-                                     capture=capture_allowed(hal, model, config.graphs))
+            self.graphs = PassGraphs(self.env, hal, config.max_num_seqs, max_model_len, capture=captures)
         # async scheduling refills a decode graph's inputs while the previous step may still run: two
         # copies of each graph, used in turn, so that never touches the replay in flight
         self.num_graph_copies = 2 if config.async_scheduling else 1
@@ -195,12 +175,7 @@ class ModelRunner(EagerPass):
         if (item.is_wave or not item.samples or item.num_tokens < 2 or req.exit_threshold < 1.0
                 or req.params.prompt_logprobs is not None):
             return None
-        bucket = next((b for b in self.prefill_buckets if b >= item.num_tokens), None)
-        if bucket is not None and bucket > PREFILL_BUCKETS[-1]:
-            # a long pass gains only the launches a real capture saves; padding costs its share
-            if not self.graphs.capture or bucket - item.num_tokens > bucket * MAX_LONG_PADDING:
-                return None
-        return bucket
+        return self.prefill_buckets.bucket(item.num_tokens)
 
     def is_graph_step(self, scheduled: Sequence[ScheduledRequest]) -> bool:
         """A pure decode step that a captured pass can run (see the module docstring)."""
@@ -231,10 +206,7 @@ class ModelRunner(EagerPass):
         item = scheduled[0]
         req, bucket = item.request, self.prefill_bucket(scheduled)
         host = extend(describe([self.slice_of(item, blocks)], req.num_planes, self.block_size), bucket, self.env)
-        # a long prompt's first chunk (no cached prefix) attends over its own K/V only: the backend's
-        # fresh path, as in the eager pass (cuDNN on Hopper, twice the paged kernel's rate at 8k). Short
-        # buckets keep the paged kernel: flash inside the 1,024-token graph lost 1.6 ms of TTFT (H200).
-        fresh = item.first_token == 0 and bucket > PREFILL_BUCKETS[-1]
+        fresh = self.prefill_buckets.attends_fresh(bucket, item.first_token)
         key = ("prefill", bucket, req.num_loops, self.layout.num_planes(req.num_loops), fresh)
         if key not in self.prefill_rows:
             self.prefill_rows[key] = torch.zeros(1, dtype=torch.long, device=self.device)

@@ -117,15 +117,18 @@ def test_row_kernel_rotary_in_the_engine_gives_the_two_launch_tokens(monkeypatch
 
 
 def test_long_prompts_replay_captured_fresh_prefills(monkeypatch):
-    """A prompt that fills a long bucket to within `MAX_LONG_PADDING` replays a captured prefill
-    whose attention is the backend's fresh path (`MetaCapacity.fresh`), captured over its own first
-    batch (the scratch slots hold only padding); one that would pad more runs eagerly; a short
-    prompt whose bucket reaches past max_model_len fits the captured tables (it once raised "a block
-    table has 4 blocks, more than max_blocks=3"). Greedy tokens are the eager pass's."""
-    from runtime.execution import runner as runner_module
+    """Prompts past the short buckets replay captured prefills where they fit one (a medium bucket
+    padded, a long one filled to within `MAX_LONG_PADDING`), captured over their own first batch (the
+    scratch slots hold only padding), attending through the backend's fresh path
+    (`MetaCapacity.fresh`); a prompt that would pad a long bucket more runs
+    eagerly; a short prompt whose bucket reaches past max_model_len fits the captured tables (it
+    once raised "a block table has 4 blocks, more than max_blocks=3"). Greedy tokens are the eager
+    pass's."""
+    from runtime.execution import prefill_buckets, runner as runner_module
 
-    monkeypatch.setattr(runner_module, "PREFILL_BUCKETS", (16,))      # 32 and 64 stand in for 2k-32k
-    monkeypatch.setattr(runner_module, "LONG_PREFILL_BUCKETS", (32, 64))
+    # 16 / 32 / 64 tokens stand in for the short (<= 1K), medium (1.5K-4K) and long (8K+) ranges
+    for name, value in (("SHORT", (16,)), ("MEDIUM", (32,)), ("LONG", (64,))):
+        monkeypatch.setattr(prefill_buckets, name, value)
 
     class FreshOnCpu(CpuHal):
         def attention(self, num_heads, num_kv_heads, head_dim, dtype, block_size=None, backend=None):
@@ -135,7 +138,7 @@ def test_long_prompts_replay_captured_fresh_prefills(monkeypatch):
     case = golden_case("ouro-tiny")
     model = zoo.from_pretrained(case.path, dtype="bfloat16")
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=gen).tolist() for n in (64, 60, 10)]
+    prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=gen).tolist() for n in (64, 60, 24, 10)]
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     outs = {}
     for captured in (True, False):
@@ -147,16 +150,16 @@ def test_long_prompts_replay_captured_fresh_prefills(monkeypatch):
             short = LLMEngine(model, FreshOnCpu(), EngineConfig(block_size=4, max_num_batched_tokens=64,
                                                                 max_model_len=12, graphs=True, max_num_seqs=1))
             outs[captured] = []
-            for eng, prompt in ((engine, prompts[0]), (engine, prompts[1]), (short, prompts[2])):
+            for eng, prompt in zip((engine, engine, engine, short), prompts):
                 eng.add_request(str(len(prompt)), prompt, params)
                 outs[captured] += [o.token_ids for o in eng.run_until_done()]
         if captured:
-            runner = engine.runner
-            assert runner.env.num_scratch_slots < 64
-            prefills = {k[1:] for k in runner.graphs.captured if k[0] == "prefill"}
-            loops = model.default_num_loops
-            assert prefills == {(64, loops, runner.layout.num_planes(loops), True)}     # not the 60-token prompt
-            meta = runner.graphs.captured[("prefill", 64, loops, runner.layout.num_planes(loops), True)].ctx.meta
-            assert meta.fresh_lens == (64,)
-            assert {k[1] for k in short.runner.graphs.captured if k[0] == "prefill"} == {16}
+            runner, loops = engine.runner, model.default_num_loops
+            planes = runner.layout.num_planes(loops)
+            assert runner.env.num_scratch_slots < 32
+            captures = runner.graphs.captured
+            assert {k[1:] for k in captures if k[0] == "prefill"} == {(64, loops, planes, True), (32, loops, planes, True)}
+            assert captures[("prefill", 64, loops, planes, True)].ctx.meta.fresh_lens == (64,)
+            assert captures[("prefill", 32, loops, planes, True)].ctx.meta.fresh_lens == (32,)
+            assert {k[1:] for k in short.runner.graphs.captured if k[0] == "prefill"} == {(16, loops, planes, False)}
     assert outs[True] == outs[False]
