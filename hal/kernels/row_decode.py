@@ -104,17 +104,18 @@ def _load_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page, head_of
     k = tl.load(k_cache_ptr + offsets, mask=mask, other=0.0)
     v = tl.load(v_cache_ptr + offsets, mask=mask, other=0.0)
     if KV_QUANT:
-        scale_off = page * stride_sb + slot * stride_st + scale_head
         if WORD_SCALES and not MASKED:       # the tile's scales: one run of BLOCK_N bytes on one page
             first = page * stride_sb + (tile * BLOCK_N) % PAGE_SIZE + scale_head
             k_scale = _word_scales(k_scale_ptr + first, BLOCK_N)
             v_scale = _word_scales(v_scale_ptr + first, BLOCK_N)
-        elif MASKED:
-            k_scale = _loaded_scale(tl.load(k_scale_ptr + scale_off, mask=key_valid, other=0))
-            v_scale = _loaded_scale(tl.load(v_scale_ptr + scale_off, mask=key_valid, other=0))
-        else:
-            k_scale = _loaded_scale(tl.load(k_scale_ptr + scale_off))
-            v_scale = _loaded_scale(tl.load(v_scale_ptr + scale_off))
+        else:                                # one byte (or float32) per key
+            scale_off = page * stride_sb + slot * stride_st + scale_head
+            if MASKED:
+                k_scale = _loaded_scale(tl.load(k_scale_ptr + scale_off, mask=key_valid, other=0))
+                v_scale = _loaded_scale(tl.load(v_scale_ptr + scale_off, mask=key_valid, other=0))
+            else:
+                k_scale = _loaded_scale(tl.load(k_scale_ptr + scale_off))
+                v_scale = _loaded_scale(tl.load(v_scale_ptr + scale_off))
     else:
         k_scale = tl.full([BLOCK_N], 1.0, tl.float32)
         v_scale = k_scale
