@@ -43,23 +43,6 @@ class MemInfo(NamedTuple):
     total_bytes: int
 
 
-class Partials(NamedTuple):
-    """A projection `[..., N]` as its split-K partial products, not yet summed (the `linear_partials`
-    op): `parts: [S, M, N]` float32, M the rows of `shape`; the projection's output is their sum in
-    split order, rounded to `dtype`. `norm_add_norm` takes one as its x."""
-
-    parts: torch.Tensor
-    shape: torch.Size
-    dtype: torch.dtype
-
-    def total(self) -> torch.Tensor:
-        """The projection's output (for a caller that needs it as a tensor)."""
-        total = self.parts[0]
-        for part in self.parts[1:]:
-            total = total + part
-        return total.to(self.dtype).view(self.shape)
-
-
 class Hal(ABC):
     """One vendor's answers. Instances are cheap to construct; device work happens on first use.
 
@@ -223,8 +206,7 @@ class Hal(ABC):
           sublayer boundary in one pass, the residual stream h and the next sublayer's input
           `y = norm(h, weight, eps)`: `h = residual + norm(x, post_weight, eps)` (sandwich norms:
           Ouro), with `sum_first` `h = norm(x + residual, post_weight, eps)` (Huginn), with
-          `post_weight=None` `h = residual + x` (pre-norm layers). x may be a `Partials`
-          (`linear_partials` below), whose sum the op takes as x.
+          `post_weight=None` `h = residual + x` (pre-norm layers).
         - `fp8_linear(x, weight, weight_scale, bias=None) -> y`: `x: [M, K]` (bf16/fp16/fp32) times
           FP8 `weight: [N, K]` (`caps.fp8_dtype`) dequantized per output channel by `weight_scale: [N]`
           float32, float32 accumulation, `+ bias`, `y: [M, N]` in x's dtype. An implementation may
@@ -244,10 +226,6 @@ class Hal(ABC):
           -> (y, h)`: the residual stream `h = residual + norm(x, post_norm_weight, eps)` (sandwich
           norms: Ouro), or with `sum_first` `h = norm(x + residual, post_norm_weight, eps)` (Huginn), and
           `y = F.linear(norm(h, norm_weight, eps), weight)`.
-        - `linear_partials(x, weight, silu_mul=False) -> Partials | None`: `F.linear(x, weight)`
-          (with `silu_mul`, of `silu_and_mul(x)`) as split-K partials that the `norm_add_norm` after
-          it sums, so no launch sums them; None for operands it does not take (the caller then runs
-          `linear` / `silu_mul_linear`). Offered with `norm_add_norm`.
         - `projection_takes(rows, k, after_norm=False) -> bool`: whether the ops above fuse a product
           of `rows` rows of K (one that normalises its input: `after_norm`); where they do not they
           run the unfused expression, and a pre-norm layer then keeps its `norm_add_norm` boundaries.

@@ -10,7 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-from hal.base import Partials
 from hal.kernels.configs import KernelConfig, config_or_default
 from hal.kernels.launch import Launch, backend_of, check_device, launch_options, next_pow2, run_launch
 from hal.kernels.pdl import pdl_wait
@@ -46,10 +45,9 @@ def _rms_norm_kernel(out_ptr, x_ptr, weight_ptr, residual_ptr, eps, num_cols, st
 
 @triton.jit
 def _norm_add_norm_kernel(y_ptr, h_ptr, x_ptr, residual_ptr, post_weight_ptr, weight_ptr, eps, num_cols,
-                          stride_x, stride_r, stride_h, stride_y, stride_part, BLOCK: tl.constexpr,
-                          X_DTYPE: tl.constexpr, MID_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr,
-                          NORM_DTYPE: tl.constexpr, HAS_POST: tl.constexpr, SUM_FIRST: tl.constexpr,
-                          NUM_PARTIALS: tl.constexpr = 0, PDL: tl.constexpr = False):
+                          stride_x, stride_r, stride_h, stride_y, BLOCK: tl.constexpr, X_DTYPE: tl.constexpr,
+                          MID_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr, NORM_DTYPE: tl.constexpr,
+                          HAS_POST: tl.constexpr, SUM_FIRST: tl.constexpr, PDL: tl.constexpr = False):
     # the residual stream h (one of three boundaries, below), then y = norm(h): each step rounds to
     # the dtype torch's expression rounds to, h included, as the launches it replaces store it
     row = tl.program_id(0).to(tl.int64)
@@ -61,13 +59,7 @@ def _norm_add_norm_kernel(y_ptr, h_ptr, x_ptr, residual_ptr, post_weight_ptr, we
     if HAS_POST:
         post_weight = tl.load(post_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     pdl_wait(PDL)
-    if NUM_PARTIALS:        # x is a projection's split-K partials (hal/kernels/rows_gemm.py), float32
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-        for s in tl.static_range(1, NUM_PARTIALS):      # in split order: the same bits every step
-            x += tl.load(x_ptr + s * stride_part + row * stride_x + cols, mask=mask, other=0.0)
-        x = x.to(X_DTYPE).to(tl.float32)                # the projection's output dtype
-    else:
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_POST:
         if SUM_FIRST:       # Huginn: h = post_norm(x + residual), the sum (MID_DTYPE) normalised
@@ -115,41 +107,35 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return out.view(x.shape)
 
 
-def _stream_dtypes(x_dtype: torch.dtype, residual: torch.Tensor, post_weight: torch.Tensor | None,
+def _stream_dtypes(x: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor | None,
                    sum_first: bool) -> tuple[torch.dtype, torch.dtype]:
     """(the intermediate's dtype, h's) as torch promotes them in the boundary's expression: the
     post-norm output (`residual + post_norm(x)`) or the sum (`post_norm(x + residual)`), then h."""
     promote = torch.promote_types
     if post_weight is None:
-        return x_dtype, promote(x_dtype, residual.dtype)
+        return x.dtype, promote(x.dtype, residual.dtype)
     if sum_first:
-        total = promote(x_dtype, residual.dtype)
+        total = promote(x.dtype, residual.dtype)
         return total, promote(total, post_weight.dtype)
-    post = promote(x_dtype, post_weight.dtype)
+    post = promote(x.dtype, post_weight.dtype)
     return post, promote(post, residual.dtype)
 
 
 def norm_add_norm_launch(x: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor | None,
                          weight: torch.Tensor, eps: float, y: torch.Tensor, h: torch.Tensor,
-                         config: KernelConfig, target: str, sum_first: bool = False,
-                         x_dtype: torch.dtype | None = None) -> Launch:
-    """x: `[M, N]`, or with `x_dtype` a projection's float32 partials `[S, M, N]` whose sum rounded to
-    `x_dtype` is x (hal/kernels/rows_gemm.py)."""
-    num_partials = x.shape[0] if x_dtype is not None else 0
-    x_dtype = x_dtype or x.dtype
-    rows, cols = x.shape[-2:]
-    mid_dtype, _ = _stream_dtypes(x_dtype, residual, post_weight, sum_first)
+                         config: KernelConfig, target: str, sum_first: bool = False) -> Launch:
+    rows, cols = x.shape                                                  # 2-D views
+    mid_dtype, _ = _stream_dtypes(x, residual, post_weight, sum_first)
     post = post_weight if post_weight is not None else weight            # not read without a post-norm
     return Launch(_norm_add_norm_kernel, (rows,), (
-        y, h, x, residual, post, weight, eps, cols, x.stride(-2), residual.stride(0), h.stride(0),
-        y.stride(0), x.stride(0) if num_partials else 0), dict(
-        BLOCK=next_pow2(cols), X_DTYPE=_TL_DTYPES[x_dtype], MID_DTYPE=_TL_DTYPES[mid_dtype],
+        y, h, x, residual, post, weight, eps, cols, x.stride(0), residual.stride(0), h.stride(0),
+        y.stride(0)), dict(
+        BLOCK=next_pow2(cols), X_DTYPE=_TL_DTYPES[x.dtype], MID_DTYPE=_TL_DTYPES[mid_dtype],
         H_DTYPE=_TL_DTYPES[h.dtype], NORM_DTYPE=_TL_DTYPES[y.dtype], HAS_POST=post_weight is not None,
-        SUM_FIRST=sum_first and post_weight is not None, NUM_PARTIALS=num_partials,
-        **launch_options(config, target)))
+        SUM_FIRST=sum_first and post_weight is not None, **launch_options(config, target)))
 
 
-def norm_add_norm(x: torch.Tensor | Partials, residual: torch.Tensor, post_weight: torch.Tensor | None,
+def norm_add_norm(x: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor | None,
                   weight: torch.Tensor, eps: float, sum_first: bool = False,
                   configs: dict[str, KernelConfig] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`(y, h)`, `x, residual: [..., N]`: a sublayer boundary's residual stream h and the next
@@ -157,28 +143,21 @@ def norm_add_norm(x: torch.Tensor | Partials, residual: torch.Tensor, post_weigh
     - `residual + rms_norm(x, post_weight, eps)` (sandwich norms, Ouro),
     - `rms_norm(x + residual, post_weight, eps)` with `sum_first` (Huginn's sandwich block),
     - `residual + x` with `post_weight=None` (pre-norm layers; `sum_first` does not apply).
-    Dtypes as torch's promotion in those expressions; y of h and weight. x may be a projection's
-    unsummed `Partials` (the `linear_partials` op): the kernel sums them first."""
-    parts = x.parts if isinstance(x, Partials) else None
-    shape, x_dtype = (x.shape, x.dtype)
-    check_device(residual)
-    if residual.shape != shape:
-        raise ValueError(f"norm_add_norm needs x and residual of one shape, got {tuple(shape)} "
+    Dtypes as torch's promotion in those expressions; y of h and weight."""
+    check_device(x)
+    if residual.shape != x.shape:
+        raise ValueError(f"norm_add_norm needs x and residual of one shape, got {tuple(x.shape)} "
                          f"and {tuple(residual.shape)}")
-    if parts is None:
-        x2 = x.reshape(-1, shape[-1])
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-    else:
-        x2 = parts.contiguous()
-    res2 = residual.reshape(-1, shape[-1]).contiguous()
-    _, h_dtype = _stream_dtypes(x_dtype, residual, post_weight, sum_first)
-    h = torch.empty(res2.shape, dtype=h_dtype, device=residual.device)
-    y = torch.empty(res2.shape, dtype=torch.promote_types(h_dtype, weight.dtype), device=residual.device)
-    if res2.shape[0]:
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    res2 = residual.reshape(-1, x.shape[-1]).contiguous()
+    _, h_dtype = _stream_dtypes(x, residual, post_weight, sum_first)
+    h = torch.empty(x2.shape, dtype=h_dtype, device=x.device)
+    y = torch.empty(x2.shape, dtype=torch.promote_types(h_dtype, weight.dtype), device=x.device)
+    if x2.shape[0]:
         config = config_or_default(configs, "norm_add_norm", fallback="rms_norm")
         post = post_weight.contiguous() if post_weight is not None else None
         run_launch(norm_add_norm_launch(x2, res2, post, weight.contiguous(), eps, y, h, config,
-                                        backend_of(residual.device), sum_first,
-                                        x_dtype if parts is not None else None))
-    return y.view(shape), h.view(shape)
+                                        backend_of(x.device), sum_first))
+    return y.view(x.shape), h.view(x.shape)
