@@ -141,7 +141,7 @@ class Gemv:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`linear(x, weight) (+ residual)`."""
         if not self._fits(x, weight, residual):
-            y = _product(x, weight)
+            y = torch.nn.functional.linear(x, weight)
             return y if residual is None else residual + y
         out_res = None if residual is None else _rows(residual)
         return self._run(_rows(x), weight, NONE, out_residual=out_res).view(*x.shape[:-1], -1)
@@ -173,7 +173,7 @@ class Gemv:
                         weight: torch.Tensor) -> torch.Tensor:
         """`linear(rms_norm(x, norm_weight, eps), weight)`."""
         if not self._fits(x, weight, norm_weight, prologue=RMS_NORM):
-            return _product(self._rms_norm(x, norm_weight, eps), weight)
+            return torch.nn.functional.linear(self._rms_norm(x, norm_weight, eps), weight)
         x2 = _rows(x)
         if self._norm_apart(x2.shape[0], weight.shape[1], RMS_NORM):
             return self._run(_rows(self._rms_norm(x2, norm_weight, eps)), weight, NONE).view(*x.shape[:-1], -1)
@@ -183,7 +183,7 @@ class Gemv:
                         residual: torch.Tensor | None = None) -> torch.Tensor:
         """`linear(silu_and_mul(x), weight) (+ residual)`; x `[..., 2K]` = gate | up."""
         if x.shape[-1] != 2 * weight.shape[-1] or not self._fits(x, weight, residual, prologue=SILU_AND_MUL):
-            y = _product(self._silu_and_mul(x), weight)
+            y = torch.nn.functional.linear(self._silu_and_mul(x), weight)
             return y if residual is None else residual + y
         out_res = None if residual is None else _rows(residual)
         return self._run(_rows(x), weight, SILU_AND_MUL, out_residual=out_res).view(*x.shape[:-1], -1)
@@ -199,12 +199,12 @@ class Gemv:
                 or residual.shape != x.shape:
             if residual.shape == x.shape:   # the boundary in one launch, as the layers run it without these ops
                 y, h = self._norm_add_norm(x, residual, post_norm_weight, norm_weight, eps, sum_first)
-                return _product(y, weight), h
+                return torch.nn.functional.linear(y, weight), h
             if sum_first:
                 h = self._rms_norm(x + residual, post_norm_weight, eps)
             else:
                 h = self._rms_norm(x, post_norm_weight, eps, residual)
-            return _product(self._rms_norm(h, norm_weight, eps), weight), h
+            return torch.nn.functional.linear(self._rms_norm(h, norm_weight, eps), weight), h
         x2 = _rows(x)
         if self._norm_apart(x2.shape[0], weight.shape[1], prologue):      # the boundary in one launch
             y, h = self._norm_add_norm(x, residual, post_norm_weight, norm_weight, eps, sum_first)
@@ -229,16 +229,6 @@ class Gemv:
         from hal.kernels.ops import silu_and_mul
 
         return silu_and_mul(x, self.configs)
-
-
-def _product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`F.linear(x, weight)`, one row on a GPU as `torch.mv`: there cuBLAS takes its matrix-vector
-    path, which matched or beat its one-row GEMM at every shape timed and gave the same bits (H200,
-    2026-12-03, us per call: Huginn-0125's q|k|v 47.8 -> 42.2, the other Huginn, Nanbeige4.2-3B and
-    lm_head shapes within 0.6 us; docs/performance.md lever 82)."""
-    if x.is_cuda and weight.dim() == 2 and x.numel() == x.shape[-1]:
-        return torch.mv(weight, x.reshape(-1)).view(*x.shape[:-1], weight.shape[0])
-    return torch.nn.functional.linear(x, weight)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -186,23 +186,3 @@ def test_small_decode_batches_rotate_inside_the_row_kernel(gpu, heads, kv_heads,
     print("row kernel rotary", heads, kv_heads, dim, interleaved, lens, errors)
     assert torch.equal(fused_cache, plain_cache), errors
     assert max(errors[1:]) < 1e-2, errors
-
-
-# one-row projections the fused kernels do not take (Huginn's and Nanbeige's widths): q|k|v, o, gate|up, down
-WIDE_SHAPES = {"huginn-qkv": (15840, 5280), "huginn-down": (5280, 17920), "nanbeige-o": (3072, 6144),
-               "nanbeige-gate_up": (21504, 3072)}
-
-
-@pytest.mark.parametrize("shape", WIDE_SHAPES, ids=list(WIDE_SHAPES))
-def test_one_row_projections_outside_the_kernels_give_the_gemm_bits(shape):
-    """The unfused one-row path (`gemv_ops._product`: torch.mv) gives F.linear's bits, as the
-    model's torch code would compute them: a batch-1 request and the same request beside others
-    then differ only where the fused kernels run."""
-    n, k = WIDE_SHAPES[shape]
-    ops = hal.get("cuda").op("linear")
-    if ops is None:
-        pytest.skip("this GPU runs no one-row decode projections (no gemv_slice entry or no PDL)")
-    weight, x = _randn(n, k, scale=k ** -0.5), _randn(1, 1, k)
-    out = ops(x, weight)
-    assert out.shape == (1, 1, n)
-    assert torch.equal(out, torch.nn.functional.linear(x, weight))
