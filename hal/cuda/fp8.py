@@ -137,11 +137,11 @@ def dequantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
 # and only options slower than bf16 in some measured cell.
 SLOWER_THAN_BF16 = {
     "sm_90": {
-        "kv": "engine.kv_dtype=fp8 on this GPU (H200, Ouro-1.4B, 2026-12-03): 1.5-1.64x the bf16 tok/s at "
-              "64-128 x 1K for multi-head models, level (0.99-1.0x) at batch 1 with short contexts; grouped-query models "
-              "(such as Nanbeige) keep the unified FP8 decode kernel, 0.88-0.92x bf16 at Ouro's 64-128 x 1K "
-              "shapes: for those, and for single short requests, leave engine.kv_dtype unset unless the "
-              "memory is needed",
+        "kv": "engine.kv_dtype=fp8 on this GPU (H200, 2026-12-03): 1.5-1.64x the bf16 tok/s at 64-128 x 1K "
+              "for multi-head models (Ouro, Huginn), level (0.99-1.0x) at batch 1 with short contexts; "
+              "grouped-query models (Nanbeige4.2-3B) below bf16 at 64-128 x 1K (0.97x at 64 x 1K; the "
+              "unified FP8 decode kernel): for those, and for single short requests, leave "
+              "engine.kv_dtype unset unless the memory is needed",
     },
 }
 

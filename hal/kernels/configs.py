@@ -133,7 +133,11 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         # 19.39 / 32.53 ms (the engine's pages are mostly consecutive; 2026-12-02, fifth session)
         "attention_decode": KernelConfig(16, 64, 4, 2, heads_first=1),
         "attention_prefill_fp8": KernelConfig(128, 64, 8, 3),
-        "attention_decode_fp8": KernelConfig(16, 128, 4, 2),
+        # FP8 decode where the row kernel does not take it: grouped queries past a few sequences
+        # (Nanbeige). 32 keys x 4 warps x 3 stages, Nanbeige4.2-3B FP8 KV 64 x 1K 8.751 -> 8.302 ms (the
+        # 128-key 2-stage entry before spilled 16 bytes; 64 keys x 4 x 2 9.878, 128 x 8 x 2 10.227,
+        # 32 x 2 x 4 9.139; bf16 8.072: 2026-12-03, twentieth session, docs/performance.md lever 83)
+        "attention_decode_fp8": KernelConfig(16, 32, 4, 3),
         # multi-head decode: the row-stream kernel (hal/kernels/row_decode.py), picked by
         # tools/pick_decode_configs.py from a `gpu_check.sh rowtune` sweep (2026-12-02, tenth session,
         # levers 43-44: the lazy rescale, and tiles reading their own pages beyond two stages). Per
