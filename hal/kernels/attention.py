@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from hal.kernels.configs import KernelConfig
-from hal.kernels.kv_write import _loaded_scale
+from hal.kernels.kv_write import _key_scales
 from hal.kernels.launch import Launch, launch_options, next_pow2
 from hal.kernels.pdl import pdl_wait
 from hal.kernels.splits import reduce_launch, split_parts, split_tiles
@@ -92,12 +92,7 @@ def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
         v = tl.load(v_ptrs, mask=dim_valid[None, :], other=0.0)
     if KV_QUANT:
         scale_off = page * stride_sb + (keys % PAGE_SIZE).to(tl.int64) * stride_st + scale_head     # [N]
-        if MASKED:
-            k_scale = _loaded_scale(tl.load(k_scale_ptr + scale_off, mask=key_valid, other=0))
-            v_scale = _loaded_scale(tl.load(v_scale_ptr + scale_off, mask=key_valid, other=0))
-        else:
-            k_scale = _loaded_scale(tl.load(k_scale_ptr + scale_off))
-            v_scale = _loaded_scale(tl.load(v_scale_ptr + scale_off))
+        k_scale, v_scale = _key_scales(k_scale_ptr, v_scale_ptr, scale_off, keys, last_pos, MASKED)
         k = k.to(q.dtype)                   # q is float16 here unless the batch is float32
         v = v.to(q.dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * (k_scale * qk_scale)[None, :]

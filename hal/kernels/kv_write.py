@@ -66,6 +66,20 @@ def _loaded_scale(stored):
 
 
 @triton.jit
+def _key_scales(k_scale_ptr, v_scale_ptr, offsets, keys, last_pos, MASKED: tl.constexpr):
+    """The float32 K and V scales stored at `offsets` [N] for the keys at positions `keys` [N]; with
+    `MASKED`, keys past `last_pos` read 0.0 (what the attention kernels' masked tiles take)."""
+    if MASKED:
+        valid = keys <= last_pos
+        k_scale = _loaded_scale(tl.load(k_scale_ptr + offsets, mask=valid, other=0))
+        v_scale = _loaded_scale(tl.load(v_scale_ptr + offsets, mask=valid, other=0))
+    else:
+        k_scale = _loaded_scale(tl.load(k_scale_ptr + offsets))
+        v_scale = _loaded_scale(tl.load(v_scale_ptr + offsets))
+    return k_scale, v_scale
+
+
+@triton.jit
 def _quantized(x, scale, QMAX: tl.constexpr, dtype: tl.constexpr):
     """`x / scale` (`scale` broadcast to x's shape by the caller) clamped to +-QMAX, in the 8-bit `dtype`."""
     return tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX).to(dtype)

@@ -55,7 +55,7 @@ import triton.language as tl
 
 from hal.kernels.attention import LOG2E, _tile_pages
 from hal.kernels.configs import KernelConfig
-from hal.kernels.kv_write import _loaded_scale
+from hal.kernels.kv_write import _key_scales, _loaded_scale
 from hal.kernels.launch import EXACT_ROUNDING, Launch, launch_options, next_pow2
 from hal.kernels.ops import _head_angles, _rotated_head
 from hal.kernels.pdl import pdl_wait
@@ -110,12 +110,7 @@ def _load_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page, head_of
             v_scale = _word_scales(v_scale_ptr + first, BLOCK_N)
         else:                                # one byte (or float32) per key
             scale_off = page * stride_sb + slot * stride_st + scale_head
-            if MASKED:
-                k_scale = _loaded_scale(tl.load(k_scale_ptr + scale_off, mask=key_valid, other=0))
-                v_scale = _loaded_scale(tl.load(v_scale_ptr + scale_off, mask=key_valid, other=0))
-            else:
-                k_scale = _loaded_scale(tl.load(k_scale_ptr + scale_off))
-                v_scale = _loaded_scale(tl.load(v_scale_ptr + scale_off))
+            k_scale, v_scale = _key_scales(k_scale_ptr, v_scale_ptr, scale_off, keys, last_pos, MASKED)
     else:
         k_scale = tl.full([BLOCK_N], 1.0, tl.float32)
         v_scale = k_scale
