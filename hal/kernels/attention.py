@@ -93,10 +93,8 @@ def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
     if KV_QUANT:
         scale_off = page * stride_sb + (keys % PAGE_SIZE).to(tl.int64) * stride_st + scale_head     # [N]
         k_scale, v_scale = _key_scales(k_scale_ptr, v_scale_ptr, scale_off, keys, last_pos, MASKED)
-        v_max = tl.max(v_scale, 0)
-        v_max = tl.where(v_max > 0.0, v_max, 1.0)
         k = k.to(q.dtype)                   # q is float16 here unless the batch is float32
-        v = v.to(q.dtype) * (v_scale / v_max).to(q.dtype)[:, None]
+        v = v.to(q.dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * (k_scale * qk_scale)[None, :]
     else:
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale                # [M, N] log2 domain
@@ -108,7 +106,10 @@ def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     if KV_QUANT:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION) * v_max
+        v_max = tl.max(v_scale, 0)
+        v_max = tl.where(v_max > 0.0, v_max, 1.0)
+        pv = (p * (v_scale / v_max)[None, :]).to(v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PRECISION) * v_max
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
