@@ -74,19 +74,16 @@ def _tile_pages(table_ptr, tile, last_pos, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.
 
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page, head_off,
-                 v_head_off, scale_head, tile, row_pos, last_pos, qk_scale, stride_cb, stride_ct, stride_vb,
-                 stride_vt, stride_vd, stride_sb, stride_st, dims, dim_valid, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, V_KEYS_CONTIGUOUS: tl.constexpr):
+                 scale_head, tile, row_pos, last_pos, qk_scale, stride_cb, stride_ct, stride_sb, stride_st, dims,
+                 dim_valid, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr):
     """One online-softmax step over keys [tile * BLOCK_N, (tile + 1) * BLOCK_N) on pages `page` [N]."""
     keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)                          # [N]
     if MASKED:
         key_valid = keys <= last_pos
     key_off = page * stride_cb + (keys % PAGE_SIZE).to(tl.int64) * stride_ct + head_off   # [N]
-    value_off = page * stride_vb + (keys % PAGE_SIZE).to(tl.int64) * stride_vt + v_head_off   # [N]
-    if V_KEYS_CONTIGUOUS:
-        value_off = tl.max_contiguous(tl.multiple_of(value_off, PAGE_SIZE), PAGE_SIZE)
     k_ptrs = k_cache_ptr + key_off[None, :] + dims[:, None]                 # [D, N]
-    v_ptrs = v_cache_ptr + value_off[:, None] + dims[None, :] * stride_vd   # [N, D]
+    v_ptrs = v_cache_ptr + key_off[:, None] + dims[None, :]                 # [N, D]
     if MASKED:
         k = tl.load(k_ptrs, mask=dim_valid[:, None] & key_valid[None, :], other=0.0)
         v = tl.load(v_ptrs, mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
@@ -123,12 +120,12 @@ def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, seq_lens_ptr,
         query_start_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
         qk_scale, num_seqs, num_tokens,
-        stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_vb, stride_vt,
-        stride_vh, stride_vd, stride_bt, stride_sb, stride_st, stride_sh,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
+        stride_sb, stride_st, stride_sh,
         NUM_QUERIES_PER_KV: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, HEADS_FIRST: tl.constexpr,
-        PDL: tl.constexpr = False, V_KEYS_CONTIGUOUS: tl.constexpr = False):
+        PDL: tl.constexpr = False):
     pdl_wait(PDL)
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
@@ -168,7 +165,6 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     table_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head.to(tl.int64) * stride_ch
-    v_head_off = kv_head.to(tl.int64) * stride_vh
     scale_head = kv_head.to(tl.int64) * stride_sh
     # each tile's pages are loaded one iteration ahead: the K/V loads then depend on no load of their
     # own iteration, and the pipeliner gives them num_stages - 1 buffers instead of one
@@ -176,20 +172,18 @@ def _paged_attention_kernel(
     for tile in range(tile_lo, tl.minimum(tile_hi, num_full)):
         next_page = _tile_pages(table_ptr, tile + 1, last_pos, PAGE_SIZE, BLOCK_N)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                                     page, head_off, v_head_off, scale_head, tile, row_pos, last_pos, qk_scale,
-                                     stride_cb, stride_ct, stride_vb, stride_vt, stride_vd, stride_sb, stride_st,
-                                     dims, dim_valid, PAGE_SIZE, BLOCK_N, False,
-                                     DOT_PRECISION, KV_QUANT, V_KEYS_CONTIGUOUS)
+                                     page, head_off, scale_head, tile, row_pos, last_pos, qk_scale, stride_cb,
+                                     stride_ct, stride_sb, stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, False,
+                                     DOT_PRECISION, KV_QUANT)
         page = next_page
     first_masked = tl.maximum(tile_lo, num_full)
     page = _tile_pages(table_ptr, first_masked, last_pos, PAGE_SIZE, BLOCK_N)
     for tile in range(first_masked, tile_hi):
         next_page = _tile_pages(table_ptr, tile + 1, last_pos, PAGE_SIZE, BLOCK_N)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                                     page, head_off, v_head_off, scale_head, tile, row_pos, last_pos, qk_scale,
-                                     stride_cb, stride_ct, stride_vb, stride_vt, stride_vd, stride_sb, stride_st,
-                                     dims, dim_valid, PAGE_SIZE, BLOCK_N, True,
-                                     DOT_PRECISION, KV_QUANT, V_KEYS_CONTIGUOUS)
+                                     page, head_off, scale_head, tile, row_pos, last_pos, qk_scale, stride_cb,
+                                     stride_ct, stride_sb, stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, True,
+                                     DOT_PRECISION, KV_QUANT)
         page = next_page
 
     if NUM_SPLITS == 1:
@@ -253,7 +247,7 @@ def attention_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     main = Launch(_paged_attention_kernel, grid, (
         out, q, key_cache, value_cache, k_scales, v_scales, block_table, seq_lens, query_start_loc, *parts,
         scale * LOG2E, num_seqs, num_tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        *key_cache.stride()[:3], *value_cache.stride(), block_table.stride(0),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
         *scale_strides), dict(
         NUM_QUERIES_PER_KV=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
