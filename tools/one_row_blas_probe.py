@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode_kernels_bench import time_calls  # noqa: E402
+from decode_kernels_bench import FLOOR_BANDWIDTH, time_calls  # noqa: E402
 
 SHAPES = {   # (name, N, K) of the one-row products the fused kernels do not take
     "nanbeige": (("qkv", 8192, 3072), ("o", 3072, 6144), ("gate_up", 21504, 3072), ("down", 3072, 10752),
@@ -24,7 +24,6 @@ SHAPES = {   # (name, N, K) of the one-row products the fused kernels do not tak
     "huginn": (("qkv", 15840, 5280), ("o", 5280, 5280), ("gate_up", 35840, 5280), ("down", 5280, 17920)),
     "ouro": (("lm_head", 49152, 2048),),
 }
-FLOOR_BANDWIDTH = 4.27e12
 
 
 def main() -> int:
