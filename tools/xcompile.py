@@ -104,6 +104,21 @@ def _attention(config: KernelConfig, target: str, num_seqs: int, query_len: int,
     return row_decode_launches(*args, new_kv)[0]
 
 
+def _gqa_decode(config: KernelConfig, target: str, kv_dtype: torch.dtype, num_seqs: int = 64) -> Launch:
+    """hal/kernels/gqa_decode.py's launch at Nanbeige4.2-3B's grouping (6 query heads per KV head, head dim
+    128): TMA descriptors over the FP8 cache's head-major values."""
+    from hal.common.kv_quant import QuantLayout
+    from hal.kernels.gqa_decode import gqa_decode_launches
+
+    layout = QuantLayout(2, 128, 16, kv_dtype)
+    cache = torch.empty(layout.cache_shape(8), dtype=torch.uint8)
+    q = torch.empty(num_seqs, 12, 128, dtype=SHAPE["dtype"])
+    table = torch.zeros(num_seqs, 8, dtype=torch.int32)
+    return gqa_decode_launches(q, layout.values(cache), layout.scales(cache), table,
+                               torch.zeros(num_seqs, dtype=torch.int32), torch.zeros(num_seqs + 1, dtype=torch.int32),
+                               0.1, config, config, torch.empty_like(q), target, 132)[0]
+
+
 def _reduce(config: KernelConfig, target: str) -> Launch:
     from hal.kernels.attention import attention_launches
 
@@ -328,6 +343,8 @@ def _fp8_cases(fmt: str, fp8: torch.dtype) -> tuple[Case, ...]:
              lambda c, t: _attention(c, t, num_seqs=64, query_len=1, num_splits=1, kv_dtype=fp8)),
         Case(f"attention_row_decode/batch-{fmt}", "attention_row_decode_fp8", False, False,
              lambda c, t: _attention(c, t, num_seqs=64, query_len=1, num_splits=1, kv_dtype=fp8, rows=True)),
+        Case(f"attention_decode_tma/batch-{fmt}", "attention_decode_tma_fp8", True, False,    # Nanbeige b64
+             lambda c, t: _gqa_decode(c, t, fp8)),
         Case(f"attention_row_decode/rotary-{fmt}", "attention_row_decode_fp8", False, False,
              lambda c, t: _attention(c, t, num_seqs=64, query_len=1, num_splits=1, kv_dtype=fp8, rows=True,
                                      rotary=True)),

@@ -18,6 +18,10 @@ callers; nothing else chooses tiles. Keys of a table are kernel names:
                       widened tiles take ~200 registers, so wider key tiles pay (H200,
                       tools/fp8_kernels_bench.py, 128 x 1K, per layer-plane, 2026-12-02: 128 keys x 2
                       stages 317-334 us, x 3 stages 381 us, 64 keys 450 us, 32 keys 414 us)
+  attention_decode_tma_fp8  (optional, sm_90) grouped-query decode over an FP8 cache on
+                      hal/kernels/gqa_decode.py (TMA page copies, single-warp programs): block_n = one or
+                      two pages per step, split_k = context splits (0: about 8 programs per SM); a table
+                      without it leaves those batches to attention_decode_fp8
   attention_row_decode, attention_row_decode_fp8  (optional) the row-stream kernel for multi-head decode
                       (hal/kernels/row_decode.py), 16-bit / FP8 cache: block_n = keys per tile, one
                       softmax stream per tile row; num_stages = cp.async stages of the K/V tiles
@@ -59,7 +63,7 @@ from dataclasses import dataclass
 KERNEL_NAMES = ("attention_prefill", "attention_decode", "attention_prefill_fp32", "attention_decode_fp32",
                 "attention_prefill_fp8", "attention_decode_fp8", "attention_row_decode",
                 "attention_row_decode_fp8", "attention_row_decode_split", "attention_row_decode_split_fp8",
-                "attention_row_decode_dense", "attention_row_decode_dense_fp8",
+                "attention_row_decode_dense", "attention_row_decode_dense_fp8", "attention_decode_tma_fp8",
                 "attention_reduce", "kv_write",
                 "rms_norm", "norm_add_norm", "rotary", "silu_and_mul", "fp8_linear", "gemv_m1", "gemv",
                 "gemv_slice", "gemv_wide")
@@ -68,7 +72,8 @@ KERNEL_NAMES = ("attention_prefill", "attention_decode", "attention_prefill_fp32
 # gemv_wide leaves decode batches above gemv_ops.MAX_ROWS rows to the vendor's GEMM
 OPTIONAL_KERNEL_NAMES = ("attention_row_decode", "attention_row_decode_fp8", "attention_row_decode_split",
                          "attention_row_decode_split_fp8", "attention_row_decode_dense",
-                         "attention_row_decode_dense_fp8", "norm_add_norm", "gemv_slice", "gemv_wide")
+                         "attention_row_decode_dense_fp8", "attention_decode_tma_fp8", "norm_add_norm",
+                         "gemv_slice", "gemv_wide")
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,11 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         # 128-key 2-stage entry before spilled 16 bytes; 64 keys x 4 x 2 9.878, 128 x 8 x 2 10.227,
         # 32 x 2 x 4 9.139; bf16 8.072: 2026-12-03, twentieth session, docs/performance.md lever 83)
         "attention_decode_fp8": KernelConfig(16, 32, 4, 3),
+        # ... which these batches now leave to the TMA kernel (hal/kernels/gqa_decode.py): two pages per
+        # step, one warp, 3 stages, 2 splits at 64 x 1K. Probe (tools/gqa_tma_probe.py, 2026-12-04,
+        # twenty-second session), per layer-plane at Nanbeige's 64 x 1K: 55.5 us against 82.3 for the
+        # entry above and 74.7 for bf16; at 128 x 1K 105.3 (2 warps, 1 split: 102.6) against 159.2 / 142.9
+        "attention_decode_tma_fp8": KernelConfig(16, 32, 1, 3, split_k=0),
         # multi-head decode: the row-stream kernel (hal/kernels/row_decode.py), picked by
         # tools/pick_decode_configs.py from a `gpu_check.sh rowtune` sweep (2026-12-02, tenth session,
         # levers 43-44: the lazy rescale, and tiles reading their own pages beyond two stages). Per

@@ -1,0 +1,162 @@
+"""The TMA grouped-query FP8 decode kernel (hal/kernels/gqa_decode.py) under the Triton interpreter
+against the float32 reference reading the same FP8 cache: one and two pages per step, context
+splits, both grid orders, scales over wide ranges (the lazy references), graph padding, and the
+routing that sends it only single-token grouped-query batches over an FP8 cache."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from paged_cases import random_case
+from test_interp_row_decode import _run_fp8
+
+from hal.kernels import attend, gqa_decode
+from hal.kernels.backend import TritonPagedAttention
+from hal.kernels.configs import KernelConfig, configs_for
+
+pytestmark = pytest.mark.usefixtures("interpreted")
+
+CPU = torch.device("cpu")
+
+
+def _backend(heads, kv_heads, head_dim, config, num_compute_units=64):
+    configs = {**configs_for("default"), attend.GQA_FP8_KEY: config}
+    return TritonPagedAttention(heads, kv_heads, head_dim, torch.bfloat16, CPU, 16, configs=configs,
+                                num_compute_units=num_compute_units, kv_dtype=torch.float8_e4m3fn)
+
+
+def _count_launches(monkeypatch) -> list[int]:
+    calls = []
+    real = attend.gqa_decode_launches
+
+    def counting(*args, **kwargs):
+        launches = real(*args, **kwargs)
+        calls.append(launches[0].grid[2])          # context splits
+        return launches
+
+    monkeypatch.setattr(attend, "gqa_decode_launches", counting)
+    return calls
+
+
+@pytest.mark.parametrize("config,head_dim", [
+    (KernelConfig(16, 32, 1, 3, split_k=0), 128),                 # the sm_90 table's: two pages a step
+    (KernelConfig(16, 16, 1, 2, split_k=3), 64),                  # one page a step, three splits
+    (KernelConfig(16, 32, 2, 3, split_k=2, heads_first=1), 64),   # heads first, two warps
+], ids=["2pages-auto-D128", "1page-x3-D64", "2pages-x2-hf-D64"])
+@pytest.mark.parametrize("magnitude", [1.0, 300.0, 1e-3], ids=["unit", "large", "tiny"])
+def test_gqa_decode_matches_reference(monkeypatch, config, head_dim, magnitude):
+    """Nanbeige's grouping (6 query heads per KV head): partial last pages, a one-key sequence, a
+    sequence of an odd number of pages, shuffled pages; q, K and V scaled by `magnitude` (one key
+    dominating the scores for "large", values near FP8's smallest normals for "tiny")."""
+    calls = _count_launches(monkeypatch)
+    torch.manual_seed(5)
+    rng = random.Random(5)
+    seq_lens = [rng.randint(40, 90), 1, 70, 203, 48]
+    case = random_case(rng, 12, 2, head_dim, torch.float32, seq_lens=seq_lens, query_lens=[1] * 5)
+    q_scale = 1.0 if magnitude < 1 else magnitude ** 0.5 / 8
+    case = case._replace(q=(case.q * q_scale).to(torch.bfloat16), keys=(case.keys * magnitude).to(torch.bfloat16),
+                         values=(case.values * magnitude).to(torch.bfloat16))
+    out, ref = _run_fp8(_backend(12, 2, head_dim, config), case, head_dim ** -0.5)
+    assert calls, "the batch did not take the TMA kernel"
+    assert config.split_k == 0 or calls[0] == config.split_k
+    assert torch.isfinite(out).all()
+    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    assert err <= 1e-2, f"relative max error {err:.2e}"
+
+
+@pytest.mark.parametrize("block_n", [16, 32], ids=["1page", "2pages"])
+def test_v_scales_rising_and_falling(block_n):
+    """V scales that rise page after page (v_ref moves up and the accumulator rescales), with a page
+    16 binades below the rest between them (P's factors far below 1): the reference's output."""
+    from hal.kernels.launch import run_launch
+
+    torch.manual_seed(3)
+    num_blocks, kv_heads, head_dim = 12, 2, 64
+    config = KernelConfig(16, block_n, 1, 3, split_k=1)
+    backend = _backend(12, kv_heads, head_dim, config)
+    layout = backend.kv_layout
+    cache = torch.zeros(backend.kv_cache_shape(num_blocks), dtype=torch.uint8)
+    layout.values(cache).view(torch.uint8).copy_(
+        torch.randn(layout.values(cache).shape).to(torch.float8_e4m3fn).view(torch.uint8))
+    scales = layout.head_scales(cache)
+    scales[:] = 124
+    table = torch.tensor([[3, 7, 1, 9, 5]], dtype=torch.int32)
+    for i, (block, exponent) in enumerate(zip(table[0].tolist(), (120, 121, 122, 106, 123))):
+        scales[1, block] = exponent + torch.arange(16) % 2          # [KVH, page]
+    q = torch.randn(1, 12, head_dim, dtype=torch.bfloat16)
+    seq_lens, starts = torch.tensor([80], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    out = torch.empty_like(q)
+    for launch in gqa_decode.gqa_decode_launches(q, layout.values(cache), layout.scales(cache), table, seq_lens,
+                                                 starts, 0.125, config, KernelConfig(1, 1, 4, 1), out,
+                                                 "interpreter", 64):
+        run_launch(launch)
+    k = layout.read_blocks(cache, 0, table[0]).reshape(-1, kv_heads, head_dim)[:80]
+    v = layout.read_blocks(cache, 1, table[0]).reshape(-1, kv_heads, head_dim)[:80]
+    qg = q.float().view(kv_heads, 6, head_dim)
+    w = torch.softmax(torch.einsum("gqd,kgd->gqk", qg, k) * 0.125, -1)
+    ref = torch.einsum("gqk,kgd->gqd", w, v).reshape(12, head_dim)
+    err = ((out[0].float() - ref).abs().max() / ref.abs().max()).item()
+    assert err <= 1e-2, f"relative max error {err:.2e}"
+
+
+def test_padding_sequences_without_a_query_are_skipped():
+    """A graph bucket's padding sequence (no query this step) returns at once; the real rows are as
+    without it, split or not."""
+    from hal.kernels.launch import run_launch
+
+    torch.manual_seed(0)
+    backend = _backend(12, 2, 32, KernelConfig(16, 16, 1, 2, split_k=1))
+    cache = torch.zeros(backend.kv_cache_shape(6), dtype=torch.uint8)
+    values, scales = backend.kv_layout.values(cache), backend.kv_layout.scales(cache)
+    values.view(torch.uint8).copy_(torch.randn(values.shape).to(torch.float8_e4m3fn).view(torch.uint8))
+    scales.fill_(124)
+    q = torch.randn(2, 12, 32, dtype=torch.bfloat16)
+    table = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)
+    for splits in (1, 2):
+        config = KernelConfig(16, 16, 1, 2, split_k=splits)
+        outs = []
+        for seq_lens, starts in (([20, 9], [0, 1, 2]), ([20, 9, 5], [0, 1, 2, 2])):
+            out = torch.full_like(q, float("nan"))
+            for launch in gqa_decode.gqa_decode_launches(
+                    q, values, scales, table[:len(seq_lens)], torch.tensor(seq_lens, dtype=torch.int32),
+                    torch.tensor(starts, dtype=torch.int32), 0.2, config, KernelConfig(1, 1, 4, 1), out,
+                    "interpreter", 64):
+                run_launch(launch)
+            outs.append(out)
+        assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
+
+
+def test_only_single_token_grouped_fp8_batches_take_it():
+    config = KernelConfig(16, 32, 1, 3, split_k=0)
+    table = {**configs_for("default"), attend.GQA_FP8_KEY: config}
+
+    def kernel(heads, kv_heads, dtype=torch.float8_e4m3fn, max_query_len=1, configs=table, head_dim=64,
+               num_seqs=64):
+        backend = TritonPagedAttention(heads, kv_heads, head_dim, torch.bfloat16, CPU, 16, configs=configs,
+                                       num_compute_units=132, kv_dtype=dtype)
+        cache = torch.zeros(backend.kv_cache_shape(4), dtype=backend.kv_cache_dtype)
+        values, scales = backend._views(cache)
+        q = torch.empty(num_seqs * max_query_len, heads, head_dim, dtype=torch.bfloat16)
+        launches = attend.launches_for(q, values, torch.zeros(num_seqs, 4, dtype=torch.int32),
+                                       torch.ones(num_seqs, dtype=torch.int32),
+                                       torch.arange(0, num_seqs * max_query_len + 1, max_query_len,
+                                                    dtype=torch.int32), max_query_len, 0.1, configs, 132,
+                                       torch.empty_like(q), scales)
+        return launches[0].kernel.fn.__name__
+
+    assert kernel(48, 8) == "_gqa_decode_kernel"                                   # Nanbeige, 64 sequences
+    assert kernel(48, 8, configs=configs_for("default")) == "_paged_attention_kernel"   # table without it
+    assert kernel(48, 8, dtype=None) == "_paged_attention_kernel"                  # bf16 cache
+    assert kernel(48, 8, max_query_len=2) == "_paged_attention_kernel"             # speculative verify
+    assert kernel(48, 8, head_dim=80) == "_paged_attention_kernel"                 # not a whole TMA box
+    assert kernel(16, 16) == "_paged_attention_kernel"                             # multi-head: no group
+
+
+def test_splits_aim_at_eight_programs_per_compute_unit():
+    auto = KernelConfig(16, 32, 1, 3, split_k=0)
+    assert gqa_decode.num_splits(64, 8, 132, auto) == 2        # 512 programs -> 1,024
+    assert gqa_decode.num_splits(128, 8, 132, auto) == 1
+    assert gqa_decode.num_splits(16, 8, 132, auto) == 8
+    assert gqa_decode.num_splits(1, 8, 132, auto) == 16        # at most MAX_SPLITS
+    assert gqa_decode.num_splits(64, 8, 132, KernelConfig(16, 32, 1, 3, split_k=4)) == 4
