@@ -144,9 +144,10 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         # 32 x 2 x 4 9.139; bf16 8.072: 2026-12-03, twentieth session, docs/performance.md lever 83)
         "attention_decode_fp8": KernelConfig(16, 32, 4, 3),
         # ... which these batches now leave to the TMA kernel (hal/kernels/gqa_decode.py): two pages per
-        # step, one warp, 3 stages, 2 splits at 64 x 1K. Probe (tools/gqa_tma_probe.py, 2026-12-04,
-        # twenty-second session), per layer-plane at Nanbeige's 64 x 1K: 55.5 us against 82.3 for the
-        # entry above and 74.7 for bf16; at 128 x 1K 105.3 (2 warps, 1 split: 102.6) against 159.2 / 142.9
+        # step, one warp, 3 stages, splits for ~8 programs per SM. Per layer-plane at Nanbeige's 64 x 1K
+        # (tools/gqa_tma_probe.py in b8a5b93): 55.5 us against 82.3 for the entry above, bf16 74.7; in the
+        # engine FP8 KV 64 x 1K 8.27 -> 7.26 ms, 128 x 1K 12.11 -> 9.80 (bf16 8.07 / 11.66; at 128 x 1K
+        # two splits 10.04, two warps 13.27: 2026-12-04, twenty-second session, lever 86)
         "attention_decode_tma_fp8": KernelConfig(16, 32, 1, 3, split_k=0),
         # multi-head decode: the row-stream kernel (hal/kernels/row_decode.py), picked by
         # tools/pick_decode_configs.py from a `gpu_check.sh rowtune` sweep (2026-12-02, tenth session,
