@@ -104,19 +104,23 @@ def _attention(config: KernelConfig, target: str, num_seqs: int, query_len: int,
     return row_decode_launches(*args, new_kv)[0]
 
 
-def _gqa_decode(config: KernelConfig, target: str, kv_dtype: torch.dtype, num_seqs: int = 64) -> Launch:
+def _gqa_decode(config: KernelConfig, target: str, kv_dtype: torch.dtype | None, num_seqs: int = 64) -> Launch:
     """hal/kernels/gqa_decode.py's launch at Nanbeige4.2-3B's grouping (6 query heads per KV head, head dim
-    128): TMA descriptors over the FP8 cache's head-major values."""
+    128): TMA descriptors over an FP8 cache's head-major values, or (`kv_dtype` None) a 16-bit cache."""
     from hal.common.kv_quant import QuantLayout
     from hal.kernels.gqa_decode import gqa_decode_launches
 
-    layout = QuantLayout(2, 128, 16, kv_dtype)
-    cache = torch.empty(layout.cache_shape(8), dtype=torch.uint8)
+    if kv_dtype is None:
+        values, scales = torch.empty(2, 8, 16, 2, 128, dtype=SHAPE["dtype"]), None
+    else:
+        layout = QuantLayout(2, 128, 16, kv_dtype)
+        cache = torch.empty(layout.cache_shape(8), dtype=torch.uint8)
+        values, scales = layout.values(cache), layout.scales(cache)
     q = torch.empty(num_seqs, 12, 128, dtype=SHAPE["dtype"])
     table = torch.zeros(num_seqs, 8, dtype=torch.int32)
-    return gqa_decode_launches(q, layout.values(cache), layout.scales(cache), table,
-                               torch.zeros(num_seqs, dtype=torch.int32), torch.zeros(num_seqs + 1, dtype=torch.int32),
-                               0.1, config, config, torch.empty_like(q), target, 132)[0]
+    return gqa_decode_launches(q, values, scales, table, torch.zeros(num_seqs, dtype=torch.int32),
+                               torch.zeros(num_seqs + 1, dtype=torch.int32), 0.1, config, config,
+                               torch.empty_like(q), target, 132)[0]
 
 
 def _reduce(config: KernelConfig, target: str) -> Launch:
@@ -306,6 +310,8 @@ CASES = {c.name: c for c in (
          lambda c, t: _attention(c, t, num_seqs=2, query_len=256, num_splits=1, dtype=torch.float32)),
     Case("attention_decode_fp32", "attention_decode_fp32", True, False,
          lambda c, t: _attention(c, t, num_seqs=1, query_len=1, num_splits=8, dtype=torch.float32)),
+    Case("attention_decode_tma/batch", "attention_decode_tma", True, False,     # Nanbeige b64, bf16
+         lambda c, t: _gqa_decode(c, t, None)),
     Case("attention_reduce", "attention_reduce", False, False, _reduce),
     Case("kv_write", "kv_write", False, False, _kv_write),
     Case("rms_norm", "rms_norm", False, False, lambda c, t: _rms_norm(c, t, residual=False)),

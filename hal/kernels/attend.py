@@ -7,8 +7,9 @@
   of many programs per compute unit `attention_row_decode_dense(_fp8)`);
   grouped-query decode takes it only where even one program per query head leaves the context split
   (a few sequences: `row_decode_key`);
-- grouped-query decode over an FP8 cache past those few sequences takes the TMA kernel
-  (hal/kernels/gqa_decode.py) where the table has `attention_decode_tma_fp8` and the cache fits it;
+- grouped-query decode past those few sequences takes the TMA kernel (hal/kernels/gqa_decode.py)
+  where the table has `attention_decode_tma_fp8` (FP8 cache) / `attention_decode_tma` (16-bit) and
+  the cache fits it;
 - every other batch takes the unified kernel (hal/kernels/attention.py): its decode config for
   batches of at most `DECODE_MAX_QUERY_LEN` new tokens per sequence, its prefill config otherwise.
 Decode-like batches split the context (hal/kernels/splits.py). Every choice depends on host integers
@@ -26,7 +27,7 @@ from hal.kernels.launch import Launch, backend_of, check_device, run_launch
 from hal.kernels.row_decode import NewKV, row_decode_launches
 from hal.kernels.splits import num_kv_splits
 
-GQA_FP8_KEY = "attention_decode_tma_fp8"         # grouped-query decode over an FP8 cache by TMA (sm_90)
+GQA_TMA_KEY = "attention_decode_tma"             # grouped-query decode on TMA page copies (sm_90; + "_fp8")
 SPLIT_ROW_KEY = "attention_row_decode_split"     # the row kernel's config where the context splits (+ "_fp8")
 # ... into at least this many parts. H200, batch 1, 8 keys x 2 warps x 2 stages against the row entry's
 # 16 x 2 x 3 (2026-12-03): Ouro-1.4B (16 splits) 4.415 -> 4.352 ms; Huginn-0125 (8 splits of 55
@@ -102,9 +103,10 @@ def launches_for(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
             config = None
         return row_decode_launches(*args, config or configs[row_key], num_splits, reduce_config, out, target,
                                    kv_scales, new_kv)
-    if GQA_FP8_KEY in configs and gqa_decode_fits(q, kv_cache, kv_scales, max_query_len):
+    tma_key = GQA_TMA_KEY + ("_fp8" if quantized else "")
+    if tma_key in configs and gqa_decode_fits(q, kv_cache, kv_scales, max_query_len):
         return gqa_decode_launches(q, kv_cache, kv_scales, block_table, seq_lens, query_start_loc, scale,
-                                   configs[GQA_FP8_KEY], reduce_config, out, target, num_compute_units)
+                                   configs[tma_key], reduce_config, out, target, num_compute_units)
     num_splits = num_kv_splits(num_seqs, num_kv_heads, num_compute_units)
     return attention_launches(*args, configs[config_key("decode", q.dtype, quantized)], num_splits, reduce_config,
                               out, target, kv_scales)

@@ -18,10 +18,10 @@ callers; nothing else chooses tiles. Keys of a table are kernel names:
                       widened tiles take ~200 registers, so wider key tiles pay (H200,
                       tools/fp8_kernels_bench.py, 128 x 1K, per layer-plane, 2026-12-02: 128 keys x 2
                       stages 317-334 us, x 3 stages 381 us, 64 keys 450 us, 32 keys 414 us)
-  attention_decode_tma_fp8  (optional, sm_90) grouped-query decode over an FP8 cache on
-                      hal/kernels/gqa_decode.py (TMA page copies, single-warp programs): block_n = one or
-                      two pages per step, split_k = context splits (0: about 8 programs per SM); a table
-                      without it leaves those batches to attention_decode_fp8
+  attention_decode_tma, attention_decode_tma_fp8  (optional, sm_90) grouped-query decode past a few
+                      sequences over a 16-bit / FP8 cache on hal/kernels/gqa_decode.py (TMA page copies):
+                      block_n = one or two pages per step, split_k = context splits (0: about 8 programs
+                      per SM); a table without them leaves those batches to attention_decode(_fp8)
   attention_row_decode, attention_row_decode_fp8  (optional) the row-stream kernel for multi-head decode
                       (hal/kernels/row_decode.py), 16-bit / FP8 cache: block_n = keys per tile, one
                       softmax stream per tile row; num_stages = cp.async stages of the K/V tiles
@@ -63,7 +63,8 @@ from dataclasses import dataclass
 KERNEL_NAMES = ("attention_prefill", "attention_decode", "attention_prefill_fp32", "attention_decode_fp32",
                 "attention_prefill_fp8", "attention_decode_fp8", "attention_row_decode",
                 "attention_row_decode_fp8", "attention_row_decode_split", "attention_row_decode_split_fp8",
-                "attention_row_decode_dense", "attention_row_decode_dense_fp8", "attention_decode_tma_fp8",
+                "attention_row_decode_dense", "attention_row_decode_dense_fp8", "attention_decode_tma",
+                "attention_decode_tma_fp8",
                 "attention_reduce", "kv_write",
                 "rms_norm", "norm_add_norm", "rotary", "silu_and_mul", "fp8_linear", "gemv_m1", "gemv",
                 "gemv_slice", "gemv_wide")
@@ -72,7 +73,8 @@ KERNEL_NAMES = ("attention_prefill", "attention_decode", "attention_prefill_fp32
 # gemv_wide leaves decode batches above gemv_ops.MAX_ROWS rows to the vendor's GEMM
 OPTIONAL_KERNEL_NAMES = ("attention_row_decode", "attention_row_decode_fp8", "attention_row_decode_split",
                          "attention_row_decode_split_fp8", "attention_row_decode_dense",
-                         "attention_row_decode_dense_fp8", "attention_decode_tma_fp8", "norm_add_norm",
+                         "attention_row_decode_dense_fp8", "attention_decode_tma", "attention_decode_tma_fp8",
+                         "norm_add_norm",
                          "gemv_slice", "gemv_wide")
 
 
@@ -149,6 +151,10 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         # engine FP8 KV 64 x 1K 8.27 -> 7.26 ms, 128 x 1K 12.11 -> 9.80 (bf16 8.07 / 11.66; at 128 x 1K
         # two splits 10.04, two warps 13.27: 2026-12-04, twenty-second session, lever 86)
         "attention_decode_tma_fp8": KernelConfig(16, 32, 1, 3, split_k=0),
+        # the same kernel over the 16-bit cache (slot-major pages): one page x 1 warp x 3 stages, Nanbeige
+        # bf16 64 x 1K 7.959-7.974 -> 7.887 / 7.904 ms, 128 x 1K 11.390 -> 10.982 against the unified entry
+        # above (two pages x 1 warp x 2 stages 7.916 / 7.918 and 11.004; x 3 stages 8.227: 2026-12-04)
+        "attention_decode_tma": KernelConfig(16, 16, 1, 3, split_k=0),
         # multi-head decode: the row-stream kernel (hal/kernels/row_decode.py), picked by
         # tools/pick_decode_configs.py from a `gpu_check.sh rowtune` sweep (2026-12-02, tenth session,
         # levers 43-44: the lazy rescale, and tiles reading their own pages beyond two stages). Per

@@ -1,4 +1,4 @@
-"""Grouped-query decode over an FP8 KV cache, its K/V pages fetched by TMA (sm_90).
+"""Grouped-query decode with the cache's pages fetched by TMA (sm_90): 8-bit and 16-bit caches.
 
 Why a third decode kernel. Grouped queries past a few sequences (Nanbeige4.2-3B: 48 query heads
 over 8 KV heads) took the unified kernel (hal/kernels/attention.py), which reads a KV head once for
@@ -7,19 +7,22 @@ instructions per 32-key tile, a quarter of them tile addresses (a pointer per el
 registers and four programs of four warps per SM, latency-bound (docs/performance.md, levers 84-86).
 Here each page's K and V come as one TMA copy each (a tensor descriptor per cache half: no pointer
 tensors, the copy engine fills shared memory), and a program is a single warp, so the tile's
-softmax needs no exchange between warps: about 40 instructions per warp and key against 71.
+softmax needs no exchange between warps: about 31 instructions per warp and key against 71.
 
 A program owns one (sequence, KV head) and its group's query rows (`BLOCK_M` tensor-core rows,
-`GROUP` used) and walks a share of the sequence's pages, `PAGES` per iteration, each page a `[PAGE, D]`
-copy of K and of V (the cache's head-major values: hal/common/kv_quant.py). The page numbers come one
-iteration ahead, so a tile's copies depend on no load of their own iteration. Context splits
-(hal/kernels/splits.py) give the SMs enough single-warp programs.
+`GROUP` used) and walks a share of the sequence's pages, `PAGES` per step. An 8-bit cache's values
+lie head-major (hal/common/kv_quant.py: a page of one KV head is one `[PAGE, D]` run); a 16-bit
+cache's slot-major, so its box is the KV head's `D` columns of the page's rows. The page numbers
+come one step ahead, so a step's copies depend on no load of their own step; whole steps run
+without masks and only the sequence's last, partial one masks keys (and zeroes their V rows: a
+slot never written may hold NaN). Context splits (hal/kernels/splits.py) give the SMs enough
+single-warp programs.
 
-Scales (exponent bytes): key n's multiplies score column n. V's enter P: P's column n is multiplied
-by 2^(v_exp[n] - v_ref + V_BIAS), where v_ref is the largest V exponent seen so far, so the
-accumulator holds the output in units of 2^(v_ref - 127 - V_BIAS) and P stays within fp16 (P <=
+8-bit scales (exponent bytes): key n's multiplies score column n. V's enter P: P's column n is
+multiplied by 2^(v_exp[n] - v_ref + V_BIAS), where v_ref is the largest V exponent seen so far, so
+the accumulator holds the output in units of 2^(v_ref - 127 - V_BIAS) and P stays within fp16 (P <=
 2^LAZY_MARGIN). Lazy rescale: the row maxima move only when a score passes them by 2^LAZY_MARGIN and
-v_ref only up, so most tiles skip rescaling the accumulator; products of powers of two are exact.
+v_ref only up, so most steps skip rescaling the accumulator; products of powers of two are exact.
 """
 from __future__ import annotations
 
@@ -39,17 +42,32 @@ PROGRAMS_PER_UNIT = 8               # single-warp programs per SM the context sp
 
 
 @triton.jit
-def _page(q, k_desc, v_desc, k_scale_ptr, v_scale_ptr, slot, keys, seq_len, qk_scale,
-          HEAD_DIM: tl.constexpr, PAGE: tl.constexpr):
-    """One page of one KV head (`slot` = page * KVH + head): scores `[M, PAGE]` in log2 units (masked
-    past the sequence), its V widened to fp16 `[PAGE, D]`, its V exponents (0 where masked)."""
-    k = k_desc.load([slot * PAGE, 0]).to(tl.float16)
-    v = v_desc.load([slot * PAGE, 0]).to(tl.float16)
+def _page(q, k_desc, v_desc, k_scale_ptr, v_scale_ptr, page, kv_head, keys, seq_len, qk_scale,
+          NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, KV_QUANT: tl.constexpr,
+          MASKED: tl.constexpr):
+    """One page of one KV head: scores `[M, PAGE]` in log2 units, its V `[PAGE, D]` as the PV product
+    takes it, and (8-bit caches) its V exponents. `MASKED` (the sequence's last tile): keys past the
+    sequence score -inf, and their V rows and exponents are 0 (a slot never written may hold NaN).
+    8-bit values lie head-major (the page's rows of a head are one run), 16-bit ones slot-major
+    (the box takes the head's columns of the page's rows)."""
     valid = keys < seq_len
-    k_exp = tl.load(k_scale_ptr + slot * PAGE + tl.arange(0, PAGE)).to(tl.int32)
-    v_exp = tl.load(v_scale_ptr + slot * PAGE + tl.arange(0, PAGE)).to(tl.int32)
-    s = tl.dot(q, tl.trans(k)) * ((k_exp << 23).to(tl.float32, bitcast=True) * qk_scale)[None, :]
-    return tl.where(valid[None, :], s, float("-inf")), v, tl.where(valid, v_exp, 0)
+    if KV_QUANT:
+        slot = page * NUM_KV_HEADS + kv_head
+        k = k_desc.load([slot * PAGE, 0]).to(tl.float16)
+        v = v_desc.load([slot * PAGE, 0]).to(tl.float16)
+        k_exp = tl.load(k_scale_ptr + slot * PAGE + tl.arange(0, PAGE)).to(tl.int32)
+        v_exp = tl.load(v_scale_ptr + slot * PAGE + tl.arange(0, PAGE)).to(tl.int32)
+        s = tl.dot(q, tl.trans(k)) * ((k_exp << 23).to(tl.float32, bitcast=True) * qk_scale)[None, :]
+    else:
+        k = k_desc.load([page * PAGE, kv_head * HEAD_DIM])
+        v = v_desc.load([page * PAGE, kv_head * HEAD_DIM])
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        v_exp = tl.zeros([PAGE], tl.int32)
+    if MASKED:
+        s = tl.where(valid[None, :], s, float("-inf"))
+        v = tl.where(valid[:, None], v, 0.0).to(v.dtype)
+        v_exp = tl.where(valid, v_exp, 0)
+    return s, v, v_exp
 
 
 @triton.jit
@@ -59,13 +77,54 @@ def _pow2(exponent):
 
 
 @triton.jit
+def _tile(acc, m_i, l_i, v_ref, q, k_desc, v_desc, k_scale_ptr, v_scale_ptr, page0, page1, kv_head, tile, seq_len,
+          qk_scale, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PAGES: tl.constexpr,
+          KV_QUANT: tl.constexpr, MASKED: tl.constexpr):
+    """One step of `PAGES` pages: the online softmax with lazy references (module docstring)."""
+    keys = tile * PAGES * PAGE + tl.arange(0, PAGE)
+    s0, v0, e0 = _page(q, k_desc, v_desc, k_scale_ptr, v_scale_ptr, page0, kv_head, keys, seq_len, qk_scale,
+                       NUM_KV_HEADS, HEAD_DIM, PAGE, KV_QUANT, MASKED)
+    tile_max = tl.max(s0, 1)
+    tile_exp = tl.max(e0, 0)
+    if PAGES == 2:
+        s1, v1, e1 = _page(q, k_desc, v_desc, k_scale_ptr, v_scale_ptr, page1, kv_head, keys + PAGE,
+                           seq_len, qk_scale, NUM_KV_HEADS, HEAD_DIM, PAGE, KV_QUANT, MASKED)
+        tile_max = tl.maximum(tile_max, tl.max(s1, 1))
+        tile_exp = tl.maximum(tile_exp, tl.max(e1, 0))
+    m_new = tl.where(tile_max > m_i + LAZY_MARGIN, tile_max, m_i)
+    v_new = tl.maximum(v_ref, tile_exp)
+    if (tl.max(m_new - m_i, 0) > 0.0) | (v_new > v_ref):
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha
+        acc = acc * (alpha * _pow2(v_ref - v_new + 127))[:, None]
+        m_i = m_new
+        v_ref = v_new
+    p0 = tl.exp2(s0 - m_i[:, None])
+    l_i += tl.sum(p0, 1)
+    acc = tl.dot(_weighted(p0, e0, v_ref, v0.dtype, KV_QUANT), v0, acc)
+    if PAGES == 2:
+        p1 = tl.exp2(s1 - m_i[:, None])
+        l_i += tl.sum(p1, 1)
+        acc = tl.dot(_weighted(p1, e1, v_ref, v1.dtype, KV_QUANT), v1, acc)
+    return acc, m_i, l_i, v_ref
+
+
+@triton.jit
+def _weighted(p, v_exp, v_ref, dtype: tl.constexpr, KV_QUANT: tl.constexpr):
+    """P as the PV product takes it: times each key's V factor 2^(v_exp - v_ref + V_BIAS) for 8-bit caches."""
+    if KV_QUANT:
+        p = p * _pow2(v_exp - v_ref + 127 + V_BIAS)[None, :]
+    return p.to(dtype)
+
+
+@triton.jit
 def _gqa_decode_kernel(
         out_ptr, q_ptr, k_desc, v_desc, k_scale_ptr, v_scale_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr,
         part_out_ptr, part_max_ptr, part_sum_ptr, qk_scale, num_tokens,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_M: tl.constexpr, PAGES: tl.constexpr, NUM_SPLITS: tl.constexpr, HEADS_FIRST: tl.constexpr,
-        PDL: tl.constexpr = False):
+        KV_QUANT: tl.constexpr, PDL: tl.constexpr = False):
     pdl_wait(PDL)
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
@@ -84,7 +143,8 @@ def _gqa_decode_kernel(
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + token.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                 mask=row_valid[:, None], other=0.0)
-    q = tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
+    if KV_QUANT:                                        # FP8 -> fp16 is one packed conversion; bf16 two
+        q = tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -96,40 +156,27 @@ def _gqa_decode_kernel(
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
     table = block_table_ptr + seq.to(tl.int64) * stride_bt
+    num_whole = seq_len // (PAGES * PAGE)                   # tiles without keys past the sequence
     page0 = tl.load(table + tile_lo * PAGES, mask=tile_lo * PAGES < num_pages, other=0)
     page1 = tl.load(table + tile_lo * PAGES + 1, mask=tile_lo * PAGES + 1 < num_pages, other=0)
-    for tile in range(tile_lo, tile_hi):
+    for tile in range(tile_lo, tl.minimum(tile_hi, num_whole)):
         ahead = (tile + 1) * PAGES
         next0 = tl.load(table + ahead, mask=ahead < num_pages, other=0)
         next1 = tl.load(table + ahead + 1, mask=ahead + 1 < num_pages, other=0)
-        keys = tile * PAGES * PAGE + tl.arange(0, PAGE)
-        s0, v0, e0 = _page(q, k_desc, v_desc, k_scale_ptr, v_scale_ptr, page0 * NUM_KV_HEADS + kv_head, keys,
-                           seq_len, qk_scale, HEAD_DIM, PAGE)
-        tile_max = tl.max(s0, 1)
-        tile_exp = tl.max(e0, 0)
-        if PAGES == 2:
-            s1, v1, e1 = _page(q, k_desc, v_desc, k_scale_ptr, v_scale_ptr, page1 * NUM_KV_HEADS + kv_head,
-                               keys + PAGE, seq_len, qk_scale, HEAD_DIM, PAGE)
-            tile_max = tl.maximum(tile_max, tl.max(s1, 1))
-            tile_exp = tl.maximum(tile_exp, tl.max(e1, 0))
-        m_new = tl.where(tile_max > m_i + LAZY_MARGIN, tile_max, m_i)
-        v_new = tl.maximum(v_ref, tile_exp)
-        if (tl.max(m_new - m_i, 0) > 0.0) | (v_new > v_ref):
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha
-            acc = acc * (alpha * _pow2(v_ref - v_new + 127))[:, None]
-            m_i = m_new
-            v_ref = v_new
-        p0 = tl.exp2(s0 - m_i[:, None])
-        l_i += tl.sum(p0, 1)
-        acc = tl.dot((p0 * _pow2(e0 - v_ref + 127 + V_BIAS)[None, :]).to(tl.float16), v0, acc)
-        if PAGES == 2:
-            p1 = tl.exp2(s1 - m_i[:, None])
-            l_i += tl.sum(p1, 1)
-            acc = tl.dot((p1 * _pow2(e1 - v_ref + 127 + V_BIAS)[None, :]).to(tl.float16), v1, acc)
+        acc, m_i, l_i, v_ref = _tile(acc, m_i, l_i, v_ref, q, k_desc, v_desc, k_scale_ptr, v_scale_ptr, page0, page1,
+                                     kv_head, tile, seq_len, qk_scale, NUM_KV_HEADS, HEAD_DIM, PAGE, PAGES,
+                                     KV_QUANT, False)
         page0 = next0
         page1 = next1
-    acc = acc * _pow2(v_ref - V_BIAS)
+    if (tile_lo <= num_whole) & (num_whole < tile_hi):     # the partial last tile, in the split that has it
+        first = num_whole * PAGES
+        page0 = tl.load(table + first)
+        page1 = tl.load(table + first + 1, mask=first + 1 < num_pages, other=0)
+        acc, m_i, l_i, v_ref = _tile(acc, m_i, l_i, v_ref, q, k_desc, v_desc, k_scale_ptr, v_scale_ptr, page0, page1,
+                                     kv_head, num_whole, seq_len, qk_scale, NUM_KV_HEADS, HEAD_DIM, PAGE, PAGES,
+                                     KV_QUANT, True)
+    if KV_QUANT:
+        acc = acc * _pow2(v_ref - V_BIAS)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -143,10 +190,11 @@ def _gqa_decode_kernel(
 
 
 def fits(q: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, max_query_len: int) -> bool:
-    """Whether this kernel takes the batch: one new token per sequence, grouped queries, an FP8 cache
-    with exponent-byte scales and head-major values (each page of a KV head one `[PAGE, D]` run), a
-    head dim TMA copies whole (a power of two, 16-256 bytes), and a Triton with tensor descriptors."""
-    if max_query_len != 1 or kv_scales is None or kv_scales.dtype != torch.uint8:
+    """Whether this kernel takes the batch: one new token per sequence, grouped queries, a head dim
+    TMA copies whole (a power of two, 16-256 elements), pages of at least 16 keys, a Triton with
+    tensor descriptors, and either an FP8 cache with exponent-byte scales and head-major values (each
+    page of a KV head one `[PAGE, D]` run) or a slot-major 16-bit cache of q's dtype."""
+    if max_query_len != 1:
         return False
     num_heads, head_dim = q.shape[1:]
     _, _, page_size, num_kv_heads, _ = kv_cache.shape
@@ -154,8 +202,13 @@ def fits(q: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None
         return False
     if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256 or page_size & (page_size - 1) or page_size < 16:
         return False
-    if not all(_pages_of(kv_cache[i]).is_contiguous() and kv_scales[i].transpose(1, 2).is_contiguous()
-               for i in (0, 1)):
+    if kv_scales is None:
+        if kv_cache.dtype != q.dtype or q.dtype not in (torch.bfloat16, torch.float16):
+            return False
+        if not all(kv_cache[i].is_contiguous() for i in (0, 1)):
+            return False
+    elif kv_scales.dtype != torch.uint8 or not all(
+            _pages_of(kv_cache[i]).is_contiguous() and kv_scales[i].transpose(1, 2).is_contiguous() for i in (0, 1)):
         return False
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
@@ -166,8 +219,8 @@ def fits(q: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None
 
 def num_splits(num_seqs: int, num_kv_heads: int, num_compute_units: int, config: KernelConfig) -> int:
     """Context splits: `config.split_k` where set, else a power of two giving about PROGRAMS_PER_UNIT
-    single-warp programs per compute unit (H200, Nanbeige4.2-3B at 64 x 1K: 512 programs in 2 splits
-    55.5 us per layer-plane, in 4 65.6, 8 72.6; at 128 x 1K 1 split of 2 warps 102.6, 2 of 1 warp 105.3)."""
+    single-warp programs per compute unit (H200, FP8 at Nanbeige's 64 x 1K, 512 programs: 2 splits
+    55.5 us per layer-plane, 4 65.6, 8 72.6; docs/performance.md lever 86)."""
     if config.split_k > 0:
         return min(config.split_k, MAX_SPLITS)
     wanted = PROGRAMS_PER_UNIT * num_compute_units // max(num_seqs * num_kv_heads, 1)
@@ -179,12 +232,13 @@ def _pages_of(half: torch.Tensor) -> torch.Tensor:
     return half.transpose(1, 2)
 
 
-def gqa_decode_launches(q: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.Tensor, block_table: torch.Tensor,
-                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, config: KernelConfig,
-                        reduce_config: KernelConfig, out: torch.Tensor, target: str,
-                        num_compute_units: int) -> list[Launch]:
+def gqa_decode_launches(q: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None,
+                        block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                        scale: float, config: KernelConfig, reduce_config: KernelConfig, out: torch.Tensor,
+                        target: str, num_compute_units: int) -> list[Launch]:
     """The launches of one decode step's attention (check `fits` first); arguments as
-    hal.kernels.attention.attention_launches takes them (kv_scales the exponent bytes' view)."""
+    hal.kernels.attention.attention_launches takes them (kv_scales the exponent bytes' view, None for a
+    16-bit cache)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from hal.kernels.attention import LOG2E
@@ -195,12 +249,17 @@ def gqa_decode_launches(q: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torc
     group = num_heads // num_kv_heads
     pages = max(config.block_n // page_size, 1)
     if pages > 2:
-        raise ValueError(f"attention_decode_tma_fp8: block_n {config.block_n} must be one or two pages of "
+        raise ValueError(f"attention_decode_tma: block_n {config.block_n} must be one or two pages of "
                          f"{page_size} keys")
     splits = num_splits(num_seqs, num_kv_heads, num_compute_units, config)
-    descs = [TensorDescriptor.from_tensor(_pages_of(kv_cache[i]).reshape(-1, head_dim), [page_size, head_dim])
-             for i in (0, 1)]
-    scales = [kv_scales[i].transpose(1, 2) for i in (0, 1)]                 # [NB, KVH, page], contiguous
+    if kv_scales is None:     # slot-major rows [NB * page, KVH * D]: a box is a head's columns of a page
+        descs = [TensorDescriptor.from_tensor(kv_cache[i].reshape(-1, num_kv_heads * head_dim),
+                                              [page_size, head_dim]) for i in (0, 1)]
+        scales = [kv_cache[0], kv_cache[1]]                                   # never read (KV_QUANT False)
+    else:                     # head-major rows [NB * KVH * page, D]: a box is a whole run
+        descs = [TensorDescriptor.from_tensor(_pages_of(kv_cache[i]).reshape(-1, head_dim),
+                                              [page_size, head_dim]) for i in (0, 1)]
+        scales = [kv_scales[i].transpose(1, 2) for i in (0, 1)]             # [NB, KVH, page], contiguous
     parts = split_parts(q, splits, head_dim)
     grid = (num_kv_heads, num_seqs, splits) if config.heads_first else (num_seqs, num_kv_heads, splits)
     main = Launch(_gqa_decode_kernel, grid, (
@@ -208,7 +267,7 @@ def gqa_decode_launches(q: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torc
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0)), dict(
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, PAGE=page_size,
         BLOCK_M=max(next_pow2(group), 16), PAGES=pages, NUM_SPLITS=splits, HEADS_FIRST=bool(config.heads_first),
-        **launch_options(config, target)))
+        KV_QUANT=kv_scales is not None, **launch_options(config, target)))
     if splits == 1:
         return [main]
     return [main, reduce_launch(out, parts, reduce_config, target)]

@@ -188,18 +188,22 @@ def test_small_decode_batches_rotate_inside_the_row_kernel(gpu, heads, kv_heads,
     assert max(errors[1:]) < 1e-2, errors
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, None], ids=["fp8", "bf16"])
 @pytest.mark.parametrize("num_seqs", [16, 64, 128])
-def test_grouped_fp8_decode_on_the_tma_kernel(gpu, num_seqs):
-    """Nanbeige's grouped queries over an FP8 cache past a few sequences take hal/kernels/gqa_decode.py
-    (TMA page copies): as close to the float32 reference over the same cache as the unified kernel
-    is, and the same in a CUDA graph as eagerly."""
+def test_grouped_decode_on_the_tma_kernel(gpu, num_seqs, kv_dtype):
+    """Nanbeige's grouped queries past a few sequences on hal/kernels/gqa_decode.py (TMA page copies):
+    as close to the float32 reference over the same cache as the unified kernel is, the same in a
+    CUDA graph as eagerly, and no NaN from the cache's never-written slots (filled with NaN bytes)."""
     from hal.common.torch_attention import TorchPagedAttention
     from hal.kernels import attend
 
-    backend = gpu.attention(48, 8, 128, torch.bfloat16, kv_dtype=torch.float8_e4m3fn)
-    assert attend.GQA_FP8_KEY in backend.configs
-    unified = TritonPagedAttention(48, 8, 128, torch.bfloat16, backend.device, 16, kv_dtype=torch.float8_e4m3fn,
-                                   configs={k: c for k, c in backend.configs.items() if k != attend.GQA_FP8_KEY})
+    key = attend.GQA_TMA_KEY + ("_fp8" if kv_dtype else "")
+    base = gpu.attention(48, 8, 128, torch.bfloat16, kv_dtype=kv_dtype)
+    configs = base.configs
+    assert key in configs
+    backend = TritonPagedAttention(48, 8, 128, torch.bfloat16, base.device, 16, kv_dtype=kv_dtype, configs=configs)
+    unified = TritonPagedAttention(48, 8, 128, torch.bfloat16, base.device, 16, kv_dtype=kv_dtype,
+                                   configs={k: c for k, c in configs.items() if not k.startswith(attend.GQA_TMA_KEY)})
     gen = torch.Generator().manual_seed(num_seqs)
     lens = torch.randint(1, 1200, (num_seqs,), generator=gen).tolist()
     page, tables, nxt = 16, [], 0
@@ -209,21 +213,27 @@ def test_grouped_fp8_decode_on_the_tma_kernel(gpu, num_seqs):
         nxt += -(-n // page)
     history = PagedBatch(lens, lens, [tables], page)
     step = PagedBatch([1] * num_seqs, lens, [tables], page)
-    cache = torch.zeros(backend.kv_cache_shape(nxt), device="cuda", dtype=backend.kv_cache_dtype)
+    cache = torch.full(backend.kv_cache_shape(nxt), 0x7F if kv_dtype else float("nan"), device="cuda",
+                       dtype=torch.uint8 if kv_dtype else torch.bfloat16)
     backend.write_kv(_randn(sum(lens), 8, 128), _randn(sum(lens), 8, 128, scale=3.0), cache,
                      backend.build_meta(history), 0)
     q = _randn(num_seqs, 48, 128)
     meta = backend.build_meta(step)
+    launches = attend.launches_for(q, *backend._views(cache)[:1], meta.block_tables[0], meta.seq_lens,
+                                   meta.query_start_loc, 1, 0.1, configs, 132, torch.empty_like(q),
+                                   backend._views(cache)[1])
+    assert launches[0].kernel.fn.__name__ == "_gqa_decode_kernel", key
     out = backend.forward(q, cache, meta, 0, 128 ** -0.5)
-    base = unified.forward(q, cache, unified.build_meta(step), 0, 128 ** -0.5)
+    base_out = unified.forward(q, cache, unified.build_meta(step), 0, 128 ** -0.5)
     graph, static_out = torch.cuda.CUDAGraph(), None
     with torch.cuda.graph(graph):
         static_out = backend.forward(q, cache, meta, 0, 128 ** -0.5)
     graph.replay()
     cpu = torch.device("cpu")
-    reference = TorchPagedAttention(48, 8, 128, torch.float32, cpu, page, kv_dtype=torch.float8_e4m3fn)
-    ref = reference.forward(q.float().cpu(), cache.cpu(), reference.build_meta(step), 0, 128 ** -0.5)
-    errors = (_rel(out.cpu(), ref), _rel(base.cpu(), ref), _rel(out, base))
-    print("gqa tma decode", num_seqs, errors)
-    assert torch.equal(static_out, out)
+    reference = TorchPagedAttention(48, 8, 128, torch.float32, cpu, page, kv_dtype=kv_dtype)
+    ref_cache = cache.cpu() if kv_dtype else cache.float().cpu()
+    ref = reference.forward(q.float().cpu(), ref_cache, reference.build_meta(step), 0, 128 ** -0.5)
+    errors = (_rel(out.cpu(), ref), _rel(base_out.cpu(), ref), _rel(out, base_out))
+    print("gqa tma decode", key, num_seqs, errors)
+    assert torch.isfinite(out).all() and torch.equal(static_out, out)
     assert errors[0] < 1e-2 and errors[0] < 2 * errors[1] + 1e-3, errors

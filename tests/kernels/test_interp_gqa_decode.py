@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from paged_cases import random_case
+from paged_cases import random_case, run_both
 from test_interp_row_decode import _run_fp8
 
 from hal.kernels import attend, gqa_decode
@@ -18,12 +18,14 @@ from hal.kernels.configs import KernelConfig, configs_for
 pytestmark = pytest.mark.usefixtures("interpreted")
 
 CPU = torch.device("cpu")
+FP8_KEY = attend.GQA_TMA_KEY + "_fp8"
 
 
-def _backend(heads, kv_heads, head_dim, config, num_compute_units=64):
-    configs = {**configs_for("default"), attend.GQA_FP8_KEY: config}
-    return TritonPagedAttention(heads, kv_heads, head_dim, torch.bfloat16, CPU, 16, configs=configs,
-                                num_compute_units=num_compute_units, kv_dtype=torch.float8_e4m3fn)
+def _backend(heads, kv_heads, head_dim, config, num_compute_units=64, dtype=torch.bfloat16,
+             kv_dtype=torch.float8_e4m3fn):
+    configs = {**configs_for("default"), FP8_KEY if kv_dtype else attend.GQA_TMA_KEY: config}
+    return TritonPagedAttention(heads, kv_heads, head_dim, dtype, CPU, 16, configs=configs,
+                                num_compute_units=num_compute_units, kv_dtype=kv_dtype)
 
 
 def _count_launches(monkeypatch) -> list[int]:
@@ -65,10 +67,29 @@ def test_gqa_decode_matches_reference(monkeypatch, config, head_dim, magnitude):
     assert err <= 1e-2, f"relative max error {err:.2e}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("config", [KernelConfig(16, 32, 1, 2, split_k=0), KernelConfig(16, 16, 2, 3, split_k=3)],
+                         ids=["2pages-auto", "1page-x3"])
+def test_gqa_decode_over_16_bit_cache_matches_reference(monkeypatch, dtype, config):
+    """A slot-major 16-bit cache (a page's box is its KV head's columns of the page's rows): partial
+    last pages, a one-key sequence, shuffled pages, with and without context splits; unused cache
+    slots hold NaN, so a read past a sequence's keys fails."""
+    calls = _count_launches(monkeypatch)
+    rng = random.Random(9)
+    case = random_case(rng, 12, 2, 64, dtype, seq_lens=[rng.randint(40, 90), 1, 70, 203], query_lens=[1] * 4)
+    out, ref = run_both(_backend(12, 2, 64, config, dtype=dtype, kv_dtype=None), case, plane=1, scale=0.125)
+    assert calls, "the batch did not take the TMA kernel"
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    err = (out.float() - ref).abs().max().item()
+    assert err <= {torch.bfloat16: 2e-2, torch.float16: 4e-3}[dtype], f"max error {err:.2e}"
+
+
 @pytest.mark.parametrize("block_n", [16, 32], ids=["1page", "2pages"])
 def test_v_scales_rising_and_falling(block_n):
     """V scales that rise page after page (v_ref moves up and the accumulator rescales), with a page
-    16 binades below the rest between them (P's factors far below 1): the reference's output."""
+    16 binades below the rest between them (P's factors far below 1), and NaN bytes in the last
+    page's slots past the sequence (the interpreter widens FP8 NaN to finite values, so the 16-bit
+    test's NaN slots are what checks that those rows are masked): the reference's output."""
     from hal.kernels.launch import run_launch
 
     torch.manual_seed(3)
@@ -84,15 +105,16 @@ def test_v_scales_rising_and_falling(block_n):
     table = torch.tensor([[3, 7, 1, 9, 5]], dtype=torch.int32)
     for i, (block, exponent) in enumerate(zip(table[0].tolist(), (120, 121, 122, 106, 123))):
         scales[1, block] = exponent + torch.arange(16) % 2          # [KVH, page]
+    layout.value_bytes(cache)[:, 5, 11:] = 0x7F                           # e4m3fn NaN in slots 75-79
     q = torch.randn(1, 12, head_dim, dtype=torch.bfloat16)
-    seq_lens, starts = torch.tensor([80], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    seq_lens, starts = torch.tensor([75], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
     out = torch.empty_like(q)
     for launch in gqa_decode.gqa_decode_launches(q, layout.values(cache), layout.scales(cache), table, seq_lens,
                                                  starts, 0.125, config, KernelConfig(1, 1, 4, 1), out,
                                                  "interpreter", 64):
         run_launch(launch)
-    k = layout.read_blocks(cache, 0, table[0]).reshape(-1, kv_heads, head_dim)[:80]
-    v = layout.read_blocks(cache, 1, table[0]).reshape(-1, kv_heads, head_dim)[:80]
+    k = layout.read_blocks(cache, 0, table[0]).reshape(-1, kv_heads, head_dim)[:75]
+    v = layout.read_blocks(cache, 1, table[0]).reshape(-1, kv_heads, head_dim)[:75]
     qg = q.float().view(kv_heads, 6, head_dim)
     w = torch.softmax(torch.einsum("gqd,kgd->gqk", qg, k) * 0.125, -1)
     ref = torch.einsum("gqk,kgd->gqd", w, v).reshape(12, head_dim)
@@ -129,7 +151,8 @@ def test_padding_sequences_without_a_query_are_skipped():
 
 def test_only_single_token_grouped_fp8_batches_take_it():
     config = KernelConfig(16, 32, 1, 3, split_k=0)
-    table = {**configs_for("default"), attend.GQA_FP8_KEY: config}
+    table = {**configs_for("default"), FP8_KEY: config}
+    both = {**table, attend.GQA_TMA_KEY: config}
 
     def kernel(heads, kv_heads, dtype=torch.float8_e4m3fn, max_query_len=1, configs=table, head_dim=64,
                num_seqs=64):
@@ -147,7 +170,9 @@ def test_only_single_token_grouped_fp8_batches_take_it():
 
     assert kernel(48, 8) == "_gqa_decode_kernel"                                   # Nanbeige, 64 sequences
     assert kernel(48, 8, configs=configs_for("default")) == "_paged_attention_kernel"   # table without it
-    assert kernel(48, 8, dtype=None) == "_paged_attention_kernel"                  # bf16 cache
+    assert kernel(48, 8, dtype=None) == "_paged_attention_kernel"                  # bf16 cache, no 16-bit entry
+    assert kernel(48, 8, dtype=None, configs=both) == "_gqa_decode_kernel"        # ... with one
+    assert kernel(16, 16, dtype=None, configs=both) == "_paged_attention_kernel"
     assert kernel(48, 8, max_query_len=2) == "_paged_attention_kernel"             # speculative verify
     assert kernel(48, 8, head_dim=80) == "_paged_attention_kernel"                 # not a whole TMA box
     assert kernel(16, 16) == "_paged_attention_kernel"                             # multi-head: no group
