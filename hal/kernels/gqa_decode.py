@@ -192,18 +192,19 @@ def _gqa_decode_kernel(
 def fits(q: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, max_query_len: int) -> bool:
     """Whether this kernel takes the batch: one new token per sequence, grouped queries, a head dim
     TMA copies whole (a power of two, 16-256 elements), pages of at least 16 keys, a Triton with
-    tensor descriptors, and either an FP8 cache with exponent-byte scales and head-major values (each
-    page of a KV head one `[PAGE, D]` run) or a slot-major 16-bit cache of q's dtype."""
-    if max_query_len != 1:
+    tensor descriptors, 16-bit queries (float32 runs keep the unified kernel's fp32 products), and
+    either an FP8 cache with exponent-byte scales and head-major values (each page of a KV head one
+    `[PAGE, D]` run) or a slot-major 16-bit cache of q's dtype."""
+    if max_query_len != 1 or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     num_heads, head_dim = q.shape[1:]
     _, _, page_size, num_kv_heads, _ = kv_cache.shape
     if num_heads == num_kv_heads or num_heads % num_kv_heads or num_heads // num_kv_heads > 16:
         return False
-    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256 or page_size & (page_size - 1) or page_size < 16:
-        return False
+    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256 or page_size not in (16, 32, 64):
+        return False                # pages past 64 keys: tiles too large for the stages in shared memory
     if kv_scales is None:
-        if kv_cache.dtype != q.dtype or q.dtype not in (torch.bfloat16, torch.float16):
+        if kv_cache.dtype != q.dtype:
             return False
         if not all(kv_cache[i].is_contiguous() for i in (0, 1)):
             return False
