@@ -31,9 +31,10 @@ import triton
 import triton.language as tl
 
 from hal.kernels.configs import KernelConfig
+from hal.kernels.kv_write import _loaded_scale
 from hal.kernels.launch import Launch, launch_options, next_pow2
 from hal.kernels.pdl import pdl_wait
-from hal.kernels.splits import MAX_SPLITS, reduce_launch, split_parts
+from hal.kernels.splits import MAX_SPLITS, reduce_launch, split_parts, split_tiles
 
 FP16_MAX = tl.constexpr(65504.0)
 LAZY_MARGIN = tl.constexpr(8.0)     # log2 units: P <= 2^8 between two moves of a row maximum
@@ -55,9 +56,9 @@ def _page(q, k_desc, v_desc, k_scale_ptr, v_scale_ptr, page, kv_head, keys, seq_
         slot = page * NUM_KV_HEADS + kv_head
         k = k_desc.load([slot * PAGE, 0]).to(tl.float16)
         v = v_desc.load([slot * PAGE, 0]).to(tl.float16)
-        k_exp = tl.load(k_scale_ptr + slot * PAGE + tl.arange(0, PAGE)).to(tl.int32)
+        k_scale = _loaded_scale(tl.load(k_scale_ptr + slot * PAGE + tl.arange(0, PAGE)))
         v_exp = tl.load(v_scale_ptr + slot * PAGE + tl.arange(0, PAGE)).to(tl.int32)
-        s = tl.dot(q, tl.trans(k)) * ((k_exp << 23).to(tl.float32, bitcast=True) * qk_scale)[None, :]
+        s = tl.dot(q, tl.trans(k)) * (k_scale * qk_scale)[None, :]
     else:
         k = k_desc.load([page * PAGE, kv_head * HEAD_DIM])
         v = v_desc.load([page * PAGE, kv_head * HEAD_DIM])
@@ -152,9 +153,7 @@ def _gqa_decode_kernel(
     v_ref = tl.zeros([], tl.int32)
     num_pages = tl.cdiv(seq_len, PAGE)
     num_tiles = tl.cdiv(num_pages, PAGES)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    tile_lo, tile_hi = split_tiles(num_tiles, split, NUM_SPLITS)
     table = block_table_ptr + seq.to(tl.int64) * stride_bt
     num_whole = seq_len // (PAGES * PAGE)                   # tiles without keys past the sequence
     page0 = tl.load(table + tile_lo * PAGES, mask=tile_lo * PAGES < num_pages, other=0)
