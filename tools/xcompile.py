@@ -67,12 +67,12 @@ class Case(NamedTuple):
     build: Callable[[KernelConfig, str], Launch]   # (config, "hip" | "cuda") -> launch on CPU tensors
 
 
-def _fp8_cache(kv_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _fp8_cache(kv_dtype: torch.dtype, num_kv_heads: int = SHAPE["num_kv_heads"]) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, scales) views of an FP8 cache of 8 blocks in `hal.common.kv_quant.QuantLayout`."""
     from hal.common.kv_quant import QuantLayout
 
     s = SHAPE
-    layout = QuantLayout(s["num_kv_heads"], s["head_dim"], s["page_size"], kv_dtype)
+    layout = QuantLayout(num_kv_heads, s["head_dim"], s["page_size"], kv_dtype)
     cache = torch.empty(layout.cache_shape(8), dtype=torch.uint8)
     return layout.values(cache), layout.scales(cache)
 
@@ -90,7 +90,7 @@ def _attention(config: KernelConfig, target: str, num_seqs: int, query_len: int,
     cache = torch.empty(2, 8, s["page_size"], s["num_kv_heads"] // group, s["head_dim"], dtype=dtype)
     scales = None
     if kv_dtype is not None:
-        cache, scales = _fp8_cache(kv_dtype)
+        cache, scales = _fp8_cache(kv_dtype, s["num_kv_heads"] // group)
     table = torch.zeros(num_seqs, 8, dtype=torch.int32)
     seq_lens = torch.zeros(num_seqs, dtype=torch.int32)
     starts = torch.zeros(num_seqs + 1, dtype=torch.int32)
@@ -303,7 +303,7 @@ CASES = {c.name: c for c in (
          lambda c, t: _attention(c, t, num_seqs=1, query_len=1, num_splits=8, rows=True, rotary=True)),
     Case("attention_row_decode_split/rotary", "attention_row_decode_split", False, False,
          lambda c, t: _attention(c, t, num_seqs=1, query_len=1, num_splits=8, rows=True, rotary=True)),
-    Case("attention_row_decode_split/grouped", "attention_row_decode_split", False, False,   # Nanbeige b1
+    Case("attention_row_decode_split/grouped", "attention_row_decode_split_few", False, False,   # Nanbeige b1
          lambda c, t: _attention(c, t, num_seqs=1, query_len=1, num_splits=8, rows=True, rotary=True,
                                  group=4)),
     Case("attention_prefill_fp32", "attention_prefill_fp32", True, False,   # golden / conformance runs
@@ -359,6 +359,9 @@ def _fp8_cases(fmt: str, fp8: torch.dtype) -> tuple[Case, ...]:
         Case(f"attention_row_decode_split/rotary-{fmt}", "attention_row_decode_split_fp8", False, False,   # b1
              lambda c, t: _attention(c, t, num_seqs=1, query_len=1, num_splits=16, kv_dtype=fp8, rows=True,
                                      rotary=True)),
+        Case(f"attention_row_decode_split/grouped-{fmt}", "attention_row_decode_split_few_fp8", False, False,
+             lambda c, t: _attention(c, t, num_seqs=1, query_len=1, num_splits=8, kv_dtype=fp8, rows=True,
+                                     rotary=True, group=4)),                                # Nanbeige b1
         Case(f"kv_write/{fmt}", "kv_write", False, False, lambda c, t: _kv_write(c, t, kv_dtype=fp8)),
         Case(f"kv_write/dequant-{fmt}", "kv_write", False, False,
              lambda c, t: _kv_write(c, t, kv_dtype=fp8, dequantized=True)),

@@ -3,8 +3,9 @@
 - Multi-head decode (one new token per sequence, one query head per KV head, 16-bit queries) takes
   the row-stream kernel (hal/kernels/row_decode.py) where the arch's table has a config for it
   (`attention_row_decode`, `attention_row_decode_fp8`; a context split 16 ways takes
-  `attention_row_decode_split` / `attention_row_decode_split_fp8` where the table has it, a batch
-  of many programs per compute unit `attention_row_decode_dense(_fp8)`);
+  `attention_row_decode_split` / `attention_row_decode_split_fp8` where the table has it, one split
+  2-15 ways `attention_row_decode_split_few(_fp8)`, a batch of many programs per compute unit
+  `attention_row_decode_dense(_fp8)`);
   grouped-query decode takes it only where even one program per query head leaves the context split
   (a few sequences: `row_decode_key`);
 - grouped-query decode past those few sequences takes the TMA kernel (hal/kernels/gqa_decode.py)
@@ -33,6 +34,9 @@ SPLIT_ROW_KEY = "attention_row_decode_split"     # the row kernel's config where
 # 16 x 2 x 3 (2026-12-03): Ouro-1.4B (16 splits) 4.415 -> 4.352 ms; Huginn-0125 (8 splits of 55
 # heads) 30.71 -> 30.89 and Nanbeige4.2-3B (8 splits of 48 query heads) 4.519 -> 4.540, slower
 SPLIT_ROW_MIN_SPLITS = 16
+# ... into 2 to SPLIT_ROW_MIN_SPLITS - 1 parts (+ "_fp8"): those 8-split batch-1 steps, whose best tiles
+# differ again (8 keys x 2 warps x 3 stages; FP8 8 x 1 x 3: hal/kernels/configs.py, 2026-12-04)
+FEW_SPLITS_ROW_KEY = "attention_row_decode_split_few"
 DENSE_ROW_KEY = "attention_row_decode_dense"     # the row kernel's config where programs crowd the SMs (+ "_fp8")
 # ... at least this many (sequence, head) programs per compute unit. H200, FP8 at 128 x 1K (15.5 per SM),
 # head-major values: 8 keys x 1 warp x 3 stages 137.3 us per layer-plane against 138.5 for the whole-batch
@@ -97,6 +101,8 @@ def launches_for(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
         suffix = "_fp8" if quantized else ""
         if num_splits >= SPLIT_ROW_MIN_SPLITS:
             config = configs.get(SPLIT_ROW_KEY + suffix)
+        elif num_splits > 1:
+            config = configs.get(FEW_SPLITS_ROW_KEY + suffix)
         elif num_seqs * q.shape[1] >= DENSE_ROW_MIN_PROGRAMS * num_compute_units:
             config = configs.get(DENSE_ROW_KEY + suffix)
         else:

@@ -29,6 +29,9 @@ callers; nothing else chooses tiles. Keys of a table are kernel names:
                       where the context splits into at least attend.SPLIT_ROW_MIN_SPLITS parts (a sequence
                       or two: hal/kernels/splits.py), when the latency of a short tile walk matters more
                       than the copy rate; without them those batches take the whole-batch entry too
+  attention_row_decode_split_few, attention_row_decode_split_few_fp8  (optional) the same where the
+                      context splits 2 to SPLIT_ROW_MIN_SPLITS - 1 ways (batch 1 of many query heads:
+                      Huginn, Nanbeige; a few sequences of Ouro); else the whole-batch entry
   attention_row_decode_dense, attention_row_decode_dense_fp8  (optional) attention_row_decode(_fp8)
                       where a batch has at least attend.DENSE_ROW_MIN_PROGRAMS programs per compute unit
   attention_reduce    merges the context splits of attention_decode (num_warps only)
@@ -63,7 +66,8 @@ from dataclasses import dataclass
 KERNEL_NAMES = ("attention_prefill", "attention_decode", "attention_prefill_fp32", "attention_decode_fp32",
                 "attention_prefill_fp8", "attention_decode_fp8", "attention_row_decode",
                 "attention_row_decode_fp8", "attention_row_decode_split", "attention_row_decode_split_fp8",
-                "attention_row_decode_dense", "attention_row_decode_dense_fp8", "attention_decode_tma",
+                "attention_row_decode_split_few", "attention_row_decode_split_few_fp8", "attention_row_decode_dense",
+                "attention_row_decode_dense_fp8", "attention_decode_tma",
                 "attention_decode_tma_fp8",
                 "attention_reduce", "kv_write",
                 "rms_norm", "norm_add_norm", "rotary", "silu_and_mul", "fp8_linear", "gemv_m1", "gemv",
@@ -72,7 +76,8 @@ KERNEL_NAMES = ("attention_prefill", "attention_decode", "attention_prefill_fp32
 # (hal/kernels/attend.py); one without norm_add_norm launches it with the rms_norm entry; one without
 # gemv_wide leaves decode batches above gemv_ops.MAX_ROWS rows to the vendor's GEMM
 OPTIONAL_KERNEL_NAMES = ("attention_row_decode", "attention_row_decode_fp8", "attention_row_decode_split",
-                         "attention_row_decode_split_fp8", "attention_row_decode_dense",
+                         "attention_row_decode_split_fp8", "attention_row_decode_split_few",
+                         "attention_row_decode_split_few_fp8", "attention_row_decode_dense",
                          "attention_row_decode_dense_fp8", "attention_decode_tma", "attention_decode_tma_fp8",
                          "norm_add_norm",
                          "gemv_slice", "gemv_wide")
@@ -180,6 +185,15 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         # the same call; 16 x 2 x 2 4.188, 8 x 1 x 3 4.228, 16 x 1 x 3 4.239), nineteenth session call
         # 1. Before them 8 x 1 x 4 (4.225 against 16 x 1 x 3's 4.278, seventeenth session)
         "attention_row_decode_split_fp8": KernelConfig(1, 8, 2, 2),
+        # 2-15 splits (batch 1 of Nanbeige4.2-3B's 48 and Huginn-0125's 55 query heads: 8 splits):
+        # 8-key tiles, where those steps had taken the whole-batch entries (16 x 2 x 3, FP8 16 x 1 x 3).
+        # H200 sweeps by override (2026-12-04, twenty-third session): Nanbeige bf16 4.447-4.450 -> 4.402
+        # ms (8 x 2 x 4 4.429, 8 x 1 x 3 4.421, 8 x 2 x 2 4.434, 8 x 4 x 3 4.472), FP8 KV 4.469-4.471 ->
+        # 4.425-4.431 (8 x 2 x 3 4.468, 8 x 2 x 2 4.454, 8 x 1 x 4 4.441, 4 x 1 x 3 4.445). As these
+        # entries, against the tree before (call 6): Nanbeige bf16 4.484 -> 4.425 / 4.436, FP8 4.500 ->
+        # 4.461 / 4.465; Huginn FP8 30.938 -> 30.778, bf16 level (30.668 / 30.655)
+        "attention_row_decode_split_few": KernelConfig(1, 8, 2, 3),
+        "attention_row_decode_split_few_fp8": KernelConfig(1, 8, 1, 3),
         # fp32 prefill: 4 warps spill 16 bytes once the pages are loaded a tile ahead; 8 do not
         **_fp32_attention(KernelConfig(16, 32, 8, 2), KernelConfig(16, 32, 4, 2)),
         **_small_ops(4, 1),

@@ -24,9 +24,9 @@ ROWS = {"attention_row_decode": KernelConfig(1, 32, 4, 2), "attention_row_decode
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
-def _backend(heads, kv_heads, head_dim, dtype, num_compute_units, kv_dtype=None, num_stages=2):
-    rows = {name: replace(config, num_stages=num_stages) if name.startswith("attention_row") else config
-            for name, config in ROWS.items()}
+def _backend(heads, kv_heads, head_dim, dtype, num_compute_units, kv_dtype=None, num_stages=2, block_n=None):
+    rows = {name: replace(config, num_stages=num_stages, block_n=block_n or config.block_n)
+            if name.startswith("attention_row") else config for name, config in ROWS.items()}
     return TritonPagedAttention(heads, kv_heads, head_dim, dtype, CPU, 16, configs={**configs_for("default"), **rows},
                                 num_compute_units=num_compute_units, kv_dtype=kv_dtype)
 
@@ -184,7 +184,8 @@ def test_split_and_dense_batches_take_their_config_where_the_table_has_one():
     """`attention_row_decode_split` serves 16-bit caches whose context splits 16 ways (a sequence or
     two), `attention_row_decode_split_fp8` 8-bit ones; fewer splits and unsplit batches keep the
     row entries, and a table without the split entry uses the row entry. Batches with many programs
-    per compute unit take `attention_row_decode_dense(_fp8)` where the table has it."""
+    per compute unit take `attention_row_decode_dense(_fp8)` where the table has it, batches split
+    2-15 ways `attention_row_decode_split_few(_fp8)`."""
     split = KernelConfig(1, 8, 1, 2)
     configs = {**ROWS, "attention_reduce": KernelConfig(1, 1, 1, 1), attend.SPLIT_ROW_KEY: split}
 
@@ -215,6 +216,12 @@ def test_split_and_dense_batches_take_their_config_where_the_table_has_one():
     assert block_n(many - 1, dense, torch.ones(2, 4, 16, 2), torch.float8_e4m3fn)[0] == \
         ROWS["attention_row_decode_fp8"].block_n
     assert block_n(many, dense)[0] == ROWS["attention_row_decode"].block_n     # no 16-bit dense entry
+    # 2-15 splits: the few-splits entry where the table has it
+    few = {**configs, attend.FEW_SPLITS_ROW_KEY: KernelConfig(1, 2, 1, 3),
+           attend.FEW_SPLITS_ROW_KEY + "_fp8": KernelConfig(1, 32, 1, 3)}
+    assert block_n(8, few) == (2, 2) and block_n(1, few) == (8, 2) and block_n(64, few)[0] == \
+        ROWS["attention_row_decode"].block_n
+    assert block_n(8, few, torch.ones(2, 4, 16, 2), torch.float8_e4m3fn)[0] == 32
 
 
 def test_rising_scores_move_the_lazy_maximum(monkeypatch):
@@ -257,22 +264,24 @@ def _poison_slot(backend, cache: torch.Tensor, slot: int) -> None:
 ], ids=["bf16-neox-D128", "bf16-gptj-D96", "fp8-neox-D64", "fp8-gptj-D48"])
 @pytest.mark.parametrize("num_compute_units,kv_heads", [(1, 4), (64, 4), (64, 2)],
                          ids=["whole", "split", "split-grouped"])
+@pytest.mark.parametrize("block_n,num_stages", [(None, 2), (8, 3)], ids=["table-tiles", "8-key-tiles"])
 def test_row_kernel_rotary_is_rotary_kv_write_then_the_row_kernel_bit_for_bit(monkeypatch, kv_dtype, head_dim,
                                                                               interleaved, num_compute_units,
-                                                                              kv_heads):
+                                                                              kv_heads, block_n, num_stages):
     """`attend_rotary` at decode with context splits (multi-head, and grouped: every program of a
-    group stores the same bytes): the row kernel rotates q and stores
-    this step's k and v (the split that reads the last key, before it reads it) in one launch, the
-    same output and cache bytes as `rotary_kv_write` then the row kernel; without splits the two
-    launches stay (`attend.fuses_rotary`). The last slots hold NaN until written, so a read before
-    the store fails; one token's slot is -1 (nothing stored: its stale key is read, as in the
-    two-launch path)."""
+    group stores the same bytes): the row kernel rotates q and stores this step's k and v (the split
+    that reads the last key) in one launch, the same output and cache bytes as `rotary_kv_write` then
+    the row kernel; without splits the two launches stay (`attend.fuses_rotary`). The last slots hold
+    NaN until written, so a read before the store fails; one token's slot is -1 (nothing stored: its
+    stale key is read, as in the two-launch path). 8-key tiles over 3 stages (the few-splits entry's
+    shape) give splits of several tiles: an early tile, the loop, the last tile full or partial."""
     from hal.kernels import rotary_kv
 
     rng = random.Random(17)
     seq_lens = [rng.randint(2, 90), 1, rng.randint(100, 140), 32, 17]
     case = random_case(rng, 4, kv_heads, head_dim, torch.bfloat16, seq_lens=seq_lens, query_lens=[1] * 5)
-    backend = _backend(4, kv_heads, head_dim, torch.bfloat16, num_compute_units, kv_dtype=kv_dtype)
+    backend = _backend(4, kv_heads, head_dim, torch.bfloat16, num_compute_units, kv_dtype=kv_dtype,
+                       num_stages=num_stages, block_n=block_n)
     cache = torch.zeros(backend.kv_cache_shape(case.num_blocks), dtype=backend.kv_cache_dtype)
     history = backend.build_meta(case.history)
     for p in range(2):
