@@ -133,32 +133,24 @@ def _write_head_kv(k_src, v_src, cos, sin, k_dst, v_dst, k_scale_dst, v_scale_ds
                    HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, KV_QUANT: tl.constexpr, QMAX: tl.constexpr):
     """One (token, KV head): k rotated (`ops._head_angles`) and v stored at their slot (`k_dst`, `v_dst`: the
     head's values there; an 8-bit cache also its scales), the bytes the two kernels above store, for
-    a kernel that holds a head as one vector `dims` `[D_pad]` (hal/kernels/row_decode.py). Returns what
-    a load of the slot would give after the store: `(k, v, k_scale, v_scale)`, values in the cache's
-    dtype and float32 scales (1.0 for a 16-bit cache; a power of two reads back as itself)."""
+    a kernel that holds a head as one vector `dims` `[D_pad]` (hal/kernels/row_decode.py)."""
     valid = dims < HEAD_DIM
     v = tl.load(v_src + dims, mask=valid, other=0.0)
     if KV_QUANT:
         fp8 = k_dst.dtype.element_ty
         k = _rotated_head(k_src, cos, sin, dims, HEAD_DIM // 2, INTERLEAVED, k_src.dtype.element_ty)
         k_scale = _scale_of(tl.max(tl.abs(k), 0), QMAX)
-        k_held = _quantized(k, k_scale, QMAX, fp8)
-        tl.store(k_dst + dims, k_held, mask=valid)
+        tl.store(k_dst + dims, _quantized(k, k_scale, QMAX, fp8), mask=valid)
         tl.store(k_scale_dst, _stored_scale(k_scale))
         v = v.to(tl.float32)
         v_scale = _scale_of(tl.max(tl.abs(v), 0), QMAX)
-        v_held = _quantized(v, v_scale, QMAX, fp8)
-        tl.store(v_dst + dims, v_held, mask=valid)
+        tl.store(v_dst + dims, _quantized(v, v_scale, QMAX, fp8), mask=valid)
         tl.store(v_scale_dst, _stored_scale(v_scale))
     else:
         dtype = k_dst.dtype.element_ty
-        k_held = _rotated_head(k_src, cos, sin, dims, HEAD_DIM // 2, INTERLEAVED, dtype).to(dtype)
-        v_held = v.to(v_dst.dtype.element_ty)
-        tl.store(k_dst + dims, k_held, mask=valid)
-        tl.store(v_dst + dims, v_held, mask=valid)
-        k_scale = 1.0
-        v_scale = 1.0
-    return k_held, v_held, k_scale, v_scale
+        k = _rotated_head(k_src, cos, sin, dims, HEAD_DIM // 2, INTERLEAVED, dtype)
+        tl.store(k_dst + dims, k.to(dtype), mask=valid)
+        tl.store(v_dst + dims, v.to(v_dst.dtype.element_ty), mask=valid)
 
 
 def rotary_kv_write_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

@@ -205,22 +205,9 @@ def _row_decode_kernel(
                                             dims, dim_valid, PAGE_SIZE, BLOCK_N, True, KV_QUANT)
     first = tile_lo + early.to(tl.int32)                     # the first tile the loop below reads
     page = _pages(table_ptr, first, last_pos, PAGE_SIZE, BLOCK_N)
-    last_tile = last_pos // BLOCK_N
-    holds_last = (tile_lo <= last_tile) & (last_tile < tile_hi)
-    loop_hi = full_hi
     if ROTARY:
         cos, sin = _head_angles(tl.load(positions_ptr + token), inv_freq_ptr, dims, HEAD_DIM // 2, INTERLEAVED)
         slot = tl.load(slot_ptr + token)
-        # the split holding the last key reads that tile now too: its keys before this step's were
-        # stored by earlier steps, and this step's row comes from registers after the store below,
-        # so no load waits on the store (a dependent load per layer-plane off the critical path)
-        tail_last = tl.where(holds_last, last_pos, -1)
-        tail_page = _pages(table_ptr, last_tile, tail_last, PAGE_SIZE, BLOCK_N)
-        k1, v1, k1_scale, v1_scale = _load_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, tail_page,
-                                                head_off, scale_head, last_tile, tail_last, stride_cb, stride_ct,
-                                                stride_sb, stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, True,
-                                                KV_QUANT)
-        loop_hi = tl.where(holds_last, last_tile, full_hi)   # the loop stops before it
     pdl_wait(PDL)
     if is_padding:
         return
@@ -232,21 +219,18 @@ def _row_decode_kernel(
     q = q * qk_scale                                                        # [D], scores in the log2 domain
 
     if ROTARY:
-        # this step's key and value: the split that reads the last key stores them (the bytes of
-        # rotary_kv.py's write) and puts what the store holds into its tile's last row
-        if holds_last & (slot >= 0):
+        # this step's key and value: the split that reads the last key stores them first (the bytes
+        # of rotary_kv.py's write), then reads them back as any other key
+        last_tile = last_pos // BLOCK_N
+        if (tile_lo <= last_tile) & (last_tile < tile_hi) & (slot >= 0):
             slot_page, slot_offset = slot // PAGE_SIZE, slot % PAGE_SIZE
             row = slot_page * stride_cb + slot_offset * stride_ct + kv_head.to(tl.int64) * stride_ch
             scale_row = slot_page * stride_sb + slot_offset * stride_st + scale_head
-            k_new, v_new, k_new_scale, v_new_scale = _write_head_kv(
-                k_new_ptr + token * stride_kt + kv_head * stride_kh, v_new_ptr + token * stride_vt + kv_head * stride_vh,
-                cos, sin, k_cache_ptr + row, v_cache_ptr + row, k_scale_ptr + scale_row, v_scale_ptr + scale_row,
-                dims, HEAD_DIM, INTERLEAVED, KV_QUANT, QMAX)
-            is_new = (last_tile * BLOCK_N + tl.arange(0, BLOCK_N)) == last_pos            # [N]
-            k1 = tl.where(is_new[:, None], k_new[None, :], k1)
-            v1 = tl.where(is_new[:, None], v_new[None, :], v1)
-            k1_scale = tl.where(is_new, k_new_scale, k1_scale)
-            v1_scale = tl.where(is_new, v_new_scale, v1_scale)
+            _write_head_kv(k_new_ptr + token * stride_kt + kv_head * stride_kh,
+                           v_new_ptr + token * stride_vt + kv_head * stride_vh, cos, sin,
+                           k_cache_ptr + row, v_cache_ptr + row, k_scale_ptr + scale_row, v_scale_ptr + scale_row,
+                           dims, HEAD_DIM, INTERLEAVED, KV_QUANT, QMAX)
+            tl.debug_barrier()                               # the stores are visible to the program's loads
 
     m_i = tl.full([BLOCK_N], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_N], tl.float32)
@@ -256,7 +240,7 @@ def _row_decode_kernel(
                                   True, KV_QUANT, LAZY)
     if NUM_STAGES <= 2:
         # one K/V tile in flight: the next tile's pages are loaded a tile ahead, by hand
-        for tile in tl.range(first, loop_hi, num_stages=NUM_STAGES):
+        for tile in tl.range(first, full_hi, num_stages=NUM_STAGES):
             next_page = _pages(table_ptr, tile + 1, last_pos, PAGE_SIZE, BLOCK_N)
             acc, m_i, l_i = _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                                          page, head_off, scale_head, tile, last_pos, stride_cb, stride_ct,
@@ -266,24 +250,18 @@ def _row_decode_kernel(
     else:
         # several tiles in flight: a page carried from the iteration before would tie every load to
         # the previous iteration, so each tile reads its pages and the pipeliner runs those loads ahead
-        for tile in tl.range(first, loop_hi, num_stages=NUM_STAGES):
+        for tile in tl.range(first, full_hi, num_stages=NUM_STAGES):
             page = _pages(table_ptr, tile, last_pos, PAGE_SIZE, BLOCK_N)
             acc, m_i, l_i = _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                                          page, head_off, scale_head, tile, last_pos, stride_cb, stride_ct,
                                          stride_sb, stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, False,
                                          KV_QUANT, LAZY, WORD_SCALES)
-    if ROTARY:
-        if holds_last:                                       # the tile read before the wait
-            acc, m_i, l_i = _consume_tile(acc, m_i, l_i, q, k1, v1, k1_scale, v1_scale, last_tile, last_pos,
-                                          BLOCK_N, True, KV_QUANT, LAZY)
-    else:
-        if tile_hi > num_full and tile_hi > tile_lo:         # the sequence's last, partial tile
-            tile = tile_hi - 1
-            page = _pages(table_ptr, tile, last_pos, PAGE_SIZE, BLOCK_N)
-            acc, m_i, l_i = _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                                         page, head_off, scale_head, tile, last_pos, stride_cb, stride_ct,
-                                         stride_sb, stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, True,
-                                         KV_QUANT, LAZY)
+    if tile_hi > num_full and tile_hi > tile_lo:             # the sequence's last, partial tile
+        tile = tile_hi - 1
+        page = _pages(table_ptr, tile, last_pos, PAGE_SIZE, BLOCK_N)
+        acc, m_i, l_i = _stream_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, page,
+                                     head_off, scale_head, tile, last_pos, stride_cb, stride_ct, stride_sb,
+                                     stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, True, KV_QUANT, LAZY)
 
     m_all = tl.max(m_i, 0)
     weight = tl.exp2(m_i - tl.where(m_all == float("-inf"), 0.0, m_all))    # empty streams weigh 0
