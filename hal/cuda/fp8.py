@@ -139,7 +139,7 @@ SLOWER_THAN_BF16 = {
     "sm_90": {
         "kv": "engine.kv_dtype=fp8 on this GPU (H200, 2026-12-03/04): 1.5-1.64x the bf16 tok/s at 64-128 x 1K "
               "for multi-head models (Ouro, Huginn), 1.11-1.19x for grouped-query ones (Nanbeige4.2-3B, "
-              "the TMA decode kernel), level (0.99-1.0x) at batch 1 with short contexts: for single short "
+              "the TMA decode kernel), 0.99-1.0x at batch 1 with short contexts: for single short "
               "requests leave engine.kv_dtype unset unless the memory is needed",
     },
 }
