@@ -3,7 +3,9 @@
   attend.py      which paged-attention kernel a batch takes (config, context splits), `paged_attention`
   attention.py   paged "unified" attention (prefill, chunked prefill, split-context decode)
   row_decode.py  multi-head decode attention, one softmax stream per tile row; for small batches it
-                 also rotates q and stores this step's K/V itself
+                 also rotates q and stores this step's K/V itself; row_tiles.py: its tiles' loads and
+                 softmax step
+  gqa_decode.py  grouped-query decode past a few sequences, each page of K and V one TMA copy (sm_90)
   splits.py      the context split of decode attention: how many, the partials, the reduce kernel
   kv_write.py    K/V scatter into the paged cache by slot mapping
   ops.py         fused small ops by their Hal names: rotary (NeoX / GPT-J), silu_and_mul, and the norms

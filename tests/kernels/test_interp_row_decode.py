@@ -228,7 +228,7 @@ def test_rising_scores_move_the_lazy_maximum(monkeypatch):
     """Keys whose scores climb by 4 lazy margins per tile, then a plateau: each stream's reference
     maximum must move whenever a score passes it by more than 2^LAZY_MARGIN (a missed move sends p
     past fp32's range within a few tiles), and the result equals the reference."""
-    from hal.kernels.row_decode import LAZY_MARGIN
+    from hal.kernels.row_tiles import LAZY_MARGIN
 
     calls = _count_row_launches(monkeypatch)
     rng = random.Random(5)
