@@ -3,7 +3,7 @@
 # suite, the kernel benchmark, the engine benchmark cells and a profile of a decode step.
 #   tools/gpu_check.sh [phase ...]     phases: conformance tests kernels bench models profile spec
 #                                      specasync sweep fp8 cells peer profile64 train finetune spec22
-#                                      fp8kernels fp8cells fp8quick restcuda tune diag pdl slice slicediag
+#                                      fp8kernels fp8cells fp8quick fp8twin restcuda tune diag pdl slice slicediag
 #                                      slicewide fp8b1 rowtune fp8prefill ncurow layout blas rows ab
 #                                      (default: the first six)
 # Logs go to $OUT/gpu_check.log, benchmark rows to $OUT/bench.jsonl; a short table is printed last.
@@ -227,6 +227,12 @@ lts__t_sectors_srcunit_tex_op_read.sum,lts__t_requests_srcunit_tex_op_read.sum,s
       bench model=ouro-1.4b 'workload=[b1]'
       bench model=ouro-1.4b engine.kv_dtype=fp8 engine.weights_dtype=fp8 'workload=[b1]'
       bench model=ouro-1.4b engine.weights_dtype=fp8 'workload=[b1]' ;;
+    fp8twin)      # issue 20's last FP8 cells behind bf16 (batch 1 of many heads: 0.992-0.996x, docs/fp8.md):
+                  # each kernel's own time, PDL off (with it a kernel's wait for the one before counts as its time)
+      for model in nanbeige4.2-3b huginn-0125; do
+        LOOPSTACK_PDL=0 bench model=$model 'workload=[b1]' profile=4
+        LOOPSTACK_PDL=0 bench model=$model engine.kv_dtype=fp8 'workload=[b1]' profile=4
+      done ;;
     fp8quick)     # issue 20's decode cells only (their bf16 twins come from the cells phase of the same call)
       bench model=ouro-1.4b engine.kv_dtype=fp8 'workload=[b1,b64,b128]'
       bench model=ouro-1.4b engine.kv_dtype=fp8 engine.weights_dtype=fp8 'workload=[b1]' ;;
