@@ -4,7 +4,8 @@ A program moves the `[KVH, D]` key and value rows of `block_m` tokens (each toke
 contiguous run of KVH * D elements in the cache: 16-byte vectors at head dims that are multiples of 8).
 An 8-bit cache (hal/common/kv_quant.py) quantizes on the way: per (token, KV head) the scale is the
 power of two at or above `absmax / QMAX` (stored as its exponent byte), values `x / scale` rounded to
-FP8, the divisions correctly rounded (`div_rn`) so the stored bytes equal the torch reference's.
+FP8 as `x * (1 / scale)`: with a power of two both are the exact quotient rounded once, so the stored
+bytes equal the torch reference's without a correctly rounded division per element.
 """
 from __future__ import annotations
 
@@ -80,9 +81,19 @@ def _key_scales(k_scale_ptr, v_scale_ptr, offsets, keys, last_pos, MASKED: tl.co
 
 
 @triton.jit
-def _quantized(x, scale, QMAX: tl.constexpr, dtype: tl.constexpr):
-    """`x / scale` (`scale` broadcast to x's shape by the caller) clamped to +-QMAX, in the 8-bit `dtype`."""
-    return tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX).to(dtype)
+def _inverse(scale):
+    """`1 / scale` of a power-of-two scale from its exponent bits, exact: `2^(127 - e)`, and for the
+    largest scale (e = 254) the subnormal `2^-127`."""
+    exponent = scale.to(tl.int32, bitcast=True) >> 23
+    bits = tl.where(exponent < 254, (254 - exponent) << 23, 0x00400000)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantized(x, inverse, QMAX: tl.constexpr, dtype: tl.constexpr):
+    """`x / scale` as `x * inverse` (`_inverse(scale)`, broadcast to x's shape by the caller: the
+    product of the exact inverse is the quotient rounded once) clamped to +-QMAX, in the 8-bit `dtype`."""
+    return tl.minimum(tl.maximum(x * inverse, -QMAX), QMAX).to(dtype)
 
 
 @triton.jit
@@ -90,7 +101,7 @@ def _quantize_store(x, values_ptrs, scales_ptrs, mask, scale_mask, QMAX: tl.cons
     """x `[T, KVH, D]` fp32 -> FP8 values and one scale per (token, head); returns what the
     cache now holds, dequantized: `[T, KVH, D]` fp32 (values x scale)."""
     scale = _scale_of(tl.max(tl.abs(x), axis=2), QMAX)                                # [T, KVH]
-    q = _quantized(x, scale[:, :, None], QMAX, values_ptrs.dtype.element_ty)
+    q = _quantized(x, _inverse(scale)[:, :, None], QMAX, values_ptrs.dtype.element_ty)
     tl.store(values_ptrs, q, mask=mask)
     tl.store(scales_ptrs, _stored_scale(scale), mask=scale_mask)
     return q.to(tl.float32) * scale[:, :, None]

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from hal.kernels.configs import KernelConfig
-from hal.kernels.kv_write import _quantized, _scale_of, _stored_scale
+from hal.kernels.kv_write import _inverse, _quantized, _scale_of, _stored_scale
 from hal.kernels.launch import (EXACT_ROUNDING, Launch, backend_of, check_device, launch_options, next_pow2,
                                run_launch)
 from hal.kernels.ops import (
@@ -101,8 +101,9 @@ def _rotary_kv_write_quant_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_values_ptr, 
                                          KV_HEADS_PAD, HALF, HALF_PAD, INTERLEAVED, k_ptr.dtype.element_ty)
     scale = _scale_of(tl.maximum(tl.max(tl.abs(first), axis=1), tl.max(tl.abs(second), axis=1)), QMAX)
     at_first, at_second = _rotary_offsets(HALF, HALF_PAD, INTERLEAVED)
-    first = _quantized(first, scale[:, None], QMAX, fp8)
-    second = _quantized(second, scale[:, None], QMAX, fp8)
+    inverse = _inverse(scale)[:, None]
+    first = _quantized(first, inverse, QMAX, fp8)
+    second = _quantized(second, inverse, QMAX, fp8)
     tl.store(k_values_ptr + rows[:, None] + at_first, first, mask=mask)
     tl.store(k_values_ptr + rows[:, None] + at_second, second, mask=mask)
     tl.store(k_scales_ptr + scale_rows, _stored_scale(scale), mask=heads < live)
@@ -119,7 +120,7 @@ def _rotary_kv_write_quant_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_values_ptr, 
     v = tl.load(v_ptr + token * stride_vt + (kv_head + heads)[:, None] * stride_vh + dims[None, :], mask=mask,
                 other=0.0).to(tl.float32)
     scale = _scale_of(tl.max(tl.abs(v), axis=1), QMAX)
-    v = _quantized(v, scale[:, None], QMAX, fp8)
+    v = _quantized(v, _inverse(scale)[:, None], QMAX, fp8)
     tl.store(v_values_ptr + rows[:, None] + dims[None, :], v, mask=mask)
     tl.store(v_scales_ptr + scale_rows, _stored_scale(scale), mask=heads < live)
     if DEQUANT_OUT:
@@ -140,11 +141,11 @@ def _write_head_kv(k_src, v_src, cos, sin, k_dst, v_dst, k_scale_dst, v_scale_ds
         fp8 = k_dst.dtype.element_ty
         k = _rotated_head(k_src, cos, sin, dims, HEAD_DIM // 2, INTERLEAVED, k_src.dtype.element_ty)
         k_scale = _scale_of(tl.max(tl.abs(k), 0), QMAX)
-        tl.store(k_dst + dims, _quantized(k, k_scale, QMAX, fp8), mask=valid)
+        tl.store(k_dst + dims, _quantized(k, _inverse(k_scale), QMAX, fp8), mask=valid)
         tl.store(k_scale_dst, _stored_scale(k_scale))
         v = v.to(tl.float32)
         v_scale = _scale_of(tl.max(tl.abs(v), 0), QMAX)
-        tl.store(v_dst + dims, _quantized(v, v_scale, QMAX, fp8), mask=valid)
+        tl.store(v_dst + dims, _quantized(v, _inverse(v_scale), QMAX, fp8), mask=valid)
         tl.store(v_scale_dst, _stored_scale(v_scale))
     else:
         dtype = k_dst.dtype.element_ty
