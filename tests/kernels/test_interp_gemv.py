@@ -285,35 +285,6 @@ def test_one_row_slices_up_to_their_limit_and_leave_counters_zero():
                                                         torch.nn.functional.linear(rows2, weight))
 
 
-def test_narrow_entry_takes_long_k_narrow_outputs_in_many_slices(monkeypatch):
-    """With a `gemv_slice_narrow` entry, one 16-bit row whose K is at least twice N and past the
-    `gemv_slice` entry's slices runs the slice kernel in up to the narrow entry's `split_k` slices
-    (plain and with SwiGLU's input); wider outputs, K past that limit, FP8 weights and the norm
-    boundary's choice (`projection_takes`) stay as without the entry."""
-    narrow = KernelConfig(1, 4, 2, 1, block_k=16, split_k=8)
-    ops = gemv_ops.Gemv({**configs_for("default"), gemv_ops.SLICE_KEY: KernelConfig(1, 4, 4, 1, block_k=32, split_k=2),
-                         gemv_ops.NARROW_SLICE_KEY: narrow}, 16, max_rows=1)
-    launched = []
-    run = gemv_ops.run_launch
-    monkeypatch.setattr(gemv_ops, "run_launch", lambda launch: launched.append(launch) or run(launch))
-    x, weight = torch.randn(1, 96).bfloat16(), (torch.randn(24, 96) / 10).bfloat16()       # K = 4N: 6 slices
-    out = ops.linear(x, weight)
-    assert [(launch.kernel, launch.grid) for launch in launched] == [(gemv_slice._slice_gemv_kernel, (6, 6))]
-    _assert_product(out, x, weight, "narrow, six slices")
-    assert torch.equal(out, ops.linear(x, weight)) and not gemv_ops._counters(torch.device("cpu")).any()
-    gate_up, down = torch.randn(1, 192).bfloat16(), (torch.randn(40, 96) / 10).bfloat16()    # K = 2.4N, SwiGLU
-    _assert_product(ops.silu_mul_linear(gate_up, down), silu_and_mul_ref(gate_up), down, "narrow SwiGLU")
-    assert launched[-1].kernel is gemv_slice._slice_gemv_kernel
-    launched.clear()
-    for k, n in ((96, 64), (160, 16)):           # K < 2N; 10 slices > split_k: the unfused path, bit for bit
-        x, weight = torch.randn(1, k).bfloat16(), (torch.randn(n, k) / 10).bfloat16()
-        assert torch.equal(ops.linear(x, weight), torch.nn.functional.linear(x, weight))
-    assert not launched and not ops.projection_takes(1, 96) and not ops.projection_takes(1, 96, after_norm=True)
-    fp8_weight = weight.float().to(torch.float8_e4m3fn)
-    assert ops.fp8_linear(torch.randn(1, 96).bfloat16(), fp8_weight[:, :96].contiguous(),
-                          torch.ones(16)) is None                       # FP8: as without the entry
-
-
 def _one_row_ops_recording(monkeypatch, module, name: str):
     """(one-row ops on 32-wide slices, the launches they run, the calls of `module.name` they make)."""
     config = KernelConfig(1, 4, 4, 1, block_k=32, split_k=2)
