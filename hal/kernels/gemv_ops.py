@@ -37,7 +37,6 @@ MAX_ROWS = 8                     # decode batches the kernels take; more rows go
 NORM_PROLOGUE_MAX_ROWS = 1
 SANDWICH_PROLOGUE_MAX_ROWS = 1
 SLICE_KEY = "gemv_slice"         # a table with this entry runs one-row projections on hal/kernels/gemv_slice.py
-NARROW_SLICE_KEY = "gemv_slice_narrow"   # and with this one, narrow 16-bit projections of long K there too
 WIDE_KEY = "gemv_wide"           # a table with this entry runs MAX_ROWS+1..MAX_DOT_ROWS rows on the tl.dot path
 COUNTER_SLOTS = 1 << 16          # column blocks a split-K launch may have (N / BLOCK_N)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -71,16 +70,15 @@ class Gemv:
         rows = x.numel() // x.shape[-1] if x.dim() else 0
         dtypes = {t.dtype for t in (x, weight, *others) if t is not None}
         return (len(dtypes) == 1 and x.dtype in KERNEL_DTYPES and weight.dim() == 2 and weight.stride(-1) == 1
-                and self.takes(rows, weight.shape[1], prologue, n=weight.shape[0]))
+                and self.takes(rows, weight.shape[1], prologue))
 
-    def takes(self, rows: int, k: int, prologue: int = NONE, n: int | None = None) -> bool:
-        """Whether a projection of `rows` rows of K (to N = `n` outputs, where known) with `prologue`
-        runs here (else the unfused path): with `max_rows=1` (the CUDA Hal's default) only where the
-        slice kernel takes it; decode batches of more than MAX_ROWS rows where the table has a
-        `gemv_wide` entry."""
+    def takes(self, rows: int, k: int, prologue: int = NONE) -> bool:
+        """Whether a projection of `rows` rows of K with `prologue` runs here (else the unfused path):
+        with `max_rows=1` (the CUDA Hal's default) only where the slice kernel takes it; decode batches
+        of more than MAX_ROWS rows where the table has a `gemv_wide` entry."""
         if self.wide is not None and MAX_ROWS < rows <= MAX_DOT_ROWS:
             return True
-        return 0 < rows <= self.max_rows and (self.max_rows > 1 or self._slice(k, prologue, n=n) is not None)
+        return 0 < rows <= self.max_rows and (self.max_rows > 1 or self._slice(k, prologue) is not None)
 
     def projection_takes(self, rows: int, k: int, after_norm: bool = False) -> bool:
         """The Hal op "projection_takes": whether these ops fuse a projection of `rows` rows of K (that
@@ -99,32 +97,25 @@ class Gemv:
         limit = NORM_PROLOGUE_MAX_ROWS if prologue == RMS_NORM else SANDWICH_PROLOGUE_MAX_ROWS
         return rows > limit or self._slice(k, prologue) is not None
 
-    def _slice(self, k: int, prologue: int, fp8: bool = False, n: int | None = None) -> KernelConfig | None:
-        """The whole-slice config for one row of K (to `n` outputs), or None. K in one slice; SwiGLU's
-        input (which each program reads only for its own slice) and FP8 weights in up to `split_k`
-        slices. More slices of 16-bit weights measured slower than cuBLAS at Huginn's and Nanbeige's
-        widths (docs/performance.md, lever 38), except for narrow outputs of long K (K >= 2N: the
-        vendor GEMM splits K and sums in a kernel of its own), which take the `gemv_slice_narrow`
-        entry where the table has one (lever 91). FP8 weights that the slice kernel does not take
-        run the K-looping kernel of gemv.py, slower than it at Ouro's down projection (lever 41)."""
+    def _slice(self, k: int, prologue: int, fp8: bool = False) -> KernelConfig | None:
+        """The whole-slice config for one row of K, or None. K in one slice; SwiGLU's input (which
+        each program reads only for its own slice) and FP8 weights in up to `split_k` slices. More
+        slices of 16-bit weights measured slower than cuBLAS at Huginn's and Nanbeige's widths
+        (docs/performance.md, lever 38); FP8 weights that the slice kernel does not take run the
+        K-looping kernel of gemv.py, slower than it at Ouro's down projection (lever 41)."""
         config = self.configs.get(SLICE_KEY)
         if config is None:
             return None
         splits = num_splits(k, config)
         several = prologue == SILU_AND_MUL or fp8
-        if splits == 1 or (several and splits <= config.split_k):
-            return config
-        narrow = self.configs.get(NARROW_SLICE_KEY)
-        if narrow is None or fp8 or prologue != SILU_AND_MUL or n is None or k < 2 * n or num_splits(k, narrow) > narrow.split_k:
-            return None
-        return narrow
+        return config if splits == 1 or (several and splits <= config.split_k) else None
 
     def _run(self, x2: torch.Tensor, weight: torch.Tensor, prologue: int, **kw) -> torch.Tensor:
         check_device(x2)
         rows, n = x2.shape[0], weight.shape[0]
         out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
         fp8 = kw.get("weight_scale") is not None
-        slice_config = self._slice(weight.shape[1], prologue, fp8, n) if rows == 1 else None
+        slice_config = self._slice(weight.shape[1], prologue, fp8) if rows == 1 else None
         wait_first = kw.pop("wait_first", False)
         if slice_config is not None:                        # one row: the whole-slice kernel (PDL)
             splits = num_splits(weight.shape[1], slice_config)
