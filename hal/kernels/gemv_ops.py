@@ -116,14 +116,13 @@ class Gemv:
         out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
         fp8 = kw.get("weight_scale") is not None
         slice_config = self._slice(weight.shape[1], prologue, fp8) if rows == 1 else None
-        wait_first = kw.pop("wait_first", False)
         if slice_config is not None:                        # one row: the whole-slice kernel (PDL)
             splits = num_splits(weight.shape[1], slice_config)
             if splits > 1:
                 kw["workspace"] = torch.empty(splits * n, dtype=torch.float32, device=x2.device)
                 kw["counters"] = _counters(x2.device)
             run_launch(slice_gemv_launch(x2, weight, out, slice_config, backend_of(x2.device), prologue=prologue,
-                                         wait_first=wait_first, **kw))
+                                         **kw))
             return out
         wide = rows > MAX_ROWS and self.wide is not None    # (tools call past MAX_ROWS on the "gemv" entry)
         config = self.wide if wide else self.configs[config_key(rows)]
@@ -145,9 +144,7 @@ class Gemv:
             y = torch.nn.functional.linear(x, weight)
             return y if residual is None else residual + y
         out_res = None if residual is None else _rows(residual)
-        import os
-        wait = {"wait_first": True} if os.environ.get("LOOPSTACK_LINEAR_WAIT_FIRST") == "1" else {}
-        return self._run(_rows(x), weight, NONE, out_residual=out_res, **wait).view(*x.shape[:-1], -1)
+        return self._run(_rows(x), weight, NONE, out_residual=out_res).view(*x.shape[:-1], -1)
 
     def fp8_linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
         """W8A16 `x @ (weight * scale[:, None]).T` for x `[M, K]` bf16/fp16 with M <= MAX_ROWS, FP8 weight

@@ -35,7 +35,7 @@ def _slice_gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, 
                        PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
                        KS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                        STATS_BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, W_SCALED: tl.constexpr,
-                       WAIT_FIRST: tl.constexpr = False, PDL: tl.constexpr = False):
+                       PDL: tl.constexpr = False):
     """out `[1, N]` = prologue(x) `[1, K]` @ w `[N, K]`.T (+ out_res). Grid `(cdiv(N, BLOCK_N), SPLIT_K)`;
     split-K partials go to part `[SPLIT_K, N]` fp32."""
     DT = out_ptr.dtype.element_ty
@@ -46,8 +46,6 @@ def _slice_gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, 
     ks = pid_k * KS + tl.arange(0, KS)
     k_mask = ks < K
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]
-    if WAIT_FIRST:
-        pdl_wait(PDL)
     if EVEN_N and EVEN_K:      # no mask: the loads stay 16-byte vectors
         w = tl.load(w_ptrs)
     elif EVEN_K:
@@ -55,8 +53,7 @@ def _slice_gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, 
     else:
         w = tl.load(w_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
     w_scale = _weight_scale(w_scale_ptr, cols, col_mask, W_SCALED, BLOCK_N)
-    if not WAIT_FIRST:
-        pdl_wait(PDL)         # the slice is in flight; x and the outputs belong to the kernels around
+    pdl_wait(PDL)             # the slice is in flight; x and the outputs belong to the kernels around
     rows = tl.arange(0, 1)
     row_mask = rows < 1
     inv_src = tl.zeros([1], tl.float32)
@@ -81,8 +78,7 @@ def slice_gemv_launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, 
                       norm_weight: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                       res_norm_weight: torch.Tensor | None = None, stream_out: torch.Tensor | None = None,
                       out_residual: torch.Tensor | None = None, workspace: torch.Tensor | None = None,
-                      counters: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
-                      wait_first: bool = False) -> Launch:
+                      counters: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None) -> Launch:
     """The launch of `out [1, N] = prologue(x) @ weight.T (+ out_residual)`; x `[1, K]` (`[1, 2K]` for
     SILU_AND_MUL), weight `[N, K]` with unit stride along K, all vectors contiguous. `config.block_n`
     columns and `config.block_k` (a power of two) of K per program; K > block_k needs `workspace`
@@ -106,4 +102,4 @@ def slice_gemv_launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, 
         PROLOGUE=prologue, ADD_RESIDUAL=out_residual is not None, BLOCK_N=config.block_n, KS=config.block_k,
         SPLIT_K=split, EVEN_K=k % config.block_k == 0, EVEN_N=n % config.block_n == 0,
         STATS_BLOCK=min(next_pow2(k), gemv.STATS_ELEMENTS), ONE_PASS=next_pow2(k) <= gemv.STATS_ELEMENTS,
-        W_SCALED=weight_scale is not None, WAIT_FIRST=wait_first, **launch_options(config, target)))
+        W_SCALED=weight_scale is not None, **launch_options(config, target)))
