@@ -29,6 +29,29 @@ def test_conformance_checks(gpu):
     print(check_quantized_kv(gpu), "|", check_fp8_linear(gpu))
 
 
+def test_quantizing_write_stores_the_reference_bytes(gpu):
+    """The Triton KV write over an FP8 cache stores, byte for byte, what the CPU reference stores
+    (values and exponent-byte scales), rows of subnormal, huge and zero magnitude included: the
+    writers multiply by the scale's exact inverse where the reference divides (lever 90)."""
+    from hal.common.torch_attention import TorchPagedAttention
+    from hal.conformance.attention_checks import _history_batch, _random_batch
+
+    for dtype, (heads, kv_heads, dim) in ((torch.bfloat16, (16, 8, 128)), (torch.float32, (6, 3, 40))):
+        backend = gpu.attention(heads, kv_heads, dim, dtype, kv_dtype=gpu.caps.fp8_dtype)
+        reference = TorchPagedAttention(heads, kv_heads, dim, torch.float32, torch.device("cpu"),
+                                        backend.block_size, kv_dtype=gpu.caps.fp8_dtype)
+        batch = _history_batch(_random_batch(random.Random(3), backend.block_size, 1, 40))
+        keys, values = (torch.randn(sum(batch.seq_lens), kv_heads, dim).to(dtype) for _ in range(2))
+        keys[0::4] *= 1e-39
+        keys[1::4] *= 1e37 if dtype == torch.float32 else 1e30
+        values[2::4] = 0.0
+        cache = torch.zeros(backend.kv_cache_shape(40), dtype=backend.kv_cache_dtype, device="cuda")
+        ref_cache = torch.zeros(reference.kv_cache_shape(40), dtype=reference.kv_cache_dtype)
+        backend.write_kv(keys.cuda(), values.cuda(), cache, backend.build_meta(batch), 0)
+        reference.write_kv(keys.float(), values.float(), ref_cache, reference.build_meta(batch), 0)
+        assert torch.equal(cache.cpu(), ref_cache), f"{dtype}: the cache bytes differ from the reference's"
+
+
 def _run(model, h, prompts, params, **config):
     engine = LLMEngine(model, h, EngineConfig(**config))
     for i, p in enumerate(prompts):
