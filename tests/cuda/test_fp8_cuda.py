@@ -1,6 +1,6 @@
 """On an NVIDIA GPU (sm_89+): FP8 KV through the Triton kernels and FP8 weights through
-`torch._scaled_mm` and the Triton W8A16 kernel (run by tools/gpu_check.sh fp8 on the H200).
-Nothing here has run yet; the CPU suite covers the same code in the Triton interpreter."""
+`torch._scaled_mm` and the Triton W8A16 kernel (run by tools/gpu_check.sh fp8 on the H200; last on
+2026-12-04, docs/benchmarks.md). The CPU suite covers the same code in the Triton interpreter."""
 import random
 
 import pytest

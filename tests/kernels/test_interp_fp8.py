@@ -68,7 +68,8 @@ def test_quantizing_write_stores_the_reference_bytes(kv_dtype):
 @pytest.mark.parametrize("kv_dtype", FORMATS, ids=["e4m3fn", "e4m3fnuz"])
 def test_quantizing_write_at_the_ends_of_the_scale_range(kv_dtype):
     """Rows of subnormal, huge and zero magnitude: the writers multiply by the exact inverse of the
-    power-of-two scale where the reference divides, and store the same bytes."""
+    power-of-two scale where the reference divides, and store the same bytes. float32 keys: the
+    interpreter widens bf16 subnormals wrongly (the H200 test takes bf16 too: tests/cuda)."""
     case = random_case(random.Random(5), 4, 2, 32, torch.float32, num_planes=1)
     keys, values = case.keys.clone(), case.values.clone()
     keys[0, 0::4] *= 1e-39          # subnormal float32 values: the smallest scale, 2^-126
