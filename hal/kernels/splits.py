@@ -9,6 +9,8 @@ weigh nothing.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -17,7 +19,20 @@ from hal.kernels.configs import KernelConfig
 from hal.kernels.launch import Launch, launch_options, next_pow2
 from hal.kernels.pdl import pdl_wait
 
-MAX_SPLITS = 16                 # context splits per (sequence, KV head) at most
+SPLITS_ENV = "LOOPSTACK_MAX_SPLITS"
+
+
+def _max_splits(text: str) -> int:
+    """The split cap `LOOPSTACK_MAX_SPLITS` asks for: a power of two from 1 to 16."""
+    if text.strip() in ("1", "2", "4", "8", "16"):
+        return int(text)
+    raise ValueError(f"{SPLITS_ENV}={text!r}: give a power of two from 1 to 16 (16, the default, "
+                     f"when unset)")
+
+
+# context splits per (sequence, KV head) at most; the environment may lower it for an experiment
+# (tools/gpu_check.sh splits4; runtime.bench records the setting in its rows)
+MAX_SPLITS = _max_splits(os.environ.get(SPLITS_ENV, "16"))
 
 
 def num_kv_splits(num_seqs: int, num_kv_heads: int, num_compute_units: int) -> int:

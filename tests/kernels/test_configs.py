@@ -114,6 +114,16 @@ def test_splits_depend_only_on_batch_shape():
     assert num_kv_splits(0, 16, 132) == MAX_SPLITS
 
 
+def test_split_cap_from_the_environment_is_checked():
+    """`LOOPSTACK_MAX_SPLITS` takes a power of two up to the default 16; anything else names the fix."""
+    from hal.kernels.splits import _max_splits
+
+    assert [_max_splits(v) for v in ("1", "4", "16")] == [1, 4, 16]
+    for bad in ("3", "32", "0", "four", ""):
+        with pytest.raises(ValueError, match="LOOPSTACK_MAX_SPLITS=.*power of two from 1 to 16"):
+            _max_splits(bad)
+
+
 def test_meta_is_contiguous_device_int32_with_host_lengths():
     backend = TritonPagedAttention(4, 2, 24, torch.bfloat16, torch.device("cpu"), 4)
     batch = PagedBatch([3, 1], [3, 6], [[[5], [1, 2]], [[0], [3, 4]]], 4)
