@@ -8,13 +8,15 @@ an import-time switch, `interpreter()` interprets the kernels launched inside it
 `JITFunction` launches and device-function calls to their interpreted twins, so numerics tests
 and compile checks share one pytest session. Setting the variable before import still works.
 
-It also works around three rounding bugs of the triton 3.9 interpreter:
+It also works around four rounding bugs of the triton 3.9 interpreter:
 1. `tl.dot` on bf16 operands multiplies the raw uint16 bit patterns (bf16 is stored as uint16):
    operands are widened to fp32 first, which is exact, as on an fp32-accumulating tensor core.
 2. fp32 -> bf16 casts truncate where GPUs round to nearest even: the cast goes through torch.
 3. casts to FP8 (e4m3fn, e4m3fnuz) lose the carry when rounding up crosses a power of two (1.99 -> 1,
    not 2) and mis-round fnuz subnormals: they go through torch (round to nearest even, as the GPUs'
    saturating conversions do for the in-range values our kernels produce).
+4. bf16 -> fp32 casts get subnormals wrong (1.0e-39 widens to 4.4e-39): the cast shifts the bits
+   into place, which is exact, as on the GPUs.
 Everything is undone on exit.
 """
 from __future__ import annotations
@@ -75,6 +77,8 @@ def _builder_patches() -> dict[str, Any]:
     def cast_impl(self, src, dst_type):
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
             return interp.TensorHandle(_fp32_to_bf16_bits(src.data), tl.bfloat16)
+        if src.dtype.scalar == tl.bfloat16 and dst_type.scalar == tl.float32:
+            return interp.TensorHandle(_bf16_bits_to_fp32(src.data), tl.float32)
         if _is_float_to_fp8(src, dst_type):
             return _to_fp8(src, dst_type.scalar)
         return original_cast(self, src, dst_type)

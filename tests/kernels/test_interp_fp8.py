@@ -67,19 +67,19 @@ def test_quantizing_write_stores_the_reference_bytes(kv_dtype):
 
 @pytest.mark.parametrize("kv_dtype", FORMATS, ids=["e4m3fn", "e4m3fnuz"])
 def test_quantizing_write_at_the_ends_of_the_scale_range(kv_dtype):
-    """Rows of subnormal, huge and zero magnitude: the writers multiply by the exact inverse of the
-    power-of-two scale where the reference divides, and store the same bytes. float32 keys: the
-    interpreter widens bf16 subnormals wrongly (the H200 test takes bf16 too: tests/cuda)."""
-    case = random_case(random.Random(5), 4, 2, 32, torch.float32, num_planes=1)
-    keys, values = case.keys.clone(), case.values.clone()
-    keys[0, 0::4] *= 1e-39          # subnormal float32 values: the smallest scale, 2^-126
-    keys[0, 1::4] *= 1e37           # near float32's largest
-    values[0, 2::4] = 0.0           # scale 1, zero values
-    values[0, 3::4] *= 3e-45        # a few subnormal steps
-    case = case._replace(keys=keys, values=values)
-    backend, reference = _pair(4, 2, 32, torch.float32, kv_dtype)
-    cache, ref_cache = _filled(backend, reference, case)
-    assert torch.equal(cache, ref_cache)
+    """Rows of subnormal, huge and zero magnitude, float32 and bf16 keys: the writers multiply by the
+    exact inverse of the power-of-two scale where the reference divides, and store the same bytes."""
+    for dtype in (torch.float32, torch.bfloat16):
+        case = random_case(random.Random(5), 4, 2, 32, dtype, num_planes=1)
+        keys, values = case.keys.clone(), case.values.clone()
+        keys[0, 0::4] *= 1e-39          # subnormal values: the smallest scale, 2^-126
+        keys[0, 1::4] *= 1e37 if dtype == torch.float32 else 1e30       # near the largest
+        values[0, 2::4] = 0.0           # scale 1, zero values
+        values[0, 3::4] *= 3e-45 if dtype == torch.float32 else 1e-40   # a few subnormal steps
+        case = case._replace(keys=keys, values=values)
+        backend, reference = _pair(4, 2, 32, dtype, kv_dtype)
+        cache, ref_cache = _filled(backend, reference, case)
+        assert torch.equal(cache, ref_cache), dtype
 
 
 @pytest.mark.parametrize("kv_dtype,dtype", [(torch.float8_e4m3fn, torch.bfloat16),
