@@ -92,16 +92,21 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
         order, results = [], {}
-        for prompt, p in zip(prompts, params_list):
-            try:
-                order.append(self._add(prompt, p))
-            except MemoryError as exc:
-                request_id = str(next(self._ids))
-                order.append(request_id)
-                text, ids = self.encode(prompt)
-                results[request_id] = RequestOutput(request_id, text, ids, finished=True, finish_reason="error",
-                                                    error=str(exc))
-                log.warning("request rejected: %s", exc)
+        try:
+            for prompt, p in zip(prompts, params_list):
+                try:
+                    order.append(self._add(prompt, p))
+                except MemoryError as exc:
+                    request_id = str(next(self._ids))
+                    order.append(request_id)
+                    text, ids = self.encode(prompt)
+                    results[request_id] = RequestOutput(request_id, text, ids, finished=True,
+                                                        finish_reason="error", error=str(exc))
+                    log.warning("request rejected: %s", exc)
+        except BaseException:            # invalid input: the prompts added before it leave the engine too
+            for request_id in order:
+                self.engine.abort(request_id)
+            raise
         for out in self.engine.run_until_done():
             results[out.request_id] = out
         return [results[i] for i in order]
@@ -109,13 +114,16 @@ class LLM:
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the growing output of one prompt after every token (the last one has `finished`)."""
         request_id = self._add(prompt, sampling_params or SamplingParams())
-        with torch.inference_mode():
-            while True:
-                for out in self.engine.step():
-                    if out.request_id == request_id:
-                        yield out
-                        if out.finished:
-                            return
+        try:
+            with torch.inference_mode():
+                while True:
+                    for out in self.engine.step():
+                        if out.request_id == request_id:
+                            yield out
+                            if out.finished:
+                                return
+        finally:                         # a caller that stops iterating (close, break) ends the request
+            self.engine.abort(request_id)
 
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

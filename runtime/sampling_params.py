@@ -8,6 +8,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+INT64_LIMIT = 2 ** 63          # integers the persistent batch stores (runtime/execution/row_params.py)
+TOP_K_LIMIT = 2 ** 31
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -71,6 +74,8 @@ class SamplingParams:
                 return
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
                 problems.append(f"{name} must be an integer >= {low}, got {value!r}")
+            elif value >= INT64_LIMIT:            # the device batch holds these as int64
+                problems.append(f"{name} must be below 2^63, got {value!r}")
 
         integer("max_tokens", 1)
         integer("n", 1)
@@ -82,8 +87,13 @@ class SamplingParams:
             problems.append(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int):
-            problems.append(f"top_k must be an integer (0 or -1: off), got {self.top_k!r}")
+        if not (isinstance(self.top_k, int) and -TOP_K_LIMIT < self.top_k < TOP_K_LIMIT):
+            problems.append(f"top_k must be an integer of magnitude below 2^31 (0 or -1: off), got {self.top_k!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and -INT64_LIMIT <= self.seed < INT64_LIMIT):
+            problems.append(f"seed must be a 64-bit signed integer, got {self.seed!r}")
+        bad_stops = [t for t in self.stop_token_ids if not 0 <= t < INT64_LIMIT]
+        if bad_stops:
+            problems.append(f"stop_token_ids must be token ids in [0, 2^63), got {bad_stops[:3]}")
         if self.best_of is not None and isinstance(self.n, int) and isinstance(self.best_of, int) \
                 and self.best_of < self.n:
             problems.append(f"best_of ({self.best_of}) must be >= n ({self.n})")
@@ -92,7 +102,7 @@ class SamplingParams:
                 problems.append(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             problems.append(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
-        bad_bias = [(t, b) for t, b in self.logit_bias if t < 0 or not -100 <= b <= 100]
+        bad_bias = [(t, b) for t, b in self.logit_bias if not 0 <= t < INT64_LIMIT or not -100 <= b <= 100]
         if bad_bias:
             problems.append(f"logit_bias takes token ids >= 0 with biases in [-100, 100], got {bad_bias[:3]}")
         if isinstance(self.max_tokens, int) and isinstance(self.min_tokens, int) and self.min_tokens > self.max_tokens:

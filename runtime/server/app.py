@@ -31,6 +31,7 @@ from runtime.server.generation import Generation
 from runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from runtime.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      TokenizeRequest, error_body, parse_request)
+from runtime.server.request_inputs import checked_text
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
         cls = TokenizeRequest if what == "tokenize" else DetokenizeRequest
         body = parse_request(cls, await read_json(request, config.max_body_bytes))
         if what == "tokenize":
-            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = tokenizer.encode(checked_text(body.prompt, "prompt"), add_special_tokens=body.add_special_tokens)
             return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
         vocab = engine.model.config.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]

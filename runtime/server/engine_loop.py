@@ -76,6 +76,9 @@ class EngineLoop:
         `(index in requests, RequestOutput)`, the last one of each finished. Raises Overloaded
         or ShuttingDown before anything reaches the engine, and the engine's ValueError/MemoryError
         (the others of the batch are then withdrawn)."""
+        if len(requests) > self.max_num_requests:     # would wait forever: not a retry-later case
+            raise ValueError(f"{len(requests)} prompts in one request; this server takes at most "
+                             f"{self.max_num_requests} at once (server.max_num_requests): split the batch")
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         sinks = [Sink(outputs, i, loop, arrival_time, len(r.prompt_token_ids))

@@ -15,6 +15,20 @@ from runtime.server.protocol import APIError, ChatCompletionRequest, CompletionR
 from runtime.text.chat import apply_chat_template
 from runtime.text.tokenizer import Tokenizer
 
+# arguments of the chat template call (runtime/text/chat.py) that chat_template_kwargs may not repeat
+RESERVED_TEMPLATE_KWARGS = frozenset({"tokenizer", "messages", "add_generation_prompt", "template", "special_tokens"})
+
+
+def checked_text(text: str, param: str) -> str:
+    """`text`, refused with a 400 naming `param` where it is not valid Unicode (a lone surrogate such
+    as "\\ud800", which JSON can carry and no tokenizer encodes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(400, f"{param} is not valid Unicode text ({exc.reason} at character {exc.start}): "
+                            f"send UTF-8 text", param=param) from None
+    return text
+
 
 class RequestInputs:
     """Turns API request bodies into prompts and `SamplingParams` for the engine."""
@@ -46,7 +60,7 @@ class RequestInputs:
                                 f"{self.max_num_loops} (engine.max_num_loops)", param="num_loops")
         vocab = self.loop.engine.model.config.vocab_size
         for name, value in (body.logit_bias or {}).items():
-            if not (name.isdigit() and int(name) < vocab and -100 <= value <= 100):
+            if not (name.isascii() and name.isdigit() and int(name) < vocab and -100 <= value <= 100):
                 raise APIError(400, f"logit_bias maps token ids (strings of digits below the vocabulary size "
                                     f"{vocab}) to biases in [-100, 100]; got {name!r}: {value!r}", param="logit_bias")
         best_of = getattr(body, "best_of", None)
@@ -69,9 +83,14 @@ class RequestInputs:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so chat is unavailable; use /v1/completions "
                                 "with token ids", param="messages")
+        extra = body.chat_template_kwargs or {}
+        taken = sorted(RESERVED_TEMPLATE_KWARGS & set(extra))
+        if taken:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)} (the server sets "
+                                f"them); leave them out", param="chat_template_kwargs")
         try:
             text = apply_chat_template(self.tokenizer, [m.as_template_input() for m in body.messages],
-                                       add_generation_prompt=True, **(body.chat_template_kwargs or {}))
+                                       add_generation_prompt=True, **extra)
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
         return self._encode(text, "messages")
@@ -79,7 +98,7 @@ class RequestInputs:
     def _encode(self, text: str, param: str) -> tuple[list[int], str]:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer.json: send the prompt as token ids", param=param)
-        ids = self.tokenizer.encode(text)
+        ids = self.tokenizer.encode(checked_text(text, param))
         if not ids:
             raise APIError(400, f"{param} is empty (no tokens)", param=param)
         return ids, text

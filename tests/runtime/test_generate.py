@@ -78,7 +78,11 @@ def test_filters():
 
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(num_loops=0),
-                                 dict(exit_threshold=1.5), dict(init_scale=-0.5)])
+                                 dict(exit_threshold=1.5), dict(init_scale=-0.5),
+                                 # past what the persistent batch's int64 rows hold: refused here, not
+                                 # failing the engine step of every request in the batch
+                                 dict(top_k=2 ** 63), dict(stop_token_ids=[10 ** 23]), dict(stop_token_ids=[-1]),
+                                 dict(seed=2 ** 64), dict(max_tokens=2 ** 70)])
 def test_bad_sampling_params_are_rejected(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
@@ -92,6 +96,20 @@ def test_bad_prompts_are_rejected():
         llm.generate([[1, 999]])
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate("text needs a tokenizer")
+
+
+def test_requests_do_not_outlive_a_failed_generate_or_a_closed_stream():
+    """An invalid prompt after valid ones withdraws those too; a stream the caller stops reading ends
+    its request and frees its blocks."""
+    llm = LLM(golden_case("ouro-tiny").path, hal="cpu", dtype="float32")
+    free = llm.engine.blocks.num_free_blocks
+    with pytest.raises(ValueError, match="out of range"):
+        llm.generate([[1, 2, 3], [1, 999]])
+    assert not llm.engine.has_unfinished_requests() and llm.engine.blocks.num_free_blocks == free
+    stream = llm.stream([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
+    assert not next(stream).finished
+    stream.close()
+    assert not llm.engine.has_unfinished_requests() and llm.engine.blocks.num_free_blocks == free
 
 
 def test_exit_threshold_reports_loops():

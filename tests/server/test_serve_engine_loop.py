@@ -74,8 +74,9 @@ def test_admission_is_all_or_nothing_and_capped(make_engine):
         with pytest.raises(ValueError, match="out of range"):
             await loop.add([request("good"), request("bad", ids=[5, 10_000])], time.monotonic())
         assert loop.num_in_flight == 0 and not engine.requests          # the good one was withdrawn
-        with pytest.raises(Overloaded):
+        with pytest.raises(ValueError, match="split the batch"):     # more than ever fit: not "retry later"
             await loop.add([request(str(i)) for i in range(3)], time.monotonic())
+        assert loop.num_in_flight == 0 and not engine.requests
         outputs = await loop.add([request("x", 200), request("y", 200)], time.monotonic())
         with pytest.raises(Overloaded):
             await loop.add([request("z")], time.monotonic())
