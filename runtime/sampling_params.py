@@ -104,7 +104,7 @@ class SamplingParams:
             problems.append(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
         bad_bias = [(t, b) for t, b in self.logit_bias if not 0 <= t < INT64_LIMIT or not -100 <= b <= 100]
         if bad_bias:
-            problems.append(f"logit_bias takes token ids >= 0 with biases in [-100, 100], got {bad_bias[:3]}")
+            problems.append(f"logit_bias takes token ids in [0, 2^63) with biases in [-100, 100], got {bad_bias[:3]}")
         if isinstance(self.max_tokens, int) and isinstance(self.min_tokens, int) and self.min_tokens > self.max_tokens:
             problems.append(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.num_loops is not None and not (isinstance(self.num_loops, int) and self.num_loops >= 1):
