@@ -8,7 +8,6 @@ count up to their MAX_DOT_ROWS; tools and tests launch the kernels directly, pas
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 
@@ -42,14 +41,27 @@ COUNTER_SLOTS = 1 << 16          # column blocks a split-K launch may have (N / 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
-@functools.lru_cache(maxsize=8)
 def _counters(device: torch.device) -> torch.Tensor:
-    """Split-K arrival counters of `device`, zero between launches (the last split resets its own).
-    Launches on one stream run one after another, so one set per device serves them all."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("the gemv split-K counters must be allocated before graph capture: "
-                           "run the step once eagerly first (as the decode graphs do)")
-    return torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+    """Split-K arrival counters for a launch on `device`, zero between launches (the last split resets
+    its own). Launches on one stream run one after another, so one set per stream serves them all;
+    two streams may run at once (async speculation drafts on a side stream beside the verify), so
+    each stream has its own set, and captured graphs share one more (graphs never replay at once).
+    The graphs' set is made with the first eager set, since capture cannot allocate it zeroed."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    stream = -1 if capturing else torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    counters = _COUNTER_SETS.get((device, stream))
+    if counters is None:
+        if capturing:
+            raise RuntimeError("the gemv split-K counters must be allocated before graph capture: "
+                               "run the step once eagerly first (as the decode graphs do)")
+        for key in ((device, stream), (device, -1)):
+            if key not in _COUNTER_SETS:
+                _COUNTER_SETS[key] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+        counters = _COUNTER_SETS[(device, stream)]
+    return counters
+
+
+_COUNTER_SETS: dict[tuple[torch.device, int], torch.Tensor] = {}   # (device, stream or -1: graphs) -> set
 
 
 class Gemv:

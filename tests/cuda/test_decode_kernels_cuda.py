@@ -76,6 +76,35 @@ def test_split_k_projection_replays_in_a_graph(gpu):
         assert torch.equal(captured, eager)
 
 
+def test_split_k_projections_on_two_streams_at_once(gpu):
+    """Async speculation drafts on a side stream while the verify runs: split-K projections running
+    at once on two streams each keep their own arrival counters (with one set, a launch's last split
+    could be counted among the other's and sum partials that are not there yet; this kernel-level
+    form did not show it on the H200, the engine-level test in test_speculation_cuda.py did)."""
+    from hal.kernels import gemv, gemv_ops
+
+    n, k, rows = *SHAPES["down"], 4
+    config = gpu.kernel_configs()[gemv.config_key(rows)]
+    units = torch.cuda.get_device_properties(0).multi_processor_count
+    assert gemv.plan(rows, n, k, config, units).split_k > 1
+    linear, side = gpu.op("linear"), torch.cuda.Stream()
+    weights = [_randn(n, k, scale=k ** -0.5) for _ in range(2)]
+    xs = [_randn(rows, k) for _ in range(2)]
+    refs = [linear(x, w) for x, w in zip(xs, weights)]
+    side.wait_stream(torch.cuda.current_stream())
+    outs: list[list[torch.Tensor]] = [[], []]
+    for _ in range(300):
+        outs[0].append(linear(xs[0], weights[0]))
+        with torch.cuda.stream(side):
+            outs[1].append(linear(xs[1], weights[1]))
+    torch.cuda.synchronize()
+    for ref, out in zip(refs, outs):
+        assert sum(not torch.equal(o, ref) for o in out) == 0
+    with torch.cuda.stream(side):
+        side_counters = gemv_ops._counters(xs[0].device)
+    assert side_counters is not gemv_ops._counters(xs[0].device)
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
 def test_wide_entry_runs_decode_batches_in_a_graph(shape):
     """A `gemv_wide` entry (not in the sm_90 table: slower than cuBLAS, docs/performance.md lever 53)

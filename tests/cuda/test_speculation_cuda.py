@@ -76,6 +76,22 @@ def test_speculation_equals_plain_decoding_at_ouro_1_4b_shape(dtype):
             assert all(gap < NEAR_TIE for _, gap in gaps), gaps
 
 
+def test_async_speculation_with_fp8_weights_repeats_the_sync_tokens():
+    """FP8 weights put one-row projections on split-K slice kernels, which async speculation runs on
+    its side stream beside the verify. With one request the draft ahead is the sync draft, so the
+    tokens must be the sync tokens, run after run (with one set of split-K counters for both streams
+    they were not: H200, 2026-12-04)."""
+    gpu = hal.get("cuda")
+    model = zoo.from_config(CONFIGS / "ouro-1.4b.json", dtype="bfloat16", device=gpu.device(), seed=0)
+    rng = random.Random(0)
+    prompt = [rng.randrange(1, 49152) for _ in range(rng.randint(4, 120))]
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    runs = {mode: [_generate(model, gpu, [prompt], params, SpeculativeConfig(4, 2, mode), weights_dtype="fp8",
+                             max_num_seqs=8, max_model_len=512)[0].token_ids for _ in range(3 if mode == "async" else 1)]
+            for mode in ("sync", "async")}
+    assert runs["async"] == runs["sync"] * 3
+
+
 def test_step_costs_are_measured():
     from runtime.speculation.costs import measure_step_costs
 
