@@ -195,6 +195,7 @@ class GenerateConfig:
     repetition_penalty: float = 1.0
     logit_bias: Any = None                # {token id: bias}
     min_tokens: int = 0
+    stop: Any = None                      # a stop string or a list of them
     logprobs: Optional[int] = None        # output=json: each token's logprob and the top k
     prompt_logprobs: Optional[int] = None
     init_scale: Optional[float] = None    # Huginn's initial-state scale; None: the reference's 1.0

@@ -91,6 +91,8 @@ def result_of(out: Any) -> dict[str, Any]:
     logprobs as [token, logprob, rank, [[token, logprob], ...]] lists when asked."""
     result = {"prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids,
               "text": out.text, "finish_reason": out.finish_reason}
+    if out.outputs[0].stop_reason is not None:
+        result["stop_reason"] = out.outputs[0].stop_reason
     if out.error:
         result["error"] = out.error
     if out.logprobs is not None:
@@ -99,7 +101,8 @@ def result_of(out: Any) -> dict[str, Any]:
         result["prompt_logprobs"] = [list(lp) if lp else None for lp in out.prompt_logprobs]
     if len(out.outputs) > 1:
         result["samples"] = [{"index": s.index, "token_ids": s.token_ids, "text": s.text,
-                              "finish_reason": s.finish_reason, "cumulative_logprob": s.cumulative_logprob}
+                              "finish_reason": s.finish_reason, "stop_reason": s.stop_reason,
+                              "cumulative_logprob": s.cumulative_logprob}
                              for s in out.outputs]
     if out.metrics is not None and out.metrics.num_spec_rounds:
         result.update(acceptance_rate=out.metrics.acceptance_rate,
@@ -113,6 +116,9 @@ def sampling_params(cfg: Any) -> SamplingParams:
     applies the same defaults (`SamplingDefaults`)."""
     bias = cfg.get("logit_bias")
     bias = OmegaConf.to_object(bias) if OmegaConf.is_config(bias) else (bias or {})
+    stop = cfg.get("stop")
+    stop = OmegaConf.to_object(stop) if OmegaConf.is_config(stop) else stop
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(str(s) for s in stop)
     try:
         return SamplingParams(
             max_tokens=cfg.max_tokens, **SamplingDefaults.from_model(cfg.model).resolve(cfg.temperature, cfg.top_p,
@@ -121,7 +127,7 @@ def sampling_params(cfg: Any) -> SamplingParams:
             n=cfg.get("n", 1), best_of=cfg.get("best_of"), presence_penalty=cfg.get("presence_penalty", 0.0),
             frequency_penalty=cfg.get("frequency_penalty", 0.0),
             repetition_penalty=cfg.get("repetition_penalty", 1.0), logit_bias=bias,
-            min_tokens=cfg.get("min_tokens", 0), logprobs=cfg.get("logprobs"),
+            min_tokens=cfg.get("min_tokens", 0), stop=stop, logprobs=cfg.get("logprobs"),
             prompt_logprobs=cfg.get("prompt_logprobs"),
             stop_token_ids=tuple(cfg.model.stop_token_ids), num_loops=cfg.model.num_loops,
             exit_threshold=cfg.model.exit_threshold)

@@ -10,13 +10,14 @@ from typing import Any, Mapping
 
 INT64_LIMIT = 2 ** 63          # integers the persistent batch stores (runtime/execution/row_params.py)
 TOP_K_LIMIT = 2 ** 31
+MIN_TEMPERATURE = 1e-5         # below it sampling is greedy (logits / 1e-40 overflow to inf: NaN softmax)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request generation settings (vLLM's names; the looped-model fields last).
 
-    `temperature=0` is greedy. `top_k <= 0` and `top_p=1` disable those filters. `seed` makes
+    `temperature=0` is greedy, and so is any temperature below 1e-5 (as in vLLM). `top_k <= 0` and `top_p=1` disable those filters. `seed` makes
     sampling (and Huginn's random initial state) reproducible per request, greedy included; a
     seeded request's tokens do not depend on what else is in the batch.
 
@@ -26,6 +27,11 @@ class SamplingParams:
     a negative one multiplied), `frequency_penalty` (subtracted once per earlier occurrence in the
     output) and `presence_penalty` (subtracted once if it occurred), then temperature, top-k, top-p.
     Greedy requests take the argmax after the penalties.
+
+    A sample ends at a stop token (`stop_token_ids`, and the model's end tokens unless `ignore_eos`)
+    or where its text first holds one of the `stop` strings, after `min_tokens` tokens. Its text
+    then ends before the stop token's or string's text (`include_stop_str_in_output`: after it),
+    as in vLLM; its tokens keep the one that stopped it (runtime/engine/stop_strings.py).
 
     `n` samples are returned per prompt (they share the prompt's KV); with `best_of > n`, `best_of`
     are generated and the `n` of highest mean log-probability per token are returned. `logprobs=k`
@@ -46,6 +52,8 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()                        # stop strings; one string is accepted too
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     n: int = 1
     best_of: int | None = None
@@ -64,6 +72,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         problems = []
@@ -85,6 +94,8 @@ class SamplingParams:
         integer("prompt_logprobs", 0, allow_none=True)
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             problems.append(f"temperature must be >= 0, got {self.temperature!r}")
+        elif self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
         if not 0 < self.top_p <= 1:
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not (isinstance(self.top_k, int) and -TOP_K_LIMIT < self.top_k < TOP_K_LIMIT):
@@ -94,6 +105,10 @@ class SamplingParams:
         bad_stops = [t for t in self.stop_token_ids if not 0 <= t < INT64_LIMIT]
         if bad_stops:
             problems.append(f"stop_token_ids must be token ids in [0, 2^63), got {bad_stops[:3]}")
+        bad_strings = [s for s in self.stop if not (isinstance(s, str) and s)]
+        if bad_strings:
+            problems.append(f"stop takes non-empty strings (an empty one would end every answer at once), "
+                            f"got {bad_strings[:3]!r}")
         if self.best_of is not None and isinstance(self.n, int) and isinstance(self.best_of, int) \
                 and self.best_of < self.n:
             problems.append(f"best_of ({self.best_of}) must be >= n ({self.n})")

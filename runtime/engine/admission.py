@@ -25,7 +25,7 @@ def fit_context(max_model_len: int, setting: int | None, num_blocks: int, block_
     """The longest request (at the model's depth, `num_planes` KV planes) the cache can ever hold,
     capped at `max_model_len` with a log line; ValueError where the setting (`engine.max_model_len`)
     asked for more or nothing fits, naming what to change."""
-    fit = num_blocks // num_planes * block_size
+    fit = num_blocks // num_planes * block_size + 1    # KV positions, and the last token, never computed
     if fit >= max_model_len:
         return max_model_len
     where = (f"the KV cache has {num_blocks} blocks of {block_size} tokens and a request with {num_loops} loops "
@@ -97,4 +97,4 @@ def sample_of(parent: Request, index: int, child_id: str, make_generator: Any) -
         num_computed_tokens=0, status=RequestStatus.WAITING, generator=make_generator(params), speculation=None,
         error=None, metrics=RequestMetrics(arrival_time=parent.metrics.arrival_time), block_hashes=[],
         wave_chunks=[], logprobs=[], cumulative_logprob=0.0, prompt_logprobs=None, sample_index=index,
-        detokenizer=None)
+        detokenizer=None, stop_reason=None, final_text=None)

@@ -48,6 +48,9 @@ class EngineRequests:
         other requests are unaffected either way."""
         if request_id in self.requests or request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the model's tokenizer, and this engine has none: give it one "
+                             "(LLMEngine(..., tokenizer=...)) or stop on token ids (stop_token_ids)")
         if self.publisher is not None:
             params = self.publisher.seeded(params)
         num_loops = params.num_loops or self.model.default_num_loops
@@ -84,10 +87,13 @@ class EngineRequests:
     def _fork(self, parent: Request) -> None:
         """n > 1: sample 0 computed its prompt; queue the other samples, sharing its prompt blocks."""
         group = parent.group
+        # KV that depends on more than the tokens (Huginn's random initial state) is never shared,
+        # as in the prefix cache (admission.cache_salt): each sample then computes its own prompt
+        share = cache_salt(True, self.model.has_initial_state, parent.params) is not None
         for index in range(len(group.samples), group.best_of):
             child = sample_of(parent, index, group.child_id(index),
                               lambda params: make_generator(params, self.runner.device))
-            self.scheduler.fork(parent, child)
+            self.scheduler.fork(parent, child, share=share)
             self.requests[child.request_id] = child
             group.samples.append(child)
 

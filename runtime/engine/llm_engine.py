@@ -33,6 +33,7 @@ from runtime.execution.runner import ModelRunner
 from runtime.engine.scheduler import Scheduler, SchedulerConfig
 from runtime.engine.step_schedule import SchedulerOutput
 from runtime.engine.sequence import PLACEHOLDER, STATUS_OF_CODE, RequestStatus
+from runtime.engine.stop_strings import check_stop_strings
 from runtime.speculation.speculator import Speculator
 from runtime.parallel.step_plan import PlanPublisher, check_supported
 from runtime.engine.swap import SwapSpace
@@ -184,10 +185,10 @@ class LLMEngine(EngineRequests):
                 request.logprobs.append(result.logprobs[rid])
                 request.cumulative_logprob += result.logprobs[rid].logprob
             status = None
-            if isinstance(sampled, list):       # a speculation round: a stop token inside it ends it there
+            if isinstance(sampled, list):       # a speculation round: a stop inside it ends it there
                 for token in sampled:
                     request.append_token(*token)
-                    status = request.check_stop()
+                    status = self._check_stop_strings(request, request.check_stop())
                     if status is not None:
                         break
             elif sampled is not None:
@@ -199,6 +200,9 @@ class LLMEngine(EngineRequests):
                 # a decode step over the persistent batch decided on the device (the same rule)
                 code = result.codes.get(rid) if result.codes else None
                 status = request.check_stop(num_outputs) if code is None else STATUS_OF_CODE[code]
+                status = self._check_stop_strings(request, status)
+            if status == RequestStatus.FINISHED_STOPPED and request.stop_reason is None:
+                request.stop_reason = request.output_token_ids[request.num_resolved_outputs - 1]
             if request.group is not None and request.sample_index == 0 and request.num_resolved_outputs \
                     and len(request.group.samples) < request.group.best_of:
                 self._fork(request)             # before a stop could free the prompt blocks
@@ -215,6 +219,17 @@ class LLMEngine(EngineRequests):
             if request.group.best_of == request.group.n or request.group.finished:
                 outputs.append(self.output_of(request))
         return outputs
+
+    def _check_stop_strings(self, request, status: RequestStatus | None) -> RequestStatus | None:
+        """`status` (what the request's newest token implies), or FINISHED_STOPPED where its text now
+        holds one of its stop strings: a stop string also counts on the token that reaches the length."""
+        if not request.params.stop or status == RequestStatus.FINISHED_STOPPED:
+            return status
+        match = check_stop_strings(request, self.tokenizer)
+        if match is None:
+            return status
+        request.stop_reason, request.final_text = match
+        return RequestStatus.FINISHED_STOPPED
 
     def close(self) -> None:
         """Release the other tensor-parallel ranks' runners (a no-op on one rank)."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Sequence
 
-from runtime.text.detokenizer import IncrementalDetokenizer
+from runtime.engine.sequence import RequestStatus
+from runtime.engine.stop_strings import detokenizer_of
 
 
 class TokenLogprobs(NamedTuple):
@@ -26,6 +27,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None     # "stop" | "length" | "abort" | "error"; None while running
+    stop_reason: int | str | None = None  # with "stop": the stop token id or stop string that ended it
     loops_per_token: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None    # per generated token, with `logprobs=k`
     cumulative_logprob: float | None = None        # sum over its tokens, where logprobs were computed
@@ -58,19 +60,24 @@ class RequestOutput:
     def __post_init__(self) -> None:
         if not self.outputs:
             self.outputs = [CompletionOutput(0, list(self.token_ids), self.text,
-                                             self.finish_reason if self.finished else None,
+                                             self.finish_reason if self.finished else None, None,
                                              list(self.loops_per_token), self.logprobs)]
 
 
 def _text(request: Any, tokens: list[int], tokenizer: Any) -> str:
     """The text of a sample's resolved tokens: decoded a window at a time while it runs (each step
-    reports it), once in full when it has finished."""
+    reports it), once in full when it has finished; a stop token's or string's text left out
+    (runtime/engine/stop_strings.py)."""
     if tokenizer is None:
         return ""
-    detokenizer = request.detokenizer
-    if detokenizer is None or detokenizer.tokenizer is not tokenizer:
-        detokenizer = request.detokenizer = IncrementalDetokenizer(tokenizer)
-    return detokenizer.finish(tokens) if request.is_finished else detokenizer.update(tokens)
+    if request.final_text is not None:
+        return request.final_text
+    detokenizer = detokenizer_of(request, tokenizer)
+    if not request.is_finished:
+        return detokenizer.update(tokens)
+    if request.status == RequestStatus.FINISHED_STOPPED and not request.params.include_stop_str_in_output:
+        tokens = tokens[:-1]                # it ended on a stop token
+    return detokenizer.finish(tokens)
 
 
 def request_output(samples: Sequence[Any], request_id: str, finished: bool, tokenizer: Any = None,
@@ -86,7 +93,7 @@ def request_output(samples: Sequence[Any], request_id: str, finished: bool, toke
         text = _text(request, tokens, tokenizer)
         wants = request.params.logprobs is not None
         completions.append(CompletionOutput(
-            index, tokens, text, request.status.value if request.is_finished else None,
+            index, tokens, text, request.status.value if request.is_finished else None, request.stop_reason,
             request.loops_per_token[:n], request.logprobs[:n] if wants else None,
             request.cumulative_logprob if request.num_logprobs is not None else None))
     head = completions[0]

@@ -61,17 +61,19 @@ class RequestQueues:
 
     @staticmethod
     def max_request_tokens(request: Request) -> int:
-        """The most tokens the request can hold in the cache: prompt + max_tokens, within its context."""
-        return min(len(request.prompt_token_ids) + request.params.max_tokens, request.max_seq_len)
+        """The most tokens whose KV the request can hold: prompt + max_tokens within its context, less
+        the last sampled token (it ends the request and is never computed)."""
+        return min(len(request.prompt_token_ids) + request.params.max_tokens, request.max_seq_len) - 1
 
-    def fork(self, parent: Request, child: Request) -> None:
+    def fork(self, parent: Request, child: Request, share: bool = True) -> None:
         """Queue `child`, another sample of `parent`'s prompt (n > 1), starting from the parent's
         full prompt blocks (shared, reference counted); it computes the rest of the prompt itself
         (less than a block) and samples from its own logits. It waits at the parent's place in the
         queue. Until admitted it holds those blocks; under pressure they are released
-        (`_release_waiting`) and it prefills from scratch."""
+        (`_release_waiting`) and it prefills from scratch. `share=False`: the prompt's KV depends on
+        more than its tokens (Huginn's random initial state), so the child computes all of it."""
         bs = self.blocks.block_size
-        wanted = (len(parent.prompt_token_ids) - 1) // bs
+        wanted = (len(parent.prompt_token_ids) - 1) // bs if share else 0
         shared = self.blocks.fork(parent.request_id, child.request_id, wanted) \
             if parent.num_settled_tokens >= wanted * bs else 0
         child.num_computed_tokens = shared * bs

@@ -104,6 +104,8 @@ class Request:
     sample_index: int = 0                # n > 1: which sample of its group this is
     group: Any = None                    # n > 1: the runtime.engine.sample_group.SampleGroup it belongs to
     detokenizer: Any = None              # runtime.text.detokenizer.IncrementalDetokenizer of its output
+    stop_reason: int | str | None = None  # the stop token or string that finished it
+    final_text: str | None = None        # its text when a stop string finished it (runtime/engine/stop_strings.py)
 
     @property
     def num_logprobs(self) -> int | None:

@@ -26,27 +26,24 @@ class Choice:
     sample: int                          # which of its samples
     num_prompt_tokens: int
     text: TextStream
-    min_tokens: int = 0                  # stop strings count only from this many tokens on
     prefix: str = ""                     # echo: the prompt's text, sent before the answer
     prompt_ids: list[int] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None   # echo with logprobs
     offset: int = 0                      # logprobs' text_offset of the next token
     num_tokens: int = 0
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None
     logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
     num_logprobs_sent: int = 0
 
     def update(self, sample: Any) -> str:
         """Take the engine's latest state of this sample (a `CompletionOutput`); the text delta to send."""
-        delta, is_stopped = self.text.update(sample.text, sample.finished,
-                                             check_stop=len(sample.token_ids) >= self.min_tokens)
+        delta = self.text.update(sample.text, sample.finished)
         self.num_tokens = len(sample.token_ids)
         self.logprobs = list(sample.logprobs or [])[:self.num_tokens]
-        if is_stopped:
-            self.finish_reason = "stop"
-        elif sample.finished:
-            self.finish_reason = sample.finish_reason or "stop"
+        if sample.finished:
+            self.finish_reason, self.stop_reason = sample.finish_reason or "stop", sample.stop_reason
         return delta
 
     def new_logprobs(self) -> list[TokenLogprobs]:
@@ -89,6 +86,7 @@ def choice_body(tokenizer: Tokenizer | None, job: Job, choice: Choice, text: str
             _completion_logprobs(tokenizer, choice, logprobs, with_prompt)
     reason = choice.finish_reason
     body["finish_reason"] = (ABORTED_FINISH_REASON if reason == "abort" else reason) if final else None
+    body["stop_reason"] = choice.stop_reason if final else None       # vLLM's field
     return body
 
 

@@ -46,17 +46,17 @@ class Generation(RequestInputs):
         stop, n = body.stop_strings(), params[0].n
         echo = bool(getattr(body, "echo", False))
         choices = []
-        for i, (r, p) in enumerate(zip(requests, params)):
+        for i, r in enumerate(requests):
             prefix = (r.prompt if r.prompt is not None else self._decode(r.prompt_token_ids)) if echo else ""
             choices += [Choice(i * n + j, r.request_id, j, len(r.prompt_token_ids), TextStream(stop),
-                               p.min_tokens, prefix, list(r.prompt_token_ids)) for j in range(n)]
+                               prefix, list(r.prompt_token_ids)) for j in range(n)]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return Job(kind, api_id, self.model_name, choices, outputs, include_usage, n, params[0].logprobs)
 
     # ----- engine -> responses -------------------------------------------------------------------
     async def events(self, job: Job) -> AsyncIterator[tuple[Choice, str]]:
-        """(choice, text delta) as outputs arrive, until every choice has finished. Aborts an
-        engine request once stop strings ended all its samples, and every unfinished one if cancelled."""
+        """(choice, text delta) as outputs arrive, until every choice has finished. Aborts every
+        unfinished engine request if cancelled."""
         try:
             while not all(c.finish_reason for c in job.choices):
                 index, out = await job.outputs.get()
@@ -67,7 +67,7 @@ class Generation(RequestInputs):
                 for sample in out.outputs:
                     choice = mine[sample.index]
                     if choice.finish_reason:
-                        continue                    # outputs after its stop string
+                        continue                    # the other samples' later outputs
                     delta = choice.update(sample)
                     if choice.finish_reason in ("error", "abort"):
                         choice.error = out.error
@@ -76,8 +76,6 @@ class Generation(RequestInputs):
                     if out.finished and not choice.finish_reason:
                         choice.finish_reason, choice.error = out.finish_reason or "abort", out.error
                         yield choice, ""
-                if not out.finished and all(c.finish_reason for c in mine):
-                    self.loop.abort(mine[0].request_id, "stop")          # stop strings ended every sample
         finally:
             for choice in job.choices[::job.num_samples]:
                 group = job.choices[choice.index:choice.index + job.num_samples]

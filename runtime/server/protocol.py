@@ -2,7 +2,7 @@
 
 Fields follow the OpenAI API, plus the looped-model extras `num_loops` / `exit_threshold` and
 vLLM's `top_k`, `min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
-`chat_template_kwargs`. Unknown fields are rejected (a typo such as `num_loop` must not be silently
+`include_stop_str_in_output`, `chat_template_kwargs`. Unknown fields are rejected (a typo such as `num_loop` must not be silently
 ignored); OpenAI fields we do not implement (`suffix`, `tools`) are accepted only at their neutral value.
 """
 from __future__ import annotations
@@ -65,6 +65,7 @@ class _GenerationRequest(_Body):
     exit_threshold: Optional[float] = Field(None, gt=0, le=1)
     ignore_eos: bool = False
     stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

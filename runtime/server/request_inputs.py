@@ -131,6 +131,7 @@ class RequestInputs:
                 logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
                 min_tokens=body.min_tokens or 0, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 stop_token_ids=(*self.config.stop_token_ids, *(body.stop_token_ids or ())),
+                stop=tuple(body.stop_strings()), include_stop_str_in_output=body.include_stop_str_in_output,
                 ignore_eos=body.ignore_eos, num_loops=body.num_loops or self.config.default_num_loops,
                 exit_threshold=body.exit_threshold if body.exit_threshold is not None
                 else self.config.default_exit_threshold)

@@ -10,7 +10,11 @@ How (the usual streaming detokenizer): `prefix_offset <= read_offset <= len(toke
 the leading space of a decode's first token). The new text is `decode(tokens[prefix_offset:])`
 minus `decode(tokens[prefix_offset:read_offset])`; while it ends in U+FFFD (a multi-byte character
 cut between tokens) nothing is emitted and the window grows. `finish()` decodes the whole output
-once, so a finished request's text is exactly `decode(tokens)`.
+once, so a finished request's text is exactly `decode(tokens)`, unless that does not extend the
+text already reported: a byte-fallback decoder turns a run of byte tokens that held a whole
+character into U+FFFDs when a stray byte joins it, so the window's decode stops extending the
+emitted text. Then the text goes on after what was emitted (vLLM's rule) and the finished text is
+the emitted text and the window's rest, so a stream and the finished answer agree.
 """
 from __future__ import annotations
 
@@ -41,18 +45,27 @@ class IncrementalDetokenizer:
             self.__init__(self.tokenizer, self.skip_special_tokens)
         if num == self.num_tokens:
             return self.text
-        seen = self._decode(token_ids[self.prefix_offset:self.read_offset])
-        window = self._decode(token_ids[self.prefix_offset:num])
-        if len(window) > len(seen) and not window.endswith(INCOMPLETE) and window.startswith(seen):
+        seen, window = self._window(token_ids)
+        if len(window) > len(seen) and not window.endswith(INCOMPLETE):
             self.text += window[len(seen):]
             self.prefix_offset, self.read_offset = self.read_offset, num
         self.num_tokens = num
         return self.text
 
     def finish(self, token_ids: Sequence[int]) -> str:
-        """The exact text of the finished output (one full decode, kept for later calls)."""
+        """The text of the finished output: one full decode (kept for later calls) where it extends
+        the text reported so far, else that text and the rest of the window."""
         if not (self.finished and self.num_tokens == len(token_ids)):
-            self.text = self._decode(token_ids)
+            full = self._decode(token_ids)
+            if not full.startswith(self.text) and len(token_ids) >= self.num_tokens:
+                seen, window = self._window(token_ids)
+                full = self.text + window[len(seen):]
+            self.text = full
             self.prefix_offset = self.read_offset = self.num_tokens = len(token_ids)
             self.finished = True
         return self.text
+
+    def _window(self, token_ids: Sequence[int]) -> tuple[str, str]:
+        """The decode of the emitted window and of the window with every token after it."""
+        return (self._decode(token_ids[self.prefix_offset:self.read_offset]),
+                self._decode(token_ids[self.prefix_offset:]))

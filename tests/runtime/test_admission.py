@@ -50,13 +50,33 @@ def test_max_model_len_is_capped_to_the_cache_at_start(caplog):
     model = zoo.from_pretrained(golden_case("ouro-tiny").path, dtype="float32")
     with caplog.at_level(logging.WARNING, "runtime.engine.llm_engine"):
         engine = LLMEngine(model, hal.get("cpu"), EngineConfig(block_size=4, num_kv_blocks=24))
-    assert engine.max_model_len == 24 and "max_model_len capped from" in caplog.text     # 24 // 4 planes * 4
-    with pytest.raises(ValueError, match=r"engine.max_model_len=100 does not fit.*engine.max_model_len=24"):
+    # 24 // 4 planes * 4 KV positions, and the last token, which is never computed
+    assert engine.max_model_len == 25 and "max_model_len capped from" in caplog.text
+    with pytest.raises(ValueError, match=r"engine.max_model_len=100 does not fit.*engine.max_model_len=25"):
         LLMEngine(model, hal.get("cpu"), EngineConfig(block_size=4, num_kv_blocks=24, max_model_len=100))
     with pytest.raises(ValueError, match="nothing can run.*engine.num_kv_blocks"):
         LLMEngine(model, hal.get("cpu"), EngineConfig(block_size=4, num_kv_blocks=3))
     with pytest.raises(ValueError, match="num_loops=80 is above the limit of 64 loops"):
         engine.add_request("deep", [1, 2], SamplingParams(num_loops=80))
+
+
+@pytest.mark.parametrize("options", [{}, {"async_scheduling": True}, {"speculative": {"num_tokens": 2}}],
+                         ids=["sync", "async", "speculation"])
+def test_a_request_that_exactly_fills_the_cache_runs(options, single_thread):
+    """Prompt + max_tokens = 9 tokens hold 8 positions of KV (the last token is never computed):
+    2 blocks of 4 per plane, the whole cache. It runs, with the tokens of a large cache."""
+    model = zoo.from_pretrained(golden_case("ouro-tiny").path, dtype="float32")
+    planes = model.default_num_loops + model.kv_spec.num_fixed_planes
+    prompt, params = list(range(1, 7)), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    outputs = []
+    for num_blocks in (100, 2 * planes):
+        config = EngineConfig(block_size=4, num_kv_blocks=num_blocks, **options)
+        engine = LLMEngine(model, hal.get("cpu"), config)
+        engine.add_request("a", prompt, params)
+        outputs.append(engine.run_until_done()[0].token_ids)
+        assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert len(outputs[1]) == 3 and outputs[1] == outputs[0]
+    assert engine.max_model_len == 9
 
 
 @pytest.mark.parametrize("bad,setting", [

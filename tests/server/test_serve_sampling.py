@@ -108,6 +108,32 @@ def test_penalties_and_logit_bias_reach_the_sampler(client, offline, tokenizer):
     assert out.choices[0].text == ref.text != offline(PROMPT, max_tokens=8, temperature=0, ignore_eos=True).text
 
 
+def test_stop_strings_follow_the_offline_engine(client, offline):
+    """Stop strings end samples in the engine: the served text, usage and stop_reason are the offline
+    ones, with min_tokens (text of the first tokens is not searched) and best_of (samples ranked
+    after they stopped) as well."""
+    plain = offline(PROMPT, max_tokens=10, temperature=0, ignore_eos=True)
+    stop = plain.text[1:3]
+    cases = [dict(temperature=0), dict(temperature=0, min_tokens=2),
+             dict(temperature=0, include_stop_str_in_output=True), dict(temperature=1.0, seed=5, best_of=3)]
+    for case in cases:
+        ref = offline(PROMPT, max_tokens=10, ignore_eos=True, stop=[stop], **case)
+        extra = {k: v for k, v in case.items() if k in ("min_tokens", "include_stop_str_in_output")}
+        body = {k: v for k, v in case.items() if k not in extra}
+        out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, stop=[stop], **body,
+                                        extra_body={"ignore_eos": True, **extra})
+        choice = out.choices[0]
+        assert (choice.text, choice.finish_reason) == (ref.text, ref.finish_reason), case
+        assert out.usage.completion_tokens == len(ref.token_ids), case
+        if ref.finish_reason == "stop":
+            assert choice.model_extra["stop_reason"] == stop
+        if "best_of" in case:
+            continue                                # (not streamed: the best are known only at the end)
+        chunks = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, stop=[stop], **body,
+                                           stream=True, extra_body={"ignore_eos": True, **extra})
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text, case
+
+
 def test_tokenizer_endpoints(server, tokenizer):
     with httpx.Client(base_url=server.url, timeout=60) as http:
         ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
