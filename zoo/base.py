@@ -81,10 +81,11 @@ class LoopedCausalLM(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} has no recurrent initial state")
 
     def initial_state(self, e: torch.Tensor, init_scale: float | None = None,
-                      generator: torch.Generator | None = None) -> torch.Tensor:
+                      generator: torch.Generator | None = None, noise: torch.Tensor | None = None) -> torch.Tensor:
         """The recurrence's starting state for the prelude output `e: [B, T, D]`, drawn with
         `init_scale` (None: the reference's default; 0: zeros) from `generator` (None: the global
-        RNG). Only models with `has_initial_state` have one."""
+        RNG), or made from `noise`, standard normals truncated at +-3 of the state's shape, the
+        caller's draw (the engine's keyed one). Only models with `has_initial_state` have one."""
         raise NotImplementedError(f"{type(self).__name__} has no recurrent initial state")
 
     @property

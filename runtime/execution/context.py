@@ -56,7 +56,7 @@ class PagedContext(BaseContext):
             return self.static_initial_state
         from runtime.execution.step_inputs import draw_initial_states
 
-        return draw_initial_states(model, self.draws, e.dtype, e.device)
+        return draw_initial_states(model, self.draws, e.dtype, e.device, self.positions)
 
     def advanced(self, steps: int) -> "PagedContext":
         """This decode pass (one token per sequence) `steps` positions on, its metadata advanced on

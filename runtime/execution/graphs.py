@@ -115,7 +115,7 @@ class PassGraphs:
             cap.staging.stage([np.asarray(full.positions, dtype=np.int64)], [cap.positions[0]])
         if cap.initial_state is not None:
             cap.initial_state[:, :num_rows].copy_(
-                draw_initial_states(self.env.model, host.draws, self.env.dtype, self.env.device))
+                draw_initial_states(self.env.model, host.draws, self.env.dtype, self.env.device, host.positions))
         cap.graph.update(self.env.backend.update_meta(cap.ctx.meta, full.batch))
         cap.graph.replay()
         return cap.outputs
@@ -185,7 +185,8 @@ class PassGraphs:
                             [chain.host_ints])
         for state, host in zip(chain.initial_states, hosts):
             if state is not None:
-                state[:, :host.num_tokens].copy_(draw_initial_states(env.model, host.draws, env.dtype, env.device))
+                state[:, :host.num_tokens].copy_(draw_initial_states(env.model, host.draws, env.dtype, env.device,
+                                                                     host.positions))
         params = []
         for ctx, full in zip(chain.ctxs, fulls):
             params.extend(env.backend.update_meta(ctx.meta, full.batch))

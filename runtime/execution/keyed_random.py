@@ -9,10 +9,13 @@ value times a constant below 2**31), so no backend's integer overflow behaviour 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 _M32 = 0xFFFFFFFF
 _MASK63 = (1 << 63) - 1
+_STATE_STREAM = 0x2545F491           # keys the initial-state stream apart from the sampler's
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
@@ -43,6 +46,21 @@ def keyed_exponentials(seeds: torch.Tensor, positions: torch.Tensor, vocab_size:
     # 24 bits, centred in their interval: u in (0, 1), exact in float32, so -log(u) is finite and > 0
     u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
     return -torch.log(u)
+
+
+def keyed_truncated_normals(seed: int, positions: torch.Tensor, width: int) -> torch.Tensor:
+    """`[N, width]` float32 standard normals truncated at +-3, row i fixed by (seed, positions[i])
+    (Huginn's random initial state: a seeded request's state at a position then does not depend on
+    how its prompt was chunked, on a recompute, or on the batch). A stream of its own: the sampler's
+    noise at the same (seed, position) is not reused. Inverse CDF of a uniform in [Phi(-3), Phi(3)],
+    as torch's trunc_normal_ draws."""
+    positions = positions.reshape(-1).to(torch.int64)
+    a, b = row_keys(torch.full_like(positions, seed & _MASK63), positions)
+    columns = torch.arange(width, device=positions.device, dtype=torch.int64)
+    bits = mix32(mix32(columns[None, :] ^ a[:, None]) ^ (b[:, None] ^ _STATE_STREAM))
+    u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    low = 0.5 * math.erfc(3 / math.sqrt(2))                      # Phi(-3)
+    return math.sqrt(2) * torch.erfinv(2 * (low + u * (1 - 2 * low)) - 1)
 
 
 def derive_seed(seed: int, index: int) -> int:

@@ -11,6 +11,7 @@ import torch
 
 from hal.common.kv_quant import fake_quantize
 from runtime.sampling_params import SamplingParams
+from runtime.execution.keyed_random import keyed_truncated_normals
 from runtime.execution.sampler import make_generator, sample_token
 from zoo.base import LoopedCausalLM, exit_distribution, first_exit_step
 from zoo.context import PLAIN_OPS, BaseContext, ModelOps
@@ -23,12 +24,12 @@ class CachedContext(BaseContext):
     must give this path's tokens. `ops` is the Hal to compute with (default plain torch)."""
 
     def __init__(self, generator: torch.Generator | None = None, init_scale: float | None = None,
-                 kv_dtype: torch.dtype | None = None, ops: ModelOps | None = None) -> None:
+                 kv_dtype: torch.dtype | None = None, ops: ModelOps | None = None, seed: int | None = None) -> None:
         super().__init__()
         self.ops = ops or PLAIN_OPS
         self.kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.positions = torch.zeros(1, 0, dtype=torch.long)
-        self.generator, self.init_scale, self.kv_dtype = generator, init_scale, kv_dtype
+        self.generator, self.init_scale, self.kv_dtype, self.seed = generator, init_scale, kv_dtype, seed
 
     def begin_step(self, positions: torch.Tensor) -> None:
         self.positions = positions
@@ -47,7 +48,11 @@ class CachedContext(BaseContext):
         return out.transpose(1, 2)
 
     def initial_state(self, model: LoopedCausalLM, e: torch.Tensor) -> torch.Tensor:
-        return model.initial_state(e, self.init_scale, self.generator)
+        """A seeded request's draw keyed by (seed, position), as the engine's (step_inputs.draw_initial_states)."""
+        noise = None
+        if self.seed is not None and self.init_scale != 0:
+            noise = keyed_truncated_normals(self.seed, self.positions, model.initial_state_width)
+        return model.initial_state(e, self.init_scale, self.generator, noise=noise)
 
 
 @torch.no_grad()
@@ -79,7 +84,7 @@ def generate_reference(model: LoopedCausalLM, prompt_ids: list[int], params: Sam
     num_loops = params.num_loops or model.default_num_loops
     threshold = model.default_exit_threshold if params.exit_threshold is None else params.exit_threshold
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(stop_token_ids))
-    ctx = CachedContext(make_generator(params, device), params.init_scale, kv_dtype, ops)
+    ctx = CachedContext(make_generator(params, device), params.init_scale, kv_dtype, ops, params.seed)
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)
     position, out, loops = 0, [], []
     while True:

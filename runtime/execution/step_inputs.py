@@ -19,6 +19,7 @@ from hal.attention import AttentionBackend, PagedBatch
 from runtime.engine.planes import PlaneLayout
 from runtime.engine.sequence import PLACEHOLDER
 from runtime.execution.context import PagedContext
+from runtime.execution.keyed_random import keyed_truncated_normals
 from zoo.base import LoopedCausalLM
 from zoo.context import ModelOps
 
@@ -213,15 +214,26 @@ def extend(host: HostInputs, num_tokens: int, env: PassEnv) -> HostInputs:
 
 
 def draw_initial_states(model: LoopedCausalLM, draws: Sequence[tuple[Any, int]], dtype: torch.dtype,
-                        device: torch.device) -> torch.Tensor:
-    """Initial recurrent states `[1, sum(rows), D]`, each request's rows drawn with its own scale and
-    generator (so a request's draw does not depend on the rest of the batch); padding rows get zeros."""
+                        device: torch.device, positions: Any) -> torch.Tensor:
+    """Initial recurrent states `[1, sum(rows), D]` for the pass's `positions` (`[T]`, the draws'
+    rows in order), each request's rows with its own scale: a seeded request's keyed by (seed,
+    position), so they do not depend on the batch, the chunking or a recompute; an unseeded one's
+    from its generator (the global RNG). Padding rows get zeros."""
     width = model.initial_state_width
-    parts = []
+    if not torch.is_tensor(positions):
+        positions = torch.as_tensor(np.asarray(positions, dtype=np.int64))
+    positions = positions.reshape(-1)
+    parts, start = [], 0
     for request, rows in draws:
         like = torch.zeros(1, rows, width, dtype=dtype, device=device)
-        parts.append(like if request is None else
-                     model.initial_state(like, request.params.init_scale, request.generator))
+        if request is None:
+            parts.append(like)
+        else:
+            seed, scale = request.params.seed, request.params.init_scale
+            noise = None if seed is None or scale == 0 else \
+                keyed_truncated_normals(seed, positions[start:start + rows].to(device), width)
+            parts.append(model.initial_state(like, scale, request.generator, noise=noise))
+        start += rows
     return torch.cat(parts, dim=1)
 
 

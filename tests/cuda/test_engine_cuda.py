@@ -51,6 +51,25 @@ def test_golden_greedy_and_logits_fp32(name, graphs):
     assert err <= 1e-3
 
 
+def test_seeded_huginn_random_state_equals_the_simple_path():
+    """Huginn's random initial state of a seeded request is keyed by (seed, position) on the device,
+    drawn before a decode graph's replay or inside the eager pass: the simple path's tokens, in a
+    batch whose chunks cut the prompt, with graphs."""
+    from runtime.execution.reference import generate_reference
+
+    gpu = hal.get("cuda")
+    case = golden_case("huginn-tiny")
+    model = zoo.from_pretrained(case.path, dtype="float32", device=gpu.device())
+    params = SamplingParams(max_tokens=10, temperature=0.0, seed=7, ignore_eos=True, num_loops=4, init_scale=4.0)
+    prompts = [case.prompt(1) * 2, case.prompt(0)]
+    expected = [generate_reference(model, p, params)[0] for p in prompts]
+    engine = LLMEngine(model, gpu, EngineConfig(block_size=16, max_num_batched_tokens=16))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    outs = {o.request_id: o.token_ids for o in engine.run_until_done()}
+    assert [outs["0"], outs["1"]] == expected
+
+
 def test_graphs_equal_eager_at_ouro_1_4b_shape_bf16():
     gpu = hal.get("cuda")
     model = zoo.from_config(CONFIGS / "ouro-1.4b.json", dtype="bfloat16", device=gpu.device(), seed=0)

@@ -1,8 +1,12 @@
 """The simple generation path reproduces the golden greedy continuations; sampling behaves."""
+import dataclasses
+
 import pytest
 import torch
 
-from helpers import golden_case, golden_names
+import hal
+import zoo
+from helpers import golden_case, golden_names, single_thread  # noqa: F401 (fixture)
 from runtime import LLM, SamplingParams
 from runtime.execution.sampler import filtered_probs, make_generator, sample_token
 
@@ -46,6 +50,35 @@ def test_huginn_random_state_follows_the_seed_even_when_greedy():
     run = lambda seed: llm.generate(case.prompt(2), SamplingParams(seed=seed, **greedy))[0].token_ids  # noqa: E731
     assert run(0) == run(0)
     assert len({tuple(run(seed)) for seed in range(4)}) > 1, "a large random initial state should change tokens"
+
+
+def test_a_seeded_huginn_state_depends_on_nothing_but_seed_and_position(single_thread):
+    """Huginn's random initial state of a seeded request is keyed by (seed, position): the tokens
+    are the simple path's alone, beside another request (which moves its prompt's chunk
+    boundaries) and after a recompute preemption (which computes its tokens again)."""
+    from runtime.config import EngineConfig
+    from runtime.engine.llm_engine import LLMEngine
+    from runtime.execution.reference import generate_reference
+
+    case = golden_case("huginn-tiny")
+    model = zoo.from_pretrained(case.path, dtype="float32")
+    params = [SamplingParams(max_tokens=10, temperature=0.0, seed=seed, ignore_eos=True, num_loops=4)
+              for seed in (7, 8)]
+    prompts = [case.prompt(1) * 2, case.prompt(0)]
+    expected = [generate_reference(model, p, s)[0] for p, s in zip(prompts, params)]
+    assert expected[0] != generate_reference(model, prompts[0], dataclasses.replace(params[0], seed=9))[0]
+
+    def run(which, **config):
+        engine = LLMEngine(model, hal.get("cpu"), EngineConfig(block_size=4, **config))
+        for i in which:
+            engine.add_request(str(i), prompts[i], params[i])
+        outs = {o.request_id: o for o in engine.run_until_done()}
+        return [outs[str(i)].token_ids for i in which], sum(o.metrics.num_preemptions for o in outs.values())
+
+    assert run([0], num_kv_blocks=400, max_num_batched_tokens=16)[0] == expected[:1]
+    assert run([1, 0], num_kv_blocks=400, max_num_batched_tokens=16)[0] == expected[::-1]
+    tokens, num_preemptions = run([1, 0], num_kv_blocks=50, preemption_mode="recompute")
+    assert num_preemptions > 0 and tokens == expected[::-1]
 
 
 def test_stop_tokens_end_generation():

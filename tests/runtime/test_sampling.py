@@ -86,6 +86,16 @@ def test_penalties_and_bias_act_as_documented():
     assert t(Row(SamplingParams(min_tokens=3, stop_token_ids=[0]), [3], [1, 1, 2])) == logits[0].tolist()
 
 
+def test_a_temperature_below_1e_5_is_greedy():
+    """logits / 1e-40 overflow to inf and softmax gives NaN (the sampler then picked token 0)."""
+    logits = torch.tensor([1.0, 3.0, 2.0, -1.0])
+    for temperature in (1e-6, 1e-39, 1e-42):
+        params = SamplingParams(temperature=temperature, seed=0)
+        assert params.is_greedy and params.temperature == 0.0
+        assert sample_token(logits, params) == 1
+    assert not SamplingParams(temperature=1e-5).is_greedy
+
+
 def test_filters_match_the_single_request_distribution():
     rng = random.Random(0)
     vocab = 30
@@ -142,6 +152,18 @@ def run_engine(model, params_list, prompts, **options):
     engine.blocks.check_invariants()
     return [outs[str(i)] for i in range(len(prompts))]
 
+
+def test_keyed_initial_state_normals_are_truncated_standard_normals():
+    from runtime.execution.keyed_random import keyed_exponentials, keyed_truncated_normals
+
+    positions = torch.arange(4000)
+    x = keyed_truncated_normals(7, positions, 64)
+    assert x.shape == (4000, 64) and x.abs().max() <= 3.0001
+    assert abs(x.mean().item()) < 0.01 and abs(x.std().item() - 0.9866) < 0.01      # N(0, 1) cut at 3
+    assert torch.equal(x[100:110], keyed_truncated_normals(7, positions[100:110], 64))
+    assert not torch.equal(x, keyed_truncated_normals(8, positions, 64))
+    noise = keyed_exponentials(torch.full((4000,), 7), positions, 64)     # the sampler's stream, not reused
+    assert abs(torch.corrcoef(torch.stack([x.flatten(), noise.flatten()]))[0, 1].item()) < 0.01
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_engine_knobs_equal_the_simple_path(tiny, async_scheduling):

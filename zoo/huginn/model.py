@@ -114,13 +114,16 @@ class HuginnForCausalLM(LoopedCausalLM):
         return self.config.n_embd
 
     def initial_state(self, e: torch.Tensor, init_scale: float | None = None,
-                      generator: torch.Generator | None = None) -> torch.Tensor:
+                      generator: torch.Generator | None = None, noise: torch.Tensor | None = None) -> torch.Tensor:
         """The recurrence's starting state for prelude output `e: [B, T, n_embd]`: a normal truncated
         at 3 std, std `init_values.std * init_scale`, times `embed_scale`; zeros when `init_scale=0`.
-        `init_scale=None` is the reference's default 1.0. Draws from `generator` (or the global RNG)."""
+        `init_scale=None` is the reference's default 1.0. Draws from `generator` (or the global RNG),
+        or scales `noise` (standard normals truncated at 3, `e`'s shape)."""
         std = self.config.init_std * (1.0 if init_scale is None else init_scale)
         if std <= 0:
             return torch.zeros_like(e)
+        if noise is not None:
+            return (noise.reshape(e.shape).to(e.device) * std).to(e.dtype) * self.config.embed_scale
         # the reference overwrites a randn draw with the truncated normal; drawing it too advances the
         # RNG as the reference does, so one global seed gives both the same state
         state = torch.randn(e.shape, generator=generator, dtype=e.dtype, device=e.device)
