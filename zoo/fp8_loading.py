@@ -86,13 +86,17 @@ def per_channel(weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int
 
     rows, cols = weight.shape
     scale = scale.float()
-    if scale.numel() == rows and not is_inverse_block:
+    # block-wise first: a block scale [N/bn, K/bk] may hold N values without being per channel
+    blocks = None if block_size is None else (-(-rows // block_size[0]), -(-cols // block_size[1]))
+    is_block = blocks is not None and tuple(scale.shape) == blocks
+    if not is_block and not is_inverse_block and tuple(scale.shape) in ((rows,), (rows, 1)):
         return weight, scale.reshape(rows).contiguous()
-    if scale.numel() == 1 and not is_inverse_block:
+    if not is_block and not is_inverse_block and scale.numel() == 1:
         return weight, scale.reshape(1).expand(rows).contiguous()
-    if block_size is None or scale.dim() != 2:
+    if not is_block:
         raise CheckpointError(f"FP8 weight [{rows}, {cols}] has a scale of shape {tuple(scale.shape)}: neither "
-                              f"per channel, per tensor nor block-wise with a weight_block_size")
+                              f"per channel [N], per tensor nor block-wise {list(blocks or ['N/bn', 'K/bk'])} "
+                              f"(weight_block_size {list(block_size) if block_size else None})")
     bn, bk = block_size
     full = scale.repeat_interleave(bn, 0)[:rows].repeat_interleave(bk, 1)[:, :cols]        # [N, K]
     return quantize(weight.float() * full, torch.float8_e4m3fn)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch.overrides import TorchFunctionMode
 
 from zoo.parallel import ShardSpec, read_shard
@@ -59,9 +59,7 @@ def open_safetensors(file: Path, device: str = "cpu") -> Iterator[Any]:
         size = file.stat().st_size
         with safe_open(str(file), framework="pt", device=device) as f:
             yield f
-    except CheckpointError:
-        raise
-    except Exception as exc:       # SafetensorError, OSError, or a failed read of a short file
+    except (SafetensorError, OSError) as exc:      # a bad header, or a failed read of a short file
         if isinstance(exc, OSError) and not file.exists():
             raise
         raise CheckpointError(
@@ -71,9 +69,10 @@ def open_safetensors(file: Path, device: str = "cpu") -> Iterator[Any]:
 
 
 def stored_dtype(folder: str | os.PathLike) -> torch.dtype:
-    """The floating dtype most of the checkpoint's weights are stored in."""
+    """The floating dtype most of the checkpoint's weights are stored in (an FP8 checkpoint's float32
+    scales do not count: its other weights' dtype is the one to compute in)."""
     with open_safetensors(safetensors_files(folder)[0]) as f:
-        names = list(f.keys())
+        names = [n for n in f.keys() if not n.rsplit(".", 1)[-1].endswith(("scale", "scale_inv"))]
         kinds = [f.get_slice(n).get_dtype() for n in names[:64]]
     by_name = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
     floats = [by_name[k] for k in kinds if k in by_name]

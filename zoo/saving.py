@@ -65,6 +65,11 @@ def save_pretrained(model: LoopedCausalLM, folder: str | os.PathLike, dtype: tor
     files of an earlier save in the folder are removed first, so the loader never mixes two saves.
     The model itself is not changed (weights are copied, cast to `dtype`).
     """
+    tp = getattr(model, "tensor_parallel", None)
+    if tp is not None and tp.world_size > 1:
+        raise ValueError(f"this model holds rank {tp.rank}'s shards of a {tp.world_size}-way tensor-parallel "
+                         f"model, and save_pretrained writes whole checkpoints only: save a model loaded "
+                         f"without tensor parallelism (parallel.tp=1)")
     dtype = as_dtype(dtype)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -168,3 +168,45 @@ def test_fp8_weights_logit_error_is_bounded(single_thread):
             with torch.no_grad():
                 err = (model(torch.tensor([case.prompt(i)]), **kwargs).logits[0] - want).abs()
             assert 0 < err.mean() <= 0.25 * want.std() and err.max() <= 1.5 * want.std(), f"{name} prompt {i}"
+
+
+def test_an_fp8_checkpoint_without_torch_dtype_keeps_its_other_weights_dtype(tmp_path, single_thread):
+    """Its float32 scales outnumber the bf16 norms and embeddings, but do not pick the dtype."""
+    model = zoo.from_pretrained(golden_case("ouro-tiny").path, dtype="bfloat16", weights_dtype="fp8")
+    zoo.save_pretrained(model, tmp_path, dtype="bfloat16")
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["torch_dtype"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert zoo.from_pretrained(tmp_path).model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_block_scales_with_as_many_values_as_rows_are_block_scales(tmp_path, single_thread):
+    """A compressed-tensors block scale `[N/16, K/16]` of a `[32, 256]` weight holds 32 values, as
+    many as a per-channel scale: it must still dequantize by blocks."""
+    config = dict(model_type="ouro", vocab_size=64, hidden_size=32, intermediate_size=256, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=4, total_ut_steps=2, max_position_embeddings=64,
+                  rope_theta=10000.0, torch_dtype="float32")
+    b = 16
+    state, exact = {}, {}
+    for name, tensor in zoo.from_config(config, seed=0).state_dict().items():
+        module = name.rsplit(".", 1)[0]
+        if not name.endswith("_proj.weight"):
+            state[name] = tensor.contiguous()
+            continue
+        n, k = tensor.shape
+        blocks = tensor.reshape(n // b, b, k // b, b).abs().amax(dim=(1, 3)) / 448.0
+        full = blocks.repeat_interleave(b, 0).repeat_interleave(b, 1)
+        state[name], state[module + ".weight_scale"] = (tensor / full).to(torch.float8_e4m3fn), blocks.contiguous()
+        exact[module] = state[name].float() * full
+    save_file(state, str(tmp_path / "model.safetensors"))
+    weights = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [b, b], "symmetric": True,
+               "dynamic": False}
+    quant = {"quant_method": "compressed-tensors", "format": "float-quantized",
+             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+             "ignore": ["lm_head", "model.early_exit_gate"]}
+    (tmp_path / "config.json").write_text(json.dumps(config | {"quantization_config": quant}))
+    loaded = zoo.from_pretrained(tmp_path)
+    for module, weight in exact.items():
+        linear = loaded.get_submodule(module)
+        got = linear.weight.float() * linear.weight_scale[:, None]
+        assert ((got - weight).abs().max() / weight.abs().max()).item() < 0.07, module     # one more e4m3 rounding

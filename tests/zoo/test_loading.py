@@ -116,3 +116,10 @@ def test_known_name_absent_from_cache_says_how_to_download(tmp_path):
 def test_unknown_name(tmp_path):
     with pytest.raises(CheckpointError, match="not a known model name"):
         resolve_checkpoint("no-such-model")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the trigger is a CUDA device missing")
+def test_an_error_of_the_device_is_not_called_a_corrupt_file():
+    with pytest.raises(Exception) as error:
+        zoo.from_pretrained(golden_case("ouro-tiny").path, device="cuda")
+    assert "corrupt" not in str(error.value) and "download the checkpoint again" not in str(error.value)

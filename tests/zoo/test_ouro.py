@@ -1,5 +1,6 @@
 """Ouro reproduces the reference implementation's golden tensors (float32, 1e-4)."""
 import copy
+import json
 
 import pytest
 import torch
@@ -131,3 +132,14 @@ def test_norm_add_norm_wiring_keeps_the_logits(case_and_model, fused_projections
     assert without.calls == {"rms_norm": (4 * layers + 1) * loops}
     model(ids, ops=ModelOps(hal))                                           # grads on: plain torch
     assert sum(hal.calls.values()) == (2 * layers + 1) * loops
+
+
+def test_rope_parameters_of_transformers_5_are_read():
+    """transformers 5 writes rope_theta (and any scaling) inside rope_parameters."""
+    raw = json.loads((golden_case("ouro-tiny").path / "config.json").read_text())
+    v5 = {k: v for k, v in raw.items() if k not in ("rope_theta", "rope_scaling")}
+    v5["rope_parameters"] = {"rope_type": "default", "rope_theta": 12345.0}
+    assert zoo.build(v5)[1].rope_theta == 12345.0
+    with pytest.raises(ValueError, match="rope_parameters=.*not supported by zoo.ouro"):
+        zoo.build(v5 | {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}})
+    assert zoo.build(raw | {"rope_scaling": {"rope_type": "default"}})[1].rope_theta == raw["rope_theta"]

@@ -72,3 +72,9 @@ def test_sharded_save_loads_and_a_later_single_file_save_replaces_it(tmp_path):
     zoo.save_pretrained(other, tmp_path, dtype=torch.float32)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
     torch.testing.assert_close(logits_of(zoo.from_pretrained(tmp_path), ids), logits_of(other, ids), atol=0, rtol=0)
+
+
+def test_a_tensor_parallel_shard_is_not_saved_as_a_checkpoint(tmp_path):
+    part = zoo.from_config(CONFIG, dtype="float32", seed=0, tp_rank=0, tp_size=2)
+    with pytest.raises(ValueError, match="rank 0's shards of a 2-way tensor-parallel model"):
+        zoo.save_pretrained(part, tmp_path / "shard", dtype="float32")

@@ -40,14 +40,21 @@ class OuroConfig:
     def from_dict(cls, raw: dict[str, Any]) -> "OuroConfig":
         """From a config.json dict; refuses features the released checkpoints do not use rather than
         silently computing something else."""
-        if raw.get("rope_scaling"):
-            raise ValueError(f"rope_scaling={raw['rope_scaling']!r} is not supported by zoo.ouro")
+        for key in ("rope_scaling", "rope_parameters"):       # rope_parameters: transformers 5's layout
+            rope = raw.get(key)
+            kind = (rope.get("type") or rope.get("rope_type")) if isinstance(rope, dict) else rope
+            if kind not in (None, "default"):
+                raise ValueError(f"{key}={rope!r} is not supported by zoo.ouro (the released checkpoints "
+                                 f"use plain rotary embeddings)")
         if raw.get("use_sliding_window"):
             raise ValueError("use_sliding_window=true is not supported by zoo.ouro")
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={raw['hidden_act']!r} is not supported (Ouro uses silu)")
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in raw.items() if k in known}
+        rope = raw.get("rope_parameters")
+        if "rope_theta" not in values and isinstance(rope, dict) and "rope_theta" in rope:
+            values["rope_theta"] = rope["rope_theta"]
         if "torch_dtype" not in values and "dtype" in raw:
             values["torch_dtype"] = raw["dtype"]
         return cls(**values)
