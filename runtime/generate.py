@@ -102,7 +102,8 @@ def result_of(out: Any) -> dict[str, Any]:
     if len(out.outputs) > 1:
         result["samples"] = [{"index": s.index, "token_ids": s.token_ids, "text": s.text,
                               "finish_reason": s.finish_reason, "stop_reason": s.stop_reason,
-                              "cumulative_logprob": s.cumulative_logprob}
+                              "cumulative_logprob": s.cumulative_logprob,
+                              **({"logprobs": [list(lp) for lp in s.logprobs]} if s.logprobs is not None else {})}
                              for s in out.outputs]
     if out.metrics is not None and out.metrics.num_spec_rounds:
         result.update(acceptance_rate=out.metrics.acceptance_rate,

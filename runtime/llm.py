@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import operator
 import os
-from typing import Iterator, Mapping, Sequence, Union
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence, Union
 
 import torch
 
@@ -61,6 +64,7 @@ class LLM:
         device = self.hal.device()
         self.tokenizer = tokenizer or (Tokenizer.from_folder(folder) if folder else None)
         self.engine = LLMEngine(self.model, self.hal, config, self.tokenizer, publisher=self.parallel.publisher())
+        self._generation_config = _sampling_of_generation_config(folder)
         self._ids = itertools.count()
         log.info("LLM: %s on %s, dtype %s", type(self.model).__name__, device, next(self.model.parameters()).dtype)
 
@@ -69,11 +73,25 @@ class LLM:
         self.engine.close()
 
     def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt: a string, token ids, or vLLM's dict forms
+        `{"prompt": text}` and `{"prompt_token_ids": ids}`."""
+        if isinstance(prompt, Mapping):
+            keys = set(prompt)
+            if keys == {"prompt"}:
+                prompt = prompt["prompt"]
+            elif keys == {"prompt_token_ids"} or keys == {"prompt_token_ids", "prompt"}:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            else:
+                raise TypeError(f"a prompt dict takes 'prompt' (text) or 'prompt_token_ids', got keys {sorted(keys)}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer.json: pass token ids (prompt_ids) instead of text")
             return prompt, self.tokenizer.encode(prompt)
-        return None, [int(t) for t in prompt]
+        try:
+            return None, [operator.index(t) for t in prompt]
+        except TypeError:
+            raise TypeError(f"a prompt is a string, a list of token ids or a dict with 'prompt' or "
+                            f"'prompt_token_ids', got {type(prompt).__name__}: {str(prompt)[:80]}") from None
 
     def _add(self, prompt: Prompt, params: SamplingParams) -> str:
         text, ids = self.encode(prompt)
@@ -81,13 +99,22 @@ class LLM:
         self.engine.add_request(request_id, ids, params, prompt=text)
         return request_id
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses without `sampling_params` (vLLM's rule): the checkpoint's
+        generation_config.json temperature / top_p / top_k / repetition_penalty over SamplingParams'
+        defaults (temperature 1.0)."""
+        return SamplingParams(**self._generation_config)
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids), all batched together; outputs in prompt order.
-        A prompt the engine rejects (e.g. larger than the whole KV cache) gets an output with
-        `finish_reason="error"` and `.error`; the others run normally. Invalid input raises."""
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for each prompt (text, token ids, or vLLM's `{"prompt": ...}` /
+        `{"prompt_token_ids": ...}` dicts), all batched together; outputs in prompt order. A prompt
+        the engine rejects (e.g. larger than the whole KV cache) gets an output with
+        `finish_reason="error"` and `.error`; the others run normally. Invalid input raises.
+        `use_tqdm` is accepted for vLLM's callers; no progress bar is drawn."""
         prompts = _as_prompt_list(prompts)
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
@@ -113,7 +140,7 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the growing output of one prompt after every token (the last one has `finished`)."""
-        request_id = self._add(prompt, sampling_params or SamplingParams())
+        request_id = self._add(prompt, sampling_params or self.get_default_sampling_params())
         try:
             with torch.inference_mode():
                 while True:
@@ -127,7 +154,7 @@ class LLM:
 
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             enable_thinking: bool = False) -> list[RequestOutput]:
+             enable_thinking: bool = False, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate the assistant's reply to one conversation (a list of `{"role", "content"}` dicts)
         or to each of several, through the checkpoint's chat template. `enable_thinking` opens the
         reply with `<think>` (thinking checkpoints)."""
@@ -163,9 +190,22 @@ def follow(model: str | os.PathLike | LoopedCausalLM, hal: str | Hal, dtype: tor
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, Mapping)):
         return [prompts]
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]                                # one prompt of token ids
     return prompts
+
+
+def _sampling_of_generation_config(folder: str | os.PathLike | None) -> dict[str, Any]:
+    """The sampling fields of a checkpoint's generation_config.json that SamplingParams takes."""
+    path = Path(folder) / "generation_config.json" if folder else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring %s: %s", path, exc)
+        return {}
+    return {k: raw[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty") if raw.get(k) is not None}

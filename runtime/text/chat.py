@@ -76,7 +76,16 @@ def check_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or "role" not in message:
             raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {message!r}")
-        out.append(dict(message))
+        message = dict(message)
+        content = message.get("content")
+        if isinstance(content, Sequence) and not isinstance(content, str):   # OpenAI content parts
+            parts = [part for part in content if not (isinstance(part, Mapping) and part.get("type") == "text"
+                                                      and isinstance(part.get("text"), str))]
+            if parts:
+                raise ValueError(f"message {i}: content parts must be text, like {{'type': 'text', 'text': "
+                                 f"'Hi'}} (images and other inputs are not supported), got {parts[0]!r}")
+            message["content"] = "".join(part["text"] for part in content)
+        out.append(message)
     return out
 
 

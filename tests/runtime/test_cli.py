@@ -55,6 +55,18 @@ def test_no_arguments_runs_the_packaged_model_or_explains_models(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_a_prompt_hydra_cannot_read_gets_the_quoted_form_to_type(tmp_path):
+    """`prompt=It's "wet" (1+1=2)!` is not a Hydra override; the error gives the argument to type."""
+    import shlex
+
+    proc = run_cli("prompt=It's \"wet\" (1+1=2)!", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    suggested = shlex.split(proc.stderr.strip().rsplit(": ", 1)[1])
+    proc = run_cli(*suggested, "max_tokens=2", "output=json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["prompt"] == "It's \"wet\" (1+1=2)!"
+
+
 def test_bad_override_type_is_rejected(tmp_path):
     proc = run_cli("max_tokens=abc", cwd=tmp_path)
     assert proc.returncode != 0 and "max_tokens" in proc.stderr

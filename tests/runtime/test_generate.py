@@ -151,3 +151,39 @@ def test_exit_threshold_reports_loops():
     out = llm.generate(case.prompt(0), SamplingParams(max_tokens=8, temperature=0, exit_threshold=0.5,
                                                       ignore_eos=True))[0]
     assert len(out.loops_per_token) == 8 and all(1 <= n <= 4 for n in out.loops_per_token)
+
+
+def test_vllm_prompt_forms_and_content_parts(tmp_path):
+    """vLLM's `{"prompt": ...}` / `{"prompt_token_ids": ...}` prompts, OpenAI content parts in chat,
+    use_tqdm, and the checkpoint's generation_config as the default sampling (vLLM's rules)."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    packaged = Path(zoo.__file__).parent / "checkpoints" / "ouro-tiny"
+    llm = LLM(packaged, hal="cpu", dtype="float32", num_kv_blocks=128)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    text = "In the beginning"
+    ids = llm.tokenizer.encode(text)
+    plain = llm.generate(text, greedy)[0]
+    by_dict = llm.generate({"prompt": text}, greedy, use_tqdm=False)
+    by_ids = llm.generate([{"prompt_token_ids": ids}], greedy)
+    assert len(by_dict) == 1 and by_dict[0].token_ids == by_ids[0].token_ids == plain.token_ids
+    assert by_dict[0].prompt == text and by_ids[0].prompt_token_ids == ids
+    with pytest.raises(TypeError, match="'prompt' \\(text\\) or 'prompt_token_ids'"):
+        llm.generate({"text": text}, greedy)
+    with pytest.raises(TypeError, match="a prompt is a string, a list of token ids"):
+        llm.generate([3.5], greedy)
+
+    from runtime.text.chat import check_messages
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi, "}, {"type": "text", "text": "there"}]}]
+    assert check_messages(parts)[0]["content"] == "Hi, there"
+    with pytest.raises(ValueError, match="content parts must be text"):
+        check_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(packaged, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_k": 5}))
+    defaults = LLM(folder, hal="cpu", dtype="float32", num_kv_blocks=64).get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.0, 5, 1.0)
+    assert llm.get_default_sampling_params() == SamplingParams()
