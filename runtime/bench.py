@@ -31,7 +31,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from runtime.bench_profile import late_summary, profile_decode, start_profile, step_costs, stop_profile
 from runtime.sampling_params import SamplingParams
-from runtime.cli import CONF_DIR, check_spellings, clear_errors, engine_config, make_hal, register_schemas
+from runtime.cli import (CONF_DIR, check_quoting, check_spellings, clear_errors, engine_config, make_hal,
+                         register_schemas)
 
 log = logging.getLogger("runtime.bench")
 CONFIGS = Path(__file__).resolve().parent.parent / "zoo" / "configs"
@@ -44,13 +45,18 @@ HF_REFERENCE_MS_PER_STEP = {("ouro-1.4b", 1): 130.0, ("ouro-1.4b", 64): 127.0}
 def build_model(cfg: Any, device: torch.device, parallel: Any = None):
     """The model (this rank's shard under tensor parallelism: `parallel` from `runtime.parallel.state`)."""
     import zoo
+    from zoo.resolve import packaged_checkpoint
 
     shard_args = parallel.shard_args() if parallel is not None else {}
     if cfg.weights == "random":
         source = cfg.model.path or cfg.model.name
         config = Path(source) / "config.json" if Path(str(source)).is_dir() else CONFIGS / f"{source}.json"
+        packaged = packaged_checkpoint(str(source))
+        if not config.is_file() and packaged is not None:           # a packaged model's shape (ouro-tiny)
+            config = packaged / "config.json"
         if not config.is_file():
-            raise ValueError(f"no config for {source!r}: give model=<name with zoo/configs/NAME.json> or model.path=DIR")
+            raise ValueError(f"no config for {source!r}: give model=<name with zoo/configs/NAME.json> or "
+                             f"model.path=DIR (weights=checkpoint runs a checkpoint's own weights)")
         return zoo.from_config(config, dtype=cfg.model.dtype, device=device, seed=0, **shard_args)
     if cfg.weights == "checkpoint":
         return zoo.from_pretrained(cfg.model.path or cfg.model.name, dtype=cfg.model.dtype, device=device,
@@ -250,6 +256,7 @@ def _main(cfg: DictConfig) -> None:
 
 def main() -> None:
     check_spellings(sys.argv[1:])
+    check_quoting(sys.argv[1:])
     _main()
 
 

@@ -158,23 +158,28 @@ def check_spellings(argv: list[str]) -> None:
             print(f"error: {key}= is spelled {new}= now ({new}={value}); the three CLIs share one engine "
                   f"schema, see the README's Options", file=sys.stderr)
             sys.exit(2)
-        check_quoting(arg)
 
 
-def check_quoting(arg: str) -> None:
-    """Exit with the quoted form to type when Hydra's override grammar cannot read `arg` (a prompt
-    with `!`, `'`, `(`, `=`, `#`, ... must be quoted for Hydra inside the shell's quotes)."""
+def check_quoting(argv: list[str]) -> None:
+    """Exit with the quoted form to type when Hydra's override grammar cannot read an argument (a
+    prompt with `!`, `'`, `(`, `=`, `#`, ... must be quoted for Hydra inside the shell's quotes)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
-    if "=" not in arg or arg.startswith("-"):
-        return
-    try:
-        OverridesParser.create().parse_overrides([arg])
-    except OverrideParseException:
-        key, value = arg.split("=", 1)
-        hydra_value = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        print(f"error: Hydra cannot read the override {arg!r}: its value holds characters of Hydra's "
-              f"override grammar. Quote the value for Hydra inside the shell's quotes: "
-              f"{shlex.quote(f'{key}={hydra_value}')}", file=sys.stderr)
-        sys.exit(2)
+    parser = OverridesParser.create()
+    for arg in argv:
+        if "=" not in arg or arg.startswith("-"):
+            continue
+        try:
+            parser.parse_overrides([arg])
+        except OverrideParseException:
+            _print_quoted(arg)
+            sys.exit(2)
+
+
+def _print_quoted(arg: str) -> None:
+    key, value = arg.split("=", 1)
+    hydra_value = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    print(f"error: Hydra cannot read the override {arg!r}: its value holds characters of Hydra's "
+          f"override grammar. Quote the value for Hydra inside the shell's quotes: "
+          f"{shlex.quote(f'{key}={hydra_value}')}", file=sys.stderr)

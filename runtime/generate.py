@@ -9,9 +9,9 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from runtime.cli import (CONF_DIR, DEFAULT_MODEL, UsageError, check_model_node, check_spellings, clear_errors,
-                         default_model, engine_config, known_models, make_hal, model_source,  # noqa: F401
-                         register_schemas)
+from runtime.cli import (CONF_DIR, DEFAULT_MODEL, UsageError, check_model_node, check_quoting,
+                         check_spellings, clear_errors, default_model, engine_config, known_models,  # noqa: F401
+                         make_hal, model_source, register_schemas)  # noqa: F401
 from runtime.sampling_params import SamplingDefaults, SamplingParams
 
 log = logging.getLogger("runtime.generate")
@@ -160,6 +160,7 @@ def _main(cfg: DictConfig) -> None:
 
 def main() -> None:
     check_spellings(sys.argv[1:])
+    check_quoting(sys.argv[1:])
     _main()
 
 

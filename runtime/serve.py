@@ -18,8 +18,9 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from runtime.cli import (CONF_DIR, UsageError, check_model_node, check_port, check_spellings, clear_errors,
-                         engine_config, known_models, make_hal, model_source, register_schemas)
+from runtime.cli import (CONF_DIR, UsageError, check_model_node, check_port, check_quoting, check_spellings,
+                         clear_errors, engine_config, known_models, make_hal, model_source,
+                         register_schemas)
 from runtime.sampling_params import SamplingDefaults
 
 log = logging.getLogger("runtime.serve")
@@ -119,6 +120,7 @@ def _start(cfg: Any) -> Any:
 
 def main() -> None:
     check_spellings(sys.argv[1:])
+    check_quoting(sys.argv[1:])
     _main()
 
 

@@ -58,6 +58,10 @@ class LLMEngine(EngineRequests):
         for note in hal.speed_notes(self.config.kv_dtype not in ("auto", None), self.config.weights_dtype == "fp8"):
             log.warning("%s", note)
         # the context: the model's positions (or engine.max_model_len); a request ends there ("length")
+        if self.config.max_model_len is not None and self.config.max_model_len > model.max_seq_len:
+            raise ValueError(f"engine.max_model_len={self.config.max_model_len} is longer than the model's "
+                             f"{model.max_seq_len} positions (its max_position_embeddings): set "
+                             f"engine.max_model_len={model.max_seq_len} or less, or leave it out")
         self.context_len = min(self.config.max_model_len or model.max_seq_len, model.max_seq_len)
         self.max_model_len = self.context_len    # the longest request at the model's depth the cache holds
         self.max_loops = max(model.default_num_loops, 1)

@@ -220,9 +220,6 @@ def draw_initial_states(model: LoopedCausalLM, draws: Sequence[tuple[Any, int]],
     position), so they do not depend on the batch, the chunking or a recompute; an unseeded one's
     from its generator (the global RNG). Padding rows get zeros."""
     width = model.initial_state_width
-    if not torch.is_tensor(positions):
-        positions = torch.as_tensor(np.asarray(positions, dtype=np.int64))
-    positions = positions.reshape(-1)
     parts, start = [], 0
     for request, rows in draws:
         like = torch.zeros(1, rows, width, dtype=dtype, device=device)
@@ -230,8 +227,11 @@ def draw_initial_states(model: LoopedCausalLM, draws: Sequence[tuple[Any, int]],
             parts.append(like)
         else:
             seed, scale = request.params.seed, request.params.init_scale
-            noise = None if seed is None or scale == 0 else \
-                keyed_truncated_normals(seed, positions[start:start + rows].to(device), width)
+            noise = None
+            if seed is not None and scale != 0:
+                rows_at = positions.reshape(-1)[start:start + rows] if torch.is_tensor(positions) else \
+                    torch.as_tensor(np.asarray(positions, dtype=np.int64).reshape(-1)[start:start + rows])
+                noise = keyed_truncated_normals(seed, rows_at.to(device), width)
             parts.append(model.initial_state(like, scale, request.generator, noise=noise))
         start += rows
     return torch.cat(parts, dim=1)

@@ -54,6 +54,8 @@ def test_max_model_len_is_capped_to_the_cache_at_start(caplog):
     assert engine.max_model_len == 25 and "max_model_len capped from" in caplog.text
     with pytest.raises(ValueError, match=r"engine.max_model_len=100 does not fit.*engine.max_model_len=25"):
         LLMEngine(model, hal.get("cpu"), EngineConfig(block_size=4, num_kv_blocks=24, max_model_len=100))
+    with pytest.raises(ValueError, match=r"engine.max_model_len=100000 is longer than the model's 256 positions"):
+        LLMEngine(model, hal.get("cpu"), EngineConfig(max_model_len=100000))
     with pytest.raises(ValueError, match="nothing can run.*engine.num_kv_blocks"):
         LLMEngine(model, hal.get("cpu"), EngineConfig(block_size=4, num_kv_blocks=3))
     with pytest.raises(ValueError, match="num_loops=80 is above the limit of 64 loops"):

@@ -70,8 +70,8 @@ def test_request_larger_than_the_cache_is_rejected_alone():
     with pytest.raises(MemoryError, match="more than the whole cache"):
         s.add(make("big", 20, max_tokens=1))
     with pytest.raises(MemoryError, match="lower max_tokens"):       # the prompt fits, its answer would not
-        s.add(make("long answer", 3, max_tokens=6))
-    s.add(make("ok", 3, max_tokens=5))
+        s.add(make("long answer", 3, max_tokens=7))
+    s.add(make("ok", 3, max_tokens=6))          # 9 tokens: 8 of KV (the last is never computed), the whole cache
     assert len(s.waiting) == 1
 
 
