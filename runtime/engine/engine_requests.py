@@ -76,6 +76,8 @@ class EngineRequests:
             priority=params.priority if priority is None else int(priority),
             cache_salt=cache_salt(self.config.enable_prefix_caching, self.model.has_initial_state, params),
             num_speculative_tokens=num_speculative)
+        if params.prompt_logprobs is not None:   # one entry per prompt token, None for the first (as vLLM)
+            request.prompt_logprobs = [None] * len(request.prompt_token_ids)
         self.scheduler.add(request)          # MemoryError if it could never fit
         self.requests[request_id] = request
         if group is not None:

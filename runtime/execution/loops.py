@@ -8,6 +8,7 @@ tokens that did are reported in `exits`, so the runner can fill the planes they 
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Sequence
 
 import torch
@@ -43,8 +44,8 @@ def _first_reaching(hazards: list[torch.Tensor], threshold: torch.Tensor, min_lo
     # a row's last loop takes all remaining probability
     last = loops[None, :] == (num_loops[:, None] - 1)
     pdf = torch.where(last, reached, pdf)
-    ok = (torch.cumsum(pdf, dim=-1) >= threshold[:, None]) | last
-    ok &= loops[None, :] >= (min_loops[:, None] - 1)
+    # never before min_loops, always at the last loop (min_loops past num_loops: the last loop)
+    ok = ((torch.cumsum(pdf, dim=-1) >= threshold[:, None]) & (loops[None, :] >= min_loops[:, None] - 1)) | last
     first = torch.where(ok, loops[None, :], torch.full_like(ok, stacked.shape[-1], dtype=torch.long)).min(-1).values
     return torch.where(first < stacked.shape[-1], first, torch.full_like(first, -1))
 
@@ -60,7 +61,10 @@ def run_loops(model: LoopedCausalLM, state: torch.Tensor, ctx, plans: Sequence[S
     sample_rows = torch.tensor([plans[i].sample_row for i in sample_seqs], dtype=torch.long, device=device)
     gated = [i for i in sample_seqs if plans[i].exit_threshold < 1.0]
     assert not (gated and first_loop), "early exit needs the exit gate of every loop"
-    threshold = torch.tensor([plans[i].exit_threshold for i in sample_seqs], device=device)
+    # a row at threshold 1 runs all its loops (float32 rounding can bring its cumulative exit
+    # probability to 1.0 before the last loop), as the reference path computes no exit for it
+    threshold = torch.tensor([plans[i].exit_threshold if plans[i].exit_threshold < 1.0 else math.inf
+                              for i in sample_seqs], device=device)
     min_loops = torch.tensor([plans[i].min_loops for i in sample_seqs], device=device)
     num_loops = torch.tensor([plans[i].num_loops for i in sample_seqs], device=device)
 
@@ -118,6 +122,6 @@ def first_exit_step_bounded(pdf: torch.Tensor, threshold: torch.Tensor, min_loop
         return first_exit_step(pdf, float(threshold[0]))
     loops = torch.arange(pdf.shape[-1], device=pdf.device)
     last = loops[None, :] == (num_loops[:, None] - 1)
-    ok = ((torch.cumsum(pdf, dim=-1) >= threshold[:, None]) | last) & (loops[None, :] >= min_loops[:, None] - 1)
+    ok = ((torch.cumsum(pdf, dim=-1) >= threshold[:, None]) & (loops[None, :] >= min_loops[:, None] - 1)) | last
     ok &= loops[None, :] < num_loops[:, None]
     return ok.int().argmax(dim=-1)

@@ -13,6 +13,7 @@ from hal.common.kv_quant import fake_quantize
 from runtime.sampling_params import SamplingParams
 from runtime.execution.keyed_random import keyed_truncated_normals
 from runtime.execution.sampler import make_generator, sample_token
+from runtime.execution.loops import first_exit_step_bounded
 from zoo.base import LoopedCausalLM, exit_distribution, first_exit_step
 from zoo.context import PLAIN_OPS, BaseContext, ModelOps
 
@@ -57,8 +58,9 @@ class CachedContext(BaseContext):
 
 @torch.no_grad()
 def forward_step(model: LoopedCausalLM, ids: torch.Tensor, ctx: CachedContext, num_loops: int,
-                 exit_threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits `[T, V]` (float32) of the new tokens `ids: [T]` and the loops each one's logits came from."""
+                 exit_threshold: float, min_loops: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits `[T, V]` (float32) of the new tokens `ids: [T]` and the loops each one's logits came
+    from (with early exit, never before `min_loops`, and at the last loop where that is past it)."""
     state = model.prelude(ids[None], ctx)
     states, hazards = [], []
     for depth in range(num_loops):
@@ -68,7 +70,12 @@ def forward_step(model: LoopedCausalLM, ids: torch.Tensor, ctx: CachedContext, n
             states.append(state)
             hazards.append(hazard)
     if hazards:
-        exit_step = first_exit_step(exit_distribution(torch.stack(hazards, -1)), exit_threshold)[0]   # [T]
+        pdf = exit_distribution(torch.stack(hazards, -1))[0]                                     # [T, L]
+        if min_loops <= 1:
+            exit_step = first_exit_step(pdf, exit_threshold)                                      # [T]
+        else:
+            full = lambda value: torch.full((pdf.shape[0],), value, device=pdf.device)  # noqa: E731
+            exit_step = first_exit_step_bounded(pdf, full(exit_threshold), full(min_loops), full(num_loops))
         stacked = torch.stack(states)[:, 0]                                           # [S, T, X]
         state = stacked.gather(0, exit_step[None, :, None].expand(1, *stacked.shape[1:]))
         return model.coda(state, ctx)[0].float(), exit_step + 1
@@ -89,7 +96,7 @@ def generate_reference(model: LoopedCausalLM, prompt_ids: list[int], params: Sam
     position, out, loops = 0, [], []
     while True:
         ctx.begin_step(torch.arange(position, position + ids.shape[0], device=device)[None])
-        logits, exit_loops = forward_step(model, ids, ctx, num_loops, threshold)
+        logits, exit_loops = forward_step(model, ids, ctx, num_loops, threshold, params.min_loops)
         position += ids.shape[0]
         token = sample_token(logits[-1], params, prompt_ids, out, stops)
         out.append(token)

@@ -150,8 +150,10 @@ def pad(host: HostInputs, num_seqs: int, width: int, env: PassEnv) -> HostInputs
     first = pad_rows * width                                    # scratch slot of each padding row's first token
     starts = first % bs
     span = (width + bs - 1) // bs + 1                           # blocks a padding row's slots may cross
-    pad_tables = env.scratch_block + first[:, None] // bs + np.arange(span)[None, :]          # [pad, span]
     pad_lengths = (first + width - 1) // bs - first // bs + 1                                   # [pad]
+    pad_tables = env.scratch_block + first[:, None] // bs + np.arange(span)[None, :]          # [pad, span]
+    # entries past a row's blocks stay inside the scratch blocks (a kernel may read whole tables)
+    pad_tables = np.where(np.arange(span)[None, :] < pad_lengths[:, None], pad_tables, env.scratch_block)
     real = block_table_array(batch)                                                          # [P, n, B]
     width_blocks = max(real.shape[2], span)
     tables = np.zeros((num_planes, num_seqs, width_blocks), dtype=np.int32)

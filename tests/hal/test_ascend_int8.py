@@ -62,3 +62,23 @@ def test_int8_engine_equals_the_cpu_int8_engine(name, single_thread):
     assert tokens["ascend"] == tokens["cpu"]
     with pytest.raises(ValueError, match=r"Use one of those \(kv_dtype=int8 on Ascend\)"):
         LLMEngine(model, sim(), EngineConfig(kv_dtype="fp8", block_size=16))
+
+
+def test_int8_speculation_pads_its_verify_pass_inside_the_scratch_blocks(single_thread):
+    """A verify pass padded to its bucket gives its padding rows table entries; those past a row's
+    blocks pointed past the runner's scratch blocks, and the int8 prefill path reads whole tables
+    (IndexError). Now they stay in the scratch blocks, and the tokens are the simple path's."""
+    from runtime.config import SpeculativeConfig
+    from runtime.execution.reference import generate_reference
+
+    model = zoo.from_pretrained(golden_case("ouro-tiny").path, dtype="float32")
+    prompts = [[5, 9, 13, 17, 21], [7, 11, 15]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine = LLMEngine(model, sim(), EngineConfig(kv_dtype="int8", block_size=16, num_kv_blocks=16, max_num_seqs=2,
+                                                  graphs=False, max_num_batched_tokens=4,
+                                                  speculative=SpeculativeConfig(num_tokens=2, draft_loops=1)))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    outs = {o.request_id: o.token_ids for o in engine.run_until_done()}
+    assert [outs["0"], outs["1"]] == [generate_reference(model, p, params, kv_dtype=torch.int8)[0] for p in prompts]
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks

@@ -1,5 +1,6 @@
 """The engine (continuous batching, paged per-depth KV, packed and chunked prefill, early exit)
 gives exactly the simple path's tokens."""
+import dataclasses
 import json
 import random
 
@@ -234,3 +235,58 @@ def test_decode_graphs_give_the_same_tokens(seed):
         if graphs:
             assert engine.runner.graphs.captured, "no decode graph was used"
     assert results[True] == results[False]
+
+
+def _confident_ouro(bias: float):
+    """A small random Ouro with sharp weights and exit gates of bias `bias` (hazards near 1)."""
+    config = {"model_type": "ouro", "vocab_size": 61, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+              "total_ut_steps": 3, "max_position_embeddings": 128, "rope_theta": 10000.0, "eos_token_id": 0}
+    model = zoo.from_config(config, dtype="float32", seed=0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0 if p.dim() > 1 else 1.0)
+        model.model.early_exit_gate.bias.fill_(bias)
+    return model
+
+
+def _engine_outputs(model, prompts, params):
+    engine = LLMEngine(model, hal.get("cpu"), EngineConfig(block_size=4, num_kv_blocks=64))
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), prompt, p)
+    outs = {o.request_id: o for o in engine.run_until_done()}
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    return [outs[str(i)] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("bias", [8.0, 30.0])
+def test_threshold_one_runs_every_loop_beside_early_exit(bias):
+    """A request at exit_threshold=1 batched with an early-exit one: float32 rounding brought its
+    cumulative exit probability to 1.0 before its last loop, and its logits came from there."""
+    model = _confident_ouro(bias)
+    full = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, exit_threshold=1.0)
+    early = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, exit_threshold=0.5)
+    tokens, _, loops = generate_reference(model, [3, 5, 7, 9], full)
+    out = _engine_outputs(model, [[3, 5, 7, 9], [2, 4, 6]], [full, early])[0]
+    assert (out.token_ids, out.loops_per_token) == (tokens, loops) and loops == [3] * 4
+
+
+def test_min_loops_past_num_loops_takes_the_last_loop():
+    """"Never before min_loops": with num_loops=2 and min_loops=3 every token takes its last loop
+    (it took loop 1), in the engine and in the simple path."""
+    model = _confident_ouro(0.5)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, exit_threshold=0.5, num_loops=2,
+                            min_loops=3)
+    tokens, _, loops = generate_reference(model, [3, 5, 7, 9], params)
+    assert loops == [2] * 4
+    assert generate_reference(model, [3, 5, 7, 9], dataclasses.replace(params, exit_threshold=1.0))[0] == tokens
+    out = _engine_outputs(model, [[3, 5, 7, 9]], [params])[0]
+    assert (out.token_ids, out.loops_per_token) == (tokens, loops)
+
+
+def test_prompt_logprobs_of_a_one_token_prompt_is_one_none():
+    model = zoo.from_pretrained(golden_case("ouro-tiny").path, dtype="float32")
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    two, one = _engine_outputs(model, [[5, 9], [5]], [params, params])
+    assert len(two.prompt_logprobs) == 2 and two.prompt_logprobs[0] is None and two.prompt_logprobs[1] is not None
+    assert one.prompt_logprobs == [None]
