@@ -160,7 +160,8 @@ class LLM:
         reply with `<think>` (thinking checkpoints)."""
         if self.tokenizer is None:
             raise ValueError("chat needs the checkpoint's tokenizer.json and chat template")
-        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        messages = list(messages)                   # an iterator of messages or of conversations too
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         prompts = [apply_chat_template(self.tokenizer, conversation, enable_thinking=enable_thinking)
                    for conversation in conversations]
         return self.generate(prompts, sampling_params)

@@ -175,6 +175,9 @@ def test_vllm_prompt_forms_and_content_parts(tmp_path):
     with pytest.raises(TypeError, match="a prompt is a string, a list of token ids"):
         llm.generate([3.5], greedy)
 
+    turn = {"role": "user", "content": "Hi"}
+    assert llm.chat(iter([turn]), greedy)[0].token_ids == llm.chat([turn], greedy)[0].token_ids
+
     from runtime.text.chat import check_messages
     parts = [{"role": "user", "content": [{"type": "text", "text": "Hi, "}, {"type": "text", "text": "there"}]}]
     assert check_messages(parts)[0]["content"] == "Hi, there"
