@@ -51,8 +51,10 @@ def resolve_checkpoint(name_or_path: str | os.PathLike, cache_dir: str | os.Path
                               f"known: {', '.join(sorted(HUB_IDS))}; or pass model.path=/path/to/checkpoint")
     cached = _hub_cache_snapshot(repo_id, cache_dir)
     if cached is None:
+        # "org/name" is a hub id and a relative path alike: say which folder was looked for too
+        folder = "" if text.lower() in HUB_IDS else f" and there is no folder {str(path.resolve())!r}"
         raise CheckpointError(
-            f"model {text!r} ({repo_id}) is not in the local Hugging Face cache. Download it with\n"
+            f"model {text!r} ({repo_id}) is not in the local Hugging Face cache{folder}. Download it with\n"
             f"    huggingface-cli download {repo_id}\n"
             f"or pass model.path=/path/to/checkpoint (a folder with config.json and *.safetensors)")
     return cached

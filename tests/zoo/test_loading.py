@@ -123,3 +123,10 @@ def test_an_error_of_the_device_is_not_called_a_corrupt_file():
     with pytest.raises(Exception) as error:
         zoo.from_pretrained(golden_case("ouro-tiny").path, device="cuda")
     assert "corrupt" not in str(error.value) and "download the checkpoint again" not in str(error.value)
+
+
+def test_a_missing_relative_folder_is_named_beside_the_hub_id(tmp_path, monkeypatch):
+    """`ckpts/ouro` reads as a hub id and as a relative path: the error names the folder looked for."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match=f"no folder '{tmp_path}/ckpts/ouro'"):
+        resolve_checkpoint("ckpts/ouro", cache_dir=tmp_path / "hub")
