@@ -125,7 +125,12 @@ def from_pretrained(path_or_name: str | os.PathLike, dtype: torch.dtype | str | 
     dtype = as_dtype(dtype) or _checkpoint_dtype(cfg, folder)
     device = torch.device(device) if device is not None else torch.device("cpu")
     model = build_on_meta(cls, cfg)
-    is_fp8 = read_scheme(raw) is not None or FP8_STORED in stored_dtypes(folder).values()
+    kinds = stored_dtypes(folder)
+    other_fp8 = sorted(n for n, kind in kinds.items() if kind.startswith("F8_") and kind != FP8_STORED)
+    if other_fp8:        # their scales would be ignored: refuse rather than load wrong weights
+        raise CheckpointError(f"{folder} stores {kinds[other_fp8[0]]} tensors ({', '.join(other_fp8[:3])}): only "
+                              f"F8_E4M3 (e4m3fn) FP8 weights load; convert the checkpoint or use its bf16 release")
+    is_fp8 = read_scheme(raw) is not None or FP8_STORED in kinds.values()
     if tp_size > 1 and (is_fp8 or weights_dtype == "fp8"):
         raise ValueError("FP8 weights are not implemented with tensor parallelism (the row-parallel "
                          "linears would stay unquantized); load the bf16 checkpoint with weights_dtype=auto "

@@ -210,3 +210,16 @@ def test_block_scales_with_as_many_values_as_rows_are_block_scales(tmp_path, sin
         linear = loaded.get_submodule(module)
         got = linear.weight.float() * linear.weight_scale[:, None]
         assert ((got - weight).abs().max() / weight.abs().max()).item() < 0.07, module     # one more e4m3 rounding
+
+
+def test_fp8_tensors_other_than_e4m3_are_refused(tmp_path):
+    """An e5m2 weight's scale would be ignored by the e4m3 loader: refused, naming the format."""
+    case = golden_case("ouro-tiny")
+    state = load_file(str(case.path / "model.safetensors"))
+    name = next(n for n in state if n.endswith("down_proj.weight"))
+    state[name] = state[name].to(torch.float8_e5m2)
+    state[name[:-len("weight")] + "weight_scale"] = torch.ones(state[name].shape[0], 1)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((case.path / "config.json").read_text())
+    with pytest.raises(zoo.CheckpointError, match="stores F8_E5M2 tensors"):
+        zoo.from_pretrained(tmp_path)
