@@ -217,7 +217,7 @@ class Scheduler(RequestQueues):
         # a victim already scheduled this step (priority admission) gives its place back
         for item in [s for s in self._scheduled if s.request is request]:
             self._scheduled.remove(item)
-            self._budget += item.num_new_tokens
+            self._budget += item.num_new_tokens + item.num_draft_tokens
 
     # ----- after a step ---------------------------------------------------------------------
     def advance(self, scheduled: list[ScheduledRequest]) -> None:
