@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from runtime.engine.outputs import TokenLogprobs
 from runtime.server.text import TextStream
+from runtime.text.detokenizer import IncrementalDetokenizer
 from runtime.text.tokenizer import Tokenizer
 
 # the OpenAI finish reason of a request the server stopped (shutdown): the stream also gets an error
@@ -29,7 +30,8 @@ class Choice:
     prefix: str = ""                     # echo: the prompt's text, sent before the answer
     prompt_ids: list[int] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None   # echo with logprobs
-    offset: int = 0                      # logprobs' text_offset of the next token
+    offset_ids: list[int] = dataclasses.field(default_factory=list)   # tokens given a text_offset so far
+    offset_text: Any = None              # their text (an IncrementalDetokenizer), for text_offset
     num_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
@@ -107,26 +109,46 @@ def _completion_logprobs(tokenizer: Tokenizer | None, choice: Choice, logprobs: 
     """OpenAI's completions shape: parallel lists of tokens, their logprobs, the top logprobs as
     {token text: logprob} and each token's character offset in the returned text; with echo the
     prompt's tokens come first (the first one has no logprob: nothing predicts it)."""
-    entries: list[tuple[int, TokenLogprobs | None]] = []
-    if with_prompt and choice.prefix and choice.prompt_logprobs is not None:
-        entries = list(zip(choice.prompt_ids, choice.prompt_logprobs))
-    entries += [(lp.token_id, lp) for lp in logprobs]
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for token_id, lp in entries:
-        token = _token_text(tokenizer, token_id)
-        out["tokens"].append(token)
+
+    def add(token_id: int, lp: TokenLogprobs | None, offset: int) -> None:
+        out["tokens"].append(_token_text(tokenizer, token_id))
         out["token_logprobs"].append(lp.logprob if lp else None)
         out["top_logprobs"].append({_token_text(tokenizer, t): v for t, v in lp.top} if lp else None)
-        out["text_offset"].append(choice.offset)
-        choice.offset += len(token)
+        out["text_offset"].append(offset)
+
+    if with_prompt and choice.prefix and choice.prompt_logprobs is not None:
+        prompt = _Offsets(tokenizer, skip_special_tokens=False)      # the prompt's text as given
+        for token_id, lp in zip(choice.prompt_ids, choice.prompt_logprobs):
+            add(token_id, lp, prompt.next(token_id))
+    if choice.offset_text is None:
+        choice.offset_text = _Offsets(tokenizer, len(choice.prefix))
+    for lp in logprobs:
+        add(lp.token_id, lp, choice.offset_text.next(lp.token_id))
     return out
+
+
+class _Offsets:
+    """Each token's character offset in a text: where the text of the tokens before it ends (a
+    character split over byte tokens starts where its first byte token is), from `base` on."""
+
+    def __init__(self, tokenizer: Tokenizer | None, base: int = 0, skip_special_tokens: bool = True) -> None:
+        self.tokenizer, self.base, self.ids, self.length = tokenizer, base, [], 0
+        self.text = IncrementalDetokenizer(tokenizer, skip_special_tokens) if tokenizer else None
+
+    def next(self, token_id: int) -> int:
+        offset = self.base + (len(self.text.update(self.ids)) if self.text is not None and self.ids else self.length)
+        self.ids.append(token_id)
+        self.length += len(_token_text(self.tokenizer, token_id))
+        return offset
 
 
 def _chat_logprobs(tokenizer: Tokenizer | None, logprobs: list[TokenLogprobs]) -> dict[str, Any]:
     """OpenAI's chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
     def entry(token_id: int, value: float) -> dict[str, Any]:
         text = _token_text(tokenizer, token_id)
-        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+        raw = tokenizer.token_bytes(token_id) if tokenizer is not None else text.encode("utf-8")
+        return {"token": text, "logprob": value, "bytes": list(raw)}
     return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
                         for lp in logprobs]}
 

@@ -55,16 +55,20 @@ class Sink:
     loop: asyncio.AbstractEventLoop
     arrival_time: float
     num_prompt_tokens: int
-    num_tokens_seen: int = 0
-    last_token_time: float = 0.0
+    tokens_seen: dict[int, int] = dataclasses.field(default_factory=dict)        # sample -> tokens counted
+    last_token_time: dict[int, float] = dataclasses.field(default_factory=dict)  # sample -> when
 
     def record_tokens(self, out: RequestOutput, now: float, metrics: ServerMetrics) -> None:
-        for loops in out.loops_per_token[self.num_tokens_seen:]:
-            is_first = self.num_tokens_seen == 0
-            gap_s = now - (self.arrival_time if is_first else self.last_token_time)
-            metrics.on_token(gap_s, loops, is_first)
-            self.num_tokens_seen += 1
-        self.last_token_time = now
+        """Every sample's new tokens (n > 1: each sample's own; the request's first token once)."""
+        for sample in out.outputs:
+            seen = self.tokens_seen.get(sample.index, 0)
+            for loops in sample.loops_per_token[seen:]:
+                is_first = not self.tokens_seen
+                last = self.last_token_time.get(sample.index, self.arrival_time)
+                metrics.on_token(now - last, loops, is_first)
+                seen += 1
+                self.tokens_seen[sample.index] = seen
+                self.last_token_time[sample.index] = now
 
 
 class AddCommand(NamedTuple):

@@ -65,6 +65,8 @@ class Generation(RequestInputs):
                     for choice in mine:
                         choice.prompt_logprobs = out.prompt_logprobs
                 for sample in out.outputs:
+                    if sample.index >= len(mine):
+                        continue                    # best_of > n, cut off before the n best were chosen
                     choice = mine[sample.index]
                     if choice.finish_reason:
                         continue                    # the other samples' later outputs

@@ -2,8 +2,10 @@
 with the special tokens and chat template of tokenizer_config.json."""
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -79,6 +81,39 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (the logprobs' `bytes`): a byte-fallback token's one byte, a
+        byte-level BPE token's bytes (GPT-2's byte-to-character map undone), else the UTF-8 of its
+        text. Decoding a lone byte of a multi-byte character gives U+FFFD, so text cannot say it."""
+        piece = self.backend.id_to_token(token_id) if self.backend is not None else None
+        if piece is not None:
+            byte = _BYTE_TOKEN.fullmatch(piece)
+            if byte:
+                return bytes([int(byte.group(1), 16)])
+            if type(getattr(self.backend, "decoder", None)).__name__ == "ByteLevel":
+                table = _bytes_of_chars()
+                if all(ch in table for ch in piece):
+                    return bytes(table[ch] for ch in piece)
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.lru_cache(maxsize=1)
+def _bytes_of_chars() -> dict[str, int]:
+    """Byte-level BPE's character -> byte: printable bytes stand for themselves, the others for
+    characters from U+0100 on, in byte order (GPT-2's `bytes_to_unicode`)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -188,6 +188,39 @@ def test_shutdown_aborts_what_outlives_the_grace_period(make_engine, live_server
     assert count(app, "abort") == 1
 
 
+def test_a_best_of_request_cut_off_at_shutdown_gets_503(make_engine, live_server):
+    """Aborted before its best samples were chosen, a best_of > n request reports every sample; the
+    server took the extra ones for choices that do not exist (500 IndexError)."""
+    engine = make_engine()
+    server = live_server(build_app(engine, ServerConfig(model_name="tiny")), shutdown_timeout_s=0.3)
+    result = {}
+
+    def send():
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            result["response"] = http.post("/v1/completions", json=completion(
+                **{**LONG, "temperature": 1.0}, seed=0, n=1, best_of=3))
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    wait_until(lambda: server.loop.state.num_running > 0, what="the request to run")
+    server.stop()
+    sender.join(60)
+    response = result["response"]
+    assert response.status_code == 503 and response.json()["error"]["code"] == "shutting_down", response.text
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_generated_tokens_count_every_sample(make_engine, live_server):
+    engine = make_engine()
+    app = build_app(engine, ServerConfig(model_name="tiny"))
+    server = live_server(app)
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        body = http.post("/v1/completions", json=completion(max_tokens=10, n=3, temperature=1.0, seed=1,
+                                                            ignore_eos=True)).json()
+    generated = app.state.metrics.registry.get_sample_value("loopstack_generation_tokens_total")
+    assert generated == body["usage"]["completion_tokens"] == 30
+
+
 def _accepts_connections(port: int) -> bool:
     try:
         socket.create_connection(("127.0.0.1", port), timeout=1).close()

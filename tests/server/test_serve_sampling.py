@@ -134,6 +134,26 @@ def test_stop_strings_follow_the_offline_engine(client, offline):
         assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text, case
 
 
+def test_logprobs_bytes_and_offsets_of_split_characters(client, tokenizer):
+    """A character split over byte tokens: each token's `bytes` are its own byte (not U+FFFD's), and
+    every completions `text_offset` indexes the returned text (they were one past per such character)."""
+    from pathlib import Path
+
+    import zoo
+    from runtime.text.tokenizer import Tokenizer
+
+    c3, a9 = tokenizer.token_id("<0xC3>"), tokenizer.token_id("<0xA9>")
+    assert (tokenizer.token_bytes(c3), tokenizer.token_bytes(a9)) == (b"\xc3", b"\xa9")
+    byte_level = Tokenizer.from_folder(Path(zoo.__file__).parent / "checkpoints" / "ouro-tiny")
+    ids = byte_level.encode("café 🙂 x")
+    assert b"".join(byte_level.token_bytes(i) for i in ids).decode() == "café 🙂 x"
+    out = client.completions.create(model="tiny", prompt="café au lait", echo=True, max_tokens=3, temperature=0,
+                                    logprobs=0)
+    text, lp = out.choices[0].text, out.choices[0].logprobs
+    placed = [(t, o) for t, o in zip(lp.tokens, lp.text_offset) if "\ufffd" not in t]
+    assert len(placed) > 3 and all(text[o:o + len(t)] == t for t, o in placed), (text, lp.tokens, lp.text_offset)
+
+
 def test_tokenizer_endpoints(server, tokenizer):
     with httpx.Client(base_url=server.url, timeout=60) as http:
         ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
