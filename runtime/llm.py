@@ -77,21 +77,16 @@ class LLM:
         `{"prompt": text}` and `{"prompt_token_ids": ids}`."""
         if isinstance(prompt, Mapping):
             keys = set(prompt)
-            if keys == {"prompt"}:
-                prompt = prompt["prompt"]
-            elif keys == {"prompt_token_ids"} or keys == {"prompt_token_ids", "prompt"}:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-            else:
+            if "prompt_token_ids" in keys and keys <= {"prompt_token_ids", "prompt"}:
+                return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
+            if keys != {"prompt"}:
                 raise TypeError(f"a prompt dict takes 'prompt' (text) or 'prompt_token_ids', got keys {sorted(keys)}")
+            prompt = prompt["prompt"]
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer.json: pass token ids (prompt_ids) instead of text")
             return prompt, self.tokenizer.encode(prompt)
-        try:
-            return None, [operator.index(t) for t in prompt]
-        except TypeError:
-            raise TypeError(f"a prompt is a string, a list of token ids or a dict with 'prompt' or "
-                            f"'prompt_token_ids', got {type(prompt).__name__}: {str(prompt)[:80]}") from None
+        return None, _token_ids(prompt)
 
     def _add(self, prompt: Prompt, params: SamplingParams) -> str:
         text, ids = self.encode(prompt)
@@ -188,6 +183,14 @@ def follow(model: str | os.PathLike | LoopedCausalLM, hal: str | Hal, dtype: tor
     loaded, _ = load_model(model, hal, dtype, parallel)
     with torch.inference_mode():
         Follower(loaded, hal, parallel.channel).run()
+
+
+def _token_ids(prompt: Any) -> list[int]:
+    try:
+        return [operator.index(t) for t in prompt]
+    except TypeError:
+        raise TypeError(f"a prompt is a string, a list of token ids or a dict with 'prompt' or "
+                        f"'prompt_token_ids', got {type(prompt).__name__}: {str(prompt)[:80]}") from None
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

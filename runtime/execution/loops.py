@@ -31,6 +31,14 @@ class LoopResult(NamedTuple):
     exits: list[tuple[int, int]]            # (sequence, loop) of tokens that stopped before their last loop
 
 
+def _may_exit(pdf: torch.Tensor, loops: torch.Tensor, threshold: torch.Tensor, min_loops: torch.Tensor,
+              last: torch.Tensor) -> torch.Tensor:
+    """`[R, L]`: where a row's logits may come from: its cumulative exit probability reached its
+    threshold and not before `min_loops`, or its last loop (also where min_loops is past it)."""
+    reached = torch.cumsum(pdf, dim=-1) >= threshold[:, None]
+    return (reached & (loops[None, :] >= min_loops[:, None] - 1)) | last
+
+
 def _first_reaching(hazards: list[torch.Tensor], threshold: torch.Tensor, min_loops: torch.Tensor,
                     num_loops: torch.Tensor) -> torch.Tensor:
     """Per row, the first loop (0-based) whose cumulative exit probability reaches its threshold,
@@ -44,8 +52,7 @@ def _first_reaching(hazards: list[torch.Tensor], threshold: torch.Tensor, min_lo
     # a row's last loop takes all remaining probability
     last = loops[None, :] == (num_loops[:, None] - 1)
     pdf = torch.where(last, reached, pdf)
-    # never before min_loops, always at the last loop (min_loops past num_loops: the last loop)
-    ok = ((torch.cumsum(pdf, dim=-1) >= threshold[:, None]) & (loops[None, :] >= min_loops[:, None] - 1)) | last
+    ok = _may_exit(pdf, loops, threshold, min_loops, last)
     first = torch.where(ok, loops[None, :], torch.full_like(ok, stacked.shape[-1], dtype=torch.long)).min(-1).values
     return torch.where(first < stacked.shape[-1], first, torch.full_like(first, -1))
 
@@ -122,6 +129,5 @@ def first_exit_step_bounded(pdf: torch.Tensor, threshold: torch.Tensor, min_loop
         return first_exit_step(pdf, float(threshold[0]))
     loops = torch.arange(pdf.shape[-1], device=pdf.device)
     last = loops[None, :] == (num_loops[:, None] - 1)
-    ok = ((torch.cumsum(pdf, dim=-1) >= threshold[:, None]) & (loops[None, :] >= min_loops[:, None] - 1)) | last
-    ok &= loops[None, :] < num_loops[:, None]
+    ok = _may_exit(pdf, loops, threshold, min_loops, last) & (loops[None, :] < num_loops[:, None])
     return ok.int().argmax(dim=-1)

@@ -30,8 +30,7 @@ class Choice:
     prefix: str = ""                     # echo: the prompt's text, sent before the answer
     prompt_ids: list[int] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None   # echo with logprobs
-    offset_ids: list[int] = dataclasses.field(default_factory=list)   # tokens given a text_offset so far
-    offset_text: Any = None              # their text (an IncrementalDetokenizer), for text_offset
+    offset_text: Any = None              # the answer's tokens given a text_offset so far (`_Offsets`)
     num_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
@@ -133,13 +132,16 @@ class _Offsets:
     character split over byte tokens starts where its first byte token is), from `base` on."""
 
     def __init__(self, tokenizer: Tokenizer | None, base: int = 0, skip_special_tokens: bool = True) -> None:
-        self.tokenizer, self.base, self.ids, self.length = tokenizer, base, [], 0
+        self.base, self.ids, self.length = base, [], 0     # `length`: without a tokenizer, of "<id>" texts
         self.text = IncrementalDetokenizer(tokenizer, skip_special_tokens) if tokenizer else None
 
     def next(self, token_id: int) -> int:
-        offset = self.base + (len(self.text.update(self.ids)) if self.text is not None and self.ids else self.length)
+        if self.text is None:
+            offset = self.base + self.length
+            self.length += len(_token_text(None, token_id))
+            return offset
+        offset = self.base + (len(self.text.update(self.ids)) if self.ids else 0)
         self.ids.append(token_id)
-        self.length += len(_token_text(self.tokenizer, token_id))
         return offset
 
 

@@ -17,7 +17,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class ServerMetrics:
     def __init__(self) -> None:
         self.registry = registry = CollectorRegistry()
-        self.requests = Counter("loopstack_requests", "Finished engine requests (one per prompt; its n choices together)",
+        self.requests = Counter("loopstack_requests",
+                                "Finished engine requests (one per prompt; its n choices together)",
                                 ["finish_reason"], registry=registry)
         self.rejected = Counter("loopstack_rejected_requests", "API requests answered with an error",
                                 ["reason"], registry=registry)

@@ -2,8 +2,9 @@
 
 Fields follow the OpenAI API, plus the looped-model extras `num_loops` / `exit_threshold` and
 vLLM's `top_k`, `min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
-`include_stop_str_in_output`, `chat_template_kwargs`. Unknown fields are rejected (a typo such as `num_loop` must not be silently
-ignored); OpenAI fields we do not implement (`suffix`, `tools`) are accepted only at their neutral value.
+`include_stop_str_in_output`, `chat_template_kwargs`. Unknown fields are rejected (a typo such as
+`num_loop` must not be silently ignored); OpenAI fields we do not implement (`suffix`, `tools`) are
+accepted only at their neutral value.
 """
 from __future__ import annotations
 
