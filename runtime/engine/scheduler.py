@@ -55,7 +55,9 @@ class Scheduler(RequestQueues):
         # running requests: decodes first, then continuing prefill chunks (by priority first)
         order = (lambda r: (r.priority, r.is_prefill, r.arrival_seq)) if self.config.policy == "priority" \
             else (lambda r: r.is_prefill)
-        for request in sorted(self.running, key=order):
+        running = sorted(self.running, key=order)
+        reserves = self._draft_reserves(running)
+        for i, request in enumerate(running):
             if request.status != RequestStatus.RUNNING:
                 continue                     # preempted earlier in this step
             if request.is_length_capped:     # async: it ends once its last token is read; never a victim
@@ -65,10 +67,10 @@ class Scheduler(RequestQueues):
             if request.wave_chunks or (num_tokens and self._wants_wave(request, num_tokens)):
                 self._schedule_wave(request, num_tokens, done)
             elif num_tokens:
-                num_drafts = self._num_drafts(request, self._budget - num_tokens)
+                num_drafts = self._num_drafts(request, self._budget - num_tokens, reserves[i])
                 if self._grow(request, request.num_computed_tokens + num_tokens, done):
                     if num_drafts:                  # room for the drafts' KV; fewer drafts rather than a preemption
-                        num_drafts = self._num_drafts(request, self._budget - num_tokens)
+                        num_drafts = self._num_drafts(request, self._budget - num_tokens, reserves[i])
                         self.blocks.allocate(request.request_id, request.num_planes,
                                              request.num_computed_tokens + num_tokens + num_drafts)
                     self._add(ScheduledRequest(request, num_tokens, num_draft_tokens=num_drafts))
@@ -127,15 +129,30 @@ class Scheduler(RequestQueues):
         self._scheduled.append(item)
         self._budget -= item.num_new_tokens + item.num_draft_tokens
 
-    def _num_drafts(self, request: Request, budget: int) -> int:
+    def _num_drafts(self, request: Request, budget: int, reserve: int) -> int:
         """Draft tokens for a decoding request: as many as its settings, the budget and the free
-        blocks allow (fewer drafts rather than a preemption; 0 = a plain decode)."""
+        blocks less `reserve` allow (fewer drafts rather than a preemption; 0 = a plain decode)."""
         num_drafts = min(request.max_draft_tokens, max(budget, 0))
         total = request.num_computed_tokens + 1
         while num_drafts and not self.blocks.can_allocate(request.request_id, request.num_planes,
-                                                          total + num_drafts):
+                                                          total + num_drafts, reserve=reserve):
             num_drafts -= 1
         return num_drafts
+
+    def _draft_reserves(self, running: list[Request]) -> list[int]:
+        """Per running request (in scheduling order), the blocks the requests after it need for this
+        step's plain tokens: drafts come out of what is left, so one request's drafts never get a
+        later one preempted. Zeros (no work) when no request drafts."""
+        if not any(r.max_draft_tokens for r in running):
+            return [0] * len(running)
+        needs = [0 if r.status != RequestStatus.RUNNING or r.is_length_capped else self.blocks.num_blocks_needed(
+            r.request_id, r.num_planes, r.num_computed_tokens + min(r.num_uncomputed_tokens, self._budget))
+            for r in running]
+        reserves, after = [0] * len(running), 0
+        for i in range(len(running) - 1, -1, -1):
+            reserves[i] = after
+            after += needs[i]
+        return reserves
 
     def _prefix_hit(self, request: Request) -> PrefixHit:
         if self.prefix is None or request.cache_salt is None or request.num_computed_tokens:

@@ -240,8 +240,9 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     flat = logits.reshape(-1, logits.shape[-1])
     rows = flat.shape[0]
     full = lambda value, dtype: torch.full((rows,), value, dtype=dtype, device=logits.device)  # noqa: E731
+    vocab = logits.shape[-1]
     probs = probabilities(flat, full(params.temperature or 1.0, torch.float32), full(params.top_k, torch.long),
-                          full(params.top_p, torch.float32))
+                          full(params.top_p, torch.float32), 0 < params.top_k < vocab, params.top_p < 1.0)
     return probs.reshape(logits.shape)
 
 

@@ -4,7 +4,14 @@ decoding.
 Greedy: the longest prefix of drafted tokens that equal the target's argmax at their position, then
 the target's argmax after that prefix; the output is the target's greedy output, token for token.
 
-Sampling: rejection sampling (Leviathan et al. 2023, Chen et al. 2023). Draft token x drawn from the
+Seeded sampling: the plain sampler draws a seeded request's token as argmax(p / E), E Exp(1) noise
+keyed by (seed, position, token) (runtime/execution/keyed_random.py). The round draws the target's
+token after each prefix the same way and keeps the drafts equal to them, as greedy does; the draft
+drew with the same noise on its own distribution, so it agrees wherever the two are close. A seeded
+request's tokens are then the tokens it samples without speculation, whatever the load and however
+the rounds were cut.
+
+Unseeded sampling: rejection sampling (Leviathan et al. 2023, Chen et al. 2023). Draft token x drawn from the
 draft distribution q is kept with probability min(1, p(x) / q(x)), p the target distribution; at
 the first rejection the token is drawn from the residual max(0, p - q) (normalised); when every
 draft is kept, one more token is drawn from p. Each committed token is then distributed exactly as
@@ -57,6 +64,17 @@ def sample_with_uniform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # u * total may round up to total; the largest float below it still lands on a positive token
     target = torch.minimum(u.float()[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
+
+
+def coupled_tokens(probs: torch.Tensor, seeds: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+    """`[R]` int64: row r's token argmax(probs[r] / E), E the plain sampler's keyed Exp(1) noise at
+    (seeds[r], positions[r]) (`runtime.execution.sampler.sample` on a seeded row draws the same)."""
+    from runtime.execution.keyed_random import keyed_exponentials
+
+    device = probs.device
+    noise = keyed_exponentials(torch.tensor(list(seeds), dtype=torch.long).to(device),
+                               torch.tensor(list(positions), dtype=torch.long).to(device), probs.shape[-1])
+    return (probs.float() / noise).argmax(dim=-1)
 
 
 def accept_greedy(draft_tokens: Sequence[int], target_tokens: Sequence[int]) -> int:
@@ -112,8 +130,20 @@ def judge_round(draft, logits: torch.Tensor) -> RoundVerdict:
     offsets = [0]
     for k in draft.num_drafts:
         offsets.append(offsets[-1] + k + 1)
-    sampled = [b for b, r in enumerate(draft.requests) if not r.params.is_greedy]
-    parts = [draft.tokens.flatten(), logits.argmax(-1)]
+    sampled = [b for b, r in enumerate(draft.requests) if not r.params.is_greedy and r.params.seed is None]
+    seeded = [b for b, r in enumerate(draft.requests) if not r.params.is_greedy and r.params.seed is not None]
+    targets_of = logits.argmax(-1)
+    if seeded:                              # their targets are the keyed draws, not the argmax
+        targets_of = targets_of.clone()
+        rows = [offsets[b] + j for b in seeded for j in range(draft.num_drafts[b] + 1)]
+        from runtime.execution.sampler import filtered_probs
+
+        probs = torch.cat([filtered_probs(logits[offsets[b]:offsets[b + 1]], draft.requests[b].params)
+                           for b in seeded])
+        positions = [draft.starts[b] + j + 1 for b in seeded for j in range(draft.num_drafts[b] + 1)]
+        seeds = [draft.requests[b].params.seed for b in seeded for _ in range(draft.num_drafts[b] + 1)]
+        targets_of[_long(rows, logits.device)] = coupled_tokens(probs, seeds, positions)
+    parts = [draft.tokens.flatten(), targets_of]
     if draft.guess is not None:
         parts.append(draft.guess)
     if sampled:
@@ -131,7 +161,7 @@ def judge_round(draft, logits: torch.Tensor) -> RoundVerdict:
         target = targets[offsets[b]:offsets[b] + k + 1]
         num_accepted[b] = accept_greedy(drafts[b], target)
         finals[b] = target[num_accepted[b]]
-    for i, b in enumerate(sampled):                         # sampling requests: rejection sampling instead
+    for i, b in enumerate(sampled):                         # unseeded sampling: rejection sampling instead
         num_accepted[b], finals[b] = host[at + i], host[at + len(sampled) + i]
     return RoundVerdict(drafts, num_accepted, finals, guesses)
 

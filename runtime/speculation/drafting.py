@@ -15,7 +15,7 @@ import torch
 
 from runtime.execution.sampler import filtered_probs
 from runtime.execution.step_inputs import SeqSlice, describe, place
-from runtime.speculation.acceptance import DRAFT, keyed_uniforms, sample_with_uniform
+from runtime.speculation.acceptance import DRAFT, coupled_tokens, keyed_uniforms, sample_with_uniform
 
 
 class DraftBatch(NamedTuple):
@@ -155,15 +155,26 @@ def round_program(model, draft_loops: int, num_loops: int, num_drafts: int, buck
 
 def pick_tokens(logits: torch.Tensor, requests: list, positions: list[int]
                 ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
-    """Draft tokens `[H]` from `logits: [H, V]`; also the rows that sampled and their distributions `[S, V]`."""
+    """Draft tokens `[H]` from `logits: [H, V]`; also the rows that sampled and their distributions `[S, V]`.
+    A seeded request drafts with the plain sampler's noise at the position (`coupled_tokens`), so its
+    drafts are the tokens its target will sample whenever the two distributions agree enough."""
     picked = logits.argmax(-1)
     sampled = [i for i, r in enumerate(requests) if not r.params.is_greedy]
     if not sampled:
         return picked, sampled, None
     dist = torch.stack([filtered_probs(logits[i], requests[i].params) for i in sampled])
-    u = keyed_uniforms([requests[i].speculation.seed for i in sampled], [[positions[i]] for i in sampled],
-                       DRAFT, logits.device)[:, 0]
-    picked[_long(sampled, logits.device)] = sample_with_uniform(dist, u)
+    seeded = [s for s, i in enumerate(sampled) if requests[i].params.seed is not None]
+    unseeded = [s for s, i in enumerate(sampled) if requests[i].params.seed is None]
+    if unseeded:
+        u = keyed_uniforms([requests[sampled[s]].speculation.seed for s in unseeded],
+                           [[positions[sampled[s]]] for s in unseeded], DRAFT, logits.device)[:, 0]
+        rows = _long(unseeded, logits.device)
+        picked[_long([sampled[s] for s in unseeded], logits.device)] = sample_with_uniform(dist.index_select(0, rows), u)
+    if seeded:
+        rows = _long(seeded, logits.device)
+        picked[_long([sampled[s] for s in seeded], logits.device)] = coupled_tokens(
+            dist.index_select(0, rows), [requests[sampled[s]].params.seed for s in seeded],
+            [positions[sampled[s]] for s in seeded])
     return picked, sampled, dist
 
 

@@ -262,6 +262,54 @@ def test_scheduler_budgets_k_plus_one_and_drafts_less_rather_than_preempt():
     assert c.max_draft_tokens == 0
 
 
+def test_one_requests_drafts_never_get_a_later_request_preempted():
+    """Drafts take blocks only after every running request's plain token has its own: here a's
+    four drafts would take the two free blocks that b's next token needs (b was preempted for them)."""
+    def decoding(rid, prompt):
+        return Request(rid, prompt, SamplingParams(max_tokens=8), num_loops=2, exit_threshold=1.0, num_planes=2,
+                       num_speculative_tokens=4)
+
+    bm = BlockManager(num_blocks=6, block_size=4)
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16), bm)
+    a, b = decoding("a", [1, 2, 3]), decoding("b", [1, 2, 3, 4])
+    for r in (a, b):
+        s.add(r)
+    s.schedule()                                             # one block per plane each: 2 of 6 left
+    for r in (a, b):
+        r.num_computed_tokens = len(r.prompt_token_ids)
+        r.append_token(9, 2)
+    out = s.schedule()                                       # a's token at 3 (its block), b's at 4 (new blocks)
+    assert not out.preempted
+    assert [(i.request.request_id, i.num_tokens, i.num_draft_tokens) for i in out.scheduled] == \
+           [("a", 1, 0), ("b", 1, 3)]                       # b's drafts 5..7 share its new block
+    assert bm.num_free_blocks == 0
+    bm.check_invariants()
+
+
+def test_seeded_sampling_gives_the_tokens_of_no_speculation_under_any_load():
+    """A seeded request's round draws the target's tokens with the plain sampler's keyed noise and
+    keeps the drafts equal to them, so speculation changes none of its tokens, alone or beside other
+    requests (whose budget changes how its rounds are cut). Rejection sampling gave other tokens
+    under load: the position of each draw depended on the cut."""
+    rng = random.Random(1)
+    model = damp_loops(random_ouro(rng, 1), 0.3)
+    vocab = model.config.vocab_size
+    target = [3, 4, 5, 6]
+    seeded = [SamplingParams(max_tokens=30, temperature=1.0, seed=1234, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0.7, top_p=0.9, top_k=20, seed=7, ignore_eos=True)]
+    others = [[rng.randrange(1, vocab) for _ in range(5)] for _ in range(3)]
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    for params in seeded:
+        runs = {}
+        for k in (0, 4):
+            for load in (False, True):
+                engine = LLMEngine(model, hal.get("cpu"), EngineConfig(
+                    speculative=SpeculativeConfig(k, 1), max_num_batched_tokens=8, max_num_seqs=4))
+                prompts = (others if load else []) + [target]
+                runs[k, load] = run_engine(engine, prompts, ([greedy] * 3 if load else []) + [params], 0)[-1].token_ids
+        assert runs[0, False] == runs[0, True] == runs[4, False] == runs[4, True], runs
+
+
 def test_bad_configurations_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="kv_mode=full or last_exited"):
         EngineConfig(kv_mode="shared", speculative=dict(num_tokens=2))
@@ -319,13 +367,15 @@ def test_rejection_sampling_gives_the_target_distribution():
     assert accept_greedy([4, 5, 6], [4, 5, 7, 8]) == 2 and accept_greedy([1], [2, 3]) == 0
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_engine_sampling_follows_the_target_distribution(mode):
-    """End to end on a 4-token vocabulary: the first three generated tokens of many seeded requests
+@pytest.mark.parametrize("mode,seeded", [("sync", False), ("async", False), ("sync", True)])
+def test_engine_sampling_follows_the_target_distribution(mode, seeded):
+    """End to end on a 4-token vocabulary: the first three generated tokens of many requests
     against their exact joint distribution under the target (full depth, top-p filtered), by
-    chi-square over the 64 cells. Tokens 2 and 3 come from speculation rounds (kept drafts,
-    residual draws and bonus tokens); the drafts' own distribution differs enough that always
-    accepting, or skipping the residual, fails this test."""
+    chi-square over the 64 cells. Tokens 2 and 3 come from speculation rounds: unseeded, by
+    rejection sampling (kept drafts, residual draws and bonus tokens; the drafts' own distribution
+    differs enough that always accepting, or skipping the residual, fails this test); seeded, by
+    the target's keyed draws that the drafts must equal."""
+    torch.manual_seed(0)                   # unseeded requests draw from the global RNG
     config = {"model_type": "ouro", "vocab_size": 4, "hidden_size": 32, "intermediate_size": 48,
               "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
               "total_ut_steps": 3, "max_position_embeddings": 64, "rope_theta": 10000.0, "eos_token_id": 0}
@@ -334,8 +384,8 @@ def test_engine_sampling_follows_the_target_distribution(mode):
         for p in model.parameters():
             p.mul_(4.0 if p.dim() > 1 else 1.0)
     prompt, num = [1, 3, 2, 1, 0, 3], 1000
-    params = [SamplingParams(max_tokens=4, temperature=1.0, top_p=0.95, seed=i, ignore_eos=True)
-              for i in range(num)]
+    params = [SamplingParams(max_tokens=4, temperature=1.0, top_p=0.95, seed=i if seeded else None,
+                             ignore_eos=True) for i in range(num)]
     engine = engine_for(model, num_tokens=3, draft_loops=1, mode=mode, max_num_seqs=256)
     outs = run_engine(engine, [prompt] * num, params, 0)
     observed = torch.zeros(4, 4, 4, dtype=torch.float64)
