@@ -51,8 +51,10 @@ class FusedAttention(AttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, dtype, device, block_size)
         self.ops, self.paged_decode, self.reason = ops, paged_decode, reason
         self.name = "fia_pa" if paged_decode else "fia"
-        # sparse_mode 3 takes this fixed mask: True (masked) strictly above the diagonal
-        self.mask = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool, device=device).triu_(1)
+        # sparse_mode 3 takes this fixed mask: True (masked) strictly above the diagonal; a normal
+        # tensor even when the engine is built under inference_mode (a TP follower's is)
+        with torch.inference_mode(False):
+            self.mask = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool, device=device).triu_(1)
 
     @property
     def caps(self) -> AttnCaps:

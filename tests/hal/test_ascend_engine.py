@@ -149,3 +149,24 @@ def test_speculation_rounds_in_one_graph_with_host_updates(graph_log, single_thr
         assert log["replays"] >= 1 and log["updates"] == [len(chain.graph.calls)] * log["replays"]
     engine.blocks.check_invariants()
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_an_engine_built_under_inference_mode_runs(single_thread):
+    """A tensor-parallel follower builds its engine under `torch.inference_mode()` (runtime/llm.py);
+    the fused attention's mask must not be an inference tensor the simulator cannot version-check,
+    and the simulator's check must take one anyway."""
+    import torch
+
+    from hal.ascend.sim.attention import causal_mask_ok
+
+    case = golden_case("ouro-tiny")
+    model = zoo.from_pretrained(case.path, dtype="float32").eval()
+    with torch.inference_mode():
+        engine = sim_engine(model)
+        assert not engine.runner.backend.mask.is_inference()
+        assert generate(engine, case) == [case.greedy(i) for i in range(case.num_prompts)]
+        mask = torch.ones(2048, 2048, dtype=torch.bool).triu_(1)
+    assert mask.is_inference() and causal_mask_ok(mask) and causal_mask_ok(mask)
+    with torch.inference_mode():
+        mask[0, 1] = False                   # changed in place: seen, as no version says otherwise
+    assert not causal_mask_ok(mask)

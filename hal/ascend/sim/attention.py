@@ -35,14 +35,16 @@ def causal_mask_ok(mask: torch.Tensor | None) -> bool:
         return False
     if mask.dtype not in (torch.bool, torch.int8, torch.uint8) or any(s != 1 for s in mask.shape[:-2]):
         return False
+    # an inference tensor keeps no version counter, so a change to it cannot be seen: checked every call
+    version = None if mask.is_inference() else mask._version
     seen = _VERIFIED.get(id(mask))
-    if seen is not None and seen[0]() is mask and seen[1] == mask._version:   # same tensor, unmodified
+    if seen is not None and version is not None and seen[0]() is mask and seen[1] == version:   # unmodified
         return True
     ok = bool(torch.equal(mask.reshape(MASK_SIZE, MASK_SIZE).bool(), _causal_mask(mask.device)))
-    if ok:
+    if ok and version is not None:
         if len(_VERIFIED) > 64:
             _VERIFIED.clear()
-        _VERIFIED[id(mask)] = (weakref.ref(mask), mask._version)
+        _VERIFIED[id(mask)] = (weakref.ref(mask), version)
     return ok
 
 
