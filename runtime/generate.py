@@ -39,15 +39,30 @@ def prompts_from(cfg: Any, default_prompt: str | None = None) -> list[Any]:
         if not isinstance(ids, list) or not ids:
             raise UsageError(f"prompt_ids must be a non-empty list of token ids, got {ids!r}")
         batch = ids if isinstance(ids[0], list) else [ids]
-        if not all(isinstance(t, int) for seq in batch for t in seq):
-            raise UsageError(f"prompt_ids must hold integers, got {ids!r}")
+        if not all(isinstance(seq, list) for seq in batch) or \
+                not all(isinstance(t, int) and not isinstance(t, bool) for seq in batch for t in seq):
+            raise UsageError(f"prompt_ids must be a list of token ids ([1,2,3]) or a list of such lists "
+                             f"([[1,2],[3]]), got {ids!r}")
         return batch
     if cfg.prompt is None and default_prompt is not None:
         return [default_prompt]
     if cfg.prompt is None:
         raise UsageError('no prompt: pass prompt="..." (or prompt_ids=[...] for token ids)')
     prompt = OmegaConf.to_object(cfg.prompt) if OmegaConf.is_config(cfg.prompt) else cfg.prompt
-    return [str(p) for p in prompt] if isinstance(prompt, list) else [str(prompt)]
+    prompts = prompt if isinstance(prompt, list) else [prompt]
+    if not prompts:
+        raise UsageError('no prompt: prompt=[] is an empty list; pass prompt="..." or a list of texts')
+    return [typed_text("prompt", p) for p in prompts]
+
+
+def typed_text(name: str, value: Any) -> str:
+    """`value` of a text option, which Hydra may have read as a number or a boolean (`prompt=3.10`
+    arrives as 3.1): refused with the quoting that keeps the text as typed."""
+    if isinstance(value, str):
+        return value
+    raise UsageError(f"{name}={value!r} was read by Hydra as a {type(value).__name__}, which would change "
+                     f"the text; quote it as text: \"{name}='...'\" (e.g. \"{name}='{value}'\" with the "
+                     f"digits as you typed them)")
 
 
 def run(cfg: Any) -> list[dict[str, Any]]:
@@ -63,6 +78,8 @@ def run(cfg: Any) -> list[dict[str, Any]]:
     prompts = prompts_from(cfg, DEFAULT_PROMPT if source == DEFAULT_MODEL else None)
     if cfg.chat and cfg.prompt_ids is not None:
         raise UsageError("chat=true renders text through the chat template: give prompt=, not prompt_ids=")
+    if cfg.get("enable_thinking") and not cfg.chat:
+        raise UsageError("enable_thinking=true works through the chat template: add chat=true")
     engine = engine_config(cfg)
     check_model_node(cfg.model, engine)
     params = sampling_params(cfg)
@@ -119,7 +136,7 @@ def sampling_params(cfg: Any) -> SamplingParams:
     bias = OmegaConf.to_object(bias) if OmegaConf.is_config(bias) else (bias or {})
     stop = cfg.get("stop")
     stop = OmegaConf.to_object(stop) if OmegaConf.is_config(stop) else stop
-    stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(str(s) for s in stop)
+    stop = () if stop is None else tuple(typed_text("stop", s) for s in (stop if isinstance(stop, list) else [stop]))
     try:
         return SamplingParams(
             max_tokens=cfg.max_tokens, **SamplingDefaults.from_model(cfg.model).resolve(cfg.temperature, cfg.top_p,

@@ -149,10 +149,11 @@ class LLM:
 
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             enable_thinking: bool = False, use_tqdm: bool = True) -> list[RequestOutput]:
+             enable_thinking: bool | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate the assistant's reply to one conversation (a list of `{"role", "content"}` dicts)
-        or to each of several, through the checkpoint's chat template. `enable_thinking` opens the
-        reply with `<think>` (thinking checkpoints)."""
+        or to each of several, through the checkpoint's chat template. `enable_thinking=True` opens the
+        reply with `<think>` (thinking checkpoints); True or False reaches the template as a variable,
+        None (the default) leaves it undefined, as transformers' apply_chat_template does."""
         if self.tokenizer is None:
             raise ValueError("chat needs the checkpoint's tokenizer.json and chat template")
         messages = list(messages)                   # an iterator of messages or of conversations too

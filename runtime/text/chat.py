@@ -90,15 +90,17 @@ def check_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
 
 
 def render_chat(template: str, messages: Sequence[Message], add_generation_prompt: bool = True,
-                enable_thinking: bool = False, special_tokens: Mapping[str, str] | None = None,
+                enable_thinking: bool | None = None, special_tokens: Mapping[str, str] | None = None,
                 **extra: Any) -> str:
     """The template's text for `messages`. `special_tokens` (bos_token, eos_token, ...) and `extra`
-    (tools, documents, any template-specific switch) become template variables."""
+    (tools, documents, any template-specific switch) become template variables; `enable_thinking`
+    only when given (None: undefined, so the template's own default holds, as in transformers)."""
     variables = {**(special_tokens or {}), **extra}
+    if enable_thinking is not None:
+        variables["enable_thinking"] = enable_thinking
     try:
         return compile_template(template).render(messages=check_messages(messages),
-                                                 add_generation_prompt=add_generation_prompt,
-                                                 enable_thinking=enable_thinking, **variables)
+                                                 add_generation_prompt=add_generation_prompt, **variables)
     except ChatTemplateError:
         raise
     except TemplateError as exc:
@@ -106,17 +108,18 @@ def render_chat(template: str, messages: Sequence[Message], add_generation_promp
 
 
 def apply_chat_template(tokenizer: Tokenizer, messages: Sequence[Message], add_generation_prompt: bool = True,
-                        enable_thinking: bool = False, **extra: Any) -> str:
-    """Render `messages` with the tokenizer's chat template. With `enable_thinking` and a generation
-    prompt, the assistant turn starts with `<think>\\n` (added when the template does not add it
-    itself): the -Thinking checkpoints do not open a thought block unprompted."""
+                        enable_thinking: bool | None = None, **extra: Any) -> str:
+    """Render `messages` with the tokenizer's chat template. `enable_thinking` reaches the template
+    only when given (None leaves the template's default). With `enable_thinking=True` and a
+    generation prompt, the assistant turn starts with `<think>\\n` (added when the template does not
+    add it itself): the -Thinking checkpoints do not open a thought block unprompted."""
     template = tokenizer.chat_template
     if template is None:
         raise ChatTemplateError("this checkpoint has no chat template (tokenizer_config.json 'chat_template' or "
                          "chat_template.jinja); pass chat=false and format the prompt yourself")
     text = render_chat(template, messages, add_generation_prompt, enable_thinking, tokenizer.special_tokens,
                        **extra)
-    if enable_thinking and add_generation_prompt and not text.rstrip().endswith(THINK_OPENER):
+    if enable_thinking is True and add_generation_prompt and not text.rstrip().endswith(THINK_OPENER):
         if tokenizer.token_id(THINK_OPENER) is None:
             raise ValueError(f"enable_thinking needs a tokenizer with a {THINK_OPENER} token (a thinking "
                              f"checkpoint); this one has none")

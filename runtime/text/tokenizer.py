@@ -35,7 +35,7 @@ class Tokenizer:
         for key, value in _read_json(folder / "special_tokens_map.json").items():
             config.setdefault(key, value)
         template_file = folder / "chat_template.jinja"
-        if not config.get("chat_template") and template_file.is_file():
+        if template_file.is_file():          # the file wins over the config's copy, as in transformers
             config["chat_template"] = template_file.read_text()
         return cls(Backend.from_file(str(path)), config)
 

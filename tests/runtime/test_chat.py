@@ -170,8 +170,10 @@ def test_thinking_opener_and_tokenizer_special_tokens(tmp_path):
     assert tok.special_tokens == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}   # config wins
     assert (tok.bos_token_id, tok.eos_token_id) == (166100, 166101)
     hi = [{"role": "user", "content": "Hi"}]
-    # enable_thinking=False reaches the template, which closes an empty thought block itself
-    assert apply_chat_template(tok, hi).endswith("assistant\n<think>\n\n</think>\n\n")
+    # as transformers: enable_thinking reaches the template only when given; False makes this one close
+    # an empty thought block itself, left out it keeps the template's default
+    assert apply_chat_template(tok, hi).endswith("assistant\n")
+    assert apply_chat_template(tok, hi, enable_thinking=False).endswith("assistant\n<think>\n\n</think>\n\n")
     thinking = apply_chat_template(tok, hi, enable_thinking=True)
     assert thinking.endswith("assistant\n<think>\n") and thinking.count("<think>") == 1
     assert not apply_chat_template(tok, hi, add_generation_prompt=False).endswith("<think>\n")
@@ -181,3 +183,14 @@ def test_thinking_opener_and_tokenizer_special_tokens(tmp_path):
         apply_chat_template(no_think, hi, enable_thinking=True)
     with pytest.raises(ValueError, match="no chat template"):
         apply_chat_template(Tokenizer(huginn, {}), hi)
+
+
+def test_chat_template_jinja_wins_over_the_config_copy(tmp_path):
+    """transformers reads chat_template.jinja over tokenizer_config.json's template: a checkpoint
+    whose template was updated in the file renders the new one."""
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    byte_level_tokenizer(FAMILIES["ouro"]["specials"]).save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "OLD"}))
+    (folder / "chat_template.jinja").write_text("NEW")
+    assert Tokenizer.from_folder(folder).chat_template == "NEW"

@@ -125,3 +125,21 @@ def test_bad_values_end_the_cli_with_one_line(module, args, needles, tmp_path):
     prompt = ["prompt_ids=[1,2]"] if module == "runtime.generate" else []
     proc = run(module, "hal=cpu", f"model.path={case.path}", *prompt, *args, cwd=tmp_path)
     assert_one_line(proc, *needles)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["prompt=[]"], "prompt=\\[\\] is an empty list"),
+    (["prompt_ids=[[1,2],3]"], "a list of such lists"),
+    (["prompt=3.10"], "read by Hydra as a float"),
+    (["prompt=true"], "read by Hydra as a bool"),
+    (["prompt=[Hi,1e3]"], "read by Hydra as a float"),
+    (["prompt=Hi", "stop=[1]"], "stop=1 was read by Hydra as a int"),
+    (["prompt=Hi", "enable_thinking=true"], "add chat=true"),
+])
+def test_prompts_that_would_be_lost_or_changed_are_refused(overrides, message):
+    """An empty prompt list ran nothing and exited 0; Hydra's typing turned `prompt=3.10` into '3.1'
+    silently; enable_thinking without chat was ignored."""
+    from runtime.generate import run
+
+    with pytest.raises(UsageError, match=message):
+        run(composed("generate", "model=ouro-tiny", *overrides))

@@ -95,6 +95,8 @@ def test_chat_template_variables_and_named_templates():
     tokenizer = chat_tokenizer([{"name": "tool_use", "template": "x"},
                                 {"name": "default", "template": source}])
     text = apply_chat_template(tokenizer, [{"role": "user", "content": "é"}])
+    assert text == '<|im_end|>||1|{"role": "user", "content": "é"}'        # enable_thinking undefined
+    text = apply_chat_template(tokenizer, [{"role": "user", "content": "é"}], enable_thinking=False)
     assert text == '<|im_end|>|False|1|{"role": "user", "content": "é"}'
 
 
