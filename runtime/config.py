@@ -201,7 +201,7 @@ class GenerateConfig:
     init_scale: Optional[float] = None    # Huginn's initial-state scale; None: the reference's 1.0
     ignore_eos: bool = False
     chat: bool = False                    # render each prompt as a user turn with the chat template
-    enable_thinking: Optional[bool] = None  # chat: True opens the reply with <think>; None: the template's default
+    enable_thinking: Optional[bool] = None  # chat: True opens the reply with <think>; None: template's
     output: str = "text"                  # text | json
     log_level: str = "WARNING"
 

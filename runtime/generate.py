@@ -136,7 +136,8 @@ def sampling_params(cfg: Any) -> SamplingParams:
     bias = OmegaConf.to_object(bias) if OmegaConf.is_config(bias) else (bias or {})
     stop = cfg.get("stop")
     stop = OmegaConf.to_object(stop) if OmegaConf.is_config(stop) else stop
-    stop = () if stop is None else tuple(typed_text("stop", s) for s in (stop if isinstance(stop, list) else [stop]))
+    stops = [] if stop is None else stop if isinstance(stop, list) else [stop]
+    stop = tuple(typed_text("stop", s) for s in stops)
     try:
         return SamplingParams(
             max_tokens=cfg.max_tokens, **SamplingDefaults.from_model(cfg.model).resolve(cfg.temperature, cfg.top_p,

@@ -166,7 +166,8 @@ class Chain:
         self.act[:x0.numel()] = x0.reshape(-1)
         rows, w_off = [], 0
         if any(o % 16 for o in offs) or any(w.shape[1] % 16 for w in weights):
-            raise ValueError("the kernel reads in 16-element vectors: K and every activation size a multiple of 16")
+            raise ValueError("the kernel reads in 16-element vectors: K and every activation size a "
+                             "multiple of 16")
         for i, w in enumerate(weights):
             n, k = w.shape
             rows_per = -(-n // num_programs)
@@ -192,8 +193,9 @@ def persistent_launcher(chain: Chain, bn: int, ks: int, warps: int, spin: bool =
 
     def launch():
         chain.count.zero_()
-        _persistent_chain_kernel[(chain.num_programs,)](chain.act, chain.w, table, chain.count, len(chain.rows),
-                                                         total_tiles, BN=bn, KS=ks, SPIN=spin, num_warps=warps, num_stages=1)
+        _persistent_chain_kernel[(chain.num_programs,)](
+            chain.act, chain.w, table, chain.count, len(chain.rows), total_tiles,
+            BN=bn, KS=ks, SPIN=spin, num_warps=warps, num_stages=1)
     return launch
 
 
@@ -226,7 +228,8 @@ def check() -> int:
 
 
 def _pdl_bench():
-    spec = importlib.util.spec_from_file_location("pdl_bench", os.path.join(os.path.dirname(__file__), "pdl_bench.py"))
+    path = os.path.join(os.path.dirname(__file__), "pdl_bench.py")
+    spec = importlib.util.spec_from_file_location("pdl_bench", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -292,9 +295,9 @@ def main() -> int:
               f"rel {rel:.2g}", flush=True)
 
     from hal.kernels.configs import KernelConfig
-    for name, launch in (("cublas", bench.cublas_launch),
-                         ("gemv_slice bn4 bk2048 w4 pdl", bench.slice_gemv_launcher(True, KernelConfig(1, 4, 4, 1, block_k=2048))),
-                         ("gemv_slice bn4 bk2048 w2 pdl", bench.slice_gemv_launcher(True, KernelConfig(1, 4, 2, 1, block_k=2048)))):
+    slices = [(f"gemv_slice bn4 bk2048 w{w} pdl",
+               bench.slice_gemv_launcher(True, KernelConfig(1, 4, w, 1, block_k=2048))) for w in (4, 2)]
+    for name, launch in [("cublas", bench.cublas_launch)] + slices:
         try:
             us, y = bench.time_graph(launch, weights, x0)
             report(name, us, y.reshape(-1))

@@ -145,9 +145,10 @@ class Scheduler(RequestQueues):
         later one preempted. Zeros (no work) when no request drafts."""
         if not any(r.max_draft_tokens for r in running):
             return [0] * len(running)
-        needs = [0 if r.status != RequestStatus.RUNNING or r.is_length_capped else self.blocks.num_blocks_needed(
-            r.request_id, r.num_planes, r.num_computed_tokens + min(r.num_uncomputed_tokens, self._budget))
-            for r in running]
+        needs = [0 if r.status != RequestStatus.RUNNING or r.is_length_capped
+                 else self.blocks.num_blocks_needed(r.request_id, r.num_planes,
+                                                    r.num_computed_tokens + min(r.num_uncomputed_tokens, self._budget))
+                 for r in running]
         reserves, after = [0] * len(running), 0
         for i in range(len(running) - 1, -1, -1):
             reserves[i] = after

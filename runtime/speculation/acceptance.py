@@ -11,8 +11,8 @@ drew with the same noise on its own distribution, so it agrees wherever the two 
 request's tokens are then the tokens it samples without speculation, whatever the load and however
 the rounds were cut.
 
-Unseeded sampling: rejection sampling (Leviathan et al. 2023, Chen et al. 2023). Draft token x drawn from the
-draft distribution q is kept with probability min(1, p(x) / q(x)), p the target distribution; at
+Unseeded sampling: rejection sampling (Leviathan et al. 2023, Chen et al. 2023). Draft token x drawn
+from the draft distribution q is kept with probability min(1, p(x) / q(x)), p the target distribution; at
 the first rejection the token is drawn from the residual max(0, p - q) (normalised); when every
 draft is kept, one more token is drawn from p. Each committed token is then distributed exactly as
 p, the target's distribution after temperature, top-k and top-p (the same filtering as

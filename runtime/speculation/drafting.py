@@ -169,7 +169,8 @@ def pick_tokens(logits: torch.Tensor, requests: list, positions: list[int]
         u = keyed_uniforms([requests[sampled[s]].speculation.seed for s in unseeded],
                            [[positions[sampled[s]]] for s in unseeded], DRAFT, logits.device)[:, 0]
         rows = _long(unseeded, logits.device)
-        picked[_long([sampled[s] for s in unseeded], logits.device)] = sample_with_uniform(dist.index_select(0, rows), u)
+        picked[_long([sampled[s] for s in unseeded], logits.device)] = sample_with_uniform(
+            dist.index_select(0, rows), u)
     if seeded:
         rows = _long(seeded, logits.device)
         picked[_long([sampled[s] for s in seeded], logits.device)] = coupled_tokens(

@@ -266,8 +266,8 @@ def test_one_requests_drafts_never_get_a_later_request_preempted():
     """Drafts take blocks only after every running request's plain token has its own: here a's
     four drafts would take the two free blocks that b's next token needs (b was preempted for them)."""
     def decoding(rid, prompt):
-        return Request(rid, prompt, SamplingParams(max_tokens=8), num_loops=2, exit_threshold=1.0, num_planes=2,
-                       num_speculative_tokens=4)
+        return Request(rid, prompt, SamplingParams(max_tokens=8), num_loops=2, exit_threshold=1.0,
+                       num_planes=2, num_speculative_tokens=4)
 
     bm = BlockManager(num_blocks=6, block_size=4)
     s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16), bm)
@@ -278,7 +278,7 @@ def test_one_requests_drafts_never_get_a_later_request_preempted():
     for r in (a, b):
         r.num_computed_tokens = len(r.prompt_token_ids)
         r.append_token(9, 2)
-    out = s.schedule()                                       # a's token at 3 (its block), b's at 4 (new blocks)
+    out = s.schedule()                       # a's token at 3 (in its block), b's at 4 (new blocks)
     assert not out.preempted
     assert [(i.request.request_id, i.num_tokens, i.num_draft_tokens) for i in out.scheduled] == \
            [("a", 1, 0), ("b", 1, 3)]                       # b's drafts 5..7 share its new block
@@ -306,7 +306,8 @@ def test_seeded_sampling_gives_the_tokens_of_no_speculation_under_any_load():
                 engine = LLMEngine(model, hal.get("cpu"), EngineConfig(
                     speculative=SpeculativeConfig(k, 1), max_num_batched_tokens=8, max_num_seqs=4))
                 prompts = (others if load else []) + [target]
-                runs[k, load] = run_engine(engine, prompts, ([greedy] * 3 if load else []) + [params], 0)[-1].token_ids
+                outs = run_engine(engine, prompts, ([greedy] * 3 if load else []) + [params], 0)
+                runs[k, load] = outs[-1].token_ids
         assert runs[0, False] == runs[0, True] == runs[4, False] == runs[4, True], runs
 
 
