@@ -82,3 +82,10 @@ def test_int8_speculation_pads_its_verify_pass_inside_the_scratch_blocks(single_
     outs = {o.request_id: o.token_ids for o in engine.run_until_done()}
     assert [outs["0"], outs["1"]] == [generate_reference(model, p, params, kv_dtype=torch.int8)[0] for p in prompts]
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_an_8bit_kv_format_the_hal_cannot_read_names_the_ones_it_can():
+    from runtime.execution.quantization import resolve_kv_dtype
+
+    with pytest.raises(ValueError, match="reads 8-bit KV as int8.*use kv_dtype=auto or int8$"):
+        resolve_kv_dtype("fp8_e4m3fn", hal.get("ascend-sim"))
