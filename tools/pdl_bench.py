@@ -95,16 +95,22 @@ def chain(launch, weights, bufs, x0, independent: bool = False):
 
 def time_graph(launch, weights, x0, replays: int = 20, independent: bool = False):
     bufs = [torch.empty(x0.shape[0], w.shape[0], dtype=w.dtype, device="cuda") for w in weights]
+    us = graph_median_us(lambda: chain(launch, weights, bufs, x0, independent), replays)
+    return us, bufs[-1].float().clone()
+
+
+def graph_median_us(fn, replays: int = 20) -> float:
+    """Median us of one replay of `fn` captured in a CUDA graph (two warm-up runs on a side stream)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(2):
-            chain(launch, weights, bufs, x0, independent)
+            fn()
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        chain(launch, weights, bufs, x0, independent)
+        fn()
     g.replay()
     torch.cuda.synchronize()
     times = []
@@ -116,7 +122,7 @@ def time_graph(launch, weights, x0, replays: int = 20, independent: bool = False
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3)
     times.sort()
-    return times[len(times) // 2], bufs[-1].float().clone()
+    return times[len(times) // 2]
 
 
 ROWS_CONFIGS = ((128, 64, 8, 3, 0), (128, 64, 8, 4, 0), (64, 64, 4, 4, 0), (64, 64, 4, 3, 0), (128, 64, 4, 3, 0),

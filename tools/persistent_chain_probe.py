@@ -235,31 +235,6 @@ def _pdl_bench():
     return mod
 
 
-def time_graph(fn, replays: int = 20) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
-
-
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="ouro-1.4b")
@@ -309,7 +284,7 @@ def main() -> int:
         name = f"persistent {per_sm}/SM bn{bn} ks{ks} w{warps}{'' if spin else ' no barrier (wrong sums)'}"
         try:
             chain = Chain(weights, x0.reshape(-1), sms * per_sm, bn)
-            us = time_graph(persistent_launcher(chain, bn, ks, warps, spin))
+            us = bench.graph_median_us(persistent_launcher(chain, bn, ks, warps, spin))
             report(name, us, chain.output(len(weights) - 1))
         except Exception as e:  # noqa: BLE001
             print(f"{name:40s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)

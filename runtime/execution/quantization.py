@@ -45,7 +45,7 @@ def resolve_kv_dtype(name: str, hal: Hal) -> torch.dtype | None:
         dtype = KV_DTYPE_NAMES[name]
     if dtype not in readable:
         choices = ["auto"] + (["fp8"] if caps.fp8_dtype in readable else []) + \
-            [n for n in _names(readable).split(", ") if n in KV_DTYPE_NAMES]
+            [n for n, d in KV_DTYPE_NAMES.items() if d in readable]
         raise ValueError(f"kv_dtype={name}: hal {hal.name} ({caps.arch}) reads 8-bit KV as {_names(readable)}, "
                          f"not {dtype}; use kv_dtype=" + " or ".join(dict.fromkeys(choices)))
     return dtype

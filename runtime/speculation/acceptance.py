@@ -134,7 +134,6 @@ def judge_round(draft, logits: torch.Tensor) -> RoundVerdict:
     seeded = [b for b, r in enumerate(draft.requests) if not r.params.is_greedy and r.params.seed is not None]
     targets_of = logits.argmax(-1)
     if seeded:                              # their targets are the keyed draws, not the argmax
-        targets_of = targets_of.clone()
         rows = [offsets[b] + j for b in seeded for j in range(draft.num_drafts[b] + 1)]
         from runtime.execution.sampler import filtered_probs
 
