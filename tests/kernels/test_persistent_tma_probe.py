@@ -1,0 +1,44 @@
+"""tools/persistent_tma_probe.py's host side: how its phase table stacks the weights by K and what
+each phase reads and writes. Its Gluon kernel (TMA, mbarriers, sm_90) runs only on the GPU (Gluon has
+no interpreter); the H200 timings are docs/performance.md's lever 97."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+probe = pytest.importorskip("persistent_tma_probe", exc_type=ImportError)   # triton's Gluon
+
+
+def test_vectors_start_on_16_elements():
+    vec = probe.Vectors()
+    offsets = [vec.add(torch.ones(512)), vec.add(768), vec.add(5), vec.add(16)]
+    assert offsets == [0, 512, 1280, 1296]
+    assert vec.size == 1312
+    assert torch.cat(vec.parts)[:512].eq(1).all() and torch.cat(vec.parts)[512:].eq(0).all()
+
+
+def test_plan_stacks_weights_by_k_and_tables_every_phase():
+    vec = probe.Vectors()
+    x, y, z, norm = vec.add(torch.ones(512)), vec.add(768), vec.add(256), vec.add(512)
+    a, b, c = torch.randn(768, 512), torch.randn(256, 768), torch.randn(512, 512)
+    phases = [(a, x, y, probe.PLAIN, 0, 0, 0), (b, y, z, probe.ADD_NORM, x, norm, x),
+              (c, z, x, probe.SWIGLU, 0, 0, 0)]
+    plan = probe.Plan(phases, vec, num_programs=4, bn=8, bk=256, boxes=2, device="cpu")
+    # K = 512 -> descriptor 0 ([a; c]), K = 768 -> descriptor 1; stages of 2 x 256 along K
+    assert [tuple(s.shape) for s in plan.stacks] == [(1280, 512), (256, 768)]
+    assert torch.equal(plan.stacks[0][768:], c)
+    table = plan.table.view(-1, probe.FIELDS).tolist()
+    #                desc row  N    stages in out chunks K    kind             residual norm residual out
+    assert table == [[0, 0, 768, 1, x, y, 96, 512, probe.PLAIN, 0, 0, 0],
+                     [1, 0, 256, 2, y, z, 32, 768, probe.ADD_NORM, x, norm, x],
+                     [0, 768, 512, 1, z, x, 64, 512, probe.SWIGLU, 0, 0, 0]]
+    assert plan.x_tiles == 4                     # 768 = two stages of 512: four 256-wide tiles staged
+    assert plan.act.numel() == vec.size + 2 * 512   # the staging reads whole stages past a vector's end
+    assert [d.block_shape for d in plan.descs] == [[8, 256]] * 3
+
+
+def test_plan_refuses_k_off_the_tile():
+    vec = probe.Vectors()
+    with pytest.raises(ValueError, match="multiple of BK"):
+        probe.Plan([(torch.randn(64, 320), vec.add(320), vec.add(64), probe.PLAIN, 0, 0, 0)], vec, 4, 8, 256, 1,
+                   device="cpu")
