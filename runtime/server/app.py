@@ -130,7 +130,7 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
             raise APIError(400, "this model has no tokenizer.json", code="no_tokenizer")
         if what == "info":
             return JSONResponse({**{k: tokenizer.special_token(k) for k in ("bos_token", "eos_token", "pad_token")},
-                                 "chat_template": tokenizer.chat_template, "model_max_length": engine.max_model_len,
+                                 "chat_template": tokenizer.config.get("chat_template"), "model_max_length": engine.max_model_len,
                                  "vocab_size": tokenizer.vocab_size})
         cls = TokenizeRequest if what == "tokenize" else DetokenizeRequest
         body = parse_request(cls, await read_json(request, config.max_body_bytes))

@@ -69,11 +69,16 @@ class Tokenizer:
 
     @property
     def chat_template(self) -> str | None:
-        """The Jinja2 chat template; of several named ones, "default"."""
+        """The Jinja2 chat template; of a list of named ones, the one named "default" (a list without
+        one is refused, as transformers refuses it, rather than guessing)."""
         template = self.config.get("chat_template")
         if isinstance(template, list):
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template = named.get("default") or next(iter(named.values()), None)
+            if "default" not in named:
+                raise ValueError(f"tokenizer_config.json lists chat templates named {sorted(map(str, named))} "
+                                 "and none named 'default': name the one to use 'default', or write it to "
+                                 "chat_template.jinja beside tokenizer_config.json (that file takes precedence)")
+            template = named["default"]
         return template or None
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:

@@ -194,3 +194,14 @@ def test_chat_template_jinja_wins_over_the_config_copy(tmp_path):
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "OLD"}))
     (folder / "chat_template.jinja").write_text("NEW")
     assert Tokenizer.from_folder(folder).chat_template == "NEW"
+
+
+def test_named_templates_take_default_and_refuse_a_list_without_one():
+    """A list of named templates (tokenizer_config.json's older form) renders the one named "default";
+    without one, transformers raises rather than guessing, and so do we, naming the choices."""
+    huginn = byte_level_tokenizer(FAMILIES["huginn"]["specials"])
+    listed = [{"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": "PLAIN"}]
+    assert Tokenizer(huginn, {"chat_template": listed}).chat_template == "PLAIN"
+    no_default = Tokenizer(huginn, {"chat_template": listed[:1] + [{"name": "rag", "template": "RAG"}]})
+    with pytest.raises(ValueError, match=r"named \['rag', 'tool_use'\] and none named 'default'"):
+        apply_chat_template(no_default, [{"role": "user", "content": "hi"}])
