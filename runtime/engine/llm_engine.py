@@ -102,6 +102,11 @@ class LLMEngine(EngineRequests):
                                          self.runner.block_size, self.runner.layout.num_planes(self.max_loops),
                                          self.max_loops)
 
+    @property
+    def is_tensor_parallel(self) -> bool:
+        """Whether other ranks replay this engine's steps (a failed step may leave them out of step)."""
+        return self.publisher is not None
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self._in_flight is not None
 

@@ -107,7 +107,9 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
     async def health() -> Response:
         if loop.is_accepting:
             return JSONResponse({"status": "ok", "requests_in_flight": loop.num_in_flight})
-        message = "the server is shutting down" if loop.is_alive else "the engine loop is not running"
+        message = ("the server is shutting down" if loop.is_alive else
+                   f"the engine loop stopped: {loop.error}" if loop.error is not None else
+                   "the engine loop is not running")
         return JSONResponse(error_body(message, "service_unavailable"), 503,
                             headers={"Retry-After": str(config.retry_after_s)})
 

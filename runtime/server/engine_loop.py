@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.005       # how long to wait for commands when the engine has requests it cannot schedule yet
 
 
+class EngineDead(RuntimeError):
+    """A step failed where the engine cannot go on (tensor parallelism: ranks may disagree)."""
+
+
 class EngineLoop:
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None,
                  max_num_requests: int = 512) -> None:
@@ -193,6 +197,10 @@ class EngineLoop:
             outputs = self.engine.step()
         except Exception as exc:                # keep serving: fail the batch, free its blocks
             log.exception("engine step failed")
+            if self.engine.is_tensor_parallel:  # the other ranks may have run the step or wait inside it:
+                raise EngineDead(               # nothing after this is known to agree, so the loop ends
+                    f"the engine failed with tensor parallelism ({exc}); its ranks may no longer agree, "
+                    "so this server stopped taking requests (/health answers 503): restart it") from exc
             self._fail_all(f"the engine failed: {exc}")
             return True
         now = time.monotonic()

@@ -118,6 +118,36 @@ def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(make_engin
     assert_clean(engine, loop)
 
 
+def test_a_failing_tensor_parallel_step_stops_the_loop(make_engine, monkeypatch):
+    """With other ranks replaying the driver's steps, a failed step may leave them inside it or past
+    it: the loop fails what it holds and stops taking requests instead of stepping on."""
+    engine = make_engine()
+    loop = EngineLoop(engine)
+    real_step = engine.step
+    calls = []
+
+    def flaky_step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("device lost")
+        return real_step()
+    monkeypatch.setattr(engine, "step", flaky_step)
+    monkeypatch.setattr(type(engine), "is_tensor_parallel", property(lambda self: True))
+    loop.start()
+
+    async def run():
+        failed = await final_outputs(await loop.add([request("a", 8)], time.monotonic()), 1)
+        loop._thread.join(10)
+        with pytest.raises(ShuttingDown):
+            await loop.add([request("b", 3)], time.monotonic())
+        return failed[0]
+
+    failed = asyncio.run(run())
+    assert failed.finish_reason == "error" and "device lost" in failed.error and "restart it" in failed.error
+    assert not loop.is_alive and not loop.is_accepting and "tensor parallelism" in str(loop.error)
+    assert_clean(engine, loop)
+
+
 @pytest.mark.parametrize("drain_s,finish_reason", [(0.0, "abort"), (60.0, "length")])
 def test_shutdown_drains_then_aborts(make_engine, drain_s, finish_reason):
     engine = make_engine()
