@@ -43,6 +43,11 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
     loop = EngineLoop(engine, metrics, config.max_num_requests)
     model_name = config.model_name or _folder_name(engine) or "default"
     generation = Generation(loop, engine.tokenizer, model_name, config)
+    if engine.tokenizer is not None:
+        try:
+            engine.tokenizer.chat_template_for()
+        except ValueError as exc:               # the checkpoint's to fix: say so once, at start
+            log.warning("chat requests will be refused: %s", exc)
     log.info("serving %s: requests that leave sampling out get the model's defaults: %s", model_name,
              config.sampling.describe())
 
@@ -107,9 +112,9 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
     async def health() -> Response:
         if loop.is_accepting:
             return JSONResponse({"status": "ok", "requests_in_flight": loop.num_in_flight})
-        message = ("the server is shutting down" if loop.is_alive else
-                   f"the engine loop stopped: {loop.error}" if loop.error is not None else
-                   "the engine loop is not running")
+        if loop.error is not None:              # no retry helps: the server needs a restart
+            return JSONResponse(error_body(f"the engine loop stopped: {loop.error}", "service_unavailable"), 503)
+        message = "the server is shutting down" if loop.is_alive else "the engine loop is not running"
         return JSONResponse(error_body(message, "service_unavailable"), 503,
                             headers={"Retry-After": str(config.retry_after_s)})
 

@@ -27,8 +27,8 @@ import torch
 
 from runtime.engine.llm_engine import LLMEngine
 from runtime.engine.outputs import RequestOutput
-from runtime.server.engine_messages import (AbortCommand, AddCommand, EngineState, NewRequest, Overloaded,
-                                            ShuttingDown, Sink, StopCommand, deliver)
+from runtime.server.engine_messages import (AbortCommand, AddCommand, EngineState, EngineStopped, NewRequest,
+                                            Overloaded, ShuttingDown, Sink, StopCommand, deliver)
 from runtime.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -89,6 +89,8 @@ class EngineLoop:
                  for i, r in enumerate(requests)]
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:        # queued under the lock: the thread refuses leftovers after it stops accepting
+            if self.error is not None:
+                raise EngineStopped(f"the engine loop stopped: {self.error}")
             if not self._is_accepting or not self.is_alive:
                 raise ShuttingDown("the server is shutting down")
             if self._num_in_flight + len(requests) > self.max_num_requests:
@@ -132,6 +134,9 @@ class EngineLoop:
                     if self.engine.has_unfinished_requests() and not self._step():
                         self._handle_commands(timeout_s=IDLE_POLL_S)          # nothing schedulable: no spin
                     self._publish_state()
+        except EngineDead as exc:               # logged where the step failed
+            self.error = exc
+            self._fail_all(str(exc))
         except BaseException as exc:            # a bug: fail every request rather than hang them
             log.exception("the engine loop died")
             self.error = exc
@@ -195,7 +200,7 @@ class EngineLoop:
         num_steps = self.engine.num_steps
         try:
             outputs = self.engine.step()
-        except Exception as exc:                # keep serving: fail the batch, free its blocks
+        except Exception as exc:                # one rank: fail the batch, free its blocks, keep serving
             log.exception("engine step failed")
             if self.engine.is_tensor_parallel:  # the other ranks may have run the step or wait inside it:
                 raise EngineDead(               # nothing after this is known to agree, so the loop ends
@@ -254,7 +259,9 @@ class EngineLoop:
             if isinstance(command, AddCommand):
                 self._release(len(command.requests))
                 if command.future.set_running_or_notify_cancel():
-                    command.future.set_exception(ShuttingDown("the server is shutting down"))
+                    command.future.set_exception(
+                        EngineStopped(f"the engine loop stopped: {self.error}") if self.error is not None
+                        else ShuttingDown("the server is shutting down"))
 
     def _release(self, num_requests: int) -> None:
         with self._lock:

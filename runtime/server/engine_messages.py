@@ -26,6 +26,10 @@ class ShuttingDown(Exception):
     """The loop no longer accepts requests."""
 
 
+class EngineStopped(ShuttingDown):
+    """The loop ended on an error (not a shutdown): only a restart brings it back."""
+
+
 class NewRequest(NamedTuple):
     request_id: str
     prompt_token_ids: list[int]

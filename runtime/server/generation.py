@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from runtime.sampling_params import SamplingParams
 from runtime.server.choices import Choice, Job, choice_body, chunk_maker
-from runtime.server.engine_messages import NewRequest, Overloaded, ShuttingDown
+from runtime.server.engine_messages import EngineStopped, NewRequest, Overloaded, ShuttingDown
 from runtime.server.protocol import APIError
 from runtime.server.request_inputs import RequestInputs
 from runtime.server.text import TextStream
@@ -38,6 +38,8 @@ class Generation(RequestInputs):
         except Overloaded as exc:
             raise APIError(429, str(exc), "rate_limit_error", code="server_overloaded",
                            headers={"Retry-After": str(self.config.retry_after_s)}) from None
+        except EngineStopped as exc:                    # no retry helps: the server needs a restart
+            raise APIError(503, str(exc), "service_unavailable", code="engine_stopped") from None
         except ShuttingDown as exc:
             raise APIError(503, str(exc), "service_unavailable", code="shutting_down",
                            headers={"Retry-After": str(self.config.retry_after_s)}) from None

@@ -113,7 +113,7 @@ def apply_chat_template(tokenizer: Tokenizer, messages: Sequence[Message], add_g
     only when given (None leaves the template's default). With `enable_thinking=True` and a
     generation prompt, the assistant turn starts with `<think>\\n` (added when the template does not
     add it itself): the -Thinking checkpoints do not open a thought block unprompted."""
-    template = tokenizer.chat_template
+    template = tokenizer.chat_template_for(tools=bool(extra.get("tools")))
     if template is None:
         raise ChatTemplateError("this checkpoint has no chat template (tokenizer_config.json 'chat_template' or "
                          "chat_template.jinja); pass chat=false and format the prompt yourself")

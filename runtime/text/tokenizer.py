@@ -71,9 +71,16 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         """The Jinja2 chat template; of a list of named ones, the one named "default" (a list without
         one is refused, as transformers refuses it, rather than guessing)."""
+        return self.chat_template_for()
+
+    def chat_template_for(self, tools: bool = False) -> str | None:
+        """The chat template; with `tools`, a list's "tool_use" template where it has one (as in
+        transformers), else its "default"."""
         template = self.config.get("chat_template")
         if isinstance(template, list):
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            if tools and named.get("tool_use"):
+                return named["tool_use"]
             if "default" not in named:
                 raise ValueError(f"tokenizer_config.json lists chat templates named {sorted(map(str, named))} "
                                  "and none named 'default': name the one to use 'default', or write it to "

@@ -205,3 +205,7 @@ def test_named_templates_take_default_and_refuse_a_list_without_one():
     no_default = Tokenizer(huginn, {"chat_template": listed[:1] + [{"name": "rag", "template": "RAG"}]})
     with pytest.raises(ValueError, match=r"named \['rag', 'tool_use'\] and none named 'default'"):
         apply_chat_template(no_default, [{"role": "user", "content": "hi"}])
+    # with tools, transformers takes "tool_use" (default or not)
+    hi = [{"role": "user", "content": "hi"}]
+    assert apply_chat_template(no_default, hi, tools=[{"type": "function"}]) == "TOOLS"
+    assert apply_chat_template(Tokenizer(huginn, {"chat_template": listed}), hi, tools=[{"type": "function"}]) == "TOOLS"

@@ -174,3 +174,25 @@ def test_an_engine_failure_is_a_500_or_a_stream_error_not_a_crash(make_engine, l
         assert http.get("/health").status_code == 200      # still serving
     assert server.loop.num_in_flight == 0 and not engine.has_unfinished_requests()
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_a_failed_tensor_parallel_step_stops_the_server_and_says_why(make_engine, live_server, monkeypatch):
+    """Under tensor parallelism a failed step ends the loop: the request in flight gets the cause, and
+    later ones and /health a 503 that names it, without a Retry-After (only a restart helps), not
+    "shutting down"."""
+    engine = make_engine()
+
+    def broken_step():
+        raise RuntimeError("device lost")
+    monkeypatch.setattr(engine, "step", broken_step)
+    monkeypatch.setattr(type(engine), "is_tensor_parallel", property(lambda self: True))
+    server = live_server(build_app(engine, ServerConfig(model_name="tiny")))
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        first = http.post("/v1/completions", json=OK)
+        assert first.status_code == 500 and "device lost" in first.json()["error"]["message"]
+        assert "restart it" in first.json()["error"]["message"]
+        server.loop._thread.join(10)
+        for response in (http.post("/v1/completions", json=OK), http.get("/health")):
+            message = response.json()["error"]["message"]
+            assert response.status_code == 503 and "Retry-After" not in response.headers
+            assert "device lost" in message and "tensor parallelism" in message and "shutting down" not in message
