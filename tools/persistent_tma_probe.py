@@ -37,7 +37,6 @@ docs/performance.md lever 97, rows in docs/data/h200-s27-tma-probe.jsonl.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -108,6 +107,22 @@ def _issue(d0, d1, d2, bars, bufs, slot, live, desc, row, kk, BK: gl.constexpr, 
             tma.async_copy_global_to_shared(d1, [row, col], bar, buf, pred=live)
         else:
             tma.async_copy_global_to_shared(d2, [row, col], bar, buf, pred=live)
+
+
+@gluon.jit
+def _issue_next(d0, d1, d2, bars, bufs, slot, table_ptr, end, pid, num_programs, pp, jj, kk, p_desc, p_row,
+                p_stages, p_mine, BN: gl.constexpr, BK: gl.constexpr, BOXES: gl.constexpr):
+    """Issue the producer's stage (phase pp, my chunk jj, stage kk) into `slot`; return the cursor moved
+    on by one stage, with the fields of its phase."""
+    _issue(d0, d1, d2, bars, bufs, slot, pp < end, p_desc, p_row + (pid + jj * num_programs) * BN, kk, BK, BOXES)
+    kk += 1
+    if kk == p_stages:
+        kk = kk * 0
+        jj += 1
+        if jj == p_mine:
+            jj = jj * 0
+            pp, p_desc, p_row, p_stages, p_mine = _next_phase(table_ptr, pp + 1, end, pid, num_programs)
+    return pp, jj, kk, p_desc, p_row, p_stages, p_mine
 
 
 @gluon.jit
@@ -183,14 +198,9 @@ def _tma_chain_kernel(d0, d1, d2, act_ptr, table_ptr, count_ptr, first, end, eps
     kk = pid * 0
     pp, p_desc, p_row, p_stages, p_mine = _next_phase(table_ptr, first, end, pid, num_programs)
     for s in gl.static_range(STAGES):
-        _issue(d0, d1, d2, bars, bufs, s, pp < end, p_desc, p_row + (pid + jj * num_programs) * BN, kk, BK, BOXES)
-        kk += 1
-        if kk == p_stages:
-            kk = kk * 0
-            jj += 1
-            if jj == p_mine:
-                jj = jj * 0
-                pp, p_desc, p_row, p_stages, p_mine = _next_phase(table_ptr, pp + 1, end, pid, num_programs)
+        pp, jj, kk, p_desc, p_row, p_stages, p_mine = _issue_next(
+            d0, d1, d2, bars, bufs, s, table_ptr, end, pid, num_programs, pp, jj, kk, p_desc, p_row, p_stages,
+            p_mine, BN, BK, BOXES)
     if PDL:   # the next launch may start its own ring now (where its programs fit beside ours); then
         #       wait for the launch before ours to finish and flush
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
@@ -225,15 +235,9 @@ def _tma_chain_kernel(d0, d1, d2, act_ptr, table_ptr, count_ptr, first, end, eps
             w2 = bufs.index(slot * BOXES + 2).load(layout)
             w3 = bufs.index(slot * BOXES + 3).load(layout)
         gl.thread_barrier()                   # every warp has read the slot before it is refilled
-        _issue(d0, d1, d2, bars, bufs, slot, pp < end, p_desc, p_row + (pid + jj * num_programs) * BN, kk,
-               BK, BOXES)
-        kk += 1
-        if kk == p_stages:
-            kk = kk * 0
-            jj += 1
-            if jj == p_mine:
-                jj = jj * 0
-                pp, p_desc, p_row, p_stages, p_mine = _next_phase(table_ptr, pp + 1, end, pid, num_programs)
+        pp, jj, kk, p_desc, p_row, p_stages, p_mine = _issue_next(
+            d0, d1, d2, bars, bufs, slot, table_ptr, end, pid, num_programs, pp, jj, kk, p_desc, p_row, p_stages,
+            p_mine, BN, BK, BOXES)
         acc = _fma(acc, w0, x_tiles, k * BOXES, cols_layout)
         if BOXES > 1:
             acc = _fma(acc, w1, x_tiles, k * BOXES + 1, cols_layout)
@@ -382,14 +386,6 @@ def compile_only() -> int:
                 failed += 1
                 print(f"{name}: FAILED {type(e).__name__}: {str(e)[:2000]}")
     return 1 if failed else 0
-
-
-def _pdl_bench():
-    path = os.path.join(os.path.dirname(__file__), "pdl_bench.py")
-    spec = importlib.util.spec_from_file_location("pdl_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _scaled_slice_launcher(scales: dict, config):
@@ -571,7 +567,8 @@ def main() -> int:
     if args.mode == "compile":
         return compile_only()
     torch.manual_seed(0)
-    bench = _pdl_bench()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import pdl_bench as bench                   # the chain's baselines and graph timer
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"torch {torch.__version__} triton {triton.__version__}", flush=True)
     rows = (run_chain if args.mode == "chain" else run_block)(args, bench, sms)

@@ -91,9 +91,8 @@ def test_admission_is_all_or_nothing_and_capped(make_engine):
     assert_clean(engine, loop)
 
 
-def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(make_engine, monkeypatch):
-    engine = make_engine()
-    loop = EngineLoop(engine)
+def fail_second_step(engine, monkeypatch) -> None:
+    """The engine's second step raises "device lost"; the others run."""
     real_step = engine.step
     calls = []
 
@@ -103,6 +102,12 @@ def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(make_engin
             raise RuntimeError("device lost")
         return real_step()
     monkeypatch.setattr(engine, "step", flaky_step)
+
+
+def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(make_engine, monkeypatch):
+    engine = make_engine()
+    loop = EngineLoop(engine)
+    fail_second_step(engine, monkeypatch)
     loop.start()
 
     async def run():
@@ -123,15 +128,7 @@ def test_a_failing_tensor_parallel_step_stops_the_loop(make_engine, monkeypatch)
     it: the loop fails what it holds and stops taking requests instead of stepping on."""
     engine = make_engine()
     loop = EngineLoop(engine)
-    real_step = engine.step
-    calls = []
-
-    def flaky_step():
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("device lost")
-        return real_step()
-    monkeypatch.setattr(engine, "step", flaky_step)
+    fail_second_step(engine, monkeypatch)
     monkeypatch.setattr(type(engine), "is_tensor_parallel", property(lambda self: True))
     loop.start()
 
