@@ -70,8 +70,9 @@ def gemv_launcher(pdl: bool, config=None, preload: bool = False, rows: int = 1):
     return launch
 
 
-def slice_gemv_launcher(pdl: bool, config):
-    """hal/kernels/gemv_slice.py (what the sm_90 table runs at one row) into the chain's buffers."""
+def slice_gemv_launcher(pdl: bool, config, scales: dict | None = None):
+    """hal/kernels/gemv_slice.py (what the sm_90 table runs at one row) into the chain's buffers;
+    `scales` (N -> float32 [N]): FP8 weights with a scale per output row."""
     from hal.kernels.gemv_slice import slice_gemv_launch
     from hal.kernels.launch import run_launch
 
@@ -80,7 +81,8 @@ def slice_gemv_launcher(pdl: bool, config):
 
     def launch(x, w, out):
         os.environ[ENV] = "1" if pdl else "0"
-        run_launch(slice_gemv_launch(x, w, out, config, "cuda", workspace=workspace, counters=counters))
+        run_launch(slice_gemv_launch(x, w, out, config, "cuda", workspace=workspace, counters=counters,
+                                     weight_scale=scales[w.shape[0]] if scales is not None else None))
     return launch
 
 

@@ -21,7 +21,6 @@ hang, so it is capped at 2 with small tiles. In the interpreter programs run one
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -227,14 +226,6 @@ def check() -> int:
     return 0 if ok else 1
 
 
-def _pdl_bench():
-    path = os.path.join(os.path.dirname(__file__), "pdl_bench.py")
-    spec = importlib.util.spec_from_file_location("pdl_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="ouro-1.4b")
@@ -244,7 +235,8 @@ def main() -> int:
     args = p.parse_args()
     if args.check:
         return check()
-    bench = _pdl_bench()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import pdl_bench as bench                   # the chain's baselines and graph timer
     torch.manual_seed(0)
     shapes = bench.MODEL_SHAPES[args.model]
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5

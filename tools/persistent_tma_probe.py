@@ -388,21 +388,6 @@ def compile_only() -> int:
     return 1 if failed else 0
 
 
-def _scaled_slice_launcher(scales: dict, config):
-    """hal/kernels/gemv_slice.py with FP8 weights and a float32 scale per output row, PDL on."""
-    from hal.kernels.gemv_slice import slice_gemv_launch
-    from hal.kernels.launch import run_launch
-
-    counters = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
-    workspace = torch.empty(64 * 16384, dtype=torch.float32, device="cuda")
-
-    def launch(x, w, out):
-        os.environ["LOOPSTACK_PDL"] = "1"
-        run_launch(slice_gemv_launch(x, w, out, config, "cuda", workspace=workspace, counters=counters,
-                                     weight_scale=scales[w.shape[0]]))
-    return launch
-
-
 class Report:
     def __init__(self, model: str, dtype, layers: int, layer_bytes: int) -> None:
         self.rows, self.model, self.dtype, self.layers, self.layer_bytes = [], model, str(dtype), layers, layer_bytes
@@ -449,7 +434,7 @@ def run_chain(args, bench, sms: int) -> list[dict]:
     slice_config = KernelConfig(1, 4, 4, 1, block_k=2048)
     if args.fp8:   # the engine's FP8 one-row path: the slice kernel with a scale per row (ones here)
         scales = {n: torch.ones(n, device="cuda", dtype=torch.float32) for _, n, _ in shapes}
-        baselines = [("gemv_slice fp8 bn4 bk2048 w4 pdl", _scaled_slice_launcher(scales, slice_config))]
+        baselines = [("gemv_slice fp8 bn4 bk2048 w4 pdl", bench.slice_gemv_launcher(True, slice_config, scales))]
     else:
         baselines = [("cublas", bench.cublas_launch),
                      ("gemv_slice bn4 bk2048 w4 pdl", bench.slice_gemv_launcher(True, slice_config))]

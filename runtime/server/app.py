@@ -112,8 +112,8 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
     async def health() -> Response:
         if loop.is_accepting:
             return JSONResponse({"status": "ok", "requests_in_flight": loop.num_in_flight})
-        if loop.error is not None:              # no retry helps: the server needs a restart
-            return JSONResponse(error_body(f"the engine loop stopped: {loop.error}", "service_unavailable"), 503)
+        if loop.stop_reason is not None:        # no retry helps: the server needs a restart
+            return JSONResponse(error_body(loop.stop_reason, "service_unavailable"), 503)
         message = "the server is shutting down" if loop.is_alive else "the engine loop is not running"
         return JSONResponse(error_body(message, "service_unavailable"), 503,
                             headers={"Retry-After": str(config.retry_after_s)})
@@ -137,8 +137,8 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
             raise APIError(400, "this model has no tokenizer.json", code="no_tokenizer")
         if what == "info":
             return JSONResponse({**{k: tokenizer.special_token(k) for k in ("bos_token", "eos_token", "pad_token")},
-                                 "chat_template": tokenizer.config.get("chat_template"), "model_max_length": engine.max_model_len,
-                                 "vocab_size": tokenizer.vocab_size})
+                                 "chat_template": tokenizer.config.get("chat_template"),
+                                 "model_max_length": engine.max_model_len, "vocab_size": tokenizer.vocab_size})
         cls = TokenizeRequest if what == "tokenize" else DetokenizeRequest
         body = parse_request(cls, await read_json(request, config.max_body_bytes))
         if what == "tokenize":

@@ -72,6 +72,11 @@ class EngineLoop:
         return self._is_accepting and self.is_alive
 
     @property
+    def stop_reason(self) -> str | None:
+        """Why the loop ended on an error (None while it runs or after a shutdown): only a restart helps."""
+        return None if self.error is None else f"the engine loop stopped: {self.error}"
+
+    @property
     def num_in_flight(self) -> int:
         return self._num_in_flight
 
@@ -89,8 +94,8 @@ class EngineLoop:
                  for i, r in enumerate(requests)]
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:        # queued under the lock: the thread refuses leftovers after it stops accepting
-            if self.error is not None:
-                raise EngineStopped(f"the engine loop stopped: {self.error}")
+            if self.stop_reason is not None:
+                raise EngineStopped(self.stop_reason)
             if not self._is_accepting or not self.is_alive:
                 raise ShuttingDown("the server is shutting down")
             if self._num_in_flight + len(requests) > self.max_num_requests:
@@ -260,7 +265,7 @@ class EngineLoop:
                 self._release(len(command.requests))
                 if command.future.set_running_or_notify_cancel():
                     command.future.set_exception(
-                        EngineStopped(f"the engine loop stopped: {self.error}") if self.error is not None
+                        EngineStopped(self.stop_reason) if self.stop_reason is not None
                         else ShuttingDown("the server is shutting down"))
 
     def _release(self, num_requests: int) -> None:

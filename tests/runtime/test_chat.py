@@ -208,4 +208,5 @@ def test_named_templates_take_default_and_refuse_a_list_without_one():
     # with tools, transformers takes "tool_use" (default or not)
     hi = [{"role": "user", "content": "hi"}]
     assert apply_chat_template(no_default, hi, tools=[{"type": "function"}]) == "TOOLS"
-    assert apply_chat_template(Tokenizer(huginn, {"chat_template": listed}), hi, tools=[{"type": "function"}]) == "TOOLS"
+    with_default = Tokenizer(huginn, {"chat_template": listed})
+    assert apply_chat_template(with_default, hi, tools=[{"type": "function"}]) == "TOOLS"
