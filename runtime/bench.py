@@ -184,8 +184,7 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
 
     name = Path(str(cfg.model.path)).name if cfg.model.path else cfg.model.name
     num_loops = cfg.model.num_loops or model.default_num_loops
-    rate = measure_matmul_rate(hal, model.lm_head.weight.dtype, size=cfg.matmul_size)
-    log.info("matmul rate %.0f TFLOP/s", rate / 1e12)
+    rate = None
     results = []
     workloads = cfg.workload if isinstance(cfg.workload, (list, tuple)) or OmegaConf.is_list(cfg.workload) \
         else str(cfg.workload).split(",")
@@ -194,10 +193,19 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
             raise ValueError(f"unknown workload {workload!r}; known: {', '.join(cfg.workloads)}")
         cell = dict(cfg.workloads[workload])
         spec = engine_config(cfg).speculative
+        max_model_len = (max(cell["prompt"] + cell["new"], cell.get("late_prompt", 0) + 1) + 16
+                         + 2 * spec.num_tokens)
+        if max_model_len > model.max_seq_len:
+            raise ValueError(f"workload {workload} needs {max_model_len} positions and {name} has "
+                             f"{model.max_seq_len}: pick a shorter workload or set "
+                             f"workloads.{workload}.prompt=<fewer tokens>")
         config = engine_config(
             cfg, max_num_seqs=max(cell["batch"] + (1 if cell.get("late_prompt") else 0), 1),
-            max_model_len=max(cell["prompt"] + cell["new"], cell.get("late_prompt", 0) + 1) + 16 + 2 * spec.num_tokens)
+            max_model_len=max_model_len)
         engine = LLMEngine(model, hal, config, publisher=parallel.publisher())
+        if rate is None:                 # after the first cell's engine has checked its options
+            rate = measure_matmul_rate(hal, model.lm_head.weight.dtype, size=cfg.matmul_size)
+            log.info("matmul rate %.0f TFLOP/s", rate / 1e12)
         if cfg.warmup:
             # same prompt length: kernels compile (and graphs capture) outside the timed cell
             run_cell(engine, {"batch": min(cell["batch"], 2), "prompt": cell["prompt"], "new": 4}, num_loops, seed=1)

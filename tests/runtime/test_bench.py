@@ -78,3 +78,21 @@ def test_timeline_summary_finds_the_host_lead_and_the_idle_gaps():
     assert lines[5].split()[:4] == ["150.0", "us", "between", "copy"] and lines[5].endswith("-> gemm")
     assert timeline_summary([event("step", 0, 10, DeviceType.CPU)], "x") == \
         ["----- timeline of x: no device kernels profiled"]
+
+
+def test_bench_refuses_a_workload_longer_than_the_model_before_measuring(single_thread):
+    """The golden ouro-tiny holds 256 positions: prefill8k is refused with the fix, before the matmul
+    rate is measured or a cell runs."""
+    from hydra import compose, initialize_config_dir
+
+    import pytest
+
+    import runtime.bench as bench
+    from runtime.generate import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("bench", overrides=["hal=cpu", f"model.path={golden_case('ouro-tiny').path}",
+                                          "weights=checkpoint", "model.dtype=float32", "workload=prefill8k"])
+    with pytest.raises(ValueError, match=r"workload prefill8k needs 8209 positions and ouro-tiny has 256: .*"
+                                         r"workloads\.prefill8k\.prompt="):
+        bench.run(cfg)
