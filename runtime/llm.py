@@ -74,7 +74,8 @@ class LLM:
 
     def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a prompt: a string, token ids, or vLLM's dict forms
-        `{"prompt": text}` and `{"prompt_token_ids": ids}`."""
+        `{"prompt": text}` and `{"prompt_token_ids": ids}`. Text gets the tokenizer's special tokens
+        (`Tokenizer.encode_prompt`: a BOS where its post-processor adds one), as in vLLM."""
         if isinstance(prompt, Mapping):
             keys = set(prompt)
             if "prompt_token_ids" in keys and keys <= {"prompt_token_ids", "prompt"}:
@@ -85,7 +86,7 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer.json: pass token ids (prompt_ids) instead of text")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode_prompt(prompt)
         return None, _token_ids(prompt)
 
     def _add(self, prompt: Prompt, params: SamplingParams) -> str:
@@ -158,8 +159,10 @@ class LLM:
             raise ValueError("chat needs the checkpoint's tokenizer.json and chat template")
         messages = list(messages)                   # an iterator of messages or of conversations too
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
-        prompts = [apply_chat_template(self.tokenizer, conversation, enable_thinking=enable_thinking)
-                   for conversation in conversations]
+        texts = [apply_chat_template(self.tokenizer, conversation, enable_thinking=enable_thinking)
+                 for conversation in conversations]
+        # the template writes the BOS itself: encoded as a plain prompt it would get a second one
+        prompts = [{"prompt": text, "prompt_token_ids": self.tokenizer.encode(text)} for text in texts]
         return self.generate(prompts, sampling_params)
 
 

@@ -102,9 +102,9 @@ def subjects(names: list[str]) -> list[Subject]:
 
         folder = packaged_checkpoint("ouro-tiny")
         if folder is not None:
-            tok = Tokenizer.from_folder(folder)
+            tok = Tokenizer.from_folder(folder)         # the texts as LLM.generate feeds them (no BOS here)
             out.append(Subject("ouro-tiny (trained)", lambda d: zoo.from_pretrained(folder, dtype=d),
-                               [tok.encode(t) for t in TEXT], 64, {}))
+                               [tok.encode_prompt(t) for t in TEXT], 64, {}))
     if "real-shape" in names:
         config = json.loads((ROOT / "zoo" / "configs" / "ouro-1.4b.json").read_text()) | {"num_hidden_layers": 2}
         gen = torch.Generator().manual_seed(1)

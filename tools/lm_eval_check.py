@@ -80,7 +80,9 @@ def greedy_texts(llm) -> list[str]:
     """The targets of the generate_until task: the offline greedy answer, cut at the first newline."""
     from runtime import SamplingParams
 
-    outs = llm.generate(GENERATE, SamplingParams(max_tokens=MAX_GEN_TOKS, temperature=0))
+    # lm-eval encodes the prompt without special tokens (through /tokenize); a text prompt would get them
+    prompts = [llm.tokenizer.encode(text) for text in GENERATE]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_GEN_TOKS, temperature=0))
     return [out.text.split("\n")[0] for out in outs]
 
 

@@ -142,7 +142,8 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
         cls = TokenizeRequest if what == "tokenize" else DetokenizeRequest
         body = parse_request(cls, await read_json(request, config.max_body_bytes))
         if what == "tokenize":
-            ids = tokenizer.encode(checked_text(body.prompt, "prompt"), add_special_tokens=body.add_special_tokens)
+            text = checked_text(body.prompt, "prompt")     # with special tokens: the ids a completion gets
+            ids = tokenizer.encode_prompt(text) if body.add_special_tokens else tokenizer.encode(text)
             return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
         vocab = engine.model.config.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]

@@ -118,13 +118,23 @@ def _completion_logprobs(tokenizer: Tokenizer | None, choice: Choice, logprobs: 
 
     if with_prompt and choice.prefix and choice.prompt_logprobs is not None:
         prompt = _Offsets(tokenizer, skip_special_tokens=False)      # the prompt's text as given
-        for token_id, lp in zip(choice.prompt_ids, choice.prompt_logprobs):
-            add(token_id, lp, prompt.next(token_id))
+        added = _num_added_bos(tokenizer, choice)
+        for i, (token_id, lp) in enumerate(zip(choice.prompt_ids, choice.prompt_logprobs)):
+            add(token_id, lp, 0 if i < added else prompt.next(token_id))
     if choice.offset_text is None:
         choice.offset_text = _Offsets(tokenizer, len(choice.prefix))
     for lp in logprobs:
         add(lp.token_id, lp, choice.offset_text.next(lp.token_id))
     return out
+
+
+def _num_added_bos(tokenizer: Tokenizer | None, choice: Choice) -> int:
+    """1 where the prompt's ids start with a BOS its echoed text does not (the one encoding a text
+    prompt adds, `Tokenizer.encode_prompt`): that token takes no room in the text, so the offsets
+    after it are not pushed along by its length."""
+    bos = tokenizer.special_token("bos_token") if tokenizer is not None else None
+    leads = bool(bos) and choice.prompt_ids[:1] == [tokenizer.token_id(bos)]
+    return int(leads and not choice.prefix.startswith(bos))
 
 
 class _Offsets:

@@ -2,9 +2,9 @@
 
 Fields follow the OpenAI API, plus the looped-model extras `num_loops` / `exit_threshold` and
 vLLM's `top_k`, `min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
-`include_stop_str_in_output`, `chat_template_kwargs`. Unknown fields are rejected (a typo such as
-`num_loop` must not be silently ignored); OpenAI fields we do not implement (`suffix`, `tools`) are
-accepted only at their neutral value.
+`include_stop_str_in_output`, `chat_template_kwargs` and (completions) `add_special_tokens`. Unknown
+fields are rejected (a typo such as `num_loop` must not be silently ignored); OpenAI fields we do not
+implement (`suffix`, `tools`) are accepted only at their neutral value.
 """
 from __future__ import annotations
 
@@ -79,6 +79,8 @@ class CompletionRequest(_GenerationRequest):
     suffix: Optional[str] = None
     best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM extra: a text prompt gets the tokenizer's special tokens (e.g. a BOS) unless false
+    add_special_tokens: bool = True
 
 
 class TextPart(_Body):
@@ -110,7 +112,7 @@ class ChatCompletionRequest(_GenerationRequest):
 
 class TokenizeRequest(_Body):
     prompt: str
-    add_special_tokens: bool = False
+    add_special_tokens: bool = True          # as vLLM: the ids a completion of this prompt is fed
     model: Optional[str] = None
 
 

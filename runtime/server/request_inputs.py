@@ -77,7 +77,8 @@ class RequestInputs:
         batch = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
         if not batch:
             raise APIError(400, "prompt is empty: give a string or a list of token ids", param="prompt")
-        return [self._encode(p, "prompt") if isinstance(p, str) else (list(p), None) for p in batch]
+        return [self._encode(p, "prompt", body.add_special_tokens) if isinstance(p, str) else (list(p), None)
+                for p in batch]
 
     def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], str | None]:
         if self.tokenizer is None:
@@ -93,12 +94,15 @@ class RequestInputs:
                                        add_generation_prompt=True, **extra)
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
-        return self._encode(text, "messages")
+        return self._encode(text, "messages", special_tokens=False)   # the template writes the BOS
 
-    def _encode(self, text: str, param: str) -> tuple[list[int], str]:
+    def _encode(self, text: str, param: str, special_tokens: bool) -> tuple[list[int], str]:
+        """Token ids of `text`: with `special_tokens` as a completion prompt (`Tokenizer.encode_prompt`),
+        else as written."""
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer.json: send the prompt as token ids", param=param)
-        ids = self.tokenizer.encode(checked_text(text, param))
+        text = checked_text(text, param)
+        ids = self.tokenizer.encode_prompt(text) if special_tokens else self.tokenizer.encode(text)
         if not ids:
             raise APIError(400, f"{param} is empty (no tokens)", param=param)
         return ids, text

@@ -89,7 +89,23 @@ class Tokenizer:
         return template or None
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; without special tokens, as chat-template text is encoded (the template
+        writes its own BOS) and as lm-eval encodes."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a plain-text prompt, as vLLM and transformers feed one: with the special
+        tokens that tokenizer.json's post-processor adds (a Llama-style BOS, which the model was
+        trained to see first; nothing for GPT-2-style tokenizers), less an end token it appends:
+        a prompt is to be continued, and after the end token the model would start a new document
+        (Huginn-0125's appends one; its model card cuts it with `[:, :-1]`). Only an end token the
+        post-processor added goes (its special-tokens mask says which), never one the text holds."""
+        encoding = self.backend.encode(text, add_special_tokens=True)
+        ids = encoding.ids
+        eos = self.eos_token_id
+        if ids and eos is not None and ids[-1] == eos and encoding.special_tokens_mask[-1]:
+            ids = ids[:-1]
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

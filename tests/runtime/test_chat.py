@@ -1,5 +1,6 @@
-"""Chat templates and tokenizers: rendering as Hugging Face does, each family's special tokens, and the
-CLI's chat=true path rendering the prompt and stopping on the family's stop token."""
+"""Chat templates and tokenizers: rendering as Hugging Face does, each family's special tokens, the
+CLI's chat=true path rendering the prompt and stopping on the family's stop token, and text prompts
+getting the tokenizer's special tokens where chat prompts get only the template's."""
 import json
 import os
 import subprocess
@@ -8,10 +9,11 @@ import sys
 import pytest
 import torch
 from safetensors.torch import save_file
-from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_tokenizers, processors
 
 import zoo
 from helpers import ROOT
+from runtime import LLM, SamplingParams
 from runtime.text.chat import ChatTemplateError, apply_chat_template, render_chat
 from runtime.text.tokenizer import Tokenizer
 
@@ -210,3 +212,46 @@ def test_named_templates_take_default_and_refuse_a_list_without_one():
     assert apply_chat_template(no_default, hi, tools=[{"type": "function"}]) == "TOOLS"
     with_default = Tokenizer(huginn, {"chat_template": listed})
     assert apply_chat_template(with_default, hi, tools=[{"type": "function"}]) == "TOOLS"
+
+
+def post_processed(single: str) -> Tokenizer:
+    """A byte-level tokenizer whose tokenizer.json post-processor follows `single`: "<s> $A" adds a
+    BOS as Llama's does, "<s> $A </s>" an end token too, as Huginn-0125's does; its chat template
+    writes the BOS itself."""
+    backend = byte_level_tokenizer({"<s>": 0, "</s>": 1, "<|im_start|>": 2})
+    backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=[("<s>", 0), ("</s>", 1)])
+    return Tokenizer(backend, {"bos_token": "<s>", "eos_token": "</s>", "chat_template": "{{ bos_token }}" + CHATML})
+
+
+def test_a_text_prompt_gets_the_post_processors_bos_and_not_its_end_token():
+    llama, huginn = post_processed("<s> $A"), post_processed("<s> $A </s>")
+    plain = llama.encode("Hi there")
+    assert plain == huginn.encode("Hi there") and len(plain) == 8 and not {0, 1} & set(plain)
+    assert llama.encode_prompt("Hi there") == [0, *plain]
+    assert huginn.encode("Hi there", add_special_tokens=True) == [0, *plain, 1]
+    assert huginn.encode_prompt("Hi there") == [0, *plain]          # cut, as Huginn's model card does
+    assert huginn.encode_prompt("Hi</s>") == [0, *huginn.encode("Hi"), 1]   # the text's own end token stays
+    assert huginn.encode_prompt("") == [0]
+    # no post-processor (the packaged ouro-tiny's tokenizer.json): nothing is added
+    packaged = Tokenizer.from_folder(ROOT / "zoo" / "checkpoints" / "ouro-tiny")
+    assert packaged.encode_prompt("In the beginning") == packaged.encode("In the beginning")
+
+
+@pytest.mark.parametrize("single", ["<s> $A", "<s> $A </s>"])
+def test_llm_gives_text_prompts_the_bos_and_chat_prompts_only_the_templates(single):
+    """As vLLM: `generate` on text adds the tokenizer's special tokens; `chat` encodes the rendered
+    template as written, so its BOS is not doubled."""
+    tokenizer = post_processed(single)
+    model = zoo.from_config(FAMILIES["ouro"]["config"], dtype="float32", seed=0)
+    llm = LLM(model, hal="cpu", tokenizer=tokenizer, num_kv_blocks=32)
+    greedy = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    hi = tokenizer.encode("Hi")
+    assert llm.encode("Hi") == ("Hi", [0, *hi])
+    assert llm.encode({"prompt_token_ids": hi}) == (None, hi)                # ids are taken as given
+    out = llm.generate("Hi", greedy)[0]
+    assert (out.prompt, out.prompt_token_ids) == ("Hi", [0, *hi])
+    [chat] = llm.chat([{"role": "user", "content": "Hi"}], greedy)
+    assert chat.prompt == "<s><|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert chat.prompt_token_ids == tokenizer.encode(chat.prompt)
+    assert chat.prompt_token_ids[:2] == [0, 2] and chat.prompt_token_ids.count(0) == 1
+    assert 1 not in chat.prompt_token_ids

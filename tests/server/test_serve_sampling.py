@@ -1,6 +1,7 @@
 """The OpenAI client against a live server: logprobs on completions (with and without echo, streamed
 and not) and chat, n samples, penalties and logit_bias, the model's sampling defaults (the same greedy
-text as runtime.generate), and the tokenizer endpoints."""
+text as runtime.generate), the tokenizer endpoints, and a tokenizer's special tokens on completion
+prompts (not on chat prompts, whose template writes them)."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,7 @@ openai = pytest.importorskip("openai", reason=SERVE_EXTRA)
 from hydra import compose, initialize_config_dir
 
 import hal
-from live_server import LiveServer
+from live_server import CHAT_TEMPLATE, LiveServer
 from runtime import LLM, SamplingParams
 from runtime.cli import CONF_DIR
 from runtime.config import EngineConfig
@@ -20,6 +21,7 @@ from runtime.sampling_params import SamplingDefaults
 from runtime.engine.llm_engine import LLMEngine
 from runtime.server.app import build_app
 from runtime.server.config import ServerConfig
+from runtime.text.tokenizer import Tokenizer
 
 PROMPT = "the cat sat on"
 
@@ -157,11 +159,61 @@ def test_logprobs_bytes_and_offsets_of_split_characters(client, tokenizer):
 def test_tokenizer_endpoints(server, tokenizer):
     with httpx.Client(base_url=server.url, timeout=60) as http:
         ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
-        assert ids == tokenizer.encode(PROMPT)
+        assert ids == tokenizer.encode_prompt(PROMPT) == tokenizer.encode(PROMPT)   # no post-processor
         assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == tokenizer.decode(ids)
         info = http.get("/tokenizer_info").json()
         assert info["eos_token"] == "<|im_end|>" and "chat_template" in info
         assert http.post("/detokenize", json={"tokens": [10**6]}).status_code == 400
+
+
+def with_post_processor(tokenizer: Tokenizer, single: str) -> Tokenizer:
+    """The test tokenizer with a tokenizer.json post-processor: "<|endoftext|> $A" adds a BOS as
+    Llama's does, "<|endoftext|> $A <|im_end|>" an end token too, as Huginn-0125's does; its chat
+    template writes the BOS itself."""
+    from tokenizers import Tokenizer as Backend, processors
+
+    backend = Backend.from_str(tokenizer.backend.to_str())
+    backend.post_processor = processors.TemplateProcessing(
+        single=single, special_tokens=[("<|endoftext|>", 0), ("<|im_end|>", 2)])
+    return Tokenizer(backend, {**tokenizer.config, "bos_token": "<|endoftext|>",
+                               "chat_template": "{{ bos_token }}" + CHAT_TEMPLATE})
+
+
+@pytest.mark.parametrize("single", ["<|endoftext|> $A", "<|endoftext|> $A <|im_end|>"])
+def test_completion_prompts_get_the_bos_and_chat_prompts_only_the_templates(tiny_model, tokenizer, live_server,
+                                                                           single):
+    """As vLLM: a completion's text prompt gets the tokenizer's special tokens (less an appended end
+    token: the prompt is to be continued) unless add_special_tokens is false; /tokenize gives those
+    same ids by default; the chat template's text is encoded as written, its one BOS included."""
+    bos = with_post_processor(tokenizer, single)
+    engine = LLMEngine(tiny_model, hal.get("cpu"), EngineConfig(num_kv_blocks=64), bos)
+    server = live_server(build_app(engine, ServerConfig(model_name="tiny")))
+    plain = tokenizer.encode(PROMPT)
+    assert bos.encode(PROMPT) == plain and 0 not in plain and 2 not in plain
+    fed = [0, *plain]
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        assert http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"] == fed
+        unspecial = http.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}).json()
+        assert unspecial["tokens"] == plain
+        request = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "ignore_eos": True,
+                   "echo": True, "logprobs": 0}
+        out = http.post("/v1/completions", json=request).json()
+        lp = out["choices"][0]["logprobs"]
+        assert out["usage"]["prompt_tokens"] == len(fed) and out["choices"][0]["text"].startswith(PROMPT)
+        assert lp["tokens"][:len(fed)] == [bos.decode([t], skip_special_tokens=False) for t in fed]
+        assert lp["tokens"][0] == "<|endoftext|>" and lp["token_logprobs"][0] is None
+        # the BOS is not in the echoed text: it and the first word both sit at offset 0
+        text = out["choices"][0]["text"]
+        assert lp["text_offset"][:2] == [0, 0]
+        assert all(text[o:o + len(t)] == t for t, o in zip(lp["tokens"][1:], lp["text_offset"][1:]))
+        without = http.post("/v1/completions", json={**request, "add_special_tokens": False}).json()
+        assert without["usage"]["prompt_tokens"] == len(plain)
+        assert without["choices"][0]["logprobs"]["tokens"][:len(plain)] == lp["tokens"][1:len(fed)]
+        chat = http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 1, "temperature": 0,
+                                                      "messages": [{"role": "user", "content": "hello"}]}).json()
+        rendered = "<|endoftext|><|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+        ids = bos.encode(rendered)
+        assert ids.count(0) == 1 and ids[0] == 0 and chat["usage"]["prompt_tokens"] == len(ids)
 
 
 def composed(name, *overrides):
