@@ -89,7 +89,8 @@ def run(cfg: Any) -> list[dict[str, Any]]:
         if not parallel.is_driver:                 # tensor parallelism: rank 0 prints, the others compute
             follow(source, hal, cfg.model.dtype, parallel)
             return []
-        llm = LLM(source, hal=hal, dtype=cfg.model.dtype, parallel=parallel, engine_config=engine)
+        llm = LLM(source, hal=hal, dtype=cfg.model.dtype, parallel=parallel, engine_config=engine,
+                  stop_token_ids=tuple(cfg.model.stop_token_ids))
         try:
             if cfg.chat:
                 conversations = [[{"role": "user", "content": p}] for p in prompts]
@@ -148,7 +149,7 @@ def sampling_params(cfg: Any) -> SamplingParams:
             repetition_penalty=cfg.get("repetition_penalty", 1.0), logit_bias=bias,
             min_tokens=cfg.get("min_tokens", 0), stop=stop, logprobs=cfg.get("logprobs"),
             prompt_logprobs=cfg.get("prompt_logprobs"),
-            stop_token_ids=tuple(cfg.model.stop_token_ids), num_loops=cfg.model.num_loops,
+            num_loops=cfg.model.num_loops,
             exit_threshold=cfg.model.exit_threshold)
     except ValueError as exc:
         raise UsageError(f"error: {exc}") from None

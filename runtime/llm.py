@@ -39,7 +39,9 @@ class LLM:
     `model` is a checkpoint folder, a known name ("ouro-1.4b", looked up in the local Hugging Face
     cache) or an already built zoo model. `dtype=None` keeps the checkpoint's dtype. Engine options
     (`kv_mode`, `max_num_seqs`, `max_num_batched_tokens`, `num_kv_blocks`, ...) are the fields of
-    `runtime.config.EngineConfig`, given as keywords or as `engine_config=`.
+    `runtime.config.EngineConfig`, given as keywords or as `engine_config=`. `stop_token_ids`: end
+    tokens of the model besides its config's and tokenizer's eos (the model node's, e.g. Ouro's
+    `<|im_end|>`); every request stops at them unless it sets `ignore_eos`.
 
     Tensor parallelism: `parallel` from `runtime.parallel.state.init_distributed` (under torchrun). The LLM
     lives on rank 0 and loads its shard; every other rank calls `follow(...)` with the same model
@@ -49,7 +51,7 @@ class LLM:
     def __init__(self, model: str | os.PathLike | LoopedCausalLM, hal: str | Hal = "auto",
                  dtype: torch.dtype | str | None = None, tokenizer: Tokenizer | None = None,
                  engine_config: EngineConfig | None = None, parallel: ParallelState | None = None,
-                 **engine_options) -> None:
+                 stop_token_ids: Sequence[int] = (), **engine_options) -> None:
         self.hal = hal_registry.get(hal) if isinstance(hal, str) else hal
         self.parallel = parallel or ParallelState()
         if not self.parallel.is_driver:
@@ -63,7 +65,8 @@ class LLM:
         self.model, folder = load_model(model, self.hal, dtype, self.parallel)
         device = self.hal.device()
         self.tokenizer = tokenizer or (Tokenizer.from_folder(folder) if folder else None)
-        self.engine = LLMEngine(self.model, self.hal, config, self.tokenizer, publisher=self.parallel.publisher())
+        self.engine = LLMEngine(self.model, self.hal, config, self.tokenizer, extra_stop_token_ids=stop_token_ids,
+                                publisher=self.parallel.publisher())
         self._generation_config = _sampling_of_generation_config(folder)
         self._ids = itertools.count()
         log.info("LLM: %s on %s, dtype %s", type(self.model).__name__, device, next(self.model.parameters()).dtype)

@@ -42,8 +42,7 @@ def server_config(cfg: Any) -> Any:
     source = model_source(cfg)
     fields["model_name"] = fields.get("model_name") or cfg.model.name or Path(str(source)).name
     try:
-        return ServerConfig(**fields, stop_token_ids=tuple(cfg.model.stop_token_ids),
-                            default_num_loops=cfg.model.num_loops,
+        return ServerConfig(**fields, default_num_loops=cfg.model.num_loops,
                             default_exit_threshold=cfg.model.exit_threshold,
                             sampling=SamplingDefaults.from_model(cfg.model))
     except ValueError as exc:
@@ -67,7 +66,7 @@ def make_app(cfg: Any, hal: Any = None, parallel: Any = None) -> Any:
     check_model_node(cfg.model, engine)
     config = server_config(cfg)
     llm = LLM(source, hal=hal or make_hal(cfg.hal), dtype=cfg.model.dtype, engine_config=engine,
-              parallel=parallel)
+              parallel=parallel, stop_token_ids=tuple(cfg.model.stop_token_ids))
     return build_app(llm.engine, config)
 
 

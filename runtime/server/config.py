@@ -7,7 +7,7 @@ from typing import Optional
 from runtime.sampling_params import SamplingDefaults
 
 # filled from the `model:` config node by runtime.serve, not part of the `server:` node
-SERVER_FIELDS_FROM_MODEL = ("stop_token_ids", "default_num_loops", "default_exit_threshold", "sampling")
+SERVER_FIELDS_FROM_MODEL = ("default_num_loops", "default_exit_threshold", "sampling")
 
 
 @dataclass(frozen=True)
@@ -22,17 +22,16 @@ class ServerConfig:
     max_num_requests: int = 512             # queued + running engine requests before 429
     retry_after_s: int = 1                  # the Retry-After of a 429 / 503
     max_body_bytes: int = 1 << 20           # larger request bodies get 413
-    default_max_tokens: int = 256           # when a request gives no max_tokens (capped by the context)
+    default_max_tokens: int = 256           # a completion without max_tokens (capped by the context); a
+                                            # chat completion without one may fill the context (vLLM's rule)
     max_num_stop_strings: int = 16
     shutdown_timeout_s: float = 30.0        # at shutdown, how long in-flight requests may still run
-    stop_token_ids: tuple[int, ...] = ()    # besides the tokenizer's / config's eos (the model node's)
     default_num_loops: Optional[int] = None       # None: the model's own depth
     default_exit_threshold: Optional[float] = None  # None: the model's own threshold
     # what a request leaves out: the model's generation_config, as runtime.generate applies it
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         for name in ("max_num_requests", "max_body_bytes", "default_max_tokens", "max_num_stop_strings"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")

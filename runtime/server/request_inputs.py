@@ -124,17 +124,21 @@ class RequestInputs:
         else:
             logprobs, best_of = body.logprobs, body.best_of
             prompt_logprobs = logprobs if body.echo and logprobs is not None else None
+        if max_tokens is None:       # vLLM's rule for chat: the rest of the context (a thinking model's
+            # answer must not be cut at a fixed length); completions: the configured default
+            is_chat = isinstance(body, ChatCompletionRequest)
+            max_tokens = room if is_chat else min(self.config.default_max_tokens, room)
         defaults = self.config.sampling.resolve(body.temperature, body.top_p, body.top_k)
         defaults["top_k"] = max(defaults["top_k"], 0)          # -1: off, as 0
         try:
             return SamplingParams(
-                max_tokens=max_tokens or min(self.config.default_max_tokens, room), **defaults,
+                max_tokens=max_tokens, **defaults,
                 seed=body.seed, n=body.n or 1, best_of=best_of,
                 presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
                 repetition_penalty=body.repetition_penalty or 1.0,
                 logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
                 min_tokens=body.min_tokens or 0, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                stop_token_ids=(*self.config.stop_token_ids, *(body.stop_token_ids or ())),
+                stop_token_ids=tuple(body.stop_token_ids or ()),
                 stop=tuple(body.stop_strings()), include_stop_str_in_output=body.include_stop_str_in_output,
                 ignore_eos=body.ignore_eos, num_loops=body.num_loops or self.config.default_num_loops,
                 exit_threshold=body.exit_threshold if body.exit_threshold is not None

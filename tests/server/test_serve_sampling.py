@@ -243,3 +243,34 @@ def test_served_defaults_are_the_clis(checkpoint, tiny_model, tokenizer):
     with LiveServer(build_app(engine, ServerConfig(model_name="tiny", sampling=nanbeige))) as live:
         models = httpx.get(f"{live.url}/v1/models").json()["data"][0]
         assert models["sampling_defaults"] == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+
+
+def test_the_model_nodes_stop_tokens_yield_to_ignore_eos_and_chat_fills_the_context(checkpoint, offline):
+    """model.stop_token_ids end a request as the config's eos does, in the CLI and the server, and
+    `ignore_eos` lifts them too (as vLLM ignores generation_config's eos ids); a chat completion without
+    max_tokens may run to the end of the context, a completion stops at server.default_max_tokens."""
+    from runtime import generate
+    from runtime.serve import make_app
+
+    first = offline(PROMPT, max_tokens=1, temperature=0, ignore_eos=True).token_ids[0]
+    options = ["hal=cpu", f"model.path={checkpoint}", "model.dtype=float32", "engine.num_kv_blocks=64",
+               f"model.stop_token_ids=[{first}]"]
+    for ignore in (False, True):
+        (cli,) = generate.run(composed("generate", *options, f"prompt={PROMPT}", "max_tokens=5", "temperature=0",
+                                       f"ignore_eos={str(ignore).lower()}"))
+        assert (len(cli["token_ids"]), cli["finish_reason"]) == ((5, "length") if ignore else (1, "stop"))
+    app = make_app(composed("serve", *options, "server.default_max_tokens=3", "engine.max_model_len=64"))
+    with LiveServer(app) as live:
+        http = httpx.Client(base_url=live.url, timeout=60)
+        for ignore in (False, True):
+            out = http.post("/v1/completions", json={"model": checkpoint.name, "prompt": PROMPT, "max_tokens": 5,
+                                                     "temperature": 0, "ignore_eos": ignore}).json()
+            assert out["usage"]["completion_tokens"] == (5 if ignore else 1)
+            assert out["choices"][0]["finish_reason"] == ("length" if ignore else "stop")
+        body = {"model": checkpoint.name, "temperature": 0, "ignore_eos": True}
+        short = http.post("/v1/completions", json={**body, "prompt": PROMPT}).json()
+        assert short["usage"]["completion_tokens"] == 3                      # server.default_max_tokens
+        chat = http.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "hi"}]})
+        usage = chat.json()["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == 64     # the whole context
+        assert chat.json()["choices"][0]["finish_reason"] == "length"
