@@ -187,6 +187,7 @@ class GenerateConfig:
     temperature: Optional[float] = None   # None: the model's default (model.temperature), else greedy
     top_p: Optional[float] = None         # None: model.top_p, else 1.0
     top_k: Optional[int] = None           # None: model.top_k, else 0
+    min_p: float = 0.0                    # drop tokens below min_p x the top token's probability; 0: off
     seed: Optional[int] = None
     n: int = 1                            # samples per prompt (they share the prompt's KV)
     best_of: Optional[int] = None         # generate this many, print the n of highest mean logprob

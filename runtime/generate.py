@@ -143,7 +143,7 @@ def sampling_params(cfg: Any) -> SamplingParams:
         return SamplingParams(
             max_tokens=cfg.max_tokens, **SamplingDefaults.from_model(cfg.model).resolve(cfg.temperature, cfg.top_p,
                                                                                         cfg.top_k),
-            seed=cfg.seed, init_scale=cfg.init_scale, ignore_eos=cfg.ignore_eos,
+            min_p=cfg.get("min_p", 0.0), seed=cfg.seed, init_scale=cfg.init_scale, ignore_eos=cfg.ignore_eos,
             n=cfg.get("n", 1), best_of=cfg.get("best_of"), presence_penalty=cfg.get("presence_penalty", 0.0),
             frequency_penalty=cfg.get("frequency_penalty", 0.0),
             repetition_penalty=cfg.get("repetition_penalty", 1.0), logit_bias=bias,

@@ -25,11 +25,13 @@ class SamplingParams:
     `min_tokens` (stop tokens masked until that many tokens were generated), `repetition_penalty`
     (> 1 discourages every token of the prompt and the output: a positive logit is divided by it,
     a negative one multiplied), `frequency_penalty` (subtracted once per earlier occurrence in the
-    output) and `presence_penalty` (subtracted once if it occurred), then temperature, top-k, top-p.
+    output) and `presence_penalty` (subtracted once if it occurred), then temperature, `min_p` (tokens
+    less likely than min_p times the most likely one are dropped, as in vLLM; 0: off), top-k, top-p.
     Greedy requests take the argmax after the penalties.
 
     A sample ends at a stop token (`stop_token_ids`, and the model's end tokens unless `ignore_eos`)
     or where its text first holds one of the `stop` strings, after `min_tokens` tokens. Its text
+    leaves special tokens out unless `skip_special_tokens=False`. Its text
     then ends before the stop token's or string's text (`include_stop_str_in_output`: after it),
     as in vLLM; its tokens keep the one that stopped it (runtime/engine/stop_strings.py).
 
@@ -50,10 +52,12 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()                        # stop strings; one string is accepted too
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True                  # the text leaves special tokens out (as vLLM)
     ignore_eos: bool = False
     n: int = 1
     best_of: int | None = None
@@ -98,6 +102,8 @@ class SamplingParams:
             object.__setattr__(self, "temperature", 0.0)
         if not 0 < self.top_p <= 1:
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not 0 <= self.min_p <= 1:
+            problems.append(f"min_p must be in [0, 1] (0: off), got {self.min_p!r}")
         if not (isinstance(self.top_k, int) and -TOP_K_LIMIT < self.top_k < TOP_K_LIMIT):
             problems.append(f"top_k must be an integer of magnitude below 2^31 (0 or -1: off), got {self.top_k!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and -INT64_LIMIT <= self.seed < INT64_LIMIT):

@@ -11,6 +11,7 @@ SIGINT / SIGTERM stop it gracefully: new requests get 503, in-flight requests ge
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ from runtime.cli import (CONF_DIR, UsageError, check_model_node, check_port, che
                          clear_errors, engine_config, known_models, make_hal, model_source,
                          register_schemas)
 from runtime.sampling_params import SamplingDefaults
+
+API_KEY_ENV = "LOOPSTACK_API_KEY"       # the key without putting it on the command line (ps shows argv)
 
 log = logging.getLogger("runtime.serve")
 
@@ -41,6 +44,7 @@ def server_config(cfg: Any) -> Any:
     fields = OmegaConf.to_container(cfg.server) if OmegaConf.is_config(cfg.server) else dict(cfg.server)
     source = model_source(cfg)
     fields["model_name"] = fields.get("model_name") or cfg.model.name or Path(str(source)).name
+    fields["api_key"] = fields.get("api_key") or os.environ.get(API_KEY_ENV) or None
     try:
         return ServerConfig(**fields, default_num_loops=cfg.model.num_loops,
                             default_exit_threshold=cfg.model.exit_threshold,

@@ -27,7 +27,8 @@ def detokenizer_of(request: Any, tokenizer: Any) -> IncrementalDetokenizer:
     """The request's incremental detokenizer for `tokenizer` (made on first use)."""
     detokenizer = request.detokenizer
     if detokenizer is None or detokenizer.tokenizer is not tokenizer:
-        detokenizer = request.detokenizer = IncrementalDetokenizer(tokenizer)
+        detokenizer = IncrementalDetokenizer(tokenizer, request.params.skip_special_tokens)
+        request.detokenizer = detokenizer
     return detokenizer
 
 

@@ -19,7 +19,7 @@ import numpy as np
 # columns of `RowParams.ints`; the stop tokens follow from STOPS on
 TOP_K, SEED, SEEDED, GREEDY, NUM_PROMPT, MAX_TOKENS, MIN_TOKENS, MAX_SEQ_LEN, STOPS = range(9)
 # columns of `RowParams.floats`
-TEMPERATURE, TOP_P = range(2)
+TEMPERATURE, TOP_P, MIN_P = range(3)
 NO_STOP_TOKEN = -1
 
 
@@ -29,7 +29,7 @@ class RowParams:
         self.ints[:, STOPS:] = NO_STOP_TOKEN
         # float64: the host's flags compare the request's own values (as the per-row builder does);
         # the device gets them as float32, the rounding the per-row builder's tensors have
-        self.floats = np.ones((max_rows, 2), dtype=np.float64)
+        self.floats = np.ones((max_rows, 3), dtype=np.float64)
         self.per_row = np.zeros(max_rows, dtype=bool)              # logits need the row's history (penalties, bias)
         self.num_logprobs = np.full(max_rows, -1, dtype=np.int64)  # top-k of sampled-token logprobs; -1: none
         self.version = 0                  # bumped by every write: the device mirror re-uploads when it moved
@@ -55,7 +55,8 @@ class RowParams:
         self.ints[row, :STOPS] = (p.top_k if sampled else 0, p.seed if seeded else 0, seeded, not sampled,
                                   len(request.prompt_token_ids), p.max_tokens, p.min_tokens, request.max_seq_len)
         self.ints[row, STOPS:STOPS + len(stops)] = stops
-        self.floats[row] = (p.temperature if sampled else 1.0, p.top_p if sampled else 1.0)
+        self.floats[row] = (p.temperature if sampled else 1.0, p.top_p if sampled else 1.0,
+                            p.min_p if sampled else 0.0)
         self.per_row[row] = p.has_penalties or bool(p.logit_bias)
         k = request.num_logprobs
         self.num_logprobs[row] = -1 if k is None else k

@@ -21,8 +21,8 @@ import torch
 
 from hal.common.staging import StagingRing
 from runtime.engine.sequence import CODE_LENGTH, CODE_STOPPED
-from runtime.execution.row_params import (GREEDY, MAX_SEQ_LEN, MAX_TOKENS, MIN_TOKENS, NO_STOP_TOKEN, NUM_PROMPT,
-                                          SEED, SEEDED, STOPS, TEMPERATURE, TOP_K, TOP_P, RowParams)
+from runtime.execution.row_params import (GREEDY, MAX_SEQ_LEN, MAX_TOKENS, MIN_P, MIN_TOKENS, NO_STOP_TOKEN,
+                                          NUM_PROMPT, SEED, SEEDED, STOPS, TEMPERATURE, TOP_K, TOP_P, RowParams)
 from runtime.execution.sampler import SamplingTensors
 
 
@@ -33,7 +33,7 @@ class StepRows:
                  host_ints: np.ndarray, host_floats: np.ndarray, host_positions: np.ndarray, per_row: bool,
                  num_logprobs: np.ndarray, vocab_size: int) -> None:
         self.ints = ints                               # [R, C] int64 (row_params' columns)
-        self._floats = floats                          # () -> [R, 2] float32, gathered only if a row samples
+        self._floats = floats                          # () -> [R, 3] float32, gathered only if a row samples
         self.positions = positions                     # [R] int64: each row's input token's position
         self.per_row = per_row                         # some row needs SamplingTensors.build
         self.num_logprobs = num_logprobs               # [R] host: top-k of logprobs each row wants, -1: none
@@ -43,7 +43,8 @@ class StepRows:
         top_k = host_ints[:, TOP_K]
         self.flags = dict(all_greedy=not sampled.any(),
                           any_top_k=bool(((top_k > 0) & (top_k < vocab_size)).any()),
-                          any_top_p=bool((host_floats[:, TOP_P] < 1.0).any()), any_seeded=bool(seeded.any()),
+                          any_top_p=bool((host_floats[:, TOP_P] < 1.0).any()),
+                          any_min_p=bool((host_floats[:, MIN_P] > 0.0).any()), any_seeded=bool(seeded.any()),
                           any_unseeded=bool((sampled & ~seeded).any()))
         num_outputs = host_positions + 2 - host_ints[:, NUM_PROMPT]          # once this step's token is in
         has_stops = (host_ints[:, STOPS:] != NO_STOP_TOKEN).any(1)
@@ -68,7 +69,7 @@ class StepRows:
                                top_k=self.ints[:, TOP_K], top_p=floats[:, TOP_P],
                                seeded=self.ints[:, SEEDED] > 0, seeds=self.ints[:, SEED],
                                positions=self.positions + 1, bias=None, banned=banned, penalties=None,
-                               **self.flags)
+                               min_p=floats[:, MIN_P], **self.flags)
 
     def stop_codes(self, tokens: torch.Tensor) -> torch.Tensor:
         """`[R]` int64 finish codes of the rows that sampled `tokens: [R]`."""

@@ -67,6 +67,8 @@ class SamplingTensors:
     any_top_p: bool
     any_seeded: bool
     any_unseeded: bool
+    min_p: torch.Tensor | None = None    # [R] float32; 0.0: off
+    any_min_p: bool = False
 
     @classmethod
     def build(cls, rows: Sequence[Any], device: torch.device, vocab_size: int,
@@ -96,20 +98,22 @@ class SamplingTensors:
             penalties = _penalties(rows, params, vocab_size, tensor, pending)
         top_k = [p.top_k if s else 0 for p, s in zip(params, sampled)]
         top_p = [p.top_p if s else 1.0 for p, s in zip(params, sampled)]
+        min_p = [p.min_p if s else 0.0 for p, s in zip(params, sampled)]
         seeds = [p.seed if (s and p.seed is not None) else None for p, s in zip(params, sampled)]
         flags = dict(all_greedy=not any(sampled), any_top_k=any(0 < k < vocab_size for k in top_k),
-                     any_top_p=any(p < 1.0 for p in top_p), any_seeded=any(s is not None for s in seeds),
+                     any_top_p=any(p < 1.0 for p in top_p), any_min_p=any(p > 0.0 for p in min_p),
+                     any_seeded=any(s is not None for s in seeds),
                      any_unseeded=any(s and seed is None for s, seed in zip(sampled, seeds)))
         if flags["all_greedy"]:              # the argmax needs no per-row tensors (no copies to the device)
             return cls(None, None, None, None, None, None, None, bias, banned, penalties, **flags)
         # two host-to-device copies for the per-row values: one float32, one int64 table
-        floats = tensor([[p.temperature if s else 1.0, tp, float(not s)] for p, s, tp in zip(params, sampled, top_p)],
-                        torch.float32)
+        floats = tensor([[p.temperature if s else 1.0, tp, float(not s), mp]
+                         for p, s, tp, mp in zip(params, sampled, top_p, min_p)], torch.float32)
         ints = tensor([[k, s or 0, int(s is not None), len(r.prompt_token_ids) + len(r.output_token_ids)]
                        for k, s, r in zip(top_k, seeds, rows)], torch.long)
         return cls(temperature=floats[:, 0], greedy=floats[:, 2] > 0, top_k=ints[:, 0], top_p=floats[:, 1],
                    seeded=ints[:, 2] > 0, seeds=ints[:, 1], positions=ints[:, 3], bias=bias, banned=banned,
-                   penalties=penalties, **flags)
+                   penalties=penalties, min_p=floats[:, 3], **flags)
 
 
 def _penalties(rows: Sequence[Any], params: Sequence[SamplingParams], vocab_size: int, tensor,
@@ -162,11 +166,17 @@ def apply_processors(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 
 
 def probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  use_top_k: bool = True, use_top_p: bool = True) -> torch.Tensor:
-    """The sampling distribution `[R, V]` (float32) after temperature, top-k (ties with the k-th
-    logit kept) and top-p (the smallest prefix of the sorted distribution whose mass reaches
-    top_p, at least the top token), renormalised."""
+                  use_top_k: bool = True, use_top_p: bool = True,
+                  min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """The sampling distribution `[R, V]` (float32) after temperature, min-p (tokens whose
+    probability is below min_p times the top token's dropped; `min_p` None: no row uses it), top-k
+    (ties with the k-th logit kept) and top-p (the smallest prefix of the sorted distribution whose
+    mass reaches top_p, at least the top token), renormalised."""
     logits = logits.float() / temperature[:, None]
+    if min_p is not None:
+        probs = torch.softmax(logits, dim=-1)
+        floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < floor, float("-inf"))     # the top token always stays
     vocab = logits.shape[-1]
     order = None
     if use_top_k or use_top_p:
@@ -192,7 +202,8 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     greedy = logits.argmax(dim=-1)
     if t.all_greedy:
         return greedy
-    probs = probabilities(logits, t.temperature, t.top_k, t.top_p, t.any_top_k, t.any_top_p)
+    probs = probabilities(logits, t.temperature, t.top_k, t.top_p, t.any_top_k, t.any_top_p,
+                          t.min_p if t.any_min_p else None)
     noise = torch.empty_like(probs).exponential_() if t.any_unseeded else None
     if t.any_seeded:
         keyed = keyed_exponentials(t.seeds, t.positions, probs.shape[-1])
@@ -242,7 +253,8 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     full = lambda value, dtype: torch.full((rows,), value, dtype=dtype, device=logits.device)  # noqa: E731
     vocab = logits.shape[-1]
     probs = probabilities(flat, full(params.temperature or 1.0, torch.float32), full(params.top_k, torch.long),
-                          full(params.top_p, torch.float32), 0 < params.top_k < vocab, params.top_p < 1.0)
+                          full(params.top_p, torch.float32), 0 < params.top_k < vocab, params.top_p < 1.0,
+                          full(params.min_p, torch.float32) if params.min_p > 0 else None)
     return probs.reshape(logits.shape)
 
 

@@ -21,10 +21,12 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from runtime.engine.llm_engine import LLMEngine
+from runtime.server.auth import RequireKey
 from runtime.server.config import ServerConfig
 from runtime.server.engine_loop import EngineLoop
 from runtime.server.generation import Generation
@@ -59,6 +61,12 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
 
     app = FastAPI(title="loopstack", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine_loop, app.state.metrics, app.state.model_name = loop, metrics, model_name
+    if config.api_key is not None:
+        app.add_middleware(RequireKey, api_key=config.api_key,
+                           on_refused=lambda: metrics.rejected.labels("unauthorized").inc())
+    # added last, so it runs first: a browser's preflight and a refused request both carry its headers
+    app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                       allow_headers=["*"])
 
     async def guarded(request: Request, handler: Callable[[], Awaitable[Response]]) -> Response:
         try:

@@ -64,6 +64,7 @@ class Job:
     include_usage: bool
     num_samples: int                     # choices per prompt (n)
     num_logprobs: int | None             # top logprobs per token, when the request asked for logprobs
+    continuous_usage: bool = False       # vLLM's stream_options.continuous_usage_stats: usage on every chunk
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     def usage(self) -> dict[str, int]:
@@ -97,8 +98,8 @@ def chunk_maker(job: Job) -> Callable[[dict[str, Any] | None], dict[str, Any]]:
     def chunk(choice: dict[str, Any] | None) -> dict[str, Any]:
         body = {"id": job.api_id, "object": kind, "created": job.created, "model": job.model,
                 "choices": [] if choice is None else [choice]}
-        if job.include_usage:
-            body["usage"] = None
+        if job.include_usage or job.continuous_usage:
+            body["usage"] = job.usage() if job.continuous_usage and choice is not None else None
         return body
     return chunk
 

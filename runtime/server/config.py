@@ -26,12 +26,19 @@ class ServerConfig:
                                             # chat completion without one may fill the context (vLLM's rule)
     max_num_stop_strings: int = 16
     shutdown_timeout_s: float = 30.0        # at shutdown, how long in-flight requests may still run
+    # `/v1/*` needs `Authorization: Bearer <api_key>` when set (vLLM's --api-key); the CLI also reads
+    # LOOPSTACK_API_KEY, which keeps the key off the command line
+    api_key: Optional[str] = None
+    allowed_origins: tuple[str, ...] = ("*",)   # CORS: browsers on these origins may call the API
     default_num_loops: Optional[int] = None       # None: the model's own depth
     default_exit_threshold: Optional[float] = None  # None: the model's own threshold
     # what a request leaves out: the model's generation_config, as runtime.generate applies it
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "allowed_origins", tuple(str(o) for o in self.allowed_origins))
+        if self.api_key is not None and not (isinstance(self.api_key, str) and self.api_key.strip()):
+            raise ValueError("api_key must be a non-empty string (or null: no key)")
         for name in ("max_num_requests", "max_body_bytes", "default_max_tokens", "max_num_stop_strings"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")

@@ -52,8 +52,11 @@ class Generation(RequestInputs):
             prefix = (r.prompt if r.prompt is not None else self._decode(r.prompt_token_ids)) if echo else ""
             choices += [Choice(i * n + j, r.request_id, j, len(r.prompt_token_ids), TextStream(stop),
                                prefix, list(r.prompt_token_ids)) for j in range(n)]
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return Job(kind, api_id, self.model_name, choices, outputs, include_usage, n, params[0].logprobs)
+        options = body.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(options and options.continuous_usage_stats)
+        return Job(kind, api_id, self.model_name, choices, outputs, include_usage, n, params[0].logprobs,
+                   continuous)
 
     # ----- engine -> responses -------------------------------------------------------------------
     async def events(self, job: Job) -> AsyncIterator[tuple[Choice, str]]:

@@ -2,9 +2,11 @@
 
 Fields follow the OpenAI API, plus the looped-model extras `num_loops` / `exit_threshold` and
 vLLM's `top_k`, `min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
-`include_stop_str_in_output`, `chat_template_kwargs` and (completions) `add_special_tokens`. Unknown
-fields are rejected (a typo such as `num_loop` must not be silently ignored); OpenAI fields we do not
-implement (`suffix`, `tools`) are accepted only at their neutral value.
+`include_stop_str_in_output`, `min_p`, `skip_special_tokens`, `chat_template_kwargs`,
+`add_generation_prompt` (chat), `add_special_tokens` and `stream_options.continuous_usage_stats`.
+Unknown fields are rejected (a typo such as `num_loop` must not be silently ignored); OpenAI fields we
+do not implement (`suffix`, `tools`, `tool_choice`, `response_format`, `store`) are accepted only at
+their neutral value, and `metadata` / `parallel_tool_calls` without effect.
 """
 from __future__ import annotations
 
@@ -42,15 +44,20 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False      # vLLM: the usage so far on every chunk
 
 
 class _GenerationRequest(_Body):
     model: str
+    # OpenAI fields that only tag or store a request elsewhere: accepted, without effect here
+    metadata: Optional[dict[str, str]] = None
+    store: Optional[bool] = None
     max_tokens: Optional[int] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0, le=2)
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=-1)           # -1 / 0: off
-    seed: Optional[int] = Field(None, ge=0, le=MAX_SEED)
+    min_p: Optional[float] = Field(None, ge=0, le=1)    # 0: off
+    seed: Optional[int] = Field(None, ge=-MAX_SEED - 1, le=MAX_SEED)
     stop: Union[str, list[str], None] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -67,6 +74,7 @@ class _GenerationRequest(_Body):
     ignore_eos: bool = False
     stop_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -107,7 +115,14 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: Optional[list[Any]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None          # no tools: nothing to call in parallel
+    response_format: Optional[dict[str, Any]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # vLLM extras: the template's generation prompt (false: the model continues the last message's
+    # turn as the template leaves it) and special tokens on the rendered text (the template writes them)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
 
 
 class TokenizeRequest(_Body):
@@ -123,7 +138,8 @@ class DetokenizeRequest(_Body):
 
 def unsupported_field(request: _GenerationRequest) -> str | None:
     """The first OpenAI field set to something this server does not implement, if any."""
-    neutral = {"suffix": (None,), "tools": (None, [])}
+    neutral = {"suffix": (None,), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+               "response_format": (None, {"type": "text"}), "store": (None, False)}
     for name, allowed in neutral.items():
         if name in type(request).model_fields and getattr(request, name) not in allowed:
             return name

@@ -91,10 +91,11 @@ class RequestInputs:
                                 f"them); leave them out", param="chat_template_kwargs")
         try:
             text = apply_chat_template(self.tokenizer, [m.as_template_input() for m in body.messages],
-                                       add_generation_prompt=True, **extra)
+                                       add_generation_prompt=body.add_generation_prompt, **extra)
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
-        return self._encode(text, "messages", special_tokens=False)   # the template writes the BOS
+        # the template writes the BOS: special tokens only when the request asks (vLLM's default: none)
+        return self._encode(text, "messages", special_tokens=body.add_special_tokens)
 
     def _encode(self, text: str, param: str, special_tokens: bool) -> tuple[list[int], str]:
         """Token ids of `text`: with `special_tokens` as a completion prompt (`Tokenizer.encode_prompt`),
@@ -140,6 +141,7 @@ class RequestInputs:
                 min_tokens=body.min_tokens or 0, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 stop_token_ids=tuple(body.stop_token_ids or ()),
                 stop=tuple(body.stop_strings()), include_stop_str_in_output=body.include_stop_str_in_output,
+                skip_special_tokens=body.skip_special_tokens, min_p=body.min_p or 0.0,
                 ignore_eos=body.ignore_eos, num_loops=body.num_loops or self.config.default_num_loops,
                 exit_threshold=body.exit_threshold if body.exit_threshold is not None
                 else self.config.default_exit_threshold)

@@ -51,7 +51,8 @@ def reference_processors(logits: torch.Tensor, row: Row) -> torch.Tensor:
 def random_row(rng: random.Random, vocab: int) -> Row:
     params = SamplingParams(
         max_tokens=50, temperature=rng.choice([0.0, 0.7, 1.3]), top_k=rng.choice([0, 3, 50]),
-        top_p=rng.choice([1.0, 0.8]), presence_penalty=rng.choice([0.0, 0.5, -1.0]),
+        top_p=rng.choice([1.0, 0.8]), min_p=rng.choice([0.0, 0.0, 0.2]),
+        presence_penalty=rng.choice([0.0, 0.5, -1.0]),
         frequency_penalty=rng.choice([0.0, 0.3, 2.0]), repetition_penalty=rng.choice([1.0, 1.3, 0.8]),
         logit_bias={rng.randrange(vocab): rng.uniform(-100, 100) for _ in range(rng.randrange(3))},
         min_tokens=rng.choice([0, 5]), stop_token_ids=[rng.randrange(vocab)], seed=rng.randrange(1000))
@@ -102,7 +103,8 @@ def test_filters_match_the_single_request_distribution():
     rows = [random_row(rng, vocab) for _ in range(12)]
     logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(1)) * 3
     t = SamplingTensors.build(rows, torch.device("cpu"), vocab)
-    probs = probabilities(logits, t.temperature, t.top_k, t.top_p)
+    assert t.any_min_p
+    probs = probabilities(logits, t.temperature, t.top_k, t.top_p, min_p=t.min_p)
     for i, row in enumerate(rows):
         if row.params.is_greedy:
             continue
@@ -110,6 +112,9 @@ def test_filters_match_the_single_request_distribution():
         kept = probs[i] > 0
         if 0 < row.params.top_k < vocab:
             assert kept.sum() <= row.params.top_k
+        if row.params.min_p:               # every kept token at least min_p x the top one, before top-k/p
+            plain = torch.softmax(logits[i] / row.params.temperature, -1)
+            assert (plain[kept] >= row.params.min_p * plain.max()).all()
         assert torch.isclose(probs[i].sum(), torch.tensor(1.0))
 
 
@@ -164,6 +169,37 @@ def test_keyed_initial_state_normals_are_truncated_standard_normals():
     assert not torch.equal(x, keyed_truncated_normals(8, positions, 64))
     noise = keyed_exponentials(torch.full((4000,), 7), positions, 64)     # the sampler's stream, not reused
     assert abs(torch.corrcoef(torch.stack([x.flatten(), noise.flatten()]))[0, 1].item()) < 0.01
+
+def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_top_one():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    cpu = torch.device("cpu")
+    t = SamplingTensors.build([Row(SamplingParams(temperature=1.0, min_p=0.3), [1], [])], cpu, 5)
+    assert t.any_min_p and t.min_p.tolist() == [pytest.approx(0.3)]
+    probs = probabilities(logits, t.temperature, t.top_k, t.top_p, min_p=t.min_p)[0]
+    torch.testing.assert_close(probs, torch.tensor([0.5, 0.2, 0.15, 0.0, 0.0]) / 0.85)   # 0.1 < 0.3 x 0.5
+    everything = SamplingTensors.build([Row(SamplingParams(temperature=1.0, min_p=1.0), [1], [])],
+                                       torch.device("cpu"), 5)
+    assert probabilities(logits, everything.temperature, everything.top_k, everything.top_p,
+                         min_p=everything.min_p)[0].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert not SamplingTensors.build([Row(SamplingParams(temperature=0.0, min_p=0.5), [1], [])],
+                                     torch.device("cpu"), 5).any_min_p       # greedy: no filter
+    with pytest.raises(ValueError, match=r"min_p must be in \[0, 1\]"):
+        SamplingParams(min_p=1.5)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_min_p_rows_in_the_persistent_batch_equal_the_simple_path(tiny, async_scheduling):
+    """Rows with min_p and no penalties sample from the persistent batch's gathered settings
+    (runtime/execution/row_sampling.py): the reference path's tokens."""
+    case = golden_case("ouro-tiny")
+    params = [SamplingParams(max_tokens=10, ignore_eos=True, temperature=t, min_p=m, top_p=tp, seed=s)
+              for t, m, tp, s in [(1.0, 0.1, 1.0, 3), (1.5, 0.05, 0.9, 4), (0.0, 0.5, 1.0, 5),
+                                  (2.0, 0.0, 1.0, 6)]]
+    prompts = [case.prompt(i % case.num_prompts) for i in range(len(params))]
+    outs = run_engine(tiny, params, prompts, async_scheduling=async_scheduling)
+    for out, prompt, p in zip(outs, prompts, params):
+        assert out.token_ids == generate_reference(tiny, prompt, p)[0]
+
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_engine_knobs_equal_the_simple_path(tiny, async_scheduling):

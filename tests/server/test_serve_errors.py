@@ -51,7 +51,7 @@ BAD_INPUTS = [
     ("temperature NaN", "POST", "/v1/completions", b'{"model": "tiny", "prompt": "a", "temperature": NaN}',
      400, "temperature"),
     ("top_p 0", "POST", "/v1/completions", {**OK, "top_p": 0}, 400, "top_p"),
-    ("seed negative", "POST", "/v1/completions", {**OK, "seed": -1}, 400, "seed"),
+    ("seed below -2^63", "POST", "/v1/completions", {**OK, "seed": -2 ** 63 - 1}, 400, "seed"),
     ("stream a string", "POST", "/v1/completions", {**OK, "stream": "yes"}, 400, "stream"),
     ("unknown field (typo)", "POST", "/v1/completions", {**OK, "num_loop": 2}, 400, "num_loop"),
     ("n 0", "POST", "/v1/completions", {**OK, "n": 0}, 400, "n"),
@@ -196,3 +196,43 @@ def test_a_failed_tensor_parallel_step_stops_the_server_and_says_why(make_engine
             message = response.json()["error"]["message"]
             assert response.status_code == 503 and "Retry-After" not in response.headers
             assert "device lost" in message and "tensor parallelism" in message and "shutting down" not in message
+
+
+def test_an_api_key_guards_the_openai_routes_and_cors_answers_browsers(make_engine, live_server, monkeypatch):
+    """With server.api_key, /v1/* needs `Authorization: Bearer <key>` (401 with an OpenAI error
+    otherwise), while /health, /metrics and /tokenize stay open, as in vLLM; the CLI takes the key
+    from LOOPSTACK_API_KEY too. CORS answers a browser's preflight and marks refused answers."""
+    from hydra import compose, initialize_config_dir
+
+    from runtime.cli import CONF_DIR
+    from runtime.serve import server_config
+
+    server = live_server(build_app(make_engine(), ServerConfig(model_name="tiny", api_key="s3cret",
+                                                               allowed_origins=("https://app.example",))))
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            refused = http.post("/v1/completions", json=OK, headers=headers)
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        assert http.get("/v1/models").status_code == 401
+        key = {"Authorization": "Bearer s3cret"}
+        assert http.post("/v1/completions", json=OK, headers=key).json()["usage"]["completion_tokens"] >= 1
+        assert http.get("/v1/models", headers=key).json()["data"][0]["id"] == "tiny"
+        assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
+        assert http.post("/tokenize", json={"prompt": "the cat"}).status_code == 200
+        assert 'loopstack_rejected_requests_total{reason="unauthorized"} 4.0' in http.get("/metrics").text
+        origin = {"Origin": "https://app.example"}
+        asks = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+        preflight = http.options("/v1/completions", headers={**origin, **asks})
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+        assert http.post("/v1/completions", json=OK, headers=origin).headers[
+            "access-control-allow-origin"] == "https://app.example"
+        elsewhere = http.get("/health", headers={"Origin": "https://evil.example"})
+        assert "access-control-allow-origin" not in elsewhere.headers
+    monkeypatch.setenv("LOOPSTACK_API_KEY", "from-env")
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        assert server_config(compose("serve", overrides=["model.path=/x"])).api_key == "from-env"
+        given = compose("serve", overrides=["model.path=/x", "server.api_key=cli"])
+        assert server_config(given).api_key == "cli"
+    with pytest.raises(ValueError, match="api_key must be a non-empty string"):
+        ServerConfig(api_key="  ")

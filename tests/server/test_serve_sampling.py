@@ -274,3 +274,41 @@ def test_the_model_nodes_stop_tokens_yield_to_ignore_eos_and_chat_fills_the_cont
         usage = chat.json()["usage"]
         assert usage["prompt_tokens"] + usage["completion_tokens"] == 64     # the whole context
         assert chat.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_vllm_sampling_extras_and_neutral_openai_fields(client, server, offline, tokenizer):
+    """min_p and skip_special_tokens reach the engine (the offline engine's text); a chat's
+    add_generation_prompt reaches the template; stream_options.continuous_usage_stats puts the usage
+    so far on every chunk; OpenAI fields without effect here are accepted at their neutral values
+    and refused otherwise."""
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=2.0, seed=3,
+                                    extra_body={"min_p": 0.3, "ignore_eos": True})
+    assert out.choices[0].text == offline(PROMPT, min_p=0.3, max_tokens=8, temperature=2.0, seed=3,
+                                          ignore_eos=True).text
+    eos = tokenizer.eos_token_id
+    special = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "ignore_eos": True,
+               "logit_bias": {str(eos): 100}}
+    http = httpx.Client(base_url=server.url, timeout=60)
+    assert "<|im_end|>" not in http.post("/v1/completions", json=special).json()["choices"][0]["text"]
+    kept = http.post("/v1/completions", json={**special, "skip_special_tokens": False}).json()
+    kept = kept["choices"][0]["text"]
+    assert kept == "<|im_end|><|im_end|>" == offline(PROMPT, max_tokens=2, temperature=0, ignore_eos=True,
+                                                     logit_bias={eos: 100}, skip_special_tokens=False).text
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    with_prompt = http.post("/v1/chat/completions", json=chat).json()["usage"]["prompt_tokens"]
+    without = http.post("/v1/chat/completions", json={**chat, "add_generation_prompt": False}).json()
+    assert without["usage"]["prompt_tokens"] == with_prompt - len(tokenizer.encode("<|im_start|>assistant\n"))
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True, "stream_options": options}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[-1] == 4 and chunks[-1].usage.total_tokens == counts[-1] + \
+        chunks[-1].usage.prompt_tokens
+    neutral = {"tool_choice": "none", "response_format": {"type": "text"}, "metadata": {"team": "a"},
+               "store": False, "parallel_tool_calls": True, "seed": -5}
+    assert http.post("/v1/chat/completions", json={**chat, **neutral}).status_code == 200
+    for field, value in (("response_format", {"type": "json_object"}), ("store", True),
+                         ("tool_choice", {"type": "function", "function": {"name": "f"}})):
+        refused = http.post("/v1/chat/completions", json={**chat, field: value})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field
+    assert http.post("/v1/completions", json={**special, "min_p": 1.5}).status_code == 400
