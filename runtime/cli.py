@@ -145,9 +145,33 @@ def old_spellings() -> dict[str, str]:
     return renames
 
 
+# vLLM's command-line flags -> our override (the CLIs take Hydra's key=value, not --flags)
+VLLM_FLAGS = {"model": "model=NAME (a known model) or model.path=/path/to/checkpoint", "host": "host=",
+              "port": "port=", "dtype": "model.dtype=", "served-model-name": "server.model_name=",
+              "api-key": "server.api_key= (or the LOOPSTACK_API_KEY environment variable)",
+              "max-model-len": "engine.max_model_len=", "max-num-seqs": "engine.max_num_seqs=",
+              "max-num-batched-tokens": "engine.max_num_batched_tokens=", "block-size": "engine.block_size=",
+              "gpu-memory-utilization": "engine.gpu_memory_utilization=", "kv-cache-dtype": "engine.kv_dtype=",
+              "enable-prefix-caching": "engine.enable_prefix_caching=true",
+              "enforce-eager": "engine.graphs=false",
+              "tensor-parallel-size": "torchrun --nproc-per-node=N ... (docs/tensor-parallel.md)"}
+# Hydra's own flags pass through
+HYDRA_FLAGS = {"--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--resolve", "--package", "-p",
+               "--info", "-i", "--run", "-r", "--multirun", "-m", "--shell-completion", "-sc", "--config-path",
+               "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun"}
+
+
 def check_spellings(argv: list[str]) -> None:
     """Exit with one line naming the new spelling when an override uses an old one (`kv_mode=shared`
-    is `engine.kv_mode=shared` now)."""
+    is `engine.kv_mode=shared` now), or a vLLM-style `--flag` (`--port 8000` is `port=8000`)."""
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        if flag.startswith("--") and flag not in HYDRA_FLAGS:
+            name = flag[2:]
+            hint = VLLM_FLAGS.get(name) or f"{name.replace('-', '_')}=..."
+            print(f"error: {flag} is not an option here: the CLIs take Hydra overrides (key=value), e.g. "
+                  f"{hint}; `--help` lists them", file=sys.stderr)
+            sys.exit(2)
     renames = old_spellings()
     for arg in argv:
         key = arg.split("=", 1)[0].lstrip("+~")

@@ -114,14 +114,15 @@ def result_of(out: Any) -> dict[str, Any]:
     if out.error:
         result["error"] = out.error
     if out.logprobs is not None:
-        result["logprobs"] = [list(lp) for lp in out.logprobs]
+        result["logprobs"] = [lp.as_list() for lp in out.logprobs]
     if out.prompt_logprobs is not None:
-        result["prompt_logprobs"] = [list(lp) if lp else None for lp in out.prompt_logprobs]
+        result["prompt_logprobs"] = [lp.as_list() if lp is not None else None for lp in out.prompt_logprobs]
     if len(out.outputs) > 1:
         result["samples"] = [{"index": s.index, "token_ids": s.token_ids, "text": s.text,
                               "finish_reason": s.finish_reason, "stop_reason": s.stop_reason,
                               "cumulative_logprob": s.cumulative_logprob,
-                              **({"logprobs": [list(lp) for lp in s.logprobs]} if s.logprobs is not None else {})}
+                              **({"logprobs": [lp.as_list() for lp in s.logprobs]} if s.logprobs is not None
+                                 else {})}
                              for s in out.outputs]
     if out.metrics is not None and out.metrics.num_spec_rounds:
         result.update(acceptance_rate=out.metrics.acceptance_rate,

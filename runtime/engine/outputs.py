@@ -1,6 +1,7 @@
 """What generation returns."""
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Sequence
 
@@ -8,15 +9,60 @@ from runtime.engine.sequence import RequestStatus
 from runtime.engine.stop_strings import detokenizer_of
 
 
-class TokenLogprobs(NamedTuple):
+class Logprob(NamedTuple):
+    """One token's entry at a position, as vLLM's `Logprob` (`decoded_token` is not filled here:
+    decode the id with the tokenizer)."""
+
+    logprob: float
+    rank: int                              # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+class TokenLogprobs(Mapping[int, Logprob]):
     """Log-probabilities at one position: the token that stands there (sampled or given in the
     prompt), its logprob under the model, its rank (1 = the most likely token), and the `k` most
-    likely tokens with theirs (`logprobs=k` / `prompt_logprobs=k`), most likely first."""
+    likely tokens with theirs (`logprobs=k` / `prompt_logprobs=k`), most likely first.
 
-    token_id: int
-    logprob: float
-    rank: int
-    top: tuple[tuple[int, float], ...] = ()
+    It is also the mapping vLLM gives per position, token id -> `Logprob`: the token that stands
+    there first, then the top k (`lp[token_id].logprob`, `lp.items()`), so code written for vLLM's
+    outputs reads ours."""
+
+    __slots__ = ("token_id", "logprob", "rank", "top", "_entries")
+
+    def __init__(self, token_id: int, logprob: float, rank: int, top: tuple[tuple[int, float], ...] = ()) -> None:
+        self.token_id, self.logprob, self.rank, self.top = token_id, logprob, rank, tuple(top)
+        self._entries: dict[int, Logprob] | None = None
+
+    def _mapping(self) -> dict[int, Logprob]:
+        if self._entries is None:            # built on first use: the server reads the fields only
+            entries = {self.token_id: Logprob(self.logprob, self.rank)}
+            for rank, (token, logprob) in enumerate(self.top, start=1):
+                entries.setdefault(token, Logprob(logprob, rank))
+            self._entries = entries
+        return self._entries
+
+    def __getitem__(self, token_id: int) -> Logprob:
+        return self._mapping()[token_id]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._mapping())
+
+    def __len__(self) -> int:
+        return len(self._mapping())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TokenLogprobs):
+            return self.as_list() == other.as_list()
+        return super().__eq__(other)
+
+    __hash__ = None                          # a mapping: unhashable, as dict
+
+    def __repr__(self) -> str:
+        return f"TokenLogprobs(token_id={self.token_id}, logprob={self.logprob}, rank={self.rank}, top={self.top})"
+
+    def as_list(self) -> list[Any]:
+        """`[token_id, logprob, rank, [[token_id, logprob], ...]]` (the CLI's JSON form)."""
+        return [self.token_id, self.logprob, self.rank, [list(pair) for pair in self.top]]
 
 
 @dataclass

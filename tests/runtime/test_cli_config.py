@@ -58,6 +58,18 @@ def test_an_old_spelling_names_the_new_one(old, new, capsys):
     assert exit_info.value.code == 2 and new in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("argv,hint", [(["--port", "8000"], "port="), (["--model=ByteDance/Ouro-1.4B"], "model.path="),
+                                       (["--max-model-len", "4096"], "engine.max_model_len="),
+                                       (["--enforce-eager"], "engine.graphs=false"),
+                                       (["--trust-remote-code"], "trust_remote_code=...")])
+def test_a_vllm_flag_names_the_override(argv, hint, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        check_spellings(["hal=cpu", *argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and hint in err and "key=value" in err and len(err.strip().splitlines()) == 1
+    check_spellings(["--cfg", "job", "-m", "--help", "port=8000"])          # Hydra's own flags pass
+
+
 def test_every_engine_field_has_one_spelling():
     renames = old_spellings()
     assert all(renames[name] == f"engine.{name}" for name in EngineConfig.__dataclass_fields__)

@@ -251,6 +251,14 @@ def test_logprobs_are_the_models_log_softmax(tiny):
             row = full[len(prompt) + j - 1]
             assert lp.token_id == out.token_ids[j] and lp.rank == 1 and len(lp.top) == 3
             assert abs(lp.logprob - float(row.max())) < 1e-4
+    for lp in out.prompt_logprobs[1:] + out.logprobs:        # vLLM's shape: token id -> Logprob
+        assert list(lp)[0] == lp.token_id and lp[lp.token_id] == (lp.logprob, lp.rank, None)
+        assert [lp[t].rank for t, _ in lp.top] == list(range(1, len(lp.top) + 1))
+        assert [lp[t].logprob for t, _ in lp.top] == [v for _, v in lp.top]
+        assert len(lp) == len({lp.token_id, *(t for t, _ in lp.top)}) and dict(lp.items())
+    absent = next(t for t in range(4) if t not in out.logprobs[0])    # a tuple field before: no KeyError
+    with pytest.raises(KeyError):
+        out.logprobs[0][absent]
     early = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=0, exit_threshold=0.5)
     (out,) = run_engine(tiny, [early], [prompt])
     assert [lp.rank for lp in out.logprobs] == [1] * 4 and all(lp.logprob <= 0 for lp in out.logprobs)
