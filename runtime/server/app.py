@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib.metadata
 import json
 import logging
 import time
@@ -116,6 +117,10 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
                                             "max_num_loops": engine.config.max_num_loops,
                                             "sampling_defaults": sampling}]}
 
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _package_version()}
+
     @app.get("/health")
     async def health() -> Response:
         if loop.is_accepting:
@@ -193,6 +198,13 @@ async def read_json(request: Request, max_body_bytes: int) -> Any:
 def _reason(status: int) -> str:
     return {429: "overloaded", 503: "shutting_down", 413: "too_large", 404: "not_found"}.get(
         status, "invalid" if status < 500 else "internal")
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("loopstack")
+    except importlib.metadata.PackageNotFoundError:       # run from a checkout without installing
+        return "unknown"
 
 
 def _folder_name(engine: LLMEngine) -> str | None:

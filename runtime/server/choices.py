@@ -114,7 +114,9 @@ def _completion_logprobs(tokenizer: Tokenizer | None, choice: Choice, logprobs: 
     def add(token_id: int, lp: TokenLogprobs | None, offset: int) -> None:
         out["tokens"].append(_token_text(tokenizer, token_id))
         out["token_logprobs"].append(lp.logprob if lp is not None else None)
-        out["top_logprobs"].append({_token_text(tokenizer, t): v for t, v in lp.top} if lp is not None else None)
+        # the top k and the token itself (vLLM's and the legacy OpenAI API's k or k + 1 entries)
+        out["top_logprobs"].append({_token_text(tokenizer, t): v.logprob for t, v in lp.items()}
+                                   if lp is not None else None)
         out["text_offset"].append(offset)
 
     if with_prompt and choice.prefix and choice.prompt_logprobs is not None:

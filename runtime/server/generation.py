@@ -123,8 +123,9 @@ class Generation(RequestInputs):
         started: set[int] = set()
         async with contextlib.aclosing(self.events(job)) as events:     # closed (and aborted) on return
             async for choice, delta in events:
-                if choice.finish_reason == "error":
+                if choice.finish_reason == "error":       # then [DONE], as vLLM ends a failed stream
                     yield _sse_data(_error(choice.error or "generation failed", "server_error"))
+                    yield "data: [DONE]\n\n"
                     return
                 first = choice.index not in started
                 started.add(choice.index)

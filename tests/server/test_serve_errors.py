@@ -171,6 +171,8 @@ def test_an_engine_failure_is_a_500_or_a_stream_error_not_a_crash(make_engine, l
         events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
         assert events[0]["choices"][0]["delta"]["role"] == "assistant"
         assert "device lost" in events[-1]["error"]["message"]
+        assert streamed.text.rstrip().endswith("data: [DONE]")   # the stream still ends as vLLM's
+        assert http.get("/version").json()["version"]
         assert http.get("/health").status_code == 200      # still serving
     assert server.loop.num_in_flight == 0 and not engine.has_unfinished_requests()
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks

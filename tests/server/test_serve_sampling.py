@@ -32,7 +32,7 @@ def offline(tiny_model, tokenizer):
     return lambda prompt, **params: llm.generate(prompt, SamplingParams(**params))[0]
 
 
-def test_completion_logprobs_equal_the_offline_ones(client, offline):
+def test_completion_logprobs_equal_the_offline_ones(client, offline, tokenizer):
     ref = offline(PROMPT, max_tokens=6, temperature=0, logprobs=2, ignore_eos=True)
     out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2,
                                     extra_body={"ignore_eos": True})
@@ -42,6 +42,14 @@ def test_completion_logprobs_equal_the_offline_ones(client, offline):
     assert all(len(top) <= 2 and max(top.values()) == pytest.approx(v, abs=1e-6)   # greedy: the top token
                for top, v in zip(lp.top_logprobs, lp.token_logprobs))
     assert "".join(lp.tokens) == out.choices[0].text and lp.text_offset[0] == 0
+    sampled = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=2.0, seed=7,
+                                        logprobs=1, extra_body={"ignore_eos": True}).choices[0].logprobs
+    ref = offline(PROMPT, max_tokens=12, temperature=2.0, seed=7, logprobs=1, ignore_eos=True).logprobs
+    assert any(lp.rank > 1 for lp in ref)           # the chosen token joins the top 1, as in vLLM
+    text = lambda t: tokenizer.decode([t], skip_special_tokens=False)      # noqa: E731
+    want = [{text(t): v.logprob for t, v in lp.items()} for lp in ref]
+    assert [set(top) for top in sampled.top_logprobs] == [set(w) for w in want]
+    assert all(token in top for token, top in zip(sampled.tokens, sampled.top_logprobs))
 
     chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0,
                                             logprobs=2, stream=True, extra_body={"ignore_eos": True}))
