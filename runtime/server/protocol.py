@@ -48,7 +48,7 @@ class StreamOptions(_Body):
 
 
 class _GenerationRequest(_Body):
-    model: str
+    model: Optional[str] = None                         # None: the served model (vLLM's rule)
     # OpenAI fields that only tag or store a request elsewhere: accepted, without effect here
     metadata: Optional[dict[str, str]] = None
     store: Optional[bool] = None

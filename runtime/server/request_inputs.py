@@ -39,7 +39,7 @@ class RequestInputs:
         self.max_num_loops = loop.engine.config.max_num_loops
 
     def check_common(self, body: CompletionRequest | ChatCompletionRequest) -> None:
-        if body.model != self.model_name:
+        if body.model is not None and body.model != self.model_name:     # left out: the one served
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                                 f"{self.model_name!r} (see GET /v1/models)", "not_found_error", "model",
                            "model_not_found")

@@ -28,7 +28,7 @@ BAD_INPUTS = [
     ("body not UTF-8", "POST", "/v1/completions", b"\xff\xfe\x00", 400, None),
     ("empty body", "POST", "/v1/completions", b"", 400, None),
     ("deeply nested JSON", "POST", "/v1/completions", b"[" * 1500 + b"]" * 1500, 400, None),
-    ("missing model", "POST", "/v1/completions", {"prompt": "hi"}, 400, "model"),
+    ("model a list", "POST", "/v1/completions", {"prompt": "hi", "model": ["tiny"]}, 400, "model"),
     ("missing prompt", "POST", "/v1/completions", {"model": "tiny"}, 400, "prompt"),
     ("unknown model", "POST", "/v1/completions", {**OK, "model": "gpt-4"}, 404, "model"),
     ("model not a string", "POST", "/v1/completions", {**OK, "model": 7}, 400, "model"),
@@ -151,6 +151,8 @@ def test_the_server_still_serves_after_the_table(http, server):
     assert http.get("/health").status_code == 200
     response = http.post("/v1/completions", json=OK)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] >= 1
+    unnamed = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})     # the served model
+    assert unnamed.status_code == 200 and unnamed.json()["model"] == "tiny"
     state = server.loop.state
     assert state.num_free_blocks == state.num_blocks and server.loop.num_in_flight == 0
     assert "loopstack_rejected_requests_total" in http.get("/metrics").text
