@@ -129,7 +129,7 @@ class EngineConfig:
 class ModelConfig:
     name: Optional[str] = None            # a known model name (resolved in the local HF cache) or hub id
     path: Optional[str] = None            # a checkpoint folder; wins over name
-    dtype: Optional[str] = None           # None: the checkpoint's torch_dtype
+    dtype: Optional[str] = None           # None or "auto": the checkpoint's torch_dtype
     num_loops: Optional[int] = None       # None: the model's default depth
     exit_threshold: Optional[float] = None
     stop_token_ids: list[int] = field(default_factory=list)   # besides the tokenizer's / config's eos

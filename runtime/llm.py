@@ -1,11 +1,15 @@
 """`LLM`: the user-facing facade, `LLM(model, hal="auto").generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import functools
 import itertools
 import json
 import logging
 import operator
 import os
+import random
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence, Union
 
@@ -37,11 +41,18 @@ class LLM:
     has one.
 
     `model` is a checkpoint folder, a known name ("ouro-1.4b", looked up in the local Hugging Face
-    cache) or an already built zoo model. `dtype=None` keeps the checkpoint's dtype. Engine options
-    (`kv_mode`, `max_num_seqs`, `max_num_batched_tokens`, `num_kv_blocks`, ...) are the fields of
-    `runtime.config.EngineConfig`, given as keywords or as `engine_config=`. `stop_token_ids`: end
+    cache) or an already built zoo model. `dtype=None` or "auto" keeps the checkpoint's dtype.
+    `tokenizer`: a `Tokenizer` or the folder of a tokenizer.json (default: the checkpoint's). Engine
+    options (`kv_mode`, `max_num_seqs`, `max_num_batched_tokens`, `num_kv_blocks`, ...) are the fields
+    of `runtime.config.EngineConfig`, given as keywords or as `engine_config=`. `stop_token_ids`: end
     tokens of the model besides its config's and tokenizer's eos (the model node's, e.g. Ouro's
     `<|im_end|>`); every request stops at them unless it sets `ignore_eos`.
+
+    vLLM's constructor arguments: `seed` seeds Python's, NumPy's and torch's global RNGs once the
+    engine is built, so requests without their own seed sample the same tokens run to run (a request's
+    `SamplingParams.seed` still wins); `enforce_eager=True` is `graphs=False`; `trust_remote_code` is
+    accepted and ignored (the models are loopstack's own, in zoo/: no checkpoint code runs);
+    `tensor_parallel_size` must be 1, or the world size of `parallel` (see below).
 
     Tensor parallelism: `parallel` from `runtime.parallel.state.init_distributed` (under torchrun). The LLM
     lives on rank 0 and loads its shard; every other rank calls `follow(...)` with the same model
@@ -49,27 +60,54 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike | LoopedCausalLM, hal: str | Hal = "auto",
-                 dtype: torch.dtype | str | None = None, tokenizer: Tokenizer | None = None,
+                 dtype: torch.dtype | str | None = None,
+                 tokenizer: Tokenizer | str | os.PathLike | None = None,
                  engine_config: EngineConfig | None = None, parallel: ParallelState | None = None,
-                 stop_token_ids: Sequence[int] = (), **engine_options) -> None:
-        self.hal = hal_registry.get(hal) if isinstance(hal, str) else hal
+                 stop_token_ids: Sequence[int] = (), seed: int | None = None,
+                 trust_remote_code: bool = False, tensor_parallel_size: int = 1,
+                 enforce_eager: bool = False, **engine_options) -> None:
+        _check_engine_keywords(engine_options)
+        if engine_config is not None and engine_options:
+            raise ValueError(f"give engine_config= or engine keywords ({', '.join(sorted(engine_options))}), "
+                             f"not both")
+        config = engine_config or EngineConfig(**engine_options)
+        if enforce_eager:
+            if config.graphs:
+                raise ValueError("enforce_eager=True and graphs=True contradict each other: enforce_eager "
+                                 "is graphs=False; give one of them")
+            config = dataclasses.replace(config, graphs=False)
+        if seed is not None and not (isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0):
+            raise ValueError(f"seed must be an integer >= 0 (or None), got {seed!r}")
+        if trust_remote_code:
+            _note_remote_code_unused()
         self.parallel = parallel or ParallelState()
+        _check_tensor_parallel_size(tensor_parallel_size, self.parallel)
+        self.hal = hal_registry.get(hal) if isinstance(hal, str) else hal
         if not self.parallel.is_driver:
             raise ValueError(f"LLM runs on rank 0 only; rank {self.parallel.rank} calls "
                              f"runtime.llm.follow(...)")
-        if engine_config is not None and engine_options:
-            raise ValueError("give engine_config= or engine keywords, not both")
-        config = engine_config or EngineConfig(**engine_options)
         if self.parallel.is_parallel:
             check_supported(config)                 # before loading a model for nothing
+        if isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = _tokenizer_at(tokenizer)    # before the model: a wrong path fails at once
         self.model, folder = load_model(model, self.hal, dtype, self.parallel)
         device = self.hal.device()
-        self.tokenizer = tokenizer or (Tokenizer.from_folder(folder) if folder else None)
+        if tokenizer is None and folder:
+            tokenizer = Tokenizer.from_folder(folder)
+        self.tokenizer = tokenizer
         self.engine = LLMEngine(self.model, self.hal, config, self.tokenizer, extra_stop_token_ids=stop_token_ids,
-                                publisher=self.parallel.publisher())
+                                publisher=self.parallel.publisher(seed))
         self._generation_config = _sampling_of_generation_config(folder)
         self._ids = itertools.count()
+        if seed is not None:
+            # after construction: what building draws (a Hal's once-per-process probe, warm-up) then
+            # cannot shift what the requests draw from the device's global RNG (sampler.py)
+            _seed_global_rngs(seed)
         log.info("LLM: %s on %s, dtype %s", type(self.model).__name__, device, next(self.model.parameters()).dtype)
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        """The tokenizer (vLLM's accessor): the one given, else the checkpoint's; None without one."""
+        return self.tokenizer
 
     def close(self) -> None:
         """Free the other tensor-parallel ranks' runners (a no-op on one rank)."""
@@ -174,7 +212,8 @@ def load_model(model: str | os.PathLike | LoopedCausalLM, hal: Hal, dtype: torch
     """The model on the Hal's device (this rank's shard under tensor parallelism) and its folder."""
     device = hal.device()
     if isinstance(model, LoopedCausalLM):
-        model = model.to(device=device, dtype=zoo.as_dtype(dtype)) if dtype else model.to(device)
+        dtype = zoo.as_dtype(dtype)
+        model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
         if parallel.is_parallel and tensor_parallel(model) is None:
             shard(model, parallel.rank, parallel.world_size, parallel.comm)
         return model, getattr(model, "name_or_path", None)
@@ -190,6 +229,67 @@ def follow(model: str | os.PathLike | LoopedCausalLM, hal: str | Hal, dtype: tor
     loaded, _ = load_model(model, hal, dtype, parallel)
     with torch.inference_mode():
         Follower(loaded, hal, parallel.channel).run()
+
+
+# vLLM's constructor arguments that `LLM.__init__` takes besides the EngineConfig fields
+VLLM_OPTIONS = ("seed", "trust_remote_code", "tensor_parallel_size", "enforce_eager", "tokenizer")
+
+
+def _check_engine_keywords(engine_options: Mapping[str, Any]) -> None:
+    """A TypeError naming the keyword and the options there are, not EngineConfig's bare one."""
+    fields = [f.name for f in dataclasses.fields(EngineConfig)]
+    for name in engine_options:
+        if name not in fields:
+            close = difflib.get_close_matches(name, fields + list(VLLM_OPTIONS), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}{hint}. It takes model, hal, "
+                            f"dtype, tokenizer, engine_config, parallel, stop_token_ids; vLLM's "
+                            f"{', '.join(VLLM_OPTIONS[:-1])}; and the engine options of "
+                            f"runtime.config.EngineConfig: {', '.join(fields)}")
+
+
+@functools.cache
+def _note_remote_code_unused() -> None:
+    log.info("trust_remote_code=True is not needed: loopstack runs its own implementation of the model "
+             "(zoo/), no code from the checkpoint")
+
+
+def _check_tensor_parallel_size(size: Any, parallel: ParallelState) -> None:
+    """vLLM starts its tensor-parallel workers itself; here they are torchrun's processes, so past
+    the default 1 only the size `parallel` already has is accepted."""
+    if not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+    if size in (1, parallel.world_size):
+        return
+    raise ValueError(
+        f"tensor_parallel_size={size}, but LLM() does not start tensor-parallel workers: loopstack runs one "
+        f"process per rank under torchrun (docs/tensor-parallel.md). From the command line: `torchrun "
+        f"--nproc-per-node {size} -m runtime.generate model=... parallel.tp={size}` (runtime.serve and "
+        f"runtime.bench alike). From a script started by `torchrun --nproc-per-node {size}`: `parallel = "
+        f"runtime.parallel.state.init_distributed(hal, {size})`, then `LLM(model, hal=hal, "
+        f"parallel=parallel)` on rank 0 (parallel.is_driver) and `runtime.llm.follow(model, hal, dtype, "
+        f"parallel)` on the others")
+
+
+def _tokenizer_at(path: str | os.PathLike) -> Tokenizer:
+    folder = Path(path).expanduser()
+    tokenizer = Tokenizer.from_folder(folder) if folder.is_dir() else None
+    if tokenizer is None:
+        what = "has no tokenizer.json" if folder.is_dir() else "is not a folder"
+        raise ValueError(f"tokenizer={os.fspath(path)!r} {what}: give the folder that holds a tokenizer.json "
+                         f"(e.g. the checkpoint's) or a runtime.text.tokenizer.Tokenizer")
+    return tokenizer
+
+
+def _seed_global_rngs(seed: int) -> None:
+    """vLLM's seeding: Python's, NumPy's and torch's (every device's) global generators."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy
+    except ImportError:
+        return
+    numpy.random.seed(seed % (1 << 32))           # NumPy's legacy seeds are 32-bit
 
 
 def _token_ids(prompt: Any) -> list[int]:

@@ -64,9 +64,9 @@ def build(config: dict[str, Any] | str | os.PathLike) -> tuple[type[LoopedCausal
 
 def _checkpoint_dtype(cfg: Any, folder: Path | None = None) -> torch.dtype:
     """The config's torch_dtype; else the dtype the weights are stored in; else float32."""
-    declared = getattr(cfg, "torch_dtype", None)
-    if declared:
-        return as_dtype(declared)
+    declared = as_dtype(getattr(cfg, "torch_dtype", None) or None)    # a saved "auto" declares nothing
+    if declared is not None:
+        return declared
     return stored_dtype(folder) if folder is not None else torch.float32
 
 

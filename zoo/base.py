@@ -172,12 +172,15 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
 
 
 def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    """`torch.bfloat16`, "bfloat16", "bf16", "torch.bfloat16" -> torch.bfloat16; None stays None."""
+    """`torch.bfloat16`, "bfloat16", "bf16", "torch.bfloat16" -> torch.bfloat16; None and "auto"
+    (vLLM's and transformers' spelling of "the checkpoint's dtype") -> None."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     name = str(dtype).removeprefix("torch.")
+    if name == "auto":
+        return None
     aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
     value = getattr(torch, aliases.get(name, name), None)
     if not isinstance(value, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}; use e.g. 'bfloat16', 'float16' or 'float32'")
+        raise ValueError(f"unknown dtype {dtype!r}; use e.g. 'bfloat16', 'float16', 'float32' or 'auto'")
     return value

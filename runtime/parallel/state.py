@@ -90,14 +90,14 @@ class ParallelState:
             return {}
         return {"tp_rank": self.rank, "tp_size": self.world_size, "comm": self.comm}
 
-    def publisher(self) -> Any:
-        """The driver's `PlanPublisher` for an `LLMEngine` (None on one rank)."""
+    def publisher(self, seed: int | None = None) -> Any:
+        """The driver's `PlanPublisher` for an `LLMEngine` (None on one rank); `seed` as there."""
         if not (self.is_parallel and self.is_driver):
             return None
         from runtime.parallel.step_plan import PlanPublisher
 
         self._following = True
-        return PlanPublisher(self.channel)
+        return PlanPublisher(self.channel, seed)
 
     def stop_followers(self) -> None:
         """Driver: make the other ranks' `follow(...)` return, e.g. to load another model next."""

@@ -22,7 +22,7 @@ The driver seeds unseeded requests (`PlanPublisher.seeded`) so that every rank s
 from __future__ import annotations
 
 import dataclasses
-import secrets
+import random
 from dataclasses import dataclass
 from typing import Any, Container, Mapping, NamedTuple
 
@@ -107,8 +107,11 @@ def _extends(sent: list[int], table: list[int]) -> bool:
 class PlanPublisher:
     """The driver's side: turns scheduler outputs into `StepPlan`s on the control channel."""
 
-    def __init__(self, channel: Any) -> None:
+    def __init__(self, channel: Any, seed: int | None = None) -> None:
+        """`seed`: unseeded requests' seeds are drawn from it (`LLM(seed=)`: reproducible runs);
+        None draws them from the OS."""
         self.channel = channel
+        self._seeds = random.SystemRandom() if seed is None else random.Random(seed)
         self._reset()
 
     def _reset(self) -> None:
@@ -118,7 +121,9 @@ class PlanPublisher:
 
     def seeded(self, params: SamplingParams) -> SamplingParams:
         """`params` with a seed: every rank must draw the same numbers (sampling, initial states)."""
-        return params if params.seed is not None else dataclasses.replace(params, seed=secrets.randbits(63))
+        if params.seed is not None:
+            return params
+        return dataclasses.replace(params, seed=self._seeds.getrandbits(63))
 
     def open(self, config: EngineConfig, max_model_len: int, max_loops: int) -> None:
         self._reset()

@@ -17,13 +17,15 @@ def run_cli(*args, cwd):
                           capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("name", ["ouro-tiny", "ouro-tiny-gqa-bf16"])
-def test_prints_golden_continuation(name, tmp_path):
+# model.dtype=auto (vLLM's spelling) is the checkpoint's dtype: float32 for ouro-tiny's golden weights
+@pytest.mark.parametrize("name,dtype", [("ouro-tiny", "float32"), ("ouro-tiny", "auto"),
+                                        ("ouro-tiny-gqa-bf16", "float32")])
+def test_prints_golden_continuation(name, dtype, tmp_path):
     case = golden_case(name)
     ids = case.prompt(0)
     n = case.meta["greedy_new_tokens"]
     proc = run_cli("hal=cpu", f"model.path={case.path}", f"prompt_ids=[{','.join(map(str, ids))}]",
-                   f"max_tokens={n}", "temperature=0", "model.dtype=float32", "ignore_eos=true", "output=json",
+                   f"max_tokens={n}", "temperature=0", f"model.dtype={dtype}", "ignore_eos=true", "output=json",
                    cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["token_ids"] == case.greedy(0)

@@ -190,3 +190,104 @@ def test_vllm_prompt_forms_and_content_parts(tmp_path):
     defaults = LLM(folder, hal="cpu", dtype="float32", num_kv_blocks=64).get_default_sampling_params()
     assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.0, 5, 1.0)
     assert llm.get_default_sampling_params() == SamplingParams()
+
+
+def test_vllm_constructor_arguments(tmp_path):
+    """What a vLLM user passes to LLM(...): trust_remote_code (ignored: the models are zoo's own),
+    dtype="auto" (the checkpoint's), tensor_parallel_size (1 here; more is torchrun's), enforce_eager
+    (graphs off), tokenizer as a folder, get_tokenizer(); unknown keywords name the options there are."""
+    from pathlib import Path
+
+    from runtime.config import EngineConfig
+    from runtime.text.tokenizer import Tokenizer
+
+    packaged = Path(zoo.__file__).parent / "checkpoints" / "ouro-tiny"
+    case = golden_case("ouro-tiny")                    # float32 weights, no tokenizer.json
+    greedy = SamplingParams(max_tokens=case.meta["greedy_new_tokens"], temperature=0.0, ignore_eos=True)
+    for remote in (True, False):
+        llm = LLM(case.path, hal="cpu", dtype="auto", trust_remote_code=remote, tensor_parallel_size=1,
+                  num_kv_blocks=64)
+        assert next(llm.model.parameters()).dtype == torch.float32
+        assert llm.generate(case.prompt(0), greedy)[0].token_ids == case.greedy(0)
+        assert llm.get_tokenizer() is None
+    bf16 = LLM(packaged, hal="cpu", dtype="auto", enforce_eager=True, num_kv_blocks=64)
+    assert next(bf16.model.parameters()).dtype == torch.bfloat16       # the config's torch_dtype
+    assert bf16.engine.config.graphs is False
+    assert isinstance(bf16.get_tokenizer(), Tokenizer) and bf16.get_tokenizer() is bf16.tokenizer
+    assert LLM(case.path, hal="cpu", enforce_eager=False, num_kv_blocks=64).engine.config.graphs is None
+    eager = LLM(case.path, hal="cpu", enforce_eager=True, engine_config=EngineConfig(num_kv_blocks=64))
+    assert eager.engine.config.graphs is False and eager.engine.config.num_kv_blocks == 64
+    with pytest.raises(ValueError, match="enforce_eager=True and graphs=True"):
+        LLM(case.path, hal="cpu", enforce_eager=True, graphs=True)
+
+    # the packaged weights without their tokenizer files: the tokenizer, given as a folder, serves text
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).symlink_to(packaged / name)
+    assert LLM(bare, hal="cpu", num_kv_blocks=64).get_tokenizer() is None
+    text, short = "In the beginning", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = bf16.generate(text, short)[0]
+    for folder in (str(packaged), packaged):
+        llm = LLM(bare, hal="cpu", tokenizer=folder, num_kv_blocks=64)
+        out = llm.generate(text, short)[0]
+        assert out.prompt_token_ids == expected.prompt_token_ids and out.token_ids == expected.token_ids
+        assert out.text == expected.text and len(out.text) > 5
+    given = bf16.tokenizer
+    assert LLM(case.path, hal="cpu", tokenizer=given, num_kv_blocks=64).get_tokenizer() is given
+    with pytest.raises(ValueError, match=f"tokenizer='{bare}' has no tokenizer.json"):
+        LLM(case.path, hal="cpu", tokenizer=bare)
+    with pytest.raises(ValueError, match="tokenizer='/no/such/folder' is not a folder"):
+        LLM(case.path, hal="cpu", tokenizer="/no/such/folder")
+
+    with pytest.raises(ValueError) as err:
+        LLM(case.path, hal="cpu", tensor_parallel_size=2)
+    assert "torchrun --nproc-per-node 2 -m runtime.generate model=... parallel.tp=2" in str(err.value)
+    assert "runtime.parallel.state.init_distributed(hal, 2)" in str(err.value)
+    assert "runtime.llm.follow(model, hal, dtype, parallel)" in str(err.value)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        LLM(case.path, hal="cpu", tensor_parallel_size=0)
+    from runtime.llm import _check_tensor_parallel_size
+    from runtime.parallel.state import ParallelState
+
+    two_ranks = ParallelState(0, 2)                      # what init_distributed gives under torchrun
+    _check_tensor_parallel_size(1, two_ranks)            # the default, and the size parallel= has
+    _check_tensor_parallel_size(2, two_ranks)
+    with pytest.raises(ValueError, match="tensor_parallel_size=4, but LLM"):
+        _check_tensor_parallel_size(4, two_ranks)
+
+    with pytest.raises(TypeError) as err:
+        LLM(case.path, hal="cpu", max_num_seq=4)
+    message = str(err.value)
+    assert "unexpected keyword argument 'max_num_seq' (did you mean 'max_num_seqs'?)" in message
+    assert "EngineConfig" not in message.split(".")[0]       # not the dataclass's own TypeError
+    for option in ("seed", "trust_remote_code", "tensor_parallel_size", "enforce_eager", "tokenizer",
+                   "num_kv_blocks", "kv_mode", "graphs"):
+        assert option in message
+    with pytest.raises(TypeError, match="'swap_space'"):
+        LLM(case.path, hal="cpu", swap_space=4)
+    with pytest.raises(ValueError, match="not both"):
+        LLM(case.path, hal="cpu", engine_config=EngineConfig(), num_kv_blocks=64)
+
+
+def test_llm_seed_makes_unseeded_sampling_reproducible():
+    """LLM(seed=S) seeds the global RNGs, which unseeded requests sample from: the same seed gives
+    the same text in a new LLM, another seed other text; a request's own seed ignores it (vLLM's rules)."""
+    from pathlib import Path
+
+    packaged = Path(zoo.__file__).parent / "checkpoints" / "ouro-tiny"
+    unseeded = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)
+    own_seed = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True, seed=7)
+    prompts = ["In the beginning", "The meaning of life is"]
+
+    def run(seed, params):
+        llm = LLM(packaged, hal="cpu", num_kv_blocks=64, seed=seed)
+        return [out.text for out in llm.generate(prompts, params)]
+
+    first = run(3, unseeded)
+    torch.rand(100)                                    # draws between the runs do not matter
+    assert run(3, unseeded) == first and all(len(text) > 20 for text in first)
+    assert run(4, unseeded) != first
+    assert run(3, own_seed) == run(4, own_seed) == run(None, own_seed)
+    with pytest.raises(ValueError, match="seed must be an integer >= 0"):
+        LLM(packaged, hal="cpu", seed=-1)

@@ -120,6 +120,20 @@ def test_seeded_sampling_and_random_initial_states_agree_on_the_follower():
     assert all(len(o.token_ids) == 6 for o in outs)
 
 
+def test_a_seeded_publisher_gives_unseeded_requests_reproducible_seeds():
+    """LLM(seed=S, parallel=...): the driver draws unseeded requests' seeds from S, so a
+    tensor-parallel run samples alike run to run; without S they come from the OS."""
+    from runtime.parallel.state import ParallelState
+
+    unseeded, own = SamplingParams(), SamplingParams(seed=5)
+    draws = lambda publisher: [publisher.seeded(unseeded).seed for _ in range(3)]   # noqa: E731
+    first = draws(ParallelState(0, 2, channel=object()).publisher(seed=11))
+    assert first == draws(PlanPublisher(None, seed=11)) and len(set(first)) == 3
+    assert draws(PlanPublisher(None, seed=12)) != first
+    assert draws(PlanPublisher(None)) != draws(PlanPublisher(None))
+    assert all(0 <= s < 2 ** 63 for s in first) and PlanPublisher(None, seed=11).seeded(own).seed == 5
+
+
 def test_speculation_rounds_replay_on_the_follower():
     seed = int(torch.randint(1 << 20, ()))
     build = lambda: damp_loops(zoo.from_config(TINY_OURO, dtype="float32", seed=seed), 0.3)  # noqa: E731

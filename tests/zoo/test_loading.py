@@ -46,6 +46,11 @@ def test_dtype_by_name_and_default(ouro_dir):
     assert zoo.from_pretrained(ouro_dir).lm_head.weight.dtype == torch.float32   # stored dtype
     assert zoo.from_pretrained(ouro_dir, dtype="bfloat16").lm_head.weight.dtype == torch.bfloat16
     assert zoo.from_pretrained(ouro_dir, dtype=torch.float16).lm_head.weight.dtype == torch.float16
+    assert zoo.as_dtype("auto") is None                # vLLM's and transformers' "the checkpoint's"
+    assert zoo.from_pretrained(ouro_dir, dtype="auto").lm_head.weight.dtype == torch.float32
+    config = json.loads((ouro_dir / "config.json").read_text())
+    (ouro_dir / "config.json").write_text(json.dumps({**config, "torch_dtype": "auto"}))
+    assert zoo.from_pretrained(ouro_dir).lm_head.weight.dtype == torch.float32    # declares nothing
     with pytest.raises(ValueError, match="unknown dtype"):
         zoo.from_pretrained(ouro_dir, dtype="float13")
 
