@@ -11,9 +11,9 @@ scales managed by page attention"): per half (K, V)
   key/value_antiquant_scale and key/value_antiquant_mode=5; graph-capturable, updated like the bf16
   call (the KV lengths).
 - steps with prefill: the op takes no paged antiquant for Q_S > 1, so the blocks of this step's tables
-  that hold keys (up to each sequence's length) are dequantized (on the device, no host sync) into a
-  scratch cache in the model dtype and the usual TND call runs over it with a table numbering the
-  gathered blocks. Costs one extra read and write of those blocks per layer; prefill is compute-bound.
+  are dequantized (on the device, no host sync) into a scratch cache in the model dtype and the usual
+  TND call runs over it with a table numbering the gathered blocks. Costs one extra read and write of
+  those blocks per layer; prefill is compute-bound.
 `fia_pa` takes the same paths (ATB paged attention is not used for int8 caches).
 """
 from __future__ import annotations
@@ -77,8 +77,11 @@ class Int8FusedAttention(FusedAttention):
             if self.ops.capturing:
                 self._note_capture(meta, SITE, plane)
         else:
-            gathered, renumbered = self._used_blocks(meta.block_tables[plane], meta.kv_lens[plane])
+            table = meta.block_tables[plane]                                         # [S, max_blocks]
+            gathered = table.flatten().long()
             key, value = (self._dequantize_blocks(values[i], scales[i], gathered) for i in (0, 1))
+            renumbered = torch.arange(gathered.shape[0], dtype=torch.int32,
+                                      device=table.device).view(table.shape)
             out = self.ops.fused_infer_attention(
                 query, key, value, atten_mask=self.mask, block_table=renumbered,
                 cum_query_lens=meta.cum_query_lens, kv_lens=meta.kv_lens[plane], num_heads=self.num_heads,
@@ -89,23 +92,6 @@ class Int8FusedAttention(FusedAttention):
         if rows is not None:
             out = out.index_fill(0, rows, 0)
         return out.to(q.dtype)
-
-    def _used_blocks(self, table: torch.Tensor, kv_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(blocks `[N]`, table `[S, max_blocks]`): the cache blocks that hold this step's keys (each
-        sequence's first ceil(kv_len / block_size) entries of `table`) and the table that numbers them
-        in gathered order. A step's table is as wide as its longest sequence: dequantizing only the
-        used entries spares the short ones' padding. Unused entries point at gathered block 0 (the op
-        reads a sequence's blocks up to its kv_len only). The indices are made on the host, so the
-        gather has a known shape and no device sync."""
-        counts = torch.tensor([-(-n // self.block_size) for n in kv_lens])
-        used = torch.arange(table.shape[1])[None, :] < counts[:, None]             # [S, max_blocks] host
-        if not used.any():                                                         # no keys at this plane
-            used[0, 0] = True
-        flat = used.flatten().nonzero().flatten()
-        numbering = torch.zeros(used.numel(), dtype=torch.int32)
-        numbering[flat] = torch.arange(flat.numel(), dtype=torch.int32)
-        blocks = table.flatten().index_select(0, flat.to(table.device)).long()
-        return blocks, numbering.view(table.shape).to(table.device)
 
     def _dequantize_blocks(self, values: torch.Tensor, scales: torch.Tensor,
                            blocks: torch.Tensor) -> torch.Tensor:

@@ -89,16 +89,3 @@ def test_an_8bit_kv_format_the_hal_cannot_read_names_the_ones_it_can():
 
     with pytest.raises(ValueError, match="reads 8-bit KV as int8.*use kv_dtype=auto or int8$"):
         resolve_kv_dtype("fp8_e4m3fn", hal.get("ascend-sim"))
-
-
-def test_prefill_dequantizes_only_the_blocks_under_each_sequence_length(single_thread):
-    """A step's table is as wide as its longest sequence: the short sequences' padding entries are not
-    gathered, and the renumbered table points each sequence at its own gathered blocks in order."""
-    backend = sim().attention(8, 2, 24, torch.bfloat16, block_size=16, kv_dtype=torch.int8)
-    table = torch.tensor([[7, 3, 9, 4], [5, 0, 0, 0], [2, 8, 0, 0]], dtype=torch.int32)
-    blocks, renumbered = backend._used_blocks(table, [50, 16, 17])          # 4, 1 and 2 blocks
-    assert blocks.tolist() == [7, 3, 9, 4, 5, 2, 8]
-    assert renumbered.tolist() == [[0, 1, 2, 3], [4, 0, 0, 0], [5, 6, 0, 0]]
-    assert renumbered.dtype == torch.int32 and blocks.dtype == torch.int64
-    blocks, renumbered = backend._used_blocks(table, [0, 0, 0])             # a plane without keys
-    assert blocks.tolist() == [7] and renumbered.eq(0).all()
