@@ -319,4 +319,5 @@ def _sampling_of_generation_config(folder: str | os.PathLike | None) -> dict[str
     except (OSError, ValueError) as exc:
         log.warning("ignoring %s: %s", path, exc)
         return {}
-    return {k: raw[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty") if raw.get(k) is not None}
+    keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    return {k: raw[k] for k in keys if raw.get(k) is not None}

@@ -86,6 +86,10 @@ class LLMEngine(EngineRequests):
         spec = cfg.speculative
         self.speculator = Speculator(self.runner, spec) if spec.is_enabled else None
         stops = list(model.stop_token_ids()) + list(extra_stop_token_ids)
+        bad = [t for t in stops if not (isinstance(t, int) and 0 <= t < 2 ** 63)]
+        if bad:                  # the persistent batch stores them as int64 (runtime/execution/row_params.py)
+            raise ValueError(f"stop token ids must be integers in [0, 2^63), got {bad[:3]} (model.stop_token_ids "
+                             f"or the config's eos_token_id)")
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             stops.append(tokenizer.eos_token_id)
         self.default_stop_token_ids = frozenset(stops)

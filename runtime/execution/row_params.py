@@ -30,6 +30,7 @@ class RowParams:
         # float64: the host's flags compare the request's own values (as the per-row builder does);
         # the device gets them as float32, the rounding the per-row builder's tensors have
         self.floats = np.ones((max_rows, 3), dtype=np.float64)
+        self.floats[:, MIN_P] = 0.0                                # off (temperature and top_p: 1.0)
         self.per_row = np.zeros(max_rows, dtype=bool)              # logits need the row's history (penalties, bias)
         self.num_logprobs = np.full(max_rows, -1, dtype=np.int64)  # top-k of sampled-token logprobs; -1: none
         self.version = 0                  # bumped by every write: the device mirror re-uploads when it moved

@@ -66,8 +66,9 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
         app.add_middleware(RequireKey, api_key=config.api_key,
                            on_refused=lambda: metrics.rejected.labels("unauthorized").inc())
     # added last, so it runs first: a browser's preflight and a refused request both carry its headers
-    app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
-                       allow_headers=["*"])
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
 
     async def guarded(request: Request, handler: Callable[[], Awaitable[Response]]) -> Response:
         try:

@@ -19,7 +19,7 @@ class RequireKey:
         self.app, self.expected, self.on_refused = app, f"Bearer {api_key}".encode(), on_refused
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not scope["path"].startswith("/v1"):
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not _is_openai_route(scope):
             return await self.app(scope, receive, send)
         given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
         if hmac.compare_digest(given, self.expected):         # constant time: no timing oracle on the key
@@ -28,3 +28,12 @@ class RequireKey:
         body = error_body("missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                           "invalid_request_error", code="invalid_api_key")
         await JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+
+
+def _is_openai_route(scope: dict[str, Any]) -> bool:
+    """Whether the request routes to `/v1` or below, as the router sees it: uvicorn's `--root-path`
+    and a parent app's mount put a prefix in front of `path` that routing strips again."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root):]
+    return path == "/v1" or path.startswith("/v1/")

@@ -65,6 +65,7 @@ class Job:
     num_samples: int                     # choices per prompt (n)
     num_logprobs: int | None             # top logprobs per token, when the request asked for logprobs
     continuous_usage: bool = False       # vLLM's stream_options.continuous_usage_stats: usage on every chunk
+    skip_special_tokens: bool = True     # as the answer's text: its logprobs' text offsets follow it
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     def usage(self) -> dict[str, int]:
@@ -85,7 +86,7 @@ def choice_body(tokenizer: Tokenizer | None, job: Job, choice: Choice, text: str
     body["logprobs"] = None
     if job.num_logprobs is not None:
         body["logprobs"] = _chat_logprobs(tokenizer, logprobs) if job.kind == "chat" else \
-            _completion_logprobs(tokenizer, choice, logprobs, with_prompt)
+            _completion_logprobs(tokenizer, choice, logprobs, with_prompt, job.skip_special_tokens)
     reason = choice.finish_reason
     body["finish_reason"] = (ABORTED_FINISH_REASON if reason == "abort" else reason) if final else None
     body["stop_reason"] = choice.stop_reason if final else None       # vLLM's field
@@ -105,7 +106,7 @@ def chunk_maker(job: Job) -> Callable[[dict[str, Any] | None], dict[str, Any]]:
 
 
 def _completion_logprobs(tokenizer: Tokenizer | None, choice: Choice, logprobs: list[TokenLogprobs],
-                         with_prompt: bool) -> dict[str, Any]:
+                         with_prompt: bool, skip_special_tokens: bool = True) -> dict[str, Any]:
     """OpenAI's completions shape: parallel lists of tokens, their logprobs, the top logprobs as
     {token text: logprob} and each token's character offset in the returned text; with echo the
     prompt's tokens come first (the first one has no logprob: nothing predicts it)."""
@@ -125,7 +126,7 @@ def _completion_logprobs(tokenizer: Tokenizer | None, choice: Choice, logprobs: 
         for i, (token_id, lp) in enumerate(zip(choice.prompt_ids, choice.prompt_logprobs)):
             add(token_id, lp, 0 if i < added else prompt.next(token_id))
     if choice.offset_text is None:
-        choice.offset_text = _Offsets(tokenizer, len(choice.prefix))
+        choice.offset_text = _Offsets(tokenizer, len(choice.prefix), skip_special_tokens)
     for lp in logprobs:
         add(lp.token_id, lp, choice.offset_text.next(lp.token_id))
     return out

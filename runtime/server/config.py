@@ -28,15 +28,18 @@ class ServerConfig:
     shutdown_timeout_s: float = 30.0        # at shutdown, how long in-flight requests may still run
     # `/v1/*` needs `Authorization: Bearer <api_key>` when set (vLLM's --api-key); the CLI also reads
     # LOOPSTACK_API_KEY, which keeps the key off the command line
-    api_key: Optional[str] = None
-    allowed_origins: tuple[str, ...] = ("*",)   # CORS: browsers on these origins may call the API
+    api_key: Optional[str] = field(default=None, repr=False)
+    # CORS: web pages of these origins may call the API ("*": any, vLLM's default); none by default,
+    # so a page the operator visits cannot drive a server without a key and read its answers
+    allowed_origins: tuple[str, ...] = ()
     default_num_loops: Optional[int] = None       # None: the model's own depth
     default_exit_threshold: Optional[float] = None  # None: the model's own threshold
     # what a request leaves out: the model's generation_config, as runtime.generate applies it
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "allowed_origins", tuple(str(o) for o in self.allowed_origins))
+        origins = self.allowed_origins
+        object.__setattr__(self, "allowed_origins", (origins,) if isinstance(origins, str) else tuple(map(str, origins)))
         if self.api_key is not None and not (isinstance(self.api_key, str) and self.api_key.strip()):
             raise ValueError("api_key must be a non-empty string (or null: no key)")
         for name in ("max_num_requests", "max_body_bytes", "default_max_tokens", "max_num_stop_strings"):

@@ -54,9 +54,9 @@ class Generation(RequestInputs):
                                prefix, list(r.prompt_token_ids)) for j in range(n)]
         options = body.stream_options
         include_usage = bool(options and options.include_usage)
-        continuous = bool(options and options.continuous_usage_stats)
+        continuous = include_usage and bool(options.continuous_usage_stats)       # vLLM needs both
         return Job(kind, api_id, self.model_name, choices, outputs, include_usage, n, params[0].logprobs,
-                   continuous)
+                   continuous, body.skip_special_tokens)
 
     # ----- engine -> responses -------------------------------------------------------------------
     async def events(self, job: Job) -> AsyncIterator[tuple[Choice, str]]:

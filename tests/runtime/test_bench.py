@@ -80,7 +80,7 @@ def test_timeline_summary_finds_the_host_lead_and_the_idle_gaps():
         ["----- timeline of x: no device kernels profiled"]
 
 
-def test_bench_refuses_a_workload_longer_than_the_model_before_measuring(single_thread):
+def test_bench_refuses_a_workload_longer_than_the_model_before_measuring(single_thread, monkeypatch):
     """The golden ouro-tiny holds 256 positions: prefill8k is refused with the fix, before the matmul
     rate is measured or a cell runs."""
     from hydra import compose, initialize_config_dir
@@ -96,3 +96,11 @@ def test_bench_refuses_a_workload_longer_than_the_model_before_measuring(single_
     with pytest.raises(ValueError, match=r"workload prefill8k needs 8209 positions and ouro-tiny has 256: .*"
                                          r"workloads\.prefill8k\.prompt="):
         bench.run(cfg)
+    measured = []
+    monkeypatch.setattr("runtime.roofline.measure_matmul_rate", lambda *a, **k: measured.append(1) or 1e12)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        both = compose("bench", overrides=["hal=cpu", f"model.path={golden_case('ouro-tiny').path}",
+                                           "weights=checkpoint", "model.dtype=float32", "workload=[tiny,prefill8k]"])
+    with pytest.raises(ValueError, match="workload prefill8k needs"):        # before the tiny cell runs
+        bench.run(both)
+    assert not measured

@@ -290,3 +290,11 @@ def test_prompt_logprobs_of_a_one_token_prompt_is_one_none():
     two, one = _engine_outputs(model, [[5, 9], [5]], [params, params])
     assert len(two.prompt_logprobs) == 2 and two.prompt_logprobs[0] is None and two.prompt_logprobs[1] is not None
     assert one.prompt_logprobs == [None]
+
+
+def test_stop_token_ids_out_of_range_are_refused_at_start():
+    """The model node's end tokens join the engine's stop set, which the persistent batch stores as
+    int64: a bad one is refused when the engine starts, not at the first row write."""
+    model = zoo.from_pretrained(golden_case("ouro-tiny").path, dtype="float32")
+    with pytest.raises(ValueError, match=r"stop token ids must be integers in \[0, 2\^63\), got \[-1\]"):
+        LLMEngine(model, hal.get("cpu"), EngineConfig(num_kv_blocks=16), extra_stop_token_ids=[-1])

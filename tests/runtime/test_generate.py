@@ -186,9 +186,9 @@ def test_vllm_prompt_forms_and_content_parts(tmp_path):
 
     folder = tmp_path / "ckpt"
     shutil.copytree(packaged, folder)
-    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_k": 5}))
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_k": 5, "min_p": 0.1}))
     defaults = LLM(folder, hal="cpu", dtype="float32", num_kv_blocks=64).get_default_sampling_params()
-    assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.0, 5, 1.0)
+    assert (defaults.temperature, defaults.top_k, defaults.top_p, defaults.min_p) == (0.0, 5, 1.0, 0.1)
     assert llm.get_default_sampling_params() == SamplingParams()
 
 

@@ -233,6 +233,25 @@ def test_an_api_key_guards_the_openai_routes_and_cors_answers_browsers(make_engi
             "access-control-allow-origin"] == "https://app.example"
         elsewhere = http.get("/health", headers={"Origin": "https://evil.example"})
         assert "access-control-allow-origin" not in elsewhere.headers
+    # behind a root path or mounted in another app, the key still guards /v1 (as the router sees it)
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    inner = build_app(make_engine(), ServerConfig(model_name="t", api_key="k"))
+    outer = Starlette(routes=[Mount("/llm", app=inner)])
+    outer.state.engine_loop = inner.state.engine_loop        # what the graceful shutdown drains
+    mounted = live_server(outer)
+    with httpx.Client(base_url=mounted.url, timeout=60) as http:
+        assert http.get("/llm/v1/models").status_code == 401
+        assert http.get("/llm/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
+        assert http.get("/llm/v1foo").status_code == 404          # not under /v1: routing answers
+    plain = live_server(build_app(make_engine(), ServerConfig(model_name="tiny")))
+    with httpx.Client(base_url=plain.url, timeout=60) as http:    # no CORS unless origins are named
+        preflight = http.options("/v1/completions", headers={"Origin": "https://app.example",
+                                                             "Access-Control-Request-Method": "POST"})
+        assert "access-control-allow-origin" not in preflight.headers
+    assert "s3cret" not in repr(ServerConfig(api_key="s3cret"))
+    assert ServerConfig(allowed_origins="https://a.example").allowed_origins == ("https://a.example",)
     monkeypatch.setenv("LOOPSTACK_API_KEY", "from-env")
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         assert server_config(compose("serve", overrides=["model.path=/x"])).api_key == "from-env"

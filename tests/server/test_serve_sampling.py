@@ -299,6 +299,9 @@ def test_vllm_sampling_extras_and_neutral_openai_fields(client, server, offline,
     http = httpx.Client(base_url=server.url, timeout=60)
     assert "<|im_end|>" not in http.post("/v1/completions", json=special).json()["choices"][0]["text"]
     kept = http.post("/v1/completions", json={**special, "skip_special_tokens": False}).json()
+    offsets = http.post("/v1/completions", json={**special, "skip_special_tokens": False, "logprobs": 0}).json()
+    lp = offsets["choices"][0]["logprobs"]
+    assert lp["text_offset"] == [0, len("<|im_end|>")]      # offsets into the text as returned
     kept = kept["choices"][0]["text"]
     assert kept == "<|im_end|><|im_end|>" == offline(PROMPT, max_tokens=2, temperature=0, ignore_eos=True,
                                                      logit_bias={eos: 100}, skip_special_tokens=False).text
@@ -306,6 +309,9 @@ def test_vllm_sampling_extras_and_neutral_openai_fields(client, server, offline,
     with_prompt = http.post("/v1/chat/completions", json=chat).json()["usage"]["prompt_tokens"]
     without = http.post("/v1/chat/completions", json={**chat, "add_generation_prompt": False}).json()
     assert without["usage"]["prompt_tokens"] == with_prompt - len(tokenizer.encode("<|im_start|>assistant\n"))
+    alone = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0, stream=True,
+                                           extra_body={"stream_options": {"continuous_usage_stats": True}}))
+    assert all(c.usage is None for c in alone)              # vLLM: only with include_usage
     options = {"include_usage": True, "continuous_usage_stats": True}
     chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, stream=True,
                                             extra_body={"ignore_eos": True, "stream_options": options}))
