@@ -188,21 +188,20 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
     results = []
     workloads = cfg.workload if isinstance(cfg.workload, (list, tuple)) or OmegaConf.is_list(cfg.workload) \
         else str(cfg.workload).split(",")
-    spec_tokens = engine_config(cfg).speculative.num_tokens
+    spec = engine_config(cfg).speculative
     lengths = {}
     for workload in workloads:               # every cell checked before any runs (or measures)
         if workload not in cfg.workloads:
             raise ValueError(f"unknown workload {workload!r}; known: {', '.join(cfg.workloads)}")
         cell = cfg.workloads[workload]
         lengths[workload] = (max(cell["prompt"] + cell["new"], cell.get("late_prompt", 0) + 1) + 16
-                             + 2 * spec_tokens)
+                             + 2 * spec.num_tokens)
         if lengths[workload] > model.max_seq_len:
             raise ValueError(f"workload {workload} needs {lengths[workload]} positions and {name} has "
                              f"{model.max_seq_len}: pick a shorter workload or set "
                              f"workloads.{workload}.prompt=<fewer tokens>")
     for workload in workloads:
         cell = dict(cfg.workloads[workload])
-        spec = engine_config(cfg).speculative
         config = engine_config(
             cfg, max_num_seqs=max(cell["batch"] + (1 if cell.get("late_prompt") else 0), 1),
             max_model_len=lengths[workload])
