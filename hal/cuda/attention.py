@@ -116,7 +116,7 @@ def kernel_configs(arch: str) -> dict[str, Any]:
 
 
 def fused_op(name: str, configs: dict[str, Any] | None = None, num_compute_units: int | None = None,
-             max_rows: int = GEMV_MAX_ROWS) -> Any:
+             max_rows: int = GEMV_MAX_ROWS, gemm: Any = None) -> Any:
     """A Triton fused op by name bound to the arch's launch configs (and, for the decode
     projections, the device's compute units and the rows they take fused), or None (unknown name,
     or Triton unusable here)."""
@@ -124,6 +124,6 @@ def fused_op(name: str, configs: dict[str, Any] | None = None, num_compute_units
         return None
     if name in GEMV_OPS:
         gemv_ops = importlib.import_module("hal.kernels.gemv_ops")
-        return gemv_ops.gemv_ops(configs, num_compute_units, max_rows)[name]
+        return gemv_ops.gemv_ops(configs, num_compute_units, max_rows, gemm)[name]
     ops = importlib.import_module("hal.kernels.ops")
     return ops.fused_ops(configs).get(name)

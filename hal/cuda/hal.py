@@ -83,6 +83,7 @@ class CudaHal(Hal):
         self._capture_stream: Any = None
         self._logged: set[Any] = set()
         self._ops: dict[str, Any] = {}
+        self._gemm: tuple[Callable[..., Any] | None] | None = None    # (table_linear's answer,) once asked
 
     # ----- identity -------------------------------------------------------------------------
     @classmethod
@@ -251,11 +252,20 @@ class CudaHal(Hal):
                                    is not False else None)
             elif name in attention.GEMV_OPS:
                 rows = self._projection_rows(configs) if has_triton else 0
-                self._ops[name] = (attention.fused_op(name, configs, self.facts.num_compute_units, rows)
-                                   if rows else None)
+                self._ops[name] = (attention.fused_op(name, configs, self.facts.num_compute_units, rows,
+                                                      self._table_linear()) if rows else None)
             else:
                 self._ops[name] = attention.fused_op(name, configs)
         return self._ops[name]
+
+    def _table_linear(self) -> Callable[..., Any] | None:
+        """The decode projections' product: cuBLASLt at the measured algorithms of this device and
+        library (hal/cuda/blaslt.py), or None for `F.linear` (no table for them, `LOOPSTACK_BLASLT=0`)."""
+        if self._gemm is None:
+            from hal.cuda.blaslt import table_linear
+
+            self._gemm = (table_linear(self.device()) if self.device().type == "cuda" else None,)
+        return self._gemm[0]
 
     def _projection_rows(self, configs: dict[str, Any]) -> int:
         """Rows up to which the decode projections run fused (0: cuBLAS and the separate small ops)."""

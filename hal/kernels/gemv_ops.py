@@ -9,6 +9,8 @@ count up to their MAX_DOT_ROWS; tools and tests launch the kernels directly, pas
 from __future__ import annotations
 
 
+from collections.abc import Callable
+
 import torch
 
 from hal.kernels.configs import KernelConfig, configs_for
@@ -67,12 +69,13 @@ _COUNTER_SETS: dict[tuple[torch.device, int], torch.Tensor] = {}   # (device, st
 class Gemv:
     """The fused projection ops bound to one config table and device size (what `Hal.op` returns).
     Each computes the kernel for bf16/fp16 inputs of at most MAX_ROWS rows, and otherwise the unfused
-    path (`hal.kernels.ops` small ops + `torch.nn.functional.linear`), bit for bit what the model's
-    torch code computes through the Hal's other ops."""
+    path (`hal.kernels.ops` small ops + `gemm`, default `torch.nn.functional.linear`), bit for bit what
+    the model's torch code computes through the Hal's other ops where `gemm` is F.linear."""
 
     def __init__(self, configs: dict[str, KernelConfig] | None = None, num_compute_units: int | None = None,
-                 max_rows: int = MAX_ROWS):
+                 max_rows: int = MAX_ROWS, gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
         self.configs = configs or configs_for("default")
+        self.gemm = gemm or torch.nn.functional.linear     # the unfused product (a vendor's tuned GEMM)
         self.num_compute_units = num_compute_units
         self.max_rows = min(max_rows, MAX_ROWS)
         self.wide = self.configs.get(WIDE_KEY)
@@ -153,7 +156,7 @@ class Gemv:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`linear(x, weight) (+ residual)`."""
         if not self._fits(x, weight, residual):
-            y = torch.nn.functional.linear(x, weight)
+            y = self.gemm(x, weight)
             return y if residual is None else residual + y
         out_res = None if residual is None else _rows(residual)
         return self._run(_rows(x), weight, NONE, out_residual=out_res).view(*x.shape[:-1], -1)
@@ -185,7 +188,7 @@ class Gemv:
                         weight: torch.Tensor) -> torch.Tensor:
         """`linear(rms_norm(x, norm_weight, eps), weight)`."""
         if not self._fits(x, weight, norm_weight, prologue=RMS_NORM):
-            return torch.nn.functional.linear(self._rms_norm(x, norm_weight, eps), weight)
+            return self.gemm(self._rms_norm(x, norm_weight, eps), weight)
         x2 = _rows(x)
         if self._norm_apart(x2.shape[0], weight.shape[1], RMS_NORM):
             return self._run(_rows(self._rms_norm(x2, norm_weight, eps)), weight, NONE).view(*x.shape[:-1], -1)
@@ -195,7 +198,7 @@ class Gemv:
                         residual: torch.Tensor | None = None) -> torch.Tensor:
         """`linear(silu_and_mul(x), weight) (+ residual)`; x `[..., 2K]` = gate | up."""
         if x.shape[-1] != 2 * weight.shape[-1] or not self._fits(x, weight, residual, prologue=SILU_AND_MUL):
-            y = torch.nn.functional.linear(self._silu_and_mul(x), weight)
+            y = self.gemm(self._silu_and_mul(x), weight)
             return y if residual is None else residual + y
         out_res = None if residual is None else _rows(residual)
         return self._run(_rows(x), weight, SILU_AND_MUL, out_residual=out_res).view(*x.shape[:-1], -1)
@@ -211,12 +214,12 @@ class Gemv:
                 or residual.shape != x.shape:
             if residual.shape == x.shape:   # the boundary in one launch, as the layers run it without these ops
                 y, h = self._norm_add_norm(x, residual, post_norm_weight, norm_weight, eps, sum_first)
-                return torch.nn.functional.linear(y, weight), h
+                return self.gemm(y, weight), h
             if sum_first:
                 h = self._rms_norm(x + residual, post_norm_weight, eps)
             else:
                 h = self._rms_norm(x, post_norm_weight, eps, residual)
-            return torch.nn.functional.linear(self._rms_norm(h, norm_weight, eps), weight), h
+            return self.gemm(self._rms_norm(h, norm_weight, eps), weight), h
         x2 = _rows(x)
         if self._norm_apart(x2.shape[0], weight.shape[1], prologue):      # the boundary in one launch
             y, h = self._norm_add_norm(x, residual, post_norm_weight, norm_weight, eps, sum_first)
@@ -256,9 +259,10 @@ def _compute_units(device: torch.device) -> int:
 
 
 def gemv_ops(configs: dict[str, KernelConfig] | None = None, num_compute_units: int | None = None,
-             max_rows: int = MAX_ROWS) -> dict[str, object]:
+             max_rows: int = MAX_ROWS, gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+             ) -> dict[str, object]:
     """The ops by the names `Hal.op` uses, bound to one config table; calls of more than `max_rows`
-    rows take the unfused path."""
-    g = Gemv(configs, num_compute_units, max_rows)
+    rows take the unfused path, whose products run through `gemm` (default `F.linear`)."""
+    g = Gemv(configs, num_compute_units, max_rows, gemm)
     return {"linear": g.linear, "rms_norm_linear": g.rms_norm_linear, "silu_mul_linear": g.silu_mul_linear,
             "norm_residual_linear": g.norm_residual_linear, "projection_takes": g.projection_takes}

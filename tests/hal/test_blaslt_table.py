@@ -1,0 +1,22 @@
+"""The cuBLASLt algorithm table (hal/cuda/blaslt_table.py) is well formed, and the switch that turns it
+off refuses a misspelt value; no GPU needed (tests/cuda/test_blaslt_cuda.py runs the library)."""
+import pytest
+
+from hal.cuda import blaslt
+from hal.cuda.blaslt_table import TABLES
+
+
+def test_table_keys_and_ranks_are_well_formed():
+    for (name, sms, version, dtype), ranks in TABLES.items():
+        assert isinstance(name, str) and sms > 0 and version > 0 and dtype in ("bfloat16", "float16")
+        for (m, n, k), rank in ranks.items():
+            assert m > 0 and n > 0 and k > 0
+            assert 0 <= rank < blaslt.MAX_CANDIDATES
+
+
+def test_switch_refuses_a_misspelt_value(monkeypatch):
+    monkeypatch.setenv(blaslt.ENV, "yes")
+    with pytest.raises(ValueError, match="LOOPSTACK_BLASLT"):
+        blaslt.table_linear()
+    monkeypatch.setenv(blaslt.ENV, "0")
+    assert blaslt.table_linear() is None
