@@ -77,16 +77,23 @@ class Shape:
         self.ref = F.linear(self.x.float(), self.ws[0].float())
         self.num_candidates = len(lt.plan(m, n, k, torch.bfloat16).candidates)
 
-    def run(self, rank: int | None):
+    def choices(self, sm_targets: tuple[int, ...]) -> list[tuple[int, int]]:
+        """(sm_target, rank) of every candidate the heuristic lists at each target (0: its default)."""
+        return [(t, r) for t in sm_targets for r in range(len(self.lt.plan(self.m, self.n, self.k, torch.bfloat16,
+                                                                               t).candidates))]
+
+    def run(self, rank: int | tuple[int, int] | None):
+        target, rank = rank if isinstance(rank, tuple) else (0, rank)
         for w in self.ws:
-            F.linear(self.x, w) if rank is None else self.lt.linear(self.x, w, rank)
+            F.linear(self.x, w) if rank is None else self.lt.linear(self.x, w, rank, target)
         return len(self.ws)
 
-    def us(self, rank: int | None) -> float:
+    def us(self, rank: int | tuple[int, int] | None) -> float:
         return time_graph(lambda: self.run(rank))
 
-    def rel_err(self, rank: int) -> float:
-        y = self.lt.linear(self.x, self.ws[0], rank).float()
+    def rel_err(self, rank: int | tuple[int, int]) -> float:
+        target, rank = rank if isinstance(rank, tuple) else (0, rank)
+        y = self.lt.linear(self.x, self.ws[0], rank, target).float()
         return ((y - self.ref).abs().max() / self.ref.abs().max()).item()
 
 
@@ -109,35 +116,168 @@ def survey(lt: BlasLt, family: str, m: int, emit) -> None:
             emit(dict(family=family, m=m, proj=proj, n=n, k=k, algo=rank, **row))
 
 
-def table(lt: BlasLt, families: list[str], rows: list[int], emit) -> dict[tuple[int, int, int], int]:
-    """Ranks that beat `F.linear` (whose kernel is usually rank 0's) by MIN_GAIN, confirmed twice."""
-    ranks: dict[tuple[int, int, int], int] = {}
+def table(lt: BlasLt, families: list[str], rows: list[int], emit,
+          sm_targets: tuple[int, ...] = (0,)) -> dict[tuple[int, int, int], object]:
+    """Choices that beat `F.linear` (whose kernel is usually the default list's first) by MIN_GAIN,
+    confirmed twice: a rank of the default list, or (sm_target, rank)."""
+    chosen: dict[tuple[int, int, int], object] = {}
     for family in families:
         for proj, n, k in SHAPES[family]:
             for m in rows:
                 s = Shape(lt, m, n, k)
                 base = s.us(None)
-                times = {rank: s.us(rank) for rank in range(s.num_candidates)}
+                times = {choice: s.us(choice) for choice in s.choices(sm_targets)}
                 best = min(times, key=times.get)
-                row = dict(family=family, proj=proj, m=m, n=n, k=k, torch=round(base, 2), first=round(times[0], 2),
-                           best=best, best_us=round(times[best], 2), candidates=len(times))
+                row = dict(family=family, proj=proj, m=m, n=n, k=k, torch=round(base, 2),
+                           first=round(times[(0, 0)], 2), best=best, best_us=round(times[best], 2),
+                           candidates=len(times))
                 if base / times[best] >= MIN_GAIN:
                     again = [(s.us(None), s.us(best)) for _ in range(2)]     # alternating re-timings
                     row["again"] = [[round(a, 2), round(b, 2)] for a, b in again]
                     if all(a / b >= MIN_GAIN for a, b in again) and s.rel_err(best) < 2e-2:
-                        ranks[(m, n, k)] = best
+                        chosen[(m, n, k)] = best[1] if best[0] == 0 else best
                         row["kept"] = True
                 emit(row)
                 del s
-    return ranks
+    return chosen
+
+
+# ---- beyond the heuristic's first list: SM-count targets and the enumerated algorithms -------------
+CAP_SPLITK, CAP_REDUCTION_MASK, CAP_TILE_IDS, CAP_STAGES_IDS = 0, 1, 6, 13
+CONFIG_TILE, CONFIG_SPLITK, CONFIG_REDUCTION, CONFIG_STAGES = 1, 2, 3, 6
+
+
+class Explorer:
+    """ctypes calls the table does not need: every (algorithm id, tile, stages, split-K) combination
+    `cublasLtMatmulAlgoCheck` accepts (H200, cuBLASLt 13.1: all far slower than the heuristic's)."""
+
+    def __init__(self, lt: BlasLt) -> None:
+        import ctypes
+        self.ct, self.lt, lib = ctypes, lt, lt.lib
+        vp, i32, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+        for fn, args in {"cublasLtMatmulAlgoGetIds": [vp, i32, i32, i32, i32, i32, i32, i32, vp, vp],
+                         "cublasLtMatmulAlgoInit": [vp, i32, i32, i32, i32, i32, i32, i32, vp],
+                         "cublasLtMatmulAlgoCapGetAttribute": [vp, i32, vp, sz, vp],
+                         "cublasLtMatmulAlgoConfigSetAttribute": [vp, i32, vp, sz],
+                         "cublasLtMatmulAlgoCheck": [vp, vp, vp, vp, vp, vp, vp, vp]}.items():
+            getattr(lib, fn).argtypes = args
+            getattr(lib, fn).restype = i32
+
+    def _cap_array(self, algo, attr: int) -> list[int]:
+        ct = self.ct
+        written = ct.c_size_t(0)
+        self.lt.lib.cublasLtMatmulAlgoCapGetAttribute(ct.byref(algo), attr, None, 0, ct.byref(written))
+        count = written.value // 4
+        if count == 0:
+            return []
+        buf = (ct.c_uint32 * count)()
+        self.lt.lib.cublasLtMatmulAlgoCapGetAttribute(ct.byref(algo), attr, buf, 4 * count, ct.byref(written))
+        return list(buf)
+
+    def _cap_int(self, algo, attr: int) -> int:
+        ct = self.ct
+        v, written = ct.c_uint32(0), ct.c_size_t(0)
+        self.lt.lib.cublasLtMatmulAlgoCapGetAttribute(ct.byref(algo), attr, ct.byref(v), 4, ct.byref(written))
+        return v.value
+
+    def enumerated(self, m: int, n: int, k: int, limit: int = 400):
+        """[(label, HeuristicResult-like algo, workspace)] for the combinations AlgoCheck accepts."""
+        from hal.cuda.blaslt import HeuristicResult
+        ct, lt = self.ct, self.lt
+        plan = lt.plan(m, n, k, torch.bfloat16)
+        ids, count = (ct.c_int * 256)(), ct.c_int(0)
+        lt.lib.cublasLtMatmulAlgoGetIds(lt.handle, 68, 0, 14, 14, 14, 14, 256, ids, ct.byref(count))
+        out = []
+        a, b, c = plan.layouts
+        for algo_id in list(ids)[:count.value]:
+            base = HeuristicResult()
+            if lt.lib.cublasLtMatmulAlgoInit(lt.handle, 68, 0, 14, 14, 14, 14, algo_id, ct.byref(base.algo)) != 0:
+                continue
+            tiles = self._cap_array(base.algo, CAP_TILE_IDS) or [0]
+            stages = self._cap_array(base.algo, CAP_STAGES_IDS) or [0]
+            splits = [1, 2, 3, 4, 6, 8] if self._cap_int(base.algo, CAP_SPLITK) else [1]
+            mask = self._cap_int(base.algo, CAP_REDUCTION_MASK)
+            scheme = next((bit for bit in (1, 2, 4) if mask & bit), 0)
+            for tile in tiles:
+                for stage in stages:
+                    for split in splits:
+                        r = HeuristicResult()
+                        ct.memmove(ct.byref(r.algo), ct.byref(base.algo), ct.sizeof(r.algo))
+                        for attr, value in ((CONFIG_TILE, tile), (CONFIG_STAGES, stage), (CONFIG_SPLITK, split),
+                                            (CONFIG_REDUCTION, scheme if split > 1 else 0)):
+                            v = ct.c_uint32(value)
+                            lt.lib.cublasLtMatmulAlgoConfigSetAttribute(ct.byref(r.algo), attr, ct.byref(v), 4)
+                        check = HeuristicResult()
+                        if lt.lib.cublasLtMatmulAlgoCheck(lt.handle, plan.desc, a, b, c, c, ct.byref(r.algo),
+                                                          ct.byref(check)) != 0:
+                            continue
+                        r.workspace = check.workspace
+                        if r.workspace > (32 << 20):
+                            continue
+                        out.append((f"id{algo_id}/t{tile}/s{stage}/k{split}", r))
+        return out[:limit] if len(out) <= limit else out[::max(1, len(out) // limit)][:limit]
+
+
+def explore(lt: BlasLt, family: str, m: int, emit) -> None:
+    ex = Explorer(lt)
+    for proj, n, k in SHAPES[family]:
+        s = Shape(lt, m, n, k)
+        base = s.us(None)
+        emit(dict(family=family, m=m, proj=proj, what="torch", us=round(base, 2)))
+        best = ("torch", base)
+
+        def timed(label, plan, result):
+            nonlocal best
+            def run():
+                for w in s.ws:
+                    _linear_with(lt, plan, result, s.x, w)
+                return len(s.ws)
+            try:
+                us = time_graph(run, replays=7)
+            except RuntimeError:
+                torch.cuda.synchronize()
+                return None
+            if us < best[1]:
+                best = (label, us)
+            return us
+
+        for target in (128, 120, 112, 100, 96, 88, 80, 66, 44):
+            plan = lt.plan(m, n, k, torch.bfloat16, target)
+            times = [timed(f"sm{target}/r{rank}", plan, r) for rank, r in enumerate(plan.candidates)]
+            emit(dict(family=family, m=m, proj=proj, what=f"sm_target {target}",
+                      us=[None if t is None else round(t, 2) for t in times]))
+        combos = ex.enumerated(m, n, k)
+        plan = lt.plan(m, n, k, torch.bfloat16)
+        enumerated = sorted(((timed(label, plan, r), label) for label, r in combos), key=lambda t: (t[0] is None, t[0]))
+        emit(dict(family=family, m=m, proj=proj, what="enumerated", count=len(combos),
+                  best=[(round(t, 2), label) for t, label in enumerated[:6] if t is not None]))
+        emit(dict(family=family, m=m, proj=proj, what="best", label=best[0], us=round(best[1], 2),
+                  gain=round(base / best[1], 3)))
+        del s
+
+
+def _linear_with(lt: BlasLt, plan, result, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    import ctypes
+    (m, k), n = x.shape, w.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    workspace = torch.empty(max(result.workspace, 1), dtype=torch.uint8, device=x.device)
+    one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+    a, b, c = plan.layouts
+    lt._check(lt.lib.cublasLtMatmul(lt.handle, plan.desc, ctypes.byref(one), w.data_ptr(), a, x.data_ptr(), b,
+                                    ctypes.byref(zero), y.data_ptr(), c, y.data_ptr(), c, ctypes.byref(result.algo),
+                                    workspace.data_ptr(), result.workspace, torch.cuda.current_stream().cuda_stream),
+              "cublasLtMatmul")
+    return y
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--survey", default=None, help="family+rows, comma separated: ouro64,nanbeige1")
     ap.add_argument("--table", action="store_true")
+    ap.add_argument("--explore", default=None, help="family+rows: SM-count targets and enumerated algorithms")
     ap.add_argument("--families", default="ouro,nanbeige,huginn")
     ap.add_argument("--max-rows", type=int, default=256)
+    ap.add_argument("--sm-targets", default="0", help="SM-count targets whose lists the table searches: 0,88,66")
     ap.add_argument("--rows", default=None, help="row counts to tune instead of the decode buckets: 1024,8192")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -156,10 +296,13 @@ def main() -> None:
     for spec in (args.survey.split(",") if args.survey else []):
         family = spec.rstrip("0123456789")
         survey(lt, family, int(spec[len(family):]), emit)
+    for spec in (args.explore.split(",") if args.explore else []):
+        family = spec.rstrip("0123456789")
+        explore(lt, family, int(spec[len(family):]), emit)
     if args.table:
         rows = ([int(r) for r in args.rows.split(",")] if args.rows
                 else [b for b in DEFAULT_BUCKETS if b <= args.max_rows])
-        ranks = table(lt, args.families.split(","), rows, emit)
+        ranks = table(lt, args.families.split(","), rows, emit, tuple(int(t) for t in args.sm_targets.split(",")))
         key = (props.name, props.multi_processor_count, lt.version, "bfloat16")
         print("TABLE", repr(key), ":", repr(dict(sorted(ranks.items()))), flush=True)
 

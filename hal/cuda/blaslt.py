@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 ENV = "LOOPSTACK_BLASLT"          # "0": every projection through F.linear
 CUDA_R_16F, CUDA_R_16BF, CUDA_R_32F, COMPUTE_32F = 2, 14, 0, 68
-DESC_TRANSA, DESC_TRANSB = 3, 4
+DESC_TRANSA, DESC_TRANSB, DESC_SM_COUNT_TARGET = 3, 4, 15
 PREF_MAX_WORKSPACE = 1
 OP_N, OP_T = 0, 1
 MAX_CANDIDATES = 16
@@ -97,14 +97,18 @@ class BlasLt:
     def _set(self, setter, obj, attr: int, value: ctypes._SimpleCData) -> None:
         self._check(setter(obj, attr, ctypes.byref(value), ctypes.sizeof(value)), f"attribute {attr}")
 
-    def plan(self, m: int, n: int, k: int, dtype: torch.dtype) -> Plan:
-        key = (m, n, k, dtype)
+    def plan(self, m: int, n: int, k: int, dtype: torch.dtype, sm_target: int = 0) -> Plan:
+        """The heuristic's candidates for this shape; with `sm_target`, those it ranks for a kernel
+        meant to run on that many SMs (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET), another list."""
+        key = (m, n, k, dtype, sm_target)
         if key not in self._plans:
             lib, code = self.lib, DTYPE_CODES[dtype]
             desc = ctypes.c_void_p()
             self._check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), COMPUTE_32F, CUDA_R_32F), "matmul desc")
             self._set(lib.cublasLtMatmulDescSetAttribute, desc, DESC_TRANSA, ctypes.c_int32(OP_T))
             self._set(lib.cublasLtMatmulDescSetAttribute, desc, DESC_TRANSB, ctypes.c_int32(OP_N))
+            if sm_target:
+                self._set(lib.cublasLtMatmulDescSetAttribute, desc, DESC_SM_COUNT_TARGET, ctypes.c_int32(sm_target))
             layouts = []
             for rows, cols in ((k, n), (k, m), (n, m)):
                 layout = ctypes.c_void_p()
@@ -122,11 +126,11 @@ class BlasLt:
             self._plans[key] = Plan(desc, (a, b, c), candidates)
         return self._plans[key]
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, rank: int) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: torch.Tensor, rank: int, sm_target: int = 0) -> torch.Tensor:
         """`F.linear(x, w)` for x `[M, K]` and w `[N, K]`, both with unit stride along K, through the
-        heuristic's candidate `rank` (raises IndexError where it offers fewer)."""
+        heuristic's candidate `rank` at `sm_target` (raises IndexError where it offers fewer)."""
         (m, k), n = x.shape, w.shape[0]
-        plan = self.plan(m, n, k, x.dtype)
+        plan = self.plan(m, n, k, x.dtype, sm_target)
         algo = plan.candidates[rank]
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
         workspace = torch.empty(max(algo.workspace, 1), dtype=torch.uint8, device=x.device)
@@ -140,21 +144,25 @@ class BlasLt:
 
 
 class TableLinear:
-    """`F.linear` whose products the table names run at the table's rank; everything else unchanged."""
+    """`F.linear` whose products the table names run at the table's choice: a rank of the heuristic's
+    list, or `(sm_target, rank)` of its list for that SM-count target; everything else unchanged."""
 
-    def __init__(self, lt: BlasLt, ranks: dict[tuple[int, int, int], int], dtype: torch.dtype) -> None:
-        self.lt, self.ranks, self.dtype = lt, ranks, dtype
+    def __init__(self, lt: BlasLt, choices: dict[tuple[int, int, int], int | tuple[int, int]],
+                 dtype: torch.dtype) -> None:
+        self.lt, self.dtype = lt, dtype
+        self.choices = {shape: c if isinstance(c, tuple) else (0, c) for shape, c in choices.items()}
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         k = x.shape[-1]
-        rank = self.ranks.get((x.numel() // k if k else 0, w.shape[0], k)) if x.dim() else None
-        if (rank is None or x.dtype != self.dtype or w.dtype != self.dtype or w.dim() != 2
+        choice = self.choices.get((x.numel() // k if k else 0, w.shape[0], k)) if x.dim() else None
+        if (choice is None or x.dtype != self.dtype or w.dtype != self.dtype or w.dim() != 2
                 or w.stride(-1) != 1 or w.stride(0) != k or not x.is_cuda):
             return F.linear(x, w)
         x2 = x.reshape(-1, k)
         if x2.stride(-1) != 1 or x2.stride(0) != k:
             x2 = x2.contiguous()
-        return self.lt.linear(x2, w, rank).view(*x.shape[:-1], w.shape[0])
+        sm_target, rank = choice
+        return self.lt.linear(x2, w, rank, sm_target).view(*x.shape[:-1], w.shape[0])
 
 
 def table_linear(device: torch.device | int | None = None) -> Callable[..., torch.Tensor] | None:
@@ -173,10 +181,10 @@ def table_linear(device: torch.device | int | None = None) -> Callable[..., torc
     except (OSError, AttributeError, RuntimeError) as exc:   # no cuBLASLt, or an older one without a symbol
         log.info("cuBLASLt algorithm table unused: %s", exc)
         return None
-    ranks = TABLES.get((props.name, props.multi_processor_count, lt.version, "bfloat16"))
-    if not ranks:
+    choices = TABLES.get((props.name, props.multi_processor_count, lt.version, "bfloat16"))
+    if not choices:
         log.info("no cuBLASLt algorithm table for %s (%d SMs) with cuBLASLt %d: F.linear's choice everywhere",
                  props.name, props.multi_processor_count, lt.version)
         return None
-    return TableLinear(lt, ranks, torch.bfloat16)
+    return TableLinear(lt, choices, torch.bfloat16)
 

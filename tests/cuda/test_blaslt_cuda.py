@@ -17,25 +17,26 @@ def test_every_candidate_computes_the_product(m, n, k):
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
     ref = F.linear(x.float(), w.float())
     lt = BlasLt()
-    candidates = lt.plan(m, n, k, torch.bfloat16).candidates
-    assert len(candidates) >= 1
-    for rank in range(len(candidates)):
-        y = lt.linear(x, w, rank)
-        assert y.shape == (m, n) and y.dtype == torch.bfloat16
-        err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
-        assert err < 1e-2, (rank, err)
+    for sm_target in (0, 66):
+        candidates = lt.plan(m, n, k, torch.bfloat16, sm_target).candidates
+        assert len(candidates) >= 1
+        for rank in range(len(candidates)):
+            y = lt.linear(x, w, rank, sm_target)
+            assert y.shape == (m, n) and y.dtype == torch.bfloat16
+            err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+            assert err < 1e-2, (sm_target, rank, err)
 
 
 def test_table_linear_in_a_graph_and_its_fallback():
     lt = BlasLt()
     m, n, k = 64, 3072, 6144
-    rank = len(lt.plan(m, n, k, torch.bfloat16).candidates) - 1
-    table = TableLinear(lt, {(m, n, k): rank}, torch.bfloat16)
+    rank = len(lt.plan(m, n, k, torch.bfloat16, 88).candidates) - 1
+    table = TableLinear(lt, {(m, n, k): (88, rank)}, torch.bfloat16)
     x = torch.randn(2, m // 2, k, device="cuda", dtype=torch.bfloat16)      # leading dims are flattened
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     eager = table(x, w)
     assert eager.shape == (2, m // 2, n)
-    assert torch.equal(eager, lt.linear(x.reshape(m, k), w, rank).view(2, m // 2, n))
+    assert torch.equal(eager, lt.linear(x.reshape(m, k), w, rank, 88).view(2, m // 2, n))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

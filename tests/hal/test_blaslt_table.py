@@ -9,9 +9,10 @@ from hal.cuda.blaslt_table import TABLES
 def test_table_keys_and_ranks_are_well_formed():
     for (name, sms, version, dtype), ranks in TABLES.items():
         assert isinstance(name, str) and sms > 0 and version > 0 and dtype in ("bfloat16", "float16")
-        for (m, n, k), rank in ranks.items():
+        for (m, n, k), choice in ranks.items():
             assert m > 0 and n > 0 and k > 0
-            assert 0 <= rank < blaslt.MAX_CANDIDATES
+            sm_target, rank = choice if isinstance(choice, tuple) else (0, choice)
+            assert 0 <= sm_target <= sms and 0 <= rank < blaslt.MAX_CANDIDATES
 
 
 def test_switch_refuses_a_misspelt_value(monkeypatch):
