@@ -36,6 +36,7 @@ PREF_MAX_WORKSPACE = 1
 OP_N, OP_T = 0, 1
 MAX_CANDIDATES = 16
 MAX_WORKSPACE_BYTES = 32 << 20
+ALIGNMENT = 256                   # bytes: cuBLASLt's default minimum operand alignment for its heuristic
 DTYPE_CODES = {torch.bfloat16: CUDA_R_16BF, torch.float16: CUDA_R_16F}
 
 
@@ -162,6 +163,11 @@ class TableLinear:
         if x2.stride(-1) != 1 or x2.stride(0) != k:
             x2 = x2.contiguous()
         sm_target, rank = choice
+        # the heuristic listed its candidates for operands on ALIGNMENT-byte boundaries (its default
+        # preference), which fresh allocations are and an offset view may not be
+        offered = len(self.lt.plan(x2.shape[0], w.shape[0], k, x.dtype, sm_target).candidates)
+        if (x2.data_ptr() | w.data_ptr()) % ALIGNMENT or rank >= offered:
+            return F.linear(x, w)
         return self.lt.linear(x2, w, rank, sm_target).view(*x.shape[:-1], w.shape[0])
 
 

@@ -52,3 +52,8 @@ def test_table_linear_in_a_graph_and_its_fallback():
     other = torch.randn(5, k, device="cuda", dtype=torch.bfloat16)         # not in the table: F.linear
     assert torch.equal(table(other, w), F.linear(other, w))
     assert torch.equal(table(x.half(), w.half()), F.linear(x.half(), w.half()))
+    flat = torch.randn(m * k + 8, device="cuda", dtype=torch.bfloat16)
+    offset = flat[8:].view(m, k)                                            # 16 bytes past an allocation
+    assert torch.equal(table(offset, w), F.linear(offset, w))
+    beyond = TableLinear(lt, {(m, n, k): 99}, torch.bfloat16)                # a rank the heuristic lacks
+    assert torch.equal(beyond(x, w), F.linear(x, w))

@@ -478,3 +478,25 @@ def test_fp8_swiglu_op_passes_the_conformance_bound():
                           caps=SimpleNamespace(dtypes=(torch.bfloat16, torch.float32)))
     assert _check_silu_mul_fp8_linear(hal, torch.float8_e4m3fn)
     assert fp8.calls == {"silu_mul_fp8_linear": 8}
+
+
+def test_unfused_products_run_through_the_injected_gemm():
+    """Rows past `max_rows` take the unfused path, whose products go to `gemm` (the CUDA Hal passes
+    hal/cuda/blaslt.py's table there): every op calls it once with the tensors F.linear would get."""
+    calls = []
+
+    def gemm(x, w):
+        calls.append((tuple(x.shape), tuple(w.shape)))
+        return torch.nn.functional.linear(x, w)
+
+    ops = gemv_ops.gemv_ops({**configs_for("default"), "gemv": DOT}, num_compute_units=16, max_rows=1, gemm=gemm)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 64, generator=gen, dtype=torch.bfloat16)
+    w = torch.randn(32, 64, generator=gen, dtype=torch.bfloat16)
+    down = torch.randn(64, 32, generator=gen, dtype=torch.bfloat16)
+    norm_w = torch.rand(64, generator=gen, dtype=torch.bfloat16) + 0.5
+    assert torch.equal(ops["linear"](x, w), torch.nn.functional.linear(x, w))
+    ops["rms_norm_linear"](x, norm_w, 1e-6, w)
+    ops["silu_mul_linear"](x, down)
+    ops["norm_residual_linear"](x, x, norm_w, norm_w, 1e-6, w)
+    assert calls == [((4, 64), (32, 64)), ((4, 64), (32, 64)), ((4, 32), (64, 32)), ((4, 64), (32, 64))]
