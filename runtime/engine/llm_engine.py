@@ -15,6 +15,8 @@ over the persistent batch check stops on the device and send a finish code with 
 """
 from __future__ import annotations
 
+import functools
+
 import logging
 import time
 from typing import Iterable
@@ -53,6 +55,9 @@ class LLMEngine(EngineRequests):
                  tokenizer: Tokenizer | None = None, extra_stop_token_ids: Iterable[int] = (),
                  publisher: PlanPublisher | None = None) -> None:
         self.model, self.hal, self.tokenizer = model, hal, tokenizer
+        # logprobs' `decoded_token` (vLLM's): one id's text, cached since the same ids recur in top-k lists
+        self._token_text = (functools.lru_cache(maxsize=1 << 16)(
+            lambda token: tokenizer.decode([token], skip_special_tokens=False)) if tokenizer is not None else None)
         self.config = resolve_async(config or EngineConfig(), hal.device().type, publisher is not None)
         log.info("scheduling: %s", "one step ahead (async)" if self.config.async_scheduling else "synchronous")
         for note in hal.speed_notes(self.config.kv_dtype not in ("auto", None), self.config.weights_dtype == "fp8"):
@@ -190,11 +195,15 @@ class LLMEngine(EngineRequests):
             rid = request.request_id
             if result.prompt_logprobs and rid in result.prompt_logprobs:
                 first, values = result.prompt_logprobs[rid]
+                for entry in values:
+                    if entry is not None:
+                        entry.decode = self._token_text
                 if request.prompt_logprobs is None:
                     request.prompt_logprobs = [None] * len(request.prompt_token_ids)
                 request.prompt_logprobs[first:first + len(values)] = values
             sampled = result.sampled.get(rid)
             if sampled is not None and result.logprobs and rid in result.logprobs:
+                result.logprobs[rid].decode = self._token_text
                 request.logprobs.append(result.logprobs[rid])
                 request.cumulative_logprob += result.logprobs[rid].logprob
             status = None

@@ -1,7 +1,7 @@
 """What generation returns."""
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Sequence
 
@@ -10,8 +10,8 @@ from runtime.engine.stop_strings import detokenizer_of
 
 
 class Logprob(NamedTuple):
-    """One token's entry at a position, as vLLM's `Logprob` (`decoded_token` is not filled here:
-    decode the id with the tokenizer)."""
+    """One token's entry at a position, as vLLM's `Logprob`: `decoded_token` is the token's own text
+    (the tokenizer's decoding of that one id, special tokens kept) where the engine has a tokenizer."""
 
     logprob: float
     rank: int                              # 1 = the most likely token
@@ -27,17 +27,20 @@ class TokenLogprobs(Mapping[int, Logprob]):
     there first, then the top k (`lp[token_id].logprob`, `lp.items()`), so code written for vLLM's
     outputs reads ours."""
 
-    __slots__ = ("token_id", "logprob", "rank", "top", "_entries")
+    __slots__ = ("token_id", "logprob", "rank", "top", "decode", "_entries")
 
     def __init__(self, token_id: int, logprob: float, rank: int, top: tuple[tuple[int, float], ...] = ()) -> None:
         self.token_id, self.logprob, self.rank, self.top = token_id, logprob, rank, tuple(top)
+        self.decode: Callable[[int], str] | None = None     # token id -> text, set by the engine
         self._entries: dict[int, Logprob] | None = None
 
     def _mapping(self) -> dict[int, Logprob]:
         if self._entries is None:            # built on first use: the server reads the fields only
-            entries = {self.token_id: Logprob(self.logprob, self.rank)}
+            text = self.decode or (lambda token: None)
+            entries = {self.token_id: Logprob(self.logprob, self.rank, text(self.token_id))}
             for rank, (token, logprob) in enumerate(self.top, start=1):
-                entries.setdefault(token, Logprob(logprob, rank))
+                if token not in entries:
+                    entries[token] = Logprob(logprob, rank, text(token))
             self._entries = entries
         return self._entries
 

@@ -291,3 +291,19 @@ def test_llm_seed_makes_unseeded_sampling_reproducible():
     assert run(3, own_seed) == run(4, own_seed) == run(None, own_seed)
     with pytest.raises(ValueError, match="seed must be an integer >= 0"):
         LLM(packaged, hal="cpu", seed=-1)
+
+
+def test_logprobs_carry_each_tokens_text():
+    """vLLM's `Logprob.decoded_token`: each entry of the sampled and prompt logprobs carries its token's
+    own text (special tokens kept) where the LLM has a tokenizer."""
+    from pathlib import Path
+
+    llm = LLM(Path(zoo.__file__).parent / "checkpoints" / "ouro-tiny", hal="cpu", dtype="float32", num_kv_blocks=64)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    out = llm.generate("In the beginning", params)[0]
+    entries = [lp for lp in out.logprobs + out.prompt_logprobs if lp is not None]
+    assert len(entries) == 4 + len(out.prompt_token_ids) - 1
+    for lp in entries:
+        for token, entry in lp.items():
+            assert entry.decoded_token == llm.tokenizer.decode([token], skip_special_tokens=False)
+    assert "".join(lp[lp.token_id].decoded_token for lp in out.logprobs) == llm.tokenizer.decode(out.token_ids)
