@@ -95,6 +95,11 @@ class RocmHal(CudaHal):
         """Device address of pinned host memory (hipHostGetDevicePointer through ctypes)."""
         return hip_host_device_pointer(host_ptr)
 
+    def _table_linear(self) -> None:
+        """F.linear's hipBLASLt choice: the measured table is cuBLASLt's (torch's TunableOp tunes
+        hipBLASLt on ROCm, `PYTORCH_TUNABLEOP_ENABLED=1`)."""
+        return None
+
     def fresh_prefill(self) -> str | None:
         """Prefill chunks without context: torch SDPA per sequence (its ROCm flash kernel), not the
         CUDA-only varlen entry point."""
