@@ -27,6 +27,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from hal.cuda.driver import open_library
+
 log = logging.getLogger(__name__)
 
 ENV = "LOOPSTACK_BLASLT"          # "0": every projection through F.linear
@@ -53,14 +55,10 @@ class Plan(NamedTuple):
 
 
 def _load() -> ctypes.CDLL:
-    for name in ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"):
-        try:
-            lib = ctypes.CDLL(name)
-            break
-        except OSError:
-            continue
-    else:
-        raise OSError("libcublasLt was not found beside torch's CUDA libraries")
+    # torch's own copy first: a newer one earlier on the loader's path (a CUDA 13 toolkit beside a
+    # CUDA 12 torch) would be a second cuBLASLt whose kernels the driver may not run, found out only
+    # at the first product of a shape the table names, in the middle of decoding
+    lib = open_library("libcublasLt", ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"))
     vp, i32, sz, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_uint64
     signatures = {     # every argument typed: an untyped size_t would travel as a 32-bit int
         "cublasLtCreate": [vp],

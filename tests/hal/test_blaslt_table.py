@@ -21,3 +21,23 @@ def test_switch_refuses_a_misspelt_value(monkeypatch):
         blaslt.table_linear()
     monkeypatch.setenv(blaslt.ENV, "0")
     assert blaslt.table_linear() is None
+
+
+def test_library_is_torchs_copy_before_any_on_the_loader_path(monkeypatch):
+    """A CUDA 13 cuBLASLt earlier on the loader's path must not stand in for the one torch mapped."""
+    import ctypes
+
+    from hal.cuda import driver
+
+    tried = []
+
+    def cdll(name):
+        tried.append(name)
+        raise OSError(f"{name}: simulated")
+
+    monkeypatch.setattr(driver, "loaded_library", lambda stem: f"/torch/lib/{stem}.so.12")
+    monkeypatch.setattr(ctypes, "CDLL", cdll)
+    with pytest.raises(OSError):
+        blaslt._load()
+    assert tried[0] == "/torch/lib/libcublasLt.so.12"
+
