@@ -181,7 +181,8 @@ def table_linear(device: torch.device | int | None = None) -> Callable[..., torc
 
     props = torch.cuda.get_device_properties(device)
     try:
-        lt = BlasLt()
+        with torch.cuda.device(device):    # a cuBLASLt handle belongs to the device current at its creation
+            lt = BlasLt()
     except (OSError, AttributeError, RuntimeError) as exc:   # no cuBLASLt, or an older one without a symbol
         log.info("cuBLASLt algorithm table unused: %s", exc)
         return None

@@ -41,3 +41,37 @@ def test_library_is_torchs_copy_before_any_on_the_loader_path(monkeypatch):
         blaslt._load()
     assert tried[0] == "/torch/lib/libcublasLt.so.12"
 
+
+def test_handle_is_made_on_the_hals_device(monkeypatch):
+    """The Hal of cuda:1 asks while cuda:0 is current: the handle must still be cuda:1's."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+
+    current = [0]
+
+    @contextlib.contextmanager
+    def device(index):
+        before, current[0] = current[0], torch.device(index).index if index is not None else current[0]
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    made_on = []
+
+    class FakeLt:
+        version = -1                            # no table: table_linear answers None after making it
+
+        def __init__(self):
+            made_on.append(current[0])
+
+    monkeypatch.delenv(blaslt.ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d=None: SimpleNamespace(name="NVIDIA H200", multi_processor_count=132))
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(blaslt, "BlasLt", FakeLt)
+    assert blaslt.table_linear(torch.device("cuda", 1)) is None
+    assert made_on == [1] and current == [0]
