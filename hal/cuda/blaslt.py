@@ -155,7 +155,7 @@ class TableLinear:
         k = x.shape[-1]
         choice = self.choices.get((x.numel() // k if k else 0, w.shape[0], k)) if x.dim() else None
         if (choice is None or x.dtype != self.dtype or w.dtype != self.dtype or w.dim() != 2
-                or w.stride(-1) != 1 or w.stride(0) != k or not x.is_cuda):
+                or w.shape[1] != k or w.stride(-1) != 1 or w.stride(0) != k or not x.is_cuda):
             return F.linear(x, w)
         x2 = x.reshape(-1, k)
         if x2.stride(-1) != 1 or x2.stride(0) != k:

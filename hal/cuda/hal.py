@@ -126,6 +126,7 @@ class CudaHal(Hal):
         for cached in ("facts", "caps"):
             self.__dict__.pop(cached, None)
         self._uva, self._capture_stream = None, None
+        self._ops, self._gemm = {}, None         # ops bound to the old device (its cuBLASLt handle)
 
     def stream(self, priority: int = 0) -> Any:
         return torch.cuda.Stream(device=self.device(), priority=priority)
