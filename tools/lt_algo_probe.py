@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hal.cuda.blaslt import BlasLt  # noqa: E402
+from hal.cuda.blaslt import COMPUTE_32F, CUDA_R_16BF, CUDA_R_32F, BlasLt  # noqa: E402
 from runtime.execution.graphs import DEFAULT_BUCKETS  # noqa: E402
 
 L2_BYTES = 50 << 20
@@ -145,6 +145,7 @@ def table(lt: BlasLt, families: list[str], rows: list[int], emit,
 # ---- beyond the heuristic's first list: SM-count targets and the enumerated algorithms -------------
 CAP_SPLITK, CAP_REDUCTION_MASK, CAP_TILE_IDS, CAP_STAGES_IDS = 0, 1, 6, 13
 CONFIG_TILE, CONFIG_SPLITK, CONFIG_REDUCTION, CONFIG_STAGES = 1, 2, 3, 6
+TYPES = (COMPUTE_32F, CUDA_R_32F, CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16BF)   # compute, scale, A-D
 
 
 class Explorer:
@@ -186,12 +187,12 @@ class Explorer:
         ct, lt = self.ct, self.lt
         plan = lt.plan(m, n, k, torch.bfloat16)
         ids, count = (ct.c_int * 256)(), ct.c_int(0)
-        lt.lib.cublasLtMatmulAlgoGetIds(lt.handle, 68, 0, 14, 14, 14, 14, 256, ids, ct.byref(count))
+        lt.lib.cublasLtMatmulAlgoGetIds(lt.handle, *TYPES, 256, ids, ct.byref(count))
         out = []
         a, b, c = plan.layouts
         for algo_id in list(ids)[:count.value]:
             base = HeuristicResult()
-            if lt.lib.cublasLtMatmulAlgoInit(lt.handle, 68, 0, 14, 14, 14, 14, algo_id, ct.byref(base.algo)) != 0:
+            if lt.lib.cublasLtMatmulAlgoInit(lt.handle, *TYPES, algo_id, ct.byref(base.algo)) != 0:
                 continue
             tiles = self._cap_array(base.algo, CAP_TILE_IDS) or [0]
             stages = self._cap_array(base.algo, CAP_STAGES_IDS) or [0]
@@ -230,7 +231,7 @@ def explore(lt: BlasLt, family: str, m: int, emit) -> None:
             nonlocal best
             def run():
                 for w in s.ws:
-                    _linear_with(lt, plan, result, s.x, w)
+                    lt.matmul(s.x, w, plan, result)
                 return len(s.ws)
             try:
                 us = time_graph(run, replays=7)
@@ -254,20 +255,6 @@ def explore(lt: BlasLt, family: str, m: int, emit) -> None:
         emit(dict(family=family, m=m, proj=proj, what="best", label=best[0], us=round(best[1], 2),
                   gain=round(base / best[1], 3)))
         del s
-
-
-def _linear_with(lt: BlasLt, plan, result, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    import ctypes
-    (m, k), n = x.shape, w.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    workspace = torch.empty(max(result.workspace, 1), dtype=torch.uint8, device=x.device)
-    one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
-    a, b, c = plan.layouts
-    lt._check(lt.lib.cublasLtMatmul(lt.handle, plan.desc, ctypes.byref(one), w.data_ptr(), a, x.data_ptr(), b,
-                                    ctypes.byref(zero), y.data_ptr(), c, y.data_ptr(), c, ctypes.byref(result.algo),
-                                    workspace.data_ptr(), result.workspace, torch.cuda.current_stream().cuda_stream),
-              "cublasLtMatmul")
-    return y
 
 
 def main() -> None:

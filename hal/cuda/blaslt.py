@@ -128,10 +128,12 @@ class BlasLt:
     def linear(self, x: torch.Tensor, w: torch.Tensor, rank: int, sm_target: int = 0) -> torch.Tensor:
         """`F.linear(x, w)` for x `[M, K]` and w `[N, K]`, both with unit stride along K, through the
         heuristic's candidate `rank` at `sm_target` (raises IndexError where it offers fewer)."""
-        (m, k), n = x.shape, w.shape[0]
-        plan = self.plan(m, n, k, x.dtype, sm_target)
-        algo = plan.candidates[rank]
-        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        plan = self.plan(x.shape[0], w.shape[0], x.shape[1], x.dtype, sm_target)
+        return self.matmul(x, w, plan, plan.candidates[rank])
+
+    def matmul(self, x: torch.Tensor, w: torch.Tensor, plan: Plan, algo: HeuristicResult) -> torch.Tensor:
+        """`F.linear(x, w)` through `algo` (its `workspace` bytes set) under `plan`'s descriptors."""
+        y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
         workspace = torch.empty(max(algo.workspace, 1), dtype=torch.uint8, device=x.device)
         one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
         a, b, c = plan.layouts
@@ -140,7 +142,6 @@ class BlasLt:
             y.data_ptr(), c, y.data_ptr(), c, ctypes.byref(algo.algo), workspace.data_ptr(), algo.workspace,
             torch.cuda.current_stream(x.device).cuda_stream), "cublasLtMatmul")
         return y
-
 
 class TableLinear:
     """`F.linear` whose products the table names run at the table's choice: a rank of the heuristic's
