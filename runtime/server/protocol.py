@@ -53,7 +53,7 @@ class _GenerationRequest(_Body):
     metadata: Optional[dict[str, str]] = None
     store: Optional[bool] = None
     max_tokens: Optional[int] = Field(None, ge=1)
-    temperature: Optional[float] = Field(None, ge=0, le=2)
+    temperature: Optional[float] = Field(None, ge=0)      # OpenAI caps it at 2; vLLM (and we) do not
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=-1)           # -1 / 0: off
     min_p: Optional[float] = Field(None, ge=0, le=1)    # 0: off

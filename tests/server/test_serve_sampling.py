@@ -326,3 +326,5 @@ def test_vllm_sampling_extras_and_neutral_openai_fields(client, server, offline,
         refused = http.post("/v1/chat/completions", json={**chat, field: value})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == field
     assert http.post("/v1/completions", json={**special, "min_p": 1.5}).status_code == 400
+    assert http.post("/v1/completions", json={**special, "temperature": 3.0}).status_code == 200   # vLLM: no cap
+    assert http.post("/v1/completions", json={**special, "temperature": -0.5}).status_code == 400
