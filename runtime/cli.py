@@ -161,14 +161,21 @@ HYDRA_FLAGS = {"--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--re
                "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun"}
 
 
-def check_spellings(argv: list[str]) -> None:
+SERVER_FLAGS = ("host", "port", "served-model-name", "api-key")     # runtime.serve's alone
+
+
+def check_spellings(argv: list[str], serves: bool = False) -> None:
     """Exit with one line naming the new spelling when an override uses an old one (`kv_mode=shared`
-    is `engine.kv_mode=shared` now), or a vLLM-style `--flag` (`--port 8000` is `port=8000`)."""
+    is `engine.kv_mode=shared` now), or a vLLM-style `--flag` (`--port 8000` is `port=8000` in
+    runtime.serve, `serves=True`; the other CLIs have no server options)."""
     for arg in argv:
         flag = arg.split("=", 1)[0]
         if flag.startswith("--") and flag not in HYDRA_FLAGS:
             name = flag[2:]
-            hint = VLLM_FLAGS.get(name) or f"{name.replace('-', '_')}=..."
+            if name in SERVER_FLAGS and not serves:
+                hint = f"python -m runtime.serve ... {VLLM_FLAGS[name]}... (this CLI serves nothing)"
+            else:
+                hint = VLLM_FLAGS.get(name) or f"{name.replace('-', '_')}=..."
             print(f"error: {flag} is not an option here: the CLIs take Hydra overrides (key=value), e.g. "
                   f"{hint}; `--help` lists them", file=sys.stderr)
             sys.exit(2)

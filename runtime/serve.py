@@ -122,7 +122,7 @@ def _start(cfg: Any) -> Any:
 
 
 def main() -> None:
-    check_spellings(sys.argv[1:])
+    check_spellings(sys.argv[1:], serves=True)
     check_quoting(sys.argv[1:])
     _main()
 

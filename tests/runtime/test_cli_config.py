@@ -70,6 +70,16 @@ def test_a_vllm_flag_names_the_override(argv, hint, capsys):
     check_spellings(["--cfg", "job", "-m", "--help", "port=8000"])          # Hydra's own flags pass
 
 
+def test_a_server_flag_outside_the_server_names_runtime_serve(capsys):
+    with pytest.raises(SystemExit):
+        check_spellings(["--port", "8000"], serves=True)
+    assert "runtime.serve" not in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        check_spellings(["--port", "8000"])                                  # runtime.generate, bench
+    err = capsys.readouterr().err
+    assert "python -m runtime.serve ... port=" in err and "serves nothing" in err
+
+
 def test_every_engine_field_has_one_spelling():
     renames = old_spellings()
     assert all(renames[name] == f"engine.{name}" for name in EngineConfig.__dataclass_fields__)
