@@ -38,7 +38,8 @@ log = logging.getLogger("runtime.bench")
 CONFIGS = Path(__file__).resolve().parent.parent / "zoo" / "configs"
 
 # quoted from issue #5: the checkpoint's own HF remote code on the same H200, Ouro-1.4B bf16
-KERNEL_ENV = ("LOOPSTACK_PDL", "LOOPSTACK_DECODE_PROJECTIONS", "LOOPSTACK_KERNEL_CONFIGS", "LOOPSTACK_MAX_SPLITS")
+KERNEL_ENV = ("LOOPSTACK_PDL", "LOOPSTACK_DECODE_PROJECTIONS", "LOOPSTACK_KERNEL_CONFIGS", "LOOPSTACK_MAX_SPLITS",
+              "LOOPSTACK_BLASLT")
 HF_REFERENCE_MS_PER_STEP = {("ouro-1.4b", 1): 130.0, ("ouro-1.4b", 64): 127.0}
 
 
@@ -217,7 +218,7 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
                # which FP8 GEMM the CUDA Hal was told to use (hal/cuda/fp8.py), for comparing the paths
                **({"fp8_gemm": os.environ.get("LOOPSTACK_FP8_GEMM", "auto")}
                   if config.weights_dtype == "fp8" else {}),
-               # kernel switches read from the environment (hal/kernels/pdl.py, hal/cuda/hal.py), when set
+               # kernel switches read from the environment (hal/kernels/pdl.py, hal/cuda/hal.py, hal/cuda/blaslt.py), when set
                **{key.removeprefix("LOOPSTACK_").lower(): os.environ[key] for key in KERNEL_ENV if key in os.environ},
                "max_num_batched_tokens": config.max_num_batched_tokens,
                "async_scheduling": engine.config.async_scheduling, "wavefront_prefill": config.wavefront_prefill,
