@@ -218,7 +218,7 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
                # which FP8 GEMM the CUDA Hal was told to use (hal/cuda/fp8.py), for comparing the paths
                **({"fp8_gemm": os.environ.get("LOOPSTACK_FP8_GEMM", "auto")}
                   if config.weights_dtype == "fp8" else {}),
-               # kernel switches read from the environment (hal/kernels/pdl.py, hal/cuda/hal.py, hal/cuda/blaslt.py), when set
+               # kernel switches read from the environment (hal/kernels/pdl.py, hal/cuda/), when set
                **{key.removeprefix("LOOPSTACK_").lower(): os.environ[key] for key in KERNEL_ENV if key in os.environ},
                "max_num_batched_tokens": config.max_num_batched_tokens,
                "async_scheduling": engine.config.async_scheduling, "wavefront_prefill": config.wavefront_prefill,
