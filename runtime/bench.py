@@ -37,9 +37,9 @@ from runtime.cli import (CONF_DIR, check_quoting, check_spellings, clear_errors,
 log = logging.getLogger("runtime.bench")
 CONFIGS = Path(__file__).resolve().parent.parent / "zoo" / "configs"
 
-# quoted from issue #5: the checkpoint's own HF remote code on the same H200, Ouro-1.4B bf16
 KERNEL_ENV = ("LOOPSTACK_PDL", "LOOPSTACK_DECODE_PROJECTIONS", "LOOPSTACK_KERNEL_CONFIGS", "LOOPSTACK_MAX_SPLITS",
               "LOOPSTACK_BLASLT")
+# quoted from issue #5: the checkpoint's own HF remote code on the same H200, Ouro-1.4B bf16
 HF_REFERENCE_MS_PER_STEP = {("ouro-1.4b", 1): 130.0, ("ouro-1.4b", 64): 127.0}
 
 

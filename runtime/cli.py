@@ -173,7 +173,7 @@ def check_spellings(argv: list[str], serves: bool = False) -> None:
         if flag.startswith("--") and flag not in HYDRA_FLAGS:
             name = flag[2:]
             if name in SERVER_FLAGS and not serves:
-                hint = f"python -m runtime.serve ... {VLLM_FLAGS[name]}... (this CLI serves nothing)"
+                hint = f"runtime.serve's {VLLM_FLAGS[name]} (this CLI serves nothing)"
             else:
                 hint = VLLM_FLAGS.get(name) or f"{name.replace('-', '_')}=..."
             print(f"error: {flag} is not an option here: the CLIs take Hydra overrides (key=value), e.g. "
