@@ -87,6 +87,10 @@ class BlasLt:
         self.handle = ctypes.c_void_p()
         self._check(self.lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
         self._plans: dict[tuple, Plan] = {}
+        self._preference = ctypes.c_void_p()      # every shape asks the heuristic with the same bound
+        self._check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(self._preference)), "preference")
+        self._set(self.lib.cublasLtMatmulPreferenceSetAttribute, self._preference, PREF_MAX_WORKSPACE,
+                  ctypes.c_uint64(MAX_WORKSPACE_BYTES))
 
     @staticmethod
     def _check(status: int, what: str) -> None:
@@ -113,14 +117,11 @@ class BlasLt:
                 layout = ctypes.c_void_p()
                 self._check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), code, rows, cols, rows), "layout")
                 layouts.append(layout)
-            pref = ctypes.c_void_p()
-            self._check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
-            self._set(lib.cublasLtMatmulPreferenceSetAttribute, pref, PREF_MAX_WORKSPACE,
-                      ctypes.c_uint64(MAX_WORKSPACE_BYTES))
             results, returned = (HeuristicResult * MAX_CANDIDATES)(), ctypes.c_int(0)
             a, b, c = layouts
-            self._check(lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, c, c, pref, MAX_CANDIDATES,
-                                                           results, ctypes.byref(returned)), "heuristic")
+            self._check(lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, c, c, self._preference,
+                                                           MAX_CANDIDATES, results, ctypes.byref(returned)),
+                        "heuristic")
             candidates = tuple(results[i] for i in range(returned.value) if results[i].state == 0)
             self._plans[key] = Plan(desc, (a, b, c), candidates)
         return self._plans[key]
@@ -143,6 +144,7 @@ class BlasLt:
             torch.cuda.current_stream(x.device).cuda_stream), "cublasLtMatmul")
         return y
 
+
 class TableLinear:
     """`F.linear` whose products the table names run at the table's choice: a rank of the heuristic's
     list, or `(sm_target, rank)` of its list for that SM-count target; everything else unchanged."""
@@ -164,10 +166,10 @@ class TableLinear:
         sm_target, rank = choice
         # the heuristic listed its candidates for operands on ALIGNMENT-byte boundaries (its default
         # preference), which fresh allocations are and an offset view may not be
-        offered = len(self.lt.plan(x2.shape[0], w.shape[0], k, x.dtype, sm_target).candidates)
-        if (x2.data_ptr() | w.data_ptr()) % ALIGNMENT or rank >= offered:
+        plan = self.lt.plan(x2.shape[0], w.shape[0], k, x.dtype, sm_target)
+        if (x2.data_ptr() | w.data_ptr()) % ALIGNMENT or rank >= len(plan.candidates):
             return F.linear(x, w)
-        return self.lt.linear(x2, w, rank, sm_target).view(*x.shape[:-1], w.shape[0])
+        return self.lt.matmul(x2, w, plan, plan.candidates[rank]).view(*x.shape[:-1], w.shape[0])
 
 
 def table_linear(device: torch.device | int | None = None) -> Callable[..., torch.Tensor] | None:
