@@ -1,6 +1,7 @@
 """Rotary + KV write of a prompt without context, as two launches (the rotary op, then the cache
-write reading k and v again) and as one (`rotary_kv_write(keep_k=True)`, which also hands back the
-rotated k the fresh attention reads): microseconds per layer-plane on the GPU.
+write reading k and v again) and as one (`rotary_kv_write(keep_kv=True)`, which also hands back the
+rotated k the fresh attention reads, and v as a view of the projection or copied), alone and
+followed by cuDNN's attention: microseconds per layer-plane on the GPU.
 
     PYTHONPATH=. python tools/fresh_rotary_bench.py [--tokens 8192 --heads 16 --head-dim 128]
 """
@@ -10,6 +11,7 @@ import argparse
 
 import torch
 
+from hal.kernels import fresh
 from hal.kernels.backend import TritonPagedAttention
 from hal.kernels.kv_write import write_kv
 from hal.kernels.ops import rotary
@@ -51,12 +53,22 @@ def main() -> None:
         q_rot, k_rot = rotary(q, k, positions, 1e4, False, configs)
         write_kv(k_rot, v, cache, slots, configs["kv_write"])
 
-    def one_launch() -> None:
-        rotary_kv_write(q, k, v, positions, 1e4, False, cache, slots, configs["rotary"], keep_k=True)
+    def one_launch(copy_v: bool) -> None:
+        rotary_kv_write(q, k, v, positions, 1e4, False, cache, slots, configs["rotary"], keep_kv=True, copy_v=copy_v)
 
-    for name, fn in (("rotary, then write_kv", two_launches), ("rotary_kv_write(keep_k)", one_launch)) * 2:
-        print(f"{name:<26} {time_us(fn):8.1f} us per layer-plane ({tokens} tokens x {heads} heads x {dim})")
+    def with_attention(copy_v: bool) -> None:      # what a layer-plane of the 8k prefill runs (lever 101)
+        q_rot, k_rot, v_kept = rotary_kv_write(q, k, v, positions, 1e4, False, cache, slots, configs["rotary"],
+                                               keep_kv=True, copy_v=copy_v)
+        fresh.attention("cudnn", q_rot, k_rot, v_kept, starts, [tokens], dim ** -0.5)
 
+    starts = torch.tensor([0, tokens], device=device, dtype=torch.int32)
+    cases = (("rotary, then write_kv", two_launches),
+             ("rotary_kv_write, v view", lambda: one_launch(False)),
+             ("rotary_kv_write, v copied", lambda: one_launch(True)),
+             ("+ cuDNN attention, v view", lambda: with_attention(False)),
+             ("+ cuDNN attention, v copied", lambda: with_attention(True)))
+    for name, fn in cases * 2:
+        print(f"{name:<28} {time_us(fn):8.1f} us per layer-plane ({tokens} tokens x {heads} heads x {dim})")
 
 if __name__ == "__main__":
     main()

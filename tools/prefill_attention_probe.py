@@ -54,6 +54,8 @@ def main() -> None:
         cases = {
             "cudnn_strided": (SDPBackend.CUDNN_ATTENTION, (qs, ks, vs)),
             "cudnn_bshd": (SDPBackend.CUDNN_ATTENTION, (qb, kb, vb)),
+            # the engine before lever 101: q and k from the rotary kernel, v a view of the projection
+            "cudnn_qk_bshd_v_strided": (SDPBackend.CUDNN_ATTENTION, (qb, kb, vs)),
             "cudnn_bhsd": (SDPBackend.CUDNN_ATTENTION, (qc, kc, vc)),
             "flash_bhsd": (SDPBackend.FLASH_ATTENTION, (qc, kc, vc)),
             "efficient_bhsd": (SDPBackend.EFFICIENT_ATTENTION, (qc, kc, vc)),

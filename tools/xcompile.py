@@ -201,14 +201,15 @@ def _rotary(config: KernelConfig, target: str, interleaved: bool) -> Launch:
                          torch.empty_like(q), torch.empty_like(k), interleaved, config, target)
 
 
-def _rotary_kv_write(config: KernelConfig, target: str, interleaved: bool, keep_k: bool = False,
+def _rotary_kv_write(config: KernelConfig, target: str, interleaved: bool, keep_kv: bool = False,
                      kv_dtype: torch.dtype | None = None) -> Launch:
-    """Rotary + KV write at 4 tokens (heads over several programs); `keep_k` (a fresh prefill's
-    rotated k handed back) at 512 tokens, one program per token; `kv_dtype`: the quantizing write."""
+    """Rotary + KV write at 4 tokens (heads over several programs); `keep_kv` (a fresh prefill's
+    rotated k and contiguous v handed back) at 512 tokens, one program per token; `kv_dtype`: the
+    quantizing write."""
     from hal.kernels.rotary_kv import rotary_kv_write_launch
 
     s = SHAPE
-    tokens = 512 if keep_k else 4
+    tokens = 512 if keep_kv else 4
     qkv = torch.empty(tokens, s["num_heads"] + 2 * s["num_kv_heads"], s["head_dim"], dtype=s["dtype"])
     q, k, v = qkv[:, :16], qkv[:, 16:32], qkv[:, 32:]            # views of the fused projection
     cache = torch.empty(2, 8, s["page_size"], s["num_kv_heads"], s["head_dim"], dtype=s["dtype"])
@@ -217,7 +218,8 @@ def _rotary_kv_write(config: KernelConfig, target: str, interleaved: bool, keep_
         cache, scales = _fp8_cache(kv_dtype)
     return rotary_kv_write_launch(q, k, v, torch.zeros(tokens, dtype=torch.int64), torch.empty(s["head_dim"] // 2),
                                   cache, torch.zeros(tokens, dtype=torch.int64), torch.empty_like(q), interleaved,
-                                  config, target, torch.empty_like(k) if keep_k else None, scales)
+                                  config, target, torch.empty_like(k) if keep_kv else None, scales,
+                                  v_out=torch.empty(v.shape, dtype=v.dtype) if keep_kv else None)
 
 
 def _silu_and_mul(config: KernelConfig, target: str) -> Launch:
@@ -324,8 +326,8 @@ CASES = {c.name: c for c in (
     Case("silu_and_mul", "silu_and_mul", False, False, _silu_and_mul),
     Case("rotary_kv_write/neox", "rotary", False, False, lambda c, t: _rotary_kv_write(c, t, interleaved=False)),
     Case("rotary_kv_write/gptj", "rotary", False, False, lambda c, t: _rotary_kv_write(c, t, interleaved=True)),
-    Case("rotary_kv_write/keep-k", "rotary", False, False,
-         lambda c, t: _rotary_kv_write(c, t, interleaved=False, keep_k=True)),
+    Case("rotary_kv_write/keep-kv", "rotary", False, False,
+         lambda c, t: _rotary_kv_write(c, t, interleaved=False, keep_kv=True)),
     *(Case(name, key, key in ("gemv", "gemv_wide"), key == "gemv_wide",
            lambda c, t, a=(rows, n, k, pro, res): _gemv(c, t, *a[:4], out_residual=a[4]))
       for name, key, rows, n, k, pro, res in GEMV_CASES),

@@ -169,8 +169,9 @@ class TritonPagedAttention(AttentionBackend):
         """Rotary embedding of q `[T, H, D]` and k `[T, KVH, D]` at `positions: [T]` with the KV
         write of plane `plane` in one launch (hal/kernels/rotary_kv.py; over an 8-bit cache the
         write quantizes), then attention: the paged kernel, or for a batch of prefills without
-        context the fresh path over the rotated k, which the same launch hands back (over an 8-bit
-        cache: over the K and V the cache now holds, dequantized, which the launch hands back too).
+        context the fresh path over the rotated k, which the same launch hands back, with v as its own
+        tensor where cuDNN attends (over an 8-bit cache: over the K and V the cache now holds,
+        dequantized, which the launch hands back too).
         Small multi-head decode batches rotate and store inside the row kernel instead: one launch
         (`attend.fuses_rotary`, hal/kernels/row_decode.py)."""
         from hal.kernels.ops import _inv_freq
@@ -179,9 +180,9 @@ class TritonPagedAttention(AttentionBackend):
         slots, config = meta.slot_mapping[plane], self.configs["rotary"]
         values, scales = self._views(kv_cache)
         if meta.fresh_lens is not None:
-            q, k, *held = rotary_kv_write(q, k, v, positions, theta, interleaved, values, slots, config, keep_k=True,
-                                          kv_scales=scales)
-            v = held[0] if held else v
+            contiguous_v = fresh.takes_cudnn(self.fresh_attention, meta.fresh_lens, self.num_heads, self.num_kv_heads)
+            q, k, v = rotary_kv_write(q, k, v, positions, theta, interleaved, values, slots, config, keep_kv=True,
+                                      kv_scales=scales, copy_v=contiguous_v)
             return fresh.attention(self.fresh_attention, q, k, v, meta.query_start_loc, meta.fresh_lens, scale)
         if q.dtype == self.dtype and fuses_rotary(q.dtype, self.num_heads, self.num_kv_heads, meta.max_query_len,
                                                   scales is not None, self.configs, meta.seq_lens.shape[0],

@@ -59,14 +59,20 @@ def takes(mode: str | None, query_lens: Sequence[int], seq_lens: Sequence[int], 
     return all(q == s for q, s in zip(query_lens, seq_lens))
 
 
+def takes_cudnn(mode: str | None, query_lens: Sequence[int], num_heads: int, num_kv_heads: int) -> bool:
+    """Whether `attention` hands this batch to cuDNN (which runs faster on contiguous q, k, v than on
+    views of one projection: the rotary/KV-write launch then hands v back as its own tensor)."""
+    return (mode == "cudnn" and len(query_lens) == 1 and query_lens[0] >= CUDNN_MIN_TOKENS
+            and num_heads == num_kv_heads and not _cudnn_refused)
+
+
 def attention(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: torch.Tensor,
               query_lens: Sequence[int], scale: float) -> torch.Tensor:
     """Causal attention of packed sequences over themselves: q `[T, H, D]`, k and v `[T, KVH, D]`,
     `query_start_loc: [S + 1]` int32 (device), `query_lens` the same on the host. Returns `[T, H, D]`."""
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if mode == "cudnn" and len(query_lens) == 1 and query_lens[0] >= CUDNN_MIN_TOKENS \
-            and q.shape[1] == k.shape[1] and not _cudnn_refused:
+    if takes_cudnn(mode, query_lens, q.shape[1], k.shape[1]):
         out = _cudnn(q, k, v, scale)
         if out is not None:
             return out

@@ -4,8 +4,10 @@ new tensor, k's heads are rotated straight into their cache slot and v's are cop
 Why: at decode the two ops are a launch each per layer and loop (rotary, then kv_write), each moving
 a few KiB; one kernel halves the launches and never writes the rotated k anywhere but the cache.
 A prefill without context also needs the rotated k itself (it attends over its fresh K/V,
-hal/kernels/fresh.py): `keep_k` writes it beside the cache, so k and v are read once instead of
-twice (8k tokens on the H200: 64 us per layer-plane against 116 for rotary followed by the write).
+hal/kernels/fresh.py): `keep_kv` writes it beside the cache, so k and v are read once instead of
+twice (8k tokens on the H200: 64 us per layer-plane against 116 for rotary followed by the write),
+and v beside it as one contiguous tensor (cuDNN's attention ran 0.548 ms per 8k layer-plane on
+contiguous operands against 0.595 on views of the projection: docs/performance.md, lever 100).
 The rotation is `hal.kernels.ops`'s own device function, so q and the cached k are bit for bit
 those of `rotary` followed by `write_kv`. An 8-bit cache (hal/common/kv_quant.py) gets the same
 launch with the write quantizing (`kv_scales`): k rotated and rounded to its dtype, then per (token,
@@ -37,17 +39,18 @@ from hal.kernels.ops import (
 
 
 @triton.jit
-def _rotary_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr, positions_ptr,
-                            inv_freq_ptr, slot_ptr, num_heads, num_kv_heads, stride_qt, stride_qh, stride_kt,
-                            stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh, stride_kot, stride_koh,
-                            stride_cb, stride_ct, stride_ch,
+def _rotary_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, k_cache_ptr, v_cache_ptr,
+                            positions_ptr, inv_freq_ptr, slot_ptr, num_heads, num_kv_heads, stride_qt, stride_qh,
+                            stride_kt, stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh, stride_kot,
+                            stride_koh, stride_cb, stride_ct, stride_ch,
                             PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                             HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
                             KV_HEADS_PAD: tl.constexpr, INTERLEAVED: tl.constexpr, KEEP_K: tl.constexpr,
-                            PDL: tl.constexpr = False):
+                            KEEP_V: tl.constexpr = False, PDL: tl.constexpr = False):
     """q_out[t] = rotate(q[t]); cache[0][slot[t]] = rotate(k[t]); cache[1][slot[t]] = v[t] (slot -1: no write);
-    with KEEP_K also k_out[t] = rotate(k[t]). Program (t, g): query heads [g * HEADS_PAD, ...) and key
-    and value heads [g * KV_HEADS_PAD, ...) of token t (`ops.rotary_head_groups`)."""
+    with KEEP_K also k_out[t] = rotate(k[t]) (strides of k_out), with KEEP_V v_out[t] = v[t] (v_out
+    `[T, KVH, D]` contiguous). Program (t, g): query heads [g * HEADS_PAD, ...) and key and value
+    heads [g * KV_HEADS_PAD, ...) of token t (`ops.rotary_head_groups`)."""
     slot = tl.load(slot_ptr + tl.program_id(0)).to(tl.int64)          # the step's metadata: before the wait
     token, kv_head, cos, sin = _rotary_program_queries(q_ptr, q_out_ptr, positions_ptr, inv_freq_ptr, num_heads,
                                                        stride_qt, stride_qh, stride_qot, stride_qoh, HALF, HALF_PAD,
@@ -67,7 +70,13 @@ def _rotary_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, k_cache_p
     heads = tl.arange(0, KV_HEADS_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
     mask = (heads < live_heads)[:, None] & (dims < HEAD_DIM)[None, :]
-    v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    if KEEP_V:            # every token's v, slot -1 too (the fresh path attends over all of them)
+        every = (heads < num_kv_heads)[:, None] & (dims < HEAD_DIM)[None, :]
+        v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=every)
+        rows = token * (num_kv_heads + kv_head) * HEAD_DIM + (kv_head + heads) * HEAD_DIM     # [KVH]
+        tl.store(v_out_ptr + rows[:, None] + dims[None, :], v, mask=every)
+    else:
+        v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
     tl.store(v_cache_ptr + dst + heads[:, None] * stride_ch + dims[None, :], v.to(v_cache_ptr.dtype.element_ty),
              mask=mask)
 
@@ -158,16 +167,20 @@ def rotary_kv_write_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
                            inv_freq: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                            q_out: torch.Tensor, interleaved: bool, config: KernelConfig, target: str,
                            k_out: torch.Tensor | None = None, kv_scales: torch.Tensor | None = None,
-                           dequantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> Launch:
+                           dequantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           v_out: torch.Tensor | None = None) -> Launch:
     """q `[T, H, D]`, k and v `[T, KVH, D]` (unit stride along D), positions `[T]`, kv_cache
     `[2, NB, page, KVH, D]`, slot_mapping `[T]` int64 (one plane); q_out `[T, H, D]` receives q,
-    `k_out` `[T, KVH, D]` (optional) the rotated k. With `kv_scales: [2, NB, page, KVH]` exponent bytes
+    `k_out` `[T, KVH, D]` (optional) the rotated k, `v_out` (optional, contiguous `[T, KVH, D]`, with
+    `k_out` only) v. With `kv_scales: [2, NB, page, KVH]` exponent bytes
     the cache holds 8-bit values and the write quantizes (no `k_out` then); `dequantized` (two
     contiguous `[T, KVH, D]` tensors) then receives K and V as the cache holds them."""
     if dequantized is not None and kv_scales is None:
         raise ValueError("dequantized K/V come back from an 8-bit cache's write only (use k_out)")
-    if k_out is not None and kv_scales is not None:
+    if (k_out is not None or v_out is not None) and kv_scales is not None:
         raise ValueError("the quantizing write hands back K and V as held (dequantized=), not the rotated k")
+    if v_out is not None and (k_out is None or not v_out.is_contiguous()):
+        raise ValueError("v_out comes back with k_out only, as one contiguous [T, KVH, D] tensor")
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     key_cache, value_cache = kv_cache[0], kv_cache[1]
@@ -186,23 +199,26 @@ def rotary_kv_write_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
             q, k, v, q_out, key_cache, value_cache, kv_scales[0], kv_scales[1], positions, inv_freq, slot_mapping,
             k_held, v_held, num_heads, num_kv_heads, *strides, *cache_strides, *kv_scales.stride()[1:]),
             dict(QMAX=quant_max(kv_cache.dtype), DEQUANT_OUT=dequantized is not None, **shape))
-    keep_k = k_out is not None
-    k_out = k_out if keep_k else q_out            # an unused pointer (KEEP_K=False compiles it away)
+    keep_k, keep_v = k_out is not None, v_out is not None
+    k_out = k_out if keep_k else q_out            # unused pointers (KEEP_K/KEEP_V=False compile them away)
+    v_out = v_out if keep_v else q_out
     return Launch(_rotary_kv_write_kernel, (num_tokens, groups), (
-        q, k, v, q_out, k_out, key_cache, value_cache, positions, inv_freq, slot_mapping, num_heads, num_kv_heads,
-        *strides, k_out.stride(0), k_out.stride(1), *cache_strides), dict(KEEP_K=keep_k, **shape))
+        q, k, v, q_out, k_out, v_out, key_cache, value_cache, positions, inv_freq, slot_mapping, num_heads,
+        num_kv_heads, *strides, k_out.stride(0), k_out.stride(1), *cache_strides),
+        dict(KEEP_K=keep_k, KEEP_V=keep_v, **shape))
 
 
 def rotary_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, theta: float,
                     interleaved: bool, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                    config: KernelConfig, keep_k: bool = False,
-                    kv_scales: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+                    config: KernelConfig, keep_kv: bool = False, kv_scales: torch.Tensor | None = None,
+                    copy_v: bool = True) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Rotate `q: [T, H, D]` and `k: [T, KVH, D]` at `positions: [T]` (NeoX halves, or GPT-J pairs
     when `interleaved`), store the rotated k and `v` at `slot_mapping: [T]` of `kv_cache` (-1 skips
-    a token) and return the rotated q (a new tensor); with `keep_k`, `(q, k)` rotated. With
-    `kv_scales` (see `rotary_kv_write_launch`) the write quantizes, and `keep_k` returns `(q, k, v)`
-    with k and v as the cache now holds them, dequantized (the fresh prefill attends over those:
-    the same K/V a later decode step reads)."""
+    a token) and return the rotated q (a new tensor). With `keep_kv`, `(q, k, v)`: the rotated k and
+    v as new contiguous tensors (cuDNN's prefill attention runs faster on them than on views of the
+    projection: hal/kernels/fresh.py), or `v` itself where not `copy_v`. With `kv_scales` (see `rotary_kv_write_launch`) the write
+    quantizes, and `keep_kv` returns k and v as the cache now holds them, dequantized (the fresh
+    prefill attends over those: the same K/V a later decode step reads)."""
     check_device(q)
     head_dim = q.shape[-1]
     if head_dim % 2 or k.shape[-1] != head_dim or v.shape[-1] != head_dim:
@@ -211,12 +227,15 @@ def rotary_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     quantized = kv_scales is not None
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device) if keep_k else None
-    held = (k_out, torch.empty(v.shape, dtype=v.dtype, device=v.device)) if keep_k and quantized else None
+    copy_v = copy_v or quantized                  # the quantizing write hands back V as held
+    kept = (torch.empty(k.shape, dtype=k.dtype, device=k.device),
+            torch.empty(v.shape, dtype=v.dtype, device=v.device) if copy_v else None) if keep_kv else (None, None)
     if q.shape[0]:
         run_launch(rotary_kv_write_launch(q, k, v, positions, _inv_freq(head_dim, float(theta), q.device), kv_cache,
                                           slot_mapping, q_out, interleaved, config, backend_of(q.device),
-                                          None if quantized else k_out, kv_scales, held))
-    if held is not None:
-        return q_out, *held
-    return (q_out, k_out) if keep_k else q_out
+                                          None if quantized else kept[0], kv_scales,
+                                          kept if quantized and keep_kv else None,
+                                          None if quantized else kept[1]))
+    if not keep_kv:
+        return q_out
+    return q_out, kept[0], v if kept[1] is None else kept[1]

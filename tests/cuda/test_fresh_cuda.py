@@ -20,3 +20,33 @@ def test_cudnn_matches_flash_on_one_long_prompt(tokens):
     err = (cudnn.float() - flash.float()).abs().max().item()
     print(f"cudnn vs flash, {tokens} tokens: max abs diff {err:.2e}")
     assert err < 2e-2
+
+
+def test_cudnn_prefill_over_views_of_one_projection():
+    """The engine's case (lever 101): q, k, v views of one q|k|v projection; the rotary/KV-write launch
+    hands back q and k rotated and v copied, then cuDNN attends. Against flash on the same rotated
+    operands, and the cache holds k rotated and v."""
+    from hal.attention import PagedBatch
+    from hal.kernels.backend import TritonPagedAttention
+    from hal.kernels.ops import rotary
+
+    tokens, heads, dim, page = 2048, 16, 128, 16
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    qkv = torch.randn(tokens, 3 * heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q, k, v = qkv[:, :heads], qkv[:, heads:2 * heads], qkv[:, 2 * heads:]
+    backend = TritonPagedAttention(heads, heads, dim, torch.bfloat16, torch.device("cuda"), page,
+                                   fresh_attention="cudnn")
+    num_blocks = tokens // page
+    meta = backend.build_meta(PagedBatch([tokens], [tokens], [[list(range(num_blocks))]], page))
+    cache = torch.zeros(backend.kv_cache_shape(num_blocks), dtype=torch.bfloat16, device="cuda")
+    positions = torch.arange(tokens, device="cuda")
+    out = backend.attend_rotary(q, k, v, cache, meta, 0, positions, 1e4, False, dim ** -0.5)
+    if fresh._cudnn_refused:
+        pytest.skip(f"cuDNN attention refused: {fresh._cudnn_refused[0][:200]}")
+    q_rot, k_rot = rotary(q, k, positions, 1e4, False, backend.configs)
+    flash = fresh.attention("flash", q_rot, k_rot, v, meta.query_start_loc, [tokens], dim ** -0.5)
+    err = (out.float() - flash.float()).abs().max().item()
+    print(f"cudnn (v copied) vs flash over views, {tokens} tokens: max abs diff {err:.2e}")
+    assert err < 2e-2
+    assert torch.equal(cache[0].reshape(tokens, heads, dim), k_rot)
+    assert torch.equal(cache[1].reshape(tokens, heads, dim), v)

@@ -36,9 +36,16 @@ def test_rotary_kv_write_is_rotary_then_write_kv_bit_for_bit(dtype, interleaved,
     assert torch.equal(q_fused, q_plain)
     assert torch.equal(fused_cache.nan_to_num(7.0), plain_cache.nan_to_num(7.0))
     kept_cache = torch.full_like(fused_cache, float("nan"))
-    q_kept, k_kept = rotary_kv_write(q, k, v, positions, 1e4, interleaved, kept_cache, slots, ROTARY, keep_k=True)
+    q_kept, k_kept, v_kept = rotary_kv_write(q, k, v, positions, 1e4, interleaved, kept_cache, slots, ROTARY,
+                                             keep_kv=True)
     assert torch.equal(q_kept, q_plain) and torch.equal(k_kept, k_plain)         # every token, slot -1 too
+    assert torch.equal(v_kept, v) and v_kept.is_contiguous() and v_kept.data_ptr() != v.data_ptr()
     assert torch.equal(kept_cache.nan_to_num(7.0), plain_cache.nan_to_num(7.0))
+    viewed_cache = torch.full_like(fused_cache, float("nan"))                   # copy_v=False: v itself back
+    q_viewed, k_viewed, v_viewed = rotary_kv_write(q, k, v, positions, 1e4, interleaved, viewed_cache, slots, ROTARY,
+                                                   keep_kv=True, copy_v=False)
+    assert torch.equal(q_viewed, q_plain) and torch.equal(k_viewed, k_plain) and v_viewed is v
+    assert torch.equal(viewed_cache.nan_to_num(7.0), plain_cache.nan_to_num(7.0))
 
 
 def _backend(mode, dtype=torch.bfloat16, heads=4, kv_heads=2, head_dim=32, **kw):
@@ -158,11 +165,11 @@ def test_quantizing_rotary_kv_write_is_rotary_then_write_kv_bit_for_bit(interlea
     assert torch.equal(q_fused, q_plain)
     assert torch.equal(fused_cache.view(torch.uint8), plain_cache.view(torch.uint8))
     assert fused_cache.view(torch.uint8).any()
-    # with keep_k the same launch hands back K and V as the cache holds them, as the quantizing
+    # with keep_kv the same launch hands back K and V as the cache holds them, as the quantizing
     # write_kv's `dequantize` does (zeros for the slot -1 token)
     kept_cache = torch.zeros_like(fused_cache)
     values, scales = backend._views(kept_cache)
-    q_kept, k_held, v_held = rotary_kv_write(q, k, v, positions, 1e4, interleaved, values, slots, ROTARY, keep_k=True,
+    q_kept, k_held, v_held = rotary_kv_write(q, k, v, positions, 1e4, interleaved, values, slots, ROTARY, keep_kv=True,
                                              kv_scales=scales)
     values, scales = backend._views(torch.zeros_like(fused_cache))
     k_ref, v_ref = write_kv(k_plain, v, values, slots, KernelConfig(1, 1, 4, 1), scales, dequantize=True)
@@ -250,3 +257,31 @@ def test_fresh_path_over_an_fp8_cache_attends_over_what_the_cache_holds():
 
 def batch_starts(lens):
     return torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+
+
+def test_cudnn_batches_get_v_as_its_own_tensor(monkeypatch):
+    """Where cuDNN attends (one long prompt, as many KV heads as query heads), the rotary/KV-write
+    launch hands v back contiguous (cuDNN runs faster on it than on a view of the projection,
+    docs/performance.md lever 101); elsewhere the fresh path keeps the view. Outputs are the same."""
+    seen = []
+
+    def fake_cudnn(q, k, v, scale):        # the CPU has no cuDNN: record what it would get, attend by SDPA
+        seen.append(v.is_contiguous())
+        return fresh.attention("sdpa", q, k, v, torch.tensor([0, q.shape[0]]), [q.shape[0]], scale)
+
+    monkeypatch.setattr(fresh, "_cudnn", fake_cudnn)
+    monkeypatch.setattr(fresh, "CUDNN_MIN_TOKENS", 8)
+    assert fresh.takes_cudnn("cudnn", [12], 4, 4) and not fresh.takes_cudnn("cudnn", [12], 4, 2)
+    assert not fresh.takes_cudnn("cudnn", [12, 9], 4, 4) and not fresh.takes_cudnn("cudnn", [7], 4, 4)
+    assert not fresh.takes_cudnn("flash", [12], 4, 4)
+    backend = _backend("cudnn", heads=4, kv_heads=4)
+    meta = backend.build_meta(_batch([12], [12])[0])
+    qkv = torch.randn(12, 12, 32).bfloat16()                                    # views of one projection
+    q, k, v = qkv[:, :4], qkv[:, 4:8], qkv[:, 8:]
+    positions = torch.arange(12)
+    cache = torch.zeros(backend.kv_cache_shape(4), dtype=backend.kv_cache_dtype)
+    out = backend.attend_rotary(q, k, v, cache, meta, 0, positions, 1e4, False, 0.2)
+    assert seen == [True]
+    q_rot, k_rot = rotary(q, k, positions, 1e4, False)
+    ref = fresh.attention("sdpa", q_rot, k_rot, v, meta.query_start_loc, [12], 0.2)
+    assert torch.equal(out, ref)

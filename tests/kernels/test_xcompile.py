@@ -122,7 +122,7 @@ def test_sm90_kernels_compile_with_programmatic_dependent_launch(case_name):
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
 
 
-@pytest.mark.parametrize("case_name", ["rotary/neox", "rotary_kv_write/neox", "rotary_kv_write/keep-k",
+@pytest.mark.parametrize("case_name", ["rotary/neox", "rotary_kv_write/neox", "rotary_kv_write/keep-kv",
                                        "attention_row_decode/rotary", "attention_row_decode_split/grouped"])
 def test_sm90_rotary_rounds_every_product_as_written(case_name):
     """The standalone rotary kernels and the row kernel's fused rotary must store the same bytes, so
