@@ -41,12 +41,19 @@ def _count_launches(monkeypatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("config,head_dim", [
-    (KernelConfig(16, 32, 1, 3, split_k=0), 128),                 # the sm_90 table's: two pages a step
-    (KernelConfig(16, 16, 1, 2, split_k=3), 64),                  # one page a step, three splits
-    (KernelConfig(16, 32, 2, 3, split_k=2, heads_first=1), 64),   # heads first, two warps
-], ids=["2pages-auto-D128", "1page-x3-D64", "2pages-x2-hf-D64"])
-@pytest.mark.parametrize("magnitude", [1.0, 300.0, 1e-3], ids=["unit", "large", "tiny"])
+TABLE_CONFIG = (KernelConfig(16, 32, 1, 3, split_k=0), 128)           # the sm_90 table's: two pages a step
+SPLIT_CONFIG = (KernelConfig(16, 16, 1, 2, split_k=3), 64)            # one page a step, three splits
+HEADS_FIRST_CONFIG = (KernelConfig(16, 32, 2, 3, split_k=2, heads_first=1), 64)   # heads first, two warps
+
+
+# the table's config at every magnitude, the others at one each (a magnitude tests the quantization's
+# scales, a config the tiling: each pair takes ~19 s in the interpreter, and all nine cost the CPU
+# suite three minutes)
+@pytest.mark.parametrize("config,head_dim,magnitude", [
+    (*TABLE_CONFIG, 1.0), (*TABLE_CONFIG, 300.0), (*TABLE_CONFIG, 1e-3), (*SPLIT_CONFIG, 300.0),
+    (*HEADS_FIRST_CONFIG, 1e-3),
+], ids=["2pages-auto-D128-unit", "2pages-auto-D128-large", "2pages-auto-D128-tiny", "1page-x3-D64-large",
+        "2pages-x2-hf-D64-tiny"])
 def test_gqa_decode_matches_reference(monkeypatch, config, head_dim, magnitude):
     """Nanbeige's grouping (6 query heads per KV head): partial last pages, a one-key sequence, a
     sequence of an odd number of pages, shuffled pages; q, K and V scaled by `magnitude` (one key
