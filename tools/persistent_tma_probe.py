@@ -25,14 +25,23 @@ product p the others already stream their tiles of p + 1.
   input and output offsets, chunks, K, the staging kind, and the residual, norm weight and residual
   output offsets (all vectors live in one buffer).
 
+How a phase waits for its input (lever 102, thirtieth session): a grid barrier (an arrival counter
+per phase, then one L2 round trip to stage the input: about 2 us per boundary in lever 97), or a
+sentinel: every output is NaN before the launch (one index_fill, timed with it) and a phase reloads
+its input until none of what it reads is NaN, so the wait and the staging are one loop of loads
+and no program counts arrivals (each element is written once: seeing its value is enough).
+
 Modes: `chain`: every projection of `layers` layers (q|k|v, o, gate|up, down) in one launch, against
-cuBLAS and the slice kernel on the same weights, then one product alone (the ring's streaming rate).
+cuBLAS and the slice kernel on the same weights, plain (each product reads the first K of the one
+before) and with down reading SwiGLU of all of gate|up as the model's does, then one product alone
+(the ring's streaming rate).
 `block`: per layer one launch of o, gate|up (residual add + RMSNorm staged) and down (SwiGLU staged),
 against the sequence a pre-norm model's decode step runs now: cuBLAS o, the Hal's `norm_add_norm`,
 cuBLAS gate|up, `silu_and_mul`, cuBLAS down (PDL on where the Hal's kernels take it).
 
-Written against Triton 3.6's Gluon (the H200's; 3.9 renamed `_reinterpret` and the TMA copy). Outcomes:
-docs/performance.md lever 97, rows in docs/data/h200-s27-tma-probe.jsonl.
+Written against Triton 3.6's Gluon (the H200's; 3.9 renamed `_reinterpret` and the TMA copy: `compile`
+needs a 3.6, e.g. `pip install --target DIR triton==3.6.0` and PYTHONPATH=DIR). Outcomes:
+docs/performance.md levers 97 and 102, rows in docs/data/h200-s27-tma-probe.jsonl.
 """
 from __future__ import annotations
 
@@ -82,11 +91,13 @@ def _next_phase(table_ptr, q, end, pid, num_programs):
 
 
 @gluon.jit
-def _arrive_empty(table_ptr, count_ptr, q, end, pid, num_programs):
-    """Arrive at every phase from q on where this program has no rows; the first one where it has."""
+def _arrive_empty(table_ptr, count_ptr, q, end, pid, num_programs, ARRIVE: gl.constexpr):
+    """Arrive at every phase from q on where this program has no rows; the first one where it has.
+    Without ARRIVE (sentinel waits: nobody counts arrivals) only skip them."""
     mine = _phase(table_ptr, q, end, pid, num_programs)[6]
     while (q < end) & (mine == 0):
-        gl.atomic_add(count_ptr + q, 1, sem="release")
+        if ARRIVE:
+            gl.atomic_add(count_ptr + q, 1, sem="release")
         q += 1
         mine = _phase(table_ptr, q, end, pid, num_programs)[6]
     return q
@@ -126,10 +137,19 @@ def _issue_next(d0, d1, d2, bars, bufs, slot, table_ptr, end, pid, num_programs,
 
 
 @gluon.jit
-def _stage_input(act_ptr, table_ptr, x_smem, p, pid, k_stages, kdim, eps,
-                 x_layout: gl.constexpr, XN: gl.constexpr, BK: gl.constexpr, STAGE_K: gl.constexpr):
+def _has_nan(v, inside):
+    return gl.max(gl.where(inside & (v != v), 1, 0), axis=0) > 0
+
+
+@gluon.jit
+def _stage_input(act_ptr, table_ptr, x_smem, p, pid, k_stages, kdim, eps, poll,
+                 x_layout: gl.constexpr, XN: gl.constexpr, BK: gl.constexpr, STAGE_K: gl.constexpr,
+                 POLL: gl.constexpr):
     """Phase p's input vector into shared memory (bf16, zeros past K), after its prologue: plain, the
-    residual add + RMSNorm (program 0 also stores the new residual), or SwiGLU of [gate | up]."""
+    residual add + RMSNorm (program 0 also stores the new residual), or SwiGLU of [gate | up].
+    POLL (and `poll` true: an input some program of this launch writes): the input was NaN before
+    the launch, so reload it until none of what this phase reads is NaN: every element is written
+    once, so seeing its value is all the synchronisation it needs (no counter, no fence)."""
     base = table_ptr + p * 12
     # every offset and K is a multiple of 16 (Vectors): 16-byte loads, if the hints sit on the loads here
     in_off = gl.multiple_of(gl.load(base + 4), 16)
@@ -140,6 +160,17 @@ def _stage_input(act_ptr, table_ptr, x_smem, p, pid, k_stages, kdim, eps,
     # masked by whole stages (16-byte loads; the buffer has a stage of padding), then zeros past K
     live = xi < k_stages * STAGE_K
     x = gl.load(act_ptr + in_off + xi, mask=live, other=0.0, cache_modifier=".cg")
+    # SwiGLU's up half (nothing is read for the other kinds)
+    up = inside & (kind == 2)
+    u = gl.load(act_ptr + in_off + k_whole + xi, mask=up, other=0.0, cache_modifier=".cg")
+    if POLL:
+        missing = poll & (_has_nan(x, inside) | _has_nan(u, up))
+        spins = 0
+        while missing & (spins < 1 << 20):    # bounded: a grid not all resident gives NaN sums, not a hang
+            x = gl.load(act_ptr + in_off + xi, mask=live, other=0.0, volatile=True)
+            u = gl.load(act_ptr + in_off + k_whole + xi, mask=up, other=0.0, volatile=True)
+            missing = _has_nan(x, inside) | _has_nan(u, up)
+            spins += 1
     if kind == 1:
         r = gl.load(act_ptr + gl.multiple_of(gl.load(base + 9), 16) + xi, mask=live, other=0.0, cache_modifier=".cg")
         h = (x.to(gl.float32) + r.to(gl.float32)).to(act_ptr.dtype.element_ty)
@@ -150,10 +181,9 @@ def _stage_input(act_ptr, table_ptr, x_smem, p, pid, k_stages, kdim, eps,
         w = gl.load(act_ptr + gl.multiple_of(gl.load(base + 10), 16) + xi, mask=inside, other=0.0).to(gl.float32)
         x = ((hf * rstd).to(act_ptr.dtype.element_ty).to(gl.float32) * w).to(act_ptr.dtype.element_ty)
     elif kind == 2:
-        u = gl.load(act_ptr + in_off + k_whole + xi, mask=inside, other=0.0,
-                    cache_modifier=".cg").to(gl.float32)
         g = x.to(gl.float32)
-        x = ((g / (1.0 + gl.exp(-g))).to(act_ptr.dtype.element_ty).to(gl.float32) * u).to(act_ptr.dtype.element_ty)
+        x = ((g / (1.0 + gl.exp(-g))).to(act_ptr.dtype.element_ty).to(gl.float32) * u.to(gl.float32)).to(
+            act_ptr.dtype.element_ty)
     gl.thread_barrier()                       # the phase before has read x_smem
     x_smem.store(gl.where(inside, x, 0.0))
     gl.thread_barrier()
@@ -168,9 +198,11 @@ def _fma(acc, w, x_tiles, t, cols_layout: gl.constexpr):
 @gluon.jit
 def _tma_chain_kernel(d0, d1, d2, act_ptr, table_ptr, count_ptr, first, end, eps,
                       BN: gl.constexpr, BK: gl.constexpr, BOXES: gl.constexpr, VEC: gl.constexpr,
-                      STAGES: gl.constexpr, XT: gl.constexpr, SPIN: gl.constexpr, PDL: gl.constexpr,
+                      STAGES: gl.constexpr, XT: gl.constexpr, WAIT: gl.constexpr, PDL: gl.constexpr,
                       num_warps: gl.constexpr):
-    """Phases [first, end) of the table, in order, each a barrier after the one before."""
+    """Phases [first, end) of the table, in order. WAIT: how a phase waits for its input, the phase
+    before: 1 a grid barrier (an arrival counter per phase), 2 polling the input itself (outputs are
+    NaN before the launch: `_stage_input`), 0 not at all (wrong sums: a bound)."""
     pid = gl.program_id(0)
     num_programs = gl.num_programs(0)
     # a lane reads 16 bytes (VEC weights), a warp whole rows of BK; the warps split a box's rows
@@ -209,14 +241,14 @@ def _tma_chain_kernel(d0, d1, d2, act_ptr, table_ptr, count_ptr, first, end, eps
                                   pack=1)
 
     # the consumer: phase p, my chunk j, stage k; phases where it has no rows it only arrives at
-    p = _arrive_empty(table_ptr, count_ptr, first, end, pid, num_programs)
+    p = _arrive_empty(table_ptr, count_ptr, first, end, pid, num_programs, WAIT != 2)
     j = pid * 0
     k = pid * 0
     _d, _r, n, k_stages, _i, out_off, mine, kdim = _phase(table_ptr, p, end, pid, num_programs)
     acc = gl.zeros([BN, BK], gl.float32, layout)   # summed over K only when a chunk is done
     for i in range(total):
         if (j == 0) & (k == 0):
-            if SPIN & (p > first):            # every program has written phase p - 1 (this one's input)
+            if (WAIT == 1) & (p > first):     # every program has written phase p - 1 (this one's input)
                 arrived = gl.load(count_ptr + p - 1, volatile=True)
                 spins = 0
                 while (arrived < num_programs) & (spins < 1 << 20):   # bounded: a grid not all resident
@@ -224,8 +256,8 @@ def _tma_chain_kernel(d0, d1, d2, act_ptr, table_ptr, count_ptr, first, end, eps
                     spins += 1
                 gl.atomic_add(count_ptr + p - 1, 0, sem="acquire")    # the writers' rows are visible
                 gl.thread_barrier()           # to every warp, after the one thread's acquire
-            _stage_input(act_ptr, table_ptr, x_smem, p, pid, k_stages, kdim, eps, x_layout, XT * BK, BK,
-                         BOXES * BK)
+            _stage_input(act_ptr, table_ptr, x_smem, p, pid, k_stages, kdim, eps, p > first, x_layout, XT * BK,
+                         BK, BOXES * BK, WAIT == 2)
         slot = i % STAGES
         mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
         w0 = bufs.index(slot * BOXES).load(layout)
@@ -252,10 +284,11 @@ def _tma_chain_kernel(d0, d1, d2, act_ptr, table_ptr, count_ptr, first, end, eps
             k = k * 0
             j += 1
             if j == mine:                     # this program's rows of phase p are written: arrive
-                gl.thread_barrier()
-                gl.atomic_add(count_ptr + p, 1, sem="release")
+                if WAIT != 2:
+                    gl.thread_barrier()
+                    gl.atomic_add(count_ptr + p, 1, sem="release")
                 j = j * 0
-                p = _arrive_empty(table_ptr, count_ptr, p + 1, end, pid, num_programs)
+                p = _arrive_empty(table_ptr, count_ptr, p + 1, end, pid, num_programs, WAIT != 2)
                 _d, _r, n, k_stages, _i, out_off, mine, kdim = _phase(table_ptr, p, end, pid, num_programs)
 
 
@@ -316,20 +349,31 @@ class Plan:
         return self.act[off:off + n]
 
 
-def launcher(plan: Plan, cfg: tuple, spans: list[tuple[int, int]], spin: bool = True, pdl: bool = False,
-             eps: float = 1e-6):
-    """One launch per span of phases (`[(first, end)]`); the counters are zeroed once before them."""
+WAITS = {"barrier": 1, "sentinel": 2, "none": 0}
+
+
+def launcher(plan: Plan, cfg: tuple, spans: list[tuple[int, int]], wait: str = "barrier", pdl: bool = False,
+             eps: float = 1e-6, outputs: list[tuple[int, int]] = ()):
+    """One launch per span of phases (`[(first, end)]`). Before them the arrival counters are zeroed
+    (`wait="barrier"`) or the phases' `outputs` (offset, length) set to NaN (`wait="sentinel"`: one
+    index_fill, part of what is timed)."""
     _per_sm, bn, bk, boxes, stages, warps = cfg
     if boxes not in (1, 2, 4):
         raise ValueError(f"boxes per stage: 1, 2 or 4, got {boxes}")
+    poisoned = None
+    if wait == "sentinel":
+        poisoned = torch.cat([torch.arange(off, off + n) for off, n in outputs]).to(plan.act.device)
 
     def launch():
-        plan.count.zero_()
+        if poisoned is None:
+            plan.count.zero_()
+        else:
+            plan.act.index_fill_(0, poisoned, float("nan"))
         for first, end in spans:
             extra = {"launch_pdl": True} if pdl else {}
             _tma_chain_kernel[(plan.num_programs,)](
                 *plan.descs, plan.act, plan.table, plan.count, first, end, eps, BN=bn, BK=bk, BOXES=boxes,
-                VEC=16 // plan.stacks[0].element_size(), STAGES=stages, XT=plan.x_tiles, SPIN=spin, PDL=pdl,
+                VEC=16 // plan.stacks[0].element_size(), STAGES=stages, XT=plan.x_tiles, WAIT=WAITS[wait], PDL=pdl,
                 num_warps=warps, **extra)
     return launch
 
@@ -365,19 +409,20 @@ def compile_only() -> int:
     failed = 0
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         vec = Vectors()
-        x, y, z = vec.add(512), vec.add(512), vec.add(256)
-        weights = [torch.zeros(n, k, dtype=dtype) for n, k in ((512, 256), (256, 512))]
-        phases = [(weights[0], x, y, PLAIN, 0, 0, 0), (weights[1], y, z, ADD_NORM, x, x, z)]
-        for cfg in CONFIGS:
+        x, y, z, z2 = vec.add(512), vec.add(512), vec.add(256), vec.add(256)
+        weights = [torch.zeros(n, k, dtype=dtype) for n, k in ((512, 256), (256, 512), (256, 256))]
+        phases = [(weights[0], x, y, PLAIN, 0, 0, 0), (weights[1], y, z, ADD_NORM, x, x, z),
+                  (weights[2], y, z2, SWIGLU, 0, 0, 0)]
+        for cfg, wait in ((c, w) for c in CONFIGS for w in sorted(set(WAITS.values()))):
             _per_sm, bn, bk, boxes, stages, warps = cfg
             plan = Plan(phases, vec, 4, bn, bk, boxes, device="cpu")
             kwargs = {"BN": bn, "BK": bk, "BOXES": boxes, "VEC": 16 // dtype.itemsize, "STAGES": stages,
-                      "XT": plan.x_tiles, "SPIN": True, "PDL": True, "num_warps": warps, "debug": False}
+                      "XT": plan.x_tiles, "WAIT": wait, "PDL": True, "num_warps": warps, "debug": False}
             binder = create_function_from_signature(fn.signature, fn.params, backend)
-            bound, specialization, options = binder(*plan.descs, plan.act, plan.table, plan.count, 0, 2, 1e-6,
+            bound, specialization, options = binder(*plan.descs, plan.act, plan.table, plan.count, 0, 3, 1e-6,
                                                     **kwargs)
             options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-            name = f"{str(dtype)[6:]} {cfg}"
+            name = f"{str(dtype)[6:]} {cfg} wait {wait}"
             try:
                 k = triton_compile(GluonASTSource(fn, signature, constexprs, attrs), target=target,
                                    options=options.__dict__)
@@ -417,6 +462,21 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
 
+def _chain_reference(weights: list[torch.Tensor], kinds: list[int], x0: torch.Tensor) -> torch.Tensor:
+    """The chain in float32 products, rounded to bf16 between them as the kernel stores them: each
+    product reads the first K of the one before, or SwiGLU of its two halves (`_stage_input`'s roundings)."""
+    y = x0.reshape(-1)
+    for w, kind in zip(weights, kinds):
+        k = w.shape[1]
+        if kind == SWIGLU:
+            g = y[:k].float()
+            x = ((g / (1.0 + torch.exp(-g))).to(y.dtype).float() * y[k:2 * k].float()).to(y.dtype)
+        else:
+            x = y[:k]
+        y = (w.float() @ x.float()).to(x0.dtype)
+    return y
+
+
 def run_chain(args, bench, sms: int) -> list[dict]:
     shapes = bench.MODEL_SHAPES[args.model]
     wdtype = torch.float8_e4m3fn if args.fp8 else torch.bfloat16
@@ -443,18 +503,27 @@ def run_chain(args, bench, sms: int) -> list[dict]:
         report(name, us, _rel(y.reshape(-1), want))
     vec = Vectors()
     offs = [vec.add(x0)] + [vec.add(w.shape[0]) for w in weights]
-    phases = [(w, offs[i], offs[i + 1], PLAIN, 0, 0, 0) for i, w in enumerate(weights)]
-    for cfg in CONFIGS[:args.configs]:
-        for spin in (True, False):
-            name = f"tma {cfg}{'' if spin else ' no barrier (wrong sums)'}"
-            try:
-                plan = Plan(phases, vec, sms * cfg[0], *cfg[1:4])
-                launch = launcher(plan, cfg, [(0, plan.num_phases)], spin)
-                us = bench.graph_median_us(launch)
-                _fresh_run(plan, launch, [(off, w.shape[0]) for off, w in zip(offs[1:], weights)])
-                report(name, us, _rel(plan.vector(offs[-1], weights[-1].shape[0]), want))
-            except Exception as e:  # noqa: BLE001 (reported, not fatal)
-                print(f"{name:52s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    outputs = [(off, w.shape[0]) for off, w in zip(offs[1:], weights)]
+    for swiglu in (False, True):
+        # `swiglu`: down reads SwiGLU of gate|up's whole output, as the model's does, so that a phase
+        # that waits on its input itself (sentinel) waits for all of it; plain, each product reads the
+        # first K of the one before (o: the q third of q|k|v, down: the gate half), which only the grid
+        # barrier waits for in full
+        kinds = [SWIGLU if swiglu and name == "down" else PLAIN for _ in range(args.layers) for name, _, _ in shapes]
+        phases = [(w, offs[i], offs[i + 1], kind, 0, 0, 0) for i, (w, kind) in enumerate(zip(weights, kinds))]
+        want = _chain_reference(weights, kinds, x0)
+        for cfg in CONFIGS[:args.configs]:
+            for wait in ("barrier", "sentinel", "none"):
+                name = (f"tma {cfg}{' swiglu' if swiglu else ''}"
+                        f"{dict(barrier='', sentinel=' sentinel', none=' no barrier (wrong sums)')[wait]}")
+                try:
+                    plan = Plan(phases, vec, sms * cfg[0], *cfg[1:4])
+                    launch = launcher(plan, cfg, [(0, plan.num_phases)], wait, outputs=outputs)
+                    us = bench.graph_median_us(launch)
+                    _fresh_run(plan, launch, outputs)
+                    report(name, us, _rel(plan.vector(offs[-1], weights[-1].shape[0]), want))
+                except Exception as e:  # noqa: BLE001 (reported, not fatal)
+                    print(f"{name:52s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
     # the ring alone: one product of every weight of the first K stacked (no barrier, one input)
     k0 = shapes[0][2]
     big = torch.cat([w for w in weights if w.shape[1] == k0])
@@ -525,11 +594,12 @@ def run_block(args, bench, sms: int) -> list[dict]:
     # stack): eight warps, and two-stage rings small enough (<= 113 KiB) that a launch's CTAs can sit
     # beside the previous launch's, so that PDL can start its first copies early
     for cfg in BLOCK_CONFIGS[:args.configs]:
-        for pdl, spin in ((False, True), (True, True), (True, False)):
-            name = f"tma block {cfg}{' pdl' if pdl else ''}{'' if spin else ' no barrier (wrong sums)'}"
+        for pdl, wait in ((False, "barrier"), (True, "barrier"), (True, "sentinel"), (True, "none")):
+            name = (f"tma block {cfg}{' pdl' if pdl else ''}"
+                    f"{dict(barrier='', sentinel=' sentinel', none=' no barrier (wrong sums)')[wait]}")
             try:
                 plan = Plan(phases, vec, sms * cfg[0], *cfg[1:4])
-                launch = launcher(plan, cfg, spans, spin=spin, pdl=pdl, eps=eps)
+                launch = launcher(plan, cfg, spans, wait=wait, pdl=pdl, eps=eps, outputs=outputs)
                 us = bench.graph_median_us(launch)
                 _fresh_run(plan, launch, outputs)
                 got_down = plan.vector(phases[-1][2], hidden)

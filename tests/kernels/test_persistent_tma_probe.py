@@ -42,3 +42,19 @@ def test_plan_refuses_k_off_the_tile():
     with pytest.raises(ValueError, match="multiple of BK"):
         probe.Plan([(torch.randn(64, 320), vec.add(320), vec.add(64), probe.PLAIN, 0, 0, 0)], vec, 4, 8, 256, 1,
                    device="cpu")
+
+
+def test_chain_reference_reads_the_first_k_or_swiglu_of_both_halves():
+    """The chain's float32 reference (lever 102's realistic variant: down reads SwiGLU of all of
+    gate|up, as `_stage_input` computes it, rounded to bf16 where the kernel rounds)."""
+    torch.manual_seed(0)
+    x0 = torch.randn(1, 8).bfloat16()
+    gate_up, down = torch.randn(12, 8).bfloat16(), torch.randn(8, 6).bfloat16()
+    y = (gate_up.float() @ x0.reshape(-1).float()).bfloat16()
+    plain = probe._chain_reference([gate_up, down], [probe.PLAIN, probe.PLAIN], x0)
+    assert torch.equal(plain, (down.float() @ y[:6].float()).bfloat16())
+    g, u = y[:6].float(), y[6:].float()
+    act = ((g / (1 + torch.exp(-g))).bfloat16().float() * u).bfloat16()
+    swiglu = probe._chain_reference([gate_up, down], [probe.PLAIN, probe.SWIGLU], x0)
+    assert torch.equal(swiglu, (down.float() @ act.float()).bfloat16())
+    assert not torch.equal(plain, swiglu)
