@@ -72,8 +72,9 @@ def main() -> None:
                 continue
             ref = out if ref is None else ref
             err = (out.float() - ref.float()).abs().max().item()
+            # whether the engine's [T, H, D] view of the output is dense (else the o projection copies it)
             row = dict(tokens=t, heads=h, case=name, ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1),
-                       max_diff=round(err, 5))
+                       max_diff=round(err, 5), out_tokens_major=out[0].transpose(0, 1).is_contiguous())
             print(json.dumps(row), flush=True)
             if sink:
                 sink.write(json.dumps(row) + "\n")
