@@ -271,6 +271,7 @@ def test_cudnn_batches_get_v_as_its_own_tensor(monkeypatch):
 
     monkeypatch.setattr(fresh, "_cudnn", fake_cudnn)
     monkeypatch.setattr(fresh, "CUDNN_MIN_TOKENS", 8)
+    monkeypatch.setattr(fresh, "_cudnn_refused", [])             # whatever an earlier test left there
     assert fresh.takes_cudnn("cudnn", [12], 4, 4) and not fresh.takes_cudnn("cudnn", [12], 4, 2)
     assert not fresh.takes_cudnn("cudnn", [12, 9], 4, 4) and not fresh.takes_cudnn("cudnn", [7], 4, 4)
     assert not fresh.takes_cudnn("flash", [12], 4, 4)

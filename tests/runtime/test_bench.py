@@ -109,12 +109,15 @@ def test_bench_refuses_a_workload_longer_than_the_model_before_measuring(single_
 def test_prefill_host_cost_tool_runs():
     """tools/prefill_host_cost.py (the host's part of a long prompt's step, docs/benchmarks.md) at a
     short prompt, in its own process: it turns every graph replay into a no-op."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
+    # a script's sys.path starts at tools/: this checkout's packages, not whatever the venv installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     out = subprocess.run([sys.executable, "tools/prefill_host_cost.py", "--tokens", "512", "--repeats", "2"],
-                         cwd=root, capture_output=True, text=True, timeout=300)
+                         cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "then the step to the finished output" in out.stdout and "update_meta" in out.stdout
