@@ -229,7 +229,8 @@ def write_cells(bench: Bench) -> None:
             slots = [meta.slot_mapping[p] for p in range(96)]
             label = "bf16" if kv is None else "fp8"
             bench.cell("write", f"T{tokens}", tokens, f"{label} rotary+write one launch", lambda: [
-                lambda s=s: rotary_kv_write(q, k, v, positions, 1e4, False, values, s, configs["rotary"], scales)
+                lambda s=s: rotary_kv_write(q, k, v, positions, 1e4, False, values, s, configs["rotary"],
+                                            kv_scales=scales)
                 for s in slots], 0.0)
             bench.cell("write", f"T{tokens}", tokens, f"{label} rotary, then write", lambda: [
                 lambda s=s: write_kv(rotary(q, k, positions, 1e4, False, configs)[1], v, values, s,

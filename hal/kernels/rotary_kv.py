@@ -179,7 +179,7 @@ def rotary_kv_write_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
         raise ValueError("dequantized K/V come back from an 8-bit cache's write only (use k_out)")
     if (k_out is not None or v_out is not None) and kv_scales is not None:
         raise ValueError("the quantizing write hands back K and V as held (dequantized=), not the rotated k")
-    if v_out is not None and (k_out is None or not v_out.is_contiguous()):
+    if v_out is not None and (k_out is None or not v_out.is_contiguous() or v_out.shape != v.shape):
         raise ValueError("v_out comes back with k_out only, as one contiguous [T, KVH, D] tensor")
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
