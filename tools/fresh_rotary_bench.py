@@ -69,6 +69,10 @@ def main() -> None:
              ("+ cuDNN attention, v copied", lambda: with_attention(True)))
     for name, fn in cases * 2:
         print(f"{name:<28} {time_us(fn):8.1f} us per layer-plane ({tokens} tokens x {heads} heads x {dim})")
+    if not fresh.takes_cudnn("cudnn", [tokens], heads, heads):      # "cudnn" fell back to flash: say so
+        print(f"note: the attention rows ran torch's flash kernel, not cuDNN (fewer than {fresh.CUDNN_MIN_TOKENS} "
+              f"tokens, or cuDNN refused: {fresh._cudnn_refused[:1]})")
+
 
 if __name__ == "__main__":
     main()
