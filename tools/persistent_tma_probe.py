@@ -352,6 +352,29 @@ class Plan:
 WAITS = {"barrier": 1, "sentinel": 2, "none": 0}
 
 
+def _check_sentinels(plan: Plan, spans: list[tuple[int, int]], outputs: list[tuple[int, int]]) -> None:
+    """Sentinel waits are only as good as the poison: every element a phase after its span's first
+    polls (K of its input, 2K for SwiGLU's gate|up) must be NaN before the launch, and what it reads
+    unpolled (ADD_NORM's residual and norm weight) must be written by no phase of its span."""
+    poisoned = torch.zeros(plan.act.numel(), dtype=torch.bool)
+    for off, n in outputs:
+        poisoned[off:off + n] = True
+    table = plan.table.view(-1, FIELDS).tolist()
+    for first, end in spans:
+        written = torch.zeros_like(poisoned)
+        for row in table[first:end]:
+            written[row[5]:row[5] + row[2]] = True
+            if row[8] == ADD_NORM:
+                written[row[11]:row[11] + row[7]] = True
+        for p in range(first + 1, end):
+            _d, _r, _n, _s, in_off, _o, _c, k, kind, res, norm, _ro = table[p]
+            polled = poisoned[in_off:in_off + (2 * k if kind == SWIGLU else k)]
+            if not polled.all():
+                raise ValueError(f"phase {p} polls elements {in_off}.. that `outputs` does not poison")
+            if kind == ADD_NORM and (written[res:res + k].any() or written[norm:norm + k].any()):
+                raise ValueError(f"phase {p} reads a residual or norm weight its launch writes (not polled)")
+
+
 def launcher(plan: Plan, cfg: tuple, spans: list[tuple[int, int]], wait: str = "barrier", pdl: bool = False,
              eps: float = 1e-6, outputs: list[tuple[int, int]] = ()):
     """One launch per span of phases (`[(first, end)]`). Before them the arrival counters are zeroed
@@ -363,6 +386,7 @@ def launcher(plan: Plan, cfg: tuple, spans: list[tuple[int, int]], wait: str = "
     poisoned = None
     if wait == "sentinel":
         poisoned = torch.cat([torch.arange(off, off + n) for off, n in outputs]).to(plan.act.device)
+        _check_sentinels(plan, spans, outputs)
 
     def launch():
         if poisoned is None:

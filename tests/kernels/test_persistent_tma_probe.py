@@ -58,3 +58,28 @@ def test_chain_reference_reads_the_first_k_or_swiglu_of_both_halves():
     swiglu = probe._chain_reference([gate_up, down], [probe.PLAIN, probe.SWIGLU], x0)
     assert torch.equal(swiglu, (down.float() @ act.float()).bfloat16())
     assert not torch.equal(plain, swiglu)
+
+
+def test_sentinel_launcher_refuses_an_input_it_would_not_poison():
+    """WAIT=2 polls each phase's input for NaN: `outputs` must cover all of it (gate|up whole for
+    SwiGLU), and ADD_NORM's unpolled residual must not be written inside the launch."""
+    vec = probe.Vectors()
+    x, y, z, w = vec.add(torch.ones(256)), vec.add(512), vec.add(256), vec.add(256)
+    cfg = (1, 8, 256, 1, 2, 4)
+    swiglu = [(torch.randn(512, 256), x, y, probe.PLAIN, 0, 0, 0),
+              (torch.randn(256, 256), y, z, probe.SWIGLU, 0, 0, 0)]
+    plan = probe.Plan(swiglu, vec, 4, 8, 256, 1, device="cpu")
+    probe.launcher(plan, cfg, [(0, 2)], "sentinel", outputs=[(y, 512), (z, 256)])
+    with pytest.raises(ValueError, match="does not poison"):      # only gate's half
+        probe.launcher(plan, cfg, [(0, 2)], "sentinel", outputs=[(y, 256), (z, 256)])
+    probe.launcher(plan, cfg, [(0, 1), (1, 2)], "sentinel", outputs=[(z, 256)])   # y: the launch before
+    h = vec.add(256)
+    norm = [(torch.randn(256, 256), x, z, probe.PLAIN, 0, 0, 0),
+            (torch.randn(256, 256), z, w, probe.ADD_NORM, y, x, h)]
+    plan = probe.Plan(norm, vec, 4, 8, 256, 1, device="cpu")
+    probe.launcher(plan, cfg, [(0, 2)], "sentinel", outputs=[(z, 256), (w, 256), (h, 256)])
+    # the residual out is the next phase's residual: read unpolled while program 0 writes it
+    chained = norm + [(torch.randn(256, 256), w, y, probe.ADD_NORM, h, x, z)]
+    plan = probe.Plan(chained, vec, 4, 8, 256, 1, device="cpu")
+    with pytest.raises(ValueError, match="residual or norm weight"):
+        probe.launcher(plan, cfg, [(0, 3)], "sentinel", outputs=[(z, 256), (w, 256), (h, 256), (y, 256)])
