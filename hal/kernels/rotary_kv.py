@@ -70,13 +70,13 @@ def _rotary_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr
     heads = tl.arange(0, KV_HEADS_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
     mask = (heads < live_heads)[:, None] & (dims < HEAD_DIM)[None, :]
+    read = mask
     if KEEP_V:            # every token's v, slot -1 too (the fresh path attends over all of them)
-        every = (heads < num_kv_heads)[:, None] & (dims < HEAD_DIM)[None, :]
-        v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=every)
+        read = (heads < num_kv_heads)[:, None] & (dims < HEAD_DIM)[None, :]
+    v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=read)
+    if KEEP_V:
         rows = token * (num_kv_heads + kv_head) * HEAD_DIM + (kv_head + heads) * HEAD_DIM     # [KVH]
-        tl.store(v_out_ptr + rows[:, None] + dims[None, :], v, mask=every)
-    else:
-        v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+        tl.store(v_out_ptr + rows[:, None] + dims[None, :], v, mask=read)
     tl.store(v_cache_ptr + dst + heads[:, None] * stride_ch + dims[None, :], v.to(v_cache_ptr.dtype.element_ty),
              mask=mask)
 
