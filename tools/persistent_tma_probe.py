@@ -144,12 +144,14 @@ def _has_nan(v, inside):
 @gluon.jit
 def _stage_input(act_ptr, table_ptr, x_smem, p, pid, k_stages, kdim, eps, poll,
                  x_layout: gl.constexpr, XN: gl.constexpr, BK: gl.constexpr, STAGE_K: gl.constexpr,
-                 POLL: gl.constexpr):
+                 POLL: gl.constexpr, BACKOFF: gl.constexpr = False):
     """Phase p's input vector into shared memory (bf16, zeros past K), after its prologue: plain, the
     residual add + RMSNorm (program 0 also stores the new residual), or SwiGLU of [gate | up].
     POLL (and `poll` true: an input some program of this launch writes): the input was NaN before
     the launch, so reload it until none of what this phase reads is NaN: every element is written
-    once, so seeing its value is all the synchronisation it needs (no counter, no fence)."""
+    once, so seeing its value is all the synchronisation it needs (no counter, no fence). BACKOFF:
+    sleep ~128 ns before each reload, so that waiting programs do not take L2 bandwidth from the
+    ones still streaming (every spin reloads the whole vector: up to 21 KB at Nanbeige's down)."""
     base = table_ptr + p * 12
     # every offset and K is a multiple of 16 (Vectors): 16-byte loads, if the hints sit on the loads here
     in_off = gl.multiple_of(gl.load(base + 4), 16)
@@ -167,6 +169,9 @@ def _stage_input(act_ptr, table_ptr, x_smem, p, pid, k_stages, kdim, eps, poll,
         missing = poll & (_has_nan(x, inside) | _has_nan(u, up))
         spins = 0
         while missing & (spins < 1 << 20):    # bounded: a grid not all resident gives NaN sums, not a hang
+            if BACKOFF:
+                gl.inline_asm_elementwise("nanosleep.u32 128; // dummy $0", "=r", [], dtype=gl.int32,
+                                          is_pure=False, pack=1)
             x = gl.load(act_ptr + in_off + xi, mask=live, other=0.0, volatile=True)
             u = gl.load(act_ptr + in_off + k_whole + xi, mask=up, other=0.0, volatile=True)
             missing = _has_nan(x, inside) | _has_nan(u, up)
@@ -202,7 +207,8 @@ def _tma_chain_kernel(d0, d1, d2, act_ptr, table_ptr, count_ptr, first, end, eps
                       num_warps: gl.constexpr):
     """Phases [first, end) of the table, in order. WAIT: how a phase waits for its input, the phase
     before: 1 a grid barrier (an arrival counter per phase), 2 polling the input itself (outputs are
-    NaN before the launch: `_stage_input`), 0 not at all (wrong sums: a bound)."""
+    NaN before the launch: `_stage_input`), 3 the same with a short sleep between polls, 0 not at
+    all (wrong sums: a bound)."""
     pid = gl.program_id(0)
     num_programs = gl.num_programs(0)
     # a lane reads 16 bytes (VEC weights), a warp whole rows of BK; the warps split a box's rows
@@ -241,7 +247,7 @@ def _tma_chain_kernel(d0, d1, d2, act_ptr, table_ptr, count_ptr, first, end, eps
                                   pack=1)
 
     # the consumer: phase p, my chunk j, stage k; phases where it has no rows it only arrives at
-    p = _arrive_empty(table_ptr, count_ptr, first, end, pid, num_programs, WAIT != 2)
+    p = _arrive_empty(table_ptr, count_ptr, first, end, pid, num_programs, WAIT < 2)
     j = pid * 0
     k = pid * 0
     _d, _r, n, k_stages, _i, out_off, mine, kdim = _phase(table_ptr, p, end, pid, num_programs)
@@ -257,7 +263,7 @@ def _tma_chain_kernel(d0, d1, d2, act_ptr, table_ptr, count_ptr, first, end, eps
                 gl.atomic_add(count_ptr + p - 1, 0, sem="acquire")    # the writers' rows are visible
                 gl.thread_barrier()           # to every warp, after the one thread's acquire
             _stage_input(act_ptr, table_ptr, x_smem, p, pid, k_stages, kdim, eps, p > first, x_layout, XT * BK,
-                         BK, BOXES * BK, WAIT == 2)
+                         BK, BOXES * BK, WAIT >= 2, WAIT == 3)
         slot = i % STAGES
         mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
         w0 = bufs.index(slot * BOXES).load(layout)
@@ -284,11 +290,11 @@ def _tma_chain_kernel(d0, d1, d2, act_ptr, table_ptr, count_ptr, first, end, eps
             k = k * 0
             j += 1
             if j == mine:                     # this program's rows of phase p are written: arrive
-                if WAIT != 2:
+                if WAIT < 2:
                     gl.thread_barrier()
                     gl.atomic_add(count_ptr + p, 1, sem="release")
                 j = j * 0
-                p = _arrive_empty(table_ptr, count_ptr, p + 1, end, pid, num_programs, WAIT != 2)
+                p = _arrive_empty(table_ptr, count_ptr, p + 1, end, pid, num_programs, WAIT < 2)
                 _d, _r, n, k_stages, _i, out_off, mine, kdim = _phase(table_ptr, p, end, pid, num_programs)
 
 
@@ -349,7 +355,9 @@ class Plan:
         return self.act[off:off + n]
 
 
-WAITS = {"barrier": 1, "sentinel": 2, "none": 0}
+WAITS = {"barrier": 1, "sentinel": 2, "sentinel-backoff": 3, "none": 0}
+LABELS = {"barrier": "", "sentinel": " sentinel", "sentinel-backoff": " sentinel backoff",
+          "none": " no barrier (wrong sums)"}
 
 
 def _check_sentinels(plan: Plan, spans: list[tuple[int, int]], outputs: list[tuple[int, int]]) -> None:
@@ -384,7 +392,7 @@ def launcher(plan: Plan, cfg: tuple, spans: list[tuple[int, int]], wait: str = "
     if boxes not in (1, 2, 4):
         raise ValueError(f"boxes per stage: 1, 2 or 4, got {boxes}")
     poisoned = None
-    if wait == "sentinel":
+    if wait.startswith("sentinel"):
         poisoned = torch.cat([torch.arange(off, off + n) for off, n in outputs]).to(plan.act.device)
         _check_sentinels(plan, spans, outputs)
 
@@ -537,9 +545,8 @@ def run_chain(args, bench, sms: int) -> list[dict]:
         phases = [(w, offs[i], offs[i + 1], kind, 0, 0, 0) for i, (w, kind) in enumerate(zip(weights, kinds))]
         want = _chain_reference(weights, kinds, x0)
         for cfg in CONFIGS[:args.configs]:
-            for wait in ("barrier", "sentinel", "none"):
-                name = (f"tma {cfg}{' swiglu' if swiglu else ''}"
-                        f"{dict(barrier='', sentinel=' sentinel', none=' no barrier (wrong sums)')[wait]}")
+            for wait in WAITS:
+                name = f"tma {cfg}{' swiglu' if swiglu else ''}{LABELS[wait]}"
                 try:
                     plan = Plan(phases, vec, sms * cfg[0], *cfg[1:4])
                     launch = launcher(plan, cfg, [(0, plan.num_phases)], wait, outputs=outputs)
@@ -618,9 +625,9 @@ def run_block(args, bench, sms: int) -> list[dict]:
     # stack): eight warps, and two-stage rings small enough (<= 113 KiB) that a launch's CTAs can sit
     # beside the previous launch's, so that PDL can start its first copies early
     for cfg in BLOCK_CONFIGS[:args.configs]:
-        for pdl, wait in ((False, "barrier"), (True, "barrier"), (True, "sentinel"), (True, "none")):
-            name = (f"tma block {cfg}{' pdl' if pdl else ''}"
-                    f"{dict(barrier='', sentinel=' sentinel', none=' no barrier (wrong sums)')[wait]}")
+        for pdl, wait in ((False, "barrier"), (True, "barrier"), (True, "sentinel"), (True, "sentinel-backoff"),
+                          (True, "none")):
+            name = f"tma block {cfg}{' pdl' if pdl else ''}{LABELS[wait]}"
             try:
                 plan = Plan(phases, vec, sms * cfg[0], *cfg[1:4])
                 launch = launcher(plan, cfg, spans, wait=wait, pdl=pdl, eps=eps, outputs=outputs)
