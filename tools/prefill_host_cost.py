@@ -59,7 +59,9 @@ def median_ms(fn, repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="ouro-1.4b")
+    # configs with Llama-style keys (Huginn's own names, n_embd and n_layers_in_*, are not narrowed here)
+    narrowable = sorted(p.stem for p in CONFIGS.glob("*.json") if "num_hidden_layers" in p.read_text())
+    parser.add_argument("--model", default="ouro-1.4b", choices=narrowable)
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
