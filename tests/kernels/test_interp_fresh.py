@@ -275,6 +275,9 @@ def test_cudnn_batches_get_v_as_its_own_tensor(monkeypatch):
     assert fresh.takes_cudnn("cudnn", [12], 4, 4) and not fresh.takes_cudnn("cudnn", [12], 4, 2)
     assert not fresh.takes_cudnn("cudnn", [12, 9], 4, 4) and not fresh.takes_cudnn("cudnn", [7], 4, 4)
     assert not fresh.takes_cudnn("flash", [12], 4, 4)
+    monkeypatch.setattr(fresh, "_cudnn_refused", ["refused once"])    # then every call runs flash: no copy
+    assert not fresh.takes_cudnn("cudnn", [12], 4, 4)
+    monkeypatch.setattr(fresh, "_cudnn_refused", [])
     backend = _backend("cudnn", heads=4, kv_heads=4)
     meta = backend.build_meta(_batch([12], [12])[0])
     qkv = torch.randn(12, 12, 32).bfloat16()                                    # views of one projection
@@ -286,3 +289,26 @@ def test_cudnn_batches_get_v_as_its_own_tensor(monkeypatch):
     q_rot, k_rot = rotary(q, k, positions, 1e4, False)
     ref = fresh.attention("sdpa", q_rot, k_rot, v, meta.query_start_loc, [12], 0.2)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("heads,kv_heads,lens,copied", [(4, 4, [12], True), (4, 2, [12], False),
+                                                        (4, 4, [9, 9], False)], ids=["cudnn", "gqa", "two-prompts"])
+def test_only_cudnn_batches_pay_the_v_copy(monkeypatch, heads, kv_heads, lens, copied):
+    """The fresh path gets v as the projection's view unless cuDNN takes the batch."""
+    seen = []
+
+    def spy(mode, q, k, v, starts, query_lens, scale):
+        seen.append(v.is_contiguous())
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(fresh, "attention", spy)
+    monkeypatch.setattr(fresh, "CUDNN_MIN_TOKENS", 6)
+    monkeypatch.setattr(fresh, "_cudnn_refused", [])
+    backend = _backend("cudnn", heads=heads, kv_heads=kv_heads)
+    meta = backend.build_meta(_batch(lens, lens)[0])
+    assert meta.fresh_lens == tuple(lens)
+    qkv = torch.randn(sum(lens), heads + 2 * kv_heads, 32).bfloat16()
+    q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+    cache = torch.zeros(backend.kv_cache_shape(8), dtype=backend.kv_cache_dtype)
+    backend.attend_rotary(q, k, v, cache, meta, 0, torch.arange(sum(lens)), 1e4, False, 0.2)
+    assert seen == [copied]
