@@ -227,15 +227,15 @@ def rotary_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     quantized = kv_scales is not None
-    copy_v = copy_v or quantized                  # the quantizing write hands back V as held
-    kept = (torch.empty(k.shape, dtype=k.dtype, device=k.device),
-            torch.empty(v.shape, dtype=v.dtype, device=v.device) if copy_v else None) if keep_kv else (None, None)
+    k_kept = torch.empty(k.shape, dtype=k.dtype, device=k.device) if keep_kv else None
+    # the quantizing write always hands back V as the cache holds it
+    v_kept = torch.empty(v.shape, dtype=v.dtype, device=v.device) if keep_kv and (copy_v or quantized) else None
     if q.shape[0]:
+        held = (k_kept, v_kept) if quantized and keep_kv else None
         run_launch(rotary_kv_write_launch(q, k, v, positions, _inv_freq(head_dim, float(theta), q.device), kv_cache,
                                           slot_mapping, q_out, interleaved, config, backend_of(q.device),
-                                          None if quantized else kept[0], kv_scales,
-                                          kept if quantized and keep_kv else None,
-                                          None if quantized else kept[1]))
+                                          None if quantized else k_kept, kv_scales, held,
+                                          None if quantized else v_kept))
     if not keep_kv:
         return q_out
-    return q_out, kept[0], v if kept[1] is None else kept[1]
+    return q_out, k_kept, v if v_kept is None else v_kept
