@@ -17,6 +17,10 @@ class AttnCaps(NamedTuple):
     packed_prefill: bool      # varlen queries of many sequences in one call
     graphs: bool              # safe to capture (no host syncs, static metadata buffers)
     reason: str               # why this backend was chosen (logged once at start)
+    # widest prompt chunk with prior context worth capturing (None: any): a captured pass's tables
+    # have room for max_model_len, and a backend whose work grows with their width (Ascend's int8
+    # prefill dequantizes every block they name) runs wider chunks eagerly over tables of their own
+    max_context_prefill_width: int | None = None
 
 
 class PagedBatch(NamedTuple):

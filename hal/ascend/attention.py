@@ -34,6 +34,9 @@ class AscendMeta:
     write_rows: list[torch.Tensor | None]       # [P] token rows with a slot (None = all of them)
     unused_rows: list[torch.Tensor | None]      # [P] query rows of sequences without KV there (output 0)
     is_decode: bool                             # every sequence has exactly one query
+    # [T] int64 on the device: each query row's sequence, where a backend attends row by row
+    # (int8 passes of a few queries per sequence: quant_attention.py); fixed with the query lengths
+    row_seqs: torch.Tensor | None = None
     # the updatable calls (site, plane) captured with this meta, in capture order, and the capture
     # they belong to: what update_meta returns host arguments for
     graph_calls: list[tuple[str, int]] = field(default_factory=list)

@@ -71,11 +71,23 @@ class PassGraphs:
         self.captured: dict[tuple, Captured] = {}
         self.chains: dict[tuple, Chain] = {}
 
-    def max_blocks_of(self, width: int) -> int:
+    def max_blocks_of(self, width: int, context: bool = True) -> int:
         """Block-table width of a pass of `width` tokens per sequence: a sequence padded to the width
         (`step_inputs.extend`: a prompt's last chunk, up to a bucket) may reach `width - 1` tokens past
-        max_model_len, and an all-padding row's slots may straddle one more block."""
-        return self.max_blocks if width == 1 else self.max_blocks + -(-width // self.env.block_size) + 1
+        max_model_len, and an all-padding row's slots may straddle one more block. Without `context`
+        (a prompt's only chunk) a sequence holds just its own tokens: the width's blocks and that one
+        more, however long max_model_len is (a backend may do work per table entry: Ascend's int8
+        prefill dequantizes every block its tables name)."""
+        own = -(-width // self.env.block_size) + 1
+        if width == 1:
+            return self.max_blocks
+        return self.max_blocks + own if context else own
+
+    def capacity_of(self, bucket: int, width: int, num_planes: int, context: bool = True,
+                    fresh: bool = False) -> MetaCapacity:
+        """The metadata capacity of a pass of `bucket` sequences of `width` tokens (`max_blocks_of`)."""
+        longest = (self.max_model_len if context else self.env.block_size) + width - 1
+        return MetaCapacity(bucket, bucket * width, self.max_blocks_of(width, context), num_planes, longest, fresh)
 
     def bucket(self, num_seqs: int) -> int | None:
         """The smallest bucket that holds `num_seqs` sequences (None: too many to capture)."""
@@ -85,13 +97,14 @@ class PassGraphs:
 
     def run(self, key: tuple, program: Program, host: HostInputs, width: int, num_planes: int,
             inputs: torch.Tensor | None = None, state_width: int | None = None, fed_from: Any = None,
-            fresh: bool = False) -> Any:
+            fresh: bool = False, context: bool = True) -> Any:
         """Replay (capturing on first use) the pass `key` over `host` (sequences of `width` tokens),
         padded to its bucket. `inputs`: the real rows' ids `[n]` or states `[n, X]` on the device;
         None takes the ids from `host`, where `host.fed` rows take theirs from `fed_from` (a
         `PendingStep`: async scheduling) on the device. `state_width`: X for passes that start from
         states. `fresh`: every batch this key replays is prefills without prior context (the
-        backend may capture its fresh attention path; `MetaCapacity.fresh`). Host values reach the
+        backend may capture its fresh attention path; `MetaCapacity.fresh`); without `context` they
+        are prompts' only chunks (the tables' capacity is the width's; `max_blocks_of`). Host values reach the
         device through pinned mirrors: the host never waits here."""
         bucket = self.bucket(host.num_seqs)
         full = pad(host, bucket, width, self.env)
@@ -100,8 +113,8 @@ class PassGraphs:
             # a pass wider than the scratch slots (a long prompt) is captured over its own first batch:
             # the warm-up writes the slots the replay then rewrites, before anything reads them
             over = full if bucket * width > self.env.num_scratch_slots else None
-            cap = self.captured[key] = self._capture(program, bucket, width, num_planes, state_width, repr(key),
-                                                     fresh, over)
+            capacity = self.capacity_of(bucket, width, num_planes, context, fresh)
+            cap = self.captured[key] = self._capture(program, capacity, width, state_width, repr(key), over)
         num_rows = host.num_tokens
         if inputs is None:
             src = fed_rows(host, fed_from, len(full.positions))
@@ -120,17 +133,14 @@ class PassGraphs:
         cap.graph.replay()
         return cap.outputs
 
-    def _capture(self, program: Program, bucket: int, width: int, num_planes: int, state_width: int | None,
-                 what: str, fresh: bool = False, over: HostInputs | None = None) -> Captured:
-        env = self.env
+    def _capture(self, program: Program, capacity: MetaCapacity, width: int, state_width: int | None, what: str,
+                 over: HostInputs | None = None) -> Captured:
+        env, bucket, num_rows = self.env, capacity.max_num_seqs, capacity.max_num_tokens
         if over is None:
-            empty = HostInputs([], [], [], _empty_batch(num_planes, env.block_size), [])
+            empty = HostInputs([], [], [], _empty_batch(capacity.num_planes, env.block_size), [])
             host = pad(empty, bucket, width, env)       # all padding: capture touches only scratch slots
         else:
             host = over
-        num_rows = bucket * width
-        capacity = MetaCapacity(bucket, num_rows, self.max_blocks_of(width), num_planes,
-                                self.max_model_len + width - 1, fresh)
         meta = env.backend.build_meta(host.batch, capacity)
         positions = torch.as_tensor(np.asarray(host.positions, dtype=np.int64)).to(env.device)[None]
         if state_width is None:
@@ -204,8 +214,7 @@ class PassGraphs:
         for size, width, planes, prelude in zip(sizes, widths, num_planes, preludes):
             empty = HostInputs([], [], [], _empty_batch(planes, env.block_size), [])
             host = pad(empty, bucket, width, env)
-            capacity = MetaCapacity(bucket, size, self.max_blocks_of(width), planes, self.max_model_len + width - 1)
-            meta = env.backend.build_meta(host.batch, capacity)
+            meta = env.backend.build_meta(host.batch, self.capacity_of(bucket, width, planes))
             env.backend.update_meta(meta, host.batch)
             positions = host_ints[offset:offset + size][None]
             positions.copy_(torch.as_tensor(np.asarray(host.positions, dtype=np.int64))[None])

@@ -175,7 +175,10 @@ class ModelRunner(EagerPass):
         if (item.is_wave or not item.samples or item.num_tokens < 2 or req.exit_threshold < 1.0
                 or req.params.prompt_logprobs is not None):
             return None
-        return self.prefill_buckets.bucket(item.num_tokens)
+        width, widest = self.prefill_buckets.bucket(item.num_tokens), self.backend.caps.max_context_prefill_width
+        if width is not None and item.first_token > 0 and widest is not None and width > widest:
+            return None
+        return width
 
     def is_graph_step(self, scheduled: Sequence[ScheduledRequest]) -> bool:
         """A pure decode step that a captured pass can run (see the module docstring)."""
@@ -206,14 +209,14 @@ class ModelRunner(EagerPass):
         item = scheduled[0]
         req, bucket = item.request, self.prefill_bucket(scheduled)
         host = extend(describe([self.slice_of(item, blocks)], req.num_planes, self.block_size), bucket, self.env)
-        fresh = self.prefill_buckets.attends_fresh(bucket, item.first_token)
-        key = ("prefill", bucket, req.num_loops, self.layout.num_planes(req.num_loops), fresh)
+        fresh, context = self.prefill_buckets.attends_fresh(bucket, item.first_token), item.first_token > 0
+        key = ("prefill", bucket, req.num_loops, self.layout.num_planes(req.num_loops), fresh, context)
         if key not in self.prefill_rows:
             self.prefill_rows[key] = torch.zeros(1, dtype=torch.long, device=self.device)
         sample_row = self.prefill_rows[key]
         sample_row.copy_(torch.tensor([item.num_tokens - 1]), non_blocking=True)
         logits = self.graphs.run(key, prefill_program(self.model, req.num_loops, sample_row), host, bucket,
-                                 key[3], fed_from=fed_from, fresh=fresh)
+                                 key[3], fed_from=fed_from, fresh=fresh, context=context)
         return self.finish_step(logits, [req], [req.num_loops], item.num_tokens, deferred, fed_from=fed_from)
 
     def _execute_eager(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager,

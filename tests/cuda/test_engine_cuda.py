@@ -114,7 +114,7 @@ def test_a_long_prompt_replays_a_captured_prefill(prompt_len, width, fresh, monk
         results[captured] = [o.token_ids for o in engine.run_until_done()]
         if captured:
             keys = [k for k in engine.runner.graphs.captured if k[0] == "prefill"]
-            assert [(k[1], k[-1]) for k in keys] == [(width, fresh)], keys
+            assert [(k[1], k[4], k[5]) for k in keys] == [(width, fresh, False)], keys
             assert engine.runner.graphs.captured[keys[0]].ctx.meta.fresh_lens == ((width,) if fresh else None)
         del engine
         torch.cuda.empty_cache()

@@ -43,8 +43,8 @@ def test_int8_cache_layout_round_trips(single_thread):
 
 @pytest.mark.parametrize("name", ["huginn-tiny", "ouro-tiny-gqa-bf16"])
 def test_int8_engine_equals_the_cpu_int8_engine(name, single_thread):
-    """Chunked prefill (dequantized blocks, TND) and decode replayed from graphs (BSH with antiquant
-    mode 5, lengths updated before each replay): the tokens of the CPU engine over int8 KV."""
+    """Chunks of at most 8 tokens attended row by row and decode replayed from graphs (BSH with
+    antiquant mode 5, lengths updated before each replay): the tokens of the CPU engine over int8 KV."""
     case = golden_case(name)
     model = zoo.from_pretrained(case.path, dtype="float32")
     params = SamplingParams(max_tokens=case.meta["greedy_new_tokens"], temperature=0.0, ignore_eos=True,
@@ -58,16 +58,42 @@ def test_int8_engine_equals_the_cpu_int8_engine(name, single_thread):
         tokens[label] = {o.request_id: o.token_ids for o in engine.run_until_done()}
     backend = engine.runner.backend
     assert backend.name == "fia+int8" and engine.runner.graphs.captured
-    assert backend.ops.counts["fused_infer_attention_int8"] and backend.ops.counts["fused_infer_attention"]
+    assert backend.ops.counts["fused_infer_attention_int8"] and not backend.ops.counts["fused_infer_attention"]
     assert tokens["ascend"] == tokens["cpu"]
     with pytest.raises(ValueError, match=r"Use one of those \(kv_dtype=int8 on Ascend\)"):
         LLMEngine(model, sim(), EngineConfig(kv_dtype="fp8", block_size=16))
 
 
-def test_int8_speculation_pads_its_verify_pass_inside_the_scratch_blocks(single_thread):
+def test_a_prompts_only_chunk_is_captured_over_tables_of_its_own_width(single_thread):
+    """The int8 prefill dequantizes every block its tables name, and a captured pass's tables are as
+    wide as its capacity. A prompt without context now gets tables of its own width (Nanbeige's
+    262,144-position default would have dequantized 2,050 blocks per layer-plane for a 20-token
+    prompt); a later chunk past 16 tokens, whose captured tables would have room for max_model_len,
+    runs eagerly over its own. The tokens are the CPU int8 engine's."""
+    model = zoo.from_pretrained(golden_case("ouro-tiny").path, dtype="float32")
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    prompts = {"short": list(range(5, 25)), "chunked": list(range(7, 59))}   # 20; 32 + 20 tokens
+    tokens = {}
+    for label, h, graphs in (("cpu", hal.get("cpu"), False), ("ascend", sim(), True)):
+        engine = LLMEngine(model, h, EngineConfig(kv_dtype="int8", block_size=16, max_num_batched_tokens=32,
+                                                  max_num_seqs=1, max_model_len=256, graphs=graphs))
+        for request_id, prompt in prompts.items():
+            engine.add_request(request_id, prompt, params)
+        tokens[label] = {o.request_id: o.token_ids for o in engine.run_until_done()}
+    widths = {key[5]: cap.ctx.meta.block_tables.shape[-1]
+              for key, cap in engine.runner.graphs.captured.items() if key[0] == "prefill"}
+    assert widths == {False: 3}                   # the 20-token prompt; the 20-token last chunk ran eagerly
+    assert engine.runner.backend.ops.counts["fused_infer_attention"]   # past ROW_QUERIES: dequantized blocks
+    assert tokens["ascend"] == tokens["cpu"]
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_int8_speculation_pads_its_verify_pass_inside_the_scratch_blocks(graphs, single_thread):
     """A verify pass padded to its bucket gives its padding rows table entries; those past a row's
-    blocks pointed past the runner's scratch blocks, and the int8 prefill path reads whole tables
-    (IndexError). Now they stay in the scratch blocks, and the tokens are the simple path's."""
+    blocks pointed past the runner's scratch blocks, and the int8 prefill path read whole tables
+    (IndexError). Now they stay in the scratch blocks, and the tokens are the simple path's. Verify
+    passes attend row by row, captured or not: no block is dequantized (a captured verify pass's
+    tables have room for max_model_len)."""
     from runtime.config import SpeculativeConfig
     from runtime.execution.reference import generate_reference
 
@@ -75,13 +101,18 @@ def test_int8_speculation_pads_its_verify_pass_inside_the_scratch_blocks(single_
     prompts = [[5, 9, 13, 17, 21], [7, 11, 15]]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     engine = LLMEngine(model, sim(), EngineConfig(kv_dtype="int8", block_size=16, num_kv_blocks=16, max_num_seqs=2,
-                                                  graphs=False, max_num_batched_tokens=4,
+                                                  graphs=graphs, max_num_batched_tokens=4,
                                                   speculative=SpeculativeConfig(num_tokens=2, draft_loops=1)))
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
     outs = {o.request_id: o.token_ids for o in engine.run_until_done()}
     assert [outs["0"], outs["1"]] == [generate_reference(model, p, params, kv_dtype=torch.int8)[0] for p in prompts]
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    counts = engine.runner.backend.ops.counts
+    assert counts["fused_infer_attention_int8"] and not counts["fused_infer_attention"]
+    if graphs:
+        passes = [*engine.runner.graphs.chains, *engine.runner.graphs.captured]
+        assert {key[0] for key in passes} & {"round", "verify"}, passes
 
 
 def test_an_8bit_kv_format_the_hal_cannot_read_names_the_ones_it_can():

@@ -158,8 +158,9 @@ def test_long_prompts_replay_captured_fresh_prefills(monkeypatch):
             planes = runner.layout.num_planes(loops)
             assert runner.env.num_scratch_slots < 32
             captures = runner.graphs.captured
-            assert {k[1:] for k in captures if k[0] == "prefill"} == {(64, loops, planes, True), (32, loops, planes, True)}
-            assert captures[("prefill", 64, loops, planes, True)].ctx.meta.fresh_lens == (64,)
-            assert captures[("prefill", 32, loops, planes, True)].ctx.meta.fresh_lens == (32,)
-            assert {k[1:] for k in short.runner.graphs.captured if k[0] == "prefill"} == {(16, loops, planes, False)}
+            assert {k[1:] for k in captures if k[0] == "prefill"} == {(64, loops, planes, True, False),
+                                                                           (32, loops, planes, True, False)}
+            assert captures[("prefill", 64, loops, planes, True, False)].ctx.meta.fresh_lens == (64,)
+            assert captures[("prefill", 32, loops, planes, True, False)].ctx.meta.fresh_lens == (32,)
+            assert {k[1:] for k in short.runner.graphs.captured if k[0] == "prefill"} == {(16, loops, planes, False, False)}
     assert outs[True] == outs[False]
