@@ -31,6 +31,7 @@ from hal.kernels.backend import TritonPagedAttention
 from hal.kernels.configs import configs_for
 from runtime.config import EngineConfig
 from runtime.engine.llm_engine import LLMEngine
+from runtime.engine.planes import PlaneLayout
 from runtime.execution.prefill_buckets import PrefillBuckets
 from runtime.sampling_params import SamplingParams
 
@@ -38,10 +39,14 @@ CONFIGS = Path(__file__).resolve().parent.parent / "zoo" / "configs"
 
 
 def narrow_model(name: str, max_len: int):
-    """The model's config at one layer of width 64 (two heads of 32): the same planes and loops."""
+    """The model's config at width 64 (two heads of 32), one layer (Huginn: its prelude, core block
+    and coda as they are): the same planes and loops."""
     config = json.loads((CONFIGS / f"{name}.json").read_text())
-    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-                  num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=max_len)
+    if "n_embd" in config:      # Huginn's own names; its token ids stay in its vocabulary
+        config.update(n_embd=64, n_heads=2, intermediate_size=128, block_size=max_len)
+    else:
+        config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=max_len)
     path = Path(tempfile.mkdtemp()) / "config.json"
     path.write_text(json.dumps(config))
     return zoo.from_config(path, dtype="float32", device=torch.device("cpu"), seed=0)
@@ -59,15 +64,14 @@ def median_ms(fn, repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    # configs with Llama-style keys (Huginn's own names, n_embd and n_layers_in_*, are not narrowed here)
-    narrowable = sorted(p.stem for p in CONFIGS.glob("*.json") if "num_hidden_layers" in p.read_text())
-    parser.add_argument("--model", default="ouro-1.4b", choices=narrowable)
+    parser.add_argument("--model", default="ouro-1.4b", choices=sorted(p.stem for p in CONFIGS.glob("*.json")))
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     model = narrow_model(args.model, args.tokens + 64)
+    planes = PlaneLayout("full", model.kv_spec.num_fixed_planes).num_planes(model.default_num_loops)
     config = EngineConfig(max_num_seqs=1, max_model_len=args.tokens + 32, max_num_batched_tokens=args.tokens,
-                          num_kv_blocks=8 * (args.tokens // 16 + 2))
+                          num_kv_blocks=planes * (args.tokens // 16 + 3))
     engine = LLMEngine(model, hal.get("cpu"), config)
     engine.runner.prefill_buckets = PrefillBuckets(args.tokens, captures=True)    # the GPU's path
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -87,7 +91,6 @@ def main() -> None:
     one_prompt()                                  # the capture (here: the eager warm-up) runs once
     EagerGraph.replay = lambda self: None         # from here on, no device work at all
     add_ms, step_ms = (statistics.median(t) for t in zip(*(one_prompt() for _ in range(args.repeats))))
-    planes = engine.runner.layout.num_planes(model.default_num_loops)
     print(f"{args.model}: one {args.tokens}-token prompt, {planes} planes of {args.tokens // 16} blocks, medians "
           f"of {args.repeats}: add_request {add_ms:.3f} ms (before runtime.bench's clock starts), then the step "
           f"to the finished output {step_ms:.3f} ms")

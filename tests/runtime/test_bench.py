@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import pytest
+
 from helpers import golden_case, single_thread  # noqa: F401 (fixture)
 from torch.autograd import DeviceType
 
@@ -106,9 +108,11 @@ def test_bench_refuses_a_workload_longer_than_the_model_before_measuring(single_
     assert not measured
 
 
-def test_prefill_host_cost_tool_runs():
+@pytest.mark.parametrize("model", ["ouro-1.4b", "huginn-0125"])
+def test_prefill_host_cost_tool_runs(model):
     """tools/prefill_host_cost.py (the host's part of a long prompt's step, docs/benchmarks.md) at a
-    short prompt, in its own process: it turns every graph replay into a no-op."""
+    short prompt, in its own process: it turns every graph replay into a no-op. Huginn's config
+    narrows under its own key names."""
     import os
     import subprocess
     import sys
@@ -117,7 +121,9 @@ def test_prefill_host_cost_tool_runs():
     root = Path(__file__).resolve().parents[2]
     # a script's sys.path starts at tools/: this checkout's packages, not whatever the venv installed
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    out = subprocess.run([sys.executable, "tools/prefill_host_cost.py", "--tokens", "512", "--repeats", "2"],
+    out = subprocess.run([sys.executable, "tools/prefill_host_cost.py", "--model", model, "--tokens", "512",
+                          "--repeats", "2"],
                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith(f"{model}: one 512-token prompt")
     assert "then the step to the finished output" in out.stdout and "update_meta" in out.stdout
