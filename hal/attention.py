@@ -54,6 +54,8 @@ class MetaCapacity(NamedTuple):
     # every batch is prefills without prior context (each sequence attends over its own new K/V
     # only): a backend may capture its fresh path (`attend`) for them; `update_meta` refuses others
     fresh: bool = False
+    # a batch may have prior context (False: prompts' only chunks, tables of their own width)
+    context: bool = True
 
 
 class AttentionBackend(ABC):

@@ -37,6 +37,7 @@ class AscendMeta:
     # [T] int64 on the device: each query row's sequence, where a backend attends row by row
     # (int8 passes of a few queries per sequence: quant_attention.py); fixed with the query lengths
     row_seqs: torch.Tensor | None = None
+    row_kv_lens: dict[int, list[int]] = field(default_factory=dict)    # per plane: each row's, this step's
     # the updatable calls (site, plane) captured with this meta, in capture order, and the capture
     # they belong to: what update_meta returns host arguments for
     graph_calls: list[tuple[str, int]] = field(default_factory=list)

@@ -205,11 +205,11 @@ class AscendHal(Hal):
                                                          self.device(), block_size, reason=reason,
                                                          kv_dtype=kv_dtype if is_int8 else None)
         elif is_int8:
-            from hal.ascend.quant_attention import ROW_QUERIES, Int8FusedAttention
+            from hal.ascend.quant_attention import Int8FusedAttention
 
-            reason = (f"int8 KV, block {block_size}: decode and passes of up to {ROW_QUERIES} queries per "
-                      f"sequence through npu_fused_infer_attention_score with antiquant mode 5 (a row per "
-                      f"query), longer prefills over blocks dequantized to {dtype} (TND, sparse_mode 3)")
+            reason = (f"int8 KV, block {block_size}: npu_fused_infer_attention_score with antiquant mode 5 "
+                      f"for decode and, a row per query, for passes that read less that way; other prefills "
+                      f"over blocks dequantized to {dtype} (TND, sparse_mode 3)")
             chosen = Int8FusedAttention(num_heads, num_kv_heads, head_dim, dtype, self.device(), block_size,
                                         self.ops, reason=reason)
         else:

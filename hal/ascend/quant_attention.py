@@ -10,17 +10,17 @@ scales managed by page attention"): per half (K, V)
 - decode-only steps: `npu_fused_infer_attention_score` in BSH (one query per sequence) with
   key/value_antiquant_scale and key/value_antiquant_mode=5; graph-capturable, updated like the bf16
   call (the KV lengths).
-- passes of at most `ROW_QUERIES` queries per sequence (speculation's verify passes, short chunks):
-  the op takes no paged antiquant for Q_S > 1, so each query row is a sequence of its own in the same
-  BSH call, with its sequence's table row and its causal KV length (`_row_kv_lens`). Each row reads
-  its prefix's int8 bytes once; no cache is dequantized.
-- longer prefills: the blocks of this step's tables are dequantized (on the device, no host sync)
-  into a scratch cache in the model dtype and the usual TND call runs over it with a table numbering
-  the gathered blocks. Costs one extra read and write of those blocks per layer; prefill is
-  compute-bound. A captured pass dequantizes every block its tables have room for, so a prompt's only
-  chunk is captured with tables of its own width (`runtime.execution.graphs.PassGraphs.max_blocks_of`),
-  and a later chunk wider than `ROW_QUERIES` runs eagerly (`AttnCaps.max_context_prefill_width`):
-  captured, its tables would have room for max_model_len.
+- passes with more queries per sequence (speculation's verify passes, prompt chunks): the op takes no
+  paged antiquant for Q_S > 1. Either each query row becomes a sequence of its own in the same BSH
+  call, with its sequence's table row and its causal KV length (`_row_kv_lens`): each row reads its
+  prefix's int8 bytes; or the blocks of the step's tables are dequantized (on the device, no host
+  sync) into a scratch cache in the model dtype and the usual TND call runs over it with a table
+  numbering the gathered blocks: about 5 bytes per cached element the tables name (read int8, write
+  and read bf16). `_attends_by_rows` picks the fewer bytes: an eager step by its lengths (a prompt
+  without context dequantizes; decodes beside a chunk go by rows); a captured pass by its capacity:
+  by rows where its tables have room for max_model_len (`MetaCapacity.context`: verify passes,
+  short chunks), dequantizing where they are a prompt's own (its only chunk). A later chunk wider
+  than `ROW_QUERIES` runs eagerly (`AttnCaps.max_context_prefill_width`) rather than be captured.
 `fia_pa` takes the same paths (ATB paged attention is not used for int8 caches).
 """
 from __future__ import annotations
@@ -35,10 +35,10 @@ from hal.attention import AttnCaps, MetaCapacity, PagedBatch
 from hal.common.kv_quant import QuantLayout, dequantize, quantize
 
 SITE = "fused_infer_attention_int8"
-# Most queries per sequence attended row by row: a verify pass (k + 1 tokens) or a short chunk reads its
-# prefix once per row, where the dequantizing path writes and reads every block its tables name in the
-# model dtype (about 5 bytes per cached element against 1 per row here), max_model_len's worth in a
-# captured pass with context
+DEQUANT_BYTES = 5   # per cached element a dequantizing pass names: int8 read, bf16 written and read back
+# Widest prompt chunk with context that is captured (its graph attends by rows, each of its rows reading
+# up to max_model_len's bytes, against dequantizing all that room); wider ones run eagerly, over tables
+# of their own length
 ROW_QUERIES = 16
 
 
@@ -72,10 +72,14 @@ class Int8FusedAttention(FusedAttention):
         """The base meta, plus each query row's sequence where the pass attends row by row (fixed
         with the query lengths, so `update_meta` keeps it)."""
         meta = super().build_meta(batch, capacity)
-        lens = [int(q) for q in batch.query_lens]
-        if not meta.is_decode and lens and max(lens) <= ROW_QUERIES:
-            meta.row_seqs = self._rows(np.repeat(np.arange(len(lens)), lens))
+        lens = np.asarray(batch.query_lens, dtype=np.int64)
+        if not meta.is_decode and lens.size and _attends_by_rows(batch, meta, capacity):
+            meta.row_seqs = self._rows(np.repeat(np.arange(lens.size), lens))
         return meta
+
+    def update_meta(self, meta: AscendMeta, batch: PagedBatch) -> list[dict[str, Any]]:
+        meta.row_kv_lens.clear()                  # new lengths: the rows' are computed again
+        return super().update_meta(meta, batch)
 
     # ----- KV write and attention -----------------------------------------------------------
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AscendMeta,
@@ -136,9 +140,27 @@ class Int8FusedAttention(FusedAttention):
         return super()._host_params(meta, site, plane)
 
 
+def _attends_by_rows(batch: PagedBatch, meta: AscendMeta, capacity: MetaCapacity | None) -> bool:
+    """Whether a pass with more than one query for some sequence attends row by row (module docs):
+    captured, where its tables have room for context; eager, where its rows read fewer bytes than
+    dequantizing its tables would move."""
+    if capacity is not None:
+        return capacity.context
+    query_lens, seq_lens = (np.asarray(x, dtype=np.int64) for x in (batch.query_lens, batch.seq_lens))
+    num_seqs, width = meta.block_tables.shape[1:]
+    return int(query_lens @ seq_lens) <= DEQUANT_BYTES * num_seqs * width * batch.block_size
+
+
 def _row_kv_lens(meta: AscendMeta, plane: int) -> list[int]:
     """The causal KV length of each query row `[T]` of plane `plane`: a sequence's j-th of n queries
-    sees its first `kv_len - n + 1 + j` tokens (a decode step's rows: the sequences' KV lengths)."""
-    starts = [0, *meta.cum_query_lens]
-    return [kv - (end - start) + 1 + j for kv, start, end in zip(meta.kv_lens[plane], starts, starts[1:])
-            for j in range(end - start)]
+    sees its first `kv_len - n + 1 + j` tokens (a decode step's rows: the sequences' KV lengths).
+    Computed once per plane and step (every layer of the plane asks)."""
+    if meta.row_seqs is None:
+        return list(meta.kv_lens[plane])
+    lens = meta.row_kv_lens.get(plane)
+    if lens is None:
+        starts = np.asarray([0, *meta.cum_query_lens], dtype=np.int64)
+        counts = np.diff(starts)
+        first = np.asarray(meta.kv_lens[plane], dtype=np.int64) - counts + 1 - starts[:-1]   # per sequence
+        lens = meta.row_kv_lens[plane] = (np.repeat(first, counts) + np.arange(starts[-1])).tolist()
+    return lens

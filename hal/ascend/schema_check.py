@@ -48,7 +48,7 @@ def exercise(hal: Any) -> None:
     rand = lambda *shape: torch.randn(*shape, dtype=dtype, device=device)     # noqa: E731
     mixed = PagedBatch([5, 1, 3], [5, 130, 260], [[[0], [1, 2], [3, 4, 5]], [[6], [7, 8], [9, 10, 11]]], 128)
     decode = PagedBatch([1, 1], [7, 129], [[[0], [1, 2]]], 128)
-    long = PagedBatch([20, 3], [20, 260], [[[0], [3, 4, 5]]], 128)      # int8: past ROW_QUERIES, dequantized
+    long = PagedBatch([300], [300], [[[0, 1, 2]]], 128)       # int8: dequantized blocks (rows would read more)
     for name, batch, kv_dtype in (("fia", mixed, None), ("fia_pa", decode, None), ("fia", mixed, torch.int8),
                                   ("fia", decode, torch.int8), ("fia", long, torch.int8)):
         backend = hal.attention(heads, kv_heads, head_dim, dtype, backend=name, kv_dtype=kv_dtype)

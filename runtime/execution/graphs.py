@@ -87,7 +87,8 @@ class PassGraphs:
                     fresh: bool = False) -> MetaCapacity:
         """The metadata capacity of a pass of `bucket` sequences of `width` tokens (`max_blocks_of`)."""
         longest = (self.max_model_len if context else self.env.block_size) + width - 1
-        return MetaCapacity(bucket, bucket * width, self.max_blocks_of(width, context), num_planes, longest, fresh)
+        return MetaCapacity(bucket, bucket * width, self.max_blocks_of(width, context), num_planes, longest, fresh,
+                            context)
 
     def bucket(self, num_seqs: int) -> int | None:
         """The smallest bucket that holds `num_seqs` sequences (None: too many to capture)."""

@@ -9,7 +9,8 @@ token and samples it, all at the same depth, no early exit) replays a captured p
 (runtime/execution/graphs.py), its rows kept across steps in the persistent batch
 (runtime/execution/input_batch.py); a step that is one prompt (or its last chunk) replays a
 captured prefill of a token-count bucket (runtime/execution/prefill_buckets.py), so a prompt costs
-its device work rather than a thousand launches from the host; any other step runs
+its device work rather than a thousand launches from the host (unless the backend caps how wide a
+chunk with context it captures: `AttnCaps.max_context_prefill_width`); any other step runs
 eagerly, packed: prompts, prompt chunks and decodes together, and wavefront segments (the eager
 pass, runtime/execution/eager_pass.py, which the runner inherits). Every path ends in
 `finish_step`, which samples the logits.

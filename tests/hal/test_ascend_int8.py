@@ -1,6 +1,7 @@
 """Int8 KV on the simulated Ascend Hal (hal/ascend/quant_attention.py; the 910B has no FP8): the byte
 layout round-trips, decode goes through the fused op's paged antiquant (mode 5) inside graphs with
-per-replay updates, prefill over dequantized blocks, and the engine gives the CPU int8 engine's tokens.
+per-replay updates, passes of several queries per sequence by rows or over dequantized blocks, and the
+engine gives the CPU int8 engine's tokens.
 The antiquant call's schema is checked against torch-npu in CI (.ci/ascend_schema_check.sh)."""
 import pytest
 import torch
@@ -39,6 +40,30 @@ def test_int8_cache_layout_round_trips(single_thread):
     assert torch.equal(backend.read_kv(cache, torch.tensor([90, 91, 92]))[0], keys[:3])
     with pytest.raises(ValueError, match="use kv_dtype=int8"):
         sim().attention(8, 2, 24, torch.bfloat16, block_size=16, kv_dtype=torch.float8_e4m3fn)
+
+
+def test_passes_attend_by_rows_or_over_dequantized_blocks_whichever_moves_fewer_bytes():
+    """Eager steps go by their lengths: a 40-token prompt without context dequantizes its 3 blocks
+    (40 x 40 row reads against 5 x 48 bytes per element), decodes beside a 4-token chunk go by rows,
+    each row with its causal KV length. Captured passes go by their capacity: rows where the tables
+    have room for context (a verify pass of any width), dequantized blocks for a prompt's own."""
+    from hal.ascend.quant_attention import _row_kv_lens
+    from hal.attention import MetaCapacity
+
+    backend = sim().attention(8, 2, 24, torch.bfloat16, block_size=16, kv_dtype=torch.int8)
+    assert backend.build_meta(PagedBatch([40], [40], [[[0, 1, 2]]], 16)).row_seqs is None
+    mixed = backend.build_meta(PagedBatch([1, 4, 1], [30, 20, 50], [[[0, 1], [2, 3], [4, 5, 6, 7]]], 16))
+    assert mixed.row_seqs.tolist() == [0, 1, 1, 1, 1, 2]
+    assert _row_kv_lens(mixed, 0) == [30, 17, 18, 19, 20, 50]
+    assert mixed.row_kv_lens == {0: [30, 17, 18, 19, 20, 50]}          # once per plane and step
+    verify = PagedBatch([17, 17], [40, 60], [[[0, 1, 2], [3, 4, 5, 6]]], 16)
+    for context, by_rows in ((True, True), (False, False)):
+        capacity = MetaCapacity(2, 34, 20, 1, 300, context=context)
+        assert (backend.build_meta(verify, capacity).row_seqs is not None) == by_rows
+    meta = backend.build_meta(verify, MetaCapacity(2, 34, 20, 1, 300))
+    assert _row_kv_lens(meta, 0) == [*range(24, 41), *range(44, 61)]
+    backend.update_meta(meta, PagedBatch([17, 17], [41, 61], [[[0, 1, 2], [3, 4, 5, 6]]], 16))
+    assert _row_kv_lens(meta, 0) == [*range(25, 42), *range(45, 62)]    # the new step's lengths
 
 
 @pytest.mark.parametrize("name", ["huginn-tiny", "ouro-tiny-gqa-bf16"])
