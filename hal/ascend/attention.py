@@ -129,13 +129,17 @@ class FusedAttention(AttentionBackend):
         captured in graphs), and return the host arguments of the updatable calls captured with
         `meta`, in capture order (`Graph.update` takes them; [] before any capture). The batch must
         have the captured shape: same query lengths, every plane in use, tables within the width."""
-        new = self._build(batch, meta.block_tables.shape[-1], check_slots=True)
-        if (new.cum_query_lens != meta.cum_query_lens or new.block_tables.shape != meta.block_tables.shape
+        new = self._build(batch, check_slots=True)          # tables as wide as the batch's longest
+        width, room = new.block_tables.shape[-1], meta.block_tables.shape[-1]
+        if width > room:
+            raise ValueError(f"a block table needs {width} blocks, the meta has room for {room} "
+                             f"(MetaCapacity.max_blocks_per_seq)")
+        if (new.cum_query_lens != meta.cum_query_lens or new.block_tables.shape[:2] != meta.block_tables.shape[:2]
                 or any(r is not None for r in (*new.write_rows, *new.unused_rows, *meta.write_rows,
                                                *meta.unused_rows))):
             raise ValueError("update_meta needs a batch of the captured shape (same query lengths, planes, "
                              "sequences; every plane in use by every sequence)")
-        meta.block_tables.copy_(new.block_tables)
+        meta.block_tables[..., :width].copy_(new.block_tables)      # the columns past it: never attended over
         meta.slot_mapping.copy_(new.slot_mapping)
         for p in range(len(meta.kv_lens)):
             meta.kv_lens[p][:] = new.kv_lens[p]

@@ -128,7 +128,8 @@ class TritonPagedAttention(AttentionBackend):
         if meta.fresh_lens is not None and (tuple(map(int, batch.query_lens)) != meta.fresh_lens or not fresh.takes(
                 self.fresh_attention, batch.query_lens, batch.seq_lens, DECODE_MAX_QUERY_LEN)):
             raise ValueError(f"a captured fresh prefill takes prefills without context of {meta.fresh_lens} tokens")
-        staging.stage(self._host_arrays(batch, meta.block_tables.shape[-1]), meta[:4])
+        # the tables travel as wide as the batch's longest (not the capacity's max_model_len)
+        staging.stage(self._host_arrays(batch), meta[:4], narrow=(2,))
         return []
 
     def advance_meta(self, meta: TritonMeta, steps: int) -> TritonMeta:

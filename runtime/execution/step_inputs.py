@@ -104,8 +104,10 @@ def describe_rows(tables: np.ndarray, lengths: np.ndarray, rows: np.ndarray, req
     token_ids = np.fromiter((r.token_at(p) for r, p in zip(requests, positions.tolist())), dtype=np.int64, count=n)
     unknown = np.flatnonzero(token_ids == PLACEHOLDER).tolist()
     token_ids[unknown] = 0
-    batch = PagedBatch(np.ones(n, dtype=np.int64), positions + 1, tables[:num_planes, rows], block_size,
-                       lengths[:num_planes, rows])
+    lengths = lengths[:num_planes, rows]
+    width = max(int(lengths.max()), 1) if lengths.size else 1        # the longest table, not max_model_len's
+    batch = PagedBatch(np.ones(n, dtype=np.int64), positions + 1, tables[:num_planes, rows, :width], block_size,
+                       lengths)
     return HostInputs(token_ids, [(i, requests[i].request_id) for i in unknown], positions, batch,
                       [(r, 1) for r in requests], rows)
 

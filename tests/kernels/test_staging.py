@@ -51,3 +51,66 @@ def test_ring_rejects_a_batch_of_another_shape():
         assert "does not fit the captured meta" in str(exc)
     else:
         raise AssertionError("a mismatched shape was staged")
+
+
+def test_a_narrower_table_travels_as_its_own_columns():
+    """Block tables of sequences shorter than the capacity stage only their columns: the target's
+    first columns take them, the others keep what they held (no kernel reads past a sequence's
+    length), and a later, wider batch fills more of them."""
+    target = torch.full((2, 3, 8), -1, dtype=torch.int32)
+    ring = StagingRing([np.zeros((2, 3, 8), dtype=np.int32)], torch.device("cpu"))
+    short = np.arange(12, dtype=np.int32).reshape(2, 3, 2)
+    ring.stage([short], [target], narrow=(0,))
+    assert torch.equal(target[..., :2], torch.from_numpy(short)) and (target[..., 2:] == -1).all()
+    wider = np.arange(100, 130, dtype=np.int32).reshape(2, 3, 5)
+    ring.stage([wider], [target], narrow=(0,))
+    assert torch.equal(target[..., :5], torch.from_numpy(wider)) and (target[..., 5:] == -1).all()
+    for bad, named in ((np.zeros((2, 3, 9), dtype=np.int32), (0,)), (np.zeros((2, 4, 2), dtype=np.int32), (0,)),
+                       (short, ())):            # only the arrays named may be narrower
+        try:
+            ring.stage([bad], [target], narrow=named)
+        except ValueError as exc:
+            assert "does not fit the captured meta" in str(exc)
+        else:
+            raise AssertionError(f"a batch of shape {bad.shape} was staged")
+
+
+class _Decoding:
+    """What `describe_rows` reads of a request."""
+
+    def __init__(self, request_id: str, position: int) -> None:
+        self.request_id, self.num_computed_tokens = request_id, position
+
+    def token_at(self, position: int) -> int:
+        return 7
+
+
+def test_a_decode_steps_tables_travel_as_wide_as_its_longest_sequence():
+    """A captured decode meta has room for max_model_len's blocks (4,096 here); a step's inputs carry
+    the persistent batch's rows only as wide as the longest of its tables, and `update_meta` stages
+    those columns alone: the host copies and the host-to-device bytes follow the context, not
+    max_model_len."""
+    from hal.attention import MetaCapacity
+    from hal.kernels.backend import TritonPagedAttention
+    from hal.kernels.configs import configs_for
+    from runtime.execution.step_inputs import describe_rows
+
+    tables, lengths = np.zeros((4, 8, 4096), dtype=np.int32), np.zeros((4, 8), dtype=np.int64)
+    rows, blocks = np.array([5, 1, 6]), (3, 5, 2)
+    for row, n in zip(rows, blocks):
+        tables[:, row, :n] = 100 * row + np.arange(n)
+        lengths[:, row] = n
+    requests = [_Decoding(str(row), 16 * n - 2) for row, n in zip(rows, blocks)]
+    host = describe_rows(tables, lengths, rows, requests, 4, 16)
+    assert host.batch.block_tables.shape == (4, 3, 5)
+    backend = TritonPagedAttention(2, 2, 16, torch.float32, torch.device("cpu"), 16, configs=configs_for("default"),
+                                   num_compute_units=4)
+    meta = backend.build_meta(host.batch, MetaCapacity(3, 3, 4096, 4, 65536))
+    assert meta.block_tables.shape == (4, 3, 4096)
+    meta.block_tables.fill_(-1)
+    tables[:, 1, 5] = 105                             # one more block for row 1
+    lengths[:, 1] = 6
+    requests[1].num_computed_tokens += 16
+    backend.update_meta(meta, describe_rows(tables, lengths, rows, requests, 4, 16).batch)
+    assert torch.equal(meta.block_tables[..., :6], torch.from_numpy(tables[:, rows, :6]))
+    assert (meta.block_tables[..., 6:] == -1).all()   # never read: every kernel stops at the sequence's length

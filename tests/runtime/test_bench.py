@@ -127,3 +127,20 @@ def test_prefill_host_cost_tool_runs(model):
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith(f"{model}: one 512-token prompt")
     assert "then the step to the finished output" in out.stdout and "update_meta" in out.stdout
+
+
+def test_decode_host_cost_tool_runs():
+    """tools/decode_host_cost.py (a decode step's host work at a small and at the model's own
+    max_model_len, docs/benchmarks.md) at toy sizes, in its own process."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "tools/decode_host_cost.py", "--requests", "4", "--context", "64",
+                          "--repeats", "3"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert [line.split("max_model_len ")[1].split(":")[0] for line in lines] == ["83", "65536", "83", "65536"], lines
