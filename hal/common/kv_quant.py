@@ -19,7 +19,9 @@ extra rule: prefix-cache blocks shared between requests, blocks swapped to host 
 last_exited copy into deeper planes, speculation's overwrite on rollback, chunked prefill (a
 chunk's quantization does not depend on where the chunk boundary fell), graph padding rows. There is
 no calibration pass, no running statistic, no host sync: the scale is computed on the device inside
-the KV write, so the write stays capturable in graphs.
+the KV write, so the write stays capturable in graphs. What is quantized is what the pass computed,
+though: a pass of another shape (a prompt padded to its bucket, other chunks) may compute a value a
+float32 rounding apart, and rounding to 8 bits can widen that to a whole step (docs/fp8.md, "Exactness").
 
 Layout (`QuantLayout`; the CPU reference and the Triton kernels; Ascend's fused op takes it slot-major):
 one uint8 tensor per layer `[2, num_blocks * block_bytes]` (each half rounded up to 16 bytes), K then

@@ -22,7 +22,10 @@ class CachedContext(BaseContext):
     """A growing dense KV cache per (plane, layer); attention is bottom-right causal. With an 8-bit
     `kv_dtype` every new token's K and V are rounded as a quantized paged cache stores them
     (hal/common/kv_quant.py: per token and head, fixed when written), so the engine with `kv_dtype` set
-    must give this path's tokens. `ops` is the Hal to compute with (default plain torch)."""
+    gives this path's tokens wherever it computes the same K and V; a pass of another shape (a prompt
+    padded to its bucket, other chunks) computes them a float32 rounding apart, which quantizing can
+    widen to a step: equal there up to near-ties (docs/fp8.md, "Exactness"). `ops` is the Hal to
+    compute with (default plain torch)."""
 
     def __init__(self, generator: torch.Generator | None = None, init_scale: float | None = None,
                  kv_dtype: torch.dtype | None = None, ops: ModelOps | None = None, seed: int | None = None) -> None:
