@@ -3,6 +3,7 @@ never rewritten before the event recorded after that copy has been waited on."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from hal.common.staging import StagingRing
@@ -53,18 +54,32 @@ def test_ring_rejects_a_batch_of_another_shape():
         raise AssertionError("a mismatched shape was staged")
 
 
-def test_a_narrower_table_travels_as_its_own_columns():
+class WaitedEvent(FakeEvent):
+    def wait(self) -> None:
+        self.log.append(("wait", self))
+
+
+@pytest.mark.parametrize("through_landing", [False, True])
+def test_a_narrower_table_travels_as_its_own_columns(through_landing):
     """Block tables of sequences shorter than the capacity stage only their columns: the target's
     first columns take them, the others keep what they held (no kernel reads past a sequence's
-    length), and a later, wider batch fills more of them."""
+    length), and a later, wider batch fills more of them. On a device the columns go through a
+    contiguous landing buffer, after the stream waited for the previous stage's event (here the
+    device path runs on CPU tensors, with recording events)."""
     target = torch.full((2, 3, 8), -1, dtype=torch.int32)
     ring = StagingRing([np.zeros((2, 3, 8), dtype=np.int32)], torch.device("cpu"))
+    log, events = [], []
+    if through_landing:
+        ring.is_cpu = False
+        ring._make_event = lambda: events.append(WaitedEvent(log)) or events[-1]
     short = np.arange(12, dtype=np.int32).reshape(2, 3, 2)
     ring.stage([short], [target], narrow=(0,))
     assert torch.equal(target[..., :2], torch.from_numpy(short)) and (target[..., 2:] == -1).all()
     wider = np.arange(100, 130, dtype=np.int32).reshape(2, 3, 5)
     ring.stage([wider], [target], narrow=(0,))
     assert torch.equal(target[..., :5], torch.from_numpy(wider)) and (target[..., 5:] == -1).all()
+    if through_landing:
+        assert log == [("wait", events[0])] and set(ring._landing) == {0}     # the second stage waited on the first
     for bad, named in ((np.zeros((2, 3, 9), dtype=np.int32), (0,)), (np.zeros((2, 4, 2), dtype=np.int32), (0,)),
                        (short, ())):            # only the arrays named may be narrower
         try:
