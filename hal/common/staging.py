@@ -66,8 +66,9 @@ class StagingRing:
             columns.copy_(flat.view(array.shape))
             return
         landing = self._landing.get(index)
-        if landing is None:
-            landing = self._landing[index] = torch.empty(device.numel(), dtype=device.dtype, device=device.device)
+        if landing is None or landing.numel() < size:    # grown to the widest batch so far, not the capacity
+            grown = min(device.numel(), max(size, 2 * (0 if landing is None else landing.numel())))
+            landing = self._landing[index] = torch.empty(grown, dtype=device.dtype, device=device.device)
         if previous is not None:
             previous.wait()           # the last stage's spread out of the landing buffer runs first, whatever its stream
         landing[:size].copy_(flat, non_blocking=True)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from hal.attention import AttentionBackend, AttnCaps, MetaCapacity, PagedBatch
-from hal.common.paged import block_table_array, query_start_loc, slot_mapping
+from hal.common.paged import block_table_array, query_start_loc, slot_mapping, table_lengths
 from hal.common.staging import StagingRing
 from hal.kernels import fresh
 from hal.kernels.attend import fuses_rotary, paged_attention
@@ -128,8 +128,15 @@ class TritonPagedAttention(AttentionBackend):
         if meta.fresh_lens is not None and (tuple(map(int, batch.query_lens)) != meta.fresh_lens or not fresh.takes(
                 self.fresh_attention, batch.query_lens, batch.seq_lens, DECODE_MAX_QUERY_LEN)):
             raise ValueError(f"a captured fresh prefill takes prefills without context of {meta.fresh_lens} tokens")
-        # the tables travel as wide as the batch's longest (not the capacity's max_model_len)
-        staging.stage(self._host_arrays(batch), meta[:4], narrow=(2,))
+        # the tables travel as wide as the batch's own (not the capacity's max_model_len): its longest
+        # table, and in a padded array the padding rows' spare scratch column, which advance_meta
+        # steps into (step_inputs.pad)
+        room, widest = meta.block_tables.shape[-1], int(table_lengths(batch).max(initial=0))
+        if widest > room:
+            raise ValueError(f"a block table has {widest} blocks, the captured meta has room for {room} "
+                             f"(MetaCapacity.max_blocks_per_seq)")
+        own = batch.block_tables.shape[2] if isinstance(batch.block_tables, np.ndarray) else widest
+        staging.stage(self._host_arrays(batch, max(1, min(own, room))), meta[:4], narrow=(2,))
         return []
 
     def advance_meta(self, meta: TritonMeta, steps: int) -> TritonMeta:

@@ -79,7 +79,8 @@ def test_a_narrower_table_travels_as_its_own_columns(through_landing):
     ring.stage([wider], [target], narrow=(0,))
     assert torch.equal(target[..., :5], torch.from_numpy(wider)) and (target[..., 5:] == -1).all()
     if through_landing:
-        assert log == [("wait", events[0])] and set(ring._landing) == {0}     # the second stage waited on the first
+        assert log == [("wait", events[0])]                   # the second stage waited on the first
+        assert 30 <= ring._landing[0].numel() <= 48           # grown to the wider batch, within the capacity
     for bad, named in ((np.zeros((2, 3, 9), dtype=np.int32), (0,)), (np.zeros((2, 4, 2), dtype=np.int32), (0,)),
                        (short, ())):            # only the arrays named may be narrower
         try:
@@ -129,3 +130,37 @@ def test_a_decode_steps_tables_travel_as_wide_as_its_longest_sequence():
     backend.update_meta(meta, describe_rows(tables, lengths, rows, requests, 4, 16).batch)
     assert torch.equal(meta.block_tables[..., :6], torch.from_numpy(tables[:, rows, :6]))
     assert (meta.block_tables[..., 6:] == -1).all()   # never read: every kernel stops at the sequence's length
+
+
+def test_padding_rows_keep_their_spare_scratch_column_in_a_narrower_batch():
+    """Padding rows of a captured decode pass own a spare scratch block in their second column, into
+    which speculation's drafts step (`advance_meta`). A batch whose real tables are one block wide
+    must still stage that column: before, it kept an earlier, wider batch's pool blocks there, and the
+    padding rows' draft KV went into them. A table wider than the capacity is refused by name."""
+    from types import SimpleNamespace
+
+    from hal.attention import MetaCapacity, PagedBatch
+    from hal.kernels.backend import TritonPagedAttention
+    from hal.kernels.configs import configs_for
+    from runtime.execution.step_inputs import HostInputs, describe_rows, pad
+
+    page, pool, bucket, planes, drafts = 16, 100, 16, 2, 3
+    env = SimpleNamespace(block_size=page, scratch_block=pool, num_scratch_slots=bucket * (drafts + 1))
+    backend = TritonPagedAttention(2, 2, 16, torch.float32, torch.device("cpu"), page, configs=configs_for("default"),
+                                   num_compute_units=4)
+    empty = pad(HostInputs([], [], [], PagedBatch([], [], [[] for _ in range(planes)], page), []), bucket, 1, env)
+    meta = backend.build_meta(empty.batch, MetaCapacity(bucket, bucket, 64, planes, 1024))
+    tables, lengths = np.zeros((planes, 32, 64), dtype=np.int32), np.zeros((planes, 32), dtype=np.int64)
+    for step, (rows, blocks, position) in enumerate(((np.arange(16), 3, 40), (np.arange(16, 26), 1, 5))):
+        for row in rows:
+            tables[:, row, :blocks] = 10 + 3 * row + np.arange(blocks)
+            lengths[:, row] = blocks
+        host = describe_rows(tables, lengths, rows, [_Decoding(str(r), position) for r in rows], planes, page)
+        backend.update_meta(meta, pad(host, bucket, 1, env).batch)
+    for ahead in range(1, drafts + 1):
+        blocks = (backend.advance_meta(meta, ahead).slot_mapping // page)[:, 10:]      # the padding rows
+        assert (blocks >= pool).all(), (ahead, blocks)
+    wide = np.zeros((planes, 2, 65), dtype=np.int32)
+    with pytest.raises(ValueError, match=r"a block table has 65 blocks, the captured meta has room for 64"):
+        backend.update_meta(meta, PagedBatch(np.ones(2, dtype=np.int64), np.full(2, 65 * page), wide, page,
+                                             np.full((planes, 2), 65)))
