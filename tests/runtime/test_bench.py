@@ -108,39 +108,34 @@ def test_bench_refuses_a_workload_longer_than_the_model_before_measuring(single_
     assert not measured
 
 
-@pytest.mark.parametrize("model", ["ouro-1.4b", "huginn-0125"])
-def test_prefill_host_cost_tool_runs(model):
-    """tools/prefill_host_cost.py (the host's part of a long prompt's step, docs/benchmarks.md) at a
-    short prompt, in its own process: it turns every graph replay into a no-op. Huginn's config
-    narrows under its own key names."""
+def run_tool(*args: str) -> str:
+    """`python tools/<args>` in its own process, this checkout's packages first (a script's sys.path
+    starts at tools/, not at whatever the venv installed); its stdout."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    # a script's sys.path starts at tools/: this checkout's packages, not whatever the venv installed
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    out = subprocess.run([sys.executable, "tools/prefill_host_cost.py", "--model", model, "--tokens", "512",
-                          "--repeats", "2"],
-                         cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, f"tools/{args[0]}", *args[1:]], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.startswith(f"{model}: one 512-token prompt")
-    assert "then the step to the finished output" in out.stdout and "update_meta" in out.stdout
+    return out.stdout
+
+
+@pytest.mark.parametrize("model", ["ouro-1.4b", "huginn-0125"])
+def test_prefill_host_cost_tool_runs(model):
+    """tools/prefill_host_cost.py (the host's part of a long prompt's step, docs/benchmarks.md) at a
+    short prompt: it turns every graph replay into a no-op. Huginn's config narrows under its own
+    key names."""
+    out = run_tool("prefill_host_cost.py", "--model", model, "--tokens", "512", "--repeats", "2")
+    assert out.startswith(f"{model}: one 512-token prompt")
+    assert "then the step to the finished output" in out and "update_meta" in out
 
 
 def test_decode_host_cost_tool_runs():
     """tools/decode_host_cost.py (a decode step's host work at a small and at the model's own
-    max_model_len, docs/benchmarks.md) at toy sizes, in its own process."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    out = subprocess.run([sys.executable, "tools/decode_host_cost.py", "--requests", "4", "--context", "64",
-                          "--repeats", "3"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.splitlines()
+    max_model_len, docs/benchmarks.md) at toy sizes."""
+    lines = run_tool("decode_host_cost.py", "--requests", "4", "--context", "64", "--repeats", "3").splitlines()
     assert [line.split("max_model_len ")[1].split(":")[0] for line in lines] == ["83", "65536", "83", "65536"], lines
