@@ -25,10 +25,9 @@ from hal.attention import MetaCapacity, PagedBatch
 from hal.common.graph import EagerGraph
 from hal.kernels.backend import TritonPagedAttention
 from hal.kernels.configs import configs_for
-from prefill_host_cost import CONFIGS, median_ms, narrow_model
+from prefill_host_cost import CONFIGS, median_ms, narrow_model, num_planes
 from runtime.config import EngineConfig
 from runtime.engine.llm_engine import LLMEngine
-from runtime.engine.planes import PlaneLayout
 from runtime.sampling_params import SamplingParams
 
 BLOCK = 16
@@ -36,7 +35,7 @@ BLOCK = 16
 
 def decode_step_ms(model, num_requests: int, context: int, max_model_len: int, repeats: int) -> float:
     """Median host ms of one decode step of `num_requests` requests at about `context` tokens."""
-    planes = PlaneLayout("full", model.kv_spec.num_fixed_planes).num_planes(model.default_num_loops)
+    planes = num_planes(model)
     per_request = -(-(context + repeats + 8) // BLOCK)
     # the pool holds the requests, and one request of max_model_len (admission asks for that)
     num_blocks = planes * max(num_requests * per_request, -(-max_model_len // BLOCK) + 1)
@@ -74,7 +73,7 @@ def main() -> None:
     own = json.loads((CONFIGS / f"{args.model}.json").read_text())
     longest = own.get("max_position_embeddings") or own["block_size"]     # Huginn names it block_size
     model = narrow_model(args.model, longest)
-    planes = PlaneLayout("full", model.kv_spec.num_fixed_planes).num_planes(model.default_num_loops)
+    planes = num_planes(model)
     small = args.context + args.repeats + 16
     for max_model_len in (small, longest):
         ms = decode_step_ms(model, args.requests, args.context, max_model_len, args.repeats)

@@ -52,6 +52,11 @@ def narrow_model(name: str, max_len: int):
     return zoo.from_config(path, dtype="float32", device=torch.device("cpu"), seed=0)
 
 
+def num_planes(model) -> int:
+    """The KV planes one request of the model's default depth owns (kv_mode full)."""
+    return PlaneLayout("full", model.kv_spec.num_fixed_planes).num_planes(model.default_num_loops)
+
+
 def median_ms(fn, repeats: int) -> float:
     fn()
     times = []
@@ -69,7 +74,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     model = narrow_model(args.model, args.tokens + 64)
-    planes = PlaneLayout("full", model.kv_spec.num_fixed_planes).num_planes(model.default_num_loops)
+    planes = num_planes(model)
     config = EngineConfig(max_num_seqs=1, max_model_len=args.tokens + 32, max_num_batched_tokens=args.tokens,
                           num_kv_blocks=planes * (args.tokens // 16 + 3))
     engine = LLMEngine(model, hal.get("cpu"), config)
