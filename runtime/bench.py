@@ -191,6 +191,7 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
         else str(cfg.workload).split(",")
     spec = engine_config(cfg).speculative
     lengths = {}
+    given = cfg.engine.get("max_model_len")  # a user's own, else each cell's need
     for workload in workloads:               # every cell checked before any runs (or measures)
         if workload not in cfg.workloads:
             raise ValueError(f"unknown workload {workload!r}; known: {', '.join(cfg.workloads)}")
@@ -201,11 +202,14 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
             raise ValueError(f"workload {workload} needs {lengths[workload]} positions and {name} has "
                              f"{model.max_seq_len}: pick a shorter workload or set "
                              f"workloads.{workload}.prompt=<fewer tokens>")
+        if given is not None and given < lengths[workload]:
+            raise ValueError(f"workload {workload} needs {lengths[workload]} positions and "
+                             f"engine.max_model_len={given}: raise it, or leave it unset for each cell's own")
     for workload in workloads:
         cell = dict(cfg.workloads[workload])
         config = engine_config(
             cfg, max_num_seqs=max(cell["batch"] + (1 if cell.get("late_prompt") else 0), 1),
-            max_model_len=lengths[workload])
+            max_model_len=given if given is not None else lengths[workload])
         engine = LLMEngine(model, hal, config, publisher=parallel.publisher())
         if rate is None:                 # after the first cell's engine has checked its options
             rate = measure_matmul_rate(hal, model.lm_head.weight.dtype, size=cfg.matmul_size)
@@ -220,7 +224,7 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
                   if config.weights_dtype == "fp8" else {}),
                # kernel switches read from the environment (hal/kernels/pdl.py, hal/cuda/), when set
                **{key.removeprefix("LOOPSTACK_").lower(): os.environ[key] for key in KERNEL_ENV if key in os.environ},
-               "max_num_batched_tokens": config.max_num_batched_tokens,
+               "max_num_batched_tokens": config.max_num_batched_tokens, "max_model_len": config.max_model_len,
                "async_scheduling": engine.config.async_scheduling, "wavefront_prefill": config.wavefront_prefill,
                "loops": num_loops, "dtype": cfg.model.dtype, "weights": cfg.weights,
                "graphs": engine.runner.graphs is not None and engine.runner.graphs.capture,

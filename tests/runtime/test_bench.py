@@ -108,6 +108,28 @@ def test_bench_refuses_a_workload_longer_than_the_model_before_measuring(single_
     assert not measured
 
 
+
+def test_bench_keeps_a_given_max_model_len_and_refuses_one_shorter_than_a_cell(single_thread, monkeypatch):
+    """engine.max_model_len set: every cell runs at it (a serve user's default table width), and a cell
+    that needs more positions is refused by name before anything is measured."""
+    from hydra import compose, initialize_config_dir
+
+    import runtime.bench as bench
+    from runtime.generate import CONF_DIR
+
+    monkeypatch.setattr("runtime.roofline.measure_matmul_rate", lambda *a, **k: 1e12)
+    base = ["hal=cpu", f"model.path={golden_case('ouro-tiny').path}", "weights=checkpoint", "model.dtype=float32",
+            "workload=tiny", "warmup=false", "engine.num_kv_blocks=64"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        short = compose("bench", overrides=[*base, "engine.max_model_len=30"])
+        given = compose("bench", overrides=[*base, "engine.max_model_len=256"])
+        own = compose("bench", overrides=base)
+    with pytest.raises(ValueError, match=r"workload tiny needs 40 positions and engine.max_model_len=30: raise it"):
+        bench.run(short)
+    assert [row["max_model_len"] for row in bench.run(given)] == [256]
+    assert [row["max_model_len"] for row in bench.run(own)] == [40]
+
+
 def run_tool(*args: str) -> str:
     """`python tools/<args>` in its own process, this checkout's packages first (a script's sys.path
     starts at tools/, not at whatever the venv installed); its stdout."""
