@@ -224,7 +224,7 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
                   if config.weights_dtype == "fp8" else {}),
                # kernel switches read from the environment (hal/kernels/pdl.py, hal/cuda/), when set
                **{key.removeprefix("LOOPSTACK_").lower(): os.environ[key] for key in KERNEL_ENV if key in os.environ},
-               "max_num_batched_tokens": config.max_num_batched_tokens, "max_model_len": config.max_model_len,
+               "max_num_batched_tokens": config.max_num_batched_tokens, "max_model_len": engine.max_model_len,
                "async_scheduling": engine.config.async_scheduling, "wavefront_prefill": config.wavefront_prefill,
                "loops": num_loops, "dtype": cfg.model.dtype, "weights": cfg.weights,
                "graphs": engine.runner.graphs is not None and engine.runner.graphs.capture,
