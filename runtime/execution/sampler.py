@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from runtime.sampling_params import SamplingParams
@@ -80,8 +81,8 @@ class SamplingTensors:
         params = [r.params for r in rows]
         sampled = [not p.is_greedy for p in params]
 
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        def tensor(values: list | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.as_tensor(values, dtype=dtype).to(device, non_blocking=True)
 
         bias = banned = penalties = None
         bias_items = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias if t < vocab_size]
@@ -118,26 +119,29 @@ class SamplingTensors:
 
 def _penalties(rows: Sequence[Any], params: Sequence[SamplingParams], vocab_size: int, tensor,
                pending: Any) -> Penalties:
-    def padded(seqs: list[list[int]]) -> list[list[int]]:
-        width = max((len(s) for s in seqs), default=0) or 1
-        return [[vocab_size if t == PLACEHOLDER else t for t in s] + [vocab_size] * (width - len(s)) for s in seqs]
+    def padded(seqs: list[Sequence[int]]) -> np.ndarray:
+        # numpy rows, not Python lists: a batch of 64 1K-token prompts is 64K ids every step
+        table = np.full((len(seqs), max(map(len, seqs), default=0) or 1), vocab_size, dtype=np.int64)
+        for i, seq in enumerate(seqs):
+            table[i, :len(seq)] = seq
+        return table
 
-    outputs = [list(r.output_token_ids) if p.has_penalties else [] for r, p in zip(rows, params)]
-    prompts = [list(r.prompt_token_ids) if p.repetition_penalty != 1 else [] for r, p in zip(rows, params)]
-    output_ids = tensor(padded(outputs), torch.long)
-    fed = [(i, j, r.request_id) for i, (r, out) in enumerate(zip(rows, outputs))
-           for j, t in enumerate(out) if t == PLACEHOLDER]
-    if fed:                      # tokens sampled by the step still in flight: copied on the device
+    outputs = padded([r.output_token_ids if p.has_penalties else () for r, p in zip(rows, params)])
+    prompts = padded([r.prompt_token_ids if p.repetition_penalty != 1 else () for r, p in zip(rows, params)])
+    fed_rows, fed_cols = np.nonzero(outputs == PLACEHOLDER)
+    outputs[fed_rows, fed_cols] = vocab_size
+    output_ids = tensor(outputs, torch.long)
+    if len(fed_rows):            # tokens sampled by the step still in flight: copied on the device
         if pending is None:
             raise RuntimeError("a placeholder output token without the step that samples it "
                                "(an async scheduling bug)")
-        where = tensor([i * output_ids.shape[1] + j for i, j, _ in fed], torch.long)
-        src = tensor([pending.row_of[rid] for _, _, rid in fed], torch.long)
+        where = tensor(fed_rows * outputs.shape[1] + fed_cols, torch.long)
+        src = tensor([pending.row_of[rows[i].request_id] for i in fed_rows.tolist()], torch.long)
         output_ids.view(-1).index_copy_(0, where, pending.tokens.index_select(0, src))
     return Penalties(tensor([p.presence_penalty for p in params], torch.float32),
                      tensor([p.frequency_penalty for p in params], torch.float32),
                      tensor([p.repetition_penalty for p in params], torch.float32),
-                     output_ids, tensor(padded(prompts), torch.long))
+                     output_ids, tensor(prompts, torch.long))
 
 
 # ----- the math: no per-row Python below this line ---------------------------------------------

@@ -158,6 +158,8 @@ def test_prefill_host_cost_tool_runs(model):
 
 def test_decode_host_cost_tool_runs():
     """tools/decode_host_cost.py (a decode step's host work at a small and at the model's own
-    max_model_len, docs/benchmarks.md) at toy sizes."""
-    lines = run_tool("decode_host_cost.py", "--requests", "4", "--context", "64", "--repeats", "3").splitlines()
+    max_model_len, docs/benchmarks.md) at toy sizes, every request with a repetition penalty."""
+    lines = run_tool("decode_host_cost.py", "--requests", "4", "--context", "64", "--repeats", "3",
+                     "--repetition-penalty", "1.1").splitlines()
     assert [line.split("max_model_len ")[1].split(":")[0] for line in lines] == ["83", "65536", "83", "65536"], lines
+    assert all("(repetition penalty 1.1)" in line for line in lines[:2]), lines
