@@ -108,7 +108,6 @@ def test_bench_refuses_a_workload_longer_than_the_model_before_measuring(single_
     assert not measured
 
 
-
 def test_bench_keeps_a_given_max_model_len_and_refuses_one_shorter_than_a_cell(single_thread, monkeypatch):
     """engine.max_model_len set: every cell runs at it (a serve user's default table width), and a cell
     that needs more positions is refused by name before anything is measured."""
