@@ -1,10 +1,14 @@
-"""A request's life in the engine: its tokens, depth settings, state and metrics. Pure Python."""
+"""A request's life in the engine: its tokens, depth settings, state and metrics. Host bookkeeping,
+no device code."""
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from runtime.sampling_params import SamplingParams
 
@@ -113,6 +117,12 @@ class Request:
         if self.params.logprobs is not None:
             return self.params.logprobs
         return 0 if self.rank_by_logprob else None
+
+    @functools.cached_property
+    def prompt_array(self) -> np.ndarray:
+        """The prompt as one int64 array, made once: a repetition penalty reads it every step
+        (runtime/execution/sampler.py), and a 1K-token list costs tens of microseconds to convert."""
+        return np.asarray(self.prompt_token_ids, dtype=np.int64)
 
     @property
     def all_token_ids(self) -> list[int]:

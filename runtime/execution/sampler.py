@@ -74,9 +74,9 @@ class SamplingTensors:
     @classmethod
     def build(cls, rows: Sequence[Any], device: torch.device, vocab_size: int,
               pending: Any = None) -> "SamplingTensors":
-        """The tensors for `rows`: objects with `params`, `prompt_token_ids`, `output_token_ids`
-        and `stop_token_ids` (the engine's stops, which `min_tokens` holds back with the request's
-        own). Async scheduling: an output token still on the device (a placeholder) is taken from
+        """The tensors for `rows`: objects with `params`, `prompt_token_ids` (optionally also as a
+        numpy `prompt_array`), `output_token_ids` and `stop_token_ids` (the engine's stops, which
+        `min_tokens` holds back with the request's own). Async scheduling: an output token still on the device (a placeholder) is taken from
         `pending` (the `PendingStep` that sampled it) for the penalties."""
         params = [r.params for r in rows]
         sampled = [not p.is_greedy for p in params]
@@ -119,7 +119,7 @@ class SamplingTensors:
 
 def _penalties(rows: Sequence[Any], params: Sequence[SamplingParams], vocab_size: int, tensor,
                pending: Any) -> Penalties:
-    def padded(seqs: list[Sequence[int]]) -> np.ndarray:
+    def padded(seqs: list[Sequence[int] | np.ndarray]) -> np.ndarray:
         # numpy rows, not Python lists: a batch of 64 1K-token prompts is 64K ids every step
         table = np.full((len(seqs), max(map(len, seqs), default=0) or 1), vocab_size, dtype=np.int64)
         for i, seq in enumerate(seqs):
@@ -127,7 +127,9 @@ def _penalties(rows: Sequence[Any], params: Sequence[SamplingParams], vocab_size
         return table
 
     outputs = padded([r.output_token_ids if p.has_penalties else () for r, p in zip(rows, params)])
-    prompts = padded([r.prompt_token_ids if p.repetition_penalty != 1 else () for r, p in zip(rows, params)])
+    # a Request keeps its prompt as an array (runtime/engine/sequence.py); other rows convert theirs
+    prompts = padded([getattr(r, "prompt_array", r.prompt_token_ids) if p.repetition_penalty != 1 else ()
+                      for r, p in zip(rows, params)])
     fed_rows, fed_cols = np.nonzero(outputs == PLACEHOLDER)
     outputs[fed_rows, fed_cols] = vocab_size
     output_ids = tensor(outputs, torch.long)

@@ -74,6 +74,19 @@ def test_processors_equal_the_per_row_reference(seed):
         torch.testing.assert_close(got[i][finite].double(), want[finite], atol=1e-4, rtol=1e-5)
 
 
+def test_a_requests_cached_prompt_array_gives_the_same_penalties_as_its_list():
+    from runtime.engine.sequence import Request
+    rows = [Row(SamplingParams(temperature=0, repetition_penalty=1.5 + i), [3, 7, 7, i], [1, 2]) for i in range(3)]
+    requests = [Request(f"r{i}", list(r.prompt_token_ids), r.params, num_loops=1, exit_threshold=1.0, num_planes=1,
+                        output_token_ids=list(r.output_token_ids)) for i, r in enumerate(rows)]
+    assert requests[2].prompt_array.tolist() == [3, 7, 7, 2] and requests[2].prompt_array is requests[2].prompt_array
+    logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    cpu = torch.device("cpu")
+    want = apply_processors(logits, SamplingTensors.build(rows, cpu, 8))
+    assert torch.equal(apply_processors(logits, SamplingTensors.build(requests, cpu, 8)), want)
+    assert not torch.equal(want, logits)
+
+
 def test_penalties_and_bias_act_as_documented():
     logits = torch.tensor([[2.0, 1.0, -1.0, 0.5]])
     row = lambda **kw: Row(SamplingParams(temperature=0, **kw), [3], [1, 1, 2])       # noqa: E731
