@@ -162,3 +162,14 @@ def test_decode_host_cost_tool_runs():
                      "--repetition-penalty", "1.1").splitlines()
     assert [line.split("max_model_len ")[1].split(":")[0] for line in lines] == ["83", "65536", "83", "65536"], lines
     assert all("(repetition penalty 1.1)" in line for line in lines[:2]), lines
+
+
+def test_serve_host_cost_tool_runs():
+    """tools/serve_host_cost.py (a decode step's host work behind runtime.serve's app against the
+    engine driven directly, docs/benchmarks.md) at toy sizes: every stream gets all its events."""
+    pytest.importorskip("uvicorn")
+    lines = run_tool("serve_host_cost.py", "--requests", "3", "--context", "32", "--tokens", "6").splitlines()
+    assert lines[0].startswith("ouro-1.4b (one narrow layer, replays off) on cpu, 3 requests x (32 in, 6 out)")
+    assert lines[1].startswith("engine driven directly: ") and lines[2].startswith("behind runtime.serve's app: ")
+    assert all("ms per decode step" in line for line in lines[1:3]), lines
+    assert lines[3].startswith("the client received 21 events"), lines     # 6 tokens and [DONE] per stream
