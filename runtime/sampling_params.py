@@ -10,6 +10,7 @@ from typing import Any, Mapping
 
 INT64_LIMIT = 2 ** 63          # integers the persistent batch stores (runtime/execution/row_params.py)
 TOP_K_LIMIT = 2 ** 31
+FLOAT32_MAX = 3.4028234663852886e38   # the device holds the float settings as float32: past it, inf
 MIN_TEMPERATURE = 1e-5         # below it sampling is greedy (logits / 1e-40 overflow to inf: NaN softmax)
 
 
@@ -96,8 +97,8 @@ class SamplingParams:
         integer("min_tokens", 0)
         integer("logprobs", 0, allow_none=True)
         integer("prompt_logprobs", 0, allow_none=True)
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            problems.append(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 <= self.temperature <= FLOAT32_MAX:       # inf would turn a banned token's -inf into NaN
+            problems.append(f"temperature must be a number in [0, {FLOAT32_MAX:.4g}], got {self.temperature!r}")
         elif self.temperature < MIN_TEMPERATURE:
             object.__setattr__(self, "temperature", 0.0)
         if not 0 < self.top_p <= 1:
@@ -121,8 +122,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not (math.isfinite(getattr(self, name)) and -2 <= getattr(self, name) <= 2):
                 problems.append(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            problems.append(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
+        if not 0 < self.repetition_penalty <= FLOAT32_MAX:  # inf would make a zero logit times it NaN
+            problems.append(f"repetition_penalty must be in (0, {FLOAT32_MAX:.4g}] (1 = off), got "
+                            f"{self.repetition_penalty!r}")
         bad_bias = [(t, b) for t, b in self.logit_bias if not 0 <= t < INT64_LIMIT or not -100 <= b <= 100]
         if bad_bias:
             problems.append(f"logit_bias takes token ids in [0, 2^63) with biases in [-100, 100], got {bad_bias[:3]}")

@@ -195,6 +195,7 @@ def probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     if use_top_p:
         sorted_probs = probs.gather(1, order)
         drop = (sorted_probs.cumsum(-1) - sorted_probs >= top_p[:, None]) & (top_p < 1.0)[:, None]
+        drop[:, 0] = False         # the top token stays, also where top_p rounded to 0 in float32 (1e-300)
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(drop, 0.0))
         probs = probs / probs.sum(-1, keepdim=True)
     return probs

@@ -110,7 +110,7 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await guarded(request, lambda: generate(request, "chat"))
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])      # HEAD: load balancers' probes
     async def models() -> dict[str, Any]:
         sampling = dataclasses.asdict(config.sampling)
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
@@ -122,7 +122,7 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
     async def version() -> dict[str, str]:
         return {"version": _package_version()}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if loop.is_accepting:
             return JSONResponse({"status": "ok", "requests_in_flight": loop.num_in_flight})
@@ -155,6 +155,7 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
                                  "model_max_length": engine.max_model_len, "vocab_size": tokenizer.vocab_size})
         cls = TokenizeRequest if what == "tokenize" else DetokenizeRequest
         body = parse_request(cls, await read_json(request, config.max_body_bytes))
+        generation.check_model(body.model)
         if what == "tokenize":
             text = checked_text(body.prompt, "prompt")     # with special tokens: the ids a completion gets
             ids = tokenizer.encode_prompt(text) if body.add_special_tokens else tokenizer.encode(text)
@@ -192,7 +193,7 @@ async def read_json(request: Request, max_body_bytes: int) -> Any:
         chunks.append(chunk)
     try:
         return json.loads(b"".join(chunks))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:   # JSONDecodeError, UnicodeDecodeError, an int past 4,300 digits
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
 
 

@@ -120,7 +120,7 @@ def _completion_logprobs(tokenizer: Tokenizer | None, choice: Choice, logprobs: 
                                    if lp is not None else None)
         out["text_offset"].append(offset)
 
-    if with_prompt and choice.prefix and choice.prompt_logprobs is not None:
+    if with_prompt and choice.prompt_logprobs is not None:
         prompt = _Offsets(tokenizer, skip_special_tokens=False)      # the prompt's text as given
         added = _num_added_bos(tokenizer, choice)
         for i, (token_id, lp) in enumerate(zip(choice.prompt_ids, choice.prompt_logprobs)):

@@ -145,7 +145,9 @@ class Generation(RequestInputs):
         yield "data: [DONE]\n\n"
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+        # a token prompt echoed as given, special tokens too: its logprobs' tokens and text offsets
+        # (choices._completion_logprobs) are of this text
+        return self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else ""
 
 
 def _error(message: str, type: str, code: str | None = None) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20        # OpenAI's limit for logprobs / top_logprobs
@@ -39,7 +39,17 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # NaN and infinities (Python's JSON reads NaN, Infinity and 1e999) are refused by field name
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_left_out(cls, data: Any) -> Any:
+        # OpenAI's schema makes most fields nullable and its clients send null for "not set"
+        # ("stream": null): a known field given null takes its default; unknown ones still fail
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
 
 
 class StreamOptions(_Body):

@@ -38,11 +38,14 @@ class RequestInputs:
         self.max_model_len = loop.engine.max_model_len
         self.max_num_loops = loop.engine.config.max_num_loops
 
-    def check_common(self, body: CompletionRequest | ChatCompletionRequest) -> None:
-        if body.model is not None and body.model != self.model_name:     # left out: the one served
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:     # left out: the one served
+            raise APIError(404, f"the model {_shortened(model)!r} does not exist; this server serves "
                                 f"{self.model_name!r} (see GET /v1/models)", "not_found_error", "model",
                            "model_not_found")
+
+    def check_common(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        self.check_model(body.model)
         field = unsupported_field(body)
         if field is not None:
             raise APIError(400, f"{field}={getattr(body, field)!r} is not supported by this server; leave it "
@@ -60,9 +63,12 @@ class RequestInputs:
                                 f"{self.max_num_loops} (engine.max_num_loops)", param="num_loops")
         vocab = self.loop.engine.model.config.vocab_size
         for name, value in (body.logit_bias or {}).items():
-            if not (name.isascii() and name.isdigit() and int(name) < vocab and -100 <= value <= 100):
+            # the length first: int() of a key past 4,300 digits raises (Python's limit)
+            if not (name.isascii() and name.isdigit() and len(name) <= len(str(vocab)) and int(name) < vocab
+                    and -100 <= value <= 100):
                 raise APIError(400, f"logit_bias maps token ids (strings of digits below the vocabulary size "
-                                    f"{vocab}) to biases in [-100, 100]; got {name!r}: {value!r}", param="logit_bias")
+                                    f"{vocab}) to biases in [-100, 100]; got {_shortened(name)!r}: {value!r}",
+                               param="logit_bias")
         best_of = getattr(body, "best_of", None)
         if best_of is not None and best_of < (body.n or 1):
             raise APIError(400, f"best_of ({best_of}) must be at least n ({body.n})", param="best_of")
@@ -110,16 +116,17 @@ class RequestInputs:
 
     def sampling_params(self, body: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int,
                         max_tokens: int | None, max_tokens_param: str = "max_tokens") -> SamplingParams:
+        is_chat = isinstance(body, ChatCompletionRequest)
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
             raise APIError(400, f"the prompt has {num_prompt_tokens} tokens; the model's context holds "
                                 f"{self.max_model_len}, with room for at least one generated token",
-                           param="prompt", code="context_length_exceeded")
+                           param="messages" if is_chat else "prompt", code="context_length_exceeded")
         if max_tokens is not None and max_tokens > room:
             raise APIError(400, f"{max_tokens_param}={max_tokens} plus the prompt's {num_prompt_tokens} "
                                 f"tokens exceeds the model's context of {self.max_model_len} tokens; ask "
                                 f"for at most {room}", param=max_tokens_param, code="context_length_exceeded")
-        if isinstance(body, ChatCompletionRequest):
+        if is_chat:
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             prompt_logprobs, best_of = None, None
         else:
@@ -127,8 +134,11 @@ class RequestInputs:
             prompt_logprobs = logprobs if body.echo and logprobs is not None else None
         if max_tokens is None:       # vLLM's rule for chat: the rest of the context (a thinking model's
             # answer must not be cut at a fixed length); completions: the configured default
-            is_chat = isinstance(body, ChatCompletionRequest)
             max_tokens = room if is_chat else min(self.config.default_max_tokens, room)
+            if (body.min_tokens or 0) > max_tokens:      # SamplingParams would blame a max_tokens not given
+                fix = f", or set max_tokens (up to {room})" if room > max_tokens else ""
+                raise APIError(400, f"min_tokens={body.min_tokens} is more than the {max_tokens} tokens this "
+                                    f"request may generate without max_tokens; lower it{fix}", param="min_tokens")
         defaults = self.config.sampling.resolve(body.temperature, body.top_p, body.top_k)
         defaults["top_k"] = max(defaults["top_k"], 0)          # -1: off, as 0
         try:
@@ -145,5 +155,11 @@ class RequestInputs:
                 ignore_eos=body.ignore_eos, num_loops=body.num_loops or self.config.default_num_loops,
                 exit_threshold=body.exit_threshold if body.exit_threshold is not None
                 else self.config.default_exit_threshold)
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from None
+        except ValueError as exc:            # SamplingParams names the field first ("top_k must be ...")
+            field = str(exc).split(" ", 1)[0]
+            raise APIError(400, str(exc), param=field if field in type(body).model_fields else None) from None
+
+
+def _shortened(text: str, limit: int = 40) -> str:
+    """`text` cut to `limit` characters for an error message (a client may send megabytes)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

@@ -100,6 +100,17 @@ def test_penalties_and_bias_act_as_documented():
     assert t(Row(SamplingParams(min_tokens=3, stop_token_ids=[0]), [3], [1, 1, 2])) == logits[0].tolist()
 
 
+def test_a_top_p_that_rounds_to_zero_keeps_the_top_token():
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.0]])
+    one = torch.ones(1)
+    probs = probabilities(logits, one, torch.zeros(1, dtype=torch.long), torch.zeros(1), use_top_k=False)
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]
+    with pytest.raises(ValueError, match="temperature must be a number in"):
+        SamplingParams(temperature=1e39)
+    with pytest.raises(ValueError, match="repetition_penalty must be in"):
+        SamplingParams(repetition_penalty=float("inf"))
+
+
 def test_a_temperature_below_1e_5_is_greedy():
     """logits / 1e-40 overflow to inf and softmax gives NaN (the sampler then picked token 0)."""
     logits = torch.tensor([1.0, 3.0, 2.0, -1.0])

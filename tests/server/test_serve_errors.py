@@ -17,7 +17,7 @@ from runtime.engine.llm_engine import LLMEngine
 from runtime.server.app import build_app
 from runtime.server.config import ServerConfig
 
-MAX_BODY_BYTES = 4096
+MAX_BODY_BYTES = 16384     # room for the 5,000-digit cases below
 OK = {"model": "tiny", "prompt": "the cat", "max_tokens": 2}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -70,7 +70,24 @@ BAD_INPUTS = [
     ("logit_bias value over 100", "POST", "/v1/completions", {**OK, "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("logit_bias token outside the vocabulary", "POST", "/v1/completions", {**OK, "logit_bias": {"100000": 1}},
      400, "logit_bias"),
-    ("min_tokens over max_tokens", "POST", "/v1/completions", {**OK, "min_tokens": 5}, 400, None),
+    ("min_tokens over max_tokens", "POST", "/v1/completions", {**OK, "min_tokens": 5}, 400, "min_tokens"),
+    ("chat: min_tokens over what the context leaves", "POST", "/v1/chat/completions",
+     {"model": "tiny", "messages": CHAT["messages"], "min_tokens": 600}, 400, "min_tokens"),
+    ("chat: messages over the context", "POST", "/v1/chat/completions",
+     {**CHAT, "messages": [{"role": "user", "content": "the cat " * 300}]}, 400, "messages"),
+    ("an integer of 5,000 digits", "POST", "/v1/completions", b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000
+     + b"}", 400, None),
+    ("logit_bias key of 5,000 digits", "POST", "/v1/completions", {**OK, "logit_bias": {"9" * 5000: 1}}, 400,
+     "logit_bias"),
+    ("temperature past float32", "POST", "/v1/completions", {**OK, "temperature": 1e39}, 400, "temperature"),
+    ("temperature Infinity", "POST", "/v1/completions", b'{"prompt": "a", "temperature": Infinity}', 400,
+     "temperature"),
+    ("presence_penalty NaN", "POST", "/v1/completions", b'{"prompt": "a", "presence_penalty": NaN}', 400,
+     "presence_penalty"),
+    ("repetition_penalty past float32", "POST", "/v1/completions", {**OK, "repetition_penalty": 1e39}, 400,
+     "repetition_penalty"),
+    ("tokenize: another model", "POST", "/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ("detokenize: another model", "POST", "/detokenize", {"tokens": [5], "model": "gpt-4"}, 404, "model"),
     ("num_loops 0", "POST", "/v1/completions", {**OK, "num_loops": 0}, 400, "num_loops"),
     ("num_loops over the limit", "POST", "/v1/completions", {**OK, "num_loops": 1000}, 400, "num_loops"),
     ("exit_threshold 1.5", "POST", "/v1/completions", {**OK, "exit_threshold": 1.5}, 400, "exit_threshold"),
@@ -95,8 +112,9 @@ BAD_INPUTS = [
      400, "top_logprobs"),
     ("chat: max_completion_tokens over the context", "POST", "/v1/chat/completions",
      {**CHAT, "max_completion_tokens": 10_000}, 400, "max_completion_tokens"),
-    ("top_k past 2^31", "POST", "/v1/completions", {**OK, "temperature": 1.0, "top_k": 2 ** 63}, 400, None),
-    ("stop_token_ids past int64", "POST", "/v1/completions", {**OK, "stop_token_ids": [10 ** 23]}, 400, None),
+    ("top_k past 2^31", "POST", "/v1/completions", {**OK, "temperature": 1.0, "top_k": 2 ** 63}, 400, "top_k"),
+    ("stop_token_ids past int64", "POST", "/v1/completions", {**OK, "stop_token_ids": [10 ** 23]}, 400,
+     "stop_token_ids"),
     ("logit_bias key of non-ASCII digits", "POST", "/v1/completions", {**OK, "logit_bias": {"\u00b2": 1}}, 400,
      "logit_bias"),
     ("prompt with a lone surrogate", "POST", "/v1/completions", {**OK, "prompt": "\ud800 hi"}, 400, "prompt"),
@@ -145,6 +163,26 @@ def test_a_body_streamed_past_the_limit_without_length_gets_413(http):
         yield b'"}'
     response = http.post("/v1/completions", content=chunks())
     assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+
+
+def test_an_error_message_quotes_a_huge_value_shortened(http):
+    response = http.post("/v1/completions", json={**OK, "logit_bias": {"9" * 5000: 1}})
+    assert response.status_code == 400 and len(response.json()["error"]["message"]) < 400
+
+
+def test_null_takes_the_default_and_head_answers_the_probes(http):
+    """OpenAI clients send null for a field they leave unset ("stream": null): the default, as vLLM
+    takes it; an unknown field stays refused, null or not. Load balancers probe with HEAD."""
+    nulls = dict.fromkeys(["stream", "echo", "ignore_eos", "skip_special_tokens", "n", "temperature", "logprobs",
+                           "add_special_tokens", "include_stop_str_in_output", "stream_options"])
+    response = http.post("/v1/completions", json={**OK, **nulls})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == http.post("/v1/completions", json=OK).json()["choices"][0]["text"]
+    chat = http.post("/v1/chat/completions", json={**CHAT, "stream": None, "add_generation_prompt": None})
+    assert chat.status_code == 200, chat.text
+    unknown = http.post("/v1/completions", json={**OK, "num_loop": None})
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "num_loop"
+    assert http.head("/health").status_code == 200 and http.head("/v1/models").status_code == 200
 
 
 def test_the_server_still_serves_after_the_table(http, server):

@@ -76,6 +76,24 @@ def test_echo_returns_the_prompt_and_its_logprobs(client, offline, tokenizer):
     assert text.startswith(tokenizer.decode(ids)) and len(entries) == len(ids) + 2 and entries[0] is None
 
 
+def test_echo_of_token_ids_with_special_tokens_keeps_them_and_their_offsets(client, tokenizer):
+    """A token prompt is echoed as given, special tokens included (as vLLM does): every prompt token
+    gets its entry, and each offset points at its token's text."""
+    for ids in ([0, *tokenizer.encode("the cat"), 0, *tokenizer.encode("sat")], [0, 0, 0]):
+        out = client.completions.create(model="tiny", prompt=ids, max_tokens=2, temperature=0, logprobs=0,
+                                        echo=True, extra_body={"ignore_eos": True, "skip_special_tokens": False})
+        choice = choice_of(out)
+        lp, text = choice.logprobs, choice.text
+        assert text.startswith(tokenizer.decode(ids, skip_special_tokens=False)) and len(lp.tokens) == len(ids) + 2
+        assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(text)
+        assert all(text[o:o + len(t)] == t for t, o in zip(lp.tokens, lp.text_offset)), (text, lp)
+
+
+def choice_of(out):
+    assert len(out.choices) == 1
+    return out.choices[0]
+
+
 def test_chat_logprobs_streamed_and_not(client):
     messages = [{"role": "user", "content": "hello, how are you?"}]
     out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
