@@ -11,6 +11,7 @@ from typing import Any, Mapping
 INT64_LIMIT = 2 ** 63          # integers the persistent batch stores (runtime/execution/row_params.py)
 TOP_K_LIMIT = 2 ** 31
 FLOAT32_MAX = 3.4028234663852886e38   # the device holds the float settings as float32: past it, inf
+FLOAT32_TINY = 1.1754943508222875e-38  # and below it (a repetition penalty) 0, and -inf * 0 is NaN
 MIN_TEMPERATURE = 1e-5         # below it sampling is greedy (logits / 1e-40 overflow to inf: NaN softmax)
 
 
@@ -122,9 +123,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not (math.isfinite(getattr(self, name)) and -2 <= getattr(self, name) <= 2):
                 problems.append(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
-        if not 0 < self.repetition_penalty <= FLOAT32_MAX:  # inf would make a zero logit times it NaN
-            problems.append(f"repetition_penalty must be in (0, {FLOAT32_MAX:.4g}] (1 = off), got "
-                            f"{self.repetition_penalty!r}")
+        if not FLOAT32_TINY <= self.repetition_penalty <= FLOAT32_MAX:    # finite and nonzero in float32
+            problems.append(f"repetition_penalty must be in [{FLOAT32_TINY:.3g}, {FLOAT32_MAX:.4g}] (1 = off), "
+                            f"got {self.repetition_penalty!r}")
         bad_bias = [(t, b) for t, b in self.logit_bias if not 0 <= t < INT64_LIMIT or not -100 <= b <= 100]
         if bad_bias:
             problems.append(f"logit_bias takes token ids in [0, 2^63) with biases in [-100, 100], got {bad_bias[:3]}")

@@ -26,6 +26,8 @@ from runtime.engine.outputs import TokenLogprobs
 from runtime.execution.keyed_random import keyed_exponentials
 
 PLACEHOLDER = -1      # runtime.engine.sequence.PLACEHOLDER: a token still on the device (async scheduling)
+# logits a penalty or a temperature pushed past float32 stop here: an inf would make softmax NaN
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -166,7 +168,7 @@ def apply_processors(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         in_prompt.scatter_(1, p.prompt_ids, True)
         seen = in_prompt[:, :vocab] | (counts > 0)
         rep = p.repetition[:, None]
-        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits).clamp(max=FLOAT32_MAX)
         logits = logits - p.frequency[:, None] * counts - p.presence[:, None] * (counts > 0)
     return logits
 
@@ -178,7 +180,7 @@ def probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     probability is below min_p times the top token's dropped; `min_p` None: no row uses it), top-k
     (ties with the k-th logit kept) and top-p (the smallest prefix of the sorted distribution whose
     mass reaches top_p, at least the top token), renormalised."""
-    logits = logits.float() / temperature[:, None]
+    logits = (logits.float() / temperature[:, None]).clamp(max=FLOAT32_MAX)
     if min_p is not None:
         probs = torch.softmax(logits, dim=-1)
         floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values

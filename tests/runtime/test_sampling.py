@@ -111,6 +111,33 @@ def test_a_top_p_that_rounds_to_zero_keeps_the_top_token():
         SamplingParams(repetition_penalty=float("inf"))
 
 
+EXTREMES = {"temperature": [0.0, 1e-5, 0.5, 1.0, 1e30, 3.4e38], "top_p": [1e-300, 1e-8, 0.3, 1.0],
+            "top_k": [0, 1, 3, 2 ** 31 - 1], "min_p": [0.0, 1e-300, 0.5, 1.0],
+            "repetition_penalty": [1.2e-38, 1e-10, 0.5, 1.0, 2.0, 1e30, 3.4e38],
+            "presence_penalty": [-2.0, 0.0, 2.0], "frequency_penalty": [-2.0, 2.0], "seed": [None, 1]}
+
+
+def test_extreme_settings_never_pick_a_banned_token_or_a_nan():
+    """Every combination of settings at float32's edges (and logits up to 1e30): the token is one
+    the processors left finite (never a min_tokens-banned or -inf one), greedy rows take the
+    argmax, and the processed logits hold no NaN. Found by a fuzz: a repetition penalty that rounds
+    to 0 turned a banned -inf into NaN, and penalised logits past float32 made softmax NaN."""
+    rng, vocab = random.Random(0), 16
+    for trial in range(300):
+        settings = {name: rng.choice(values) for name, values in EXTREMES.items()}
+        stop = rng.randrange(vocab)
+        params = SamplingParams(**settings, min_tokens=5, stop_token_ids=[stop],
+                                logit_bias={rng.randrange(vocab): rng.choice([-100.0, 100.0])})
+        row = Row(params, [rng.randrange(vocab) for _ in range(4)], [rng.randrange(vocab) for _ in range(3)])
+        logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(trial)) * rng.choice([1, 1e4, 1e30])
+        tensors = SamplingTensors.build([row], torch.device("cpu"), vocab)
+        processed = apply_processors(logits, tensors)[0]
+        token = int(sample(logits, tensors)[0])
+        assert not processed.isnan().any() and token != stop and processed[token] > float("-inf"), (settings, token)
+        if params.is_greedy:
+            assert token == int(processed.argmax()), settings
+
+
 def test_a_temperature_below_1e_5_is_greedy():
     """logits / 1e-40 overflow to inf and softmax gives NaN (the sampler then picked token 0)."""
     logits = torch.tensor([1.0, 3.0, 2.0, -1.0])
