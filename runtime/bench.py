@@ -31,8 +31,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from runtime.bench_profile import late_summary, profile_decode, start_profile, step_costs, stop_profile
 from runtime.sampling_params import SamplingParams
+from runtime.config import BenchConfig
 from runtime.cli import (CONF_DIR, check_quoting, check_spellings, clear_errors, engine_config, make_hal,
-                         register_schemas)
+                         register_schemas, setup_logging, check_known_keys)
 
 log = logging.getLogger("runtime.bench")
 CONFIGS = Path(__file__).resolve().parent.parent / "zoo" / "configs"
@@ -261,7 +262,7 @@ register_schemas()
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="bench")
 def _main(cfg: DictConfig) -> None:
-    logging.basicConfig(level=cfg.log_level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    setup_logging(cfg.log_level)
     with clear_errors(cfg.log_level):
         results = run(cfg)
     if cfg.output:
@@ -272,6 +273,7 @@ def _main(cfg: DictConfig) -> None:
 
 def main() -> None:
     check_spellings(sys.argv[1:])
+    check_known_keys(sys.argv[1:], BenchConfig, "runtime.bench")
     check_quoting(sys.argv[1:])
     _main()
 

@@ -1,7 +1,7 @@
 """What the Hydra entry points (`runtime.generate`, `runtime.serve`, `runtime.bench`) share: where
 conf/ is, the schemas they register, the usage error, the known model names and the default one,
-the old option spellings and their new names, and the Hal, the EngineConfig and the sampling
-defaults built from the config nodes (one function each, used by all three).
+the old option spellings and their new names, logging, and the Hal, the EngineConfig and the
+sampling defaults built from the config nodes (one function each, used by all three).
 
 Only the entry points import this module; the rest of the runtime takes plain config objects.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import shlex
 import sys
 import typing
@@ -23,6 +24,7 @@ from runtime.config import (BenchConfig, EngineConfig, GenerateConfig, HalConfig
 # no model given: the packaged tiny model (when the install has it), as `runtime.generate` and
 # `runtime.serve` both do
 DEFAULT_MODEL = "ouro-tiny"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 HERE = Path(__file__).resolve().parent
 # conf/ sits beside the packages in a checkout and inside runtime/ in an installed wheel
@@ -31,6 +33,16 @@ CONF_DIR = next(p for p in (HERE / "conf", HERE.parent / "conf") if (p / "genera
 
 class UsageError(Exception):
     """Bad arguments: printed as one message, exit status 2."""
+
+
+def setup_logging(log_level: Any) -> None:
+    """Log to stderr at `log_level` (any case: log_level=debug works); another word ends the command
+    with one line listing the levels, before anything else runs."""
+    level = str(log_level).upper()
+    if level not in LOG_LEVELS:
+        print(f"error: log_level={log_level} is not a level: use one of {', '.join(LOG_LEVELS)}", file=sys.stderr)
+        sys.exit(2)
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
 
 
 @contextlib.contextmanager
@@ -189,6 +201,54 @@ def check_spellings(argv: list[str], serves: bool = False) -> None:
             print(f"error: {key}= is spelled {new}= now ({new}={value}); the three CLIs share one engine "
                   f"schema, see the README's Options", file=sys.stderr)
             sys.exit(2)
+
+
+def option_names(schema: type) -> set[str]:
+    """Every key a CLI of config class `schema` takes, dotted (`max_tokens`, `model.num_loops`,
+    `engine.speculative.num_tokens`): its top-level fields and those of the nodes with schemas."""
+    from runtime.server.config import ServerConfig
+
+    nodes = {"hal": HalConfig, "model": ModelConfig, "parallel": ParallelConfig, "engine": EngineConfig,
+             "server": ServerConfig}
+
+    def names(cls: type, prefix: str) -> set[str]:
+        out = set()
+        for f in dataclasses.fields(cls):
+            out.add(prefix + f.name)
+            kind = typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(kind):
+                out |= names(kind, f"{prefix}{f.name}.")
+        return out
+
+    keys = names(schema, "")
+    for node, cls in nodes.items():
+        if node in keys:
+            keys |= names(cls, f"{node}.")
+    return keys
+
+
+def check_known_keys(argv: list[str], schema: type, command: str) -> None:
+    """Exit with one line naming the nearest option when an override's key is not one of the CLI's
+    (Hydra would print several lines ending in a `+key=` hint, and `+key=` is then silently unused)."""
+    import difflib
+
+    keys = option_names(schema)
+    for arg in argv:
+        if "=" not in arg or arg.startswith("-"):
+            continue
+        key = arg.split("=", 1)[0].lstrip("+~")
+        head = key.split(".", 1)[0]
+        if key in keys or head == "hydra" or head == "workloads" and "workloads" in keys:
+            continue
+        same_name = sorted(k for k in keys if k.endswith("." + key))
+        # within its node when the node exists (model.foo: model.*, compared without "model."), else anywhere
+        node = head + "." if "." in key and head in keys else ""
+        pool = {k[len(node):]: k for k in keys if k.startswith(node)}
+        near = same_name or [pool[k] for k in difflib.get_close_matches(key[len(node):], sorted(pool), n=1, cutoff=0.6)]
+        hint = f" (did you mean {near[0]}={arg.split('=', 1)[1]}?)" if near else ""
+        print(f"error: {key} is not an option of {command}{hint}; `--help` and the README's Options table "
+              f"list them", file=sys.stderr)
+        sys.exit(2)
 
 
 def check_quoting(argv: list[str]) -> None:

@@ -11,7 +11,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from runtime.cli import (CONF_DIR, DEFAULT_MODEL, UsageError, check_model_node, check_quoting,
                          check_spellings, clear_errors, default_model, engine_config, known_models,  # noqa: F401
-                         make_hal, model_source, register_schemas)  # noqa: F401
+                         make_hal, model_source, register_schemas, setup_logging, check_known_keys)  # noqa: F401
+from runtime.config import GenerateConfig
 from runtime.sampling_params import SamplingDefaults, SamplingParams
 
 log = logging.getLogger("runtime.generate")
@@ -173,13 +174,14 @@ register_schemas()
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="generate")
 def _main(cfg: DictConfig) -> None:
-    logging.basicConfig(level=cfg.log_level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    setup_logging(cfg.log_level)
     with clear_errors(cfg.log_level):
         print_results(run(cfg), cfg.output)
 
 
 def main() -> None:
     check_spellings(sys.argv[1:])
+    check_known_keys(sys.argv[1:], GenerateConfig, "runtime.generate")
     check_quoting(sys.argv[1:])
     _main()
 

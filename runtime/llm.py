@@ -155,6 +155,8 @@ class LLM:
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
+        for p in params_list:
+            _check_sampling_params(p)
         order, results = [], {}
         try:
             for prompt, p in zip(prompts, params_list):
@@ -171,13 +173,21 @@ class LLM:
             for request_id in order:
                 self.engine.abort(request_id)
             raise
-        for out in self.engine.run_until_done():
-            results[out.request_id] = out
+        try:
+            for out in self.engine.run_until_done():
+                results[out.request_id] = out
+        except BaseException:            # a failed step (or ^C): nothing of this call stays in the engine
+            for request_id in order:
+                if request_id not in results:
+                    self.engine.abort(request_id)
+            raise
         return [results[i] for i in order]
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the growing output of one prompt after every token (the last one has `finished`)."""
-        request_id = self._add(prompt, sampling_params or self.get_default_sampling_params())
+        sampling_params = sampling_params or self.get_default_sampling_params()
+        _check_sampling_params(sampling_params)
+        request_id = self._add(prompt, sampling_params)
         try:
             with torch.inference_mode():
                 while True:
@@ -233,6 +243,13 @@ def follow(model: str | os.PathLike | LoopedCausalLM, hal: str | Hal, dtype: tor
 
 # vLLM's constructor arguments that `LLM.__init__` takes besides the EngineConfig fields
 VLLM_OPTIONS = ("seed", "trust_remote_code", "tensor_parallel_size", "enforce_eager", "tokenizer")
+
+
+def _check_sampling_params(params: Any) -> None:
+    if not isinstance(params, SamplingParams):
+        fix = f"SamplingParams(**{params!r})" if isinstance(params, Mapping) else "SamplingParams(...)"
+        raise TypeError(f"sampling_params takes SamplingParams (or a list of them, one per prompt), got "
+                        f"{type(params).__name__}: pass {fix}")
 
 
 def _check_engine_keywords(engine_options: Mapping[str, Any]) -> None:

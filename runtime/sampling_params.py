@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from numbers import Integral, Real
 from typing import Any, Mapping
 
 INT64_LIMIT = 2 ** 63          # integers the persistent batch stores (runtime/execution/row_params.py)
@@ -77,11 +78,13 @@ class SamplingParams:
     priority: int = 0
 
     def __post_init__(self) -> None:
+        problems = _type_problems(self)
+        if problems:          # the range checks below compare values: wrong types stop here, each by name
+            raise ValueError("; ".join(problems))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
-        problems = []
 
         def integer(name: str, low: int, allow_none: bool = False) -> None:
             value = getattr(self, name)
@@ -137,8 +140,7 @@ class SamplingParams:
             problems.append(f"exit_threshold must be in (0, 1], got {self.exit_threshold!r}")
         if self.init_scale is not None and not (self.init_scale >= 0 and math.isfinite(self.init_scale)):
             problems.append(f"init_scale must be >= 0, got {self.init_scale!r}")
-        if self.min_loops < 1:
-            problems.append(f"min_loops must be >= 1, got {self.min_loops!r}")
+        integer("min_loops", 1)          # past num_loops: every token takes its last loop
         if not isinstance(self.priority, int):
             problems.append(f"priority must be an integer (lower = more urgent), got {self.priority!r}")
         if problems:
@@ -161,6 +163,42 @@ class SamplingParams:
     def changes_logits(self) -> bool:
         """Whether anything but temperature / top-k / top-p acts on the logits."""
         return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+
+
+REAL_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+OPTIONAL_REAL_FIELDS = ("exit_threshold", "init_scale")
+BOOL_FIELDS = ("include_stop_str_in_output", "skip_special_tokens", "ignore_eos")
+
+
+def _type_problems(p: SamplingParams) -> list[str]:
+    """What of `p` has the wrong type, by field: a number given as a string, a flag as "no" (which
+    Python would take as true), token ids that are not integers, a stop list that is one number."""
+    def is_real(v: Any) -> bool:
+        return isinstance(v, Real) and not isinstance(v, bool)
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, Integral) and not isinstance(v, bool)
+
+    def is_sequence(v: Any) -> bool:
+        return not isinstance(v, (str, bytes, Mapping)) and hasattr(v, "__iter__")
+
+    problems = [f"{name} must be a number, got {getattr(p, name)!r}" for name in REAL_FIELDS
+                if not is_real(getattr(p, name))]
+    problems += [f"{name} must be a number or None, got {getattr(p, name)!r}" for name in OPTIONAL_REAL_FIELDS
+                 if getattr(p, name) is not None and not is_real(getattr(p, name))]
+    problems += [f"{name} must be true or false, got {getattr(p, name)!r}" for name in BOOL_FIELDS
+                 if not isinstance(getattr(p, name), bool)]
+    if not (is_sequence(p.stop_token_ids) and all(is_int(t) for t in p.stop_token_ids)):
+        problems.append(f"stop_token_ids takes a list of token ids (integers), got {p.stop_token_ids!r}")
+    if not (p.stop is None or isinstance(p.stop, str)
+            or (is_sequence(p.stop) and all(isinstance(s, str) for s in p.stop))):
+        problems.append(f"stop takes a string or a list of strings, got {p.stop!r}")
+    bias = p.logit_bias.items() if isinstance(p.logit_bias, Mapping) else p.logit_bias
+    if not (is_sequence(bias) and all(isinstance(item, (tuple, list)) and len(item) == 2 and is_int(item[0])
+                                      and is_real(item[1]) for item in bias)):
+        problems.append(f"logit_bias maps token ids (integers) to biases (numbers), e.g. {{50256: -100}}, "
+                        f"got {p.logit_bias!r}")
+    return problems
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from runtime.cli import (CONF_DIR, UsageError, check_model_node, check_port, check_quoting, check_spellings,
                          clear_errors, engine_config, known_models, make_hal, model_source,
-                         register_schemas)
+                         register_schemas, setup_logging, check_known_keys)
+from runtime.config import ServeConfig
 from runtime.sampling_params import SamplingDefaults
 
 API_KEY_ENV = "LOOPSTACK_API_KEY"       # the key without putting it on the command line (ps shows argv)
@@ -79,7 +80,7 @@ register_schemas()
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="serve")
 def _main(cfg: DictConfig) -> None:
-    logging.basicConfig(level=cfg.log_level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    setup_logging(cfg.log_level)
     with clear_errors(cfg.log_level):
         app = _start(cfg)
     if app is None:                             # a follower rank of a tensor-parallel run: done
@@ -123,6 +124,7 @@ def _start(cfg: Any) -> Any:
 
 def main() -> None:
     check_spellings(sys.argv[1:], serves=True)
+    check_known_keys(sys.argv[1:], ServeConfig, "runtime.serve")
     check_quoting(sys.argv[1:])
     _main()
 

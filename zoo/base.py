@@ -171,16 +171,23 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
     return nn.functional.cross_entropy(shifted, labels[:, 1:].reshape(-1), ignore_index=ignore_index)
 
 
+MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
 def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     """`torch.bfloat16`, "bfloat16", "bf16", "torch.bfloat16" -> torch.bfloat16; None and "auto"
-    (vLLM's and transformers' spelling of "the checkpoint's dtype") -> None."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    name = str(dtype).removeprefix("torch.")
-    if name == "auto":
+    (vLLM's and transformers' spelling of "the checkpoint's dtype") -> None. Only the dtypes a model
+    computes in (FP8 weights are `weights_dtype`'s, not this)."""
+    if dtype is None:
         return None
-    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
-    value = getattr(torch, aliases.get(name, name), None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}; use e.g. 'bfloat16', 'float16', 'float32' or 'auto'")
+    value = dtype
+    if not isinstance(dtype, torch.dtype):
+        name = str(dtype).removeprefix("torch.")
+        if name == "auto":
+            return None
+        aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+        value = getattr(torch, aliases.get(name, name), None)
+    if value not in MODEL_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one a model computes in; use 'bfloat16', 'float16', 'float32' "
+                         f"(or 'float64'), or 'auto' for the checkpoint's (FP8 weights: engine.weights_dtype=fp8)")
     return value

@@ -69,6 +69,10 @@ class LLMEngine(EngineRequests):
                              f"engine.max_model_len={model.max_seq_len} or less, or leave it out")
         self.context_len = min(self.config.max_model_len or model.max_seq_len, model.max_seq_len)
         self.max_model_len = self.context_len    # the longest request at the model's depth the cache holds
+        if self.config.block_size is not None and self.config.block_size > self.context_len:
+            raise ValueError(f"engine.block_size={self.config.block_size} is more tokens than a request can hold "
+                             f"(max_model_len {self.context_len}): a block belongs to one request, so most of it "
+                             f"would stay empty; use 16 (or leave it unset for the Hal's own)")
         self.max_loops = max(model.default_num_loops, 1)
         self.publisher = publisher
         if publisher is not None:          # followers build their runner now: its KV sizing is collective

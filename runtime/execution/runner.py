@@ -57,9 +57,27 @@ def plan_num_blocks(hal: Hal, config: EngineConfig, bytes_per_block: int, max_bl
         budget = int(free - total * (1.0 - config.gpu_memory_utilization))
     num_blocks = min(budget // bytes_per_block, max_blocks_useful)
     if num_blocks < 1:
+        fix = ("raise engine.kv_cache_memory_bytes" if config.kv_cache_memory_bytes is not None
+               else "raise engine.gpu_memory_utilization or set engine.num_kv_blocks")
         raise MemoryError(f"no memory left for the KV cache (budget {budget / 2**20:.0f} MiB, "
-                          f"{bytes_per_block} bytes per block); raise gpu_memory_utilization or set num_kv_blocks")
+                          f"{bytes_per_block} bytes per block); {fix}")
     return int(num_blocks)
+
+
+def check_cache_fits(config: EngineConfig, num_bytes: int, total_bytes: int, num_blocks: int, block_size: int) -> None:
+    """Refuse a KV cache larger than the whole device (an explicit num_kv_blocks or a huge block
+    size) by the setting to change, before the allocation fails without one (on the CPU, the kernel
+    kills the process)."""
+    if num_bytes <= total_bytes:
+        return
+    if config.num_kv_blocks is not None:
+        fix = "lower engine.num_kv_blocks, or leave it unset to size the cache by memory"
+    elif config.block_size is not None:
+        fix = "lower engine.block_size (or leave it unset for the Hal's own)"
+    else:
+        fix = "lower engine.max_num_seqs or engine.max_model_len"
+    raise MemoryError(f"the KV cache would take {num_bytes / 2**30:.1f} GiB ({num_blocks} blocks of {block_size} "
+                      f"tokens), more than the device's {total_bytes / 2**30:.1f} GiB: {fix}")
 
 
 def prefill_program(model: LoopedCausalLM, num_loops: int, sample_row: torch.Tensor):
@@ -123,6 +141,8 @@ class ModelRunner(EagerPass):
         num_scratch_slots = max(config.max_num_seqs * (config.speculative.num_tokens + 1),
                                 self.prefill_buckets.scratch_tokens(self.block_size))
         cache_blocks = self.num_blocks + math.ceil(num_scratch_slots / self.block_size)
+        check_cache_fits(config, cache_blocks * self.bytes_per_block, hal.mem_info().total_bytes, cache_blocks,
+                         self.block_size)
         self.kv_caches = [torch.zeros(self.backend.kv_cache_shape(cache_blocks), dtype=self.backend.kv_cache_dtype,
                                       device=self.device) for _ in range(spec.layers_per_plane)]
         log.info("KV cache: %d blocks of %d tokens, %.1f MiB, kv_mode=%s, kv_dtype=%s", self.num_blocks,

@@ -70,6 +70,16 @@ def test_a_vllm_flag_names_the_override(argv, hint, capsys):
     check_spellings(["--cfg", "job", "-m", "--help", "port=8000"])          # Hydra's own flags pass
 
 
+def test_log_level_takes_any_case_and_refuses_other_words(capsys):
+    from runtime.cli import setup_logging
+
+    for level in ("debug", "Info", "WARNING"):
+        setup_logging(level)
+    with pytest.raises(SystemExit) as exit_info:
+        setup_logging("verbose")
+    assert exit_info.value.code == 2 and "log_level=verbose is not a level" in capsys.readouterr().err
+
+
 def test_a_server_flag_outside_the_server_names_runtime_serve(capsys):
     with pytest.raises(SystemExit):
         check_spellings(["--port", "8000"], serves=True)
@@ -141,6 +151,17 @@ def test_a_corrupt_checkpoint_is_one_line(module, kind, broken_checkpoints, tmp_
     ("runtime.generate", ["engine.kv_mode=half"], ["engine.kv_mode", "full"]),
     ("runtime.serve", ["server.max_num_requests=0"], ["server.max_num_requests"]),
     ("runtime.generate", ["engine.num_kv_blocks=1"], ["KV cache", "engine.num_kv_blocks"]),
+    # found by a fuzz of the CLIs: each was a traceback, several lines of Hydra, or a process killed
+    ("runtime.generate", ["max_tokenz=5"], ["max_tokenz is not an option of runtime.generate", "max_tokens=5"]),
+    ("runtime.generate", ["+num_loops=3"], ["did you mean model.num_loops=3"]),
+    ("runtime.serve", ["engine.max_num_seq=3"], ["engine.max_num_seqs=3"]),
+    ("runtime.bench", ["workloadz=[tiny]"], ["workloadz is not an option of runtime.bench"]),
+    ("runtime.generate", ["log_level=FOO"], ["log_level=FOO is not a level", "DEBUG"]),
+    ("runtime.generate", ["logit_bias=[1,2]"], ["logit_bias maps token ids"]),
+    ("runtime.generate", ["model.dtype=int8"], ["'int8' is not one a model computes in"]),
+    ("runtime.generate", ["engine.num_kv_blocks=1000000000000"], ["more than the device's", "engine.num_kv_blocks"]),
+    ("runtime.generate", ["engine.block_size=1000000"], ["engine.block_size=1000000", "use 16"]),
+    ("runtime.generate", ["repetition_penalty=1e-300"], ["repetition_penalty must be in"]),
 ])
 def test_bad_values_end_the_cli_with_one_line(module, args, needles, tmp_path):
     case = golden_case("ouro-tiny")

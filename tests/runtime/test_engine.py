@@ -194,6 +194,49 @@ def test_llm_generate_reports_rejected_prompt_and_serves_the_rest():
     assert outs[1].token_ids == case.greedy(0)[:4]
 
 
+def test_a_failed_step_leaves_the_llm_usable_and_bad_settings_are_named(monkeypatch):
+    """A step that raises (here once, on purpose) ends that generate() call, and nothing of it stays
+    in the engine: the next call gives the golden tokens. Settings of the wrong type are refused by
+    name before anything runs."""
+    from runtime import LLM
+
+    case = golden_case("ouro-tiny")
+    llm = LLM(case.path, hal="cpu", dtype="float32", block_size=4)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    step = llm.engine.step
+    calls = iter(range(100))
+
+    def failing_once():
+        if next(calls) == 1:
+            raise RuntimeError("a step failed")
+        return step()
+    monkeypatch.setattr(llm.engine, "step", failing_once)
+    with pytest.raises(RuntimeError, match="a step failed"):
+        llm.generate([case.prompt(0), case.prompt(1)], params)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+    assert [o.token_ids for o in llm.generate([case.prompt(0)], params)] == [case.greedy(0)[:4]]
+    with pytest.raises(TypeError, match=r"sampling_params takes SamplingParams .* pass SamplingParams\(\*\*\{'max_tokens': 3\}\)"):
+        llm.generate("hi", {"max_tokens": 3})
+    for bad, name in ((dict(min_loops=2 ** 70), "min_loops"), (dict(ignore_eos="no"), "ignore_eos"),
+                      (dict(stop_token_ids="12"), "stop_token_ids"), (dict(temperature="1"), "temperature"),
+                      (dict(logit_bias=[1, 2]), "logit_bias")):
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**bad)
+
+
+def test_a_cache_larger_than_the_device_or_a_block_past_the_context_is_refused_by_name():
+    """Before anything is allocated (on the CPU an allocation past memory gets the process killed,
+    without a message)."""
+    model = zoo.from_pretrained(golden_case("ouro-tiny").path, dtype="float32")
+    with pytest.raises(MemoryError, match=r"more than the device's .* GiB: lower engine.num_kv_blocks"):
+        engine_for(model, num_kv_blocks=10 ** 12)
+    with pytest.raises(ValueError, match=r"engine.block_size=1000000 is more tokens than a request can hold"):
+        engine_for(model, block_size=10 ** 6)
+    with pytest.raises(MemoryError, match=r"raise engine.kv_cache_memory_bytes"):
+        engine_for(model, kv_cache_memory_bytes=10)
+
+
 def test_abort_frees_blocks_and_streaming_yields_every_token():
     from runtime import LLM
 
