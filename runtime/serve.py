@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -82,22 +83,40 @@ register_schemas()
 def _main(cfg: DictConfig) -> None:
     setup_logging(cfg.log_level)
     with clear_errors(cfg.log_level):
-        app = _start(cfg)
-    if app is None:                             # a follower rank of a tensor-parallel run: done
+        started = _start(cfg)
+    if started is None:                         # a follower rank of a tensor-parallel run: done
         return
+    app, sock = started
     parallel = app.state.parallel
     from runtime.server.http_server import make_server
 
-    log.info("serving %s on http://%s:%d/v1", app.state.model_name, cfg.host, cfg.port)
+    host, port = sock.getsockname()[:2]
+    log.info("serving %s on http://%s:%d/v1", app.state.model_name, host, port)
     try:
-        make_server(app, cfg.host, cfg.port, cfg.server.shutdown_timeout_s, str(cfg.log_level).lower()).run()
+        make_server(app, cfg.host, port, cfg.server.shutdown_timeout_s,
+                    str(cfg.log_level).lower()).run(sockets=[sock])
     finally:
         parallel.shutdown()                     # the engine thread has stopped: release the other ranks
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: a port in use or an unknown host fails at
+    once, naming the option, not after the weights are read."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)           # connections from now on wait in the backlog until uvicorn accepts
+    except OSError as exc:
+        raise UsageError(f"error: cannot listen on host={host} port={port}: {exc.strerror or exc}; choose another "
+                         f"port= (0: any free one) or host=") from None
+    return sock
+
+
 def _start(cfg: Any) -> Any:
-    """The app on rank 0 (or without tensor parallelism); None on the other ranks, after they have
-    followed rank 0's engine until it stopped."""
+    """The app and its bound socket on rank 0 (or without tensor parallelism); None on the other
+    ranks, after they have followed rank 0's engine until it stopped."""
     from runtime.llm import follow
     from runtime.parallel.state import init_from_cli
 
@@ -114,12 +133,17 @@ def _start(cfg: Any) -> Any:
             follow(source, hal, cfg.model.dtype, parallel)
             parallel.shutdown()
             return None
-        app = make_app(cfg, hal, parallel)
+        sock = listen(cfg.host, cfg.port)
+        try:
+            app = make_app(cfg, hal, parallel)
+        except BaseException:
+            sock.close()
+            raise
     except BaseException:
         parallel.shutdown()
         raise
     app.state.parallel = parallel
-    return app
+    return app, sock
 
 
 def main() -> None:

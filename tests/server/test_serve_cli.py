@@ -74,8 +74,8 @@ def test_the_command_line_serves_and_stops_on_sigterm(checkpoint, tmp_path):
                    "log_level=INFO", cwd=tmp_path)
     try:
         port = None
-        for line in proc.stderr:                   # uvicorn logs the port it bound
-            match = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
+        for line in proc.stderr:                   # the port it bound (before the model loaded)
+            match = re.search(r"serving tiny on http://127\.0\.0\.1:(\d+)/v1", line)
             if match:
                 port = int(match.group(1))
                 break
@@ -92,3 +92,17 @@ def test_the_command_line_serves_and_stops_on_sigterm(checkpoint, tmp_path):
     assert proc.returncode in (0, -signal.SIGTERM), rest
     assert "Application shutdown complete" in rest and "Traceback" not in rest
     assert list(tmp_path.iterdir()) == [], "the server wrote files into the working directory"
+
+
+def test_a_port_in_use_is_named_before_the_model_loads(checkpoint, tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run_cli("hal=cpu", f"model.path={checkpoint}", f"port={port}", cwd=tmp_path)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in err
+    assert f"cannot listen on host=127.0.0.1 port={port}" in err and "choose another port=" in err
+    assert "KV cache" not in err                     # refused before the engine was built
