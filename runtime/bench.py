@@ -32,8 +32,8 @@ from omegaconf import DictConfig, OmegaConf
 from runtime.bench_profile import late_summary, profile_decode, start_profile, step_costs, stop_profile
 from runtime.sampling_params import SamplingParams
 from runtime.config import BenchConfig
-from runtime.cli import (CONF_DIR, check_quoting, check_spellings, clear_errors, engine_config, make_hal,
-                         register_schemas, setup_logging, check_known_keys)
+from runtime.cli import (CONF_DIR, check_known_keys, check_model_node, check_quoting, check_spellings, clear_errors,
+                         engine_config, make_hal, register_schemas, setup_logging)
 
 log = logging.getLogger("runtime.bench")
 CONFIGS = Path(__file__).resolve().parent.parent / "zoo" / "configs"
@@ -166,7 +166,7 @@ def run(cfg: Any) -> list[dict[str, Any]]:
     from runtime.parallel.state import init_from_cli
     from runtime.parallel.follower import Follower
 
-    engine_config(cfg)                       # bad engine options fail before a model is built
+    check_model_node(cfg.model, engine_config(cfg))    # bad options fail before a model is built
     hal = make_hal(cfg.hal)
     parallel = init_from_cli(hal, cfg)
     try:
@@ -193,10 +193,18 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
     spec = engine_config(cfg).speculative
     lengths = {}
     given = cfg.engine.get("max_model_len")  # a user's own, else each cell's need
+    if not workloads:
+        raise ValueError(f"workload= names no cell; pick some of: {', '.join(cfg.workloads)}")
+    if not (isinstance(cfg.matmul_size, int) and cfg.matmul_size >= 1):
+        raise ValueError(f"matmul_size must be an integer >= 1 (the matmul that measures the FLOP rate), "
+                         f"got {cfg.matmul_size!r}")
     for workload in workloads:               # every cell checked before any runs (or measures)
         if workload not in cfg.workloads:
             raise ValueError(f"unknown workload {workload!r}; known: {', '.join(cfg.workloads)}")
         cell = cfg.workloads[workload]
+        for key in ("batch", "prompt", "new"):
+            if not (isinstance(cell.get(key), int) and cell[key] >= 1):
+                raise ValueError(f"workloads.{workload}.{key} must be an integer >= 1, got {cell.get(key)!r}")
         lengths[workload] = (max(cell["prompt"] + cell["new"], cell.get("late_prompt", 0) + 1) + 16
                              + 2 * spec.num_tokens)
         if lengths[workload] > model.max_seq_len:

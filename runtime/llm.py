@@ -70,6 +70,9 @@ class LLM:
         if engine_config is not None and engine_options:
             raise ValueError(f"give engine_config= or engine keywords ({', '.join(sorted(engine_options))}), "
                              f"not both")
+        if engine_config is not None and not isinstance(engine_config, EngineConfig):
+            raise TypeError(f"engine_config takes an EngineConfig, got {type(engine_config).__name__}: pass "
+                            f"EngineConfig(...), or its fields as keywords (LLM(..., max_num_seqs=8))")
         config = engine_config or EngineConfig(**engine_options)
         if enforce_eager:
             if config.graphs:
@@ -82,6 +85,8 @@ class LLM:
             _note_remote_code_unused()
         self.parallel = parallel or ParallelState()
         _check_tensor_parallel_size(tensor_parallel_size, self.parallel)
+        if not isinstance(hal, (str, Hal)):
+            raise TypeError(f"hal takes a name ('auto', 'cpu', 'cuda', ...) or a Hal, got {hal!r}")
         self.hal = hal_registry.get(hal) if isinstance(hal, str) else hal
         if not self.parallel.is_driver:
             raise ValueError(f"LLM runs on rank 0 only; rank {self.parallel.rank} calls "
@@ -90,6 +95,9 @@ class LLM:
             check_supported(config)                 # before loading a model for nothing
         if isinstance(tokenizer, (str, os.PathLike)):
             tokenizer = _tokenizer_at(tokenizer)    # before the model: a wrong path fails at once
+        elif tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+            raise TypeError(f"tokenizer takes a folder with tokenizer.json or a runtime.text Tokenizer, got "
+                            f"{type(tokenizer).__name__}")
         self.model, folder = load_model(model, self.hal, dtype, self.parallel)
         device = self.hal.device()
         if tokenizer is None and folder:

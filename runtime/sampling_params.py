@@ -20,7 +20,7 @@ MIN_TEMPERATURE = 1e-5         # below it sampling is greedy (logits / 1e-40 ove
 class SamplingParams:
     """Per-request generation settings (vLLM's names; the looped-model fields last).
 
-    `temperature=0` is greedy, and so is any temperature below 1e-5 (as in vLLM). `top_k <= 0` and `top_p=1` disable those filters. `seed` makes
+    `temperature=0` is greedy, and so is any temperature below 1e-5 (as in vLLM). `top_k` 0 or -1 and `top_p=1` disable those filters. `seed` makes
     sampling (and Huginn's random initial state) reproducible per request, greedy included; a
     seeded request's tokens do not depend on what else is in the batch.
 
@@ -109,8 +109,8 @@ class SamplingParams:
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not 0 <= self.min_p <= 1:
             problems.append(f"min_p must be in [0, 1] (0: off), got {self.min_p!r}")
-        if not (isinstance(self.top_k, int) and -TOP_K_LIMIT < self.top_k < TOP_K_LIMIT):
-            problems.append(f"top_k must be an integer of magnitude below 2^31 (0 or -1: off), got {self.top_k!r}")
+        if not (isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and -1 <= self.top_k < TOP_K_LIMIT):
+            problems.append(f"top_k must be -1 or 0 (off) or a positive integer below 2^31, got {self.top_k!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and -INT64_LIMIT <= self.seed < INT64_LIMIT):
             problems.append(f"seed must be a 64-bit signed integer, got {self.seed!r}")
         bad_stops = [t for t in self.stop_token_ids if not 0 <= t < INT64_LIMIT]

@@ -73,8 +73,8 @@ def num_speculative_tokens(spec: SpeculativeConfig, num_loops: int, exit_thresho
         return 0
     if exit_threshold < 1.0:
         raise ValueError(f"speculative decoding does not support early exit (exit_threshold="
-                         f"{exit_threshold}): set exit_threshold=1.0, or turn speculation off "
-                         f"(speculative.num_tokens=0)")
+                         f"{exit_threshold}): set the request's exit_threshold to 1.0 (model.exit_threshold=1.0 "
+                         f"on the command line), or turn speculation off (engine.speculative.num_tokens=0)")
     return spec.num_tokens
 
 

@@ -162,6 +162,9 @@ def test_a_corrupt_checkpoint_is_one_line(module, kind, broken_checkpoints, tmp_
     ("runtime.generate", ["engine.num_kv_blocks=1000000000000"], ["more than the device's", "engine.num_kv_blocks"]),
     ("runtime.generate", ["engine.block_size=1000000"], ["engine.block_size=1000000", "use 16"]),
     ("runtime.generate", ["repetition_penalty=1e-300"], ["repetition_penalty must be in"]),
+    ("runtime.bench", ["workload=[]"], ["workload= names no cell"]),
+    ("runtime.bench", ["workload=[tiny]", "workloads.tiny.batch=0"], ["workloads.tiny.batch must be an integer"]),
+    ("runtime.bench", ["workload=[tiny]", "model.num_loops=0"], ["model.num_loops=0 is outside"]),
 ])
 def test_bad_values_end_the_cli_with_one_line(module, args, needles, tmp_path):
     case = golden_case("ouro-tiny")

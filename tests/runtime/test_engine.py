@@ -218,7 +218,11 @@ def test_a_failed_step_leaves_the_llm_usable_and_bad_settings_are_named(monkeypa
     assert [o.token_ids for o in llm.generate([case.prompt(0)], params)] == [case.greedy(0)[:4]]
     with pytest.raises(TypeError, match=r"sampling_params takes SamplingParams .* pass SamplingParams\(\*\*\{'max_tokens': 3\}\)"):
         llm.generate("hi", {"max_tokens": 3})
-    for bad, name in ((dict(min_loops=2 ** 70), "min_loops"), (dict(ignore_eos="no"), "ignore_eos"),
+    for keywords, message in ((dict(hal=5), "hal takes a name"), (dict(tokenizer=5), "tokenizer takes a folder"),
+                              (dict(engine_config={"max_num_seqs": 2}), "engine_config takes an EngineConfig")):
+        with pytest.raises(TypeError, match=message):
+            LLM(case.path, **keywords)
+    for bad, name in ((dict(min_loops=2 ** 70), "min_loops"), (dict(top_k=-5), "top_k"), (dict(ignore_eos="no"), "ignore_eos"),
                       (dict(stop_token_ids="12"), "stop_token_ids"), (dict(temperature="1"), "temperature"),
                       (dict(logit_bias=[1, 2]), "logit_bias")):
         with pytest.raises(ValueError, match=name):

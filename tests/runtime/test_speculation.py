@@ -320,7 +320,7 @@ def test_bad_configurations_are_refused_with_the_fix():
         SpeculativeConfig(2, 0)
     model = zoo.from_pretrained(golden_case("ouro-tiny").path, dtype="float32")
     engine = engine_for(model, num_tokens=2)
-    with pytest.raises(ValueError, match="exit_threshold=1.0, or turn speculation off"):
+    with pytest.raises(ValueError, match=r"exit_threshold=1.0 on the command line\), or turn speculation off \(engine.speculative.num_tokens=0\)"):
         engine.add_request("x", [1, 2], SamplingParams(exit_threshold=0.5))
     engine.add_request("y", [1, 2], SamplingParams(num_loops=1, exit_threshold=0.5))   # no deeper than the draft
 
