@@ -78,6 +78,13 @@ def check_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
             raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {message!r}")
         message = dict(message)
         content = message.get("content")
+        if not isinstance(message["role"], str):
+            raise ValueError(f"message {i}: role must be a string such as 'user', got {message['role']!r}")
+        if "content" not in message and not message.get("tool_calls"):    # an assistant's tool call has none
+            raise ValueError(f"message {i} has no 'content': give its text, e.g. {{'role': "
+                             f"{message['role']!r}, 'content': 'Hi'}}")
+        if content is not None and not isinstance(content, (str, Sequence)):
+            raise ValueError(f"message {i}: content must be text or a list of text parts, got {content!r}")
         if isinstance(content, Sequence) and not isinstance(content, str):   # OpenAI content parts
             parts = [part for part in content if not (isinstance(part, Mapping) and part.get("type") == "text"
                                                       and isinstance(part.get("text"), str))]
@@ -103,7 +110,7 @@ def render_chat(template: str, messages: Sequence[Message], add_generation_promp
                                                  add_generation_prompt=add_generation_prompt, **variables)
     except ChatTemplateError:
         raise
-    except TemplateError as exc:
+    except (TemplateError, TypeError) as exc:     # TypeError: the template adds a message's None content
         raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from None
 
 

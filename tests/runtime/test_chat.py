@@ -158,6 +158,12 @@ def test_render_like_hugging_face():
         render_chat(NANBEIGE, [{"role": "assistant", "content": "x"}])
     with pytest.raises(ValueError, match="role"):
         render_chat(CHATML, ["just a string"])
+    for message, needle in (({"role": "user"}, "message 0 has no 'content'"), ({"role": 1, "content": "x"}, "role must"),
+                            ({"role": "user", "content": 5}, "content must be text")):
+        with pytest.raises(ValueError, match=needle):
+            render_chat(CHATML, [message])
+    with pytest.raises(ChatTemplateError, match="the chat template failed on these messages"):   # not a crash
+        render_chat(CHATML, [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}])
 
 
 def test_thinking_opener_and_tokenizer_special_tokens(tmp_path):
