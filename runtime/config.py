@@ -103,8 +103,12 @@ class EngineConfig:
         integer("max_model_len", 2, optional=True)
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if self.async_scheduling not in (None, True, False):
-            raise ValueError(f"async_scheduling must be true, false or null (auto), got {self.async_scheduling!r}")
+        for name in ("async_scheduling", "graphs"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"{name} must be true, false or null (auto), got {getattr(self, name)!r}")
+        for name in ("fuse_projections", "enable_prefix_caching", "wavefront_prefill"):
+            if not isinstance(getattr(self, name), bool):       # "no" would be true
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.speculative.is_enabled and self.async_scheduling:
             raise ValueError("async_scheduling=true does not combine with speculative decoding: set "
                              "async_scheduling=false (speculation overlaps its own work with speculative.mode=async)")

@@ -326,6 +326,8 @@ def _token_ids(prompt: Any) -> list[int]:
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, (bytes, bytearray)):          # would read as token ids, one per byte
+        raise TypeError("a prompt is a string or a list of token ids, not bytes: decode it first (b.decode())")
     if isinstance(prompts, (str, Mapping)):
         return [prompts]
     prompts = list(prompts)
