@@ -37,6 +37,9 @@ class GracefulServer(uvicorn.Server):
 def make_server(app: Any, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout_s: float = 30.0,
                 log_level: str = "info") -> GracefulServer:
     """A server for an app from `build_app`; run it with `.run()` (or `.run(sockets=[...])`)."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+    # asyncio's loop, never uvloop (uvicorn's default where it is installed, e.g. by uvicorn[standard]):
+    # the engine thread shares the GIL with this loop, and under uvloop its decode step took about twice
+    # the host time at 64 streams (tools/serve_host_cost.py, docs/benchmarks.md)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, loop="asyncio",
                             timeout_graceful_shutdown=shutdown_timeout_s + BACKSTOP_S)
     return GracefulServer(config, app.state.engine_loop, shutdown_timeout_s)
