@@ -61,6 +61,9 @@ def typed_text(name: str, value: Any) -> str:
     arrives as 3.1): refused with the quoting that keeps the text as typed."""
     if isinstance(value, str):
         return value
+    if isinstance(value, (list, dict)):          # stop=[a,[b]]: a list inside the list
+        raise UsageError(f"error: {name} takes text, or a flat list of texts for stop; Hydra read a "
+                         f"{type(value).__name__} inside it: {value!r}")
     raise UsageError(f"{name}={value!r} was read by Hydra as a {type(value).__name__}, which would change "
                      f"the text; quote it as text: \"{name}='...'\" (e.g. \"{name}='{value}'\" with the "
                      f"digits as you typed them)")

@@ -180,6 +180,7 @@ def test_bad_values_end_the_cli_with_one_line(module, args, needles, tmp_path):
     (["prompt=true"], "read by Hydra as a bool"),
     (["prompt=[Hi,1e3]"], "read by Hydra as a float"),
     (["prompt=Hi", "stop=[1]"], "stop=1 was read by Hydra as a int"),
+    (["prompt=Hi", "stop=[a,[b]]"], "a flat list of texts for stop; Hydra read a list inside it"),
     (["prompt=Hi", "enable_thinking=true"], "add chat=true"),
 ])
 def test_prompts_that_would_be_lost_or_changed_are_refused(overrides, message):
