@@ -161,12 +161,32 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
     return row
 
 
+def workload_names(cfg: Any) -> list[str]:
+    """The cells `workload=` names, each checked against `workloads` (before any model is built)."""
+    names = cfg.workload if isinstance(cfg.workload, (list, tuple)) or OmegaConf.is_list(cfg.workload) \
+        else str(cfg.workload).split(",")
+    if not names:
+        raise ValueError(f"workload= names no cell; pick some of: {', '.join(cfg.workloads)}")
+    if not (isinstance(cfg.matmul_size, int) and cfg.matmul_size >= 1):
+        raise ValueError(f"matmul_size must be an integer >= 1 (the matmul that measures the FLOP rate), "
+                         f"got {cfg.matmul_size!r}")
+    for name in names:
+        if name not in cfg.workloads:
+            raise ValueError(f"unknown workload {name!r}; known: {', '.join(cfg.workloads)}")
+        for key in ("batch", "prompt", "new"):
+            value = cfg.workloads[name].get(key)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"workloads.{name}.{key} must be an integer >= 1, got {value!r}")
+    return list(names)
+
+
 def run(cfg: Any) -> list[dict[str, Any]]:
     """Every workload cell (rank 0 of a tensor-parallel run measures; the other ranks follow)."""
     from runtime.parallel.state import init_from_cli
     from runtime.parallel.follower import Follower
 
     check_model_node(cfg.model, engine_config(cfg))    # bad options fail before a model is built
+    workload_names(cfg)
     hal = make_hal(cfg.hal)
     parallel = init_from_cli(hal, cfg)
     try:
@@ -188,23 +208,12 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
     num_loops = cfg.model.num_loops or model.default_num_loops
     rate = None
     results = []
-    workloads = cfg.workload if isinstance(cfg.workload, (list, tuple)) or OmegaConf.is_list(cfg.workload) \
-        else str(cfg.workload).split(",")
+    workloads = workload_names(cfg)
     spec = engine_config(cfg).speculative
     lengths = {}
     given = cfg.engine.get("max_model_len")  # a user's own, else each cell's need
-    if not workloads:
-        raise ValueError(f"workload= names no cell; pick some of: {', '.join(cfg.workloads)}")
-    if not (isinstance(cfg.matmul_size, int) and cfg.matmul_size >= 1):
-        raise ValueError(f"matmul_size must be an integer >= 1 (the matmul that measures the FLOP rate), "
-                         f"got {cfg.matmul_size!r}")
     for workload in workloads:               # every cell checked before any runs (or measures)
-        if workload not in cfg.workloads:
-            raise ValueError(f"unknown workload {workload!r}; known: {', '.join(cfg.workloads)}")
         cell = cfg.workloads[workload]
-        for key in ("batch", "prompt", "new"):
-            if not (isinstance(cell.get(key), int) and cell[key] >= 1):
-                raise ValueError(f"workloads.{workload}.{key} must be an integer >= 1, got {cell.get(key)!r}")
         lengths[workload] = (max(cell["prompt"] + cell["new"], cell.get("late_prompt", 0) + 1) + 16
                              + 2 * spec.num_tokens)
         if lengths[workload] > model.max_seq_len:

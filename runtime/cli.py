@@ -39,7 +39,7 @@ def setup_logging(log_level: Any) -> None:
     """Log to stderr at `log_level` (any case: log_level=debug works); another word ends the command
     with one line listing the levels, before anything else runs."""
     level = str(log_level).upper()
-    if level not in LOG_LEVELS:
+    if not isinstance(logging.getLevelName(level), int):         # WARN and FATAL too, as logging takes them
         print(f"error: log_level={log_level} is not a level: use one of {', '.join(LOG_LEVELS)}", file=sys.stderr)
         sys.exit(2)
     logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
@@ -206,7 +206,7 @@ def check_spellings(argv: list[str], serves: bool = False) -> None:
 def option_names(schema: type) -> set[str]:
     """Every key a CLI of config class `schema` takes, dotted (`max_tokens`, `model.num_loops`,
     `engine.speculative.num_tokens`): its top-level fields and those of the nodes with schemas."""
-    from runtime.server.config import ServerConfig
+    from runtime.server.config import SERVER_FIELDS_FROM_MODEL, ServerConfig
 
     nodes = {"hal": HalConfig, "model": ModelConfig, "parallel": ParallelConfig, "engine": EngineConfig,
              "server": ServerConfig}
@@ -224,7 +224,9 @@ def option_names(schema: type) -> set[str]:
     for node, cls in nodes.items():
         if node in keys:
             keys |= names(cls, f"{node}.")
-    return keys
+    # the server's fields that come from the model node are not options (mutable_schema leaves them out)
+    return {k for k in keys if not any(k == f"server.{f}" or k.startswith(f"server.{f}.")
+                                       for f in SERVER_FIELDS_FROM_MODEL)}
 
 
 def check_known_keys(argv: list[str], schema: type, command: str) -> None:
@@ -237,8 +239,9 @@ def check_known_keys(argv: list[str], schema: type, command: str) -> None:
         if "=" not in arg or arg.startswith("-"):
             continue
         key = arg.split("=", 1)[0].lstrip("+~")
-        head = key.split(".", 1)[0]
-        if key in keys or head == "hydra" or head == "workloads" and "workloads" in keys:
+        head = key.split(".", 1)[0].split("/", 1)[0].split("@", 1)[0]     # hydra/job_logging=, hal@hal=
+        if key in keys or head in keys and ("/" in key or "@" in key) or head == "hydra" \
+                or head == "workloads" and "workloads" in keys:
             continue
         same_name = sorted(k for k in keys if k.endswith("." + key))
         # within its node when the node exists (model.foo: model.*, compared without "model."), else anywhere

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import Any, Mapping
 
+import numpy as np
+
 INT64_LIMIT = 2 ** 63          # integers the persistent batch stores (runtime/execution/row_params.py)
 TOP_K_LIMIT = 2 ** 31
 FLOAT32_MAX = 3.4028234663852886e38   # the device holds the float settings as float32: past it, inf
@@ -90,9 +92,12 @@ class SamplingParams:
             value = getattr(self, name)
             if value is None and allow_none:
                 return
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
+            if not (isinstance(value, Integral) and not isinstance(value, (bool, np.bool_)) and value >= low):
                 problems.append(f"{name} must be an integer >= {low}, got {value!r}")
-            elif value >= INT64_LIMIT:            # the device batch holds these as int64
+                return
+            value = int(value)                    # a numpy integer becomes Python's
+            object.__setattr__(self, name, value)
+            if value >= INT64_LIMIT:            # the device batch holds these as int64
                 problems.append(f"{name} must be below 2^63, got {value!r}")
 
         integer("max_tokens", 1)
@@ -186,15 +191,22 @@ def _type_problems(p: SamplingParams) -> list[str]:
                 if not is_real(getattr(p, name))]
     problems += [f"{name} must be a number or None, got {getattr(p, name)!r}" for name in OPTIONAL_REAL_FIELDS
                  if getattr(p, name) is not None and not is_real(getattr(p, name))]
-    problems += [f"{name} must be true or false, got {getattr(p, name)!r}" for name in BOOL_FIELDS
-                 if not isinstance(getattr(p, name), bool)]
+    for name in BOOL_FIELDS:           # True/False (numpy's too) or 1/0; a string such as "no" is not
+        value = getattr(p, name)
+        if isinstance(value, (bool, np.bool_)) or is_int(value) and value in (0, 1):
+            object.__setattr__(p, name, bool(value))
+        else:
+            problems.append(f"{name} must be true or false, got {value!r}")
     if not (is_sequence(p.stop_token_ids) and all(is_int(t) for t in p.stop_token_ids)):
         problems.append(f"stop_token_ids takes a list of token ids (integers), got {p.stop_token_ids!r}")
     if not (p.stop is None or isinstance(p.stop, str)
             or (is_sequence(p.stop) and all(isinstance(s, str) for s in p.stop))):
         problems.append(f"stop takes a string or a list of strings, got {p.stop!r}")
     bias = p.logit_bias.items() if isinstance(p.logit_bias, Mapping) else p.logit_bias
-    if not (is_sequence(bias) and all(isinstance(item, (tuple, list)) and len(item) == 2 and is_int(item[0])
+    def is_id(v: Any) -> bool:         # vLLM takes "50256" as a key too (JSON objects have string keys)
+        return is_int(v) or isinstance(v, str) and v.isascii() and v.isdigit()
+
+    if not (is_sequence(bias) and all(isinstance(item, (tuple, list)) and len(item) == 2 and is_id(item[0])
                                       and is_real(item[1]) for item in bias)):
         problems.append(f"logit_bias maps token ids (integers) to biases (numbers), e.g. {{50256: -100}}, "
                         f"got {p.logit_bias!r}")

@@ -102,11 +102,10 @@ def _main(cfg: DictConfig) -> None:
 def listen(host: str, port: int) -> socket.socket:
     """The server's socket, bound before the model loads: a port in use or an unknown host fails at
     once, naming the option, not after the weights are read."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
+    try:       # the family by the host's spelling, as uvicorn binds: "localhost" and "" stay IPv4
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
+        sock.bind((host, port))
         sock.listen(2048)           # connections from now on wait in the backlog until uvicorn accepts
     except OSError as exc:
         raise UsageError(f"error: cannot listen on host={host} port={port}: {exc.strerror or exc}; choose another "

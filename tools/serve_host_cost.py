@@ -3,6 +3,7 @@
 
     python tools/serve_host_cost.py [--model ouro-1.4b] [--requests 64] [--context 1024] [--tokens 64]
     python tools/serve_host_cost.py --hal cuda --full      # on a GPU: the real shapes, replays on
+    python tools/serve_host_cost.py --loop uvloop          # the server on uvloop (pip install uvloop)
 
 Why: `runtime.bench` drives the engine directly, but a server's engine thread shares the
 interpreter with the HTTP event loop (one GIL): every step's outputs are detokenized, turned into
@@ -138,13 +139,15 @@ def client(port: int, num_requests: int, context: int, num_tokens: int, result) 
     result.put((events, size, time.process_time() - start))
 
 
-def served(engine: LLMEngine, num_requests: int, context: int, num_tokens: int) -> tuple[StepClock, tuple]:
+def served(engine: LLMEngine, num_requests: int, context: int, num_tokens: int,
+           loop: str = "asyncio") -> tuple[StepClock, tuple]:
     from runtime.server.app import build_app
     from runtime.server.config import ServerConfig
     from runtime.server.http_server import make_server
 
     clock = StepClock(engine, num_requests)
-    server = make_server(build_app(engine, ServerConfig(max_num_requests=4 * num_requests)), log_level="warning")
+    server = make_server(build_app(engine, ServerConfig(max_num_requests=4 * num_requests)), log_level="warning",
+                         loop=loop)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -177,6 +180,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--hal", default="cpu")
     parser.add_argument("--full", action="store_true", help="the real shapes, random weights, replays on")
+    parser.add_argument("--loop", default="asyncio", choices=["asyncio", "uvloop"],
+                        help="the server's event loop (uvloop must be installed)")
     args = parser.parse_args()
     if not args.full:
         EagerGraph.replay = lambda self: None      # no device work at all: what is left is host time
@@ -191,8 +196,8 @@ def main() -> None:
     gc.collect()
     device_hal.empty_cache()
     engine = make_engine(model, device_hal, args.requests, args.context, args.tokens)
-    clock, (events, size, client_cpu_s) = served(engine, args.requests, args.context, args.tokens)
-    print(summary("behind runtime.serve's app", clock))
+    clock, (events, size, client_cpu_s) = served(engine, args.requests, args.context, args.tokens, args.loop)
+    print(summary(f"behind runtime.serve's app ({args.loop})", clock))
     print(f"the client received {events} events ({size / 1e6:.1f} MB) and used {client_cpu_s:.1f} s of CPU")
 
 

@@ -69,10 +69,12 @@ class LLMEngine(EngineRequests):
                              f"engine.max_model_len={model.max_seq_len} or less, or leave it out")
         self.context_len = min(self.config.max_model_len or model.max_seq_len, model.max_seq_len)
         self.max_model_len = self.context_len    # the longest request at the model's depth the cache holds
-        if self.config.block_size is not None and self.config.block_size > self.context_len:
+        # a block belongs to one request: one past the context (and the Hal's own sizes) stays mostly empty
+        sizes = hal.caps.kv_block_sizes
+        if self.config.block_size is not None and self.config.block_size > max(self.context_len, *sizes):
             raise ValueError(f"engine.block_size={self.config.block_size} is more tokens than a request can hold "
-                             f"(max_model_len {self.context_len}): a block belongs to one request, so most of it "
-                             f"would stay empty; use 16 (or leave it unset for the Hal's own)")
+                             f"(max_model_len {self.context_len}), so most of each block would stay empty; use "
+                             f"{sizes[0]} (the Hal's own: leave it unset)")
         self.max_loops = max(model.default_num_loops, 1)
         self.publisher = publisher
         if publisher is not None:          # followers build their runner now: its KV sizing is collective

@@ -72,6 +72,8 @@ def check_cache_fits(config: EngineConfig, num_bytes: int, total_bytes: int, num
         return
     if config.num_kv_blocks is not None:
         fix = "lower engine.num_kv_blocks, or leave it unset to size the cache by memory"
+    elif config.kv_cache_memory_bytes is not None:
+        fix = "lower engine.kv_cache_memory_bytes"
     elif config.block_size is not None:
         fix = "lower engine.block_size (or leave it unset for the Hal's own)"
     else:

@@ -168,7 +168,9 @@ def apply_processors(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         in_prompt.scatter_(1, p.prompt_ids, True)
         seen = in_prompt[:, :vocab] | (counts > 0)
         rep = p.repetition[:, None]
-        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits).clamp(max=FLOAT32_MAX)
+        # past float32 both ways a logit stops at its largest value; only a banned one is -inf
+        penalised = torch.where(logits > 0, logits / rep, logits * rep).clamp(-FLOAT32_MAX, FLOAT32_MAX)
+        logits = torch.where(seen & ~logits.isneginf(), penalised, logits)
         logits = logits - p.frequency[:, None] * counts - p.presence[:, None] * (counts > 0)
     return logits
 
@@ -180,7 +182,8 @@ def probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     probability is below min_p times the top token's dropped; `min_p` None: no row uses it), top-k
     (ties with the k-th logit kept) and top-p (the smallest prefix of the sorted distribution whose
     mass reaches top_p, at least the top token), renormalised."""
-    logits = (logits.float() / temperature[:, None]).clamp(max=FLOAT32_MAX)
+    scaled = (logits.float() / temperature[:, None]).clamp(-FLOAT32_MAX, FLOAT32_MAX)
+    logits = torch.where(logits.isneginf(), logits, scaled)      # only what was banned stays -inf
     if min_p is not None:
         probs = torch.softmax(logits, dim=-1)
         floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values

@@ -35,11 +35,11 @@ class GracefulServer(uvicorn.Server):
 
 
 def make_server(app: Any, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout_s: float = 30.0,
-                log_level: str = "info") -> GracefulServer:
-    """A server for an app from `build_app`; run it with `.run()` (or `.run(sockets=[...])`)."""
-    # asyncio's loop, never uvloop (uvicorn's default where it is installed, e.g. by uvicorn[standard]):
-    # the engine thread shares the GIL with this loop, and under uvloop its decode step took about twice
-    # the host time at 64 streams (tools/serve_host_cost.py, docs/benchmarks.md)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, loop="asyncio",
+                log_level: str = "info", loop: str = "asyncio") -> GracefulServer:
+    """A server for an app from `build_app`; run it with `.run()` (or `.run(sockets=[...])`).
+    `loop`: asyncio's by default, not uvloop (uvicorn's choice where it is installed, e.g. by
+    uvicorn[standard]): the engine thread shares the GIL with this loop, and under uvloop its decode
+    step took about twice the host time at 64 streams (`tools/serve_host_cost.py --loop uvloop`)."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, loop=loop,
                             timeout_graceful_shutdown=shutdown_timeout_s + BACKSTOP_S)
     return GracefulServer(config, app.state.engine_loop, shutdown_timeout_s)

@@ -114,6 +114,7 @@ class ChatMessage(BaseModel):
 
     def as_template_input(self) -> dict[str, Any]:
         message = self.model_dump(exclude_none=True)
+        message.setdefault("content", None)      # a null content (an assistant's call) stays a key
         if isinstance(self.content, list):
             message["content"] = "".join(part.text for part in self.content)
         return message

@@ -170,6 +170,6 @@ def test_serve_host_cost_tool_runs():
     pytest.importorskip("uvicorn")
     lines = run_tool("serve_host_cost.py", "--requests", "3", "--context", "32", "--tokens", "6").splitlines()
     assert lines[0].startswith("ouro-1.4b (one narrow layer, replays off) on cpu, 3 requests x (32 in, 6 out)")
-    assert lines[1].startswith("engine driven directly: ") and lines[2].startswith("behind runtime.serve's app: ")
+    assert lines[1].startswith("engine driven directly: ") and lines[2].startswith("behind runtime.serve's app (asyncio): ")
     assert all("ms per decode step" in line for line in lines[1:3]), lines
     assert lines[3].startswith("the client received 21 events"), lines     # 6 tokens and [DONE] per stream

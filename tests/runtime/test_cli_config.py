@@ -70,10 +70,24 @@ def test_a_vllm_flag_names_the_override(argv, hint, capsys):
     check_spellings(["--cfg", "job", "-m", "--help", "port=8000"])          # Hydra's own flags pass
 
 
+def test_unknown_keys_are_named_and_hydra_forms_pass(capsys):
+    from runtime.cli import check_known_keys
+    from runtime.config import BenchConfig, GenerateConfig, ServeConfig
+
+    check_known_keys(["hal=cpu", "model=ouro-tiny", "hydra/job_logging=default", "hydra.run.dir=/tmp/x",
+                      "+engine.kv_mode=full", "~prompt", "engine.speculative.num_tokens=2", "hal@hal=cpu",
+                      "--cfg", "job", "max_tokens=3"], GenerateConfig, "runtime.generate")
+    check_known_keys(["workloads.tiny.batch=3", "workload=[tiny]"], BenchConfig, "runtime.bench")
+    check_known_keys(["server.max_num_requests=3", "port=0"], ServeConfig, "runtime.serve")
+    with pytest.raises(SystemExit):             # set from the model node, not an option
+        check_known_keys(["server.default_num_loops=3"], ServeConfig, "runtime.serve")
+    assert "server.default_num_loops is not an option of runtime.serve" in capsys.readouterr().err
+
+
 def test_log_level_takes_any_case_and_refuses_other_words(capsys):
     from runtime.cli import setup_logging
 
-    for level in ("debug", "Info", "WARNING"):
+    for level in ("debug", "Info", "WARNING", "warn", "FATAL"):
         setup_logging(level)
     with pytest.raises(SystemExit) as exit_info:
         setup_logging("verbose")
@@ -160,7 +174,7 @@ def test_a_corrupt_checkpoint_is_one_line(module, kind, broken_checkpoints, tmp_
     ("runtime.generate", ["logit_bias=[1,2]"], ["logit_bias maps token ids"]),
     ("runtime.generate", ["model.dtype=int8"], ["'int8' is not one a model computes in"]),
     ("runtime.generate", ["engine.num_kv_blocks=1000000000000"], ["more than the device's", "engine.num_kv_blocks"]),
-    ("runtime.generate", ["engine.block_size=1000000"], ["engine.block_size=1000000", "use 16"]),
+    ("runtime.generate", ["engine.block_size=1000000"], ["engine.block_size=1000000", "use 16 (the Hal"]),
     ("runtime.generate", ["repetition_penalty=1e-300"], ["repetition_penalty must be in"]),
     ("runtime.bench", ["workload=[]"], ["workload= names no cell"]),
     ("runtime.bench", ["workload=[tiny]", "workloads.tiny.batch=0"], ["workloads.tiny.batch must be an integer"]),

@@ -136,6 +136,11 @@ def test_extreme_settings_never_pick_a_banned_token_or_a_nan():
         assert not processed.isnan().any() and token != stop and processed[token] > float("-inf"), (settings, token)
         if params.is_greedy:
             assert token == int(processed.argmax()), settings
+    # every logit negative and seen, a penalty at float32's top: they stop at -3.4e38, the banned one stays -inf
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, repetition_penalty=3.4e38, min_tokens=5, stop_token_ids=[0])
+        tensors = SamplingTensors.build([Row(params, [0, 1, 2, 3], [])], torch.device("cpu"), 4)
+        assert all(int(sample(torch.tensor([[-5.0, -2.0, -3.0, -4.0]]), tensors)[0]) != 0 for _ in range(20))
 
 
 def test_a_temperature_below_1e_5_is_greedy():

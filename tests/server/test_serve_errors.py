@@ -180,6 +180,8 @@ def test_null_takes_the_default_and_head_answers_the_probes(http):
     assert response.json()["choices"][0]["text"] == http.post("/v1/completions", json=OK).json()["choices"][0]["text"]
     chat = http.post("/v1/chat/completions", json={**CHAT, "stream": None, "add_generation_prompt": None})
     assert chat.status_code == 200, chat.text
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}, CHAT["messages"][0]]
+    assert http.post("/v1/chat/completions", json={**CHAT, "messages": history}).status_code == 200
     unknown = http.post("/v1/completions", json={**OK, "num_loop": None})
     assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "num_loop"
     assert http.head("/health").status_code == 200 and http.head("/v1/models").status_code == 200
