@@ -22,7 +22,8 @@ MIN_TEMPERATURE = 1e-5         # below it sampling is greedy (logits / 1e-40 ove
 class SamplingParams:
     """Per-request generation settings (vLLM's names; the looped-model fields last).
 
-    `temperature=0` is greedy, and so is any temperature below 1e-5 (as in vLLM). `top_k` 0 or -1 and `top_p=1` disable those filters. `seed` makes
+    `temperature=0` is greedy, and so is any temperature below 1e-5 (as in vLLM). `top_k` 0 or -1
+    and `top_p=1` disable those filters. `seed` makes
     sampling (and Huginn's random initial state) reproducible per request, greedy included; a
     seeded request's tokens do not depend on what else is in the batch.
 
@@ -187,6 +188,9 @@ def _type_problems(p: SamplingParams) -> list[str]:
     def is_sequence(v: Any) -> bool:
         return not isinstance(v, (str, bytes, Mapping)) and hasattr(v, "__iter__")
 
+    def is_id(v: Any) -> bool:         # vLLM takes "50256" as a key too (JSON objects have string keys)
+        return is_int(v) or isinstance(v, str) and v.isascii() and v.isdigit()
+
     problems = [f"{name} must be a number, got {getattr(p, name)!r}" for name in REAL_FIELDS
                 if not is_real(getattr(p, name))]
     problems += [f"{name} must be a number or None, got {getattr(p, name)!r}" for name in OPTIONAL_REAL_FIELDS
@@ -203,9 +207,6 @@ def _type_problems(p: SamplingParams) -> list[str]:
             or (is_sequence(p.stop) and all(isinstance(s, str) for s in p.stop))):
         problems.append(f"stop takes a string or a list of strings, got {p.stop!r}")
     bias = p.logit_bias.items() if isinstance(p.logit_bias, Mapping) else p.logit_bias
-    def is_id(v: Any) -> bool:         # vLLM takes "50256" as a key too (JSON objects have string keys)
-        return is_int(v) or isinstance(v, str) and v.isascii() and v.isdigit()
-
     if not (is_sequence(bias) and all(isinstance(item, (tuple, list)) and len(item) == 2 and is_id(item[0])
                                       and is_real(item[1]) for item in bias)):
         problems.append(f"logit_bias maps token ids (integers) to biases (numbers), e.g. {{50256: -100}}, "

@@ -93,8 +93,9 @@ def _main(cfg: DictConfig) -> None:
     host, port = sock.getsockname()[:2]
     log.info("serving %s on http://%s:%d/v1", app.state.model_name, host, port)
     try:
-        make_server(app, cfg.host, port, cfg.server.shutdown_timeout_s,
-                    str(cfg.log_level).lower()).run(sockets=[sock])
+        # uvicorn's level names: log_level=warn is "warning", fatal "critical"
+        level = logging.getLevelName(logging.getLevelName(str(cfg.log_level).upper())).lower()
+        make_server(app, cfg.host, port, cfg.server.shutdown_timeout_s, level).run(sockets=[sock])
     finally:
         parallel.shutdown()                     # the engine thread has stopped: release the other ranks
 

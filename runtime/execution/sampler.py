@@ -78,8 +78,9 @@ class SamplingTensors:
               pending: Any = None) -> "SamplingTensors":
         """The tensors for `rows`: objects with `params`, `prompt_token_ids` (optionally also as a
         numpy `prompt_array`), `output_token_ids` and `stop_token_ids` (the engine's stops, which
-        `min_tokens` holds back with the request's own). Async scheduling: an output token still on the device (a placeholder) is taken from
-        `pending` (the `PendingStep` that sampled it) for the penalties."""
+        `min_tokens` holds back with the request's own). Async scheduling: an output token still on
+        the device (a placeholder) is taken from `pending` (the `PendingStep` that sampled it) for
+        the penalties."""
         params = [r.params for r in rows]
         sampled = [not p.is_greedy for p in params]
 
