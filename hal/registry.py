@@ -81,7 +81,22 @@ def get(name: str = "auto", **options: Any) -> Hal:
     if not cls.is_available():
         raise RuntimeError(f"hal {name!r} is not available on this machine; "
                            f"available here: {', '.join(n for n in names() if _available(n))}")
-    return cls(**options)
+    instance = cls(**options)
+    _check_device_index(instance, options.get("device_index"))
+    return instance
+
+
+def _check_device_index(instance: Hal, index: Any) -> None:
+    # a wrong index would fail later inside the vendor runtime, far from the setting that caused it
+    if index is None:
+        return
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise ValueError(f"hal.device_index must be a device number (0, 1, ...) or null, not {index!r}")
+    count = instance.device_count()
+    if index >= count:
+        where = f" or make more visible ({instance.visible_devices_env})" if instance.visible_devices_env else ""
+        raise ValueError(f"hal.device_index={index}, but hal {instance.name} sees {count} device(s): pick one "
+                         f"of 0..{count - 1}{where}")
 
 
 def _available(name: str) -> bool:

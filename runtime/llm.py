@@ -318,6 +318,7 @@ def _seed_global_rngs(seed: int) -> None:
 
 
 def _token_ids(prompt: Any) -> list[int]:
+    _refuse_bytes(prompt)
     try:
         return [operator.index(t) for t in prompt]
     except TypeError:
@@ -325,9 +326,13 @@ def _token_ids(prompt: Any) -> list[int]:
                         f"'prompt_token_ids', got {type(prompt).__name__}: {str(prompt)[:80]}") from None
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, (bytes, bytearray)):          # would read as token ids, one per byte
+def _refuse_bytes(prompt: Any) -> None:
+    if isinstance(prompt, (bytes, bytearray, memoryview)):     # would read as token ids, one per byte
         raise TypeError("a prompt is a string or a list of token ids, not bytes: decode it first (b.decode())")
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    _refuse_bytes(prompts)
     if isinstance(prompts, (str, Mapping)):
         return [prompts]
     prompts = list(prompts)

@@ -14,6 +14,15 @@ def test_builtin_names_and_cpu():
     assert cpu.name == "cpu" and cpu.device() == torch.device("cpu") and cpu.dist_backend == "gloo"
 
 
+@pytest.mark.parametrize("index, message", [(1, r"hal.device_index=1, but hal cpu sees 1 device\(s\): pick one of 0..0"),
+                                            (-1, "must be a device number"), ("0", "must be a device number"),
+                                            (True, "must be a device number")])
+def test_a_device_index_the_hal_does_not_have_is_refused_by_name(index, message):
+    with pytest.raises(ValueError, match=message):
+        hal.get("cpu", device_index=index)
+    assert hal.get("cpu", device_index=0).device() == torch.device("cpu")
+
+
 def test_unknown_hal_lists_the_known_ones():
     with pytest.raises(hal.UnknownHalError, match="known: auto, ascend, ascend-sim, cpu, cuda, rocm"):
         hal.get("foo")

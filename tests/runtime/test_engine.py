@@ -216,8 +216,9 @@ def test_a_failed_step_leaves_the_llm_usable_and_bad_settings_are_named(monkeypa
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
     assert [o.token_ids for o in llm.generate([case.prompt(0)], params)] == [case.greedy(0)[:4]]
-    with pytest.raises(TypeError, match="not bytes"):
-        llm.generate(b"abc", params)
+    for prompt in (b"abc", memoryview(b"abc"), [b"abc"], [{"prompt_token_ids": bytearray(b"ab")}]):
+        with pytest.raises(TypeError, match="not bytes"):
+            llm.generate(prompt, params)
     with pytest.raises(ValueError, match="enable_prefix_caching must be true or false, got 'no'"):
         EngineConfig(enable_prefix_caching="no")
     with pytest.raises(TypeError, match=r"sampling_params takes SamplingParams .* pass SamplingParams\(\*\*\{'max_tokens': 3\}\)"):
