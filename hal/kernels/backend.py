@@ -188,9 +188,10 @@ class TritonPagedAttention(AttentionBackend):
         slots, config = meta.slot_mapping[plane], self.configs["rotary"]
         values, scales = self._views(kv_cache)
         if meta.fresh_lens is not None:
-            contiguous_v = fresh.takes_cudnn(self.fresh_attention, meta.fresh_lens, self.num_heads, self.num_kv_heads)
+            # v stays a view of the q|k|v output: cuDNN attends as fast over it as over a copy, which
+            # costs its own write (lever 101, measured on an H100: docs/performance.md)
             q, k, v = rotary_kv_write(q, k, v, positions, theta, interleaved, values, slots, config, keep_kv=True,
-                                      kv_scales=scales, copy_v=contiguous_v)
+                                      kv_scales=scales, copy_v=False)
             return fresh.attention(self.fresh_attention, q, k, v, meta.query_start_loc, meta.fresh_lens, scale)
         if q.dtype == self.dtype and fuses_rotary(q.dtype, self.num_heads, self.num_kv_heads, meta.max_query_len,
                                                   scales is not None, self.configs, meta.seq_lens.shape[0],

@@ -211,12 +211,12 @@ def rotary_kv_write_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
 def rotary_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, theta: float,
                     interleaved: bool, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                     config: KernelConfig, keep_kv: bool = False, kv_scales: torch.Tensor | None = None,
-                    copy_v: bool = True) -> torch.Tensor | tuple[torch.Tensor, ...]:
+                    copy_v: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Rotate `q: [T, H, D]` and `k: [T, KVH, D]` at `positions: [T]` (NeoX halves, or GPT-J pairs
     when `interleaved`), store the rotated k and `v` at `slot_mapping: [T]` of `kv_cache` (-1 skips
-    a token) and return the rotated q (a new tensor). With `keep_kv`, `(q, k, v)`: the rotated k and
-    v as new contiguous tensors (cuDNN's prefill attention runs faster on them than on views of the
-    projection: hal/kernels/fresh.py), or `v` itself where not `copy_v`. With `kv_scales` (see `rotary_kv_write_launch`) the write
+    a token) and return the rotated q (a new tensor). With `keep_kv`, `(q, k, v)`: the rotated k as
+    a new tensor and `v` itself, or with `copy_v` a contiguous copy of it (cuDNN attends as fast over
+    the view: lever 101, docs/performance.md; tools/fresh_rotary_bench.py times both). With `kv_scales` (see `rotary_kv_write_launch`) the write
     quantizes, and `keep_kv` returns k and v as the cache now holds them, dequantized (the fresh
     prefill attends over those: the same K/V a later decode step reads)."""
     check_device(q)

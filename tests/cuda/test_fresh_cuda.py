@@ -24,7 +24,7 @@ def test_cudnn_matches_flash_on_one_long_prompt(tokens):
 
 def test_cudnn_prefill_over_views_of_one_projection():
     """The engine's case (lever 101): q, k, v views of one q|k|v projection; the rotary/KV-write launch
-    hands back q and k rotated and v copied, then cuDNN attends. Against flash on the same rotated
+    hands back q and k rotated and v as the view, then cuDNN attends. Against flash on the same rotated
     operands, and the cache holds k rotated and v."""
     from hal.attention import PagedBatch
     from hal.kernels.backend import TritonPagedAttention
@@ -46,7 +46,7 @@ def test_cudnn_prefill_over_views_of_one_projection():
     q_rot, k_rot = rotary(q, k, positions, 1e4, False, backend.configs)
     flash = fresh.attention("flash", q_rot, k_rot, v, meta.query_start_loc, [tokens], dim ** -0.5)
     err = (out.float() - flash.float()).abs().max().item()
-    print(f"cudnn (v copied) vs flash over views, {tokens} tokens: max abs diff {err:.2e}")
+    print(f"cudnn (v a view) vs flash over views, {tokens} tokens: max abs diff {err:.2e}")
     assert err < 2e-2
     assert torch.equal(cache[0].reshape(tokens, heads, dim), k_rot)
     assert torch.equal(cache[1].reshape(tokens, heads, dim), v)
