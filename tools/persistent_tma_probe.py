@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -491,13 +492,22 @@ def _fresh_run(plan: Plan, launch, outputs: list[tuple[int, int]]) -> None:
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).norm() / want.float().norm())
+    """Relative error; absolute where `want` is all zeros (NaN only where `got` holds one)."""
+    diff, norm = (got.float() - want.float()).norm(), want.float().norm()
+    return float(diff / norm if norm > 0 else diff)
 
 
-def _chain_reference(weights: list[torch.Tensor], kinds: list[int], x0: torch.Tensor) -> torch.Tensor:
-    """The chain in float32 products, rounded to bf16 between them as the kernel stores them: each
-    product reads the first K of the one before, or SwiGLU of its two halves (`_stage_input`'s roundings)."""
-    y = x0.reshape(-1)
+def _worst(rels: list[float]) -> float:
+    """The largest error, NaN if any is (`max` would skip a NaN that is not first)."""
+    return float("nan") if any(math.isnan(r) for r in rels) else max(rels)
+
+
+def _chain_reference(weights: list[torch.Tensor], kinds: list[int], x0: torch.Tensor) -> list[torch.Tensor]:
+    """Every product of the chain in float32, rounded to bf16 between them as the kernel stores them:
+    each reads the first K of the one before, or SwiGLU of its two halves (`_stage_input`'s roundings).
+    With SwiGLU the values shrink doubly exponentially (a product of two products per layer) and reach
+    zero after about six layers of random weights, so the chain is checked product by product."""
+    y, products = x0.reshape(-1), []
     for w, kind in zip(weights, kinds):
         k = w.shape[1]
         if kind == SWIGLU:
@@ -506,7 +516,8 @@ def _chain_reference(weights: list[torch.Tensor], kinds: list[int], x0: torch.Te
         else:
             x = y[:k]
         y = (w.float() @ x.float()).to(x0.dtype)
-    return y
+        products.append(y)
+    return products
 
 
 def run_chain(args, bench, sms: int) -> list[dict]:
@@ -543,7 +554,7 @@ def run_chain(args, bench, sms: int) -> list[dict]:
         # barrier waits for in full
         kinds = [SWIGLU if swiglu and name == "down" else PLAIN for _ in range(args.layers) for name, _, _ in shapes]
         phases = [(w, offs[i], offs[i + 1], kind, 0, 0, 0) for i, (w, kind) in enumerate(zip(weights, kinds))]
-        want = _chain_reference(weights, kinds, x0)
+        wants = _chain_reference(weights, kinds, x0)
         for cfg in CONFIGS[:args.configs]:
             for wait in WAITS:
                 name = f"tma {cfg}{' swiglu' if swiglu else ''}{LABELS[wait]}"
@@ -552,7 +563,8 @@ def run_chain(args, bench, sms: int) -> list[dict]:
                     launch = launcher(plan, cfg, [(0, plan.num_phases)], wait, outputs=outputs)
                     us = bench.graph_median_us(launch)
                     _fresh_run(plan, launch, outputs)
-                    report(name, us, _rel(plan.vector(offs[-1], weights[-1].shape[0]), want))
+                    report(name, us, _worst([_rel(plan.vector(off, w.shape[0]), want)
+                                             for off, w, want in zip(offs[1:], weights, wants)]))
                 except Exception as e:  # noqa: BLE001 (reported, not fatal)
                     print(f"{name:52s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
     # the ring alone: one product of every weight of the first K stacked (no barrier, one input)
@@ -635,7 +647,7 @@ def run_block(args, bench, sms: int) -> list[dict]:
                 _fresh_run(plan, launch, outputs)
                 got_down = plan.vector(phases[-1][2], hidden)
                 got_h1 = plan.vector(phases[-2][6], hidden)
-                report(name, us, max(_rel(got_down, want_down), _rel(got_h1, want_h1)))
+                report(name, us, _worst([_rel(got_down, want_down), _rel(got_h1, want_h1)]))
             except Exception as e:  # noqa: BLE001 (reported, not fatal)
                 print(f"{name:52s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
     return report.rows

@@ -3,6 +3,8 @@ each phase reads and writes. Its Gluon kernel (TMA, mbarriers, sm_90) runs only 
 no interpreter); the H200 timings are docs/performance.md's lever 97."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -51,13 +53,24 @@ def test_chain_reference_reads_the_first_k_or_swiglu_of_both_halves():
     x0 = torch.randn(1, 8).bfloat16()
     gate_up, down = torch.randn(12, 8).bfloat16(), torch.randn(8, 6).bfloat16()
     y = (gate_up.float() @ x0.reshape(-1).float()).bfloat16()
-    plain = probe._chain_reference([gate_up, down], [probe.PLAIN, probe.PLAIN], x0)
-    assert torch.equal(plain, (down.float() @ y[:6].float()).bfloat16())
+    first, plain = probe._chain_reference([gate_up, down], [probe.PLAIN, probe.PLAIN], x0)
+    assert torch.equal(first, y) and torch.equal(plain, (down.float() @ y[:6].float()).bfloat16())
     g, u = y[:6].float(), y[6:].float()
     act = ((g / (1 + torch.exp(-g))).bfloat16().float() * u).bfloat16()
-    swiglu = probe._chain_reference([gate_up, down], [probe.PLAIN, probe.SWIGLU], x0)
+    swiglu = probe._chain_reference([gate_up, down], [probe.PLAIN, probe.SWIGLU], x0)[-1]
     assert torch.equal(swiglu, (down.float() @ act.float()).bfloat16())
     assert not torch.equal(plain, swiglu)
+
+
+def test_rel_is_absolute_where_the_reference_vanished():
+    """The SwiGLU chain's products reach zero after a few layers of random weights: a right answer
+    reads 0 there, a product that read its poisoned input too early reads NaN."""
+    zero = torch.zeros(4)
+    assert probe._rel(zero, zero) == 0.0
+    assert probe._rel(torch.tensor([0.0, 1e-3, 0, 0]), zero) == pytest.approx(1e-3)
+    assert math.isnan(probe._rel(torch.tensor([float("nan"), 0, 0, 0]), zero))
+    assert probe._rel(torch.tensor([1.0, 0, 0, 0]), torch.tensor([2.0, 0, 0, 0])) == 0.5
+    assert math.isnan(probe._worst([0.01, float("nan"), 0.02])) and probe._worst([0.01, 0.03]) == 0.03
 
 
 def test_sentinel_launcher_refuses_an_input_it_would_not_poison():
