@@ -4,7 +4,7 @@
 #   tools/gpu_check.sh [phase ...]     phases: conformance tests kernels bench models profile spec
 #                                      specasync sweep fp8 cells peer profile64 train finetune spec22
 #                                      fp8kernels fp8cells fp8quick fp8twin splits4 restcuda tune diag pdl slice slicediag
-#                                      slicewide fp8b1 rowtune fp8prefill ncurow layout blas rows ab
+#                                      slicewide fp8b1 rowtune fp8prefill ncurow layout blas rows ab serve
 #                                      (default: the first six)
 # Logs go to $OUT/gpu_check.log, benchmark rows to $OUT/bench.jsonl; a short table is printed last.
 set -u
@@ -106,6 +106,13 @@ for phase in $PHASES; do
     models)
       bench model=huginn-0125 'workload=[b1]'
       bench model=nanbeige4.2-3b 'workload=[b1]' ;;
+    serve)   # what runtime.serve's app adds to a decode step (tools/serve_host_cost.py): needs the serve extra's
+             # wheels in .whl too (sh ../shared/device/wheels.sh fastapi uvicorn pydantic pydantic_core starlette
+             # h11 anyio sniffio typing_extensions annotated_types typing_inspection idna click prometheus_client
+             # httpx httpcore certifi opentelemetry-api importlib_metadata zipp)
+      run "serve 64 x 1K" 150 python3 tools/serve_host_cost.py --hal cuda --full
+      run "serve 1 x 128" 90 python3 tools/serve_host_cost.py --hal cuda --full --requests 1 --context 128 --tokens 256
+      grep -E "driven directly|behind runtime.serve" "$LOG" | tail -n 4 ;;
     profile)
       run "profile b1" 90 python3 tools/profile_step.py --model ouro-1.4b --batch 1 --context 256 --rows 20 ;;
     profile64)
