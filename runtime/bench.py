@@ -5,6 +5,9 @@ Engine options are the `engine:` node shared with runtime.generate and runtime.s
 "Options"). `engine.kv_dtype=fp8` and `engine.weights_dtype=fp8` run the cells over an FP8 KV cache
 and FP8 linears (docs/fp8.md); the floors then count the bytes those actually move.
 
+Two memory floors: `decode_vs_floor` divides the bytes by the H200's 4.27 TB/s (the issues' floor),
+`decode_vs_measured_floor` by the copy rate measured at start on this device (`copy_tb_s`).
+
 With `engine.speculative.num_tokens=K` (and `.draft_loops`, `.mode`) the cell decodes
 speculatively and also reports the acceptance, and the cost of one draft pass, one verify pass and
 one plain decode step at the cell's batch with the break-even acceptance rate (runtime/speculation/costs.py).
@@ -202,11 +205,12 @@ def run(cfg: Any) -> list[dict[str, Any]]:
 
 def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, Any]]:
     from runtime.engine.llm_engine import LLMEngine
-    from runtime.roofline import H200_BANDWIDTH, decode_floor, measure_matmul_rate, model_costs, prefill_floor
+    from runtime.roofline import (H200_BANDWIDTH, decode_floor, measure_copy_rate, measure_matmul_rate, model_costs,
+                                  prefill_floor)
 
     name = Path(str(cfg.model.path)).name if cfg.model.path else cfg.model.name
     num_loops = cfg.model.num_loops or model.default_num_loops
-    rate = None
+    rate = copy_rate = None
     results = []
     workloads = workload_names(cfg)
     spec = engine_config(cfg).speculative
@@ -231,7 +235,8 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
         engine = LLMEngine(model, hal, config, publisher=parallel.publisher())
         if rate is None:                 # after the first cell's engine has checked its options
             rate = measure_matmul_rate(hal, model.lm_head.weight.dtype, size=cfg.matmul_size)
-            log.info("matmul rate %.0f TFLOP/s", rate / 1e12)
+            copy_rate = measure_copy_rate(hal)
+            log.info("matmul rate %.0f TFLOP/s, copy rate %.2f TB/s", rate / 1e12, copy_rate / 1e12)
         if cfg.warmup:
             # same prompt length: kernels compile (and graphs capture) outside the timed cell
             run_cell(engine, {"batch": min(cell["batch"], 2), "prompt": cell["prompt"], "new": 4}, num_loops, seed=1)
@@ -257,8 +262,12 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
         context = cell["prompt"] + cell["new"] // 2
         floor = decode_floor(costs, num_loops, cell["batch"], context, H200_BANDWIDTH, rate)
         pre = prefill_floor(costs, num_loops, cell["prompt"], cell["batch"], H200_BANDWIDTH, rate)
+        # the issues' floors divide by the H200's copy rate; on another device only the measured one means much
+        here = decode_floor(costs, num_loops, cell["batch"], context, copy_rate, rate)
         row.update({"decode_floor_ms": round(floor.seconds * 1e3, 3),
                     "decode_vs_floor": round(row["decode_ms_step"] / (floor.seconds * 1e3), 2),
+                    "copy_tb_s": round(copy_rate / 1e12, 3),
+                    "decode_vs_measured_floor": round(row["decode_ms_step"] / (here.seconds * 1e3), 2),
                     "prefill_floor_tok_s": round(cell["batch"] * cell["prompt"] / pre.seconds, 1),
                     "prefill_vs_floor": round(pre.seconds / row["prefill_s"], 3),
                     "matmul_tflops": round(rate / 1e12, 1)})

@@ -115,6 +115,25 @@ def prefill_floor(costs: ModelCosts, num_loops: int, prompt_len: int, num_seqs: 
     return Floor(bytes_moved, flops, bytes_moved / bandwidth, flops / matmul_rate)
 
 
+def measure_copy_rate(hal: Hal, num_bytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Bytes/s of one large device-to-device copy, read and write counted (how the H200's 4.27 TB/s
+    was measured): the bandwidth ceiling of the device this runs on, which need not be an H200."""
+    import time
+
+    device = torch.device(hal.device())
+    if device.type == "cpu":      # the host's memory: a smaller copy says as much, and sooner
+        num_bytes, repeats = min(num_bytes, 1 << 26), min(repeats, 3)
+    src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    hal.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    hal.synchronize()
+    return 2 * num_bytes * repeats / (time.perf_counter() - start)
+
+
 def measure_matmul_rate(hal: Hal, dtype: torch.dtype, size: int = 8192, repeats: int = 10) -> float:
     """FLOP/s of one large square matmul on random data on the Hal's device (the compute ceiling for
     the floors)."""

@@ -37,6 +37,8 @@ def test_bench_profiles_the_prefill_and_decode_steps(capsys, single_thread):
     assert summary[1].split() == ["kernel", "count", "total", "ms", "share"]
     assert any(line.startswith("aten::mm") and line.endswith("%") for line in summary[2:])
     assert row["profiled_prefill"] is True and row["prefill_tok_s"] > 0
+    # the floor over the copy rate measured here, beside the issues' H200 one: this CPU is far slower
+    assert 0 < row["copy_tb_s"] < 4.27 and row["decode_vs_measured_floor"] <= row["decode_vs_floor"]
     assert json.loads(out.strip().splitlines()[-1]) == row                            # the printed JSON row
 
 
