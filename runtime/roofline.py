@@ -115,9 +115,10 @@ def prefill_floor(costs: ModelCosts, num_loops: int, prompt_len: int, num_seqs: 
     return Floor(bytes_moved, flops, bytes_moved / bandwidth, flops / matmul_rate)
 
 
-def measure_copy_rate(hal: Hal, num_bytes: int = 1 << 30, repeats: int = 10) -> float:
-    """Bytes/s of one large device-to-device copy, read and write counted (how the H200's 4.27 TB/s
-    was measured): the bandwidth ceiling of the device this runs on, which need not be an H200."""
+def measure_copy_rate(hal: Hal, num_bytes: int = 1 << 28, repeats: int = 20) -> float:
+    """Bytes/s of a device-to-device copy, read and write counted (how the H200's 4.27 TB/s was
+    measured): the bandwidth ceiling of the device this runs on, which need not be an H200. 256 MiB
+    is five times an H100's or H200's L2 and fits beside a bench cell's KV pool (10% of memory)."""
     import time
 
     device = torch.device(hal.device())

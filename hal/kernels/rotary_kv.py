@@ -216,9 +216,10 @@ def rotary_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     when `interleaved`), store the rotated k and `v` at `slot_mapping: [T]` of `kv_cache` (-1 skips
     a token) and return the rotated q (a new tensor). With `keep_kv`, `(q, k, v)`: the rotated k as
     a new tensor and `v` itself, or with `copy_v` a contiguous copy of it (cuDNN attends as fast over
-    the view: lever 101, docs/performance.md; tools/fresh_rotary_bench.py times both). With `kv_scales` (see `rotary_kv_write_launch`) the write
-    quantizes, and `keep_kv` returns k and v as the cache now holds them, dequantized (the fresh
-    prefill attends over those: the same K/V a later decode step reads)."""
+    the view: lever 101, docs/performance.md; tools/fresh_rotary_bench.py times both). With
+    `kv_scales` (see `rotary_kv_write_launch`) the write quantizes, and `keep_kv` returns k and v as
+    the cache now holds them, dequantized (the fresh prefill attends over those: the same K/V a later
+    decode step reads)."""
     check_device(q)
     head_dim = q.shape[-1]
     if head_dim % 2 or k.shape[-1] != head_dim or v.shape[-1] != head_dim:
