@@ -175,3 +175,26 @@ def test_serve_host_cost_tool_runs():
     assert lines[1].startswith("engine driven directly: ") and lines[2].startswith("behind runtime.serve's app (asyncio): ")
     assert all("ms per decode step" in line for line in lines[1:3]), lines
     assert lines[3].startswith("the client received 21 events"), lines     # 6 tokens and [DONE] per stream
+
+
+def test_v_copy_ab_forces_the_copy_and_passes_the_rest_to_the_bench(monkeypatch):
+    """tools/v_copy_ab.py (lever 101's A/B in the engine): `--copy-v` makes every rotary/KV-write
+    launch copy v; the other arguments reach runtime.bench as its argv."""
+    import runpy
+    import sys
+
+    import hal.kernels.rotary_kv as rotary_kv
+    import v_copy_ab
+
+    seen = []
+
+    def bench(name, run_name):
+        seen.append((name, run_name, sys.argv[:]))
+        rotary_kv.rotary_kv_write(copy_v=False)       # what the backend passes
+    monkeypatch.setattr(runpy, "run_module", bench)
+    for flag, copied in ((["--copy-v"], True), ([], False)):
+        monkeypatch.setattr(rotary_kv, "rotary_kv_write", lambda *a, **kw: seen.append(kw.get("copy_v")))
+        monkeypatch.setattr(sys, "argv", ["v_copy_ab.py", *flag, "hal=cuda", "workload=[prefill8k]"])
+        seen.clear()
+        v_copy_ab.main()
+        assert seen == [("runtime.bench", "__main__", ["runtime.bench", "hal=cuda", "workload=[prefill8k]"]), copied]
