@@ -20,12 +20,18 @@ MORE_MEMORY = ("give the KV cache more memory (engine.num_kv_blocks, engine.kv_c
                "engine.gpu_memory_utilization), lower engine.max_num_seqs, or use engine.kv_mode=shared")
 
 
+def request_capacity(num_blocks: int, block_size: int, num_planes: int) -> int:
+    """The most tokens (prompt + output) one request of `num_planes` KV planes can ever have with the
+    whole cache to itself: its planes' KV positions, and the last token, which is never computed."""
+    return num_blocks // num_planes * block_size + 1
+
+
 def fit_context(max_model_len: int, setting: int | None, num_blocks: int, block_size: int, num_planes: int,
                 num_loops: int) -> int:
     """The longest request (at the model's depth, `num_planes` KV planes) the cache can ever hold,
     capped at `max_model_len` with a log line; ValueError where the setting (`engine.max_model_len`)
     asked for more or nothing fits, naming what to change."""
-    fit = num_blocks // num_planes * block_size + 1    # KV positions, and the last token, never computed
+    fit = request_capacity(num_blocks, block_size, num_planes)
     if fit >= max_model_len:
         return max_model_len
     where = (f"the KV cache has {num_blocks} blocks of {block_size} tokens and a request with {num_loops} loops "

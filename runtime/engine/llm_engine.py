@@ -26,7 +26,7 @@ import torch
 from hal.base import Hal
 from runtime.execution.async_step import PendingStep, StepResult
 from runtime.config import EngineConfig, resolve_async
-from runtime.engine.admission import fit_context
+from runtime.engine.admission import fit_context, request_capacity
 from runtime.engine.engine_requests import EngineRequests
 from runtime.engine.kv_cache import BlockManager
 from runtime.engine.outputs import RequestOutput
@@ -120,6 +120,12 @@ class LLMEngine(EngineRequests):
         self.max_model_len = fit_context(self.max_model_len, self.config.max_model_len, self.runner.num_blocks,
                                          self.runner.block_size, self.runner.layout.num_planes(self.max_loops),
                                          self.max_loops)
+
+    def max_request_len(self, num_loops: int) -> int:
+        """The most tokens (prompt + max_tokens) a request of `num_loops` loops is admitted with:
+        `max_model_len`, or less where its depth's KV planes outgrow the cache."""
+        num_planes = self.runner.layout.num_planes(num_loops)
+        return min(self.max_model_len, request_capacity(self.runner.num_blocks, self.runner.block_size, num_planes))
 
     @property
     def is_tensor_parallel(self) -> bool:
@@ -234,7 +240,9 @@ class LLMEngine(EngineRequests):
                 status = request.check_stop(num_outputs) if code is None else STATUS_OF_CODE[code]
                 status = self._check_stop_strings(request, status)
             if status == RequestStatus.FINISHED_STOPPED and request.stop_reason is None:
-                request.stop_reason = request.output_token_ids[request.num_resolved_outputs - 1]
+                # the request's own stop token names itself; the model's end token leaves None (vLLM's rule)
+                last = request.output_token_ids[request.num_resolved_outputs - 1]
+                request.stop_reason = last if last in request.params.stop_token_ids else None
             if request.group is not None and request.sample_index == 0 and request.num_resolved_outputs \
                     and len(request.group.samples) < request.group.best_of:
                 self._fork(request)             # before a stop could free the prompt blocks

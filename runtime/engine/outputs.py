@@ -76,7 +76,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None     # "stop" | "length" | "abort" | "error"; None while running
-    stop_reason: int | str | None = None  # with "stop": the stop token id or stop string that ended it
+    stop_reason: int | str | None = None  # with "stop": the stop_token_ids entry or stop string; None at EOS
     loops_per_token: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None    # per generated token, with `logprobs=k`
     cumulative_logprob: float | None = None        # sum over its tokens, where logprobs were computed

@@ -6,6 +6,7 @@ Completions and chat differ only in the shape of a choice (`text` vs. `message` 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import time
 from typing import Any, Callable
@@ -113,11 +114,11 @@ def _completion_logprobs(tokenizer: Tokenizer | None, choice: Choice, logprobs: 
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
     def add(token_id: int, lp: TokenLogprobs | None, offset: int) -> None:
-        out["tokens"].append(_token_text(tokenizer, token_id))
-        out["token_logprobs"].append(lp.logprob if lp is not None else None)
         # the top k and the token itself (vLLM's and the legacy OpenAI API's k or k + 1 entries)
-        out["top_logprobs"].append({_token_text(tokenizer, t): v.logprob for t, v in lp.items()}
-                                   if lp is not None else None)
+        names = _token_names(tokenizer, [token_id] if lp is None else list(lp))
+        out["tokens"].append(names[token_id])
+        out["token_logprobs"].append(lp.logprob if lp is not None else None)
+        out["top_logprobs"].append({names[t]: v.logprob for t, v in lp.items()} if lp is not None else None)
         out["text_offset"].append(offset)
 
     if with_prompt and choice.prompt_logprobs is not None:
@@ -167,6 +168,28 @@ def _chat_logprobs(tokenizer: Tokenizer | None, logprobs: list[TokenLogprobs]) -
         return {"token": text, "logprob": value, "bytes": list(raw)}
     return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
                         for lp in logprobs]}
+
+
+def _token_names(tokenizer: Tokenizer | None, token_ids: list[int]) -> dict[int, str]:
+    """The completions API's names for the tokens of one position, distinct so that no top_logprobs
+    entry overwrites another: a token's text, or where its bytes are part of a character (a lone
+    byte of a multi-byte one, which decodes to U+FFFD) the legacy API's `bytes:\\xe6\\x97` form; two
+    tokens whose texts still agree (a decoder that drops a leading space) are named `token_id:N`,
+    vLLM's form."""
+    names = {t: _completion_token(tokenizer, t) for t in token_ids}
+    counts = collections.Counter(names.values())
+    return {t: name if counts[name] == 1 else f"token_id:{t}" for t, name in names.items()}
+
+
+def _completion_token(tokenizer: Tokenizer | None, token_id: int) -> str:
+    if tokenizer is None:
+        return _token_text(None, token_id)
+    raw = tokenizer.token_bytes(token_id)
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return _token_text(tokenizer, token_id)
 
 
 def _token_text(tokenizer: Tokenizer | None, token_id: int) -> str:

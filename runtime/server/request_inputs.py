@@ -69,6 +69,9 @@ class RequestInputs:
                 raise APIError(400, f"logit_bias maps token ids (strings of digits below the vocabulary size "
                                     f"{vocab}) to biases in [-100, 100]; got {_shortened(name)!r}: {value!r}",
                                param="logit_bias")
+        if body.stream_options is not None and not body.stream:      # OpenAI's and vLLM's rule
+            raise APIError(400, "stream_options applies to streamed answers only: set stream=true or leave "
+                                "stream_options out", param="stream_options")
         best_of = getattr(body, "best_of", None)
         if best_of is not None and best_of < (body.n or 1):
             raise APIError(400, f"best_of ({best_of}) must be at least n ({body.n})", param="best_of")
@@ -98,8 +101,9 @@ class RequestInputs:
         try:
             text = apply_chat_template(self.tokenizer, [m.as_template_input() for m in body.messages],
                                        add_generation_prompt=body.add_generation_prompt, **extra)
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="messages") from None
+        except ValueError as exc:       # the messages, or a switch of chat_template_kwargs named first
+            named = str(exc).split(" ", 1)[0] in extra
+            raise APIError(400, str(exc), param="chat_template_kwargs" if named else "messages") from None
         # the template writes the BOS: special tokens only when the request asks (vLLM's default: none)
         return self._encode(text, "messages", special_tokens=body.add_special_tokens)
 
@@ -133,10 +137,12 @@ class RequestInputs:
             logprobs, best_of = body.logprobs, body.best_of
             prompt_logprobs = logprobs if body.echo and logprobs is not None else None
         if max_tokens is None:       # vLLM's rule for chat: the rest of the context (a thinking model's
-            # answer must not be cut at a fixed length); completions: the configured default
-            max_tokens = room if is_chat else min(self.config.default_max_tokens, room)
+            # answer must not be cut at a fixed length); completions: the configured default; both
+            # within what the KV cache holds at the request's depth (more loops, more planes)
+            most = min(room, self._kv_room(body, num_prompt_tokens))
+            max_tokens = most if is_chat else min(self.config.default_max_tokens, most)
             if (body.min_tokens or 0) > max_tokens:      # SamplingParams would blame a max_tokens not given
-                fix = f", or set max_tokens (up to {room})" if room > max_tokens else ""
+                fix = f", or set max_tokens (up to {most})" if most > max_tokens else ""
                 raise APIError(400, f"min_tokens={body.min_tokens} is more than the {max_tokens} tokens this "
                                     f"request may generate without max_tokens; lower it{fix}", param="min_tokens")
         defaults = self.config.sampling.resolve(body.temperature, body.top_p, body.top_k)
@@ -158,6 +164,19 @@ class RequestInputs:
         except ValueError as exc:            # SamplingParams names the field first ("top_k must be ...")
             field = str(exc).split(" ", 1)[0]
             raise APIError(400, str(exc), param=field if field in type(body).model_fields else None) from None
+
+
+    def _kv_room(self, body: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int) -> int:
+        """The most tokens the request may generate by default: as many as the KV cache can hold beside
+        its prompt at its depth; a 400 naming the depth where not even one fits."""
+        engine = self.loop.engine
+        num_loops = body.num_loops or self.config.default_num_loops or engine.max_loops    # the model's default
+        longest = engine.max_request_len(num_loops)
+        if longest - num_prompt_tokens < 1:
+            raise APIError(400, f"at num_loops={num_loops} the KV cache holds at most {longest} tokens of one "
+                                f"request, not the prompt's {num_prompt_tokens} and one more: ask for fewer "
+                                f"loops or send a shorter prompt", param="num_loops")
+        return longest - num_prompt_tokens
 
 
 def _shortened(text: str, limit: int = 40) -> str:

@@ -82,6 +82,19 @@ def test_a_stop_token_ends_the_sample_without_its_text(llm, plain):
     assert kept.text == _decode(llm, plain.token_ids[:j + 1])
 
 
+def test_the_models_end_token_leaves_stop_reason_none(plain):
+    """An end token of the model's (here LLM(stop_token_ids=), the engine's defaults) ends the sample
+    with stop_reason None, as vLLM reports its EOS; the same token asked for by the request names itself."""
+    token = plain.token_ids[5]
+    j = plain.token_ids.index(token)
+    ended = LLM(PACKAGED, hal="cpu", dtype="float32", num_kv_blocks=256, stop_token_ids=[token])
+    out = ended.generate([PROMPT], dataclasses.replace(GREEDY, ignore_eos=False))[0]
+    assert out.token_ids == plain.token_ids[:j + 1] and out.finish_reason == "stop"
+    assert out.outputs[0].stop_reason is None
+    asked = ended.generate([PROMPT], dataclasses.replace(GREEDY, ignore_eos=False, stop_token_ids=[token]))[0]
+    assert asked.token_ids == out.token_ids and asked.outputs[0].stop_reason == token
+
+
 @pytest.mark.parametrize("option", ["async", "speculation"])
 def test_async_scheduling_and_speculation_stop_where_the_plain_engine_does(plain, option, single_thread):
     stop = plain.text[8:12]

@@ -123,6 +123,10 @@ BAD_INPUTS = [
     ("tokenize: a lone surrogate", "POST", "/tokenize", {"prompt": "\ud800"}, 400, "prompt"),
     ("chat_template_kwargs repeating the call's arguments", "POST", "/v1/chat/completions",
      {**CHAT, "chat_template_kwargs": {"add_generation_prompt": False}}, 400, "chat_template_kwargs"),
+    ("chat: enable_thinking without a think token", "POST", "/v1/chat/completions",
+     {**CHAT, "chat_template_kwargs": {"enable_thinking": True}}, 400, "chat_template_kwargs"),
+    ("completions: stream_options without stream", "POST", "/v1/completions",
+     {**OK, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("more prompts than the server ever takes", "POST", "/v1/completions", {**OK, "prompt": [[1]] * 513}, 400,
      "prompt"),
     ("body over the limit", "POST", "/v1/completions", {**OK, "prompt": "a " * MAX_BODY_BYTES}, 413, None),
@@ -299,3 +303,21 @@ def test_an_api_key_guards_the_openai_routes_and_cors_answers_browsers(make_engi
         assert server_config(given).api_key == "cli"
     with pytest.raises(ValueError, match="api_key must be a non-empty string"):
         ServerConfig(api_key="  ")
+
+
+def test_the_default_max_tokens_fits_the_cache_at_the_requests_depth(tiny_model, tokenizer, live_server):
+    """Without max_tokens a request may generate what its depth's KV planes leave room for: 40 blocks
+    of 16 hold 161 tokens of a 4-loop request but 81 of an 8-loop one, so chat's default (the rest of
+    the context) must shrink at 8 loops instead of failing admission with "lower max_tokens", which
+    the client never sent; where not even the prompt fits, the 400 names num_loops."""
+    engine = LLMEngine(tiny_model, hal.get("cpu"), EngineConfig(num_kv_blocks=40, max_num_loops=64), tokenizer)
+    server = live_server(build_app(engine, ServerConfig(model_name="tiny")))
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        deep = client.post("/v1/chat/completions", json={**chat, "num_loops": 8})
+        assert deep.status_code == 200, deep.text
+        usage = deep.json()["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == engine.max_request_len(8) == 81
+        assert deep.json()["choices"][0]["finish_reason"] == "length"
+        deepest = client.post("/v1/completions", json={"model": "tiny", "prompt": "the cat sat", "num_loops": 64})
+        assert deepest.status_code == 400 and deepest.json()["error"]["param"] == "num_loops", deepest.text

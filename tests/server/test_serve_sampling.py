@@ -46,8 +46,7 @@ def test_completion_logprobs_equal_the_offline_ones(client, offline, tokenizer):
                                         logprobs=1, extra_body={"ignore_eos": True}).choices[0].logprobs
     ref = offline(PROMPT, max_tokens=12, temperature=2.0, seed=7, logprobs=1, ignore_eos=True).logprobs
     assert any(lp.rank > 1 for lp in ref)           # the chosen token joins the top 1, as in vLLM
-    text = lambda t: tokenizer.decode([t], skip_special_tokens=False)      # noqa: E731
-    want = [{text(t): v.logprob for t, v in lp.items()} for lp in ref]
+    want = [{_completion_name(tokenizer, t): v.logprob for t, v in lp.items()} for lp in ref]
     assert [set(top) for top in sampled.top_logprobs] == [set(w) for w in want]
     assert all(token in top for token, top in zip(sampled.tokens, sampled.top_logprobs))
 
@@ -55,6 +54,34 @@ def test_completion_logprobs_equal_the_offline_ones(client, offline, tokenizer):
                                             logprobs=2, stream=True, extra_body={"ignore_eos": True}))
     streamed = [v for c in chunks for ch in c.choices if ch.logprobs for v in ch.logprobs.token_logprobs]
     assert streamed == pytest.approx(lp.token_logprobs, abs=1e-6)
+
+
+def _completion_name(tokenizer, token_id: int) -> str:
+    """A token's name in the completions logprobs: its text, or its bytes where they are part of a
+    character (the legacy OpenAI API's `bytes:\\xNN` form)."""
+    raw = tokenizer.token_bytes(token_id)
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def test_completion_top_logprobs_name_the_bytes_of_a_split_character(tokenizer):
+    """The two byte tokens of "é" both decode to U+FFFD alone: the completions dict names them by their
+    bytes (the legacy API's form), so neither overwrites the other and every position keeps k + 1
+    entries, the chosen token's under its own logprob."""
+    from runtime.engine.outputs import TokenLogprobs
+    from runtime.server.choices import Choice, _completion_logprobs
+    first, second = tokenizer.token_id("<0xC3>"), tokenizer.token_id("<0xA9>")
+    word = tokenizer.encode("the")[0]
+    lps = [TokenLogprobs(first, -0.5, 2, ((second, -0.25), (word, -3.0))),
+           TokenLogprobs(second, -0.1, 1, ((second, -0.1), (first, -4.0)))]
+    out = _completion_logprobs(tokenizer, Choice(0, "r", 0, 3, text=None), lps, with_prompt=False)
+    assert out["tokens"] == ["bytes:\\xc3", "bytes:\\xa9"]
+    assert out["top_logprobs"] == [
+        {"bytes:\\xc3": -0.5, "bytes:\\xa9": -0.25, tokenizer.decode([word]): -3.0},
+        {"bytes:\\xa9": -0.1, "bytes:\\xc3": -4.0}]
 
 
 def test_echo_returns_the_prompt_and_its_logprobs(client, offline, tokenizer):
@@ -178,7 +205,8 @@ def test_logprobs_bytes_and_offsets_of_split_characters(client, tokenizer):
     out = client.completions.create(model="tiny", prompt="café au lait", echo=True, max_tokens=3, temperature=0,
                                     logprobs=0)
     text, lp = out.choices[0].text, out.choices[0].logprobs
-    placed = [(t, o) for t, o in zip(lp.tokens, lp.text_offset) if "\ufffd" not in t]
+    assert lp.tokens[3:5] == ["bytes:\\xc3", "bytes:\\xa9"] and lp.text_offset[3:5] == [3, 3]    # "é"
+    placed = [(t, o) for t, o in zip(lp.tokens, lp.text_offset) if not t.startswith("bytes:")]
     assert len(placed) > 3 and all(text[o:o + len(t)] == t for t, o in placed), (text, lp.tokens, lp.text_offset)
 
 
