@@ -35,8 +35,9 @@ from omegaconf import DictConfig, OmegaConf
 from runtime.bench_profile import late_summary, profile_decode, start_profile, step_costs, stop_profile
 from runtime.sampling_params import SamplingParams
 from runtime.config import BenchConfig
-from runtime.cli import (CONF_DIR, check_known_keys, check_model_node, check_quoting, check_spellings, clear_errors,
-                         engine_config, make_hal, register_schemas, setup_logging)
+from runtime.cli import (CONF_DIR, check_model_node, clear_errors, engine_config, make_hal, register_schemas,
+                         setup_logging)
+from runtime.cli_args import check_argv
 
 log = logging.getLogger("runtime.bench")
 CONFIGS = Path(__file__).resolve().parent.parent / "zoo" / "configs"
@@ -183,13 +184,28 @@ def workload_names(cfg: Any) -> list[str]:
     return list(names)
 
 
+def check_options(cfg: Any) -> None:
+    """The bench's own options, before any model is built: the cells, `profile=` and `output=` (a
+    file that cannot be written would fail only after every cell had run)."""
+    workload_names(cfg)
+    if not (isinstance(cfg.profile, int) and cfg.profile >= 0):
+        raise ValueError(f"profile must be an integer >= 0 (decode steps of each cell to profile), got {cfg.profile!r}")
+    if cfg.output:
+        out = Path(str(cfg.output))
+        folder = out.parent if str(out.parent) else Path(".")
+        if out.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK) \
+                or out.exists() and not os.access(out, os.W_OK):
+            raise ValueError(f"output={cfg.output} cannot be written (rows are appended to a file): give a file "
+                             f"path in a folder that exists and is writable")
+
+
 def run(cfg: Any) -> list[dict[str, Any]]:
     """Every workload cell (rank 0 of a tensor-parallel run measures; the other ranks follow)."""
     from runtime.parallel.state import init_from_cli
     from runtime.parallel.follower import Follower
 
     check_model_node(cfg.model, engine_config(cfg))    # bad options fail before a model is built
-    workload_names(cfg)
+    check_options(cfg)
     hal = make_hal(cfg.hal)
     parallel = init_from_cli(hal, cfg)
     try:
@@ -291,16 +307,14 @@ def _main(cfg: DictConfig) -> None:
     setup_logging(cfg.log_level)
     with clear_errors(cfg.log_level):
         results = run(cfg)
-    if cfg.output:
-        with open(cfg.output, "a") as f:
-            for row in results:
-                f.write(json.dumps(row) + "\n")
+        if cfg.output:
+            with open(cfg.output, "a") as f:
+                for row in results:
+                    f.write(json.dumps(row) + "\n")
 
 
 def main() -> None:
-    check_spellings(sys.argv[1:])
-    check_known_keys(sys.argv[1:], BenchConfig, "runtime.bench")
-    check_quoting(sys.argv[1:])
+    check_argv(sys.argv[1:], BenchConfig, "runtime.bench", "bench")
     _main()
 
 

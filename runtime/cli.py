@@ -1,7 +1,7 @@
 """What the Hydra entry points (`runtime.generate`, `runtime.serve`, `runtime.bench`) share: where
 conf/ is, the schemas they register, the usage error, the known model names and the default one,
-the old option spellings and their new names, logging, and the Hal, the EngineConfig and the
-sampling defaults built from the config nodes (one function each, used by all three).
+logging, and the Hal, the EngineConfig and the sampling defaults built from the config nodes (one
+function each, used by all three). What they check in argv before Hydra runs is `runtime.cli_args`.
 
 Only the entry points import this module; the rest of the runtime takes plain config objects.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import shlex
 import sys
 import typing
 from pathlib import Path
@@ -147,133 +146,3 @@ def check_port(port: Any) -> None:
     if not (isinstance(port, int) and 0 <= port <= 65535):
         raise UsageError(f"error: port={port} is not a TCP port; use 1..65535 (or 0 for any free port)")
 
-
-# ----- one spelling per option: the names the three CLIs used before they shared one engine node
-def old_spellings() -> dict[str, str]:
-    """Old option -> its name now: every EngineConfig field at the top level is `engine.<field>`."""
-    renames = {f.name: f"engine.{f.name}" for f in dataclasses.fields(EngineConfig)}
-    renames.update({"dtype": "model.dtype", "weights_dtype": "engine.weights_dtype",
-                    "server.max_num_loops": "engine.max_num_loops"})
-    return renames
-
-
-# vLLM's command-line flags -> our override (the CLIs take Hydra's key=value, not --flags)
-VLLM_FLAGS = {"model": "model=NAME (a known model) or model.path=/path/to/checkpoint", "host": "host=",
-              "port": "port=", "dtype": "model.dtype=", "served-model-name": "server.model_name=",
-              "api-key": "server.api_key= (or the LOOPSTACK_API_KEY environment variable)",
-              "max-model-len": "engine.max_model_len=", "max-num-seqs": "engine.max_num_seqs=",
-              "max-num-batched-tokens": "engine.max_num_batched_tokens=", "block-size": "engine.block_size=",
-              "gpu-memory-utilization": "engine.gpu_memory_utilization=", "kv-cache-dtype": "engine.kv_dtype=",
-              "enable-prefix-caching": "engine.enable_prefix_caching=true",
-              "enforce-eager": "engine.graphs=false",
-              "tensor-parallel-size": "torchrun --nproc-per-node=N ... (docs/tensor-parallel.md)"}
-# Hydra's own flags pass through
-HYDRA_FLAGS = {"--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--resolve", "--package", "-p",
-               "--info", "-i", "--run", "-r", "--multirun", "-m", "--shell-completion", "-sc", "--config-path",
-               "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun"}
-
-
-SERVER_FLAGS = ("host", "port", "served-model-name", "api-key")     # runtime.serve's alone
-
-
-def check_spellings(argv: list[str], serves: bool = False) -> None:
-    """Exit with one line naming the new spelling when an override uses an old one (`kv_mode=shared`
-    is `engine.kv_mode=shared` now), or a vLLM-style `--flag` (`--port 8000` is `port=8000` in
-    runtime.serve, `serves=True`; the other CLIs have no server options)."""
-    for arg in argv:
-        flag = arg.split("=", 1)[0]
-        if flag.startswith("--") and flag not in HYDRA_FLAGS:
-            name = flag[2:]
-            if name in SERVER_FLAGS and not serves:
-                hint = f"runtime.serve's {VLLM_FLAGS[name]} (this CLI serves nothing)"
-            else:
-                hint = VLLM_FLAGS.get(name) or f"{name.replace('-', '_')}=..."
-            print(f"error: {flag} is not an option here: the CLIs take Hydra overrides (key=value), e.g. "
-                  f"{hint}; `--help` lists them", file=sys.stderr)
-            sys.exit(2)
-    renames = old_spellings()
-    for arg in argv:
-        key = arg.split("=", 1)[0].lstrip("+~")
-        head = key.split(".", 1)[0]
-        new = renames.get(key) or (f"engine.{key}" if head == "speculative" else None)
-        if new is not None and "=" in arg:
-            value = arg.split("=", 1)[1]
-            print(f"error: {key}= is spelled {new}= now ({new}={value}); the three CLIs share one engine "
-                  f"schema, see the README's Options", file=sys.stderr)
-            sys.exit(2)
-
-
-def option_names(schema: type) -> set[str]:
-    """Every key a CLI of config class `schema` takes, dotted (`max_tokens`, `model.num_loops`,
-    `engine.speculative.num_tokens`): its top-level fields and those of the nodes with schemas."""
-    from runtime.server.config import SERVER_FIELDS_FROM_MODEL, ServerConfig
-
-    nodes = {"hal": HalConfig, "model": ModelConfig, "parallel": ParallelConfig, "engine": EngineConfig,
-             "server": ServerConfig}
-
-    def names(cls: type, prefix: str) -> set[str]:
-        out = set()
-        for f in dataclasses.fields(cls):
-            out.add(prefix + f.name)
-            kind = typing.get_type_hints(cls)[f.name]
-            if dataclasses.is_dataclass(kind):
-                out |= names(kind, f"{prefix}{f.name}.")
-        return out
-
-    keys = names(schema, "")
-    for node, cls in nodes.items():
-        if node in keys:
-            keys |= names(cls, f"{node}.")
-    # the server's fields that come from the model node are not options (mutable_schema leaves them out)
-    return {k for k in keys if not any(k == f"server.{f}" or k.startswith(f"server.{f}.")
-                                       for f in SERVER_FIELDS_FROM_MODEL)}
-
-
-def check_known_keys(argv: list[str], schema: type, command: str) -> None:
-    """Exit with one line naming the nearest option when an override's key is not one of the CLI's
-    (Hydra would print several lines ending in a `+key=` hint, and `+key=` is then silently unused)."""
-    import difflib
-
-    keys = option_names(schema)
-    for arg in argv:
-        if "=" not in arg or arg.startswith("-"):
-            continue
-        key = arg.split("=", 1)[0].lstrip("+~")
-        head = key.split(".", 1)[0].split("/", 1)[0].split("@", 1)[0]     # hydra/job_logging=, hal@hal=
-        if key in keys or head in keys and ("/" in key or "@" in key) or head == "hydra" \
-                or head == "workloads" and "workloads" in keys:
-            continue
-        same_name = sorted(k for k in keys if k.endswith("." + key))
-        # within its node when the node exists (model.foo: model.*, compared without "model."), else anywhere
-        node = head + "." if "." in key and head in keys else ""
-        pool = {k[len(node):]: k for k in keys if k.startswith(node)}
-        near = same_name or [pool[k] for k in difflib.get_close_matches(key[len(node):], sorted(pool), n=1, cutoff=0.6)]
-        hint = f" (did you mean {near[0]}={arg.split('=', 1)[1]}?)" if near else ""
-        print(f"error: {key} is not an option of {command}{hint}; `--help` and the README's Options table "
-              f"list them", file=sys.stderr)
-        sys.exit(2)
-
-
-def check_quoting(argv: list[str]) -> None:
-    """Exit with the quoted form to type when Hydra's override grammar cannot read an argument (a
-    prompt with `!`, `'`, `(`, `=`, `#`, ... must be quoted for Hydra inside the shell's quotes)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import OverrideParseException
-
-    parser = OverridesParser.create()
-    for arg in argv:
-        if "=" not in arg or arg.startswith("-"):
-            continue
-        try:
-            parser.parse_overrides([arg])
-        except OverrideParseException:
-            _print_quoted(arg)
-            sys.exit(2)
-
-
-def _print_quoted(arg: str) -> None:
-    key, value = arg.split("=", 1)
-    hydra_value = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    print(f"error: Hydra cannot read the override {arg!r}: its value holds characters of Hydra's "
-          f"override grammar. Quote the value for Hydra inside the shell's quotes: "
-          f"{shlex.quote(f'{key}={hydra_value}')}", file=sys.stderr)

@@ -9,9 +9,10 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from runtime.cli import (CONF_DIR, DEFAULT_MODEL, UsageError, check_model_node, check_quoting,
-                         check_spellings, clear_errors, default_model, engine_config, known_models,  # noqa: F401
-                         make_hal, model_source, register_schemas, setup_logging, check_known_keys)  # noqa: F401
+from runtime.cli import (CONF_DIR, DEFAULT_MODEL, UsageError, check_model_node,  # noqa: F401
+                         clear_errors, default_model, engine_config, known_models,  # noqa: F401
+                         make_hal, model_source, register_schemas, setup_logging)  # noqa: F401
+from runtime.cli_args import check_argv
 from runtime.config import GenerateConfig
 from runtime.sampling_params import SamplingDefaults, SamplingParams
 
@@ -183,9 +184,7 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    check_spellings(sys.argv[1:])
-    check_known_keys(sys.argv[1:], GenerateConfig, "runtime.generate")
-    check_quoting(sys.argv[1:])
+    check_argv(sys.argv[1:], GenerateConfig, "runtime.generate", "generate")
     _main()
 
 

@@ -20,9 +20,9 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from runtime.cli import (CONF_DIR, UsageError, check_model_node, check_port, check_quoting, check_spellings,
-                         clear_errors, engine_config, known_models, make_hal, model_source,
-                         register_schemas, setup_logging, check_known_keys)
+from runtime.cli import (CONF_DIR, UsageError, check_model_node, check_port, clear_errors, engine_config,
+                         known_models, make_hal, model_source, register_schemas, setup_logging)
+from runtime.cli_args import check_argv
 from runtime.config import ServeConfig
 from runtime.sampling_params import SamplingDefaults
 
@@ -147,9 +147,7 @@ def _start(cfg: Any) -> Any:
 
 
 def main() -> None:
-    check_spellings(sys.argv[1:], serves=True)
-    check_known_keys(sys.argv[1:], ServeConfig, "runtime.serve")
-    check_quoting(sys.argv[1:])
+    check_argv(sys.argv[1:], ServeConfig, "runtime.serve", "serve", serves=True)
     _main()
 
 

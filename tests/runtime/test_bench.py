@@ -110,6 +110,24 @@ def test_bench_refuses_a_workload_longer_than_the_model_before_measuring(single_
     assert not measured
 
 
+@pytest.mark.parametrize("override,message", [("output=/nonexistent/folder/rows.jsonl", "output=.* cannot be written"),
+                                               ("output=.", "output=. cannot be written"),
+                                               ("profile=-1", "profile must be an integer >= 0")])
+def test_bench_refuses_a_bad_output_or_profile_before_building_a_model(override, message, monkeypatch):
+    """The rows are appended to `output=` after every cell has run: a path that cannot be written is
+    refused first, as is a negative `profile=`."""
+    from hydra import compose, initialize_config_dir
+
+    import runtime.bench as bench
+    from runtime.generate import CONF_DIR
+
+    monkeypatch.setattr(bench, "build_model", lambda *a, **k: pytest.fail("a model was built"))
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("bench", overrides=["hal=cpu", "workload=tiny", override])
+    with pytest.raises(ValueError, match=message):
+        bench.run(cfg)
+
+
 def test_bench_keeps_a_given_max_model_len_and_refuses_one_shorter_than_a_cell(single_thread, monkeypatch):
     """engine.max_model_len set: every cell runs at it (a serve user's default table width), and a cell
     that needs more positions is refused by name before anything is measured."""

@@ -12,7 +12,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from helpers import ROOT, golden_case
-from runtime.cli import CONF_DIR, UsageError, check_spellings, engine_config, old_spellings, register_schemas
+from runtime.cli import CONF_DIR, UsageError, engine_config, register_schemas
+from runtime.cli_args import check_spellings, old_spellings
 from runtime.config import EngineConfig
 
 register_schemas()
@@ -58,6 +59,25 @@ def test_an_old_spelling_names_the_new_one(old, new, capsys):
     assert exit_info.value.code == 2 and new in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("config,arg,hint", [
+    ("generate", "hal=cdua", "one of the hal options: ascend, ascend-sim, auto, cpu, cuda, rocm"),
+    ("serve", "model=ouro-1.4", "ouro-1.4b, ouro-1.4b-thinking"),
+    ("generate", "engine.max_num_seqs=abc", "give a whole number"),
+    ("generate", "chat=maybe", "give true or false"),
+    ("bench", "matmul_size=1.5", "give a whole number"),
+    ("serve", "server.allowed_origins=*", "'server.allowed_origins=[...]'")])
+def test_an_override_hydra_cannot_compose_ends_in_one_line(config, arg, hint, capsys):
+    """Hydra's own message for these is a dozen lines ending in its search path."""
+    from runtime.cli_args import check_composes
+    register_schemas()
+    with pytest.raises(SystemExit) as exit_info:
+        check_composes(["hal=cpu", arg], config)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and hint in err and err.startswith("error: ") and len(err.strip().splitlines()) == 1
+    check_composes(["hal=cpu", "engine.max_num_seqs=4"], config)           # good overrides pass
+    check_composes(["--help", "hal=cdua"], config)                          # Hydra's flags: Hydra's rules
+
+
 @pytest.mark.parametrize("argv,hint", [(["--port", "8000"], "port="), (["--model=ByteDance/Ouro-1.4B"], "model.path="),
                                        (["--max-model-len", "4096"], "engine.max_model_len="),
                                        (["--enforce-eager"], "engine.graphs=false"),
@@ -71,7 +91,7 @@ def test_a_vllm_flag_names_the_override(argv, hint, capsys):
 
 
 def test_unknown_keys_are_named_and_hydra_forms_pass(capsys):
-    from runtime.cli import check_known_keys
+    from runtime.cli_args import check_known_keys
     from runtime.config import BenchConfig, GenerateConfig, ServeConfig
 
     check_known_keys(["hal=cpu", "model=ouro-tiny", "hydra/job_logging=default", "hydra.run.dir=/tmp/x",
