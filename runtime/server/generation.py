@@ -136,6 +136,8 @@ class Generation(RequestInputs):
                                                       bool(choice.finish_reason), is_delta=True,
                                                       with_prompt=first)))
                 if choice.finish_reason == "abort":
+                    if job.include_usage:              # what it generated before the stop still counts
+                        yield _sse_data({**chunk(None), "choices": [], "usage": job.usage()})
                     yield _sse_data(_error("the server stopped before this request finished; retry",
                                            "service_unavailable", "shutting_down"))
                     yield "data: [DONE]\n\n"

@@ -171,7 +171,8 @@ def test_shutdown_aborts_what_outlives_the_grace_period(make_engine, live_server
     app = build_app(engine, ServerConfig(model_name="tiny"))
     server = live_server(app, shutdown_timeout_s=0.3)
     with httpx.Client(base_url=server.url, timeout=60) as http:
-        with http.stream("POST", "/v1/completions", json=completion(stream=True, **LONG)) as response:
+        body = completion(stream=True, stream_options={"include_usage": True}, **LONG)
+        with http.stream("POST", "/v1/completions", json=body) as response:
             lines = response.iter_lines()
             payloads = sse_payloads([next(line for line in lines if line.startswith("data: "))])
             stopper = threading.Thread(target=server.stop)
@@ -180,8 +181,10 @@ def test_shutdown_aborts_what_outlives_the_grace_period(make_engine, live_server
     stopper.join(60)
     assert payloads[-1] == "[DONE]"                      # the stream ends properly, cut short:
     assert payloads[-2]["error"]["code"] == "shutting_down"            # an error object says why,
-    assert payloads[-3]["choices"][0]["finish_reason"] == "length"     # after an OpenAI finish_reason
-    assert sum(1 for p in payloads[:-2] if p["choices"][0]["text"]) < LONG["max_tokens"]
+    streamed = sum(1 for p in payloads[:-4] if p["choices"][0]["text"])
+    assert payloads[-3]["choices"] == [] and streamed <= payloads[-3]["usage"]["completion_tokens"]   # the usage,
+    assert payloads[-4]["choices"][0]["finish_reason"] == "length"     # after an OpenAI finish_reason
+    assert streamed < LONG["max_tokens"]
     assert not stopper.is_alive() and not server.loop.is_alive
     engine.blocks.check_invariants()
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks and not engine.has_unfinished_requests()
