@@ -2,16 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import functools
+import collections
 import itertools
-import json
 import logging
-import operator
 import os
-import random
-from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence, Union
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
@@ -26,6 +21,10 @@ from runtime.engine.outputs import RequestOutput
 from runtime.parallel.follower import Follower
 from runtime.parallel.state import ParallelState
 from runtime.parallel.step_plan import check_supported
+from runtime.llm_options import (check_engine_keywords, check_seed, check_tensor_parallel_size,
+                                 note_remote_code_unused, sampling_of_generation_config, seed_global_rngs,
+                                 tokenizer_at)
+from runtime.prompts import Prompt, check_sampling_params, params_list, prompt_list, token_ids
 from runtime.text.tokenizer import Tokenizer
 from zoo.base import LoopedCausalLM
 from zoo.parallel import tensor_parallel
@@ -33,7 +32,6 @@ from zoo.sharding import shard
 
 log = logging.getLogger(__name__)
 
-Prompt = Union[str, Sequence[int]]
 
 
 class LLM:
@@ -66,7 +64,7 @@ class LLM:
                  stop_token_ids: Sequence[int] = (), seed: int | None = None,
                  trust_remote_code: bool = False, tensor_parallel_size: int = 1,
                  enforce_eager: bool = False, **engine_options) -> None:
-        _check_engine_keywords(engine_options)
+        check_engine_keywords(engine_options)
         if engine_config is not None and engine_options:
             raise ValueError(f"give engine_config= or engine keywords ({', '.join(sorted(engine_options))}), "
                              f"not both")
@@ -79,12 +77,11 @@ class LLM:
                 raise ValueError("enforce_eager=True and graphs=True contradict each other: enforce_eager "
                                  "is graphs=False; give one of them")
             config = dataclasses.replace(config, graphs=False)
-        if seed is not None and not (isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0):
-            raise ValueError(f"seed must be an integer >= 0 (or None), got {seed!r}")
+        check_seed(seed)
         if trust_remote_code:
-            _note_remote_code_unused()
+            note_remote_code_unused()
         self.parallel = parallel or ParallelState()
-        _check_tensor_parallel_size(tensor_parallel_size, self.parallel)
+        check_tensor_parallel_size(tensor_parallel_size, self.parallel)
         if not isinstance(hal, (str, Hal)):
             raise TypeError(f"hal takes a name ('auto', 'cpu', 'cuda', ...) or a Hal, got {hal!r}")
         self.hal = hal_registry.get(hal) if isinstance(hal, str) else hal
@@ -94,7 +91,7 @@ class LLM:
         if self.parallel.is_parallel:
             check_supported(config)                 # before loading a model for nothing
         if isinstance(tokenizer, (str, os.PathLike)):
-            tokenizer = _tokenizer_at(tokenizer)    # before the model: a wrong path fails at once
+            tokenizer = tokenizer_at(tokenizer)    # before the model: a wrong path fails at once
         elif tokenizer is not None and not isinstance(tokenizer, Tokenizer):
             raise TypeError(f"tokenizer takes a folder with tokenizer.json or a runtime.text Tokenizer, got "
                             f"{type(tokenizer).__name__}")
@@ -105,12 +102,15 @@ class LLM:
         self.tokenizer = tokenizer
         self.engine = LLMEngine(self.model, self.hal, config, self.tokenizer, extra_stop_token_ids=stop_token_ids,
                                 publisher=self.parallel.publisher(seed))
-        self._generation_config = _sampling_of_generation_config(folder)
+        self._generation_config = sampling_of_generation_config(folder)
         self._ids = itertools.count()
+        # outputs of the requests a call is waiting for (a stream, a generate), by request id: one
+        # call's engine steps also advance the others' requests, whose outputs wait here for them
+        self._outputs: dict[str, collections.deque[RequestOutput]] = {}
         if seed is not None:
             # after construction: what building draws (a Hal's once-per-process probe, warm-up) then
             # cannot shift what the requests draw from the device's global RNG (sampler.py)
-            _seed_global_rngs(seed)
+            seed_global_rngs(seed)
         log.info("LLM: %s on %s, dtype %s", type(self.model).__name__, device, next(self.model.parameters()).dtype)
 
     def get_tokenizer(self) -> Tokenizer | None:
@@ -128,7 +128,7 @@ class LLM:
         if isinstance(prompt, Mapping):
             keys = set(prompt)
             if "prompt_token_ids" in keys and keys <= {"prompt_token_ids", "prompt"}:
-                return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), token_ids(prompt["prompt_token_ids"])
             if keys != {"prompt"}:
                 raise TypeError(f"a prompt dict takes 'prompt' (text) or 'prompt_token_ids', got keys {sorted(keys)}")
             prompt = prompt["prompt"]
@@ -136,7 +136,7 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer.json: pass token ids (prompt_ids) instead of text")
             return prompt, self.tokenizer.encode_prompt(prompt)
-        return None, _token_ids(prompt)
+        return None, token_ids(prompt)
 
     def _add(self, prompt: Prompt, params: SamplingParams) -> str:
         text, ids = self.encode(prompt)
@@ -158,16 +158,11 @@ class LLM:
         the engine rejects (e.g. larger than the whole KV cache) gets an output with
         `finish_reason="error"` and `.error`; the others run normally. Invalid input raises.
         `use_tqdm` is accepted for vLLM's callers; no progress bar is drawn."""
-        prompts = _as_prompt_list(prompts)
-        params = sampling_params or self.get_default_sampling_params()
-        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
-        for p in params_list:
-            _check_sampling_params(p)
+        prompts = prompt_list(prompts)
+        params_of = params_list(sampling_params, len(prompts), self.get_default_sampling_params())
         order, results = [], {}
         try:
-            for prompt, p in zip(prompts, params_list):
+            for prompt, p in zip(prompts, params_of):
                 try:
                     order.append(self._add(prompt, p))
                 except MemoryError as exc:
@@ -181,44 +176,82 @@ class LLM:
             for request_id in order:
                 self.engine.abort(request_id)
             raise
+        waiting = [i for i in order if i not in results]
+        for request_id in waiting:
+            self._outputs[request_id] = collections.deque()
         try:
-            for out in self.engine.run_until_done():
-                results[out.request_id] = out
-        except BaseException:            # a failed step (or ^C): nothing of this call stays in the engine
+            while waiting:
+                self._step()
+                for request_id in waiting:
+                    queue = self._outputs[request_id]
+                    while queue:
+                        out = queue.popleft()
+                        if out.finished:
+                            results[request_id] = out
+                waiting = [i for i in waiting if i not in results]
+        finally:                         # a failed step (or ^C): nothing of this call stays in the engine
             for request_id in order:
+                self._outputs.pop(request_id, None)
                 if request_id not in results:
                     self.engine.abort(request_id)
-            raise
         return [results[i] for i in order]
+
+    def _step(self) -> None:
+        """One engine step; each output goes to the call waiting for its request (another caller's
+        open stream included), none is lost."""
+        if not self.engine.has_unfinished_requests():
+            raise RuntimeError("the engine finished without the output a call waits for")
+        with torch.inference_mode():
+            outputs = self.engine.step()
+        for out in outputs:
+            queue = self._outputs.get(out.request_id)
+            if queue is not None:
+                queue.append(out)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the growing output of one prompt after every token (the last one has `finished`)."""
-        sampling_params = sampling_params or self.get_default_sampling_params()
-        _check_sampling_params(sampling_params)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        check_sampling_params(sampling_params)
         request_id = self._add(prompt, sampling_params)
+        queue = self._outputs[request_id] = collections.deque()
         try:
-            with torch.inference_mode():
-                while True:
-                    for out in self.engine.step():
-                        if out.request_id == request_id:
-                            yield out
-                            if out.finished:
-                                return
+            while True:
+                if not queue:
+                    self._step()
+                    continue
+                out = queue.popleft()
+                yield out
+                if out.finished:
+                    return
         finally:                         # a caller that stops iterating (close, break) ends the request
+            self._outputs.pop(request_id, None)
             self.engine.abort(request_id)
 
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             enable_thinking: bool | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+             enable_thinking: bool | None = None, use_tqdm: bool = True, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template: str | None = None,
+             chat_template_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
         """Generate the assistant's reply to one conversation (a list of `{"role", "content"}` dicts)
-        or to each of several, through the checkpoint's chat template. `enable_thinking=True` opens the
-        reply with `<think>` (thinking checkpoints); True or False reaches the template as a variable,
-        None (the default) leaves it undefined, as transformers' apply_chat_template does."""
+        or to each of several, through the checkpoint's chat template (or `chat_template`, Jinja
+        source). `enable_thinking=True` opens the reply with `<think>` (thinking checkpoints); True or
+        False reaches the template as a variable, None (the default) leaves it undefined, as
+        transformers' apply_chat_template does. vLLM's `add_generation_prompt`,
+        `continue_final_message` (the model continues the last message, e.g. an answer begun for it)
+        and `chat_template_kwargs` (more template variables) as in `LLM.chat` there."""
         if self.tokenizer is None:
             raise ValueError("chat needs the checkpoint's tokenizer.json and chat template")
+        extra = dict(chat_template_kwargs or {})
+        taken = sorted({"enable_thinking", "add_generation_prompt", "continue_final_message", "chat_template",
+                        "messages", "tokenizer"} & set(extra))
+        if taken:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: pass them as LLM.chat's own "
+                             f"arguments")
         messages = list(messages)                   # an iterator of messages or of conversations too
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
-        texts = [apply_chat_template(self.tokenizer, conversation, enable_thinking=enable_thinking)
+        texts = [apply_chat_template(self.tokenizer, conversation, add_generation_prompt, enable_thinking,
+                                     chat_template, continue_final_message, **extra)
                  for conversation in conversations]
         # the template writes the BOS itself: encoded as a plain prompt it would get a second one
         prompts = [{"prompt": text, "prompt_token_ids": self.tokenizer.encode(text)} for text in texts]
@@ -247,109 +280,3 @@ def follow(model: str | os.PathLike | LoopedCausalLM, hal: str | Hal, dtype: tor
     loaded, _ = load_model(model, hal, dtype, parallel)
     with torch.inference_mode():
         Follower(loaded, hal, parallel.channel).run()
-
-
-# vLLM's constructor arguments that `LLM.__init__` takes besides the EngineConfig fields
-VLLM_OPTIONS = ("seed", "trust_remote_code", "tensor_parallel_size", "enforce_eager", "tokenizer")
-
-
-def _check_sampling_params(params: Any) -> None:
-    if not isinstance(params, SamplingParams):
-        fix = f"SamplingParams(**{params!r})" if isinstance(params, Mapping) else "SamplingParams(...)"
-        raise TypeError(f"sampling_params takes SamplingParams (or a list of them, one per prompt), got "
-                        f"{type(params).__name__}: pass {fix}")
-
-
-def _check_engine_keywords(engine_options: Mapping[str, Any]) -> None:
-    """A TypeError naming the keyword and the options there are, not EngineConfig's bare one."""
-    fields = [f.name for f in dataclasses.fields(EngineConfig)]
-    for name in engine_options:
-        if name not in fields:
-            close = difflib.get_close_matches(name, fields + list(VLLM_OPTIONS), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}{hint}. It takes model, hal, "
-                            f"dtype, tokenizer, engine_config, parallel, stop_token_ids; vLLM's "
-                            f"{', '.join(VLLM_OPTIONS[:-1])}; and the engine options of "
-                            f"runtime.config.EngineConfig: {', '.join(fields)}")
-
-
-@functools.cache
-def _note_remote_code_unused() -> None:
-    log.info("trust_remote_code=True is not needed: loopstack runs its own implementation of the model "
-             "(zoo/), no code from the checkpoint")
-
-
-def _check_tensor_parallel_size(size: Any, parallel: ParallelState) -> None:
-    """vLLM starts its tensor-parallel workers itself; here they are torchrun's processes, so past
-    the default 1 only the size `parallel` already has is accepted."""
-    if not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
-        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
-    if size in (1, parallel.world_size):
-        return
-    raise ValueError(
-        f"tensor_parallel_size={size}, but LLM() does not start tensor-parallel workers: loopstack runs one "
-        f"process per rank under torchrun (docs/tensor-parallel.md). From the command line: `torchrun "
-        f"--nproc-per-node {size} -m runtime.generate model=... parallel.tp={size}` (runtime.serve and "
-        f"runtime.bench alike). From a script started by `torchrun --nproc-per-node {size}`: `parallel = "
-        f"runtime.parallel.state.init_distributed(hal, {size})`, then `LLM(model, hal=hal, "
-        f"parallel=parallel)` on rank 0 (parallel.is_driver) and `runtime.llm.follow(model, hal, dtype, "
-        f"parallel)` on the others")
-
-
-def _tokenizer_at(path: str | os.PathLike) -> Tokenizer:
-    folder = Path(path).expanduser()
-    tokenizer = Tokenizer.from_folder(folder) if folder.is_dir() else None
-    if tokenizer is None:
-        what = "has no tokenizer.json" if folder.is_dir() else "is not a folder"
-        raise ValueError(f"tokenizer={os.fspath(path)!r} {what}: give the folder that holds a tokenizer.json "
-                         f"(e.g. the checkpoint's) or a runtime.text.tokenizer.Tokenizer")
-    return tokenizer
-
-
-def _seed_global_rngs(seed: int) -> None:
-    """vLLM's seeding: Python's, NumPy's and torch's (every device's) global generators."""
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy
-    except ImportError:
-        return
-    numpy.random.seed(seed % (1 << 32))           # NumPy's legacy seeds are 32-bit
-
-
-def _token_ids(prompt: Any) -> list[int]:
-    _refuse_bytes(prompt)
-    try:
-        return [operator.index(t) for t in prompt]
-    except TypeError:
-        raise TypeError(f"a prompt is a string, a list of token ids or a dict with 'prompt' or "
-                        f"'prompt_token_ids', got {type(prompt).__name__}: {str(prompt)[:80]}") from None
-
-
-def _refuse_bytes(prompt: Any) -> None:
-    if isinstance(prompt, (bytes, bytearray, memoryview)):     # would read as token ids, one per byte
-        raise TypeError("a prompt is a string or a list of token ids, not bytes: decode it first (b.decode())")
-
-
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    _refuse_bytes(prompts)
-    if isinstance(prompts, (str, Mapping)):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]                                # one prompt of token ids
-    return prompts
-
-
-def _sampling_of_generation_config(folder: str | os.PathLike | None) -> dict[str, Any]:
-    """The sampling fields of a checkpoint's generation_config.json that SamplingParams takes."""
-    path = Path(folder) / "generation_config.json" if folder else None
-    if path is None or not path.is_file():
-        return {}
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        log.warning("ignoring %s: %s", path, exc)
-        return {}
-    keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-    return {k: raw[k] for k in keys if raw.get(k) is not None}

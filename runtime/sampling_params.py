@@ -89,6 +89,14 @@ class SamplingParams:
         bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
 
+        def whole(name: str) -> int | None:
+            """The field as Python's int (a numpy integer too), or None where it is no integer: True is not."""
+            value = getattr(self, name)
+            if not isinstance(value, Integral) or isinstance(value, (bool, np.bool_)):
+                return None
+            object.__setattr__(self, name, int(value))
+            return int(value)
+
         def integer(name: str, low: int, allow_none: bool = False) -> None:
             value = getattr(self, name)
             if value is None and allow_none:
@@ -115,9 +123,10 @@ class SamplingParams:
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not 0 <= self.min_p <= 1:
             problems.append(f"min_p must be in [0, 1] (0: off), got {self.min_p!r}")
-        if not (isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and -1 <= self.top_k < TOP_K_LIMIT):
+        top_k = whole("top_k")
+        if top_k is None or not -1 <= top_k < TOP_K_LIMIT:
             problems.append(f"top_k must be -1 or 0 (off) or a positive integer below 2^31, got {self.top_k!r}")
-        if self.seed is not None and not (isinstance(self.seed, int) and -INT64_LIMIT <= self.seed < INT64_LIMIT):
+        if self.seed is not None and not (whole("seed") is not None and -INT64_LIMIT <= self.seed < INT64_LIMIT):
             problems.append(f"seed must be a 64-bit signed integer, got {self.seed!r}")
         bad_stops = [t for t in self.stop_token_ids if not 0 <= t < INT64_LIMIT]
         if bad_stops:
@@ -140,14 +149,14 @@ class SamplingParams:
             problems.append(f"logit_bias takes token ids in [0, 2^63) with biases in [-100, 100], got {bad_bias[:3]}")
         if isinstance(self.max_tokens, int) and isinstance(self.min_tokens, int) and self.min_tokens > self.max_tokens:
             problems.append(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if self.num_loops is not None and not (isinstance(self.num_loops, int) and self.num_loops >= 1):
+        if self.num_loops is not None and not (whole("num_loops") is not None and self.num_loops >= 1):
             problems.append(f"num_loops must be an integer >= 1, got {self.num_loops!r}")
         if self.exit_threshold is not None and not 0 < self.exit_threshold <= 1:
             problems.append(f"exit_threshold must be in (0, 1], got {self.exit_threshold!r}")
         if self.init_scale is not None and not (self.init_scale >= 0 and math.isfinite(self.init_scale)):
             problems.append(f"init_scale must be >= 0, got {self.init_scale!r}")
         integer("min_loops", 1)          # past num_loops: every token takes its last loop
-        if not isinstance(self.priority, int):
+        if whole("priority") is None:
             problems.append(f"priority must be an integer (lower = more urgent), got {self.priority!r}")
         if problems:
             raise ValueError("; ".join(problems))
@@ -190,6 +199,13 @@ def _type_problems(p: SamplingParams) -> list[str]:
 
     def is_id(v: Any) -> bool:         # vLLM takes "50256" as a key too (JSON objects have string keys)
         return is_int(v) or isinstance(v, str) and v.isascii() and v.isdigit()
+
+    # an iterator (a generator) is read once here: the checks below and the conversion after them
+    # must see the same items
+    for name in ("stop_token_ids", "stop", "logit_bias"):
+        value = getattr(p, name)
+        if is_sequence(value) and not isinstance(value, (list, tuple)) and iter(value) is value:
+            object.__setattr__(p, name, tuple(value))
 
     problems = [f"{name} must be a number, got {getattr(p, name)!r}" for name in REAL_FIELDS
                 if not is_real(getattr(p, name))]

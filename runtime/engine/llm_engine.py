@@ -240,9 +240,11 @@ class LLMEngine(EngineRequests):
                 status = request.check_stop(num_outputs) if code is None else STATUS_OF_CODE[code]
                 status = self._check_stop_strings(request, status)
             if status == RequestStatus.FINISHED_STOPPED and request.stop_reason is None:
-                # the request's own stop token names itself; the model's end token leaves None (vLLM's rule)
+                # the request's own stop token names itself; the model's end token leaves None, first
+                # where it is both (vLLM's rule)
                 last = request.output_token_ids[request.num_resolved_outputs - 1]
-                request.stop_reason = last if last in request.params.stop_token_ids else None
+                own = last in request.params.stop_token_ids and last not in request.stop_token_ids
+                request.stop_reason = last if own else None
             if request.group is not None and request.sample_index == 0 and request.num_resolved_outputs \
                     and len(request.group.samples) < request.group.best_of:
                 self._fork(request)             # before a stop could free the prompt blocks

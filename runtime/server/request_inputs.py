@@ -16,7 +16,8 @@ from runtime.text.chat import apply_chat_template
 from runtime.text.tokenizer import Tokenizer
 
 # arguments of the chat template call (runtime/text/chat.py) that chat_template_kwargs may not repeat
-RESERVED_TEMPLATE_KWARGS = frozenset({"tokenizer", "messages", "add_generation_prompt", "template", "special_tokens"})
+RESERVED_TEMPLATE_KWARGS = frozenset({"tokenizer", "messages", "add_generation_prompt", "template", "special_tokens",
+                                      "chat_template", "continue_final_message"})
 
 
 def checked_text(text: str, param: str) -> str:

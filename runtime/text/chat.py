@@ -115,20 +115,39 @@ def render_chat(template: str, messages: Sequence[Message], add_generation_promp
 
 
 def apply_chat_template(tokenizer: Tokenizer, messages: Sequence[Message], add_generation_prompt: bool = True,
-                        enable_thinking: bool | None = None, **extra: Any) -> str:
-    """Render `messages` with the tokenizer's chat template. `enable_thinking` reaches the template
-    only when given (None leaves the template's default). With `enable_thinking=True` and a
-    generation prompt, the assistant turn starts with `<think>\\n` (added when the template does not
-    add it itself): the -Thinking checkpoints do not open a thought block unprompted."""
-    template = tokenizer.chat_template_for(tools=bool(extra.get("tools")))
+                        enable_thinking: bool | None = None, chat_template: str | None = None,
+                        continue_final_message: bool = False, **extra: Any) -> str:
+    """Render `messages` with the tokenizer's chat template (or `chat_template`, Jinja source).
+    `enable_thinking` reaches the template only when given (None leaves the template's default). With
+    `enable_thinking=True` and a generation prompt, the assistant turn starts with `<think>\\n` (added
+    when the template does not add it itself): the -Thinking checkpoints do not open a thought block
+    unprompted. `continue_final_message`: the text ends inside the last message, after its content,
+    so the model continues that message (an assistant answer begun by the caller) instead of
+    answering it, as in transformers and vLLM; it excludes a generation prompt."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message continues the last message, add_generation_prompt opens a "
+                         "new one: set add_generation_prompt=False")
+    template = chat_template or tokenizer.chat_template_for(tools=bool(extra.get("tools")))
     if template is None:
         raise ChatTemplateError("this checkpoint has no chat template (tokenizer_config.json 'chat_template' or "
                          "chat_template.jinja); pass chat=false and format the prompt yourself")
     text = render_chat(template, messages, add_generation_prompt, enable_thinking, tokenizer.special_tokens,
                        **extra)
+    if continue_final_message:
+        text = _cut_after_final_message(text, check_messages(messages)[-1]["content"])
     if enable_thinking is True and add_generation_prompt and not text.rstrip().endswith(THINK_OPENER):
         if tokenizer.token_id(THINK_OPENER) is None:
             raise ValueError(f"enable_thinking needs a tokenizer with a {THINK_OPENER} token (a thinking "
                              f"checkpoint); this one has none")
         text += THINK_OPENER + "\n"
     return text
+
+
+def _cut_after_final_message(text: str, content: str | None) -> str:
+    """`text` up to the end of the last message's content, where the template closed the turn after it."""
+    content = (content or "").strip()
+    end = text.rfind(content) if content else -1
+    if end < 0:
+        raise ValueError("continue_final_message: the last message's content is empty or does not appear in the "
+                         "text the chat template made of it, so there is no place to continue from")
+    return text[:end + len(content)]

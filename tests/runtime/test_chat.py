@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -261,3 +262,28 @@ def test_llm_gives_text_prompts_the_bos_and_chat_prompts_only_the_templates(sing
     assert chat.prompt_token_ids == tokenizer.encode(chat.prompt)
     assert chat.prompt_token_ids[:2] == [0, 2] and chat.prompt_token_ids.count(0) == 1
     assert 1 not in chat.prompt_token_ids
+
+
+def test_llm_chat_takes_vllms_template_arguments():
+    """add_generation_prompt, continue_final_message (the text ends after the last message's content,
+    the model continues it), chat_template and chat_template_kwargs, as LLM.chat in vLLM."""
+    packaged = Path(zoo.__file__).parent / "checkpoints" / "ouro-tiny"
+    llm = LLM(packaged, hal="cpu", dtype="float32", num_kv_blocks=64)
+    greedy = SamplingParams(max_tokens=2, temperature=0)
+    source = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</>\n{% endfor %}"
+              "{% if add_generation_prompt %}<assistant>{% endif %}{{ x }}")
+    hi = [{"role": "user", "content": "Hi"}]
+
+    def prompt(messages, **options):
+        return llm.chat(messages, greedy, chat_template=source, **options)[0].prompt
+    assert prompt(hi, chat_template_kwargs={"x": 7}) == "<user>Hi</>\n<assistant>7"
+    assert prompt(hi, add_generation_prompt=False) == "<user>Hi</>\n"
+    begun = hi + [{"role": "assistant", "content": "Well, the "}]
+    assert prompt(begun, add_generation_prompt=False, continue_final_message=True) == \
+        "<user>Hi</>\n<assistant>Well, the"
+    with pytest.raises(ValueError, match="set add_generation_prompt=False"):
+        prompt(begun, continue_final_message=True)
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set enable_thinking"):
+        prompt(hi, chat_template_kwargs={"enable_thinking": True})
+    assert llm.chat(begun, greedy, add_generation_prompt=False, continue_final_message=True)[0].prompt.endswith(
+        "Well, the")                                 # the checkpoint's own template

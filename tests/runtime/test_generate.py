@@ -101,6 +101,15 @@ def test_seeded_sampling_is_reproducible_and_varies():
     assert a == b and a != c
 
 
+def test_sampling_params_read_an_iterator_once_and_take_numpy_integers():
+    import numpy as np
+
+    params = SamplingParams(stop_token_ids=(t for t in [1, 2]), stop=(s for s in ["a"]),
+                            logit_bias=((t, 1.0) for t in [3]), top_k=np.int64(5), seed=np.int64(9))
+    assert (params.stop_token_ids, params.stop, params.logit_bias) == ((1, 2), ("a",), ((3, 1.0),))
+    assert (params.top_k, params.seed) == (5, 9) and type(params.seed) is int
+
+
 def test_filters():
     logits = torch.tensor([3.0, 2.0, 1.0, 0.0])
     probs = filtered_probs(logits, SamplingParams(temperature=1.0, top_k=2))
@@ -115,7 +124,9 @@ def test_filters():
                                  # past what the persistent batch's int64 rows hold: refused here, not
                                  # failing the engine step of every request in the batch
                                  dict(top_k=2 ** 63), dict(stop_token_ids=[10 ** 23]), dict(stop_token_ids=[-1]),
-                                 dict(seed=2 ** 64), dict(max_tokens=2 ** 70)])
+                                 dict(seed=2 ** 64), dict(max_tokens=2 ** 70),
+                                 # True is no seed, depth or k (it would reach torch.manual_seed as a bool)
+                                 dict(seed=True), dict(num_loops=True), dict(top_k=True)])
 def test_bad_sampling_params_are_rejected(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
@@ -143,6 +154,45 @@ def test_requests_do_not_outlive_a_failed_generate_or_a_closed_stream():
     assert not next(stream).finished
     stream.close()
     assert not llm.engine.has_unfinished_requests() and llm.engine.blocks.num_free_blocks == free
+
+
+def test_streams_and_generate_interleave_each_with_its_own_outputs():
+    """Two open streams, read in turns, and a generate while a stream is open: every call gets its
+    own request's outputs (one call's engine steps advance the others', whose outputs wait for them)."""
+    import itertools
+
+    llm = LLM(golden_case("ouro-tiny").path, hal="cpu", dtype="float32")
+    greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    first, second = llm.generate([[1, 2, 3], [4, 5]], greedy)
+    a, b = llm.stream([1, 2, 3], greedy), llm.stream([4, 5], greedy)
+    turns = list(itertools.zip_longest(a, b))
+    assert [o.token_ids for o in turns[-1]] == [first.token_ids, second.token_ids]
+    assert [len(pair[0].token_ids) for pair in turns] == [1, 2, 3, 4, 5] and turns[-1][0].finished
+    stream = llm.stream([1, 2, 3], greedy)
+    assert next(stream).token_ids == first.token_ids[:1]
+    assert llm.generate([4, 5], greedy)[0].token_ids == second.token_ids
+    assert [o.token_ids for o in stream][-1] == first.token_ids
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_token_ids_of_numpy_and_torch_and_clear_errors_for_the_rest():
+    """A 1-D NumPy array or tensor, or a list of NumPy integers, is one prompt of ids; None, a
+    number, bools and an empty SamplingParams list are refused naming the forms."""
+    import numpy as np
+
+    llm = LLM(golden_case("ouro-tiny").path, hal="cpu", dtype="float32")
+    greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    want = llm.generate([5, 6, 7], greedy)[0].token_ids
+    for prompt in (np.array([5, 6, 7]), torch.tensor([5, 6, 7]), [np.int64(5), np.int64(6), np.int64(7)]):
+        (out,) = llm.generate(prompt, greedy)
+        assert out.prompt_token_ids == [5, 6, 7] and out.token_ids == want
+    for bad in (None, 5, [True, False]):
+        with pytest.raises(TypeError, match="a prompt is a string, a list of token ids"):
+            llm.generate(bad, greedy)
+    with pytest.raises(ValueError, match="0 SamplingParams for 2 prompts"):
+        llm.generate([[1], [2]], [])
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\^63\)"):
+        LLM(golden_case("ouro-tiny").path, hal="cpu", seed=2 ** 64)
 
 
 def test_exit_threshold_reports_loops():
@@ -247,14 +297,14 @@ def test_vllm_constructor_arguments(tmp_path):
     assert "runtime.llm.follow(model, hal, dtype, parallel)" in str(err.value)
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
         LLM(case.path, hal="cpu", tensor_parallel_size=0)
-    from runtime.llm import _check_tensor_parallel_size
+    from runtime.llm_options import check_tensor_parallel_size
     from runtime.parallel.state import ParallelState
 
     two_ranks = ParallelState(0, 2)                      # what init_distributed gives under torchrun
-    _check_tensor_parallel_size(1, two_ranks)            # the default, and the size parallel= has
-    _check_tensor_parallel_size(2, two_ranks)
+    check_tensor_parallel_size(1, two_ranks)            # the default, and the size parallel= has
+    check_tensor_parallel_size(2, two_ranks)
     with pytest.raises(ValueError, match="tensor_parallel_size=4, but LLM"):
-        _check_tensor_parallel_size(4, two_ranks)
+        check_tensor_parallel_size(4, two_ranks)
 
     with pytest.raises(TypeError) as err:
         LLM(case.path, hal="cpu", max_num_seq=4)
@@ -289,7 +339,7 @@ def test_llm_seed_makes_unseeded_sampling_reproducible():
     assert run(3, unseeded) == first and all(len(text) > 20 for text in first)
     assert run(4, unseeded) != first
     assert run(3, own_seed) == run(4, own_seed) == run(None, own_seed)
-    with pytest.raises(ValueError, match="seed must be an integer >= 0"):
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\^63\)"):
         LLM(packaged, hal="cpu", seed=-1)
 
 
