@@ -22,7 +22,8 @@ MIN_TEMPERATURE = 1e-5         # below it sampling is greedy (logits / 1e-40 ove
 class SamplingParams:
     """Per-request generation settings (vLLM's names; the looped-model fields last).
 
-    `temperature=0` is greedy, and so is any temperature below 1e-5 (as in vLLM). `top_k` 0 or -1
+    `max_tokens=None` generates up to the context (what the KV cache holds of a request at its
+    depth), as in vLLM. `temperature=0` is greedy, and so is any temperature below 1e-5 (as in vLLM). `top_k` 0 or -1
     and `top_p=1` disable those filters. `seed` makes
     sampling (and Huginn's random initial state) reproducible per request, greedy included; a
     seeded request's tokens do not depend on what else is in the batch.
@@ -54,7 +55,7 @@ class SamplingParams:
     convention), first come first served within a level.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -109,7 +110,7 @@ class SamplingParams:
             if value >= INT64_LIMIT:            # the device batch holds these as int64
                 problems.append(f"{name} must be below 2^63, got {value!r}")
 
-        integer("max_tokens", 1)
+        integer("max_tokens", 1, allow_none=True)     # None: up to the context (the engine sets it)
         integer("n", 1)
         integer("best_of", 1, allow_none=True)
         integer("min_tokens", 0)

@@ -54,6 +54,9 @@ class EngineRequests:
         if self.publisher is not None:
             params = self.publisher.seeded(params)
         num_loops = params.num_loops or self.model.default_num_loops
+        if params.max_tokens is None:          # vLLM's None: what the context (and the cache) leaves
+            room = self.max_request_len(num_loops) - len(prompt_token_ids)
+            params = dataclasses.replace(params, max_tokens=max(room, 1))
         check_request(prompt_token_ids, params, num_loops, self.model.config.vocab_size, self.context_len,
                       self.config)
         if num_loops > self.max_loops:

@@ -357,3 +357,11 @@ def test_logprobs_carry_each_tokens_text():
         for token, entry in lp.items():
             assert entry.decoded_token == llm.tokenizer.decode([token], skip_special_tokens=False)
     assert "".join(lp[lp.token_id].decoded_token for lp in out.logprobs) == llm.tokenizer.decode(out.token_ids)
+
+
+def test_max_tokens_none_generates_up_to_the_context():
+    """vLLM's max_tokens=None: the sample runs until the context is full (here 40 blocks of 16 hold
+    161 tokens of a 4-loop request)."""
+    llm = LLM(golden_case("ouro-tiny").path, hal="cpu", dtype="float32", num_kv_blocks=40)
+    out = llm.generate([1, 2, 3], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == llm.engine.max_request_len(4) - 3 == 158
