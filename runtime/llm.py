@@ -134,7 +134,8 @@ class LLM:
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this checkpoint has no tokenizer.json: pass token ids (prompt_ids) instead of text")
+                raise ValueError("this checkpoint has no tokenizer.json: pass token ids instead of text, or give "
+                                 "LLM(tokenizer=<folder with tokenizer.json>)")
             return prompt, self.tokenizer.encode_prompt(prompt)
         return None, token_ids(prompt)
 

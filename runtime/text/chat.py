@@ -130,7 +130,8 @@ def apply_chat_template(tokenizer: Tokenizer, messages: Sequence[Message], add_g
     template = chat_template or tokenizer.chat_template_for(tools=bool(extra.get("tools")))
     if template is None:
         raise ChatTemplateError("this checkpoint has no chat template (tokenizer_config.json 'chat_template' or "
-                         "chat_template.jinja); pass chat=false and format the prompt yourself")
+                                "chat_template.jinja): format the prompt yourself (chat=false on the command "
+                                "line, LLM.generate in Python), or give a template (LLM.chat(chat_template=...))")
     text = render_chat(template, messages, add_generation_prompt, enable_thinking, tokenizer.special_tokens,
                        **extra)
     if continue_final_message:
