@@ -175,11 +175,12 @@ def check_composes(argv: list[str], config_name: str) -> None:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             compose(config_name=config_name, overrides=list(argv))
     except MissingConfigException as exc:
-        group, _, choice = (exc.missing_cfg_file or "").partition("/")
+        group, _, choice = (exc.missing_cfg_file or "").rpartition("/")    # hydra/job_logging/nope
         if not group or not exc.options:
             return                              # not an option of a group: Hydra says what it is
+        where = "Hydra's own" if group.startswith("hydra") else f"conf/{group}/"
         print(f"error: {group}={choice} is not one of the {group} options: {', '.join(sorted(exc.options))} "
-              f"(conf/{group}/)", file=sys.stderr)
+              f"({where})", file=sys.stderr)
         sys.exit(2)
     except ConfigCompositionException as exc:
         cause = exc.__cause__

@@ -1,8 +1,8 @@
 """`LLM`: the user-facing facade, `LLM(model, hal="auto").generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
-import dataclasses
 import collections
+import dataclasses
 import itertools
 import logging
 import os
@@ -77,7 +77,7 @@ class LLM:
                 raise ValueError("enforce_eager=True and graphs=True contradict each other: enforce_eager "
                                  "is graphs=False; give one of them")
             config = dataclasses.replace(config, graphs=False)
-        check_seed(seed)
+        seed = check_seed(seed)
         if trust_remote_code:
             note_remote_code_unused()
         self.parallel = parallel or ParallelState()
@@ -206,11 +206,16 @@ class LLM:
             outputs = self.engine.step()
         for out in outputs:
             queue = self._outputs.get(out.request_id)
-            if queue is not None:
-                queue.append(out)
+            if queue is None:
+                continue
+            if queue and not queue[-1].finished:   # outputs are cumulative: an unread one gives way to the next
+                queue.pop()
+            queue.append(out)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yield the growing output of one prompt after every token (the last one has `finished`)."""
+        """Yield the growing output of one prompt after every token (the last one has `finished`). While
+        the caller does not read, other calls' steps advance it too; it then resumes at the latest
+        output (each holds every token so far)."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         check_sampling_params(sampling_params)
@@ -244,11 +249,16 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("chat needs the checkpoint's tokenizer.json and chat template")
         extra = dict(chat_template_kwargs or {})
-        taken = sorted({"enable_thinking", "add_generation_prompt", "continue_final_message", "chat_template",
-                        "messages", "tokenizer"} & set(extra))
+        if "enable_thinking" in extra:              # vLLM's documented place for Qwen3-style switches
+            if enable_thinking is not None and enable_thinking != extra["enable_thinking"]:
+                raise ValueError("enable_thinking is given twice, differently: as an argument and in "
+                                 "chat_template_kwargs; give it once")
+            enable_thinking = extra.pop("enable_thinking")
+        taken = sorted({"add_generation_prompt", "continue_final_message", "chat_template", "template",
+                        "messages", "tokenizer", "special_tokens"} & set(extra))
         if taken:
-            raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: pass them as LLM.chat's own "
-                             f"arguments")
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: LLM.chat sets them (its own "
+                             f"arguments, the tokenizer's special tokens)")
         messages = list(messages)                   # an iterator of messages or of conversations too
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         texts = [apply_chat_template(self.tokenizer, conversation, add_generation_prompt, enable_thinking,

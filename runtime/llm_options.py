@@ -11,8 +11,10 @@ import logging
 import os
 import random
 from pathlib import Path
+from numbers import Integral
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
 from runtime.config import EngineConfig
@@ -22,9 +24,13 @@ from runtime.text.tokenizer import Tokenizer
 log = logging.getLogger("runtime.llm")
 
 
-def check_seed(seed: Any) -> None:
-    if seed is not None and not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2 ** 63):
+def check_seed(seed: Any) -> int | None:
+    """`seed` as Python's int (a NumPy integer too), or None."""
+    if seed is None:
+        return None
+    if not (isinstance(seed, Integral) and not isinstance(seed, (bool, np.bool_)) and 0 <= seed < 2 ** 63):
         raise ValueError(f"seed must be an integer in [0, 2^63) (or None), got {seed!r}")
+    return int(seed)
 
 
 # vLLM's constructor arguments that `LLM.__init__` takes besides the EngineConfig fields

@@ -12,8 +12,8 @@ import torch
 
 from runtime.sampling_params import SamplingParams
 
-Prompt = Union[str, Sequence[int]]
-PROMPT_FORMS = ("a prompt is a string, a list of token ids or a dict with 'prompt' or 'prompt_token_ids'")
+Prompt = Union[str, Sequence[int], Mapping[str, Any]]     # ids: a list, a 1-D array or tensor too
+PROMPT_FORMS = "a prompt is a string, a list of token ids or a dict with 'prompt' or 'prompt_token_ids'"
 
 
 def prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
@@ -45,8 +45,10 @@ def token_ids(prompt: Any) -> list[int]:
 
 def is_token_id(value: Any) -> bool:
     """An integer of Python's, NumPy's or a 0-d integer tensor; True is not one."""
-    if isinstance(value, (bool, np.bool_)) or isinstance(value, torch.Tensor) and value.dtype == torch.bool:
+    if isinstance(value, (bool, np.bool_)):
         return False
+    if isinstance(value, torch.Tensor) and (value.ndim != 0 or value.dtype == torch.bool):
+        return False                    # a row of a 2-D tensor is a prompt, even of one id
     try:
         operator.index(value)
     except TypeError:

@@ -55,8 +55,7 @@ class EngineRequests:
             params = self.publisher.seeded(params)
         num_loops = params.num_loops or self.model.default_num_loops
         if params.max_tokens is None:          # vLLM's None: what the context (and the cache) leaves
-            room = self.max_request_len(num_loops) - len(prompt_token_ids)
-            params = dataclasses.replace(params, max_tokens=max(room, 1))
+            params = self._up_to_the_context(prompt_token_ids, params, num_loops)
         check_request(prompt_token_ids, params, num_loops, self.model.config.vocab_size, self.context_len,
                       self.config)
         if num_loops > self.max_loops:
@@ -88,6 +87,23 @@ class EngineRequests:
             group.samples.append(request)
             self.groups[request_id] = group
         return request
+
+    def _up_to_the_context(self, prompt_token_ids: list[int], params: SamplingParams,
+                           num_loops: int) -> SamplingParams:
+        """`params` with max_tokens=None made the room its prompt leaves: the context, or less where
+        the KV cache holds less of a request at its depth; errors that name no max_tokens, which the
+        caller did not give."""
+        longest = self.max_request_len(num_loops)
+        room = longest - len(prompt_token_ids)
+        if room < 1 and len(prompt_token_ids) < self.context_len:    # a longer prompt: check_request's error
+            raise MemoryError(f"a prompt of {len(prompt_token_ids)} tokens leaves no room to generate: at "
+                              f"{num_loops} loops the KV cache holds at most {longest} tokens of one request; "
+                              f"shorten the prompt, use fewer loops or kv_mode=shared, or give the KV cache more "
+                              f"memory (engine.num_kv_blocks, engine.gpu_memory_utilization)")
+        if params.min_tokens > max(room, 1):
+            raise ValueError(f"min_tokens={params.min_tokens} is more than the {room} tokens the context leaves "
+                             f"this prompt of {len(prompt_token_ids)} (max_tokens=None): lower min_tokens")
+        return dataclasses.replace(params, max_tokens=max(room, 1))
 
     def _fork(self, parent: Request) -> None:
         """n > 1: sample 0 computed its prompt; queue the other samples, sharing its prompt blocks."""

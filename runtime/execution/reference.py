@@ -106,6 +106,6 @@ def generate_reference(model: LoopedCausalLM, prompt_ids: list[int], params: Sam
         loops.append(int(exit_loops[-1]))
         if token in stops:
             return out, "stop", loops
-        if len(out) >= params.max_tokens or position + 1 >= model.max_seq_len:
+        if params.max_tokens is not None and len(out) >= params.max_tokens or position + 1 >= model.max_seq_len:
             return out, "length", loops
         ids = torch.tensor([token], dtype=torch.long, device=device)

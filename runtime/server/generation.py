@@ -124,6 +124,8 @@ class Generation(RequestInputs):
         async with contextlib.aclosing(self.events(job)) as events:     # closed (and aborted) on return
             async for choice, delta in events:
                 if choice.finish_reason == "error":       # then [DONE], as vLLM ends a failed stream
+                    if job.include_usage:
+                        yield _sse_data({**chunk(None), "choices": [], "usage": job.usage()})
                     yield _sse_data(_error(choice.error or "generation failed", "server_error"))
                     yield "data: [DONE]\n\n"
                     return

@@ -127,7 +127,9 @@ def apply_chat_template(tokenizer: Tokenizer, messages: Sequence[Message], add_g
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message continues the last message, add_generation_prompt opens a "
                          "new one: set add_generation_prompt=False")
-    template = chat_template or tokenizer.chat_template_for(tools=bool(extra.get("tools")))
+    template = chat_template
+    if template is None:
+        template = tokenizer.chat_template_for(tools=bool(extra.get("tools")))
     if template is None:
         raise ChatTemplateError("this checkpoint has no chat template (tokenizer_config.json 'chat_template' or "
                                 "chat_template.jinja): format the prompt yourself (chat=false on the command "

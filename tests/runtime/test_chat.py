@@ -283,7 +283,8 @@ def test_llm_chat_takes_vllms_template_arguments():
         "<user>Hi</>\n<assistant>Well, the"
     with pytest.raises(ValueError, match="set add_generation_prompt=False"):
         prompt(begun, continue_final_message=True)
-    with pytest.raises(ValueError, match="chat_template_kwargs may not set enable_thinking"):
-        prompt(hi, chat_template_kwargs={"enable_thinking": True})
+    assert prompt(hi, chat_template_kwargs={"enable_thinking": False, "x": 1}).endswith("<assistant>1")
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set special_tokens"):
+        prompt(hi, chat_template_kwargs={"special_tokens": {}})
     assert llm.chat(begun, greedy, add_generation_prompt=False, continue_final_message=True)[0].prompt.endswith(
         "Well, the")                                 # the checkpoint's own template

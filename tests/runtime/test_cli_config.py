@@ -65,7 +65,8 @@ def test_an_old_spelling_names_the_new_one(old, new, capsys):
     ("generate", "engine.max_num_seqs=abc", "give a whole number"),
     ("generate", "chat=maybe", "give true or false"),
     ("bench", "matmul_size=1.5", "give a whole number"),
-    ("serve", "server.allowed_origins=*", "'server.allowed_origins=[...]'")])
+    ("serve", "server.allowed_origins=*", "'server.allowed_origins=[...]'"),
+    ("generate", "hydra/job_logging=nope", "hydra/job_logging=nope is not one of the hydra/job_logging options")])
 def test_an_override_hydra_cannot_compose_ends_in_one_line(config, arg, hint, capsys):
     """Hydra's own message for these is a dozen lines ending in its search path."""
     from runtime.cli_args import check_composes

@@ -172,7 +172,7 @@ def test_streams_and_generate_interleave_each_with_its_own_outputs():
     assert next(stream).token_ids == first.token_ids[:1]
     assert llm.generate([4, 5], greedy)[0].token_ids == second.token_ids
     assert [o.token_ids for o in stream][-1] == first.token_ids
-    assert not llm.engine.has_unfinished_requests()
+    assert not llm.engine.has_unfinished_requests() and not llm._outputs
 
 
 def test_token_ids_of_numpy_and_torch_and_clear_errors_for_the_rest():
@@ -186,6 +186,8 @@ def test_token_ids_of_numpy_and_torch_and_clear_errors_for_the_rest():
     for prompt in (np.array([5, 6, 7]), torch.tensor([5, 6, 7]), [np.int64(5), np.int64(6), np.int64(7)]):
         (out,) = llm.generate(prompt, greedy)
         assert out.prompt_token_ids == [5, 6, 7] and out.token_ids == want
+    rows = llm.generate(torch.tensor([[5], [6]]), greedy)          # a row of one id is a prompt too
+    assert [out.prompt_token_ids for out in rows] == [[5], [6]]
     for bad in (None, 5, [True, False]):
         with pytest.raises(TypeError, match="a prompt is a string, a list of token ids"):
             llm.generate(bad, greedy)
@@ -365,3 +367,7 @@ def test_max_tokens_none_generates_up_to_the_context():
     llm = LLM(golden_case("ouro-tiny").path, hal="cpu", dtype="float32", num_kv_blocks=40)
     out = llm.generate([1, 2, 3], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == llm.engine.max_request_len(4) - 3 == 158
+    with pytest.raises(ValueError, match=r"min_tokens=159 is more than the 158 tokens .* \(max_tokens=None\)"):
+        llm.generate([1, 2, 3], SamplingParams(max_tokens=None, min_tokens=159))
+    (full,) = llm.generate([[1] * 170], SamplingParams(max_tokens=None))       # fits the context, not the cache
+    assert full.finish_reason == "error" and "leaves no room to generate" in full.error

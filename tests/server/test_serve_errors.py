@@ -321,3 +321,6 @@ def test_the_default_max_tokens_fits_the_cache_at_the_requests_depth(tiny_model,
         assert deep.json()["choices"][0]["finish_reason"] == "length"
         deepest = client.post("/v1/completions", json={"model": "tiny", "prompt": "the cat sat", "num_loops": 64})
         assert deepest.status_code == 400 and deepest.json()["error"]["param"] == "num_loops", deepest.text
+        # the 8-loop request grew the engine's planes; a request at the model's depth keeps its room
+        plain = client.post("/v1/chat/completions", json=chat).json()["usage"]
+        assert plain["prompt_tokens"] + plain["completion_tokens"] == engine.max_request_len(4) == 161
