@@ -13,7 +13,7 @@ import torch
 import hal as hal_registry
 import zoo
 from hal.base import Hal
-from runtime.text.chat import Message, apply_chat_template
+from runtime.text.chat import RESERVED_TEMPLATE_KWARGS, Message, apply_chat_template
 from runtime.config import EngineConfig
 from runtime.sampling_params import SamplingParams
 from runtime.engine.llm_engine import LLMEngine
@@ -31,7 +31,6 @@ from zoo.parallel import tensor_parallel
 from zoo.sharding import shard
 
 log = logging.getLogger(__name__)
-
 
 
 class LLM:
@@ -254,8 +253,7 @@ class LLM:
                 raise ValueError("enable_thinking is given twice, differently: as an argument and in "
                                  "chat_template_kwargs; give it once")
             enable_thinking = extra.pop("enable_thinking")
-        taken = sorted({"add_generation_prompt", "continue_final_message", "chat_template", "template",
-                        "messages", "tokenizer", "special_tokens"} & set(extra))
+        taken = sorted(RESERVED_TEMPLATE_KWARGS & set(extra))
         if taken:
             raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: LLM.chat sets them (its own "
                              f"arguments, the tokenizer's special tokens)")

@@ -50,7 +50,8 @@ class EngineRequests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the model's tokenizer, and this engine has none: give it one "
-                             "(LLM(tokenizer=<folder>), LLMEngine(..., tokenizer=...)) or stop on token ids (stop_token_ids)")
+                             "(LLM(tokenizer=<folder>), LLMEngine(..., tokenizer=...)) or stop on token ids "
+                             "(stop_token_ids)")
         if self.publisher is not None:
             params = self.publisher.seeded(params)
         num_loops = params.num_loops or self.model.default_num_loops

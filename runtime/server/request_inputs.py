@@ -12,12 +12,9 @@ from typing import Any
 from runtime.sampling_params import SamplingParams
 from runtime.server.engine_loop import EngineLoop
 from runtime.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, unsupported_field
-from runtime.text.chat import apply_chat_template
+from runtime.text.chat import RESERVED_TEMPLATE_KWARGS, apply_chat_template
 from runtime.text.tokenizer import Tokenizer
 
-# arguments of the chat template call (runtime/text/chat.py) that chat_template_kwargs may not repeat
-RESERVED_TEMPLATE_KWARGS = frozenset({"tokenizer", "messages", "add_generation_prompt", "template", "special_tokens",
-                                      "chat_template", "continue_final_message"})
 
 
 def checked_text(text: str, param: str) -> str:

@@ -114,6 +114,11 @@ def render_chat(template: str, messages: Sequence[Message], add_generation_promp
         raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from None
 
 
+# what the chat template call takes itself, which chat_template_kwargs (template variables) may not set
+RESERVED_TEMPLATE_KWARGS = frozenset({"tokenizer", "messages", "add_generation_prompt", "template", "special_tokens",
+                                      "chat_template", "continue_final_message"})
+
+
 def apply_chat_template(tokenizer: Tokenizer, messages: Sequence[Message], add_generation_prompt: bool = True,
                         enable_thinking: bool | None = None, chat_template: str | None = None,
                         continue_final_message: bool = False, **extra: Any) -> str:
