@@ -23,8 +23,8 @@ class SamplingParams:
     """Per-request generation settings (vLLM's names; the looped-model fields last).
 
     `max_tokens=None` generates up to the context (what the KV cache holds of a request at its
-    depth), as in vLLM. `temperature=0` is greedy, and so is any temperature below 1e-5 (as in vLLM). `top_k` 0 or -1
-    and `top_p=1` disable those filters. `seed` makes
+    depth), as in vLLM. `temperature=0` is greedy, and so is any temperature below 1e-5 (as in
+    vLLM). `top_k` 0 or -1 and `top_p=1` disable those filters. `seed` makes
     sampling (and Huginn's random initial state) reproducible per request, greedy included; a
     seeded request's tokens do not depend on what else is in the batch.
 
@@ -99,15 +99,13 @@ class SamplingParams:
             return int(value)
 
         def integer(name: str, low: int, allow_none: bool = False) -> None:
-            value = getattr(self, name)
-            if value is None and allow_none:
+            given = getattr(self, name)
+            if given is None and allow_none:
                 return
-            if not (isinstance(value, Integral) and not isinstance(value, (bool, np.bool_)) and value >= low):
-                problems.append(f"{name} must be an integer >= {low}, got {value!r}")
-                return
-            value = int(value)                    # a numpy integer becomes Python's
-            object.__setattr__(self, name, value)
-            if value >= INT64_LIMIT:            # the device batch holds these as int64
+            value = whole(name)
+            if value is None or value < low:
+                problems.append(f"{name} must be an integer >= {low}, got {given!r}")
+            elif value >= INT64_LIMIT:          # the device batch holds these as int64
                 problems.append(f"{name} must be below 2^63, got {value!r}")
 
         integer("max_tokens", 1, allow_none=True)     # None: up to the context (the engine sets it)

@@ -16,7 +16,6 @@ from runtime.text.chat import RESERVED_TEMPLATE_KWARGS, apply_chat_template
 from runtime.text.tokenizer import Tokenizer
 
 
-
 def checked_text(text: str, param: str) -> str:
     """`text`, refused with a 400 naming `param` where it is not valid Unicode (a lone surrogate such
     as "\\ud800", which JSON can carry and no tokenizer encodes)."""
@@ -137,7 +136,7 @@ class RequestInputs:
         if max_tokens is None:       # vLLM's rule for chat: the rest of the context (a thinking model's
             # answer must not be cut at a fixed length); completions: the configured default; both
             # within what the KV cache holds at the request's depth (more loops, more planes)
-            most = min(room, self._kv_room(body, num_prompt_tokens))
+            most = self._kv_room(body, num_prompt_tokens)      # within `room`: max_request_len <= max_model_len
             max_tokens = most if is_chat else min(self.config.default_max_tokens, most)
             if (body.min_tokens or 0) > max_tokens:      # SamplingParams would blame a max_tokens not given
                 fix = f", or set max_tokens (up to {most})" if most > max_tokens else ""
@@ -162,7 +161,6 @@ class RequestInputs:
         except ValueError as exc:            # SamplingParams names the field first ("top_k must be ...")
             field = str(exc).split(" ", 1)[0]
             raise APIError(400, str(exc), param=field if field in type(body).model_fields else None) from None
-
 
     def _kv_room(self, body: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int) -> int:
         """The most tokens the request may generate by default: as many as the KV cache can hold beside
