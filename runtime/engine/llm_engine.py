@@ -15,7 +15,6 @@ over the persistent batch check stops on the device and send a finish code with 
 """
 from __future__ import annotations
 
-import functools
 
 import logging
 import time
@@ -55,9 +54,8 @@ class LLMEngine(EngineRequests):
                  tokenizer: Tokenizer | None = None, extra_stop_token_ids: Iterable[int] = (),
                  publisher: PlanPublisher | None = None) -> None:
         self.model, self.hal, self.tokenizer = model, hal, tokenizer
-        # logprobs' `decoded_token` (vLLM's): one id's text, cached since the same ids recur in top-k lists
-        self._token_text = (functools.lru_cache(maxsize=1 << 16)(
-            lambda token: tokenizer.decode([token], skip_special_tokens=False)) if tokenizer is not None else None)
+        # logprobs' `decoded_token` (vLLM's): the text one id adds (the tokenizer caches it)
+        self._token_text = tokenizer.token_text if tokenizer is not None else None
         self.config = resolve_async(config or EngineConfig(), hal.device().type, publisher is not None)
         log.info("scheduling: %s", "one step ahead (async)" if self.config.async_scheduling else "synchronous")
         for note in hal.speed_notes(self.config.kv_dtype not in ("auto", None), self.config.weights_dtype == "fp8"):

@@ -195,4 +195,4 @@ def _completion_token(tokenizer: Tokenizer | None, token_id: int) -> str:
 def _token_text(tokenizer: Tokenizer | None, token_id: int) -> str:
     if tokenizer is None:
         return f"<{token_id}>"
-    return tokenizer.decode([token_id], skip_special_tokens=False)
+    return tokenizer.token_text(token_id)

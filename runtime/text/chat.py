@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Mapping, NoReturn, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, NoReturn, Sequence
 
 from jinja2 import TemplateError, nodes
 from jinja2.ext import Extension
@@ -83,7 +83,9 @@ def check_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
         if "content" not in message and not message.get("tool_calls"):    # an assistant's tool call has none
             raise ValueError(f"message {i} has no 'content': give its text, e.g. {{'role': "
                              f"{message['role']!r}, 'content': 'Hi'}}")
-        if content is not None and not isinstance(content, (str, Sequence)):
+        if content is None:        # an assistant's tool call: an empty text, as vLLM renders it (not "None")
+            message["content"] = ""
+        elif not isinstance(content, (str, Sequence)):
             raise ValueError(f"message {i}: content must be text or a list of text parts, got {content!r}")
         if isinstance(content, Sequence) and not isinstance(content, str):   # OpenAI content parts
             parts = [part for part in content if not (isinstance(part, Mapping) and part.get("type") == "text"
@@ -91,9 +93,14 @@ def check_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
             if parts:
                 raise ValueError(f"message {i}: content parts must be text, like {{'type': 'text', 'text': "
                                  f"'Hi'}} (images and other inputs are not supported), got {parts[0]!r}")
-            message["content"] = "".join(part["text"] for part in content)
+            message["content"] = join_text_parts(part["text"] for part in content)
         out.append(message)
     return out
+
+
+def join_text_parts(texts: Iterable[str]) -> str:
+    """One message's text from its OpenAI content parts: a line each, as vLLM joins them."""
+    return "\n".join(texts)
 
 
 def render_chat(template: str, messages: Sequence[Message], add_generation_prompt: bool = True,
@@ -102,7 +109,9 @@ def render_chat(template: str, messages: Sequence[Message], add_generation_promp
     """The template's text for `messages`. `special_tokens` (bos_token, eos_token, ...) and `extra`
     (tools, documents, any template-specific switch) become template variables; `enable_thinking`
     only when given (None: undefined, so the template's own default holds, as in transformers)."""
-    variables = {**(special_tokens or {}), **extra}
+    # tools and documents are None unless given, as transformers passes them: a template's `tools is
+    # not none` must not see an undefined value
+    variables = {**(special_tokens or {}), "tools": None, "documents": None, **extra}
     if enable_thinking is not None:
         variables["enable_thinking"] = enable_thinking
     try:
@@ -110,7 +119,7 @@ def render_chat(template: str, messages: Sequence[Message], add_generation_promp
                                                  add_generation_prompt=add_generation_prompt, **variables)
     except ChatTemplateError:
         raise
-    except (TemplateError, TypeError) as exc:     # TypeError: the template adds a message's None content
+    except (TemplateError, TypeError) as exc:     # TypeError: e.g. the template adds None to text
         raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from None
 
 
@@ -142,7 +151,8 @@ def apply_chat_template(tokenizer: Tokenizer, messages: Sequence[Message], add_g
     text = render_chat(template, messages, add_generation_prompt, enable_thinking, tokenizer.special_tokens,
                        **extra)
     if continue_final_message:
-        text = _cut_after_final_message(text, check_messages(messages)[-1]["content"])
+        text = _cut_after_final_message(text, template, messages, add_generation_prompt, enable_thinking,
+                                        tokenizer.special_tokens, extra)
     if enable_thinking is True and add_generation_prompt and not text.rstrip().endswith(THINK_OPENER):
         if tokenizer.token_id(THINK_OPENER) is None:
             raise ValueError(f"enable_thinking needs a tokenizer with a {THINK_OPENER} token (a thinking "
@@ -151,10 +161,30 @@ def apply_chat_template(tokenizer: Tokenizer, messages: Sequence[Message], add_g
     return text
 
 
-def _cut_after_final_message(text: str, content: str | None) -> str:
-    """`text` up to the end of the last message's content, where the template closed the turn after it."""
-    content = (content or "").strip()
-    end = text.rfind(content) if content else -1
+# stands in for the last message's content to find where the template writes it
+_FINAL_MARK = "\x00final message\x00"
+
+
+def _cut_after_final_message(text: str, template: str, messages: Sequence[Message], add_generation_prompt: bool,
+                             enable_thinking: bool | None, special_tokens: Mapping[str, str],
+                             extra: Mapping[str, Any]) -> str:
+    """`text` up to the end of the last message's content, where the template closed the turn after it.
+    The content is looked for from where the template writes it (a render with a mark in its place
+    says where), so text such as "end" is not found inside the turn's closing `<|im_end|>`; where that
+    fails (a template that rewrites the content) the content's last occurrence is taken."""
+    checked = check_messages(messages)
+    content = checked[-1]["content"].strip()
+    start = -1
+    if content:
+        marked = [*checked[:-1], {**checked[-1], "content": _FINAL_MARK}]
+        try:
+            start = render_chat(template, marked, add_generation_prompt, enable_thinking, special_tokens,
+                                **extra).find(_FINAL_MARK)
+        except ChatTemplateError:          # the template inspects the content: look for it from the end
+            pass
+    end = text.find(content, start) if start >= 0 else -1
+    if end < 0 and content:                # the template wrote other text before it than with the mark
+        end = text.rfind(content)
     if end < 0:
         raise ValueError("continue_final_message: the last message's content is empty or does not appear in the "
                          "text the chat template made of it, so there is no place to continue from")

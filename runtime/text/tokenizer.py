@@ -21,6 +21,7 @@ class Tokenizer:
     def __init__(self, backend: Any, config: dict[str, Any] | None = None) -> None:
         self.backend = backend
         self.config = config or {}
+        self._texts: dict[int, str] = {}      # token_text's answers: top-k lists repeat the same ids
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike) -> "Tokenizer | None":
@@ -110,10 +111,40 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_text(self, token_id: int) -> str:
+        """The text a token adds where it follows other text (logprobs' token names, vLLM's
+        `decoded_token`). A SentencePiece-style decoder drops the leading space of a text's first
+        word, so a token decoded alone ("▁world" -> "world") would lose the space it stands for;
+        decoded after an anchor token whose text is then cut off, it keeps it (" world")."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self.decode([token_id], skip_special_tokens=False)
+            anchor = self._anchor
+            if anchor is not None:
+                prefix, _ = anchor
+                joined = self.decode([anchor[1], token_id], skip_special_tokens=False)
+                if joined.startswith(prefix):
+                    text = joined[len(prefix):]
+            if len(self._texts) < 1 << 16:
+                self._texts[token_id] = text
+        return text
+
+    @functools.cached_property
+    def _anchor(self) -> tuple[str, int] | None:
+        """(text, id) of a one-token text such as "a" that decodes to itself, or None."""
+        for probe in ("a", "x", "0", "!"):
+            ids = self.encode(probe) if self.backend is not None else []
+            if len(ids) != 1:
+                continue
+            text = self.decode(ids, skip_special_tokens=False)
+            if text and not text[0].isspace():
+                return text, ids[0]
+        return None
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for (the logprobs' `bytes`): a byte-fallback token's one byte, a
         byte-level BPE token's bytes (GPT-2's byte-to-character map undone), else the UTF-8 of its
-        text. Decoding a lone byte of a multi-byte character gives U+FFFD, so text cannot say it."""
+        text (`token_text`, its leading space kept). Decoding a lone byte of a multi-byte character gives U+FFFD, so text cannot say it."""
         piece = self.backend.id_to_token(token_id) if self.backend is not None else None
         if piece is not None:
             byte = _BYTE_TOKEN.fullmatch(piece)
@@ -123,7 +154,7 @@ class Tokenizer:
                 table = _bytes_of_chars()
                 if all(ch in table for ch in piece):
                     return bytes(table[ch] for ch in piece)
-        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+        return self.token_text(token_id).encode("utf-8")
 
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")

@@ -164,7 +164,35 @@ def test_render_like_hugging_face():
         with pytest.raises(ValueError, match=needle):
             render_chat(CHATML, [message])
     with pytest.raises(ChatTemplateError, match="the chat template failed on these messages"):   # not a crash
-        render_chat(CHATML, [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}])
+        render_chat("{{ messages[0].name + '!' }}", [{"role": "user", "content": "x", "name": None}])
+
+
+def test_null_content_parts_and_undefined_tools_render_as_vllm_and_transformers_do():
+    """An assistant's tool call with null content renders an empty text (vLLM; not "None"), text
+    parts join a line each (vLLM), and tools / documents are None in the template unless given
+    (transformers), so `tools is not none` holds only with tools."""
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}
+    assert render_chat(CHATML, [call], add_generation_prompt=False) == "<|im_start|>assistant\n<|im_end|>\n"
+    assert render_chat("{{ messages[0].content }}", [{"role": "assistant", "tool_calls": [{"id": "1"}]}]) == ""
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    assert render_chat("{{ messages[0].content }}", [{"role": "user", "content": parts}]) == "Hello\nworld"
+    tools = "{% if tools is not none %}T{{ tools | tojson }}{% endif %}{{ documents is none }}"
+    assert render_chat(tools, [{"role": "user", "content": "Hi"}]) == "True"
+    assert render_chat(tools, [{"role": "user", "content": "Hi"}], tools=[{"name": "f"}]) == 'T[{"name": "f"}]True'
+
+
+def test_continue_final_message_cuts_after_the_content_not_inside_the_closing_tag():
+    """A last message whose text also occurs in the turn's closing tag ("end" in <|im_end|>) is cut
+    where the template wrote it, not at its last occurrence."""
+    tokenizer = Tokenizer(Backend(models.BPE()), {"chat_template": CHATML})
+    for content in ("end", "m", "Well, the"):
+        messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": content}]
+        text = apply_chat_template(tokenizer, messages, add_generation_prompt=False, continue_final_message=True)
+        assert text == f"<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n{content}"
+    # a template that rewrites the content: its last occurrence, as transformers finds it
+    upper = "{% for m in messages %}[{{ m.content | upper }}]{% endfor %}"
+    assert apply_chat_template(tokenizer, [{"role": "user", "content": "A"}], add_generation_prompt=False,
+                               continue_final_message=True, chat_template=upper) == "[A"
 
 
 def test_thinking_opener_and_tokenizer_special_tokens(tmp_path):

@@ -100,3 +100,21 @@ def test_engine_reports_text_without_decoding_everything_each_step():
     assert final.text == tokenizer.decode(final.token_ids)
     assert all(final.text.startswith(t) for t in texts[:-1])
     assert counting.decoded <= 6 * 40 + 40, counting.decoded      # full decodes every step: 820
+
+
+@pytest.mark.parametrize("make", [_packaged, _metaspace], ids=["byte-bpe", "metaspace"])
+def test_token_texts_keep_the_spaces_a_lone_decode_drops(make):
+    """Logprobs name each token by the text it adds after other text (`Tokenizer.token_text`): a
+    SentencePiece-style decode of "▁world" alone says "world", after other text " world". The names
+    (and `token_bytes`) of a text's tokens put together give the text back."""
+    tokenizer = make()
+    text = "In the beginning God created the heaven and the earth."
+    ids = tokenizer.encode(text)
+    names = [tokenizer.token_text(i) for i in ids]
+    assert "".join(names).removeprefix(" ") == tokenizer.decode(ids) == text
+    assert b"".join(tokenizer.token_bytes(i) for i in ids).decode().removeprefix(" ") == text
+    assert any(name.startswith(" ") for name in names[1:])
+    if make is _packaged:                       # byte-level BPE: a lone decode already keeps the space
+        assert names == [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+    else:
+        assert any(n != tokenizer.decode([i]) for n, i in zip(names, ids))

@@ -231,8 +231,8 @@ def test_vllm_prompt_forms_and_content_parts(tmp_path):
     assert llm.chat(iter([turn]), greedy)[0].token_ids == llm.chat([turn], greedy)[0].token_ids
 
     from runtime.text.chat import check_messages
-    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi, "}, {"type": "text", "text": "there"}]}]
-    assert check_messages(parts)[0]["content"] == "Hi, there"
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi,"}, {"type": "text", "text": "there"}]}]
+    assert check_messages(parts)[0]["content"] == "Hi,\nthere"          # a line each, as vLLM joins them
     with pytest.raises(ValueError, match="content parts must be text"):
         check_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
 

@@ -94,8 +94,8 @@ def test_chat_streamed_and_not_equal_the_engine_on_the_rendered_template(client,
 
 
 def test_text_parts_and_max_completion_tokens(client, reference, tokenizer):
-    parts = [{"type": "text", "text": "the cat "}, {"type": "text", "text": "sat"}]
-    prompt = apply_chat_template(tokenizer, [{"role": "user", "content": "the cat sat"}])
+    parts = [{"type": "text", "text": "the cat"}, {"type": "text", "text": "sat"}]    # a line each (vLLM)
+    prompt = apply_chat_template(tokenizer, [{"role": "user", "content": "the cat\nsat"}])
     ref = reference(prompt, max_tokens=5)
     out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": parts}],
                                          max_completion_tokens=5, temperature=0)
