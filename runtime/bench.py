@@ -137,19 +137,30 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
     total = time.perf_counter() - start
     # steady state: steps where every request of the cell decodes (requests that prefilled in
     # later chunks finish later, and the last steps run smaller batches); skip graph captures
-    full = [t for t, n in step_times if n == cell["batch"]] or [t for t, _ in step_times]
-    decode = full[min(2, len(full) // 4):] or full or [float("nan")]
+    full = [t for t, n in step_times if n == cell["batch"]]
+    decode = full[min(2, len(full) // 4):] or full or [t for t, _ in step_times] or [float("nan")]
     ms = statistics.median(decode) * 1e3
+    mean_tok_s = round(decode_tokens / decode_s if decode_s else 0.0, 1)
     row = {"batch": cell["batch"], "prompt": cell["prompt"], "new_tokens": cell["new"],
            "prefill_s": round(prefill_done or total, 4), "ttft_ms": round((prefill_done or total) * 1e3, 2),
            "prefill_tok_s": round(cell["batch"] * cell["prompt"] / (prefill_done or total), 1),
            "decode_ms_step": round(ms, 3), "decode_tok_s": round(cell["batch"] / ms * 1e3, 1),
            # tokens over the decode steps' total time: what compares speculation with plain decoding
-           "decode_tok_s_mean": round(decode_tokens / decode_s if decode_s else 0.0, 1),
+           "decode_tok_s_mean": mean_tok_s,
            "decode_steps": len(step_times), "full_batch_steps": len(full), "total_s": round(total, 3),
+           "preemptions": sum(m.num_preemptions for m in metrics),
            "peak_mem_gib": round(hal.memory_stats()["peak_allocated"] / 2**30, 2),
            **(late_summary(cell, late) if late else {}),
            **({"profiled_prefill": True} if profile_prefill else {})}     # prefill_s includes the profiler
+    if step_times and not full:
+        # the KV cache never held the whole batch at once (it ran in waves): no step is the cell's,
+        # so its rate is the tokens over the time, and no step time (nor the whole batch's floors) applies
+        row.update({"decode_ms_step": float("nan"), "decode_tok_s": mean_tok_s, "batch_never_full": True,
+                    "max_rows_decoded": max(n for _, n in step_times)})
+        log.warning("the cell's %d requests never decoded together (at most %d did; %d preemptions): the KV "
+                    "cache is too small for it, so decode_tok_s is its tokens over its time, not a full "
+                    "batch's rate; lower the batch or free memory", cell["batch"], row["max_rows_decoded"],
+                    row["preemptions"])
     timing = engine.timer.summary(cell["batch"])
     engine.timer = None
     if timing is not None:

@@ -216,3 +216,27 @@ def test_v_copy_ab_forces_the_copy_and_passes_the_rest_to_the_bench(monkeypatch)
         seen.clear()
         v_copy_ab.main()
         assert seen == [("runtime.bench", "__main__", ["runtime.bench", "hal=cuda", "workload=[prefill8k]"]), copied]
+
+
+def test_a_cell_whose_batch_never_fits_reports_tokens_over_time_not_a_full_batch_rate(single_thread, caplog):
+    """A KV cache too small for the cell runs its requests in waves: no step decodes the whole batch,
+    so the row says so and gives the tokens over the decode time (not batch / step time, which
+    read 0.69x the floor for 128 x 1K on an 80 GB H100), with no step time to compare to a floor."""
+    import torch
+
+    import zoo
+    from hal.cpu import CpuHal
+    from runtime.bench import run_cell
+    from runtime.config import EngineConfig
+    from runtime.engine.llm_engine import LLMEngine
+
+    model = zoo.from_pretrained(golden_case("ouro-tiny").path, dtype=torch.float32, device="cpu")
+    cell = {"batch": 6, "prompt": 40, "new": 6}         # 6 x 3 blocks x 4 planes = 72 blocks for all
+    fits = run_cell(LLMEngine(model, CpuHal(), EngineConfig(num_kv_blocks=96, max_model_len=64)), cell, None)
+    assert "batch_never_full" not in fits and fits["full_batch_steps"] > 0 and fits["preemptions"] == 0
+    assert fits["decode_tok_s"] == pytest.approx(6 / fits["decode_ms_step"] * 1e3, rel=1e-3)
+    waves = run_cell(LLMEngine(model, CpuHal(), EngineConfig(num_kv_blocks=40, max_model_len=64)), cell, None)
+    assert waves["batch_never_full"] is True and waves["full_batch_steps"] == 0 and waves["max_rows_decoded"] < 6
+    assert waves["decode_ms_step"] != waves["decode_ms_step"]                  # NaN
+    assert waves["decode_tok_s"] == waves["decode_tok_s_mean"] > 0
+    assert "never decoded together" in caplog.text
