@@ -48,6 +48,10 @@ class EngineRequests:
         other requests are unaffected either way."""
         if request_id in self.requests or request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        owner = self.groups.get(request_id.rpartition("#")[0])
+        if owner is not None and owner.owns(request_id):    # its samples fork under "<id>#<i>" later
+            raise ValueError(f"request id {request_id!r} is kept for a sample of request {owner.request_id!r} "
+                             f"(n/best_of > 1): choose another id")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the model's tokenizer, and this engine has none: give it one "
                              "(LLM(tokenizer=<folder>), LLMEngine(..., tokenizer=...)) or stop on token ids "

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.engine.sequence import Request
+from runtime.engine.sequence import Request, RequestStatus
 
 
 @dataclass
@@ -27,10 +27,20 @@ class SampleGroup:
 
     def reported(self) -> list[Request]:
         """The samples an output shows: all so far; with best_of > n, once all have finished, the n
-        of highest mean logprob per token."""
+        of highest mean logprob per token (a sample that ended early by an abort or an error only
+        after every complete one: its few tokens' mean says nothing of a whole answer)."""
         if self.best_of > self.n and self.finished:
-            return sorted(self.samples, key=mean_logprob, reverse=True)[:self.n]
+            return sorted(self.samples, key=lambda r: (r.status in _CUT_SHORT, -mean_logprob(r)))[:self.n]
         return list(self.samples)
+
+    def owns(self, request_id: str) -> bool:
+        """Whether `request_id` is one of this group's sample ids, forked or still to be."""
+        parent, _, index = request_id.rpartition("#")
+        return parent == self.request_id and index.isdigit() and 0 < int(index) < self.best_of and \
+            request_id == self.child_id(int(index))
+
+
+_CUT_SHORT = (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 def mean_logprob(request: Request) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import pytest
@@ -368,3 +369,29 @@ def test_n_with_one_token_and_abort_leave_no_blocks(tiny):
     assert not engine.has_unfinished_requests() and not engine.groups
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     engine.blocks.check_invariants()
+
+
+def test_sample_ids_of_a_live_group_are_kept_and_a_cut_short_sample_is_never_the_best(tiny):
+    """Samples fork under "<id>#<i>": an id a live group will fork is refused (it used to be taken,
+    and the fork then failed mid-step on its blocks), other ids with '#' are fine; with best_of > n an
+    aborted sample ranks after every complete one, whatever its few tokens' mean logprob."""
+    case = golden_case("ouro-tiny")
+    engine = LLMEngine(tiny, hal.get("cpu"), EngineConfig(num_kv_blocks=256, block_size=4))
+    engine.add_request("a", case.prompt(0), SamplingParams(max_tokens=4, temperature=0, n=2, ignore_eos=True))
+    with pytest.raises(ValueError, match="kept for a sample of request 'a'"):
+        engine.add_request("a#1", case.prompt(1), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    for free in ("a#2", "a#01", "b#1", "a#"):
+        engine.add_request(free, case.prompt(1), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    outs = engine.run_until_done()
+    assert {o.request_id for o in outs if o.finished} == {"a", "a#2", "a#01", "b#1", "a#"}
+    engine.blocks.check_invariants()
+
+    from runtime.engine.sample_group import SampleGroup
+    from runtime.engine.sequence import RequestStatus
+    group = SampleGroup("r", n=1, best_of=3)
+    for status, cumulative, tokens in ((RequestStatus.FINISHED_LENGTH, -9.0, 6),
+                                       (RequestStatus.FINISHED_ABORTED, -0.1, 1),
+                                       (RequestStatus.FINISHED_LENGTH, -6.0, 6)):
+        group.samples.append(SimpleNamespace(status=status, cumulative_logprob=cumulative, logprobs=[0] * tokens,
+                                             is_finished=True))
+    assert group.reported() == [group.samples[2]]
