@@ -138,7 +138,7 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
     # steady state: steps where every request of the cell decodes (requests that prefilled in
     # later chunks finish later, and the last steps run smaller batches); skip graph captures
     full = [t for t, n in step_times if n == cell["batch"]]
-    decode = full[min(2, len(full) // 4):] or full or [t for t, _ in step_times] or [float("nan")]
+    decode = full[min(2, len(full) // 4):] or full or [float("nan")]
     ms = statistics.median(decode) * 1e3
     mean_tok_s = round(decode_tokens / decode_s if decode_s else 0.0, 1)
     row = {"batch": cell["batch"], "prompt": cell["prompt"], "new_tokens": cell["new"],
@@ -154,8 +154,8 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
            **({"profiled_prefill": True} if profile_prefill else {})}     # prefill_s includes the profiler
     if step_times and not full:
         # the KV cache never held the whole batch at once (it ran in waves): no step is the cell's,
-        # so its rate is the tokens over the time, and no step time (nor the whole batch's floors) applies
-        row.update({"decode_ms_step": float("nan"), "decode_tok_s": mean_tok_s, "batch_never_full": True,
+        # so its rate is the tokens over the time, and no step time (NaN, so no floor ratio) applies
+        row.update({"decode_tok_s": mean_tok_s, "batch_never_full": True,
                     "max_rows_decoded": max(n for _, n in step_times)})
         log.warning("the cell's %d requests never decoded together (at most %d did; %d preemptions): the KV "
                     "cache is too small for it, so decode_tok_s is its tokens over its time, not a full "

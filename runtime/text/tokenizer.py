@@ -119,10 +119,9 @@ class Tokenizer:
         text = self._texts.get(token_id)
         if text is None:
             text = self.decode([token_id], skip_special_tokens=False)
-            anchor = self._anchor
-            if anchor is not None:
-                prefix, _ = anchor
-                joined = self.decode([anchor[1], token_id], skip_special_tokens=False)
+            if self._anchor is not None:
+                prefix, anchor_id = self._anchor
+                joined = self.decode([anchor_id, token_id], skip_special_tokens=False)
                 if joined.startswith(prefix):
                     text = joined[len(prefix):]
             if len(self._texts) < 1 << 16:
@@ -133,7 +132,7 @@ class Tokenizer:
     def _anchor(self) -> tuple[str, int] | None:
         """(text, id) of a one-token text such as "a" that decodes to itself, or None."""
         for probe in ("a", "x", "0", "!"):
-            ids = self.encode(probe) if self.backend is not None else []
+            ids = self.encode(probe)
             if len(ids) != 1:
                 continue
             text = self.decode(ids, skip_special_tokens=False)
@@ -144,7 +143,8 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for (the logprobs' `bytes`): a byte-fallback token's one byte, a
         byte-level BPE token's bytes (GPT-2's byte-to-character map undone), else the UTF-8 of its
-        text (`token_text`, its leading space kept). Decoding a lone byte of a multi-byte character gives U+FFFD, so text cannot say it."""
+        text (`token_text`, its leading space kept). Decoding a lone byte of a multi-byte character
+        gives U+FFFD, so text cannot say it."""
         piece = self.backend.id_to_token(token_id) if self.backend is not None else None
         if piece is not None:
             byte = _BYTE_TOKEN.fullmatch(piece)
