@@ -15,7 +15,6 @@ over the persistent batch check stops on the device and send a finish code with 
 """
 from __future__ import annotations
 
-
 import logging
 import time
 from typing import Iterable

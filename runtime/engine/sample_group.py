@@ -35,9 +35,8 @@ class SampleGroup:
 
     def owns(self, request_id: str) -> bool:
         """Whether `request_id` is one of this group's sample ids, forked or still to be."""
-        parent, _, index = request_id.rpartition("#")
-        return parent == self.request_id and index.isdigit() and 0 < int(index) < self.best_of and \
-            request_id == self.child_id(int(index))
+        index = request_id.rpartition("#")[2]
+        return index.isdigit() and 0 < int(index) < self.best_of and request_id == self.child_id(int(index))
 
 
 _CUT_SHORT = (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)

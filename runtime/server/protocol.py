@@ -14,8 +14,6 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from runtime.text.chat import join_text_parts
-
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20        # OpenAI's limit for logprobs / top_logprobs
 MAX_N = 16               # samples per prompt (n, best_of)
@@ -117,9 +115,7 @@ class ChatMessage(BaseModel):
     def as_template_input(self) -> dict[str, Any]:
         message = self.model_dump(exclude_none=True)
         message.setdefault("content", None)      # a null content (an assistant's call) stays a key
-        if isinstance(self.content, list):
-            message["content"] = join_text_parts(part.text for part in self.content)
-        return message
+        return message                           # text parts: chat.check_messages joins them
 
 
 class ChatCompletionRequest(_GenerationRequest):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, NoReturn, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, NoReturn, Sequence
 
 from jinja2 import TemplateError, nodes
 from jinja2.ext import Extension
@@ -93,14 +93,9 @@ def check_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
             if parts:
                 raise ValueError(f"message {i}: content parts must be text, like {{'type': 'text', 'text': "
                                  f"'Hi'}} (images and other inputs are not supported), got {parts[0]!r}")
-            message["content"] = join_text_parts(part["text"] for part in content)
+            message["content"] = "\n".join(part["text"] for part in content)     # a line each, as vLLM joins them
         out.append(message)
     return out
-
-
-def join_text_parts(texts: Iterable[str]) -> str:
-    """One message's text from its OpenAI content parts: a line each, as vLLM joins them."""
-    return "\n".join(texts)
 
 
 def render_chat(template: str, messages: Sequence[Message], add_generation_prompt: bool = True,
