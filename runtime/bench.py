@@ -96,6 +96,7 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
         engine.add_request(f"bench-{seed}-{i}", prompt, params)
     hal.synchronize()
     hal.reset_peak_memory()
+    num_graphs = count_graphs(engine)
     prefill_profiler = start_profile(hal) if profile_prefill else None
     start = time.perf_counter()
     step_times, prefill_done = [], None
@@ -149,6 +150,8 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
            "decode_tok_s_mean": mean_tok_s,
            "decode_steps": len(step_times), "full_batch_steps": len(full), "total_s": round(total, 3),
            "preemptions": sum(m.num_preemptions for m in metrics),
+           # graphs captured inside the timed cell (each adds its capture to a step's time)
+           "captures_in_cell": count_graphs(engine) - num_graphs,
            "peak_mem_gib": round(hal.memory_stats()["peak_allocated"] / 2**30, 2),
            **(late_summary(cell, late) if late else {}),
            **({"profiled_prefill": True} if profile_prefill else {})}     # prefill_s includes the profiler
@@ -174,6 +177,12 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
         row.update({"acceptance_rate": round(sum(m.num_accepted_tokens for m in metrics) / drafted, 4),
                     "mean_accepted_length": round(sum(m.num_accepted_tokens for m in metrics) / rounds, 3)})
     return row
+
+
+def count_graphs(engine: Any) -> int:
+    """How many passes and chains the engine's runner has captured so far (0 without graphs)."""
+    graphs = engine.runner.graphs
+    return 0 if graphs is None else len(graphs.captured) + len(graphs.chains)
 
 
 def workload_names(cfg: Any) -> list[str]:
@@ -278,6 +287,7 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
                "async_scheduling": engine.config.async_scheduling, "wavefront_prefill": config.wavefront_prefill,
                "loops": num_loops, "dtype": cfg.model.dtype, "weights": cfg.weights,
                "graphs": engine.runner.graphs is not None and engine.runner.graphs.capture,
+               "start_capture_s": round(engine.runner.start_capture_s, 3),
                "spec": f"K={spec.num_tokens},d={spec.draft_loops},{spec.mode}" if spec.is_enabled else "off",
                **run_cell(engine, cell, num_loops, profile_steps=cfg.profile,
                           profile_prefill=cfg.profile_prefill)}

@@ -50,6 +50,9 @@ class EngineConfig:
     max_model_len: Optional[int] = None      # None: the model's maximum positions
     watermark_blocks: int = 0                # free blocks kept back at admission
     graphs: Optional[bool] = None            # decode graphs; None: on where the Hal captures device work
+    # capture every decode batch bucket and the short prefills when the engine starts (where the Hal
+    # records graphs), so no request waits for a capture; false: each on first use
+    capture_at_start: bool = True
     fuse_projections: bool = True            # q|k|v and gate|up as one GEMM each (zoo/fuse.py)
     kv_dtype: str = "auto"                   # auto (model dtype) | fp8 (the Hal's) | int8 | fp8_e4m3fn(uz)
     weights_dtype: str = "auto"              # auto (as loaded) | fp8 (per-channel FP8 linears, zoo/fp8.py)
@@ -106,7 +109,7 @@ class EngineConfig:
         for name in ("async_scheduling", "graphs"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"{name} must be true, false or null (auto), got {getattr(self, name)!r}")
-        for name in ("fuse_projections", "enable_prefix_caching", "wavefront_prefill"):
+        for name in ("fuse_projections", "enable_prefix_caching", "wavefront_prefill", "capture_at_start"):
             if not isinstance(getattr(self, name), bool):       # "no" would be true
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.speculative.is_enabled and self.async_scheduling:

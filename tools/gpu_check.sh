@@ -35,7 +35,7 @@ run() {   # run NAME SECONDS CMD...: log everything, keep going on failure
   tail -n 4 "$LOG"
 }
 
-bench() { run "bench $*" 200 python3 -m runtime.bench hal=cuda weights=random output="$BENCH" "$@"; }
+bench() { run "bench $*" 300 python3 -m runtime.bench hal=cuda weights=random output="$BENCH" "$@"; }
 
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee -a "$LOG"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG"

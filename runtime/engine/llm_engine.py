@@ -102,8 +102,10 @@ class LLMEngine(EngineRequests):
         if bad:                  # the persistent batch stores them as int64 (runtime/execution/row_params.py)
             raise ValueError(f"stop token ids must be integers in [0, 2^63), got {bad[:3]} (model.stop_token_ids "
                              f"or the config's eos_token_id)")
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            stops.append(tokenizer.eos_token_id)
+        # the tokenizer's end token: the one stop token that finishes with stop_reason None (vLLM's EOS)
+        self.eos_token_id = tokenizer.eos_token_id if tokenizer is not None else None
+        if self.eos_token_id is not None:
+            stops.append(self.eos_token_id)
         self.default_stop_token_ids = frozenset(stops)
         self.requests = {}
         self.groups = {}
@@ -237,11 +239,11 @@ class LLMEngine(EngineRequests):
                 status = request.check_stop(num_outputs) if code is None else STATUS_OF_CODE[code]
                 status = self._check_stop_strings(request, status)
             if status == RequestStatus.FINISHED_STOPPED and request.stop_reason is None:
-                # the request's own stop token names itself; the model's end token leaves None, first
-                # where it is both (vLLM's rule)
+                # vLLM's rule: a stop token names itself (the request's own, and the model's other end
+                # tokens, which vLLM takes from generation_config), except the tokenizer's EOS, which
+                # leaves None, also where the request lists it
                 last = request.output_token_ids[request.num_resolved_outputs - 1]
-                own = last in request.params.stop_token_ids and last not in request.stop_token_ids
-                request.stop_reason = last if own else None
+                request.stop_reason = None if last == self.eos_token_id else last
             if request.group is not None and request.sample_index == 0 and request.num_resolved_outputs \
                     and len(request.group.samples) < request.group.best_of:
                 self._fork(request)             # before a stop could free the prompt blocks

@@ -4,7 +4,8 @@ pass (plain decode steps, speculation drafts and verifies).
 A pass whose sequences all have the same width (tokens per sequence) and run the same stages is
 the same sequence of kernels for a given number of sequences. It is captured once per batch-size
 bucket over static buffers (inputs, positions, attention metadata with a fixed capacity, Huginn's
-initial states) and replayed after refilling them; batches are padded up to the bucket with
+initial states), at the engine's start for the passes it expects (`ModelRunner.capture_at_start`)
+or on first use, and replayed after refilling them; batches are padded up to the bucket with
 sequences in scratch slots past the pool (`step_inputs.pad`). Hals whose kernels take lengths as
 host values (Ascend) get them through `Graph.update` before each replay. With capture off (the CPU)
 the same padded path runs eagerly, so turning graphs on or off never changes a kernel's shapes (and
@@ -109,13 +110,10 @@ class PassGraphs:
         device through pinned mirrors: the host never waits here."""
         bucket = self.bucket(host.num_seqs)
         full = pad(host, bucket, width, self.env)
-        cap = self.captured.get(key)
-        if cap is None:
-            # a pass wider than the scratch slots (a long prompt) is captured over its own first batch:
-            # the warm-up writes the slots the replay then rewrites, before anything reads them
-            over = full if bucket * width > self.env.num_scratch_slots else None
-            capacity = self.capacity_of(bucket, width, num_planes, context, fresh)
-            cap = self.captured[key] = self._capture(program, capacity, width, state_width, repr(key), over)
+        # a pass wider than the scratch slots (a long prompt) is captured over its own first batch:
+        # the warm-up writes the slots the replay then rewrites, before anything reads them
+        over = full if bucket * width > self.env.num_scratch_slots else None
+        cap = self.prepare(key, program, bucket, width, num_planes, state_width, fresh, context, over)
         num_rows = host.num_tokens
         if inputs is None:
             src = fed_rows(host, fed_from, len(full.positions))
@@ -133,6 +131,18 @@ class PassGraphs:
         cap.graph.update(self.env.backend.update_meta(cap.ctx.meta, full.batch))
         cap.graph.replay()
         return cap.outputs
+
+    def prepare(self, key: tuple, program: Program, bucket: int, width: int, num_planes: int,
+                state_width: int | None = None, fresh: bool = False, context: bool = True,
+                over: HostInputs | None = None) -> Captured:
+        """The pass `key` of `bucket` sequences of `width` tokens, captured now unless it was before
+        (over padding only, or over `over`: a batch wider than the scratch slots). `run` replays it;
+        the runner also calls this at start for the passes it expects (`ModelRunner.capture_at_start`)."""
+        cap = self.captured.get(key)
+        if cap is None:
+            capacity = self.capacity_of(bucket, width, num_planes, context, fresh)
+            cap = self.captured[key] = self._capture(program, capacity, width, state_width, repr(key), over)
+        return cap
 
     def _capture(self, program: Program, capacity: MetaCapacity, width: int, state_width: int | None, what: str,
                  over: HostInputs | None = None) -> Captured:

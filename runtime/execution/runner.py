@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Sequence
 
 import torch
@@ -32,9 +33,10 @@ from runtime.execution.async_step import PendingStep, Readback, StepResult
 from runtime.execution.eager_pass import EagerPass
 from runtime.execution.graphs import PassGraphs
 from runtime.execution.input_batch import InputBatch
+from runtime.execution.kv_pool import check_cache_fits, plan_num_blocks
 from runtime.execution.quantization import prepare_weights, resolve_kv_dtype
 from runtime.execution.logprobs import StepLogprobs
-from runtime.execution.prefill_buckets import PrefillBuckets
+from runtime.execution.prefill_buckets import SHORT, PrefillBuckets
 from runtime.execution.row_sampling import RowSampling, StepRows
 from runtime.execution.sampler import SamplingTensors, sample
 from runtime.execution.step_inputs import PassEnv, describe, describe_rows, extend
@@ -44,42 +46,6 @@ from zoo.context import ModelOps
 from zoo.parallel import rank_heads
 
 log = logging.getLogger(__name__)
-
-
-def plan_num_blocks(hal: Hal, config: EngineConfig, bytes_per_block: int, max_blocks_useful: int) -> int:
-    """KV pool size: explicit, or what the memory budget allows, capped by what could ever be used."""
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    if config.kv_cache_memory_bytes is not None:
-        budget = config.kv_cache_memory_bytes
-    else:
-        free, total = hal.mem_info()
-        budget = int(free - total * (1.0 - config.gpu_memory_utilization))
-    num_blocks = min(budget // bytes_per_block, max_blocks_useful)
-    if num_blocks < 1:
-        fix = ("raise engine.kv_cache_memory_bytes" if config.kv_cache_memory_bytes is not None
-               else "raise engine.gpu_memory_utilization or set engine.num_kv_blocks")
-        raise MemoryError(f"no memory left for the KV cache (budget {budget / 2**20:.0f} MiB, "
-                          f"{bytes_per_block} bytes per block); {fix}")
-    return int(num_blocks)
-
-
-def check_cache_fits(config: EngineConfig, num_bytes: int, total_bytes: int, num_blocks: int, block_size: int) -> None:
-    """Refuse a KV cache larger than the whole device (an explicit num_kv_blocks or a huge block
-    size) by the setting to change, before the allocation fails without one (on the CPU, the kernel
-    kills the process)."""
-    if num_bytes <= total_bytes:
-        return
-    if config.num_kv_blocks is not None:
-        fix = "lower engine.num_kv_blocks, or leave it unset to size the cache by memory"
-    elif config.kv_cache_memory_bytes is not None:
-        fix = "lower engine.kv_cache_memory_bytes"
-    elif config.block_size is not None:
-        fix = "lower engine.block_size (or leave it unset for the Hal's own)"
-    else:
-        fix = "lower engine.max_num_seqs or engine.max_model_len"
-    raise MemoryError(f"the KV cache would take {num_bytes / 2**30:.1f} GiB ({num_blocks} blocks of {block_size} "
-                      f"tokens), more than the device's {total_bytes / 2**30:.1f} GiB: {fix}")
 
 
 def prefill_program(model: LoopedCausalLM, num_loops: int, sample_row: torch.Tensor):
@@ -166,6 +132,33 @@ class ModelRunner(EagerPass):
         self.row_sampling = RowSampling(config.max_num_seqs, self.device)   # the rows' settings on the device
         self.wave_states: dict[tuple[str, int], torch.Tensor] = {}  # wavefront segments' states between steps
         self.prefill_rows: dict[tuple, torch.Tensor] = {}           # captured prefills' sample-row buffers
+        self.start_capture_s = 0.0
+        if captures and hal.caps.graphs and config.capture_at_start:
+            self.capture_at_start(model.default_num_loops)
+
+    def capture_at_start(self, num_loops: int) -> None:
+        """Capture now what steps at depth `num_loops` replay: the decode step of every batch bucket
+        (each graph copy; not with speculation, whose steps replay their own graphs) and the prefill of
+        every short token-count bucket, with and without prior context. Otherwise the first step of
+        each batch size or prompt length waits for its capture (vLLM captures at start as well).
+        Longer prefills are captured over their first prompt (`PassGraphs.run`)."""
+        start, graphs = time.perf_counter(), self.graphs
+        num_planes = self.layout.num_planes(num_loops)
+        if not self.config.speculative.is_enabled:
+            for bucket in graphs.buckets:
+                for copy in range(self.num_graph_copies):
+                    graphs.prepare(("decode", bucket, num_loops, copy), decode_program(self.model, num_loops),
+                                   bucket, 1, num_planes)
+        widest = self.backend.caps.max_context_prefill_width
+        for width in self.prefill_buckets.widths:
+            if width > SHORT[-1]:
+                break
+            for context in (False, True) if widest is None or width <= widest else (False,):
+                key = self.prefill_key(width, num_loops, first_token=int(context))
+                graphs.prepare(key, prefill_program(self.model, num_loops, self.sample_row(key)), 1, width,
+                               num_planes, context=context)
+        self.start_capture_s = time.perf_counter() - start
+        log.info("captured %d passes at start in %.2f s", len(graphs.captured), self.start_capture_s)
 
     def forget(self, request_id: str) -> None:
         """Drop what the runner keeps for a request (its persistent row, wavefront states) once it
@@ -232,15 +225,24 @@ class ModelRunner(EagerPass):
         item = scheduled[0]
         req, bucket = item.request, self.prefill_bucket(scheduled)
         host = extend(describe([self.slice_of(item, blocks)], req.num_planes, self.block_size), bucket, self.env)
-        fresh, context = self.prefill_buckets.attends_fresh(bucket, item.first_token), item.first_token > 0
-        key = ("prefill", bucket, req.num_loops, self.layout.num_planes(req.num_loops), fresh, context)
-        if key not in self.prefill_rows:
-            self.prefill_rows[key] = torch.zeros(1, dtype=torch.long, device=self.device)
-        sample_row = self.prefill_rows[key]
+        key = self.prefill_key(bucket, req.num_loops, item.first_token)
+        sample_row = self.sample_row(key)
         sample_row.copy_(torch.tensor([item.num_tokens - 1]), non_blocking=True)
         logits = self.graphs.run(key, prefill_program(self.model, req.num_loops, sample_row), host, bucket,
-                                 key[3], fed_from=fed_from, fresh=fresh, context=context)
+                                 key[3], fed_from=fed_from, fresh=key[4], context=key[5])
         return self.finish_step(logits, [req], [req.num_loops], item.num_tokens, deferred, fed_from=fed_from)
+
+    def prefill_key(self, width: int, num_loops: int, first_token: int) -> tuple:
+        """The captured prefill of `width` tokens at depth `num_loops` for a chunk from `first_token`:
+        ("prefill", width, loops, planes, fresh attention, prior context)."""
+        fresh = self.prefill_buckets.attends_fresh(width, first_token)
+        return "prefill", width, num_loops, self.layout.num_planes(num_loops), fresh, first_token > 0
+
+    def sample_row(self, key: tuple) -> torch.Tensor:
+        """`[1]` int64: the static buffer naming the row whose logits the captured prefill `key` samples."""
+        if key not in self.prefill_rows:
+            self.prefill_rows[key] = torch.zeros(1, dtype=torch.long, device=self.device)
+        return self.prefill_rows[key]
 
     def _execute_eager(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager,
                        fed_from: PendingStep | None, deferred: bool) -> StepResult | PendingStep:

@@ -105,9 +105,12 @@ def test_a_prompts_only_chunk_is_captured_over_tables_of_its_own_width(single_th
         for request_id, prompt in prompts.items():
             engine.add_request(request_id, prompt, params)
         tokens[label] = {o.request_id: o.token_ids for o in engine.run_until_done()}
-    widths = {key[5]: cap.ctx.meta.block_tables.shape[-1]
+    widths = {(key[1], key[5]): cap.ctx.meta.block_tables.shape[-1]
               for key, cap in engine.runner.graphs.captured.items() if key[0] == "prefill"}
-    assert widths == {False: 3}                   # the 20-token prompt; the 20-token last chunk ran eagerly
+    # captured at start: both widths without context over tables of their own width (the 20-token
+    # prompt replays the 32-token one), with context only up to 16 tokens (the 20-token last chunk ran
+    # eagerly), over tables as wide as max_model_len
+    assert widths == {(16, False): 2, (32, False): 3, (16, True): 18}
     assert engine.runner.backend.ops.counts["fused_infer_attention"]   # past ROW_QUERIES: dequantized blocks
     assert tokens["ascend"] == tokens["cpu"]
 

@@ -82,18 +82,29 @@ def test_a_stop_token_ends_the_sample_without_its_text(llm, plain):
     assert kept.text == _decode(llm, plain.token_ids[:j + 1])
 
 
-def test_the_models_end_token_leaves_stop_reason_none(plain):
-    """An end token of the model's (here LLM(stop_token_ids=), the engine's defaults) ends the sample
-    with stop_reason None, as vLLM reports its EOS, also where the request lists it among its own stop
-    tokens (vLLM checks EOS first); a stop token of the request's alone names itself (the test above)."""
+def test_only_the_tokenizers_end_token_leaves_stop_reason_none(llm, plain):
+    """vLLM's rule: an end token of the model's other than the tokenizer's EOS (vLLM takes them from
+    generation_config; here LLM(stop_token_ids=), the engine's defaults) names itself in stop_reason,
+    as a request's own stop token does; the tokenizer's EOS ends with None, also where the request
+    lists it among its own stop tokens (vLLM checks EOS first)."""
     token = plain.token_ids[5]
     j = plain.token_ids.index(token)
     ended = LLM(PACKAGED, hal="cpu", dtype="float32", num_kv_blocks=256, stop_token_ids=[token])
     out = ended.generate([PROMPT], dataclasses.replace(GREEDY, ignore_eos=False))[0]
     assert out.token_ids == plain.token_ids[:j + 1] and out.finish_reason == "stop"
-    assert out.outputs[0].stop_reason is None
-    asked = ended.generate([PROMPT], dataclasses.replace(GREEDY, ignore_eos=False, stop_token_ids=[token]))[0]
-    assert asked.token_ids == out.token_ids and asked.outputs[0].stop_reason is None
+    assert out.outputs[0].stop_reason == token
+
+    tokenizer = type(llm.tokenizer)(llm.tokenizer.backend, dict(llm.tokenizer.config))
+    tokenizer.config["eos_token"] = tokenizer.backend.id_to_token(token)
+    assert tokenizer.eos_token_id == token
+    engine = LLMEngine(llm.engine.model, CpuHal(), EngineConfig(num_kv_blocks=256), tokenizer)
+    prompt = llm.tokenizer.encode_prompt(PROMPT)
+    for params in (dataclasses.replace(GREEDY, ignore_eos=False),
+                   dataclasses.replace(GREEDY, ignore_eos=False, stop_token_ids=[token])):
+        engine.add_request("eos", prompt, params)
+        out = next(o for o in engine.run_until_done() if o.request_id == "eos")
+        assert out.token_ids == plain.token_ids[:j + 1] and out.finish_reason == "stop"
+        assert out.outputs[0].stop_reason is None
 
 
 @pytest.mark.parametrize("option", ["async", "speculation"])

@@ -1,0 +1,42 @@
+"""How many KV blocks the runner allocates: an explicit count, or what the memory budget allows, and
+a refusal, naming the setting to change, of a cache larger than the whole device."""
+from __future__ import annotations
+
+from hal.base import Hal
+from runtime.config import EngineConfig
+
+
+def plan_num_blocks(hal: Hal, config: EngineConfig, bytes_per_block: int, max_blocks_useful: int) -> int:
+    """KV pool size: explicit, or what the memory budget allows, capped by what could ever be used."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if config.kv_cache_memory_bytes is not None:
+        budget = config.kv_cache_memory_bytes
+    else:
+        free, total = hal.mem_info()
+        budget = int(free - total * (1.0 - config.gpu_memory_utilization))
+    num_blocks = min(budget // bytes_per_block, max_blocks_useful)
+    if num_blocks < 1:
+        fix = ("raise engine.kv_cache_memory_bytes" if config.kv_cache_memory_bytes is not None
+               else "raise engine.gpu_memory_utilization or set engine.num_kv_blocks")
+        raise MemoryError(f"no memory left for the KV cache (budget {budget / 2**20:.0f} MiB, "
+                          f"{bytes_per_block} bytes per block); {fix}")
+    return int(num_blocks)
+
+
+def check_cache_fits(config: EngineConfig, num_bytes: int, total_bytes: int, num_blocks: int, block_size: int) -> None:
+    """Refuse a KV cache larger than the whole device (an explicit num_kv_blocks or a huge block
+    size) by the setting to change, before the allocation fails without one (on the CPU, the kernel
+    kills the process)."""
+    if num_bytes <= total_bytes:
+        return
+    if config.num_kv_blocks is not None:
+        fix = "lower engine.num_kv_blocks, or leave it unset to size the cache by memory"
+    elif config.kv_cache_memory_bytes is not None:
+        fix = "lower engine.kv_cache_memory_bytes"
+    elif config.block_size is not None:
+        fix = "lower engine.block_size (or leave it unset for the Hal's own)"
+    else:
+        fix = "lower engine.max_num_seqs or engine.max_model_len"
+    raise MemoryError(f"the KV cache would take {num_bytes / 2**30:.1f} GiB ({num_blocks} blocks of {block_size} "
+                      f"tokens), more than the device's {total_bytes / 2**30:.1f} GiB: {fix}")
