@@ -113,11 +113,41 @@ def test_a_long_prompt_replays_a_captured_prefill(prompt_len, width, fresh, monk
         engine.add_request("0", prompt, params)
         results[captured] = [o.token_ids for o in engine.run_until_done()]
         if captured:
-            keys = [k for k in engine.runner.graphs.captured if k[0] == "prefill"]
+            # the short buckets were captured at start (engine.capture_at_start)
+            keys = [k for k in engine.runner.graphs.captured if k[0] == "prefill" and k[1] > 1024]
             assert [(k[1], k[4], k[5]) for k in keys] == [(width, fresh, False)], keys
             assert engine.runner.graphs.captured[keys[0]].ctx.meta.fresh_lens == ((width,) if fresh else None)
         del engine
         torch.cuda.empty_cache()
     assert not fresh_module._cudnn_refused, fresh_module._cudnn_refused[:1]
     print(f"captured vs eager prefill of {prompt_len} tokens: {results[True]} / {results[False]}")
+    assert results[True] == results[False]
+
+
+def test_steps_replay_the_passes_captured_at_start():
+    """At the real Ouro-1.4B shape (bf16, async scheduling: two copies of each decode graph) the engine
+    captures every decode bucket and short prefill when it starts; requests of mixed lengths that
+    finish apart then capture nothing more, and give the tokens of an engine that captures on first use."""
+    gpu = hal.get("cuda")
+    model = zoo.from_config(CONFIGS / "ouro-1.4b.json", dtype="bfloat16", device=gpu.device(), seed=0)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 49152) for _ in range(rng.randint(5, 300))] for _ in range(6)]
+    results = {}
+    for at_start in (True, False):
+        engine = LLMEngine(model, gpu, EngineConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=1024,
+                                                    capture_at_start=at_start))
+        captured = dict(engine.runner.graphs.captured)
+        if at_start:
+            assert {k[1] for k in captured if k[0] == "decode"} == {1, 2, 4, 8}
+            assert {k[3] for k in captured if k[0] == "decode"} == {0, 1}
+            assert {k[1] for k in captured if k[0] == "prefill"} == {16, 32, 64, 128, 256, 512}
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, SamplingParams(max_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True))
+        outs = {o.request_id: o.token_ids for o in engine.run_until_done()}
+        results[at_start] = [outs[str(i)] for i in range(len(prompts))]
+        if at_start:
+            assert engine.runner.graphs.captured == captured, set(engine.runner.graphs.captured) - set(captured)
+            print(f"captured {len(captured)} passes at start in {engine.runner.start_capture_s:.2f} s")
+        del engine
+        torch.cuda.empty_cache()
     assert results[True] == results[False]
