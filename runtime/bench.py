@@ -180,9 +180,9 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
 
 
 def count_graphs(engine: Any) -> int:
-    """How many passes and chains the engine's runner has captured so far (0 without graphs)."""
+    """How many passes and chains the engine's runner has captured so far (0 where it runs them eagerly)."""
     graphs = engine.runner.graphs
-    return 0 if graphs is None else len(graphs.captured) + len(graphs.chains)
+    return 0 if graphs is None or not graphs.capture else len(graphs.captured) + len(graphs.chains)
 
 
 def workload_names(cfg: Any) -> list[str]:
@@ -274,8 +274,10 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
             copy_rate = measure_copy_rate(hal)
             log.info("matmul rate %.0f TFLOP/s, copy rate %.2f TB/s", rate / 1e12, copy_rate / 1e12)
         if cfg.warmup:
-            # same prompt length: kernels compile (and graphs capture) outside the timed cell
-            run_cell(engine, {"batch": min(cell["batch"], 2), "prompt": cell["prompt"], "new": 4}, num_loops, seed=1)
+            # the cell's own batch and prompts, a few tokens each: its steps' shapes (mixed prefill and
+            # decode rows) JIT-compile their kernels and capture their graphs outside the timed cell
+            # (a warm-up of 2 requests left a b64 cell's first token 1.7-5.4 s apart between processes)
+            run_cell(engine, {"batch": cell["batch"], "prompt": cell["prompt"], "new": 4}, num_loops, seed=1)
         row = {"workload": workload, "model": name, "hal": hal.name, "tp": parallel.world_size,
                "kv_mode": config.kv_mode, "kv_dtype": config.kv_dtype, "weights_dtype": config.weights_dtype,
                # which FP8 GEMM the CUDA Hal was told to use (hal/cuda/fp8.py), for comparing the paths

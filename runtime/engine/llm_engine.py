@@ -241,9 +241,10 @@ class LLMEngine(EngineRequests):
             if status == RequestStatus.FINISHED_STOPPED and request.stop_reason is None:
                 # vLLM's rule: a stop token names itself (the request's own, and the model's other end
                 # tokens, which vLLM takes from generation_config), except the tokenizer's EOS, which
-                # leaves None, also where the request lists it
+                # leaves None, also where the request lists it, unless it ignores EOS
                 last = request.output_token_ids[request.num_resolved_outputs - 1]
-                request.stop_reason = None if last == self.eos_token_id else last
+                eos = last == self.eos_token_id and not request.params.ignore_eos
+                request.stop_reason = None if eos else last
             if request.group is not None and request.sample_index == 0 and request.num_resolved_outputs \
                     and len(request.group.samples) < request.group.best_of:
                 self._fork(request)             # before a stop could free the prompt blocks

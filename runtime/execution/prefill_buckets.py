@@ -45,6 +45,12 @@ class PrefillBuckets:
             return None
         return width
 
+    def short_widths(self, max_model_len: int) -> list[int]:
+        """The short widths (captured over padding alone, so at start) a prompt of at most
+        `max_model_len` tokens may replay."""
+        short = [w for w in self.widths if w <= SHORT[-1]]
+        return [w for i, w in enumerate(short) if i == 0 or short[i - 1] < max_model_len]
+
     def scratch_tokens(self, block_size: int) -> int:
         """Scratch slots the captures need: a short width's capture runs over padding only (its whole
         width), a wider one over its first prompt (`graphs.PassGraphs.run`), so only the padding of a

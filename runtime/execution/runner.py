@@ -36,7 +36,7 @@ from runtime.execution.input_batch import InputBatch
 from runtime.execution.kv_pool import check_cache_fits, plan_num_blocks
 from runtime.execution.quantization import prepare_weights, resolve_kv_dtype
 from runtime.execution.logprobs import StepLogprobs
-from runtime.execution.prefill_buckets import SHORT, PrefillBuckets
+from runtime.execution.prefill_buckets import PrefillBuckets
 from runtime.execution.row_sampling import RowSampling, StepRows
 from runtime.execution.sampler import SamplingTensors, sample
 from runtime.execution.step_inputs import PassEnv, describe, describe_rows, extend
@@ -134,29 +134,26 @@ class ModelRunner(EagerPass):
         self.prefill_rows: dict[tuple, torch.Tensor] = {}           # captured prefills' sample-row buffers
         self.start_capture_s = 0.0
         if captures and hal.caps.graphs and config.capture_at_start:
-            self.capture_at_start(model.default_num_loops)
+            self.capture_at_start(model.default_num_loops, max_model_len)
 
-    def capture_at_start(self, num_loops: int) -> None:
+    def capture_at_start(self, num_loops: int, max_model_len: int) -> None:
         """Capture now what steps at depth `num_loops` replay: the decode step of every batch bucket
-        (each graph copy; not with speculation, whose steps replay their own graphs) and the prefill of
-        every short token-count bucket, with and without prior context. Otherwise the first step of
+        (each graph copy) and the prefill of every short token-count bucket a prompt of at most
+        `max_model_len` tokens takes, with and without prior context. Otherwise the first step of
         each batch size or prompt length waits for its capture (vLLM captures at start as well).
         Longer prefills are captured over their first prompt (`PassGraphs.run`)."""
         start, graphs = time.perf_counter(), self.graphs
         num_planes = self.layout.num_planes(num_loops)
-        if not self.config.speculative.is_enabled:
-            for bucket in graphs.buckets:
-                for copy in range(self.num_graph_copies):
-                    graphs.prepare(("decode", bucket, num_loops, copy), decode_program(self.model, num_loops),
-                                   bucket, 1, num_planes)
+        for bucket in graphs.buckets:
+            for copy in range(self.num_graph_copies):
+                graphs.prepare(("decode", bucket, num_loops, copy), decode_program(self.model, num_loops),
+                               bucket, 1, num_planes)
         widest = self.backend.caps.max_context_prefill_width
-        for width in self.prefill_buckets.widths:
-            if width > SHORT[-1]:
-                break
+        for width in self.prefill_buckets.short_widths(max_model_len):
             for context in (False, True) if widest is None or width <= widest else (False,):
                 key = self.prefill_key(width, num_loops, first_token=int(context))
                 graphs.prepare(key, prefill_program(self.model, num_loops, self.sample_row(key)), 1, width,
-                               num_planes, context=context)
+                               num_planes, fresh=key[4], context=context)
         self.start_capture_s = time.perf_counter() - start
         log.info("captured %d passes at start in %.2f s", len(graphs.captured), self.start_capture_s)
 

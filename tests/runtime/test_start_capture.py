@@ -55,11 +55,19 @@ def test_passes_captured_at_start_are_the_ones_steps_replay(case_and_model, asyn
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
-def test_speculation_captures_only_the_prefills_at_start(case_and_model, single_thread):
-    """A speculating engine's decode steps replay verify passes and chains of their own."""
+def test_a_speculating_engine_captures_the_plain_passes_too(case_and_model, single_thread):
+    """Its steps replay plain decode passes as well (requests that do not speculate), beside verify
+    passes and chains of their own, captured on first use."""
     _, model = case_and_model
     engine = engine_of(model, speculative=SpeculativeConfig(num_tokens=2, draft_loops=1))
-    assert {key[0] for key in engine.runner.graphs.captured} == {"prefill"}
+    assert {key[0] for key in engine.runner.graphs.captured} == {"decode", "prefill"}
+
+
+def test_only_the_prefill_widths_a_prompt_can_take_are_captured(case_and_model, single_thread):
+    """A prompt of at most max_model_len tokens takes a width up to the first one that holds it."""
+    _, model = case_and_model
+    engine = engine_of(model, max_model_len=20)
+    assert {key[1] for key in engine.runner.graphs.captured if key[0] == "prefill"} == {16, 32}
 
 
 def test_nothing_is_captured_at_start_where_the_hal_records_no_graphs(case_and_model):

@@ -105,6 +105,10 @@ def test_only_the_tokenizers_end_token_leaves_stop_reason_none(llm, plain):
         out = next(o for o in engine.run_until_done() if o.request_id == "eos")
         assert out.token_ids == plain.token_ids[:j + 1] and out.finish_reason == "stop"
         assert out.outputs[0].stop_reason is None
+    # ignoring EOS, the request's own stop token of the same id names itself (vLLM skips its EOS check)
+    engine.add_request("own", prompt, dataclasses.replace(GREEDY, stop_token_ids=[token]))
+    out = next(o for o in engine.run_until_done() if o.request_id == "own")
+    assert out.token_ids == plain.token_ids[:j + 1] and out.outputs[0].stop_reason == token
 
 
 @pytest.mark.parametrize("option", ["async", "speculation"])
