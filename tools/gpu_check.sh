@@ -65,7 +65,7 @@ for phase in $PHASES; do
       done
       python3 tools/pick_finetuned.py --out "$OUT" /tmp/ft-* | tee -a "$LOG" ;;
     conformance) run conformance 300 python3 -m runtime.conformance hal=cuda ;;
-    tests) run "pytest -m cuda" 540 python3 -m pytest tests -m cuda -q -rs -p no:cacheprovider ;;
+    tests) run "pytest -m cuda" 590 python3 -m pytest tests -m cuda -q -rs -p no:cacheprovider ;;
     kernels) run "kernel bench" 240 python3 tools/kernel_bench.py ;;
     bench)
       bench model=ouro-1.4b 'workload=[b1,b64,b128,prefill8k]'
