@@ -1,5 +1,5 @@
 """The model runner: owns the model, the attention backend and the paged KV tensors; turns a
-scheduled step into one forward pass and samples.
+scheduled step into forward passes and samples.
 
 KV storage is `layers_per_plane` tensors (one per layer slot of a plane), each holding every block
 of the pool in the backend's layout; a block id means the same block in every one of them.
@@ -10,10 +10,11 @@ token and samples it, all at the same depth, no early exit) replays a captured p
 (runtime/execution/input_batch.py); a step that is one prompt (or its last chunk) replays a
 captured prefill of a token-count bucket (runtime/execution/prefill_buckets.py), so a prompt costs
 its device work rather than a thousand launches from the host (unless the backend caps how wide a
-chunk with context it captures: `AttnCaps.max_context_prefill_width`); any other step runs
-eagerly, packed: prompts, prompt chunks and decodes together, and wavefront segments (the eager
-pass, runtime/execution/eager_pass.py, which the runner inherits). Every path ends in
-`finish_step`, which samples the logits.
+chunk with context it captures: `AttnCaps.max_context_prefill_width`); a step of such decodes
+and a few such prompts (requests joining a decoding batch) replays those passes one after another
+(`split_step`); any other step runs eagerly, packed: prompts, prompt chunks and decodes together,
+and wavefront segments (the eager pass, runtime/execution/eager_pass.py, which the runner
+inherits). Every path ends in `finish_step`, which samples the logits.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import math
 import time
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from hal.base import Hal
@@ -46,6 +48,11 @@ from zoo.context import ModelOps
 from zoo.parallel import rank_heads
 
 log = logging.getLogger(__name__)
+
+# prompts a step may end by captured prefills beside its captured decode pass (`split_step`): each
+# replay reads every weight once more, so past a few the one eager pass, which reads them once, is
+# the better trade even though the host feeds it launch by launch
+MAX_SPLIT_PROMPTS = 4
 
 
 def prefill_program(model: LoopedCausalLM, num_loops: int, sample_row: torch.Tensor):
@@ -177,6 +184,9 @@ class ModelRunner(EagerPass):
             return self._execute_captured(scheduled, blocks, input_ids_from_device, deferred)
         if self.prefill_bucket(scheduled) is not None:
             return self._execute_prefill(scheduled, blocks, input_ids_from_device, deferred)
+        split = self.split_step(scheduled)
+        if split is not None:
+            return self._execute_split(*split, blocks, input_ids_from_device, deferred)
         return self._execute_eager(scheduled, blocks, input_ids_from_device, deferred)
 
     def prefill_bucket(self, scheduled: Sequence[ScheduledRequest]) -> int | None:
@@ -202,8 +212,40 @@ class ModelRunner(EagerPass):
                    and item.request.exit_threshold >= 1.0 and item.request.num_planes <= self.input_batch.tables.shape[0]
                    for item in scheduled)
 
+    def split_step(self, scheduled: Sequence[ScheduledRequest]) -> tuple[list, list] | None:
+        """(decodes, prompts) of a step that decodes and ends up to `MAX_SPLIT_PROMPTS` prompts (or
+        their last chunks), each of which a captured prefill runs: the step replays those passes and
+        the decode pass instead of running one eager pass, whose host work (about a thousand launches
+        issued from Python, 70-140 ms on the GPU machines' hosts) would stall every decoding request
+        each time a request joins. None for any other step."""
+        decodes = [item for item in scheduled if item.num_tokens == 1]
+        prompts = [item for item in scheduled if item.num_tokens > 1]
+        if not decodes or not 0 < len(prompts) <= MAX_SPLIT_PROMPTS or not self.is_graph_step(decodes):
+            return None
+        if any(self.prefill_bucket([item]) is None for item in prompts):
+            return None
+        return decodes, prompts
+
+    def _execute_split(self, decodes: list[ScheduledRequest], prompts: list[ScheduledRequest], blocks: BlockManager,
+                       fed_from: PendingStep | None, deferred: bool) -> StepResult | PendingStep:
+        # each pass's logits are copied out before the next replay, which may reuse the pool's memory
+        logits = [self._decode_logits(decodes, blocks, fed_from)[0].clone()]
+        logits += [self._prefill_logits(item, blocks, fed_from).clone() for item in prompts]
+        requests = [item.request for item in decodes + prompts]
+        return self.finish_step(torch.cat(logits), requests, [r.num_loops for r in requests],
+                                len(decodes) + sum(item.num_tokens for item in prompts), deferred, fed_from=fed_from)
+
     def _execute_captured(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager,
                           fed_from: PendingStep | None, deferred: bool) -> StepResult | PendingStep:
+        logits, rows, positions = self._decode_logits(scheduled, blocks, fed_from)
+        requests = [item.request for item in scheduled]
+        return self.finish_step(logits, requests, [r.num_loops for r in requests], len(scheduled), deferred,
+                                fed_from=fed_from, rows=rows, positions=positions)
+
+    def _decode_logits(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager,
+                       fed_from: PendingStep | None) -> tuple[torch.Tensor, np.ndarray, list[int]]:
+        """The captured decode pass over the persistent batch's rows of `scheduled`: (logits `[n, V]`,
+        in the graph's output buffer; the rows; the input positions)."""
         requests = [item.request for item in scheduled]
         loops = requests[0].num_loops
         batch = self.input_batch
@@ -214,20 +256,26 @@ class ModelRunner(EagerPass):
         logits = self.graphs.run(("decode", self.graphs.bucket(len(scheduled)), loops, copy),
                                  decode_program(self.model, loops), host, 1, self.layout.num_planes(loops),
                                  fed_from=fed_from)
-        return self.finish_step(logits[:len(scheduled)], requests, [loops] * len(requests), len(scheduled), deferred,
-                                fed_from=fed_from, rows=rows, positions=host.positions)
+        return logits[:len(scheduled)], rows, host.positions
 
     def _execute_prefill(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager,
                          fed_from: PendingStep | None, deferred: bool) -> StepResult | PendingStep:
         item = scheduled[0]
-        req, bucket = item.request, self.prefill_bucket(scheduled)
+        logits = self._prefill_logits(item, blocks, fed_from)
+        return self.finish_step(logits, [item.request], [item.request.num_loops], item.num_tokens, deferred,
+                                fed_from=fed_from)
+
+    def _prefill_logits(self, item: ScheduledRequest, blocks: BlockManager,
+                        fed_from: PendingStep | None) -> torch.Tensor:
+        """The captured prefill of one prompt's (last) chunk: logits `[1, V]` of its last token, in
+        the graph's output buffer."""
+        req, bucket = item.request, self.prefill_bucket([item])
         host = extend(describe([self.slice_of(item, blocks)], req.num_planes, self.block_size), bucket, self.env)
         key = self.prefill_key(bucket, req.num_loops, item.first_token)
         sample_row = self.sample_row(key)
         sample_row.copy_(torch.tensor([item.num_tokens - 1]), non_blocking=True)
-        logits = self.graphs.run(key, prefill_program(self.model, req.num_loops, sample_row), host, bucket,
-                                 key[3], fed_from=fed_from, fresh=key[4], context=key[5])
-        return self.finish_step(logits, [req], [req.num_loops], item.num_tokens, deferred, fed_from=fed_from)
+        return self.graphs.run(key, prefill_program(self.model, req.num_loops, sample_row), host, bucket,
+                               key[3], fed_from=fed_from, fresh=key[4], context=key[5])
 
     def prefill_key(self, width: int, num_loops: int, first_token: int) -> tuple:
         """The captured prefill of `width` tokens at depth `num_loops` for a chunk from `first_token`:

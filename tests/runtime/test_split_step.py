@@ -1,0 +1,104 @@
+"""A step that decodes and ends a few prompts replays the captured decode pass and one captured
+prefill per prompt (`ModelRunner.split_step`) instead of one eager pass, and the tokens stay those
+of the simple path: requests joining a decoding batch, on the CPU (the padded passes run eagerly)
+and on the simulated Ascend Hal (its graphs replay what the start captured), every model family."""
+import pytest
+from helpers import golden_case, golden_names, single_thread  # noqa: F401 (fixture)
+
+import hal
+import zoo
+from runtime import SamplingParams
+from runtime.config import EngineConfig
+from runtime.engine.llm_engine import LLMEngine
+from runtime.execution import runner as runner_module
+from runtime.execution.reference import generate_reference
+from runtime.execution.runner import ModelRunner
+
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, init_scale=0.0)
+
+
+@pytest.fixture
+def step_kinds(monkeypatch):
+    """Counts of the runner's step kinds: split, eager, captured decode, captured prefill."""
+    counts = {"split": 0, "eager": 0, "captured": 0, "prefill": 0}
+    for kind in counts:
+        original = getattr(ModelRunner, f"_execute_{kind}")
+
+        def counted(self, *args, _kind=kind, _original=original, **kwargs):
+            counts[_kind] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(ModelRunner, f"_execute_{kind}", counted)
+    return counts
+
+
+def join_while_decoding(engine, prompts, joins):
+    """Start the first prompts, then add one more (`joins`: how many at once) after each step, so
+    each joins requests that decode."""
+    outputs, pending = {}, list(enumerate(prompts))
+    for i, prompt in pending[:2]:
+        engine.add_request(str(i), prompt, PARAMS)
+    pending = pending[2:]
+    while engine.has_unfinished_requests() or pending:
+        for o in engine.step():
+            if o.finished:
+                outputs[o.request_id] = o.token_ids
+        if pending and engine.has_unfinished_requests():
+            for i, prompt in pending[:joins]:
+                engine.add_request(str(i), prompt, PARAMS)
+            pending = pending[joins:]
+    return [outputs[str(i)] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("name", golden_names())
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_joining_prompts_replay_captured_passes_and_keep_the_tokens(name, async_scheduling, step_kinds,
+                                                                    single_thread):
+    case = golden_case(name)
+    model = zoo.from_pretrained(case.path, dtype="float32").eval()
+    prompts = [case.prompt(i % case.num_prompts)[: 3 + 2 * i] for i in range(6)]
+    engine = LLMEngine(model, hal.get("cpu"), EngineConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                                            async_scheduling=async_scheduling))
+    got = join_while_decoding(engine, prompts, joins=1)
+    want = [generate_reference(model, p, PARAMS)[0] for p in prompts]
+    assert got == want
+    assert step_kinds["split"] >= 3, step_kinds
+    engine.blocks.check_invariants()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_on_a_hal_that_records_graphs_the_split_steps_replay_start_captures(step_kinds, single_thread):
+    case = golden_case("ouro-tiny")
+    model = zoo.from_pretrained(case.path, dtype="float32").eval()
+    prompts = [case.prompt(i % case.num_prompts)[: 4 + 3 * i] for i in range(6)]
+    engine = LLMEngine(model, hal.get("ascend-sim", sim_any_shape=True),
+                       EngineConfig(block_size=16, max_num_seqs=8, max_num_batched_tokens=64, graphs=True))
+    at_start = dict(engine.runner.graphs.captured)
+    got = join_while_decoding(engine, prompts, joins=2)
+    assert got == [generate_reference(model, p, PARAMS)[0] for p in prompts]
+    assert step_kinds["split"] >= 2 and engine.runner.graphs.captured == at_start, step_kinds
+
+
+def test_more_joining_prompts_than_the_cap_run_one_eager_pass(step_kinds, monkeypatch, single_thread):
+    monkeypatch.setattr(runner_module, "MAX_SPLIT_PROMPTS", 1)
+    case = golden_case("ouro-tiny")
+    model = zoo.from_pretrained(case.path, dtype="float32").eval()
+    prompts = [case.prompt(0)[: 3 + i] for i in range(6)]
+    engine = LLMEngine(model, hal.get("cpu"), EngineConfig(max_num_seqs=8, max_num_batched_tokens=64))
+    assert join_while_decoding(engine, prompts, joins=2) == [generate_reference(model, p, PARAMS)[0]
+                                                             for p in prompts]
+    assert step_kinds["split"] == 0 and step_kinds["eager"] >= 2, step_kinds
+
+
+def test_a_prompt_asking_for_prompt_logprobs_keeps_the_eager_pass(step_kinds, single_thread):
+    """Its every prompt row's logits are wanted: the captured prefill samples only the last."""
+    case = golden_case("ouro-tiny")
+    model = zoo.from_pretrained(case.path, dtype="float32").eval()
+    engine = LLMEngine(model, hal.get("cpu"), EngineConfig(max_num_seqs=4, max_num_batched_tokens=64))
+    engine.add_request("a", case.prompt(0)[:5], PARAMS)
+    engine.step()
+    engine.step()
+    engine.add_request("b", case.prompt(0)[:7], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2))
+    outs = {o.request_id: o for o in engine.run_until_done()}
+    assert step_kinds["split"] == 0 and step_kinds["eager"] >= 1, step_kinds
+    assert outs["a"].token_ids == generate_reference(model, case.prompt(0)[:5], PARAMS)[0]
