@@ -4,26 +4,20 @@ scheduled step into forward passes and samples.
 KV storage is `layers_per_plane` tensors (one per layer slot of a plane), each holding every block
 of the pool in the backend's layout; a block id means the same block in every one of them.
 
-`execute` runs every kind of step through one path: a pure decode step (every request computes one
-token and samples it, all at the same depth, no early exit) replays a captured pass
-(runtime/execution/graphs.py), its rows kept across steps in the persistent batch
-(runtime/execution/input_batch.py); a step that is one prompt (or its last chunk) replays a
-captured prefill of a token-count bucket (runtime/execution/prefill_buckets.py), so a prompt costs
-its device work rather than a thousand launches from the host (unless the backend caps how wide a
-chunk with context it captures: `AttnCaps.max_context_prefill_width`); a step of such decodes
-and a few such prompts (requests joining a decoding batch) replays those passes one after another
-(`split_step`); any other step runs eagerly, packed: prompts, prompt chunks and decodes together,
-and wavefront segments (the eager pass, runtime/execution/eager_pass.py, which the runner
-inherits). Every path ends in `finish_step`, which samples the logits.
+`execute` runs every kind of step through one path: a step that captured passes can run replays
+them (runtime/execution/captured_steps.py, which the runner inherits: pure decode steps over the
+persistent batch, runtime/execution/input_batch.py; a prompt's only or last chunk; requests joining
+a decoding batch), so it costs its device work rather than a thousand launches from the host; any
+other step runs eagerly, packed: prompts, prompt chunks and decodes together, and wavefront
+segments (the eager pass, runtime/execution/eager_pass.py, which the runner inherits too). Every
+path ends in `finish_step`, which samples the logits.
 """
 from __future__ import annotations
 
 import logging
 import math
-import time
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from hal.base import Hal
@@ -32,6 +26,7 @@ from runtime.engine.kv_cache import BlockManager
 from runtime.engine.planes import PlaneLayout
 from runtime.engine.step_schedule import ScheduledRequest
 from runtime.execution.async_step import PendingStep, Readback, StepResult
+from runtime.execution.captured_steps import CapturedSteps
 from runtime.execution.eager_pass import EagerPass
 from runtime.execution.graphs import PassGraphs
 from runtime.execution.input_batch import InputBatch
@@ -41,7 +36,7 @@ from runtime.execution.logprobs import StepLogprobs
 from runtime.execution.prefill_buckets import PrefillBuckets
 from runtime.execution.row_sampling import RowSampling, StepRows
 from runtime.execution.sampler import SamplingTensors, sample
-from runtime.execution.step_inputs import PassEnv, describe, describe_rows, extend
+from runtime.execution.step_inputs import PassEnv
 from runtime.parallel.state import agree_min, capture_allowed
 from zoo.base import LoopedCausalLM
 from zoo.context import ModelOps
@@ -49,34 +44,7 @@ from zoo.parallel import rank_heads
 
 log = logging.getLogger(__name__)
 
-# prompts a step may end by captured prefills beside its captured decode pass (`split_step`): each
-# replay reads every weight once more, so past a few the one eager pass, which reads them once, is
-# the better trade even though the host feeds it launch by launch
-MAX_SPLIT_PROMPTS = 4
-
-
-def prefill_program(model: LoopedCausalLM, num_loops: int, sample_row: torch.Tensor):
-    """A prefill pass of one sequence: prelude, every loop, the head on row `sample_row` (`[1]`, the
-    last real token; a static buffer) -> logits `[1, V]` float32."""
-    def run(ids: torch.Tensor, ctx) -> torch.Tensor:
-        state = model.prelude(ids, ctx)
-        for depth in range(num_loops):
-            state = model.loop(state, depth, ctx)
-        return model.coda(state, ctx, rows=sample_row)[0].float()
-    return run
-
-
-def decode_program(model: LoopedCausalLM, num_loops: int):
-    """A decode pass: prelude, every loop, the head on every row -> logits `[B, V]` float32."""
-    def run(ids: torch.Tensor, ctx) -> torch.Tensor:
-        state = model.prelude(ids, ctx)
-        for depth in range(num_loops):
-            state = model.loop(state, depth, ctx)
-        return model.coda(state, ctx)[0].float()
-    return run
-
-
-class ModelRunner(EagerPass):
+class ModelRunner(EagerPass, CapturedSteps):
     def __init__(self, model: LoopedCausalLM, hal: Hal, config: EngineConfig, max_model_len: int,
                  max_loops: int) -> None:
         self.model, self.hal, self.config = model, hal, config
@@ -143,27 +111,6 @@ class ModelRunner(EagerPass):
         if captures and hal.caps.graphs and config.capture_at_start:
             self.capture_at_start(model.default_num_loops, max_model_len)
 
-    def capture_at_start(self, num_loops: int, max_model_len: int) -> None:
-        """Capture now what steps at depth `num_loops` replay: the decode step of every batch bucket
-        (each graph copy) and the prefill of every short token-count bucket a prompt of at most
-        `max_model_len` tokens takes, with and without prior context. Otherwise the first step of
-        each batch size or prompt length waits for its capture (vLLM captures at start as well).
-        Longer prefills are captured over their first prompt (`PassGraphs.run`)."""
-        start, graphs = time.perf_counter(), self.graphs
-        num_planes = self.layout.num_planes(num_loops)
-        for bucket in graphs.buckets:
-            for copy in range(self.num_graph_copies):
-                graphs.prepare(("decode", bucket, num_loops, copy), decode_program(self.model, num_loops),
-                               bucket, 1, num_planes)
-        widest = self.backend.caps.max_context_prefill_width
-        for width in self.prefill_buckets.short_widths(max_model_len):
-            for context in (False, True) if widest is None or width <= widest else (False,):
-                key = self.prefill_key(width, num_loops, first_token=int(context))
-                graphs.prepare(key, prefill_program(self.model, num_loops, self.sample_row(key)), 1, width,
-                               num_planes, fresh=key[4], context=context)
-        self.start_capture_s = time.perf_counter() - start
-        log.info("captured %d passes at start in %.2f s", len(graphs.captured), self.start_capture_s)
-
     def forget(self, request_id: str) -> None:
         """Drop what the runner keeps for a request (its persistent row, wavefront states) once it
         finished or lost its KV."""
@@ -188,106 +135,6 @@ class ModelRunner(EagerPass):
         if split is not None:
             return self._execute_split(*split, blocks, input_ids_from_device, deferred)
         return self._execute_eager(scheduled, blocks, input_ids_from_device, deferred)
-
-    def prefill_bucket(self, scheduled: Sequence[ScheduledRequest]) -> int | None:
-        """The captured prefill width for a step that is one prompt's last (or only) chunk, or None."""
-        if self.graphs is None or len(scheduled) != 1:
-            return None
-        item = scheduled[0]
-        req = item.request
-        if (item.is_wave or not item.samples or item.num_tokens < 2 or req.exit_threshold < 1.0
-                or req.params.prompt_logprobs is not None):
-            return None
-        width, widest = self.prefill_buckets.bucket(item.num_tokens), self.backend.caps.max_context_prefill_width
-        if width is not None and item.first_token > 0 and widest is not None and width > widest:
-            return None
-        return width
-
-    def is_graph_step(self, scheduled: Sequence[ScheduledRequest]) -> bool:
-        """A pure decode step that a captured pass can run (see the module docstring)."""
-        if self.graphs is None or self.graphs.bucket(len(scheduled)) is None:
-            return False
-        loops = scheduled[0].request.num_loops
-        return all(item.num_tokens == 1 and item.samples and not item.is_wave and item.request.num_loops == loops
-                   and item.request.exit_threshold >= 1.0 and item.request.num_planes <= self.input_batch.tables.shape[0]
-                   for item in scheduled)
-
-    def split_step(self, scheduled: Sequence[ScheduledRequest]) -> tuple[list, list] | None:
-        """(decodes, prompts) of a step that decodes and ends up to `MAX_SPLIT_PROMPTS` prompts (or
-        their last chunks), each of which a captured prefill runs: the step replays those passes and
-        the decode pass instead of running one eager pass, whose host work (about a thousand launches
-        issued from Python, 70-140 ms on the GPU machines' hosts) would stall every decoding request
-        each time a request joins. None for any other step."""
-        decodes = [item for item in scheduled if item.num_tokens == 1]
-        prompts = [item for item in scheduled if item.num_tokens > 1]
-        if not decodes or not 0 < len(prompts) <= MAX_SPLIT_PROMPTS or not self.is_graph_step(decodes):
-            return None
-        if any(self.prefill_bucket([item]) is None for item in prompts):
-            return None
-        return decodes, prompts
-
-    def _execute_split(self, decodes: list[ScheduledRequest], prompts: list[ScheduledRequest], blocks: BlockManager,
-                       fed_from: PendingStep | None, deferred: bool) -> StepResult | PendingStep:
-        # each pass's logits are copied out before the next replay, which may reuse the pool's memory
-        logits = [self._decode_logits(decodes, blocks, fed_from)[0].clone()]
-        logits += [self._prefill_logits(item, blocks, fed_from).clone() for item in prompts]
-        requests = [item.request for item in decodes + prompts]
-        return self.finish_step(torch.cat(logits), requests, [r.num_loops for r in requests],
-                                len(decodes) + sum(item.num_tokens for item in prompts), deferred, fed_from=fed_from)
-
-    def _execute_captured(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager,
-                          fed_from: PendingStep | None, deferred: bool) -> StepResult | PendingStep:
-        logits, rows, positions = self._decode_logits(scheduled, blocks, fed_from)
-        requests = [item.request for item in scheduled]
-        return self.finish_step(logits, requests, [r.num_loops for r in requests], len(scheduled), deferred,
-                                fed_from=fed_from, rows=rows, positions=positions)
-
-    def _decode_logits(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager,
-                       fed_from: PendingStep | None) -> tuple[torch.Tensor, np.ndarray, list[int]]:
-        """The captured decode pass over the persistent batch's rows of `scheduled`: (logits `[n, V]`,
-        in the graph's output buffer; the rows; the input positions)."""
-        requests = [item.request for item in scheduled]
-        loops = requests[0].num_loops
-        batch = self.input_batch
-        rows = batch.rows(requests, blocks)
-        host = describe_rows(batch.tables, batch.lengths, rows, requests, requests[0].num_planes, self.block_size)
-        copy = self.num_decode_replays % self.num_graph_copies
-        self.num_decode_replays += 1
-        logits = self.graphs.run(("decode", self.graphs.bucket(len(scheduled)), loops, copy),
-                                 decode_program(self.model, loops), host, 1, self.layout.num_planes(loops),
-                                 fed_from=fed_from)
-        return logits[:len(scheduled)], rows, host.positions
-
-    def _execute_prefill(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager,
-                         fed_from: PendingStep | None, deferred: bool) -> StepResult | PendingStep:
-        item = scheduled[0]
-        logits = self._prefill_logits(item, blocks, fed_from)
-        return self.finish_step(logits, [item.request], [item.request.num_loops], item.num_tokens, deferred,
-                                fed_from=fed_from)
-
-    def _prefill_logits(self, item: ScheduledRequest, blocks: BlockManager,
-                        fed_from: PendingStep | None) -> torch.Tensor:
-        """The captured prefill of one prompt's (last) chunk: logits `[1, V]` of its last token, in
-        the graph's output buffer."""
-        req, bucket = item.request, self.prefill_bucket([item])
-        host = extend(describe([self.slice_of(item, blocks)], req.num_planes, self.block_size), bucket, self.env)
-        key = self.prefill_key(bucket, req.num_loops, item.first_token)
-        sample_row = self.sample_row(key)
-        sample_row.copy_(torch.tensor([item.num_tokens - 1]), non_blocking=True)
-        return self.graphs.run(key, prefill_program(self.model, req.num_loops, sample_row), host, bucket,
-                               key[3], fed_from=fed_from, fresh=key[4], context=key[5])
-
-    def prefill_key(self, width: int, num_loops: int, first_token: int) -> tuple:
-        """The captured prefill of `width` tokens at depth `num_loops` for a chunk from `first_token`:
-        ("prefill", width, loops, planes, fresh attention, prior context)."""
-        fresh = self.prefill_buckets.attends_fresh(width, first_token)
-        return "prefill", width, num_loops, self.layout.num_planes(num_loops), fresh, first_token > 0
-
-    def sample_row(self, key: tuple) -> torch.Tensor:
-        """`[1]` int64: the static buffer naming the row whose logits the captured prefill `key` samples."""
-        if key not in self.prefill_rows:
-            self.prefill_rows[key] = torch.zeros(1, dtype=torch.long, device=self.device)
-        return self.prefill_rows[key]
 
     def _execute_eager(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager,
                        fed_from: PendingStep | None, deferred: bool) -> StepResult | PendingStep:

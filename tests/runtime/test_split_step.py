@@ -10,7 +10,7 @@ import zoo
 from runtime import SamplingParams
 from runtime.config import EngineConfig
 from runtime.engine.llm_engine import LLMEngine
-from runtime.execution import runner as runner_module
+from runtime.execution import captured_steps
 from runtime.execution.reference import generate_reference
 from runtime.execution.runner import ModelRunner
 
@@ -80,7 +80,7 @@ def test_on_a_hal_that_records_graphs_the_split_steps_replay_start_captures(step
 
 
 def test_more_joining_prompts_than_the_cap_run_one_eager_pass(step_kinds, monkeypatch, single_thread):
-    monkeypatch.setattr(runner_module, "MAX_SPLIT_PROMPTS", 1)
+    monkeypatch.setattr(captured_steps, "MAX_SPLIT_PROMPTS", 1)
     case = golden_case("ouro-tiny")
     model = zoo.from_pretrained(case.path, dtype="float32").eval()
     prompts = [case.prompt(0)[: 3 + i] for i in range(6)]

@@ -1,0 +1,193 @@
+"""The runner's captured steps: which steps replay captured passes (runtime/execution/graphs.py)
+and how. A pure decode step replays the decode pass of its batch bucket over the persistent batch's
+rows; a step that is one prompt (or its last chunk) replays the prefill of its token-count bucket;
+a step of such decodes and a few such prompts (requests joining a decoding batch) replays those
+passes one after another, so no arrival costs an eager pass. `capture_at_start` captures the passes
+these steps expect when the engine starts. `ModelRunner` inherits this and samples what it returns.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from hal.attention import AttentionBackend
+from runtime.engine.kv_cache import BlockManager
+from runtime.engine.planes import PlaneLayout
+from runtime.engine.step_schedule import ScheduledRequest
+from runtime.execution.async_step import PendingStep, StepResult
+from runtime.execution.graphs import PassGraphs
+from runtime.execution.input_batch import InputBatch
+from runtime.execution.prefill_buckets import PrefillBuckets
+from runtime.execution.step_inputs import PassEnv, describe, describe_rows, extend
+from zoo.base import LoopedCausalLM
+
+log = logging.getLogger(__name__)
+
+# prompts a step may end by captured prefills beside its captured decode pass (`split_step`): each
+# replay reads every weight once more, so past a few the one eager pass, which reads them once, is
+# the better trade even though the host feeds it launch by launch
+MAX_SPLIT_PROMPTS = 4
+
+
+def prefill_program(model: LoopedCausalLM, num_loops: int, sample_row: torch.Tensor):
+    """A prefill pass of one sequence: prelude, every loop, the head on row `sample_row` (`[1]`, the
+    last real token; a static buffer) -> logits `[1, V]` float32."""
+    def run(ids: torch.Tensor, ctx) -> torch.Tensor:
+        state = model.prelude(ids, ctx)
+        for depth in range(num_loops):
+            state = model.loop(state, depth, ctx)
+        return model.coda(state, ctx, rows=sample_row)[0].float()
+    return run
+
+
+def decode_program(model: LoopedCausalLM, num_loops: int):
+    """A decode pass: prelude, every loop, the head on every row -> logits `[B, V]` float32."""
+    def run(ids: torch.Tensor, ctx) -> torch.Tensor:
+        state = model.prelude(ids, ctx)
+        for depth in range(num_loops):
+            state = model.loop(state, depth, ctx)
+        return model.coda(state, ctx)[0].float()
+    return run
+
+
+class CapturedSteps:
+    """The captured steps of `ModelRunner`, which inherits them and sets what they read below."""
+
+    model: LoopedCausalLM
+    layout: PlaneLayout
+    env: PassEnv
+    backend: AttentionBackend
+    block_size: int
+    device: torch.device
+    graphs: PassGraphs | None
+    prefill_buckets: PrefillBuckets
+    input_batch: InputBatch
+    num_graph_copies: int
+    num_decode_replays: int
+    prefill_rows: dict[tuple, torch.Tensor]
+    start_capture_s: float
+
+    def capture_at_start(self, num_loops: int, max_model_len: int) -> None:
+        """Capture now what steps at depth `num_loops` replay: the decode step of every batch bucket
+        (each graph copy) and the prefill of every short token-count bucket a prompt of at most
+        `max_model_len` tokens takes, with and without prior context. Otherwise the first step of
+        each batch size or prompt length waits for its capture (vLLM captures at start as well).
+        Longer prefills are captured over their first prompt (`PassGraphs.run`)."""
+        start, graphs = time.perf_counter(), self.graphs
+        num_planes = self.layout.num_planes(num_loops)
+        for bucket in graphs.buckets:
+            for copy in range(self.num_graph_copies):
+                graphs.prepare(("decode", bucket, num_loops, copy), decode_program(self.model, num_loops),
+                               bucket, 1, num_planes)
+        widest = self.backend.caps.max_context_prefill_width
+        for width in self.prefill_buckets.short_widths(max_model_len):
+            for context in (False, True) if widest is None or width <= widest else (False,):
+                key = self.prefill_key(width, num_loops, first_token=int(context))
+                graphs.prepare(key, prefill_program(self.model, num_loops, self.sample_row(key)), 1, width,
+                               num_planes, fresh=key[4], context=context)
+        self.start_capture_s = time.perf_counter() - start
+        log.info("captured %d passes at start in %.2f s", len(graphs.captured), self.start_capture_s)
+
+    def prefill_bucket(self, scheduled: Sequence[ScheduledRequest]) -> int | None:
+        """The captured prefill width for a step that is one prompt's last (or only) chunk, or None."""
+        if self.graphs is None or len(scheduled) != 1:
+            return None
+        item = scheduled[0]
+        req = item.request
+        if (item.is_wave or not item.samples or item.num_tokens < 2 or req.exit_threshold < 1.0
+                or req.params.prompt_logprobs is not None):
+            return None
+        width, widest = self.prefill_buckets.bucket(item.num_tokens), self.backend.caps.max_context_prefill_width
+        if width is not None and item.first_token > 0 and widest is not None and width > widest:
+            return None
+        return width
+
+    def is_graph_step(self, scheduled: Sequence[ScheduledRequest]) -> bool:
+        """A pure decode step that a captured pass can run (see the module docstring)."""
+        if self.graphs is None or self.graphs.bucket(len(scheduled)) is None:
+            return False
+        loops = scheduled[0].request.num_loops
+        return all(item.num_tokens == 1 and item.samples and not item.is_wave and item.request.num_loops == loops
+                   and item.request.exit_threshold >= 1.0 and item.request.num_planes <= self.input_batch.tables.shape[0]
+                   for item in scheduled)
+
+    def split_step(self, scheduled: Sequence[ScheduledRequest]) -> tuple[list, list] | None:
+        """(decodes, prompts) of a step that decodes and ends up to `MAX_SPLIT_PROMPTS` prompts (or
+        their last chunks), each of which a captured prefill runs: the step replays those passes and
+        the decode pass instead of running one eager pass, whose host work (about a thousand launches
+        issued from Python, 70-140 ms on the GPU machines' hosts) would stall every decoding request
+        each time a request joins. None for any other step."""
+        decodes = [item for item in scheduled if item.num_tokens == 1]
+        prompts = [item for item in scheduled if item.num_tokens > 1]
+        if not decodes or not 0 < len(prompts) <= MAX_SPLIT_PROMPTS or not self.is_graph_step(decodes):
+            return None
+        if any(self.prefill_bucket([item]) is None for item in prompts):
+            return None
+        return decodes, prompts
+
+    def _execute_split(self, decodes: list[ScheduledRequest], prompts: list[ScheduledRequest], blocks: BlockManager,
+                       fed_from: PendingStep | None, deferred: bool) -> StepResult | PendingStep:
+        # each pass's logits are copied out before the next replay, which may reuse the pool's memory
+        logits = [self._decode_logits(decodes, blocks, fed_from)[0].clone()]
+        logits += [self._prefill_logits(item, blocks, fed_from).clone() for item in prompts]
+        requests = [item.request for item in decodes + prompts]
+        return self.finish_step(torch.cat(logits), requests, [r.num_loops for r in requests],
+                                len(decodes) + sum(item.num_tokens for item in prompts), deferred, fed_from=fed_from)
+
+    def _execute_captured(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager,
+                          fed_from: PendingStep | None, deferred: bool) -> StepResult | PendingStep:
+        logits, rows, positions = self._decode_logits(scheduled, blocks, fed_from)
+        requests = [item.request for item in scheduled]
+        return self.finish_step(logits, requests, [r.num_loops for r in requests], len(scheduled), deferred,
+                                fed_from=fed_from, rows=rows, positions=positions)
+
+    def _decode_logits(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager,
+                       fed_from: PendingStep | None) -> tuple[torch.Tensor, np.ndarray, list[int]]:
+        """The captured decode pass over the persistent batch's rows of `scheduled`: (logits `[n, V]`,
+        in the graph's output buffer; the rows; the input positions)."""
+        requests = [item.request for item in scheduled]
+        loops = requests[0].num_loops
+        batch = self.input_batch
+        rows = batch.rows(requests, blocks)
+        host = describe_rows(batch.tables, batch.lengths, rows, requests, requests[0].num_planes, self.block_size)
+        copy = self.num_decode_replays % self.num_graph_copies
+        self.num_decode_replays += 1
+        logits = self.graphs.run(("decode", self.graphs.bucket(len(scheduled)), loops, copy),
+                                 decode_program(self.model, loops), host, 1, self.layout.num_planes(loops),
+                                 fed_from=fed_from)
+        return logits[:len(scheduled)], rows, host.positions
+
+    def _execute_prefill(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager,
+                         fed_from: PendingStep | None, deferred: bool) -> StepResult | PendingStep:
+        item = scheduled[0]
+        logits = self._prefill_logits(item, blocks, fed_from)
+        return self.finish_step(logits, [item.request], [item.request.num_loops], item.num_tokens, deferred,
+                                fed_from=fed_from)
+
+    def _prefill_logits(self, item: ScheduledRequest, blocks: BlockManager,
+                        fed_from: PendingStep | None) -> torch.Tensor:
+        """The captured prefill of one prompt's (last) chunk: logits `[1, V]` of its last token, in
+        the graph's output buffer."""
+        req, bucket = item.request, self.prefill_bucket([item])
+        host = extend(describe([self.slice_of(item, blocks)], req.num_planes, self.block_size), bucket, self.env)
+        key = self.prefill_key(bucket, req.num_loops, item.first_token)
+        sample_row = self.sample_row(key)
+        sample_row.copy_(torch.tensor([item.num_tokens - 1]), non_blocking=True)
+        return self.graphs.run(key, prefill_program(self.model, req.num_loops, sample_row), host, bucket,
+                               key[3], fed_from=fed_from, fresh=key[4], context=key[5])
+
+    def prefill_key(self, width: int, num_loops: int, first_token: int) -> tuple:
+        """The captured prefill of `width` tokens at depth `num_loops` for a chunk from `first_token`:
+        ("prefill", width, loops, planes, fresh attention, prior context)."""
+        fresh = self.prefill_buckets.attends_fresh(width, first_token)
+        return "prefill", width, num_loops, self.layout.num_planes(num_loops), fresh, first_token > 0
+
+    def sample_row(self, key: tuple) -> torch.Tensor:
+        """`[1]` int64: the static buffer naming the row whose logits the captured prefill `key` samples."""
+        if key not in self.prefill_rows:
+            self.prefill_rows[key] = torch.zeros(1, dtype=torch.long, device=self.device)
+        return self.prefill_rows[key]
