@@ -141,7 +141,7 @@ model=nanbeige4.2-3b workload=[b1];model=ouro-1.4b workload=[b64]}"
       done ;;
     cells)   # the cells the issues quote: batch 1, 64 and 128 at the Ouro-1.4B shape; time to first token
       bench model=ouro-1.4b 'workload=[b1,b64,b128]' profile=4
-      bench model=ouro-1.4b 'workload=[ttft1k,prefill8k]' ;;
+      bench model=ouro-1.4b 'workload=[ttft1k,prefill8k,join128]' ;;
     spec22)  # issue 22: self-speculation on the packaged ouro-tiny (or the weights the finetune phase
              # just made), batch 1 and 8, draft depths 1..3 against off; token equality in float32
       model=zoo/checkpoints/ouro-tiny
