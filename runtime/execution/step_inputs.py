@@ -208,7 +208,8 @@ def extend(host: HostInputs, num_tokens: int, env: PassEnv) -> HostInputs:
     need = -(-(end + extra) // bs)
     tables = [[list(plane[0]) + [env.scratch_block + j for j in range(max(0, need - len(plane[0])))]]
               for plane in batch.block_tables]
-    assert need - len(batch.block_tables[0][0]) <= env.num_scratch_slots // bs, "too few scratch blocks"
+    # the runner allocates the scratch slots as whole blocks (rounded up), and the padding may use all of them
+    assert need - len(batch.block_tables[0][0]) <= -(-env.num_scratch_slots // bs), "too few scratch blocks"
     return host._replace(token_ids=np.concatenate([np.asarray(host.token_ids, dtype=np.int64),
                                                    np.zeros(extra, dtype=np.int64)]),
                          positions=np.concatenate([np.asarray(host.positions, dtype=np.int64),

@@ -102,3 +102,21 @@ def test_a_prompt_asking_for_prompt_logprobs_keeps_the_eager_pass(step_kinds, si
     outs = {o.request_id: o for o in engine.run_until_done()}
     assert step_kinds["split"] == 0 and step_kinds["eager"] >= 1, step_kinds
     assert outs["a"].token_ids == generate_reference(model, case.prompt(0)[:5], PARAMS)[0]
+
+
+@pytest.mark.parametrize("a_tokens, path", [(6, "split"), (3, "prefill")])
+def test_a_last_chunk_padded_past_its_blocks_fits_the_scratch_blocks(a_tokens, path, step_kinds, single_thread):
+    """A 2-token last chunk at a block boundary, padded to the 16-token bucket, needs one scratch
+    block; 16 scratch slots make one block of 32, which the padding check counted as none (found by
+    a fuzzer once joining prompts took captured prefills). The chunk joins a's decode, or (a done)
+    runs alone, as such a chunk did before."""
+    case = golden_case("ouro-tiny")
+    model = zoo.from_pretrained(case.path, dtype="float32").eval()
+    engine = LLMEngine(model, hal.get("cpu"), EngineConfig(block_size=32, max_num_batched_tokens=16, max_num_seqs=2))
+    prompt = list(range(3, 35))            # chunks of 15, 15 (beside a's decodes) and 2 tokens
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=a_tokens, temperature=0.0, ignore_eos=True))
+    engine.step()
+    engine.add_request("b", prompt, PARAMS)
+    outs = {o.request_id: o.token_ids for o in engine.run_until_done()}
+    assert outs["b"] == generate_reference(model, prompt, PARAMS)[0]
+    assert step_kinds[path] >= 1, step_kinds
