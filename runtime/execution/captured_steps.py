@@ -120,7 +120,10 @@ class CapturedSteps:
         their last chunks), each of which a captured prefill runs: the step replays those passes and
         the decode pass instead of running one eager pass, whose host work (about a thousand launches
         issued from Python, 70-140 ms on the GPU machines' hosts) would stall every decoding request
-        each time a request joins. None for any other step."""
+        each time a request joins. None for any other step, and where passes are not captured (the
+        CPU by default): there one packed pass reads the weights once and pads nothing."""
+        if self.graphs is None or not self.graphs.capture:
+            return None
         decodes = [item for item in scheduled if item.num_tokens == 1]
         prompts = [item for item in scheduled if item.num_tokens > 1]
         if not decodes or not 0 < len(prompts) <= MAX_SPLIT_PROMPTS or not self.is_graph_step(decodes):

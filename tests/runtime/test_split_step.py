@@ -1,7 +1,8 @@
 """A step that decodes and ends a few prompts replays the captured decode pass and one captured
 prefill per prompt (`ModelRunner.split_step`) instead of one eager pass, and the tokens stay those
-of the simple path: requests joining a decoding batch, on the CPU (the padded passes run eagerly)
-and on the simulated Ascend Hal (its graphs replay what the start captured), every model family."""
+of the simple path: requests joining a decoding batch, on the CPU with graphs=true (the padded
+passes run eagerly; by default the CPU keeps its one packed pass) and on the simulated Ascend Hal
+(its graphs replay what the start captured), every model family."""
 import pytest
 from helpers import golden_case, golden_names, single_thread  # noqa: F401 (fixture)
 
@@ -58,7 +59,7 @@ def test_joining_prompts_replay_captured_passes_and_keep_the_tokens(name, async_
     model = zoo.from_pretrained(case.path, dtype="float32").eval()
     prompts = [case.prompt(i % case.num_prompts)[: 3 + 2 * i] for i in range(6)]
     engine = LLMEngine(model, hal.get("cpu"), EngineConfig(max_num_seqs=8, max_num_batched_tokens=64,
-                                                            async_scheduling=async_scheduling))
+                                                            async_scheduling=async_scheduling, graphs=True))
     got = join_while_decoding(engine, prompts, joins=1)
     want = [generate_reference(model, p, PARAMS)[0] for p in prompts]
     assert got == want
@@ -84,8 +85,18 @@ def test_more_joining_prompts_than_the_cap_run_one_eager_pass(step_kinds, monkey
     case = golden_case("ouro-tiny")
     model = zoo.from_pretrained(case.path, dtype="float32").eval()
     prompts = [case.prompt(0)[: 3 + i] for i in range(6)]
-    engine = LLMEngine(model, hal.get("cpu"), EngineConfig(max_num_seqs=8, max_num_batched_tokens=64))
+    engine = LLMEngine(model, hal.get("cpu"), EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, graphs=True))
     assert join_while_decoding(engine, prompts, joins=2) == [generate_reference(model, p, PARAMS)[0]
+                                                             for p in prompts]
+    assert step_kinds["split"] == 0 and step_kinds["eager"] >= 2, step_kinds
+
+
+def test_the_cpu_by_default_keeps_one_packed_pass(step_kinds, single_thread):
+    case = golden_case("ouro-tiny")
+    model = zoo.from_pretrained(case.path, dtype="float32").eval()
+    prompts = [case.prompt(0)[: 3 + i] for i in range(4)]
+    engine = LLMEngine(model, hal.get("cpu"), EngineConfig(max_num_seqs=8, max_num_batched_tokens=64))
+    assert join_while_decoding(engine, prompts, joins=1) == [generate_reference(model, p, PARAMS)[0]
                                                              for p in prompts]
     assert step_kinds["split"] == 0 and step_kinds["eager"] >= 2, step_kinds
 
@@ -94,7 +105,7 @@ def test_a_prompt_asking_for_prompt_logprobs_keeps_the_eager_pass(step_kinds, si
     """Its every prompt row's logits are wanted: the captured prefill samples only the last."""
     case = golden_case("ouro-tiny")
     model = zoo.from_pretrained(case.path, dtype="float32").eval()
-    engine = LLMEngine(model, hal.get("cpu"), EngineConfig(max_num_seqs=4, max_num_batched_tokens=64))
+    engine = LLMEngine(model, hal.get("cpu"), EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, graphs=True))
     engine.add_request("a", case.prompt(0)[:5], PARAMS)
     engine.step()
     engine.step()
@@ -112,7 +123,8 @@ def test_a_last_chunk_padded_past_its_blocks_fits_the_scratch_blocks(a_tokens, p
     runs alone, as such a chunk did before."""
     case = golden_case("ouro-tiny")
     model = zoo.from_pretrained(case.path, dtype="float32").eval()
-    engine = LLMEngine(model, hal.get("cpu"), EngineConfig(block_size=32, max_num_batched_tokens=16, max_num_seqs=2))
+    engine = LLMEngine(model, hal.get("cpu"), EngineConfig(block_size=32, max_num_batched_tokens=16, max_num_seqs=2,
+                                                            graphs=True))
     prompt = list(range(3, 35))            # chunks of 15, 15 (beside a's decodes) and 2 tokens
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=a_tokens, temperature=0.0, ignore_eos=True))
     engine.step()
