@@ -80,24 +80,18 @@ def test_on_a_hal_that_records_graphs_the_split_steps_replay_start_captures(step
     assert step_kinds["split"] >= 2 and engine.runner.graphs.captured == at_start, step_kinds
 
 
-def test_more_joining_prompts_than_the_cap_run_one_eager_pass(step_kinds, monkeypatch, single_thread):
-    monkeypatch.setattr(captured_steps, "MAX_SPLIT_PROMPTS", 1)
+@pytest.mark.parametrize("cap, graphs, joins", [(1, True, 2), (None, None, 1)], ids=["over-the-cap", "cpu-default"])
+def test_steps_that_may_not_split_run_one_eager_pass(cap, graphs, joins, step_kinds, monkeypatch, single_thread):
+    """More joining prompts than `MAX_SPLIT_PROMPTS`; or the CPU by default, whose passes are not
+    captured, where one packed pass reads the weights once and pads nothing."""
+    if cap is not None:
+        monkeypatch.setattr(captured_steps, "MAX_SPLIT_PROMPTS", cap)
     case = golden_case("ouro-tiny")
     model = zoo.from_pretrained(case.path, dtype="float32").eval()
     prompts = [case.prompt(0)[: 3 + i] for i in range(6)]
-    engine = LLMEngine(model, hal.get("cpu"), EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, graphs=True))
-    assert join_while_decoding(engine, prompts, joins=2) == [generate_reference(model, p, PARAMS)[0]
-                                                             for p in prompts]
-    assert step_kinds["split"] == 0 and step_kinds["eager"] >= 2, step_kinds
-
-
-def test_the_cpu_by_default_keeps_one_packed_pass(step_kinds, single_thread):
-    case = golden_case("ouro-tiny")
-    model = zoo.from_pretrained(case.path, dtype="float32").eval()
-    prompts = [case.prompt(0)[: 3 + i] for i in range(4)]
-    engine = LLMEngine(model, hal.get("cpu"), EngineConfig(max_num_seqs=8, max_num_batched_tokens=64))
-    assert join_while_decoding(engine, prompts, joins=1) == [generate_reference(model, p, PARAMS)[0]
-                                                             for p in prompts]
+    engine = LLMEngine(model, hal.get("cpu"), EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, graphs=graphs))
+    assert join_while_decoding(engine, prompts, joins=joins) == [generate_reference(model, p, PARAMS)[0]
+                                                                 for p in prompts]
     assert step_kinds["split"] == 0 and step_kinds["eager"] >= 2, step_kinds
 
 
