@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from runtime.bench_profile import late_summary, profile_decode, start_profile, step_costs, stop_profile
 from runtime.sampling_params import SamplingParams
 from runtime.config import BenchConfig
-from runtime.cli import (CONF_DIR, check_model_node, clear_errors, engine_config, make_hal, register_schemas,
+from runtime.cli import (CONF_DIR, clear_errors, engine_config, make_hal, register_schemas,
                          setup_logging)
 from runtime.cli_args import check_argv
 
@@ -224,7 +224,7 @@ def run(cfg: Any) -> list[dict[str, Any]]:
     from runtime.parallel.state import init_from_cli
     from runtime.parallel.follower import Follower
 
-    check_model_node(cfg.model, engine_config(cfg))    # bad options fail before a model is built
+    engine_config(cfg)                  # bad options fail before a model is built
     check_options(cfg)
     hal = make_hal(cfg.hal)
     parallel = init_from_cli(hal, cfg)

@@ -17,8 +17,8 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from runtime.config import (BenchConfig, EngineConfig, GenerateConfig, HalConfig, ModelConfig, ParallelConfig,
-                            ServeConfig)
+from runtime.config import (ENGINE_FIELDS_FROM_MODEL, BenchConfig, EngineConfig, GenerateConfig, HalConfig,
+                            ModelConfig, ParallelConfig, ServeConfig)
 
 # no model given: the packaged tiny model (when the install has it), as `runtime.generate` and
 # `runtime.serve` both do
@@ -90,7 +90,7 @@ def register_schemas() -> None:
     store.store(group="schema", name="hal", node=HalConfig)
     store.store(group="schema", name="model", node=ModelConfig)
     store.store(group="schema", name="parallel", node=ParallelConfig)
-    store.store(group="schema", name="engine", node=mutable_schema(EngineConfig))
+    store.store(group="schema", name="engine", node=mutable_schema(EngineConfig, ENGINE_FIELDS_FROM_MODEL))
     store.store(group="schema", name="server", node=mutable_schema(ServerConfig, SERVER_FIELDS_FROM_MODEL))
 
 
@@ -107,16 +107,22 @@ def make_hal(hal_cfg: Any) -> Any:
 
 
 def engine_config(cfg: Any, **overrides: Any) -> EngineConfig:
-    """The `EngineConfig` of the `engine:` node (plus `overrides`); a bad value is a UsageError
-    naming the setting (`engine.max_num_seqs must be ...`)."""
+    """The `EngineConfig` of the `engine:` node (plus `overrides`, and the depth `model.num_loops`
+    sets for requests that name none); a bad value is a UsageError naming the setting
+    (`engine.max_num_seqs must be ...`)."""
     from omegaconf import OmegaConf
 
     node = cfg.engine
     fields = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node or {})
     try:
-        return EngineConfig(**{**fields, **overrides})
+        config = EngineConfig(**{**fields, **overrides})
     except ValueError as exc:
         raise UsageError(f"error: engine.{exc}") from None
+    model = cfg.get("model")
+    if model is None:
+        return config
+    check_model_node(model, config)
+    return dataclasses.replace(config, default_num_loops=model.get("num_loops"))
 
 
 def default_model() -> str | None:

@@ -36,6 +36,9 @@ class SpeculativeConfig:
         return self.num_tokens > 0
 
 
+ENGINE_FIELDS_FROM_MODEL = ("default_num_loops",)     # the CLIs take it from model.num_loops
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs a model: KV layout and memory, batching limits."""
@@ -68,6 +71,9 @@ class EngineConfig:
     wavefront_prefill: bool = False          # long prompts' chunks advance through the loops as a wavefront
 
     max_num_loops: int = 64                  # the deepest num_loops a request (or model.num_loops) may ask for
+    # the depth of a request that names none (None: the model's own); the passes captured at start and
+    # the KV pool's plan follow it (the CLIs set it from model.num_loops)
+    default_num_loops: Optional[int] = None
 
     def __post_init__(self) -> None:
         """Every bad value is refused with a message that starts with the setting's name (the CLIs
@@ -98,6 +104,10 @@ class EngineConfig:
         integer("max_num_seqs", 1)
         integer("max_num_batched_tokens", 1)
         integer("max_num_loops", 1)
+        integer("default_num_loops", 1, optional=True)
+        if self.default_num_loops is not None and self.default_num_loops > self.max_num_loops:
+            raise ValueError(f"default_num_loops={self.default_num_loops} is above max_num_loops="
+                             f"{self.max_num_loops}: lower it or raise max_num_loops")
         integer("watermark_blocks", 0)
         integer("swap_space_bytes", 0)
         integer("block_size", 1, optional=True)

@@ -9,7 +9,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from runtime.cli import (CONF_DIR, DEFAULT_MODEL, UsageError, check_model_node,  # noqa: F401
+from runtime.cli import (CONF_DIR, DEFAULT_MODEL, UsageError,  # noqa: F401
                          clear_errors, default_model, engine_config, known_models,  # noqa: F401
                          make_hal, model_source, register_schemas, setup_logging)  # noqa: F401
 from runtime.cli_args import check_argv
@@ -86,7 +86,6 @@ def run(cfg: Any) -> list[dict[str, Any]]:
     if cfg.get("enable_thinking") and not cfg.chat:
         raise UsageError("enable_thinking=true works through the chat template: add chat=true")
     engine = engine_config(cfg)
-    check_model_node(cfg.model, engine)
     params = sampling_params(cfg)
     hal = make_hal(cfg.hal)
     parallel = init_from_cli(hal, cfg)

@@ -20,7 +20,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from runtime.cli import (CONF_DIR, UsageError, check_model_node, check_port, clear_errors, engine_config,
+from runtime.cli import (CONF_DIR, UsageError, check_port, clear_errors, engine_config,
                          known_models, make_hal, model_source, register_schemas, setup_logging)
 from runtime.cli_args import check_argv
 from runtime.config import ServeConfig
@@ -69,7 +69,6 @@ def make_app(cfg: Any, hal: Any = None, parallel: Any = None) -> Any:
     from runtime.llm import LLM
 
     engine = engine_config(cfg)
-    check_model_node(cfg.model, engine)
     config = server_config(cfg)
     llm = LLM(source, hal=hal or make_hal(cfg.hal), dtype=cfg.model.dtype, engine_config=engine,
               parallel=parallel, stop_token_ids=tuple(cfg.model.stop_token_ids))
@@ -124,7 +123,7 @@ def _start(cfg: Any) -> Any:
     if not source:
         raise UsageError(no_model_message())
     check_port(cfg.port)
-    check_model_node(cfg.model, engine_config(cfg))
+    engine_config(cfg)                  # bad options fail before a model is built
     server_config(cfg)                           # bad server options fail before a model loads
     hal = make_hal(cfg.hal)
     parallel = init_from_cli(hal, cfg)           # parallel.tp=N under torchrun

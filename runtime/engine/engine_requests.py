@@ -36,7 +36,8 @@ class EngineRequests:
     scheduler: Scheduler
     swap: SwapSpace
     context_len: int                 # a request ends here ("length")
-    max_loops: int                   # the model's depth, or the deepest request since
+    default_num_loops: int           # a request's depth where it names none (config, else the model's)
+    max_loops: int                   # that depth, or the deepest request since
     default_stop_token_ids: frozenset[int]
     requests: dict[str, Request]
     groups: dict[str, SampleGroup]   # n > 1: request id -> its samples
@@ -58,7 +59,7 @@ class EngineRequests:
                              "(stop_token_ids)")
         if self.publisher is not None:
             params = self.publisher.seeded(params)
-        num_loops = params.num_loops or self.model.default_num_loops
+        num_loops = params.num_loops or self.default_num_loops
         if params.max_tokens is None:          # vLLM's None: what the context (and the cache) leaves
             params = self._up_to_the_context(prompt_token_ids, params, num_loops)
         check_request(prompt_token_ids, params, num_loops, self.model.config.vocab_size, self.context_len,

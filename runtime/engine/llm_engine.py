@@ -72,7 +72,8 @@ class LLMEngine(EngineRequests):
             raise ValueError(f"engine.block_size={self.config.block_size} is more tokens than a request can hold "
                              f"(max_model_len {self.context_len}), so most of each block would stay empty; use "
                              f"{sizes[0]} (the Hal's own: leave it unset)")
-        self.max_loops = max(model.default_num_loops, 1)
+        self.default_num_loops = self.config.default_num_loops or model.default_num_loops
+        self.max_loops = max(self.default_num_loops, 1)
         self.publisher = publisher
         if publisher is not None:          # followers build their runner now: its KV sizing is collective
             check_supported(self.config)
@@ -93,10 +94,10 @@ class LLMEngine(EngineRequests):
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None     # async: the launched step
         spec = cfg.speculative
         self.speculator = Speculator(self.runner, spec) if spec.is_enabled else None
-        if spec.is_enabled and model.default_num_loops <= spec.draft_loops:
+        if spec.is_enabled and self.default_num_loops <= spec.draft_loops:
             log.warning("engine.speculative.draft_loops=%d is not below the model's %d loops: requests at its "
                         "depth do not speculate (only those that ask for more loops); lower draft_loops",
-                        spec.draft_loops, model.default_num_loops)
+                        spec.draft_loops, self.default_num_loops)
         stops = list(model.stop_token_ids()) + list(extra_stop_token_ids)
         bad = [t for t in stops if not (isinstance(t, int) and 0 <= t < 2 ** 63)]
         if bad:                  # the persistent batch stores them as int64 (runtime/execution/row_params.py)

@@ -166,7 +166,7 @@ class RequestInputs:
         """The most tokens the request may generate by default: as many as the KV cache can hold beside
         its prompt at its depth; a 400 naming the depth where not even one fits."""
         engine = self.loop.engine
-        num_loops = body.num_loops or self.config.default_num_loops or engine.model.default_num_loops
+        num_loops = body.num_loops or self.config.default_num_loops or engine.default_num_loops
         longest = engine.max_request_len(num_loops)
         if longest - num_prompt_tokens < 1:
             raise APIError(400, f"at num_loops={num_loops} the KV cache holds at most {longest} tokens of one "

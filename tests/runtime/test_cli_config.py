@@ -37,6 +37,15 @@ def test_the_three_clis_share_one_engine_node(cli):
     assert (spec.speculative.num_tokens, spec.speculative.mode) == (2, "async")
 
 
+@pytest.mark.parametrize("cli", ["generate", "serve", "bench"])
+def test_model_num_loops_is_the_engines_default_depth(cli):
+    """The passes the engine captures at start, and its KV plan, follow the depth requests take."""
+    assert engine_config(composed(cli, "model=ouro-1.4b", "model.num_loops=2")).default_num_loops == 2
+    assert engine_config(composed(cli, "model=ouro-1.4b")).default_num_loops is None
+    with pytest.raises(UsageError, match="model.num_loops=0 is outside"):
+        engine_config(composed(cli, "model=ouro-1.4b", "model.num_loops=0"))
+
+
 def test_defaults_are_the_engine_configs():
     defaults = EngineConfig()
     for cli in ("generate", "serve"):

@@ -55,6 +55,25 @@ def test_passes_captured_at_start_are_the_ones_steps_replay(case_and_model, asyn
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
+def test_the_engines_default_depth_is_the_one_captured(case_and_model, single_thread):
+    """engine.default_num_loops (the CLIs' model.num_loops): the passes captured at start are those
+    of that depth, and requests that name no depth take it and replay them."""
+    case, model = case_and_model
+    engine = engine_of(model, default_num_loops=2)
+    assert {key[2] for key in engine.runner.graphs.captured} == {2}
+    at_start = dict(engine.runner.graphs.captured)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine.add_request("0", case.prompt(0), params)
+    (output,) = engine.run_until_done()
+    assert engine.runner.graphs.captured == at_start
+    reference = engine_of(model, capture_at_start=False)
+    reference.add_request("0", case.prompt(0), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                              num_loops=2))
+    assert output.token_ids == reference.run_until_done()[0].token_ids
+    with pytest.raises(ValueError, match="default_num_loops=9 is above max_num_loops=8"):
+        EngineConfig(default_num_loops=9, max_num_loops=8)
+
+
 def test_a_speculating_engine_captures_the_plain_passes_too(case_and_model, single_thread):
     """Its steps replay plain decode passes as well (requests that do not speculate), beside verify
     passes and chains of their own, captured on first use."""
