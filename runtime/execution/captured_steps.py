@@ -94,11 +94,16 @@ class CapturedSteps:
 
     def prefill_bucket(self, scheduled: Sequence[ScheduledRequest]) -> int | None:
         """The captured prefill width for a step that is one prompt's last (or only) chunk, or None."""
-        if self.graphs is None or len(scheduled) != 1:
+        if self.graphs is None or len(scheduled) != 1 or not scheduled[0].samples:
             return None
-        item = scheduled[0]
+        return self.chunk_bucket(scheduled[0])
+
+    def chunk_bucket(self, item: ScheduledRequest) -> int | None:
+        """The captured prefill width that runs one prompt chunk (of a step of several, `split_step`),
+        or None. A chunk that is not its prompt's last runs the same pass, whose one row of logits
+        nobody samples."""
         req = item.request
-        if (item.is_wave or not item.samples or item.num_tokens < 2 or req.exit_threshold < 1.0
+        if (self.graphs is None or item.is_wave or item.num_tokens < 2 or req.exit_threshold < 1.0
                 or req.params.prompt_logprobs is not None):
             return None
         width, widest = self.prefill_buckets.bucket(item.num_tokens), self.backend.caps.max_context_prefill_width
@@ -116,30 +121,38 @@ class CapturedSteps:
                    for item in scheduled)
 
     def split_step(self, scheduled: Sequence[ScheduledRequest]) -> tuple[list, list] | None:
-        """(decodes, prompts) of a step that decodes and ends up to `MAX_SPLIT_PROMPTS` prompts (or
-        their last chunks), each of which a captured prefill runs: the step replays those passes and
-        the decode pass instead of running one eager pass, whose host work (about a thousand launches
-        issued from Python, 70-140 ms on the GPU machines' hosts) would stall every decoding request
-        each time a request joins. None for any other step, and where passes are not captured (the
+        """(decodes, [(prompt chunk, its width)]) of a step of up to `MAX_SPLIT_PROMPTS` prompt chunks,
+        each of which a captured prefill runs, beside decodes that a captured decode pass runs (or
+        none): the step replays those passes instead of running one eager pass, whose host work (about
+        a thousand launches issued from Python, 70-140 ms on the GPU machines' hosts) would stall every
+        decoding request each time a request joins, and leave the device idle while a burst of prompts
+        is prefilled chunk by chunk. None for any other step, and where passes are not captured (the
         CPU by default): there one packed pass reads the weights once and pads nothing."""
         if self.graphs is None or not self.graphs.capture:
             return None
         decodes = [item for item in scheduled if item.num_tokens == 1]
         prompts = [item for item in scheduled if item.num_tokens > 1]
-        if not decodes or not 0 < len(prompts) <= MAX_SPLIT_PROMPTS or not self.is_graph_step(decodes):
+        if not 0 < len(prompts) <= MAX_SPLIT_PROMPTS or (decodes and not self.is_graph_step(decodes)):
             return None
-        if any(self.prefill_bucket([item]) is None for item in prompts):
+        widths = [self.chunk_bucket(item) for item in prompts]
+        if None in widths:
             return None
-        return decodes, prompts
+        return decodes, list(zip(prompts, widths))
 
-    def _execute_split(self, decodes: list[ScheduledRequest], prompts: list[ScheduledRequest], blocks: BlockManager,
-                       fed_from: PendingStep | None, deferred: bool) -> StepResult | PendingStep:
+    def _execute_split(self, decodes: list[ScheduledRequest], prompts: list[tuple[ScheduledRequest, int]],
+                       blocks: BlockManager, fed_from: PendingStep | None,
+                       deferred: bool) -> StepResult | PendingStep:
         # each pass's logits are copied out before the next replay, which may reuse the pool's memory
-        logits = [self._decode_logits(decodes, blocks, fed_from)[0].clone()]
-        logits += [self._prefill_logits(item, blocks, fed_from).clone() for item in prompts]
-        requests = [item.request for item in decodes + prompts]
-        return self.finish_step(torch.cat(logits), requests, [r.num_loops for r in requests],
-                                len(decodes) + sum(item.num_tokens for item in prompts), deferred, fed_from=fed_from)
+        logits = [self._decode_logits(decodes, blocks, fed_from)[0].clone()] if decodes else []
+        requests = [item.request for item in decodes]
+        for item, width in prompts:
+            row = self._prefill_logits(item, width, blocks, fed_from)
+            if item.samples:
+                logits.append(row.clone())
+                requests.append(item.request)
+        num_rows = len(decodes) + sum(item.num_tokens for item, _ in prompts)
+        return self.finish_step(torch.cat(logits) if logits else None, requests, [r.num_loops for r in requests],
+                                num_rows, deferred, fed_from=fed_from)
 
     def _execute_captured(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager,
                           fed_from: PendingStep | None, deferred: bool) -> StepResult | PendingStep:
@@ -164,18 +177,17 @@ class CapturedSteps:
                                  fed_from=fed_from)
         return logits[:len(scheduled)], rows, host.positions
 
-    def _execute_prefill(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager,
+    def _execute_prefill(self, item: ScheduledRequest, width: int, blocks: BlockManager,
                          fed_from: PendingStep | None, deferred: bool) -> StepResult | PendingStep:
-        item = scheduled[0]
-        logits = self._prefill_logits(item, blocks, fed_from)
+        logits = self._prefill_logits(item, width, blocks, fed_from)
         return self.finish_step(logits, [item.request], [item.request.num_loops], item.num_tokens, deferred,
                                 fed_from=fed_from)
 
-    def _prefill_logits(self, item: ScheduledRequest, blocks: BlockManager,
+    def _prefill_logits(self, item: ScheduledRequest, bucket: int, blocks: BlockManager,
                         fed_from: PendingStep | None) -> torch.Tensor:
-        """The captured prefill of one prompt's (last) chunk: logits `[1, V]` of its last token, in
-        the graph's output buffer."""
-        req, bucket = item.request, self.prefill_bucket([item])
+        """The captured prefill of one prompt chunk at width `bucket`: logits `[1, V]` of its last
+        token, in the graph's output buffer."""
+        req = item.request
         host = extend(describe([self.slice_of(item, blocks)], req.num_planes, self.block_size), bucket, self.env)
         key = self.prefill_key(bucket, req.num_loops, item.first_token)
         sample_row = self.sample_row(key)

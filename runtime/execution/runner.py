@@ -129,8 +129,9 @@ class ModelRunner(EagerPass, CapturedSteps):
         self.input_batch.sync(blocks)
         if self.is_graph_step(scheduled):
             return self._execute_captured(scheduled, blocks, input_ids_from_device, deferred)
-        if self.prefill_bucket(scheduled) is not None:
-            return self._execute_prefill(scheduled, blocks, input_ids_from_device, deferred)
+        width = self.prefill_bucket(scheduled)
+        if width is not None:
+            return self._execute_prefill(scheduled[0], width, blocks, input_ids_from_device, deferred)
         split = self.split_step(scheduled)
         if split is not None:
             return self._execute_split(*split, blocks, input_ids_from_device, deferred)

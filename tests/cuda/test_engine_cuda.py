@@ -108,7 +108,7 @@ def test_a_long_prompt_replays_a_captured_prefill(prompt_len, width, fresh, monk
     results = {}
     for captured in (True, False):
         if not captured:
-            monkeypatch.setattr(ModelRunner, "prefill_bucket", lambda self, scheduled: None)
+            monkeypatch.setattr(ModelRunner, "chunk_bucket", lambda self, item: None)
         engine = LLMEngine(model, gpu, EngineConfig(max_num_seqs=1, max_model_len=4200, max_num_batched_tokens=4096))
         engine.add_request("0", prompt, params)
         results[captured] = [o.token_ids for o in engine.run_until_done()]
@@ -148,6 +148,35 @@ def test_steps_replay_the_passes_captured_at_start():
         if at_start:
             assert engine.runner.graphs.captured == captured, set(engine.runner.graphs.captured) - set(captured)
             print(f"captured {len(captured)} passes at start in {engine.runner.start_capture_s:.2f} s")
+        del engine
+        torch.cuda.empty_cache()
+    assert results[True] == results[False]
+
+
+def test_a_burst_of_chunked_prompts_replays_captured_prefills(monkeypatch):
+    """Prompts longer than the step's token budget, arriving together at the real Ouro-1.4B shape
+    (bf16): the steps of their chunks (most not a prompt's last, beside decodes or none) replay a
+    captured prefill per chunk (`ModelRunner.split_step`), and the greedy tokens are the eager
+    engine's."""
+    from runtime.execution.runner import ModelRunner
+
+    gpu = hal.get("cuda")
+    model = zoo.from_config(CONFIGS / "ouro-1.4b.json", dtype="bfloat16", device=gpu.device(), seed=0)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 49152) for _ in range(rng.randint(300, 700))] for _ in range(6)]
+    num_split = []
+    split = ModelRunner._execute_split
+    monkeypatch.setattr(ModelRunner, "_execute_split", lambda self, *a, **k: num_split.append(1) or split(self, *a, **k))
+    results = {}
+    for graphs in (True, False):
+        engine = LLMEngine(model, gpu, EngineConfig(graphs=graphs, max_num_seqs=8, max_num_batched_tokens=512,
+                                                    max_model_len=1024))
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, SamplingParams(max_tokens=8 + i, temperature=0.0, ignore_eos=True))
+        outs = {o.request_id: o.token_ids for o in engine.run_until_done()}
+        results[graphs] = [outs[str(i)] for i in range(len(prompts))]
+        if graphs:
+            assert len(num_split) >= 6, len(num_split)
         del engine
         torch.cuda.empty_cache()
     assert results[True] == results[False]

@@ -143,7 +143,7 @@ def test_long_prompts_replay_captured_fresh_prefills(monkeypatch):
     outs = {}
     for captured in (True, False):
         if not captured:
-            monkeypatch.setattr(runner_module.ModelRunner, "prefill_bucket", lambda self, scheduled: None)
+            monkeypatch.setattr(runner_module.ModelRunner, "chunk_bucket", lambda self, item: None)
         with interpreter(), torch.inference_mode():
             engine = LLMEngine(model, FreshOnCpu(), EngineConfig(block_size=4, max_num_batched_tokens=64,
                                                                  max_model_len=66, graphs=True, max_num_seqs=1))

@@ -80,6 +80,31 @@ def test_on_a_hal_that_records_graphs_the_split_steps_replay_start_captures(step
     assert step_kinds["split"] >= 2 and engine.runner.graphs.captured == at_start, step_kinds
 
 
+@pytest.mark.parametrize("name", golden_names())
+@pytest.mark.parametrize("hal_name", ["cpu", "ascend-sim"])
+def test_a_burst_of_chunked_prompts_replays_captured_prefills(name, hal_name, step_kinds, single_thread):
+    """Prompts longer than the step's token budget, arriving at once: every step is chunks of them
+    (most not their prompt's last, and no decodes at first), each run by a captured prefill whose
+    logits only a last chunk samples; no step takes the eager pass, none captures anything past
+    the start on a Hal that records graphs, and the tokens are the simple path's."""
+    case = golden_case(name)
+    model = zoo.from_pretrained(case.path, dtype="float32").eval()
+    prompts = [(case.prompt(i % case.num_prompts) * 8)[: 37 + 9 * i] for i in range(3)]
+    sim = {"sim_any_shape": True} if hal_name == "ascend-sim" else {}
+    engine = LLMEngine(model, hal.get(hal_name, **sim), EngineConfig(block_size=16, max_num_seqs=4,
+                                                                      max_num_batched_tokens=32, graphs=True))
+    at_start = dict(engine.runner.graphs.captured)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, PARAMS)
+    outs = {o.request_id: o.token_ids for o in engine.run_until_done()}
+    assert [outs[str(i)] for i in range(len(prompts))] == [generate_reference(model, p, PARAMS)[0] for p in prompts]
+    assert step_kinds["eager"] == 0 and step_kinds["split"] >= 4, step_kinds
+    if hal_name == "ascend-sim":
+        assert engine.runner.graphs.captured == at_start
+    engine.blocks.check_invariants()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
 @pytest.mark.parametrize("cap, graphs, joins", [(1, True, 2), (None, None, 1)], ids=["over-the-cap", "cpu-default"])
 def test_steps_that_may_not_split_run_one_eager_pass(cap, graphs, joins, step_kinds, monkeypatch, single_thread):
     """More joining prompts than `MAX_SPLIT_PROMPTS`; or the CPU by default, whose passes are not
