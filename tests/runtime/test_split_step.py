@@ -105,6 +105,22 @@ def test_a_burst_of_chunked_prompts_replays_captured_prefills(name, hal_name, st
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
+@pytest.mark.parametrize("wide, path", [(8, "split"), (64, "eager")])
+def test_more_than_the_cap_of_wide_chunks_still_split(wide, path, step_kinds, monkeypatch, single_thread):
+    """Six prompts of 9-14 tokens in one step: past `MAX_SPLIT_PROMPTS`, they split only when each
+    is `WIDE_CHUNK_TOKENS` long (compute-bound replays cost what the packed pass does)."""
+    monkeypatch.setattr(captured_steps, "WIDE_CHUNK_TOKENS", wide)
+    case = golden_case("ouro-tiny")
+    model = zoo.from_pretrained(case.path, dtype="float32").eval()
+    prompts = [(case.prompt(i % case.num_prompts) * 4)[: 9 + i] for i in range(6)]
+    engine = LLMEngine(model, hal.get("cpu"), EngineConfig(max_num_seqs=8, max_num_batched_tokens=128, graphs=True))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, PARAMS)
+    outs = {o.request_id: o.token_ids for o in engine.run_until_done()}
+    assert [outs[str(i)] for i in range(6)] == [generate_reference(model, p, PARAMS)[0] for p in prompts]
+    assert step_kinds[path] == 1 and step_kinds["split" if path == "eager" else "eager"] == 0, step_kinds
+
+
 @pytest.mark.parametrize("cap, graphs, joins", [(1, True, 2), (None, None, 1)], ids=["over-the-cap", "cpu-default"])
 def test_steps_that_may_not_split_run_one_eager_pass(cap, graphs, joins, step_kinds, monkeypatch, single_thread):
     """More joining prompts than `MAX_SPLIT_PROMPTS`; or the CPU by default, whose passes are not
