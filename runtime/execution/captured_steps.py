@@ -97,7 +97,9 @@ class CapturedSteps:
         log.info("captured %d passes at start in %.2f s", len(graphs.captured), self.start_capture_s)
 
     def prefill_bucket(self, scheduled: Sequence[ScheduledRequest]) -> int | None:
-        """The captured prefill width for a step that is one prompt's last (or only) chunk, or None."""
+        """The captured prefill width for a step that is one prompt's last (or only) chunk, or None.
+        Unlike `split_step`, this holds where passes are not captured too: the same padded pass then
+        runs eagerly, so turning graphs off changes no kernel's shapes for a lone prompt."""
         if self.graphs is None or len(scheduled) != 1 or not scheduled[0].samples:
             return None
         return self.chunk_bucket(scheduled[0])
