@@ -27,14 +27,12 @@ from zoo.base import LoopedCausalLM
 
 log = logging.getLogger(__name__)
 
-# prompt chunks a step may run as captured prefills beside its captured decode pass (`split_step`):
-# each replay reads every weight once more, so past a few narrow ones the one eager pass, which reads
-# them once, is the better trade even though the host feeds it launch by launch
-MAX_SPLIT_PROMPTS = 4
-# ...unless every chunk is this wide: a pass of Ouro-1.4B's shape is compute-bound from about 200
-# tokens on an H100 (10 GFLOP per token against 10 GB of weight reads), so replays of wide chunks
-# cost the device what the packed pass does, and the host no longer paces them
-WIDE_CHUNK_TOKENS = 512
+# prompt chunks a step may run as captured prefills beside its captured decode pass (`split_step`).
+# Each replay reads every weight once more, about 3 ms at Ouro-1.4B's shape on an H100, where the one
+# eager pass, which reads them once, waits 140-350 ms on the host that issues its launches (docs/
+# performance.md, levers 103-105): replays stay ahead up to about 40 narrow chunks there. 16 keeps a
+# margin for faster hosts and for models that read more bytes per launch.
+MAX_SPLIT_PROMPTS = 16
 
 
 def prefill_program(model: LoopedCausalLM, num_loops: int, sample_row: torch.Tensor):
@@ -128,19 +126,18 @@ class CapturedSteps:
 
     def split_step(self, scheduled: Sequence[ScheduledRequest]) -> tuple[list, list] | None:
         """(decodes, [(prompt chunk, its width)]) of a step of prompt chunks that captured prefills
-        run, up to `MAX_SPLIT_PROMPTS` of them (any number of `WIDE_CHUNK_TOKENS` or more each),
-        beside decodes that a captured decode pass runs (or none): the step replays those passes
-        instead of one eager pass, whose host work (about a thousand launches issued from Python,
-        70-350 ms on the GPU machines' hosts) would stall every decoding request each time a request
-        joins, and pace a burst of prompts prefilled chunk by chunk. None for any other step, and
+        run, up to `MAX_SPLIT_PROMPTS` of them, beside decodes that a captured decode pass runs (or
+        none): the step replays those passes instead of one eager pass, whose host work (about a
+        thousand launches issued from Python, 70-350 ms on the GPU machines' hosts) would stall every
+        decoding request each time a request joins, and pace a burst of prompts prefilled chunk by
+        chunk. None for any other step, and
         where passes are not captured (the CPU by default): there one packed pass reads the weights
         once and pads nothing."""
         if self.graphs is None or not self.graphs.capture:
             return None
         decodes = [item for item in scheduled if item.num_tokens == 1]
         prompts = [item for item in scheduled if item.num_tokens > 1]
-        few = len(prompts) <= MAX_SPLIT_PROMPTS or all(item.num_tokens >= WIDE_CHUNK_TOKENS for item in prompts)
-        if not (prompts and few) or (decodes and not self.is_graph_step(decodes)):
+        if not 0 < len(prompts) <= MAX_SPLIT_PROMPTS or (decodes and not self.is_graph_step(decodes)):
             return None
         widths = [self.chunk_bucket(item) for item in prompts]
         if None in widths:

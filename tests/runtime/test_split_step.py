@@ -105,11 +105,12 @@ def test_a_burst_of_chunked_prompts_replays_captured_prefills(name, hal_name, st
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
-@pytest.mark.parametrize("wide, path", [(8, "split"), (64, "eager")])
-def test_more_than_the_cap_of_wide_chunks_still_split(wide, path, step_kinds, monkeypatch, single_thread):
-    """Six prompts of 9-14 tokens in one step: past `MAX_SPLIT_PROMPTS`, they split only when each
-    is `WIDE_CHUNK_TOKENS` long (compute-bound replays cost what the packed pass does)."""
-    monkeypatch.setattr(captured_steps, "WIDE_CHUNK_TOKENS", wide)
+@pytest.mark.parametrize("cap, path", [(None, "split"), (5, "eager")])
+def test_six_prompts_at_once_split_under_the_cap(cap, path, step_kinds, monkeypatch, single_thread):
+    """Six prompts arriving together make one step of six chunks: replayed one by one under
+    `MAX_SPLIT_PROMPTS` (16), one eager pass over a cap of 5."""
+    if cap is not None:
+        monkeypatch.setattr(captured_steps, "MAX_SPLIT_PROMPTS", cap)
     case = golden_case("ouro-tiny")
     model = zoo.from_pretrained(case.path, dtype="float32").eval()
     prompts = [(case.prompt(i % case.num_prompts) * 4)[: 9 + i] for i in range(6)]
