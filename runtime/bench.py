@@ -274,9 +274,11 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
             copy_rate = measure_copy_rate(hal)
             log.info("matmul rate %.0f TFLOP/s, copy rate %.2f TB/s", rate / 1e12, copy_rate / 1e12)
         if cfg.warmup:
-            # same prompt length: kernels compile (and passes the engine did not capture at start
-            # capture) outside the timed cell
-            run_cell(engine, {"batch": min(cell["batch"], 2), "prompt": cell["prompt"], "new": 4}, num_loops, seed=1)
+            # same prompt lengths, a late prompt's too: kernels compile (and passes the engine did not
+            # capture at start, such as a long chunk's prefill, capture) outside the timed cell
+            late = {"late_prompt": cell["late_prompt"]} if cell.get("late_prompt") else {}
+            run_cell(engine, {"batch": min(cell["batch"], 2), "prompt": cell["prompt"], "new": 4, **late}, num_loops,
+                     seed=1)
         row = {"workload": workload, "model": name, "hal": hal.name, "tp": parallel.world_size,
                "kv_mode": config.kv_mode, "kv_dtype": config.kv_dtype, "weights_dtype": config.weights_dtype,
                # which FP8 GEMM the CUDA Hal was told to use (hal/cuda/fp8.py), for comparing the paths

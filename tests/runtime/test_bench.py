@@ -149,6 +149,24 @@ def test_bench_keeps_a_given_max_model_len_and_refuses_one_shorter_than_a_cell(s
     assert [row["max_model_len"] for row in bench.run(own)] == [40]
 
 
+def test_the_warmup_captures_what_a_late_prompt_replays(single_thread, monkeypatch):
+    """A cell with a late prompt: the warm-up brings one of the same length, so the passes its chunks
+    replay are captured before the timed cell (graphs on; the CPU captures on first use)."""
+    from hydra import compose, initialize_config_dir
+
+    import runtime.bench as bench
+    from runtime.generate import CONF_DIR
+
+    monkeypatch.setattr("runtime.roofline.measure_matmul_rate", lambda *a, **k: 1e12)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("bench", overrides=["hal=cpu", f"model.path={golden_case('ouro-tiny').path}",
+                                          "weights=checkpoint", "model.dtype=float32", "workload=tiny",
+                                          "+workloads.tiny.late_prompt=40", "engine.max_num_batched_tokens=32",
+                                          "engine.graphs=true", "warmup=true", "engine.num_kv_blocks=64"])
+    (row,) = bench.run(cfg)
+    assert row["late_ttft_s"] > 0 and row["captures_in_cell"] == 0, row
+
+
 def run_tool(*args: str) -> str:
     """`python tools/<args>` in its own process, this checkout's packages first (a script's sys.path
     starts at tools/, not at whatever the venv installed); its stdout."""
