@@ -66,6 +66,9 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, num_loops
     bad_bias = [t for t, _ in params.logit_bias if t >= vocab_size]
     if bad_bias:
         raise ValueError(f"logit_bias names token ids outside the vocabulary of {vocab_size}: {bad_bias[:5]}")
+    bad_stops = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad_stops:                # the model can never sample them: such a stop would silently never fire
+        raise ValueError(f"stop_token_ids names token ids outside the vocabulary of {vocab_size}: {bad_stops[:5]}")
 
 
 def num_speculative_tokens(spec: SpeculativeConfig, num_loops: int, exit_threshold: float,

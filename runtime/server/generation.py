@@ -102,7 +102,7 @@ class Generation(RequestInputs):
         if not collect.done() or collect.cancelled():
             return Response(status_code=499)       # nobody is listening
         collect.result()
-        _raise_failed(job)
+        _raise_failed(job, self.config.retry_after_s)
         body = {"id": job.api_id, "object": "chat.completion" if job.kind == "chat" else "text_completion",
                 "created": job.created, "model": job.model,
                 "choices": [choice_body(self.tokenizer, job, c, c.prefix + c.text.text, c.logprobs,
@@ -162,13 +162,13 @@ def _sse_data(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def _raise_failed(job: Job) -> None:
+def _raise_failed(job: Job, retry_after_s: int) -> None:
     for c in job.choices:
         if c.finish_reason == "error":
             raise APIError(500, c.error or "generation failed", "server_error")
-        if c.finish_reason == "abort":
+        if c.finish_reason == "abort":       # as a request refused at shutdown is told: when to retry
             raise APIError(503, "the server stopped before the request finished; retry",
-                           "service_unavailable", code="shutting_down")
+                           "service_unavailable", code="shutting_down", headers={"Retry-After": str(retry_after_s)})
 
 
 async def _drain(events: AsyncIterator[Any]) -> None:

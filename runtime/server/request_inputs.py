@@ -66,6 +66,10 @@ class RequestInputs:
                 raise APIError(400, f"logit_bias maps token ids (strings of digits below the vocabulary size "
                                     f"{vocab}) to biases in [-100, 100]; got {_shortened(name)!r}: {value!r}",
                                param="logit_bias")
+        bad_stops = [t for t in body.stop_token_ids or () if not 0 <= t < vocab]
+        if bad_stops:           # the model can never sample them: such a stop would silently never fire
+            raise APIError(400, f"stop_token_ids takes token ids below the vocabulary size {vocab}; got "
+                                f"{bad_stops[:3]}", param="stop_token_ids")
         if body.stream_options is not None and not body.stream:      # OpenAI's and vLLM's rule
             raise APIError(400, "stream_options applies to streamed answers only: set stream=true or leave "
                                 "stream_options out", param="stream_options")
@@ -133,10 +137,15 @@ class RequestInputs:
         else:
             logprobs, best_of = body.logprobs, body.best_of
             prompt_logprobs = logprobs if body.echo and logprobs is not None else None
+        # what the KV cache holds beside the prompt at the request's depth (more loops, more planes)
+        most = self._kv_room(body, num_prompt_tokens)          # within `room`: max_request_len <= max_model_len
+        if max_tokens is not None and max_tokens > most:
+            raise APIError(400, f"{max_tokens_param}={max_tokens} plus the prompt's {num_prompt_tokens} tokens is "
+                                f"more than the KV cache holds for one request at num_loops="
+                                f"{self._num_loops(body)}; ask for at most {most} (or for fewer loops)",
+                           param=max_tokens_param, code="context_length_exceeded")
         if max_tokens is None:       # vLLM's rule for chat: the rest of the context (a thinking model's
-            # answer must not be cut at a fixed length); completions: the configured default; both
-            # within what the KV cache holds at the request's depth (more loops, more planes)
-            most = self._kv_room(body, num_prompt_tokens)      # within `room`: max_request_len <= max_model_len
+            # answer must not be cut at a fixed length); completions: the configured default
             max_tokens = most if is_chat else min(self.config.default_max_tokens, most)
             if (body.min_tokens or 0) > max_tokens:      # SamplingParams would blame a max_tokens not given
                 fix = f", or set max_tokens (up to {most})" if most > max_tokens else ""
@@ -163,16 +172,20 @@ class RequestInputs:
             raise APIError(400, str(exc), param=field if field in type(body).model_fields else None) from None
 
     def _kv_room(self, body: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int) -> int:
-        """The most tokens the request may generate by default: as many as the KV cache can hold beside
-        its prompt at its depth; a 400 naming the depth where not even one fits."""
-        engine = self.loop.engine
-        num_loops = body.num_loops or self.config.default_num_loops or engine.default_num_loops
-        longest = engine.max_request_len(num_loops)
+        """The most tokens the request may generate: as many as the KV cache can hold beside its prompt
+        at its depth; a 400 naming the depth where not even one fits."""
+        num_loops = self._num_loops(body)
+        longest = self.loop.engine.max_request_len(num_loops)
         if longest - num_prompt_tokens < 1:
             raise APIError(400, f"at num_loops={num_loops} the KV cache holds at most {longest} tokens of one "
                                 f"request, not the prompt's {num_prompt_tokens} and one more: ask for fewer "
                                 f"loops or send a shorter prompt", param="num_loops")
         return longest - num_prompt_tokens
+
+
+    def _num_loops(self, body: CompletionRequest | ChatCompletionRequest) -> int:
+        """The depth the request runs at: its own, else the server's default, else the engine's."""
+        return body.num_loops or self.config.default_num_loops or self.loop.engine.default_num_loops
 
 
 def _shortened(text: str, limit: int = 40) -> str:

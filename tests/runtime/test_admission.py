@@ -46,6 +46,18 @@ def test_the_issue_hang_returns_with_an_error_for_the_request_that_cannot_fit():
     assert default.token_ids == case.greedy(1)[:6]
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_by_field():
+    """The model can never sample such an id: a stop on it would silently never fire."""
+    case = golden_case("ouro-tiny")
+    engine = LLMEngine(zoo.from_pretrained(case.path, dtype="float32"), hal.get("cpu"), EngineConfig(num_kv_blocks=16))
+    vocab = engine.model.config.vocab_size
+    for field, params in (("stop_token_ids", SamplingParams(stop_token_ids=[vocab])),
+                          ("logit_bias", SamplingParams(logit_bias={vocab: 1.0}))):
+        with pytest.raises(ValueError, match=f"{field} names token ids outside the vocabulary of {vocab}"):
+            engine.add_request(field, [1, 2, 3], params)
+    assert not engine.has_unfinished_requests()
+
+
 def test_max_model_len_is_capped_to_the_cache_at_start(caplog):
     model = zoo.from_pretrained(golden_case("ouro-tiny").path, dtype="float32")
     with caplog.at_level(logging.WARNING, "runtime.engine.llm_engine"):

@@ -115,6 +115,8 @@ BAD_INPUTS = [
     ("top_k past 2^31", "POST", "/v1/completions", {**OK, "temperature": 1.0, "top_k": 2 ** 63}, 400, "top_k"),
     ("stop_token_ids past int64", "POST", "/v1/completions", {**OK, "stop_token_ids": [10 ** 23]}, 400,
      "stop_token_ids"),
+    ("stop_token_ids outside the vocabulary", "POST", "/v1/completions", {**OK, "stop_token_ids": [10 ** 9]}, 400,
+     "stop_token_ids"),
     ("logit_bias key of non-ASCII digits", "POST", "/v1/completions", {**OK, "logit_bias": {"\u00b2": 1}}, 400,
      "logit_bias"),
     ("prompt with a lone surrogate", "POST", "/v1/completions", {**OK, "prompt": "\ud800 hi"}, 400, "prompt"),
@@ -319,6 +321,12 @@ def test_the_default_max_tokens_fits_the_cache_at_the_requests_depth(tiny_model,
         usage = deep.json()["usage"]
         assert usage["prompt_tokens"] + usage["completion_tokens"] == engine.max_request_len(8) == 81
         assert deep.json()["choices"][0]["finish_reason"] == "length"
+        # an explicit max_tokens past that room is the client's to lower, and the 400 says by how much
+        over = client.post("/v1/completions", json={"model": "tiny", "prompt": "the cat sat", "num_loops": 8,
+                                                    "max_tokens": 100})
+        error = over.json()["error"]
+        assert over.status_code == 400 and (error["param"], error["code"]) == ("max_tokens", "context_length_exceeded")
+        assert "ask for at most" in error["message"] and "cmpl-" not in error["message"], error
         deepest = client.post("/v1/completions", json={"model": "tiny", "prompt": "the cat sat", "num_loops": 64})
         assert deepest.status_code == 400 and deepest.json()["error"]["param"] == "num_loops", deepest.text
         # the 8-loop request grew the engine's planes; a request at the model's depth keeps its room

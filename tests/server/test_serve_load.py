@@ -210,6 +210,7 @@ def test_a_best_of_request_cut_off_at_shutdown_gets_503(make_engine, live_server
     sender.join(60)
     response = result["response"]
     assert response.status_code == 503 and response.json()["error"]["code"] == "shutting_down", response.text
+    assert response.headers["retry-after"] == "1"          # as a request refused at shutdown is told
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
