@@ -86,8 +86,11 @@ class PassGraphs:
 
     def capacity_of(self, bucket: int, width: int, num_planes: int, context: bool = True,
                     fresh: bool = False) -> MetaCapacity:
-        """The metadata capacity of a pass of `bucket` sequences of `width` tokens (`max_blocks_of`)."""
-        longest = (self.max_model_len if context else self.env.block_size) + width - 1
+        """The metadata capacity of a pass of `bucket` sequences of `width` tokens (`max_blocks_of`):
+        a padding row starts inside a scratch block (`step_inputs.pad`), so it may reach a block past
+        its width even where max_model_len is shorter than a block."""
+        reach = max(self.max_model_len, self.env.block_size) if context else self.env.block_size
+        longest = reach + width - 1
         return MetaCapacity(bucket, bucket * width, self.max_blocks_of(width, context), num_planes, longest, fresh,
                             context)
 

@@ -89,6 +89,19 @@ def test_only_the_prefill_widths_a_prompt_can_take_are_captured(case_and_model, 
     assert {key[1] for key in engine.runner.graphs.captured if key[0] == "prefill"} == {16, 32}
 
 
+@pytest.mark.parametrize("max_model_len", [2, 3])
+def test_a_context_shorter_than_the_batch_captures_at_start(case_and_model, max_model_len, single_thread):
+    """The padding rows of the 4-row decode bucket start inside a scratch block, up to 4 tokens long:
+    past a 2- or 3-token context, which the metadata capacity once took as the longest sequence
+    ("batch exceeds the meta capacity", found by a fuzzer)."""
+    _, model = case_and_model
+    engine = engine_of(model, max_model_len=max_model_len, num_kv_blocks=64)
+    assert ("decode", 4, model.default_num_loops, 0) in engine.runner.graphs.captured
+    for i in range(4):
+        engine.add_request(str(i), [1 + i] * (max_model_len - 1), SamplingParams(max_tokens=1, temperature=0.0))
+    assert [len(o.token_ids) for o in engine.run_until_done()] == [1] * 4
+
+
 def test_nothing_is_captured_at_start_where_the_hal_records_no_graphs(case_and_model):
     """On the CPU the padded path runs eagerly: capturing at start would only run every bucket once."""
     _, model = case_and_model
