@@ -95,7 +95,7 @@ class LLMEngine(EngineRequests):
         spec = cfg.speculative
         self.speculator = Speculator(self.runner, spec) if spec.is_enabled else None
         if spec.is_enabled and self.default_num_loops <= spec.draft_loops:
-            log.warning("engine.speculative.draft_loops=%d is not below the model's %d loops: requests at its "
+            log.warning("engine.speculative.draft_loops=%d is not below the default %d loops: requests at that "
                         "depth do not speculate (only those that ask for more loops); lower draft_loops",
                         spec.draft_loops, self.default_num_loops)
         stops = list(model.stop_token_ids()) + list(extra_stop_token_ids)

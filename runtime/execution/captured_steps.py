@@ -1,8 +1,9 @@
 """The runner's captured steps: which steps replay captured passes (runtime/execution/graphs.py)
 and how. A pure decode step replays the decode pass of its batch bucket over the persistent batch's
 rows; a step that is one prompt (or its last chunk) replays the prefill of its token-count bucket;
-a step of such decodes and a few such prompts (requests joining a decoding batch) replays those
-passes one after another, so no arrival costs an eager pass. `capture_at_start` captures the passes
+a step of up to `MAX_SPLIT_PROMPTS` prompt chunks (any chunk), beside such decodes or alone,
+replays those passes one after another, so neither an arrival nor a burst of long prompts costs an
+eager pass. `capture_at_start` captures the passes
 these steps expect when the engine starts. `ModelRunner` inherits this and samples what it returns.
 """
 from __future__ import annotations
@@ -130,9 +131,8 @@ class CapturedSteps:
         none): the step replays those passes instead of one eager pass, whose host work (about a
         thousand launches issued from Python, 70-350 ms on the GPU machines' hosts) would stall every
         decoding request each time a request joins, and pace a burst of prompts prefilled chunk by
-        chunk. None for any other step, and
-        where passes are not captured (the CPU by default): there one packed pass reads the weights
-        once and pads nothing."""
+        chunk. None for any other step, and where passes are not captured (the CPU by default):
+        there one packed pass reads the weights once and pads nothing."""
         if self.graphs is None or not self.graphs.capture:
             return None
         decodes = [item for item in scheduled if item.num_tokens == 1]
