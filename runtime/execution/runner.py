@@ -109,7 +109,7 @@ class ModelRunner(EagerPass, CapturedSteps):
         self.prefill_rows: dict[tuple, torch.Tensor] = {}           # captured prefills' sample-row buffers
         self.start_capture_s = 0.0
         if captures and hal.caps.graphs and config.capture_at_start:
-            self.capture_at_start(config.default_num_loops or model.default_num_loops, max_model_len)
+            self.capture_at_start(max_loops, max_model_len)     # the engine's default depth, as planned
 
     def forget(self, request_id: str) -> None:
         """Drop what the runner keeps for a request (its persistent row, wavefront states) once it
