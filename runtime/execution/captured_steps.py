@@ -131,9 +131,13 @@ class CapturedSteps:
         none): the step replays those passes instead of one eager pass, whose host work (about a
         thousand launches issued from Python, 70-350 ms on the GPU machines' hosts) would stall every
         decoding request each time a request joins, and pace a burst of prompts prefilled chunk by
-        chunk. None for any other step, and where passes are not captured (the CPU by default):
-        there one packed pass reads the weights once and pads nothing."""
-        if self.graphs is None or not self.graphs.capture:
+        chunk. Where the Hal captures but `graphs=false` turned capture off, the same passes run
+        eagerly, so turning capture off to debug it changes no kernel's shapes or rounding (a packed
+        pass would, and bf16 near-ties would flip between the two). None for any other step, and where
+        passes are not captured otherwise (the CPU by default, tensor parallelism on a Hal that cannot
+        capture collectives): there one packed pass reads the weights once and pads nothing."""
+        turned_off = self.config.graphs is False and self.hal.caps.graphs
+        if self.graphs is None or not (self.graphs.capture or turned_off):
             return None
         decodes = [item for item in scheduled if item.num_tokens == 1]
         prompts = [item for item in scheduled if item.num_tokens > 1]

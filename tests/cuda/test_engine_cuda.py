@@ -156,8 +156,9 @@ def test_steps_replay_the_passes_captured_at_start():
 def test_a_burst_of_chunked_prompts_replays_captured_prefills(monkeypatch):
     """Prompts longer than the step's token budget, arriving together at the real Ouro-1.4B shape
     (bf16): the steps of their chunks (most not a prompt's last, beside decodes or none) replay a
-    captured prefill per chunk (`ModelRunner.split_step`), and the greedy tokens are the eager
-    engine's."""
+    captured prefill per chunk (`ModelRunner.split_step`); with graphs off the same chunks run
+    eagerly, each padded to its bucket, so the greedy tokens are the eager engine's (a packed pass
+    would round differently and flip random weights' near-ties)."""
     from runtime.execution.runner import ModelRunner
 
     gpu = hal.get("cuda")
@@ -175,8 +176,8 @@ def test_a_burst_of_chunked_prompts_replays_captured_prefills(monkeypatch):
             engine.add_request(str(i), prompt, SamplingParams(max_tokens=8 + i, temperature=0.0, ignore_eos=True))
         outs = {o.request_id: o.token_ids for o in engine.run_until_done()}
         results[graphs] = [outs[str(i)] for i in range(len(prompts))]
-        if graphs:
-            assert len(num_split) >= 6, len(num_split)
+        assert len(num_split) >= 6, len(num_split)
+        num_split.clear()
         del engine
         torch.cuda.empty_cache()
     assert results[True] == results[False]

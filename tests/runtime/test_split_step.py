@@ -105,6 +105,29 @@ def test_a_burst_of_chunked_prompts_replays_captured_prefills(name, hal_name, st
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
+def test_with_capture_turned_off_the_same_chunks_split_eagerly(step_kinds, monkeypatch, single_thread):
+    """graphs=false on a Hal that captures (the simulated Ascend): a burst's steps still split, each
+    chunk's padded pass run eagerly, so turning capture off to debug it changes no pass's shapes
+    (one packed pass would round differently, and bf16 near-ties would flip)."""
+    case = golden_case("ouro-tiny")
+    model = zoo.from_pretrained(case.path, dtype="float32").eval()
+    prompts = [(case.prompt(i % case.num_prompts) * 8)[: 37 + 9 * i] for i in range(3)]
+    got, splits = {}, {}
+    for graphs in (True, False):
+        engine = LLMEngine(model, hal.get("ascend-sim", sim_any_shape=True),
+                           EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=32, graphs=graphs))
+        assert engine.runner.graphs.capture is graphs
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, PARAMS)
+        outs = {o.request_id: o.token_ids for o in engine.run_until_done()}
+        got[graphs] = [outs[str(i)] for i in range(len(prompts))]
+        splits[graphs] = step_kinds["split"]
+        assert step_kinds["eager"] == 0, step_kinds
+        step_kinds["split"] = 0
+    assert got[False] == got[True] == [generate_reference(model, p, PARAMS)[0] for p in prompts]
+    assert splits[False] == splits[True] >= 4, splits
+
+
 @pytest.mark.parametrize("cap, path", [(None, "split"), (5, "eager")])
 def test_six_prompts_at_once_split_under_the_cap(cap, path, step_kinds, monkeypatch, single_thread):
     """Six prompts arriving together make one step of six chunks: replayed one by one under
