@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Sequence
 
 from runtime.engine.sequence import RequestStatus
-from runtime.engine.stop_strings import detokenizer_of
+from runtime.engine.stop_strings import detokenizer_of, holdback_len
 
 
 class Logprob(NamedTuple):
@@ -115,15 +115,16 @@ class RequestOutput:
 
 def _text(request: Any, tokens: list[int], tokenizer: Any) -> str:
     """The text of a sample's resolved tokens: decoded a window at a time while it runs (each step
-    reports it), once in full when it has finished; a stop token's or string's text left out
-    (runtime/engine/stop_strings.py)."""
+    reports it, less what could start a stop string), once in full when it has finished; a stop
+    token's or string's text left out (runtime/engine/stop_strings.py)."""
     if tokenizer is None:
         return ""
     if request.final_text is not None:
         return request.final_text
     detokenizer = detokenizer_of(request, tokenizer)
     if not request.is_finished:
-        return detokenizer.update(tokens)
+        text, held = detokenizer.update(tokens), holdback_len(request.params)
+        return text[:max(len(text) - held, 0)]
     if request.status == RequestStatus.FINISHED_STOPPED and not request.params.include_stop_str_in_output:
         tokens = tokens[:-1]                # it ended on a stop token
     return detokenizer.finish(tokens)

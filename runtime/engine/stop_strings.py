@@ -32,6 +32,15 @@ def detokenizer_of(request: Any, tokenizer: Any) -> IncrementalDetokenizer:
     return detokenizer
 
 
+def holdback_len(params: Any) -> int:
+    """Characters at the end of a running sample's text that are not reported yet: the longest stop
+    string's length less one, as they could be its start (none with `include_stop_str_in_output`,
+    vLLM's rule). So every text reported while it runs is a prefix of its final text."""
+    if not params.stop or params.include_stop_str_in_output:
+        return 0
+    return max(len(s) for s in params.stop) - 1
+
+
 def check_stop_strings(request: Any, tokenizer: Any) -> StopMatch | None:
     """After a new output token of `request` (a `runtime.engine.sequence.Request`): the stop string
     its text now holds, if any. Call once per resolved token, in order."""

@@ -45,12 +45,12 @@ class Generation(RequestInputs):
                            headers={"Retry-After": str(self.config.retry_after_s)}) from None
         except (ValueError, MemoryError) as exc:        # the engine's word on this input
             raise APIError(400, str(exc), param="messages" if kind == "chat" else "prompt") from None
-        stop, n = body.stop_strings(), params[0].n
+        n = params[0].n
         echo = bool(getattr(body, "echo", False))
         choices = []
         for i, r in enumerate(requests):
             prefix = (r.prompt if r.prompt is not None else self._decode(r.prompt_token_ids)) if echo else ""
-            choices += [Choice(i * n + j, r.request_id, j, len(r.prompt_token_ids), TextStream(stop),
+            choices += [Choice(i * n + j, r.request_id, j, len(r.prompt_token_ids), TextStream(),
                                prefix, list(r.prompt_token_ids)) for j in range(n)]
         options = body.stream_options
         include_usage = bool(options and options.include_usage)

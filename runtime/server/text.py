@@ -6,12 +6,11 @@ always a prefix of the final text: a character split over several byte tokens de
 replacement characters ("\\ufffd") until its last byte arrives, and some decoders rewrite a run
 of byte tokens when the next one lands. So a stream holds back a trailing "\\ufffd", sends only text
 that extends what it already sent, and waits when the new text does not. Text that could start a
-stop string is held back the same way.
+stop string the engine holds back itself (`runtime.engine.stop_strings.holdback_len`).
 """
 from __future__ import annotations
 
 import logging
-from typing import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -20,11 +19,9 @@ REPLACEMENT = "\ufffd"
 
 class TextStream:
     """Feed it each cumulative text; it returns what is safe to send. The engine ends a sample at a
-    stop string and reports its text cut there (runtime/engine/stop_strings.py); until then the last
-    `len(stop) - 1` characters are held back, as they could be the start of one."""
+    stop string and reports its text cut there (runtime/engine/stop_strings.py)."""
 
-    def __init__(self, stop: Sequence[str] = ()) -> None:
-        self.holdback_len = max((len(s) for s in stop if s), default=1) - 1
+    def __init__(self) -> None:
         self.sent = ""                 # everything sent so far
         self.text = ""                 # the answer so far (the latest text)
 
@@ -33,8 +30,6 @@ class TextStream:
         self.text = text
         if not is_finished:
             text = text.rstrip(REPLACEMENT)
-            if self.holdback_len:
-                text = text[:max(len(self.sent), len(text) - self.holdback_len)]
         return self._extend(text, is_final=is_finished)
 
     def _extend(self, text: str, is_final: bool = True) -> str:

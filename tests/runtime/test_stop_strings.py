@@ -61,6 +61,22 @@ def test_a_stop_string_on_the_last_allowed_token_still_stops(llm, plain):
     assert (out.text, out.token_ids, out.finish_reason) == (first.text, first.token_ids, "stop")
 
 
+def test_a_stream_holds_back_what_could_start_a_stop_string(llm, plain):
+    """Every text `LLM.stream` yields while the sample runs is a prefix of its final text: the last
+    `len(stop) - 1` characters wait, as they could begin the stop string (vLLM's rule; before, a
+    stream yielded the first word of a two-word stop string and took it back at the end)."""
+    words = plain.text.split(" ")
+    stop = next(" ".join(words[i:i + 2]) for i in range(len(words) // 2, len(words) - 1) if len(words[i]) > 1)
+    params = dataclasses.replace(GREEDY, stop=["longer than any stop string", stop])
+    texts = [o.text for o in llm.stream(PROMPT, params)]
+    assert texts[-1] == plain.text[:plain.text.index(stop)] and len(texts) > 4
+    assert all(texts[-1].startswith(t) for t in texts)
+    assert len(texts[-2]) == max(len(_decode(llm, plain.token_ids[:len(texts) - 1])) - 26, 0)
+    kept = [o.text for o in llm.stream(PROMPT, dataclasses.replace(params, include_stop_str_in_output=True))]
+    assert kept[-1].endswith(stop) and all(kept[-1].startswith(t) for t in kept)
+    assert kept[-2] == _decode(llm, plain.token_ids[:len(kept) - 1])     # nothing to hold back there
+
+
 def test_only_text_after_min_tokens_is_searched(llm, plain):
     stop = plain.text[8:12]
     first = _run(llm, stop=stop)

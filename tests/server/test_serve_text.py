@@ -1,5 +1,5 @@
-"""Stream deltas from cumulative decodes (split characters and possible stop strings held back), and the chat
-template rendered in a sandbox."""
+"""Stream deltas from cumulative decodes (split characters held back; the engine holds back what could
+start a stop string), and the chat template rendered in a sandbox."""
 from __future__ import annotations
 
 import pytest
@@ -13,9 +13,9 @@ from runtime.text.detokenizer import IncrementalDetokenizer
 from runtime.text.tokenizer import Tokenizer
 
 
-def stream_ids(tokenizer, ids, stop=()) -> tuple[list[str], TextStream]:
+def stream_ids(tokenizer, ids) -> tuple[list[str], TextStream]:
     """Feed the decodes of each prefix of `ids`, as the engine produces them; the deltas sent."""
-    stream = TextStream(stop)
+    stream = TextStream()
     deltas = [stream.update(tokenizer.decode(ids[:n]), is_finished=n == len(ids)) for n in range(1, len(ids) + 1)]
     return deltas, stream
 
@@ -51,29 +51,21 @@ def test_a_stray_byte_after_a_character_does_not_end_the_stream(tokenizer):
     assert sent == texts[-1] and sent.startswith("ì") and sent.endswith(" the cat sat")
 
 
-def test_text_that_could_start_a_stop_string_is_held_back():
-    stream = TextStream(["o w", "xyz"])
-    texts = [stream.update("hello"[:n], is_finished=False) for n in range(1, 6)]
-    assert texts == ["", "", "h", "e", "l"]                          # two characters held back
-    assert stream.update("hello", is_finished=True) == "lo"           # the engine cut the answer there
-
-
 def test_finishing_flushes_what_was_held_back():
-    stream = TextStream(["zz"])
-    assert stream.update("ab" + REPLACEMENT, is_finished=False) == "a"
-    assert stream.update("ab" + REPLACEMENT, is_finished=True) == "b" + REPLACEMENT
+    stream = TextStream()
+    assert stream.update("ab" + REPLACEMENT, is_finished=False) == "ab"
+    assert stream.update("ab" + REPLACEMENT, is_finished=True) == REPLACEMENT
     assert stream.text == "ab" + REPLACEMENT
 
 
 @settings(max_examples=40, deadline=None)
 @given(words=st.lists(st.sampled_from(["the", " cat", " €", "é", ",", " paris", "!", " 😀"]),
-                      min_size=1, max_size=12),
-       stop=st.sampled_from([[], ["cat"], ["€ p", "!"]]))
-def test_deltas_add_up_to_the_text(tokenizer, words, stop):
+                      min_size=1, max_size=12))
+def test_deltas_add_up_to_the_text(tokenizer, words):
     text = "".join(words)
     ids = tokenizer.encode(text)
     assert tokenizer.decode(ids) == text
-    deltas, stream = stream_ids(tokenizer, ids, stop)
+    deltas, stream = stream_ids(tokenizer, ids)
     assert not any(REPLACEMENT in d for d in deltas)
     assert "".join(deltas) == stream.text == text
 
