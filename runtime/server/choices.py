@@ -8,11 +8,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import os
 import time
 from typing import Any, Callable
 
 from runtime.engine.outputs import TokenLogprobs
-from runtime.server.text import TextStream
+from runtime.server.text import REPLACEMENT, TextStream
 from runtime.text.detokenizer import IncrementalDetokenizer
 from runtime.text.tokenizer import Tokenizer
 
@@ -149,15 +150,20 @@ class _Offsets:
     def __init__(self, tokenizer: Tokenizer | None, base: int = 0, skip_special_tokens: bool = True) -> None:
         self.base, self.ids, self.length = base, [], 0     # `length`: without a tokenizer, of "<id>" texts
         self.text = IncrementalDetokenizer(tokenizer, skip_special_tokens) if tokenizer else None
+        self.before = ""               # the text of `ids`, characters not complete yet as U+FFFD
 
     def next(self, token_id: int) -> int:
         if self.text is None:
             offset = self.base + self.length
             self.length += len(_token_text(None, token_id))
             return offset
-        offset = self.base + (len(self.text.update(self.ids)) if self.ids else 0)
         self.ids.append(token_id)
-        return offset
+        before, after = self.before, self.text.with_pending(self.ids)
+        self.before = after
+        if after == before:            # a byte inside a character that is not complete yet: its start
+            return self.base + len(before.rstrip(REPLACEMENT))
+        # where the two texts part: after the text before, or at a character this token completes
+        return self.base + len(os.path.commonprefix([before, after]))
 
 
 def _chat_logprobs(tokenizer: Tokenizer | None, logprobs: list[TokenLogprobs]) -> dict[str, Any]:

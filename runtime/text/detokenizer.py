@@ -52,6 +52,14 @@ class IncrementalDetokenizer:
         self.num_tokens = num
         return self.text
 
+    def with_pending(self, token_ids: Sequence[int]) -> str:
+        """`update(token_ids)` and, after it, the characters its last tokens have not completed yet
+        (U+FFFD each, as a full decode shows them): where each token's text starts, even after a stray
+        byte that never completes."""
+        text = self.update(token_ids)
+        seen, window = self._window(token_ids)
+        return text + window[len(seen):]
+
     def finish(self, token_ids: Sequence[int]) -> str:
         """The text of the finished output: one full decode (kept for later calls) where it extends
         the text reported so far, else that text and the rest of the window."""

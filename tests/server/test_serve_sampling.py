@@ -210,6 +210,28 @@ def test_logprobs_bytes_and_offsets_of_split_characters(client, tokenizer):
     assert len(placed) > 3 and all(text[o:o + len(t)] == t for t, o in placed), (text, lp.tokens, lp.text_offset)
 
 
+@pytest.mark.parametrize("ids, offsets", [([268, 225, 3203], [0, 4, 5]), ([268, 225, 225, 3203], [0, 4, 5, 6]),
+                                           ("café 🙂 x", [0, 2, 3, 4, 5, 5, 5, 5, 6]),
+                                           ("€ and 🙂", [0, 0, 0, 1, 5, 6, 6, 6, 6])])
+def test_text_offsets_after_a_stray_byte_and_inside_characters(ids, offsets):
+    """Completions `text_offset` on a byte-level tokenizer: a stray byte (b"\\x80", which never completes
+    a character and stays U+FFFD in the text) takes one character, so the token after it starts one
+    later (it was placed on the U+FFFD, found by a helper's fuzzer); a character's byte tokens all
+    start where it starts."""
+    from pathlib import Path
+
+    import zoo
+    from runtime.server.choices import _Offsets
+    from runtime.text.tokenizer import Tokenizer
+
+    byte_level = Tokenizer.from_folder(Path(zoo.__file__).parent / "checkpoints" / "ouro-tiny")
+    ids = byte_level.encode(ids) if isinstance(ids, str) else ids
+    where = _Offsets(byte_level, base=7)
+    assert [where.next(i) - 7 for i in ids] == offsets
+    text = byte_level.decode(ids)
+    assert all(text[o:].startswith(byte_level.decode([i])) for i, o in zip(ids, offsets) if byte_level.decode([i]) != "\ufffd")
+
+
 def test_tokenizer_endpoints(server, tokenizer):
     with httpx.Client(base_url=server.url, timeout=60) as http:
         ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
