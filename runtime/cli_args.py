@@ -19,9 +19,34 @@ from runtime.config import EngineConfig, HalConfig, ModelConfig, ParallelConfig
 def check_argv(argv: list[str], schema: type, command: str, config_name: str, serves: bool = False) -> None:
     """Every check of this module, in order; exits 2 with one line at the first bad argument."""
     check_spellings(argv, serves)
+    check_bare_words(argv, command)
     check_known_keys(argv, schema, command)
     check_quoting(argv)
     check_composes(argv, config_name)
+
+
+# what a bare word most likely meant, per CLI (`python -m runtime.generate "Hello"`: a prompt)
+BARE_WORD_KEYS = {"runtime.generate": "prompt", "runtime.bench": "workload"}
+
+
+def check_bare_words(argv: list[str], command: str) -> None:
+    """Exit with one line where an argument is not `key=value` (Hydra would print its grammar's
+    lexer error): a prompt given bare to runtime.generate, a workload to runtime.bench. With any of
+    Hydra's own flags (some take a bare value: `--cfg job`) Hydra's rules apply."""
+    if any(arg.startswith("-") for arg in argv):
+        return
+    for arg in argv:
+        if "=" in arg or arg.startswith("~"):
+            continue
+        key = BARE_WORD_KEYS.get(command)
+        if key == "workload":
+            hint = f"; a workload is workload=[{arg}] (several: 'workload=[b1,b64]')"
+        elif key is not None:
+            hint = f"; a prompt is {shlex.quote(f'{key}={arg}')}, or quoted for Hydra where it holds , ' ! ( = #"
+        else:
+            hint = ""
+        print(f"error: {arg!r} is not an override (key=value){hint}; `--help` lists the options", file=sys.stderr)
+        sys.exit(2)
 
 
 # ----- one spelling per option: the names the three CLIs used before they shared one engine node
@@ -82,7 +107,7 @@ def check_spellings(argv: list[str], serves: bool = False) -> None:
 def option_names(schema: type) -> set[str]:
     """Every key a CLI of config class `schema` takes, dotted (`max_tokens`, `model.num_loops`,
     `engine.speculative.num_tokens`): its top-level fields and those of the nodes with schemas."""
-    from runtime.server.config import SERVER_FIELDS_FROM_MODEL, ServerConfig
+    from runtime.server.config import ServerConfig
 
     nodes = {"hal": HalConfig, "model": ModelConfig, "parallel": ParallelConfig, "engine": EngineConfig,
              "server": ServerConfig}
@@ -100,9 +125,24 @@ def option_names(schema: type) -> set[str]:
     for node, cls in nodes.items():
         if node in keys:
             keys |= names(cls, f"{node}.")
-    # the server's fields that come from the model node are not options (mutable_schema leaves them out)
-    return {k for k in keys if not any(k == f"server.{f}" or k.startswith(f"server.{f}.")
-                                       for f in SERVER_FIELDS_FROM_MODEL)}
+    # the fields that come from the model node are not options (mutable_schema leaves them out)
+    return {k for k in keys if k not in FROM_MODEL and not any(k.startswith(f + ".") for f in FROM_MODEL)}
+
+
+def _from_model() -> dict[str, str]:
+    """Engine and server fields the CLIs set from the model node -> that node's key."""
+    from runtime.config import ENGINE_FIELDS_FROM_MODEL
+    from runtime.server.config import SERVER_FIELDS_FROM_MODEL
+
+    source = {"default_num_loops": "model.num_loops", "default_exit_threshold": "model.exit_threshold",
+              "sampling": "model.sampling"}
+    return {**{f"engine.{f}": source.get(f, "model") for f in ENGINE_FIELDS_FROM_MODEL},
+            **{f"server.{f}": source.get(f, "model") for f in SERVER_FIELDS_FROM_MODEL}}
+
+
+FROM_MODEL = _from_model()
+# nodes of fields that are not config groups: `engine=5` names no option
+FIELD_NODES = ("engine", "parallel", "server")
 
 
 def check_known_keys(argv: list[str], schema: type, command: str) -> None:
@@ -115,6 +155,19 @@ def check_known_keys(argv: list[str], schema: type, command: str) -> None:
         if "=" not in arg or arg.startswith("-"):
             continue
         key = arg.split("=", 1)[0].lstrip("+~")
+        value = arg.split("=", 1)[1]
+        if key in FIELD_NODES and key in keys:
+            print(f"error: {key} is a node of options ({key}.<field>={value}), not a value; `--help` and the "
+                  f"README's Options table list its fields", file=sys.stderr)
+            sys.exit(2)
+        from_model = key in FROM_MODEL or any(key.startswith(f + ".") for f in FROM_MODEL)
+        if from_model and key.split(".", 1)[0] in keys:
+            source = next(v for f, v in FROM_MODEL.items() if key == f or key.startswith(f + "."))
+            if source == "model.sampling":         # server.sampling.top_p: model.top_p
+                source = "model." + (key.rsplit(".", 1)[1] if key.count(".") > 1 else "temperature")
+            print(f"error: {key} is set from the model node, not on its own: set {source}= instead "
+                  f"({source}={value})", file=sys.stderr)
+            sys.exit(2)
         head = key.split(".", 1)[0].split("/", 1)[0].split("@", 1)[0]     # hydra/job_logging=, hal@hal=
         if key in keys or head in keys and ("/" in key or "@" in key) or head == "hydra" \
                 or head == "workloads" and "workloads" in keys:
@@ -137,19 +190,32 @@ def check_quoting(argv: list[str]) -> None:
     from hydra.errors import OverrideParseException
 
     parser = OverridesParser.create()
+    sweeps = "-m" in argv or "--multirun" in argv
     for arg in argv:
         if "=" not in arg or arg.startswith("-"):
             continue
         try:
-            parser.parse_overrides([arg])
+            override = parser.parse_overrides([arg])[0]
         except OverrideParseException:
             _print_quoted(arg)
             sys.exit(2)
+        if override.is_sweep_override() and not sweeps:
+            # `prompt=Hello,world` is a sweep for Hydra (one run per value), which these CLIs do not run
+            key, value = arg.split("=", 1)
+            listed = f" or a list: {shlex.quote(f'{key}=[{value}]')}" if key.lstrip("+") == "workload" else ""
+            print(f"error: the comma in {arg!r} makes it a Hydra sweep (several runs); quote the value for "
+                  f"Hydra inside the shell's quotes: {shlex.quote(f'{key}={_hydra_quoted(value)}')}{listed}",
+                  file=sys.stderr)
+            sys.exit(2)
+
+
+def _hydra_quoted(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _print_quoted(arg: str) -> None:
     key, value = arg.split("=", 1)
-    hydra_value = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    hydra_value = _hydra_quoted(value)
     print(f"error: Hydra cannot read the override {arg!r}: its value holds characters of Hydra's "
           f"override grammar. Quote the value for Hydra inside the shell's quotes: "
           f"{shlex.quote(f'{key}={hydra_value}')}", file=sys.stderr)

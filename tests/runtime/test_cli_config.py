@@ -111,7 +111,30 @@ def test_unknown_keys_are_named_and_hydra_forms_pass(capsys):
     check_known_keys(["server.max_num_requests=3", "port=0"], ServeConfig, "runtime.serve")
     with pytest.raises(SystemExit):             # set from the model node, not an option
         check_known_keys(["server.default_num_loops=3"], ServeConfig, "runtime.serve")
-    assert "server.default_num_loops is not an option of runtime.serve" in capsys.readouterr().err
+    assert "server.default_num_loops is set from the model node" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command,argv,hint", [
+    ("runtime.generate", ["Hello world"], "'prompt=Hello world'"),
+    ("runtime.bench", ["hal=cpu", "b1"], "workload=[b1]"),
+    ("runtime.serve", ["8000"], "'8000' is not an override (key=value)"),
+    ("runtime.generate", ["prompt=Hello,world"], "'prompt=\"Hello,world\"'"),
+    ("runtime.bench", ["workload=b1,tiny"], "'workload=[b1,tiny]'"),
+    ("runtime.generate", ["engine=5"], "engine is a node of options (engine.<field>=5)"),
+    ("runtime.serve", ["engine.default_num_loops=3"], "set model.num_loops= instead (model.num_loops=3)"),
+    ("runtime.serve", ["server.sampling.top_k=3"], "set model.top_k= instead (model.top_k=3)")])
+def test_arguments_hydra_would_answer_with_its_grammar_end_in_one_line(command, argv, hint, capsys):
+    """A bare word (Hydra: a lexer error and a HYDRA_FULL_ERROR hint), a comma (a sweep: three lines
+    on multirun), a node given a value (a traceback), a field the model node sets (`+key=` advice)."""
+    from runtime.cli_args import check_argv
+    from runtime.config import BenchConfig, GenerateConfig, ServeConfig
+
+    schema = {"runtime.generate": GenerateConfig, "runtime.bench": BenchConfig, "runtime.serve": ServeConfig}[command]
+    with pytest.raises(SystemExit) as exit_info:
+        check_argv(argv, schema, command, command.split(".")[1], serves=command == "runtime.serve")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and hint in err and len(err.strip().splitlines()) == 1, err
+    check_argv(["-m", "max_tokens=2,3"], GenerateConfig, "runtime.generate", "generate")     # a sweep on multirun
 
 
 def test_log_level_takes_any_case_and_refuses_other_words(capsys):
