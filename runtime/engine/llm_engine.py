@@ -103,6 +103,11 @@ class LLMEngine(EngineRequests):
         if bad:                  # the persistent batch stores them as int64 (runtime/execution/row_params.py)
             raise ValueError(f"stop token ids must be integers in [0, 2^63), got {bad[:3]} (model.stop_token_ids "
                              f"or the config's eos_token_id)")
+        unreachable = [t for t in stops if t >= model.config.vocab_size]
+        if unreachable:          # a request's own are refused the same way (admission.check_request)
+            raise ValueError(f"stop token ids {unreachable[:3]} are outside the model's vocabulary of "
+                             f"{model.config.vocab_size}, so they could never end an answer: fix model.stop_token_ids "
+                             f"(or the checkpoint's eos_token_id)")
         # the tokenizer's end token: the one stop token that finishes with stop_reason None (vLLM's EOS)
         self.eos_token_id = tokenizer.eos_token_id if tokenizer is not None else None
         if self.eos_token_id is not None:

@@ -157,3 +157,13 @@ def test_stop_strings_need_a_tokenizer():
     with pytest.raises(ValueError, match="stop takes non-empty strings"):
         SamplingParams(stop=["x", ""])
     assert SamplingParams(stop="x").stop == ("x",)
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused_at_start():
+    """model.stop_token_ids past the vocabulary could never end an answer (a request's own are refused
+    the same way)."""
+    model = zoo.from_pretrained(PACKAGED, dtype="float32")
+    vocab = model.config.vocab_size
+    with pytest.raises(ValueError, match=f"outside the model's vocabulary of {vocab}.*model.stop_token_ids"):
+        LLMEngine(model, CpuHal(), EngineConfig(num_kv_blocks=64), extra_stop_token_ids=[vocab + 5])
+    LLMEngine(model, CpuHal(), EngineConfig(num_kv_blocks=64), extra_stop_token_ids=[vocab - 1])
