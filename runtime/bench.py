@@ -160,10 +160,12 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
         # so its rate is the tokens over the time, and no step time (NaN, so no floor ratio) applies
         row.update({"decode_tok_s": mean_tok_s, "batch_never_full": True,
                     "max_rows_decoded": max(n for _, n in step_times)})
-        log.warning("the cell's %d requests never decoded together (at most %d did; %d preemptions): the KV "
-                    "cache is too small for it, so decode_tok_s is its tokens over its time, not a full "
-                    "batch's rate; lower the batch or free memory", cell["batch"], row["max_rows_decoded"],
-                    row["preemptions"])
+        log.warning("the cell's %d requests never decoded together (at most %d did; %d preemptions), so "
+                    "decode_tok_s is its tokens over its time, not a full batch's rate. Either the first "
+                    "requests finished before the last began (more new tokens per request, or a larger "
+                    "engine.max_num_batched_tokens, prefills them in fewer steps), or the KV cache is too "
+                    "small for the cell (lower the batch or free memory)", cell["batch"],
+                    row["max_rows_decoded"], row["preemptions"])
     timing = engine.timer.summary(cell["batch"])
     engine.timer = None
     if timing is not None:
@@ -194,6 +196,10 @@ def workload_names(cfg: Any) -> list[str]:
     if not (isinstance(cfg.matmul_size, int) and cfg.matmul_size >= 1):
         raise ValueError(f"matmul_size must be an integer >= 1 (the matmul that measures the FLOP rate), "
                          f"got {cfg.matmul_size!r}")
+    if cfg.matmul_size < 1024:         # the CPU tests' small cells take 64 to save time
+        log.warning("matmul_size=%d measures launches more than the FLOP rate: the compute floors and the "
+                    "ratios to them (prefill_vs_floor, decode_vs_floor) are not meaningful; use 1024 or more "
+                    "(8192, the default, on a GPU)", cfg.matmul_size)
     for name in names:
         if name not in cfg.workloads:
             raise ValueError(f"unknown workload {name!r}; known: {', '.join(cfg.workloads)}")
