@@ -23,10 +23,23 @@ def main(argv: list[str], extra: dict | None = None, program: str = "hal.conform
     checks = {**CHECKS, **(engine_checks() if extra is None else extra)}
     args = dict(a.split("=", 1) for a in argv if "=" in a)
     keys = ("hal", "only", "device_index", "attention_backend")
+    usage = (f"usage: python -m {program} hal=<{'|'.join(['auto', *hal.names()])}> [only=a,b] "
+             f"[device_index=N] [attention_backend=NAME]")
+    if any(a in ("--help", "-h") for a in argv):
+        print(usage + f"; checks: {', '.join(checks)}")
+        return 0
     unknown = [a for a in argv if "=" not in a or a.split("=", 1)[0] not in keys]
     if unknown:
-        print(f"usage: python -m {program} hal=<{'|'.join(['auto', *hal.names()])}> [only=a,b] "
-              f"[device_index=N] [attention_backend=NAME]; not understood: {' '.join(unknown)}", file=sys.stderr)
+        print(f"{usage}; not understood: {' '.join(unknown)}", file=sys.stderr)
+        return 2
+    only = [c for c in args.get("only", "").split(",") if c] if "only" in args else None
+    if only is not None and (not only or set(only) - set(checks)):
+        print(f"error: only= takes check names, got {args['only']!r}; the checks: {', '.join(checks)}",
+              file=sys.stderr)
+        return 2
+    if not args.get("device_index", "0").isdigit():
+        print(f"error: device_index= takes a device number (0, 1, ...), got {args['device_index']!r}",
+              file=sys.stderr)
         return 2
     name = args.get("hal", "auto")
     # the Hal's decisions (attention backend per shape, mapped or staged host buffers) with reasons
@@ -49,13 +62,13 @@ def main(argv: list[str], extra: dict | None = None, program: str = "hal.conform
     vendor_versions = instance.versions()
     if vendor_versions:
         print(f"{instance.name} versions: " + " ".join(f"{k}={v}" for k, v in vendor_versions.items()))
-    results = run_all(instance, args["only"].split(",") if "only" in args else None, checks)
+    results = run_all(instance, only, checks)
     for r in results:
         print(f"{r.status:4s}  {r.name}" + (f"\n      {r.detail}" if r.detail else ""))
     failed = [r.name for r in results if r.status == "FAIL"]
     passed = sum(r.status == "PASS" for r in results)
     print(f"{passed}/{len(results)} passed" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
-    for line in format_levels(level_statuses(results, [*checks, "golden_greedy"])):
+    for line in format_levels(level_statuses(results, list(dict.fromkeys([*checks, "golden_greedy"])))):
         print(line)
     if "golden_greedy" not in checks:
         print("(R3 runs the golden cases through the engine: install loopstack, or run "

@@ -25,6 +25,11 @@ class CpuHal(HostDevice, Hal):
     def is_available(cls) -> bool:
         return True
 
+    def __init__(self, device_index: int | None = None, attention_backend: str = "auto") -> None:
+        if attention_backend not in ("auto", "torch"):      # at construction: a misspelling fails at start
+            raise ValueError(f"hal cpu has no attention backend {attention_backend!r}; choose one of auto, torch")
+        super().__init__(device_index, attention_backend)
+
     @property
     def caps(self) -> Caps:
         return Caps(arch="cpu", warp_size=None, num_compute_units=torch.get_num_threads(), graphs=False,

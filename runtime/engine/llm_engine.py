@@ -98,13 +98,16 @@ class LLMEngine(EngineRequests):
             log.warning("engine.speculative.draft_loops=%d is not below the default %d loops: requests at that "
                         "depth do not speculate (only those that ask for more loops); lower draft_loops",
                         spec.draft_loops, self.default_num_loops)
-        stops = list(model.stop_token_ids()) + list(extra_stop_token_ids)
+        extra_stop_token_ids = list(extra_stop_token_ids)
+        stops = list(model.stop_token_ids()) + extra_stop_token_ids
         bad = [t for t in stops if not (isinstance(t, int) and 0 <= t < 2 ** 63)]
         if bad:                  # the persistent batch stores them as int64 (runtime/execution/row_params.py)
             raise ValueError(f"stop token ids must be integers in [0, 2^63), got {bad[:3]} (model.stop_token_ids "
                              f"or the config's eos_token_id)")
-        unreachable = [t for t in stops if t >= model.config.vocab_size]
-        if unreachable:          # a request's own are refused the same way (admission.check_request)
+        # the user's (a request's own are refused the same way, admission.check_request); a family's
+        # fixed end ids may lie past a tiny test model's vocabulary
+        unreachable = [t for t in extra_stop_token_ids if isinstance(t, int) and t >= model.config.vocab_size]
+        if unreachable:
             raise ValueError(f"stop token ids {unreachable[:3]} are outside the model's vocabulary of "
                              f"{model.config.vocab_size}, so they could never end an answer: fix model.stop_token_ids "
                              f"(or the checkpoint's eos_token_id)")

@@ -36,3 +36,18 @@ def test_cli_rejects_unknown_hal():
     proc = subprocess.run([sys.executable, "-m", "hal.conformance", "hal=foo"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 2 and "unknown hal 'foo'" in proc.stderr
+
+
+@pytest.mark.parametrize("args,needle,code", [
+    (["only=bogus"], "only= takes check names, got 'bogus'; the checks: detect,", 2),
+    (["only="], "only= takes check names", 2),
+    (["device_index=abc"], "device_index= takes a device number", 2),
+    (["hal=cpu", "attention_backend=bogus"], "hal cpu has no attention backend 'bogus'", 2),
+    (["--help"], "usage: python -m hal.conformance hal=<auto|", 0)])
+def test_cli_arguments_it_cannot_use_end_in_one_line(args, needle, code):
+    """Before, only=bogus ran nothing and passed ("0/0 passed", status 0), a bad backend name failed
+    the kernels' checks with tracebacks, and --help was "not understood"."""
+    proc = subprocess.run([sys.executable, "-m", "hal.conformance", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == code and needle in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
