@@ -137,6 +137,15 @@ def model_source(cfg: Any) -> str | None:
     return cfg.model.path or cfg.model.name or default_model()
 
 
+def checkpoint_sampling(cfg: Any) -> dict[str, Any]:
+    """The sampling fields of the checkpoint folder's generation_config.json where the model node
+    names a folder (`model.path=`, or the packaged default); a named model's node carries them."""
+    from runtime.llm_options import sampling_of_generation_config
+
+    source = cfg.model.path or (None if cfg.model.name else default_model())
+    return sampling_of_generation_config(source) if source and Path(str(source)).is_dir() else {}
+
+
 def check_model_node(model: Any, engine: EngineConfig) -> None:
     """The `model:` node's depth settings against the engine's limits, before anything loads."""
     loops = model.get("num_loops")

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runtime.cli import (CONF_DIR, DEFAULT_MODEL, UsageError,  # noqa: F401
                          clear_errors, default_model, engine_config, known_models,  # noqa: F401
-                         make_hal, model_source, register_schemas, setup_logging)  # noqa: F401
+                         make_hal, model_source, register_schemas, setup_logging, checkpoint_sampling)  # noqa: F401
 from runtime.cli_args import check_argv
 from runtime.config import GenerateConfig
 from runtime.sampling_params import SamplingDefaults, SamplingParams
@@ -146,7 +146,7 @@ def sampling_params(cfg: Any) -> SamplingParams:
     stop = tuple(typed_text("stop", s) for s in stops)
     try:
         return SamplingParams(
-            max_tokens=cfg.max_tokens, **SamplingDefaults.from_model(cfg.model).resolve(cfg.temperature, cfg.top_p,
+            max_tokens=cfg.max_tokens, **SamplingDefaults.from_model(cfg.model, checkpoint_sampling(cfg)).resolve(cfg.temperature, cfg.top_p,
                                                                                         cfg.top_k),
             min_p=cfg.get("min_p", 0.0), seed=cfg.seed, init_scale=cfg.init_scale, ignore_eos=cfg.ignore_eos,
             n=cfg.get("n", 1), best_of=cfg.get("best_of"), presence_penalty=cfg.get("presence_penalty", 0.0),

@@ -240,11 +240,12 @@ class SamplingDefaults:
     top_k: int = 0
 
     @classmethod
-    def from_model(cls, model_node: Any) -> "SamplingDefaults":
-        """From a `model:` config node (its temperature / top_p / top_k; None = not set)."""
+    def from_model(cls, model_node: Any, generation_config: Mapping[str, Any] | None = None) -> "SamplingDefaults":
+        """From a `model:` config node (its temperature / top_p / top_k; None = not set), else from
+        `generation_config` (a `model.path=` checkpoint's own, whose node sets nothing)."""
         get = (lambda k: model_node.get(k)) if hasattr(model_node, "get") else (lambda k: getattr(model_node, k, None))
-        base = cls()
-        return cls(*(base_value if get(k) is None else get(k)
+        base, checkpoint = cls(), generation_config or {}
+        return cls(*(next((v for v in (get(k), checkpoint.get(k)) if v is not None), base_value)
                      for k, base_value in (("temperature", base.temperature), ("top_p", base.top_p),
                                            ("top_k", base.top_k))))
 

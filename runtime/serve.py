@@ -20,7 +20,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from runtime.cli import (CONF_DIR, UsageError, check_port, clear_errors, engine_config,
+from runtime.cli import (CONF_DIR, UsageError, check_port, checkpoint_sampling, clear_errors, engine_config,
                          known_models, make_hal, model_source, register_schemas, setup_logging)
 from runtime.cli_args import check_argv
 from runtime.config import ServeConfig
@@ -50,7 +50,7 @@ def server_config(cfg: Any) -> Any:
     try:
         return ServerConfig(**fields, default_num_loops=cfg.model.num_loops,
                             default_exit_threshold=cfg.model.exit_threshold,
-                            sampling=SamplingDefaults.from_model(cfg.model))
+                            sampling=SamplingDefaults.from_model(cfg.model, checkpoint_sampling(cfg)))
     except ValueError as exc:
         raise UsageError(f"error: server.{exc}") from None
 

@@ -95,3 +95,23 @@ def test_sampling_defaults_come_from_the_model_unless_the_command_line_sets_them
 
     params = sampling_params(compose_generate(*overrides))
     assert {k: getattr(params, k) for k in expected} == expected
+
+
+def test_a_checkpoint_folders_generation_config_gives_the_clis_defaults(tmp_path):
+    """`model.path=` names a folder whose node sets no sampling: its generation_config.json does, for
+    runtime.generate and runtime.serve alike (LLM() applied it, the CLIs did not); the command line wins."""
+    from runtime.generate import sampling_params
+    from runtime.serve import server_config
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_k": 5, "top_p": 0.9}))
+    params = sampling_params(compose_generate(f"model.path={tmp_path}"))
+    assert (params.temperature, params.top_p, params.top_k) == (0.7, 0.9, 5)
+    params = sampling_params(compose_generate(f"model.path={tmp_path}", "temperature=0", "top_k=0"))
+    assert (params.temperature, params.top_p, params.top_k) == (0.0, 0.9, 0)
+    from hydra import compose, initialize_config_dir
+
+    from runtime.cli import CONF_DIR
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("serve", overrides=[f"model.path={tmp_path}"])
+    sampling = server_config(cfg).sampling
+    assert (sampling.temperature, sampling.top_p, sampling.top_k) == (0.7, 0.9, 5)
