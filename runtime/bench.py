@@ -274,7 +274,16 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
         config = engine_config(
             cfg, max_num_seqs=max(cell["batch"] + (1 if cell.get("late_prompt") else 0), 1),
             max_model_len=given if given is not None else lengths[workload])
-        engine = LLMEngine(model, hal, config, publisher=parallel.publisher())
+        try:
+            engine = LLMEngine(model, hal, config, publisher=parallel.publisher())
+        except ValueError as exc:
+            # the cell's own length, which the user did not set: name the cache, not engine.max_model_len
+            if given is not None or " does not fit: " not in str(exc):
+                raise
+            why = str(exc).split(" does not fit: ", 1)[1].split("; set ", 1)[0]
+            raise ValueError(f"workload {workload} needs {lengths[workload]} positions per request, but {why}: "
+                             f"raise engine.num_kv_blocks (or free device memory), or shorten "
+                             f"workloads.{workload}.prompt / .new") from None
         if rate is None:                 # after the first cell's engine has checked its options
             rate = measure_matmul_rate(hal, model.lm_head.weight.dtype, size=cfg.matmul_size)
             copy_rate = measure_copy_rate(hal)

@@ -258,3 +258,20 @@ def test_a_cell_whose_batch_never_fits_reports_tokens_over_time_not_a_full_batch
     assert waves["decode_ms_step"] != waves["decode_ms_step"]                  # NaN
     assert waves["decode_tok_s"] == waves["decode_tok_s_mean"] > 0
     assert "never decoded together" in caplog.text
+
+
+def test_a_cell_longer_than_the_cache_names_the_cache_not_max_model_len():
+    """The cell's length is the bench's own choice: its error names engine.num_kv_blocks and the cell
+    (it said "set engine.max_model_len=17", which the user never set and which then failed anew)."""
+    from hydra import compose, initialize_config_dir
+
+    from runtime.bench import run
+    from runtime.generate import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("bench", overrides=["hal=cpu", f"model.path={golden_case('ouro-tiny').path}",
+                                          "weights=checkpoint", "model.dtype=float32", "workload=tiny",
+                                          "matmul_size=64", "engine.num_kv_blocks=5"])
+    with pytest.raises(ValueError, match=r"workload tiny needs \d+ positions per request, but the KV cache has 5 "
+                                         r"blocks.*raise engine.num_kv_blocks"):
+        run(cfg)
