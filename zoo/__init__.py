@@ -20,7 +20,7 @@ from zoo.base import CausalLMOutput, LoopedCausalLM, as_dtype, exit_distribution
 from zoo.context import DenseContext, ForwardContext, KVSpec, ModelOps
 from zoo.loading import build_on_meta, load_weights, stored_dtype
 from zoo.random_weights import fill_random
-from zoo.resolve import HUB_IDS, CheckpointError, read_config, resolve_checkpoint
+from zoo.resolve import HUB_IDS, CheckpointError, check_config_values, read_config, resolve_checkpoint
 from zoo.saving import save_pretrained
 
 # config.json model_type -> model class
@@ -53,12 +53,17 @@ def _config_dict(config: dict[str, Any] | str | os.PathLike) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def build(config: dict[str, Any] | str | os.PathLike) -> tuple[type[LoopedCausalLM], Any]:
-    """The model class and its typed config for a config.json dict or path."""
+def build(config: dict[str, Any] | str | os.PathLike, where: str | os.PathLike | None = None
+          ) -> tuple[type[LoopedCausalLM], Any]:
+    """The model class and its typed config for a config.json dict or path (`where`: the dict's file,
+    for error messages)."""
     raw = _config_dict(config)
-    if "model_type" not in raw:
+    if not isinstance(raw, dict) or "model_type" not in raw:
         raise CheckpointError("config has no model_type; is it a Hugging Face config.json?")
     cls = model_class(raw["model_type"])
+    if where is None and not isinstance(config, dict):
+        where = Path(config) / "config.json" if Path(config).is_dir() else config
+    check_config_values(cls.config_class, raw, str(where or "config.json"))
     return cls, cls.config_class.from_dict(raw)
 
 
@@ -121,7 +126,7 @@ def from_pretrained(path_or_name: str | os.PathLike, dtype: torch.dtype | str | 
         raise ValueError(f"weights_dtype must be None, 'auto' or 'fp8', got {weights_dtype!r}")
     folder = resolve_checkpoint(path_or_name)
     raw = read_config(folder)
-    cls, cfg = build(raw)
+    cls, cfg = build(raw, Path(folder) / "config.json")
     dtype = as_dtype(dtype) or _checkpoint_dtype(cfg, folder)
     device = torch.device(device) if device is not None else torch.device("cpu")
     model = build_on_meta(cls, cfg)

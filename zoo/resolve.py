@@ -8,10 +8,13 @@ checkpoints exist, and where, without reading any weights.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 from pathlib import Path
+import types
+import typing
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -87,11 +90,52 @@ def _hub_cache_snapshot(repo_id: str, cache_dir: str | os.PathLike | None) -> Pa
     return folder if (folder / "config.json").is_file() else None
 
 
+def check_config_values(config_class: type, raw: Any, where: str = "config.json") -> None:
+    """CheckpointError naming the key where a config.json is not an object, or a value's type is not
+    its field's (`"hidden_size": "512"`), or a size is not positive; the model code would fail later
+    with a torch error that names neither."""
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{where} must be a JSON object of settings, got a {type(raw).__name__}")
+    hints = typing.get_type_hints(config_class)
+    for f in dataclasses.fields(config_class):
+        value = raw.get(f.name)
+        if value is None:
+            continue
+        kind = hints[f.name]
+        kinds = typing.get_args(kind) if typing.get_origin(kind) in UNIONS else (kind,)
+        if not any(_is_a(value, kind) for kind in kinds):
+            wanted = " or ".join(getattr(k, "__name__", str(k)) for k in kinds if k is not type(None))
+            raise CheckpointError(f"{where}: {f.name} must be {wanted}, got {value!r}")
+        if (f.name.endswith("size") or f.name in POSITIVE_KEYS) and isinstance(value, int) and value < 1:
+            raise CheckpointError(f"{where}: {f.name} must be at least 1, got {value}")
+
+
+UNIONS = (typing.Union, types.UnionType)
+POSITIVE_KEYS = ("hidden_size", "n_embd", "num_attention_heads", "n_heads", "num_hidden_layers")
+
+
+def _is_a(value: Any, kind: Any) -> bool:
+    origin = typing.get_origin(kind)
+    if origin in (list, tuple):
+        inner = typing.get_args(kind)[:1]
+        return isinstance(value, (list, tuple)) and all(_is_a(v, inner[0]) for v in value) if inner else True
+    if origin is dict:
+        return isinstance(value, dict)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(kind, type) and isinstance(value, kind)
+
+
 def read_config(folder: str | os.PathLike) -> dict[str, Any]:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{folder} has no config.json; is it a Hugging Face checkpoint folder?")
     try:
-        return json.loads(path.read_text())
+        raw = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path} must be a JSON object of settings, got a {type(raw).__name__}")
+    return raw

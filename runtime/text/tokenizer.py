@@ -38,7 +38,12 @@ class Tokenizer:
         template_file = folder / "chat_template.jinja"
         if template_file.is_file():          # the file wins over the config's copy, as in transformers
             config["chat_template"] = template_file.read_text()
-        return cls(Backend.from_file(str(path)), config)
+        try:
+            backend = Backend.from_file(str(path))
+        except Exception as exc:          # the tokenizers library raises its own Exception type
+            raise ValueError(f"{path} cannot be read by the tokenizers library ({exc}): repair or replace "
+                             f"it") from None
+        return cls(backend, config)
 
     @property
     def vocab_size(self) -> int:
@@ -176,4 +181,13 @@ def _bytes_of_chars() -> dict[str, int]:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    """A JSON object file's settings ({} where the file is absent); ValueError naming the file."""
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc}): repair or remove it") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must be a JSON object of settings, got a {type(value).__name__}")
+    return value

@@ -206,6 +206,28 @@ def test_a_corrupt_checkpoint_is_one_line(module, kind, broken_checkpoints, tmp_
     assert_one_line(proc, str(folder / "model.safetensors"), "download the checkpoint again")
 
 
+@pytest.mark.parametrize("file,content,needles", [
+    ("config.json", "[1, 2]", ["config.json must be a JSON object of settings, got a list"]),
+    ("config.json", None, ["config.json: hidden_size must be int, got '64'"]),
+    ("tokenizer.json", "{not json", ["tokenizer.json cannot be read by the tokenizers library"]),
+    ("tokenizer_config.json", "[]", ["tokenizer_config.json must be a JSON object of settings, got a list"]),
+    ("tokenizer_config.json", "{bad", ["tokenizer_config.json is not valid JSON"])])
+def test_a_broken_settings_file_is_one_line_naming_it(file, content, needles, tmp_path):
+    """These printed a TypeError, an AttributeError or the tokenizers library's bare Exception."""
+    import json
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(ROOT / "zoo" / "checkpoints" / "ouro-tiny", folder)
+    if content is None:                  # a number given as a string
+        config = json.loads((folder / file).read_text())
+        config["hidden_size"] = str(config["hidden_size"])
+        content = json.dumps(config)
+        needles = [needles[0].replace("'64'", repr(config["hidden_size"]))]
+    (folder / file).write_text(content)
+    proc = run("runtime.generate", "hal=cpu", f"model.path={folder}", "max_tokens=1", "prompt=Hi", cwd=tmp_path)
+    assert_one_line(proc, str(folder / file), *needles)
+
+
 @pytest.mark.parametrize("module,args,needles", [
     ("runtime.serve", ["port=99999"], ["port=99999", "1..65535"]),
     ("runtime.serve", ["engine.max_num_seqs=0"], ["engine.max_num_seqs", ">= 1"]),
