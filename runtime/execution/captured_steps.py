@@ -29,11 +29,12 @@ from zoo.base import LoopedCausalLM
 log = logging.getLogger(__name__)
 
 # prompt chunks a step may run as captured prefills beside its captured decode pass (`split_step`).
-# Each replay reads every weight once more, about 3 ms at Ouro-1.4B's shape on an H100, where the one
-# eager pass, which reads them once, waits 140-350 ms on the host that issues its launches (docs/
-# performance.md, levers 103-105): replays stay ahead up to about 40 narrow chunks there. 16 keeps a
-# margin for faster hosts and for models that read more bytes per launch.
-MAX_SPLIT_PROMPTS = 16
+# Each replay pays a pass's fixed cost once more (about 2 ms at Ouro-1.4B's shape: the weight reads
+# past its compute, its ~1,000 kernels' tails), where the one eager pass pays its host's launches once
+# (about 50 ms on the H100 host, hidden behind the device from about 2K tokens). Measured on an H100
+# (docs/performance.md, lever 106): two 1K chunks a step split won 19% of a burst's TTFT; sixteen
+# 128-token chunks split lost 55% (394 against 254 ms). 4 is where the estimate still has replays ahead.
+MAX_SPLIT_PROMPTS = 4
 
 
 def prefill_program(model: LoopedCausalLM, num_loops: int, sample_row: torch.Tensor):

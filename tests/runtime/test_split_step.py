@@ -128,10 +128,10 @@ def test_with_capture_turned_off_the_same_chunks_split_eagerly(step_kinds, monke
     assert splits[False] == splits[True] >= 4, splits
 
 
-@pytest.mark.parametrize("cap, path", [(None, "split"), (5, "eager")])
+@pytest.mark.parametrize("cap, path", [(6, "split"), (None, "eager")])
 def test_six_prompts_at_once_split_under_the_cap(cap, path, step_kinds, monkeypatch, single_thread):
-    """Six prompts arriving together make one step of six chunks: replayed one by one under
-    `MAX_SPLIT_PROMPTS` (16), one eager pass over a cap of 5."""
+    """Six prompts arriving together make one step of six chunks: replayed one by one under a cap of
+    6, one eager pass over `MAX_SPLIT_PROMPTS` (4)."""
     if cap is not None:
         monkeypatch.setattr(captured_steps, "MAX_SPLIT_PROMPTS", cap)
     case = golden_case("ouro-tiny")
