@@ -126,21 +126,25 @@ def option_names(schema: type) -> set[str]:
         if node in keys:
             keys |= names(cls, f"{node}.")
     # the fields that come from the model node are not options (mutable_schema leaves them out)
-    return {k for k in keys if k not in FROM_MODEL and not any(k.startswith(f + ".") for f in FROM_MODEL)}
+    return {k for k in keys if model_key(k) is None}
 
 
-def _from_model() -> dict[str, str]:
-    """Engine and server fields the CLIs set from the model node -> that node's key."""
+def model_key(key: str) -> str | None:
+    """The `model.` key that sets an engine or server field the CLIs take from the model node
+    (`engine.default_num_loops`: `model.num_loops`; `server.sampling.top_p`: `model.top_p`), else None."""
     from runtime.config import ENGINE_FIELDS_FROM_MODEL
     from runtime.server.config import SERVER_FIELDS_FROM_MODEL
 
-    source = {"default_num_loops": "model.num_loops", "default_exit_threshold": "model.exit_threshold",
-              "sampling": "model.sampling"}
-    return {**{f"engine.{f}": source.get(f, "model") for f in ENGINE_FIELDS_FROM_MODEL},
-            **{f"server.{f}": source.get(f, "model") for f in SERVER_FIELDS_FROM_MODEL}}
+    node, _, rest = key.partition(".")
+    name, _, sub = rest.partition(".")
+    fields = {"engine": ENGINE_FIELDS_FROM_MODEL, "server": SERVER_FIELDS_FROM_MODEL}.get(node, ())
+    if name not in fields:
+        return None
+    if name == "sampling":
+        return f"model.{sub or 'temperature'}"
+    return "model." + name.removeprefix("default_")
 
 
-FROM_MODEL = _from_model()
 # nodes of fields that are not config groups: `engine=5` names no option
 FIELD_NODES = ("engine", "parallel", "server")
 
@@ -160,11 +164,8 @@ def check_known_keys(argv: list[str], schema: type, command: str) -> None:
             print(f"error: {key} is a node of options ({key}.<field>={value}), not a value; `--help` and the "
                   f"README's Options table list its fields", file=sys.stderr)
             sys.exit(2)
-        from_model = key in FROM_MODEL or any(key.startswith(f + ".") for f in FROM_MODEL)
-        if from_model and key.split(".", 1)[0] in keys:
-            source = next(v for f, v in FROM_MODEL.items() if key == f or key.startswith(f + "."))
-            if source == "model.sampling":         # server.sampling.top_p: model.top_p
-                source = "model." + (key.rsplit(".", 1)[1] if key.count(".") > 1 else "temperature")
+        source = model_key(key)
+        if source is not None and key.split(".", 1)[0] in keys:
             print(f"error: {key} is set from the model node, not on its own: set {source}= instead "
                   f"({source}={value})", file=sys.stderr)
             sys.exit(2)
