@@ -65,9 +65,10 @@ def typed_text(name: str, value: Any) -> str:
     if isinstance(value, (list, dict)):          # stop=[a,[b]]: a list inside the list
         raise UsageError(f"error: {name} takes text, or a flat list of texts for stop; Hydra read a "
                          f"{type(value).__name__} inside it: {value!r}")
+    typed, what = (str(value).lower(), "word as you typed it") if isinstance(value, bool) else (value, "digits as you typed them")
     raise UsageError(f"{name}={value!r} was read by Hydra as a {type(value).__name__}, which would change "
-                     f"the text; quote it as text: \"{name}='...'\" (e.g. \"{name}='{value}'\" with the "
-                     f"digits as you typed them)")
+                     f"the text; quote it as text: \"{name}='...'\" (e.g. \"{name}='{typed}'\" with the "
+                     f"{what})")
 
 
 def run(cfg: Any) -> list[dict[str, Any]]:

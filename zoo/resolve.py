@@ -50,8 +50,9 @@ def resolve_checkpoint(name_or_path: str | os.PathLike, cache_dir: str | os.Path
         return _packaged(text.lower())
     repo_id = HUB_IDS.get(text.lower(), text if text.count("/") == 1 and not text.startswith((".", "/")) else None)
     if repo_id is None:
-        raise CheckpointError(f"no checkpoint folder at {text!r} and it is not a known model name; "
-                              f"known: {', '.join(sorted(HUB_IDS))}; or pass model.path=/path/to/checkpoint")
+        raise CheckpointError(f"no checkpoint folder at {text!r} (a folder holding config.json and the "
+                              f"safetensors) and it is not a known model name "
+                              f"({', '.join(sorted([*HUB_IDS, *PACKAGED_NAMES]))})")
     cached = _hub_cache_snapshot(repo_id, cache_dir)
     if cached is None:
         # "org/name" is a hub id and a relative path alike: say which folder was looked for too

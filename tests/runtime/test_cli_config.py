@@ -279,3 +279,13 @@ def test_prompts_that_would_be_lost_or_changed_are_refused(overrides, message):
 
     with pytest.raises(UsageError, match=message):
         run(composed("generate", "model=ouro-tiny", *overrides))
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["prompt=true"], ["\"prompt='true'\" with the word as you typed it"]),
+    (["model.path=/nonexistent", "prompt=hi"], ["no checkpoint folder at '/nonexistent'", "ouro-1.4b, ouro-1.4b-thinking",
+                                                "ouro-tiny)"])])
+def test_a_prompt_read_as_a_word_and_a_missing_folder_name_the_fix(args, needles, tmp_path):
+    """Found by a CLI fuzzer: the quoting advice gave 'True' for true; a missing model.path folder was
+    told to pass model.path=, and the packaged ouro-tiny was not among the known names."""
+    assert_one_line(run("runtime.generate", "hal=cpu", *args, cwd=tmp_path), *needles)
