@@ -204,13 +204,14 @@ class GenerateConfig:
     temperature: Optional[float] = None   # None: the model's default (model.temperature), else greedy
     top_p: Optional[float] = None         # None: model.top_p, else 1.0
     top_k: Optional[int] = None           # None: model.top_k, else 0
-    min_p: float = 0.0                    # drop tokens below min_p x the top token's probability; 0: off
+    min_p: Optional[float] = None         # drop tokens below min_p x the top token's probability; 0: off;
+                                          # None: the checkpoint's generation_config, else 0
     seed: Optional[int] = None
     n: int = 1                            # samples per prompt (they share the prompt's KV)
     best_of: Optional[int] = None         # generate this many, print the n of highest mean logprob
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: Optional[float] = None   # None: the checkpoint's generation_config, else 1.0 (off)
     logit_bias: Any = None                # {token id: bias}
     min_tokens: int = 0
     stop: Any = None                      # a stop string or a list of them

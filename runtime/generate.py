@@ -136,23 +136,24 @@ def result_of(out: Any) -> dict[str, Any]:
 
 
 def sampling_params(cfg: Any) -> SamplingParams:
-    """The request's settings: each of temperature / top_p / top_k from the command line when given,
-    else the model config's (the checkpoint's generation_config), else greedy / off; the server
-    applies the same defaults (`SamplingDefaults`)."""
+    """The request's settings: each of temperature / top_p / top_k / min_p / repetition_penalty from
+    the command line when given, else the model config's (the checkpoint's generation_config), else
+    greedy / off; the server applies the same defaults (`SamplingDefaults`)."""
     bias = cfg.get("logit_bias")
     bias = OmegaConf.to_object(bias) if OmegaConf.is_config(bias) else (bias or {})
     stop = cfg.get("stop")
     stop = OmegaConf.to_object(stop) if OmegaConf.is_config(stop) else stop
     stops = [] if stop is None else stop if isinstance(stop, list) else [stop]
     stop = tuple(typed_text("stop", s) for s in stops)
+    defaults = SamplingDefaults.from_model(cfg.model, checkpoint_sampling(cfg))
     try:
         return SamplingParams(
-            max_tokens=cfg.max_tokens, **SamplingDefaults.from_model(cfg.model, checkpoint_sampling(cfg)).resolve(cfg.temperature, cfg.top_p,
-                                                                                        cfg.top_k),
-            min_p=cfg.get("min_p", 0.0), seed=cfg.seed, init_scale=cfg.init_scale, ignore_eos=cfg.ignore_eos,
+            max_tokens=cfg.max_tokens, **defaults.resolve(cfg.temperature, cfg.top_p, cfg.top_k, cfg.get("min_p"),
+                                                          cfg.get("repetition_penalty")),
+            seed=cfg.seed, init_scale=cfg.init_scale, ignore_eos=cfg.ignore_eos,
             n=cfg.get("n", 1), best_of=cfg.get("best_of"), presence_penalty=cfg.get("presence_penalty", 0.0),
             frequency_penalty=cfg.get("frequency_penalty", 0.0),
-            repetition_penalty=cfg.get("repetition_penalty", 1.0), logit_bias=bias,
+            logit_bias=bias,
             min_tokens=cfg.get("min_tokens", 0), stop=stop, logprobs=cfg.get("logprobs"),
             prompt_logprobs=cfg.get("prompt_logprobs"),
             num_loops=cfg.model.num_loops,

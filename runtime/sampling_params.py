@@ -4,6 +4,7 @@ every request, through the API, the server, the scheduler and the sampler, while
 settings are fixed once when it starts."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from numbers import Integral, Real
@@ -232,31 +233,35 @@ def _type_problems(p: SamplingParams) -> list[str]:
 @dataclass(frozen=True)
 class SamplingDefaults:
     """The sampling settings a request gets for what it leaves out: the model's generation_config
-    (`conf/model/*.yaml`), else greedy with no filters. The CLI and the server both use these, so the
-    same prompt gives the same text through either."""
+    (`conf/model/*.yaml`, or a `model.path=` folder's generation_config.json), else greedy with no
+    filters. The CLI and the server both use these, so the same prompt gives the same text through
+    either."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
     @classmethod
     def from_model(cls, model_node: Any, generation_config: Mapping[str, Any] | None = None) -> "SamplingDefaults":
         """From a `model:` config node (its temperature / top_p / top_k; None = not set), else from
         `generation_config` (a `model.path=` checkpoint's own, whose node sets nothing)."""
         get = (lambda k: model_node.get(k)) if hasattr(model_node, "get") else (lambda k: getattr(model_node, k, None))
-        base, checkpoint = cls(), generation_config or {}
-        return cls(*(next((v for v in (get(k), checkpoint.get(k)) if v is not None), base_value)
-                     for k, base_value in (("temperature", base.temperature), ("top_p", base.top_p),
-                                           ("top_k", base.top_k))))
+        checkpoint = generation_config or {}
+        return cls(**{f.name: next((v for v in (get(f.name), checkpoint.get(f.name)) if v is not None), f.default)
+                      for f in dataclasses.fields(cls)})
 
-    def resolve(self, temperature: float | None = None, top_p: float | None = None,
-                top_k: int | None = None) -> dict[str, Any]:
+    def resolve(self, temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                min_p: float | None = None, repetition_penalty: float | None = None) -> dict[str, Any]:
         """Keywords for `SamplingParams`: each given value wins over the default."""
-        return {"temperature": self.temperature if temperature is None else temperature,
-                "top_p": self.top_p if top_p is None else top_p,
-                "top_k": self.top_k if top_k is None else top_k}
+        given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
+                 "repetition_penalty": repetition_penalty}
+        return {k: getattr(self, k) if v is None else v for k, v in given.items()}
 
     def describe(self) -> str:
         if self.temperature == 0:
             return "greedy (temperature 0)"
-        return f"temperature {self.temperature}, top_p {self.top_p}, top_k {self.top_k or 'off'}"
+        extra = "".join(f", {k} {getattr(self, k)}" for k, off in (("min_p", 0.0), ("repetition_penalty", 1.0))
+                        if getattr(self, k) != off)
+        return f"temperature {self.temperature}, top_p {self.top_p}, top_k {self.top_k or 'off'}{extra}"

@@ -151,19 +151,19 @@ class RequestInputs:
                 fix = f", or set max_tokens (up to {most})" if most > max_tokens else ""
                 raise APIError(400, f"min_tokens={body.min_tokens} is more than the {max_tokens} tokens this "
                                     f"request may generate without max_tokens; lower it{fix}", param="min_tokens")
-        defaults = self.config.sampling.resolve(body.temperature, body.top_p, body.top_k)
+        defaults = self.config.sampling.resolve(body.temperature, body.top_p, body.top_k, body.min_p,
+                                                body.repetition_penalty)
         defaults["top_k"] = max(defaults["top_k"], 0)          # -1: off, as 0
         try:
             return SamplingParams(
                 max_tokens=max_tokens, **defaults,
                 seed=body.seed, n=body.n or 1, best_of=best_of,
                 presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-                repetition_penalty=body.repetition_penalty or 1.0,
                 logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
                 min_tokens=body.min_tokens or 0, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 stop_token_ids=tuple(body.stop_token_ids or ()),
                 stop=tuple(body.stop_strings()), include_stop_str_in_output=body.include_stop_str_in_output,
-                skip_special_tokens=body.skip_special_tokens, min_p=body.min_p or 0.0,
+                skip_special_tokens=body.skip_special_tokens,
                 ignore_eos=body.ignore_eos, num_loops=body.num_loops or self.config.default_num_loops,
                 exit_threshold=body.exit_threshold if body.exit_threshold is not None
                 else self.config.default_exit_threshold)

@@ -99,19 +99,28 @@ def test_sampling_defaults_come_from_the_model_unless_the_command_line_sets_them
 
 def test_a_checkpoint_folders_generation_config_gives_the_clis_defaults(tmp_path):
     """`model.path=` names a folder whose node sets no sampling: its generation_config.json does, for
-    runtime.generate and runtime.serve alike (LLM() applied it, the CLIs did not); the command line wins."""
+    runtime.generate and runtime.serve alike, min_p and repetition_penalty too (LLM() applied it, the
+    CLIs did not); the command line wins."""
     from runtime.generate import sampling_params
     from runtime.serve import server_config
 
-    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_k": 5, "top_p": 0.9}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_k": 5, "top_p": 0.9,
+                                                                  "min_p": 0.05, "repetition_penalty": 1.3}))
     params = sampling_params(compose_generate(f"model.path={tmp_path}"))
-    assert (params.temperature, params.top_p, params.top_k) == (0.7, 0.9, 5)
-    params = sampling_params(compose_generate(f"model.path={tmp_path}", "temperature=0", "top_k=0"))
-    assert (params.temperature, params.top_p, params.top_k) == (0.0, 0.9, 0)
+    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty) == \
+        (0.7, 0.9, 5, 0.05, 1.3)
+    params = sampling_params(compose_generate(f"model.path={tmp_path}", "temperature=0", "top_k=0", "min_p=0",
+                                              "repetition_penalty=1.0"))
+    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty) == \
+        (0.0, 0.9, 0, 0.0, 1.0)
     from hydra import compose, initialize_config_dir
 
     from runtime.cli import CONF_DIR
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("serve", overrides=[f"model.path={tmp_path}"])
     sampling = server_config(cfg).sampling
-    assert (sampling.temperature, sampling.top_p, sampling.top_k) == (0.7, 0.9, 5)
+    assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p, sampling.repetition_penalty) == \
+        (0.7, 0.9, 5, 0.05, 1.3)
+    from runtime.sampling_params import SamplingDefaults
+    assert SamplingDefaults(min_p=0.1, repetition_penalty=1.3).resolve(min_p=0.0, repetition_penalty=1.0) == \
+        {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}   # given wins

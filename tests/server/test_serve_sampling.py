@@ -312,13 +312,15 @@ def test_served_defaults_are_the_clis(checkpoint, tiny_model, tokenizer):
                                                  "ignore_eos": True}).json()
         models = http.get("/v1/models").json()["data"][0]
     assert out["choices"][0]["text"] == cli["text"]
-    assert models["sampling_defaults"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+    assert models["sampling_defaults"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                                           "repetition_penalty": 1.0}
     nanbeige = SamplingDefaults.from_model(composed("serve", "model=nanbeige4.2-3b").model)
     assert nanbeige == SamplingDefaults(0.6, 0.95, 20)
     engine = LLMEngine(tiny_model, hal.get("cpu"), EngineConfig(num_kv_blocks=64), tokenizer)
     with LiveServer(build_app(engine, ServerConfig(model_name="tiny", sampling=nanbeige))) as live:
         models = httpx.get(f"{live.url}/v1/models").json()["data"][0]
-        assert models["sampling_defaults"] == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+        assert models["sampling_defaults"] == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0,
+                                               "repetition_penalty": 1.0}
 
 
 def test_the_model_nodes_stop_tokens_yield_to_ignore_eos_and_chat_fills_the_context(checkpoint, offline):
