@@ -149,13 +149,15 @@ class EngineRequests:
         if request.group is not None and request.group.finished:
             self.groups.pop(request.group.request_id, None)
 
-    def output_of(self, request: Request) -> RequestOutput:
+    def output_of(self, request: Request, ending: bool = False) -> RequestOutput:
         """The request's output; for a sample of an n > 1 request, the whole request's (every
-        sample so far; with best_of > n, the n best once all have finished)."""
+        sample so far; with best_of > n, the n best once all have finished). `ending`: it is the
+        last (an abort), so nothing of the text is held back for a stop string."""
         group = request.group
         if group is None:
-            return request_output([request], request.request_id, request.is_finished, self.tokenizer)
-        return request_output(group.reported(), group.request_id, group.finished, self.tokenizer, group.samples[0])
+            return request_output([request], request.request_id, request.is_finished, self.tokenizer, ending=ending)
+        return request_output(group.reported(), group.request_id, group.finished, self.tokenizer, group.samples[0],
+                              ending=ending)
 
     def output_for(self, request_id: str, finish_reason: str | None = None) -> RequestOutput | None:
         """The latest output of a request by its id (None when the engine does not know it); with
@@ -164,7 +166,7 @@ class EngineRequests:
         request = group.samples[0] if group is not None else self.requests.get(request_id)
         if request is None:
             return None
-        out = self.output_of(request)
+        out = self.output_of(request, ending=finish_reason is not None)
         if finish_reason is not None:
             for sample in out.outputs:
                 sample.finish_reason = sample.finish_reason or finish_reason

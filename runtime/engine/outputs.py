@@ -113,17 +113,18 @@ class RequestOutput:
                                              list(self.loops_per_token), self.logprobs)]
 
 
-def _text(request: Any, tokens: list[int], tokenizer: Any) -> str:
+def _text(request: Any, tokens: list[int], tokenizer: Any, ending: bool = False) -> str:
     """The text of a sample's resolved tokens: decoded a window at a time while it runs (each step
-    reports it, less what could start a stop string), once in full when it has finished; a stop
-    token's or string's text left out (runtime/engine/stop_strings.py)."""
+    reports it, less what could start a stop string unless `ending`: its last report, an abort),
+    once in full when it has finished; a stop token's or string's text left out
+    (runtime/engine/stop_strings.py)."""
     if tokenizer is None:
         return ""
     if request.final_text is not None:
         return request.final_text
     detokenizer = detokenizer_of(request, tokenizer)
     if not request.is_finished:
-        text, held = detokenizer.update(tokens), holdback_len(request.params)
+        text, held = detokenizer.update(tokens), 0 if ending else holdback_len(request.params)
         return text[:max(len(text) - held, 0)]
     if request.status == RequestStatus.FINISHED_STOPPED and not request.params.include_stop_str_in_output:
         tokens = tokens[:-1]                # it ended on a stop token
@@ -131,7 +132,7 @@ def _text(request: Any, tokens: list[int], tokenizer: Any) -> str:
 
 
 def request_output(samples: Sequence[Any], request_id: str, finished: bool, tokenizer: Any = None,
-                   first: Any = None) -> RequestOutput:
+                   first: Any = None, ending: bool = False) -> RequestOutput:
     """The output of a request from its samples (`runtime.engine.sequence.Request`s; `first`, the
     one that holds the prompt and metrics, defaults to the first): tokens resolved so far, their
     text through `tokenizer` when there is one, loops and logprobs."""
@@ -140,7 +141,7 @@ def request_output(samples: Sequence[Any], request_id: str, finished: bool, toke
     for index, request in enumerate(samples):
         n = request.num_resolved_outputs
         tokens = request.output_token_ids[:n]
-        text = _text(request, tokens, tokenizer)
+        text = _text(request, tokens, tokenizer, ending)
         wants = request.params.logprobs is not None
         completions.append(CompletionOutput(
             index, tokens, text, request.status.value if request.is_finished else None, request.stop_reason,

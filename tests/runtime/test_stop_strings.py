@@ -167,3 +167,14 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused_at_start():
     with pytest.raises(ValueError, match=f"outside the model's vocabulary of {vocab}.*model.stop_token_ids"):
         LLMEngine(model, CpuHal(), EngineConfig(num_kv_blocks=64), extra_stop_token_ids=[vocab + 5])
     LLMEngine(model, CpuHal(), EngineConfig(num_kv_blocks=64), extra_stop_token_ids=[vocab - 1])
+
+
+def test_an_abort_reports_the_text_held_back_for_a_stop_string(llm):
+    """An abort's output is the request's last: the characters held back while it ran (they could
+    have started a stop string) are in it (found by a review; the server's shutdown reports this)."""
+    engine = LLMEngine(llm.engine.model, CpuHal(), EngineConfig(num_kv_blocks=256), llm.tokenizer)
+    engine.add_request("a", llm.tokenizer.encode_prompt(PROMPT),
+                       dataclasses.replace(GREEDY, stop=["never in this text at all"]))
+    running = [engine.step() for _ in range(8)][-1][0]
+    out = engine.output_for("a", "abort")
+    assert out.finished and out.text == _decode(llm, out.token_ids) and len(out.text) > len(running.text)
