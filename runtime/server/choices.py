@@ -160,7 +160,13 @@ class _Offsets:
         self.ids.append(token_id)
         before, after = self.before, self.text.with_pending(self.ids)
         self.before = after
-        if after == before:            # a byte inside a character that is not complete yet: its start
+        added = after[len(before):] if after.startswith(before) else None
+        if added == "" and self.text.tokenizer.decode([token_id]) == "":
+            return self.base + len(before)       # a special token the text skips
+        if before.endswith(REPLACEMENT) and added is not None and not added.strip(REPLACEMENT):
+            # a byte that leaves its character incomplete (a byte-level decoder shows one U+FFFD for
+            # the pending bytes, a byte-fallback one a U+FFFD per byte): the character's start. (A
+            # second stray byte after a stray byte looks the same; it gets the first one's offset.)
             return self.base + len(before.rstrip(REPLACEMENT))
         # where the two texts part: after the text before, or at a character this token completes
         return self.base + len(os.path.commonprefix([before, after]))

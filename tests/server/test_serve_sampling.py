@@ -210,14 +210,16 @@ def test_logprobs_bytes_and_offsets_of_split_characters(client, tokenizer):
     assert len(placed) > 3 and all(text[o:o + len(t)] == t for t, o in placed), (text, lp.tokens, lp.text_offset)
 
 
-@pytest.mark.parametrize("ids, offsets", [([268, 225, 3203], [0, 4, 5]), ([268, 225, 225, 3203], [0, 4, 5, 6]),
+@pytest.mark.parametrize("ids, offsets", [([268, 225, 3203], [0, 4, 5]), ([268, 225, 225, 3203], [0, 4, 4, 6]),
+                                          ([268, 225, 0], [0, 4, 5]),
                                            ("café 🙂 x", [0, 2, 3, 4, 5, 5, 5, 5, 6]),
                                            ("€ and 🙂", [0, 0, 0, 1, 5, 6, 6, 6, 6])])
 def test_text_offsets_after_a_stray_byte_and_inside_characters(ids, offsets):
     """Completions `text_offset` on a byte-level tokenizer: a stray byte (b"\\x80", which never completes
     a character and stays U+FFFD in the text) takes one character, so the token after it starts one
     later (it was placed on the U+FFFD, found by a helper's fuzzer); a character's byte tokens all
-    start where it starts."""
+    start where it starts; a special token the text skips starts where the text before it ends. A
+    second stray byte right after one looks like a character's next byte and gets the first's offset."""
     from pathlib import Path
 
     import zoo
@@ -230,6 +232,17 @@ def test_text_offsets_after_a_stray_byte_and_inside_characters(ids, offsets):
     assert [where.next(i) - 7 for i in ids] == offsets
     text = byte_level.decode(ids)
     assert all(text[o:].startswith(byte_level.decode([i])) for i, o in zip(ids, offsets) if byte_level.decode([i]) != "\ufffd")
+
+
+@pytest.mark.parametrize("text, offsets", [("a €b", [0, 1, 2, 2, 2, 3]), ("cat 😀 x", [0, 1, 3, 4, 4, 4, 4, 5, 6])])
+def test_text_offsets_inside_characters_on_a_byte_fallback_tokenizer(tokenizer, text, offsets):
+    """A byte-fallback decoder shows a U+FFFD per pending byte (a byte-level one a single U+FFFD):
+    every byte of a character still starts where the character starts (found by a review)."""
+    from runtime.server.choices import _Offsets
+
+    ids = tokenizer.encode(text)
+    where = _Offsets(tokenizer)
+    assert [where.next(i) for i in ids] == offsets and tokenizer.decode(ids) == text
 
 
 def test_tokenizer_endpoints(server, tokenizer):
