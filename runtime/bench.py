@@ -196,10 +196,6 @@ def workload_names(cfg: Any) -> list[str]:
     if not (isinstance(cfg.matmul_size, int) and cfg.matmul_size >= 1):
         raise ValueError(f"matmul_size must be an integer >= 1 (the matmul that measures the FLOP rate), "
                          f"got {cfg.matmul_size!r}")
-    if cfg.matmul_size < 1024:         # the CPU tests' small cells take 64 to save time
-        log.warning("matmul_size=%d measures launches more than the FLOP rate: the compute floors and the "
-                    "ratios to them (prefill_vs_floor, decode_vs_floor) are not meaningful; use 1024 or more "
-                    "(8192, the default, on a GPU)", cfg.matmul_size)
     for name in names:
         if name not in cfg.workloads:
             raise ValueError(f"unknown workload {name!r}; known: {', '.join(cfg.workloads)}")
@@ -286,6 +282,10 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
                              f"workloads.{workload}.prompt / .new") from None
         if rate is None:                 # after the first cell's engine has checked its options
             rate = measure_matmul_rate(hal, model.lm_head.weight.dtype, size=cfg.matmul_size)
+            if cfg.matmul_size < 1024:         # the CPU tests' small cells take 64 to save time
+                log.warning("matmul_size=%d measures launches more than the FLOP rate: the compute floors and "
+                            "the ratios to them (prefill_vs_floor, decode_vs_floor) are not meaningful; use "
+                            "1024 or more (8192, the default, on a GPU)", cfg.matmul_size)
             copy_rate = measure_copy_rate(hal)
             log.info("matmul rate %.0f TFLOP/s, copy rate %.2f TB/s", rate / 1e12, copy_rate / 1e12)
         if cfg.warmup:

@@ -138,12 +138,19 @@ def model_source(cfg: Any) -> str | None:
 
 
 def checkpoint_sampling(cfg: Any) -> dict[str, Any]:
-    """The sampling fields of the checkpoint folder's generation_config.json where the model node
-    names a folder (`model.path=`, or the packaged default); a named model's node carries them."""
+    """The sampling fields of the checkpoint's generation_config.json where the model node names no
+    known model (`model.path=` a folder or a hub id in the local cache, or the packaged default); a
+    named model's node carries them. {} where the checkpoint cannot be found (loading says why)."""
     from runtime.llm_options import sampling_of_generation_config
+    from zoo.resolve import CheckpointError, resolve_checkpoint
 
     source = cfg.model.path or (None if cfg.model.name else default_model())
-    return sampling_of_generation_config(source) if source and Path(str(source)).is_dir() else {}
+    if not source:
+        return {}
+    try:
+        return sampling_of_generation_config(resolve_checkpoint(source))
+    except CheckpointError:
+        return {}
 
 
 def check_model_node(model: Any, engine: EngineConfig) -> None:

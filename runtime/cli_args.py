@@ -140,8 +140,9 @@ def model_key(key: str) -> str | None:
     fields = {"engine": ENGINE_FIELDS_FROM_MODEL, "server": SERVER_FIELDS_FROM_MODEL}.get(node, ())
     if name not in fields:
         return None
-    if name == "sampling":
-        return f"model.{sub or 'temperature'}"
+    if name == "sampling":         # the model node sets three; the others come from generation_config
+        sub = sub or "temperature"
+        return f"model.{sub}" if sub in ("temperature", "top_p", "top_k") else "the checkpoint's generation_config.json"
     return "model." + name.removeprefix("default_")
 
 
@@ -160,14 +161,14 @@ def check_known_keys(argv: list[str], schema: type, command: str) -> None:
             continue
         key = arg.split("=", 1)[0].lstrip("+~")
         value = arg.split("=", 1)[1]
-        if key in FIELD_NODES and key in keys:
+        if key in FIELD_NODES and key in keys and not value.lstrip().startswith("{"):   # {field: v} merges
             print(f"error: {key} is a node of options ({key}.<field>={value}), not a value; `--help` and the "
                   f"README's Options table list its fields", file=sys.stderr)
             sys.exit(2)
         source = model_key(key)
         if source is not None and key.split(".", 1)[0] in keys:
-            print(f"error: {key} is set from the model node, not on its own: set {source}= instead "
-                  f"({source}={value})", file=sys.stderr)
+            fix = f"set {source}= instead ({source}={value})" if source.startswith("model.") else f"it comes from {source}"
+            print(f"error: {key} is set from the model node, not on its own: {fix}", file=sys.stderr)
             sys.exit(2)
         head = key.split(".", 1)[0].split("/", 1)[0].split("@", 1)[0]     # hydra/job_logging=, hal@hal=
         if key in keys or head in keys and ("/" in key or "@" in key) or head == "hydra" \
@@ -191,7 +192,7 @@ def check_quoting(argv: list[str]) -> None:
     from hydra.errors import OverrideParseException
 
     parser = OverridesParser.create()
-    sweeps = "-m" in argv or "--multirun" in argv
+    sweeps = "-m" in argv or "--multirun" in argv or "hydra.mode=MULTIRUN" in argv
     for arg in argv:
         if "=" not in arg or arg.startswith("-"):
             continue
@@ -204,9 +205,9 @@ def check_quoting(argv: list[str]) -> None:
             # `prompt=Hello,world` is a sweep for Hydra (one run per value), which these CLIs do not run
             key, value = arg.split("=", 1)
             listed = f" or a list: {shlex.quote(f'{key}=[{value}]')}" if key.lstrip("+") == "workload" else ""
-            print(f"error: the comma in {arg!r} makes it a Hydra sweep (several runs); quote the value for "
-                  f"Hydra inside the shell's quotes: {shlex.quote(f'{key}={_hydra_quoted(value)}')}{listed}",
-                  file=sys.stderr)
+            print(f"error: the comma in {arg!r} makes it a Hydra sweep (one run per value, which needs -m); "
+                  f"text with a comma is quoted for Hydra inside the shell's quotes: "
+                  f"{shlex.quote(f'{key}={_hydra_quoted(value)}')}{listed}", file=sys.stderr)
             sys.exit(2)
 
 

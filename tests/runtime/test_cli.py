@@ -97,7 +97,7 @@ def test_sampling_defaults_come_from_the_model_unless_the_command_line_sets_them
     assert {k: getattr(params, k) for k in expected} == expected
 
 
-def test_a_checkpoint_folders_generation_config_gives_the_clis_defaults(tmp_path):
+def test_a_checkpoint_folders_generation_config_gives_the_clis_defaults(tmp_path, monkeypatch):
     """`model.path=` names a folder whose node sets no sampling: its generation_config.json does, for
     runtime.generate and runtime.serve alike, min_p and repetition_penalty too (LLM() applied it, the
     CLIs did not); the command line wins."""
@@ -119,6 +119,11 @@ def test_a_checkpoint_folders_generation_config_gives_the_clis_defaults(tmp_path
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("serve", overrides=[f"model.path={tmp_path}"])
     sampling = server_config(cfg).sampling
+    hub = tmp_path / "snapshot"                  # a hub id's folder in the local cache
+    hub.mkdir()
+    (hub / "generation_config.json").write_text(json.dumps({"temperature": 0.3}))
+    monkeypatch.setattr("zoo.resolve._hub_cache_snapshot", lambda repo_id, cache_dir: hub if repo_id == "org/tiny" else None)
+    assert sampling_params(compose_generate("model.path=org/tiny")).temperature == 0.3
     assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p, sampling.repetition_penalty) == \
         (0.7, 0.9, 5, 0.05, 1.3)
     from runtime.sampling_params import SamplingDefaults

@@ -122,7 +122,9 @@ def test_unknown_keys_are_named_and_hydra_forms_pass(capsys):
     ("runtime.bench", ["workload=b1,tiny"], "'workload=[b1,tiny]'"),
     ("runtime.generate", ["engine=5"], "engine is a node of options (engine.<field>=5)"),
     ("runtime.serve", ["engine.default_num_loops=3"], "set model.num_loops= instead (model.num_loops=3)"),
-    ("runtime.serve", ["server.sampling.top_k=3"], "set model.top_k= instead (model.top_k=3)")])
+    ("runtime.serve", ["server.sampling.top_k=3"], "set model.top_k= instead (model.top_k=3)"),
+    ("runtime.serve", ["server.sampling.min_p=0.1"], "it comes from the checkpoint's generation_config.json"),
+    ("runtime.generate", ["max_tokens=2,3"], "one run per value, which needs -m")])
 def test_arguments_hydra_would_answer_with_its_grammar_end_in_one_line(command, argv, hint, capsys):
     """A bare word (Hydra: a lexer error and a HYDRA_FULL_ERROR hint), a comma (a sweep: three lines
     on multirun), a node given a value (a traceback), a field the model node sets (`+key=` advice)."""
@@ -135,6 +137,8 @@ def test_arguments_hydra_would_answer_with_its_grammar_end_in_one_line(command, 
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and hint in err and len(err.strip().splitlines()) == 1, err
     check_argv(["-m", "max_tokens=2,3"], GenerateConfig, "runtime.generate", "generate")     # a sweep on multirun
+    check_argv(["hydra.mode=MULTIRUN", "max_tokens=2,3"], GenerateConfig, "runtime.generate", "generate")
+    check_argv(["engine={max_num_seqs:4}"], GenerateConfig, "runtime.generate", "generate")   # a node's fields merge
 
 
 def test_log_level_takes_any_case_and_refuses_other_words(capsys):
