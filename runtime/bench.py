@@ -242,6 +242,7 @@ def run(cfg: Any) -> list[dict[str, Any]]:
 
 
 def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, Any]]:
+    from runtime.engine.admission import ContextDoesNotFit
     from runtime.engine.llm_engine import LLMEngine
     from runtime.roofline import (H200_BANDWIDTH, decode_floor, measure_copy_rate, measure_matmul_rate, model_costs,
                                   prefill_floor)
@@ -272,13 +273,12 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
             max_model_len=given if given is not None else lengths[workload])
         try:
             engine = LLMEngine(model, hal, config, publisher=parallel.publisher())
-        except ValueError as exc:
+        except ContextDoesNotFit as exc:
             # the cell's own length, which the user did not set: name the cache, not engine.max_model_len
-            if given is not None or " does not fit: " not in str(exc):
+            if given is not None:
                 raise
-            why = str(exc).split(" does not fit: ", 1)[1].split("; set ", 1)[0]
-            raise ValueError(f"workload {workload} needs {lengths[workload]} positions per request, but {why}: "
-                             f"raise engine.num_kv_blocks (or free device memory), or shorten "
+            raise ValueError(f"workload {workload} needs {lengths[workload]} positions per request, but "
+                             f"{exc.where}: raise engine.num_kv_blocks (or free device memory), or shorten "
                              f"workloads.{workload}.prompt / .new") from None
         if rate is None:                 # after the first cell's engine has checked its options
             rate = measure_matmul_rate(hal, model.lm_head.weight.dtype, size=cfg.matmul_size)

@@ -167,7 +167,8 @@ def check_known_keys(argv: list[str], schema: type, command: str) -> None:
             sys.exit(2)
         source = model_key(key)
         if source is not None and key.split(".", 1)[0] in keys:
-            fix = f"set {source}= instead ({source}={value})" if source.startswith("model.") else f"it comes from {source}"
+            fix = (f"set {source}= instead ({source}={value})" if source.startswith("model.")
+                   else f"it comes from {source}")
             print(f"error: {key} is set from the model node, not on its own: {fix}", file=sys.stderr)
             sys.exit(2)
         head = key.split(".", 1)[0].split("/", 1)[0].split("@", 1)[0]     # hydra/job_logging=, hal@hal=

@@ -26,6 +26,15 @@ def request_capacity(num_blocks: int, block_size: int, num_planes: int) -> int:
     return num_blocks // num_planes * block_size + 1
 
 
+class ContextDoesNotFit(ValueError):
+    """engine.max_model_len asks for more than the KV cache holds for one request; `where` says why
+    (the cache's blocks and the request's planes), for a caller that chose the length itself."""
+
+    def __init__(self, message: str, where: str) -> None:
+        super().__init__(message)
+        self.where = where
+
+
 def fit_context(max_model_len: int, setting: int | None, num_blocks: int, block_size: int, num_planes: int,
                 num_loops: int) -> int:
     """The longest request (at the model's depth, `num_planes` KV planes) the cache can ever hold,
@@ -39,8 +48,8 @@ def fit_context(max_model_len: int, setting: int | None, num_blocks: int, block_
     if fit < 2:
         raise ValueError(f"{where}: nothing can run; {MORE_MEMORY}")
     if setting is not None:
-        raise ValueError(f"engine.max_model_len={setting} does not fit: {where}; set "
-                         f"engine.max_model_len={fit} or less, or {MORE_MEMORY}")
+        raise ContextDoesNotFit(f"engine.max_model_len={setting} does not fit: {where}; set "
+                                f"engine.max_model_len={fit} or less, or {MORE_MEMORY}", where)
     log.warning("max_model_len capped from %d to %d tokens: %s; longer requests are refused at "
                 "admission", max_model_len, fit, where)
     return fit
