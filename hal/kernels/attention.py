@@ -115,7 +115,11 @@ def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
     return acc, m_new, l_i
 
 
-@triton.jit
+# the batch's sizes and its block tables' width change every eager step, and with them whether a plane's
+# table starts 16-byte aligned: specialised on them, each new class would compile a variant inside a step
+# (hal/kernels/launch.py)
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "stride_bt"],
+            do_not_specialize_on_alignment=["block_table_ptr"])
 def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, seq_lens_ptr,
         query_start_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,

@@ -24,7 +24,7 @@ BLOCK_K = 64
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])      # a step's size (hal/kernels/launch.py)
 def _fp8_linear_kernel(out_ptr, x_ptr, w_ptr, scale_ptr, bias_ptr, num_rows, num_cols, num_inner,
                        stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):

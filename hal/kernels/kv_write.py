@@ -18,7 +18,8 @@ from hal.kernels.launch import Launch, backend_of, check_device, launch_options,
 from hal.kernels.pdl import pdl_wait
 
 
-@triton.jit
+# a step's size, and where its plane's slots start in the staged array (hal/kernels/launch.py)
+@triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["slot_ptr"])
 def _kv_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_slot, num_tokens,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
@@ -107,7 +108,7 @@ def _quantize_store(x, values_ptrs, scales_ptrs, mask, scale_mask, QMAX: tl.cons
     return q.to(tl.float32) * scale[:, :, None]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["slot_ptr"])
 def _kv_write_quant_kernel(k_ptr, v_ptr, k_values_ptr, v_values_ptr, k_scales_ptr, v_scales_ptr, slot_ptr,
                            k_out_ptr, v_out_ptr, stride_slot, num_tokens, stride_kt, stride_kh, stride_vt, stride_vh,
                            stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_sh,

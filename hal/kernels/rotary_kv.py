@@ -38,7 +38,8 @@ from hal.kernels.ops import (
 )
 
 
-@triton.jit
+# where its plane's slots start in the staged array: 16-byte aligned or not with the step's size
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _rotary_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, k_cache_ptr, v_cache_ptr,
                             positions_ptr, inv_freq_ptr, slot_ptr, num_heads, num_kv_heads, stride_qt, stride_qh,
                             stride_kt, stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh, stride_kot,
@@ -81,7 +82,7 @@ def _rotary_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr
              mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _rotary_kv_write_quant_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_values_ptr, v_values_ptr, k_scales_ptr,
                                   v_scales_ptr, positions_ptr, inv_freq_ptr, slot_ptr, k_out_ptr, v_out_ptr,
                                   num_heads, num_kv_heads,

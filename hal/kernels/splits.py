@@ -62,7 +62,7 @@ def split_tiles(num_tiles, split, NUM_SPLITS: tl.constexpr):
     return tile_lo, tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])        # a step's size (hal/kernels/launch.py)
 def _reduce_splits_kernel(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, num_tokens, stride_ot, stride_oh,
                           HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
                           SPLITS_PAD: tl.constexpr, PDL: tl.constexpr = False):
