@@ -13,6 +13,20 @@ import torch
 from hal.base import MemInfo
 
 
+def available_memory(meminfo: str = "/proc/meminfo") -> int | None:
+    """Bytes Linux could hand out now without swapping (`MemAvailable`): free pages plus the page cache
+    and other memory it can reclaim. Free pages alone (`SC_AVPHYS_PAGES`) leave the page cache out, so
+    a machine that has read a few checkpoints looks full. None where the file or the line is missing."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024          # the kernel writes kB (KiB)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class CpuStream:
     """Work on the CPU is issued in program order, so a stream is only a name."""
 
@@ -104,9 +118,10 @@ class HostDevice:
 
     def mem_info(self) -> MemInfo:
         try:
-            pages, page_size = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+            page_size = os.sysconf("SC_PAGE_SIZE")
             total = os.sysconf("SC_PHYS_PAGES") * page_size
-            return MemInfo(pages * page_size, total)
+            free = available_memory() or os.sysconf("SC_AVPHYS_PAGES") * page_size
+            return MemInfo(free, total)
         except (ValueError, OSError, AttributeError):
             return MemInfo(8 << 30, 16 << 30)
 
