@@ -58,6 +58,7 @@ class EngineLoop:
 
     # ----- any thread ---------------------------------------------------------------------------
     def start(self) -> None:
+        self._publish_state()        # the pool's gauges from the start, not from the first request on
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._is_accepting = True
         self._thread.start()

@@ -5,7 +5,8 @@ keeps stepping the admitted ones for `shutdown_timeout_s`, then aborts the rest:
 properly (a last chunk with an OpenAI finish_reason, an error object, then `[DONE]`) and their plain
 requests get 503. Meanwhile the server still accepts connections, so a new request gets 503 with
 `Retry-After` rather than "connection refused". Only then does uvicorn stop listening and wait for
-open connections; its own timeout, a little longer, is only a backstop.
+open connections; its own timeout, a little longer, is only a backstop. A second Ctrl-C ends the
+drain at once (what is still running is aborted), as it ends uvicorn's own wait.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import uvicorn
 from runtime.server.engine_loop import EngineLoop
 
 BACKSTOP_S = 5.0          # after the engine's grace period: time for the last chunks to go out
+FORCE_POLL_S = 0.1        # how often the drain looks for a second Ctrl-C
 
 
 class GracefulServer(uvicorn.Server):
@@ -28,9 +30,14 @@ class GracefulServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         # drain first, still listening: requests arriving now are answered 503 (the loop refuses them)
-        self._drain = asyncio.ensure_future(asyncio.to_thread(
+        self._drain = drain = asyncio.ensure_future(asyncio.to_thread(
             self.engine_loop.shutdown, drain_timeout_s=self.shutdown_timeout_s))
-        await self._drain
+        while not drain.done():
+            if self.force_exit:           # a second Ctrl-C (uvicorn's force_exit): end the drain now
+                await asyncio.to_thread(self.engine_loop.shutdown, drain_timeout_s=0.0)
+                break
+            await asyncio.wait({drain}, timeout=FORCE_POLL_S)
+        await drain
         await super().shutdown(sockets)
 
 

@@ -164,3 +164,57 @@ def test_shutdown_drains_then_aborts(make_engine, drain_s, finish_reason):
     assert (len(final.token_ids) == 30) == (finish_reason == "length")
     assert not loop.is_alive
     assert_clean(engine, loop)
+
+
+def test_the_pool_gauges_are_published_before_any_request(make_engine):
+    from runtime.server.metrics import ServerMetrics
+
+    engine, metrics = make_engine(), ServerMetrics()
+    loop = EngineLoop(engine, metrics)
+    loop.start()
+    try:
+        text = metrics.render().decode()
+        blocks = engine.blocks.num_blocks
+        assert blocks > 0
+        assert f"loopstack_kv_blocks {float(blocks)}" in text
+        assert f"loopstack_kv_blocks_free {float(blocks)}" in text
+    finally:
+        loop.shutdown()
+
+
+def test_a_second_ctrl_c_ends_the_drain_at_once(monkeypatch):
+    """uvicorn sets force_exit on a second SIGINT: the drain (30 s here) then ends within a poll."""
+    import threading
+
+    import uvicorn
+
+    from runtime.server.http_server import GracefulServer
+
+    class SlowToDrain:
+        def __init__(self) -> None:
+            self.drains: list[float] = []
+            self.ended = threading.Event()
+
+        def shutdown(self, drain_timeout_s: float = 0.0, join_timeout_s: float = 30.0) -> None:
+            self.drains.append(drain_timeout_s)
+            if drain_timeout_s == 0.0:
+                self.ended.set()
+            self.ended.wait(timeout=drain_timeout_s)
+
+    async def stopped(self, sockets=None) -> None:
+        pass
+
+    monkeypatch.setattr(uvicorn.Server, "shutdown", stopped)
+    engine_loop = SlowToDrain()
+    server = GracefulServer(uvicorn.Config(lambda scope, receive, send: None), engine_loop, shutdown_timeout_s=30.0)
+
+    async def run() -> float:
+        start = time.monotonic()
+        shutting_down = asyncio.ensure_future(server.shutdown())
+        await asyncio.sleep(0.3)
+        server.force_exit = True
+        await asyncio.wait_for(shutting_down, timeout=10)
+        return time.monotonic() - start
+
+    assert asyncio.run(run()) < 5
+    assert engine_loop.drains == [30.0, 0.0]
