@@ -408,10 +408,13 @@ class Report(NamedTuple):
     problems: tuple[str, ...]
 
 
-def compile_launch(launch: Launch, target: Target):
-    """`triton.compile` of `launch` for `target`, specialised as the runtime would specialise it."""
+def bind_launch(launch: Launch, target: Target):
+    """What Triton's launcher computes for `launch` on `target` before it looks up a compiled variant:
+    `(backend, gpu_target, kwargs, bound_args, specialization, options)`, where `specialization` is
+    each argument's type and class (an integer 1, a multiple of 16 or other; a pointer 16-byte
+    aligned or not), honouring the kernel's `do_not_specialize` flags."""
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile, make_backend
+    from triton.compiler import make_backend
     from triton.runtime.jit import JITFunction, create_function_from_signature
 
     fn = launch.kernel
@@ -423,9 +426,18 @@ def compile_launch(launch: Launch, target: Target):
     kwargs = {"debug": False, **launch.kwargs}
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound_args, specialization, options = binder(*launch.args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization,
-                                                          options)
-    return compile(ASTSource(fn, signature, constexprs, attrs), target=gpu_target, options=options.__dict__)
+    return backend, gpu_target, kwargs, bound_args, specialization, options
+
+
+def compile_launch(launch: Launch, target: Target):
+    """`triton.compile` of `launch` for `target`, specialised as the runtime would specialise it."""
+    from triton.compiler import ASTSource, compile
+
+    backend, gpu_target, kwargs, bound_args, specialization, options = bind_launch(launch, target)
+    options, signature, constexprs, attrs = launch.kernel._pack_args(backend, kwargs, bound_args, specialization,
+                                                                     options)
+    return compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=gpu_target,
+                   options=options.__dict__)
 
 
 def _int(pattern: str, text: str) -> int | None:

@@ -3,9 +3,11 @@
 The vendor is read from Triton's active driver (the GPU the tensors live on), never from
 `torch.version.hip`: the same wheel of hal/kernels serves CUDA and ROCm.
 
-Triton compiles a kernel once per class of each integer argument (1, a multiple of 16, any other).
+Triton compiles a kernel once per class of each integer argument (1, a multiple of 16, any other) and
+of each pointer (16-byte aligned or not).
 Integers that change from step to step (a batch's tokens and sequences, its block tables' width) are
-`do_not_specialize` in the kernels that eager steps launch: otherwise a step of sizes in a new class
+`do_not_specialize`, and pointers into a plane of the step's staged arrays `do_not_specialize_on_alignment`,
+in the kernels that eager steps launch: otherwise a step of sizes in a new class
 would compile a variant inside the step, a second or more on the device (tests/kernels/test_specialisation.py).
 Decode kernels keep theirs: they run captured at fixed sizes, where one sequence is worth folding.
 """

@@ -7,9 +7,6 @@ import sys
 from collections import defaultdict
 
 import torch
-from triton.backends.compiler import GPUTarget
-from triton.compiler import make_backend
-from triton.runtime.jit import create_function_from_signature
 
 import zoo
 from hal.kernels.launch import Launch, run_launch
@@ -19,18 +16,14 @@ from runtime import SamplingParams
 from runtime.config import EngineConfig
 from runtime.engine.llm_engine import LLMEngine
 from test_interp_engine import TritonOnCpu
+from xcompile import TARGETS, bind_launch
 
 STEP_KERNELS = ("_paged_attention_kernel", "_kv_write_kernel", "_reduce_splits_kernel")
-_BACKEND = make_backend(GPUTarget("cuda", 90, 32))
 
 
 def specialisation(launch: Launch) -> tuple:
-    """What Triton's launcher keys a compiled variant on (besides the constexprs): each argument's type
-    and its integer class, as the runtime computes it."""
-    fn = launch.kernel
-    binder = create_function_from_signature(fn.signature, fn.params, _BACKEND)
-    _, spec, _ = binder(*launch.args, **launch.kwargs, debug=False)
-    return tuple(spec)
+    """What Triton's launcher keys a compiled variant on besides the constexprs (sm_90's binder)."""
+    return tuple(bind_launch(launch, TARGETS["sm_90"])[4])
 
 
 def _record_launches(monkeypatch) -> list[Launch]:
