@@ -31,7 +31,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -408,11 +408,19 @@ class Report(NamedTuple):
     problems: tuple[str, ...]
 
 
-def bind_launch(launch: Launch, target: Target):
-    """What Triton's launcher computes for `launch` on `target` before it looks up a compiled variant:
-    `(backend, gpu_target, kwargs, bound_args, specialization, options)`, where `specialization` is
-    each argument's type and class (an integer 1, a multiple of 16 or other; a pointer 16-byte
-    aligned or not), honouring the kernel's `do_not_specialize` flags."""
+class BoundLaunch(NamedTuple):
+    backend: Any                  # triton's compiler backend for the target
+    gpu_target: Any               # triton.backends.compiler.GPUTarget
+    kwargs: dict[str, Any]        # the launch's constexprs and options, with debug=False
+    bound_args: Any
+    specialization: list          # per argument: its type and class (see bind_launch)
+    options: Any
+
+
+def bind_launch(launch: Launch, target: Target) -> BoundLaunch:
+    """What Triton's launcher computes for `launch` on `target` before it looks up a compiled variant;
+    its `specialization` is each argument's type and class (an integer 1, a multiple of 16 or other; a
+    pointer 16-byte aligned or not), honouring the kernel's `do_not_specialize` flags."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import JITFunction, create_function_from_signature
@@ -426,7 +434,7 @@ def bind_launch(launch: Launch, target: Target):
     kwargs = {"debug": False, **launch.kwargs}
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound_args, specialization, options = binder(*launch.args, **kwargs)
-    return backend, gpu_target, kwargs, bound_args, specialization, options
+    return BoundLaunch(backend, gpu_target, kwargs, bound_args, specialization, options)
 
 
 def compile_launch(launch: Launch, target: Target):

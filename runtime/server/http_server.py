@@ -26,11 +26,10 @@ class GracefulServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop, shutdown_timeout_s: float) -> None:
         super().__init__(config)
         self.engine_loop, self.shutdown_timeout_s = engine_loop, shutdown_timeout_s
-        self._drain: asyncio.Future | None = None
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         # drain first, still listening: requests arriving now are answered 503 (the loop refuses them)
-        self._drain = drain = asyncio.ensure_future(asyncio.to_thread(
+        drain = asyncio.ensure_future(asyncio.to_thread(
             self.engine_loop.shutdown, drain_timeout_s=self.shutdown_timeout_s))
         while not drain.done():
             if self.force_exit:           # a second Ctrl-C (uvicorn's force_exit): end the drain now

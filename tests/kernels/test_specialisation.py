@@ -23,7 +23,7 @@ STEP_KERNELS = ("_paged_attention_kernel", "_kv_write_kernel", "_reduce_splits_k
 
 def specialisation(launch: Launch) -> tuple:
     """What Triton's launcher keys a compiled variant on besides the constexprs (sm_90's binder)."""
-    return tuple(bind_launch(launch, TARGETS["sm_90"])[4])
+    return tuple(bind_launch(launch, TARGETS["sm_90"]).specialization)
 
 
 def _record_launches(monkeypatch) -> list[Launch]:
