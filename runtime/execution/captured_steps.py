@@ -1,10 +1,11 @@
 """The runner's captured steps: which steps replay captured passes (runtime/execution/graphs.py)
 and how. A pure decode step replays the decode pass of its batch bucket over the persistent batch's
 rows; a step that is one prompt (or its last chunk) replays the prefill of its token-count bucket;
-a step of up to `MAX_SPLIT_PROMPTS` prompt chunks (any chunk), beside such decodes or alone,
-replays those passes one after another, so neither an arrival nor a burst of long prompts costs an
-eager pass. `capture_at_start` captures the passes
-these steps expect when the engine starts. `ModelRunner` inherits this and samples what it returns.
+a step of up to `MAX_SPLIT_PROMPTS` prompt chunks (any chunk) of up to `MAX_SPLIT_TOKENS` tokens in
+all, beside such decodes or alone, replays those passes one after another, so neither an arrival nor
+a burst of short prompts costs an eager pass whose host's launches outlast its device time.
+`capture_at_start` captures the passes these steps expect when the engine starts. `ModelRunner`
+inherits this and samples what it returns.
 """
 from __future__ import annotations
 
@@ -28,13 +29,16 @@ from zoo.base import LoopedCausalLM
 
 log = logging.getLogger(__name__)
 
-# prompt chunks a step may run as captured prefills beside its captured decode pass (`split_step`).
-# Each replay pays a pass's fixed cost once more (about 2 ms at Ouro-1.4B's shape: the weight reads
-# past its compute, its ~1,000 kernels' tails), where the one eager pass pays its host's launches once
-# (about 50 ms on the H100 host, hidden behind the device from about 2K tokens). Measured on an H100
-# (docs/performance.md, lever 106): two 1K chunks a step split won 19% of a burst's TTFT; sixteen
-# 128-token chunks split lost 55% (394 against 254 ms). 4 is where the estimate still has replays ahead.
-MAX_SPLIT_PROMPTS = 4
+# A step of up to MAX_SPLIT_PROMPTS prompt chunks of MAX_SPLIT_TOKENS tokens in all replays captured
+# prefills beside its captured decode pass (`split_step`). Each replay pays a pass's fixed cost once
+# more (about 2 ms at Ouro-1.4B's shape: the weight reads past its compute, its ~1,000 kernels' tails);
+# the one eager pass pays its host's launches once (about 50 ms on the H100 host), which the device
+# time of more than about 1K tokens hides. Measured warm on an H100 (docs/performance.md, lever 108):
+# 64 x 128-token prompts at a 512 budget (4-5 chunks a step) 710 ms TTFT split under a cap of 8, 807-825
+# under 4, 899-910 eager; a 1K chunk a step split 2,705 against 3,348 eager; two 1K chunks a step
+# split 2,098 against 1,772-1,806 eager, and sixteen 128-token chunks 393 against 302.
+MAX_SPLIT_PROMPTS = 8
+MAX_SPLIT_TOKENS = 1024
 
 
 def prefill_program(model: LoopedCausalLM, num_loops: int, sample_row: torch.Tensor):
@@ -128,13 +132,15 @@ class CapturedSteps:
 
     def split_step(self, scheduled: Sequence[ScheduledRequest]) -> tuple[list, list] | None:
         """(decodes, [(prompt chunk, its width)]) of a step of prompt chunks that captured prefills
-        run, up to `MAX_SPLIT_PROMPTS` of them, beside decodes that a captured decode pass runs (or
-        none): the step replays those passes instead of one eager pass, whose host work (about a
-        thousand launches issued from Python, 70-350 ms on the GPU machines' hosts) would stall every
-        decoding request each time a request joins, and pace a burst of prompts prefilled chunk by
-        chunk. Where the Hal captures but `graphs=false` turned capture off, the same passes run
-        eagerly, so turning capture off to debug it changes no kernel's shapes or rounding (a packed
-        pass would, and bf16 near-ties would flip between the two). None for any other step, and where
+        run, up to `MAX_SPLIT_PROMPTS` of them and `MAX_SPLIT_TOKENS` tokens, beside decodes that a
+        captured decode pass runs (or none): the step replays those passes instead of one eager pass,
+        whose host work (about a thousand launches issued from Python, about 50 ms on the H100's host)
+        would stall every decoding request each time a request joins, and pace a burst of short
+        prompts prefilled chunk by chunk. Past those limits the eager pass's device time covers its
+        host's, and each replay more would add its fixed cost. Where the Hal captures but
+        `graphs=false` turned capture off, the same passes run eagerly, so turning capture off to
+        debug it changes no kernel's shapes or rounding (a packed pass would, and bf16 near-ties would
+        flip between the two). None for any other step, and where
         passes are not captured otherwise (the CPU by default, tensor parallelism on a Hal that cannot
         capture collectives): there one packed pass reads the weights once and pads nothing."""
         turned_off = self.config.graphs is False and self.hal.caps.graphs
@@ -142,7 +148,10 @@ class CapturedSteps:
             return None
         decodes = [item for item in scheduled if item.num_tokens == 1]
         prompts = [item for item in scheduled if item.num_tokens > 1]
-        if not 0 < len(prompts) <= MAX_SPLIT_PROMPTS or (decodes and not self.is_graph_step(decodes)):
+        num_tokens = sum(item.num_tokens for item in prompts)
+        if not 0 < len(prompts) <= MAX_SPLIT_PROMPTS or num_tokens > MAX_SPLIT_TOKENS:
+            return None
+        if decodes and not self.is_graph_step(decodes):
             return None
         widths = [self.chunk_bucket(item) for item in prompts]
         if None in widths:

@@ -128,12 +128,13 @@ def test_with_capture_turned_off_the_same_chunks_split_eagerly(step_kinds, monke
     assert splits[False] == splits[True] >= 4, splits
 
 
-@pytest.mark.parametrize("cap, path", [(6, "split"), (None, "eager")])
-def test_six_prompts_at_once_split_under_the_cap(cap, path, step_kinds, monkeypatch, single_thread):
-    """Six prompts arriving together make one step of six chunks: replayed one by one under a cap of
-    6, one eager pass over `MAX_SPLIT_PROMPTS` (4)."""
-    if cap is not None:
-        monkeypatch.setattr(captured_steps, "MAX_SPLIT_PROMPTS", cap)
+@pytest.mark.parametrize("cap, max_tokens, path", [(6, 69, "split"), (5, 69, "eager"), (6, 68, "eager")])
+def test_six_prompts_at_once_split_under_both_caps(cap, max_tokens, path, step_kinds, monkeypatch, single_thread):
+    """Six prompts of 69 tokens in all arriving together make one step of six chunks: replayed one by
+    one where `MAX_SPLIT_PROMPTS` is 6 or more and `MAX_SPLIT_TOKENS` 69 or more, otherwise one eager
+    pass."""
+    monkeypatch.setattr(captured_steps, "MAX_SPLIT_PROMPTS", cap)
+    monkeypatch.setattr(captured_steps, "MAX_SPLIT_TOKENS", max_tokens)
     case = golden_case("ouro-tiny")
     model = zoo.from_pretrained(case.path, dtype="float32").eval()
     prompts = [(case.prompt(i % case.num_prompts) * 4)[: 9 + i] for i in range(6)]
