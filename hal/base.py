@@ -130,6 +130,10 @@ class Hal(ABC):
     def empty_cache(self) -> None:
         torch.accelerator.empty_cache()
 
+    def zeros(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled tensor on the device, for pools that may take most of it (the KV cache)."""
+        return torch.zeros(tuple(shape), dtype=dtype, device=self.device())
+
     @abstractmethod
     def host_buffer(self, shape: Sequence[int], dtype: torch.dtype) -> HostBuffer:
         """A host-written, device-readable buffer (see `HostBuffer`)."""

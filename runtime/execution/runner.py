@@ -86,8 +86,8 @@ class ModelRunner(EagerPass, CapturedSteps):
         cache_blocks = self.num_blocks + math.ceil(num_scratch_slots / self.block_size)
         check_cache_fits(config, cache_blocks * self.bytes_per_block, hal.mem_info().total_bytes, cache_blocks,
                          self.block_size)
-        self.kv_caches = [torch.zeros(self.backend.kv_cache_shape(cache_blocks), dtype=self.backend.kv_cache_dtype,
-                                      device=self.device) for _ in range(spec.layers_per_plane)]
+        self.kv_caches = [hal.zeros(self.backend.kv_cache_shape(cache_blocks), self.backend.kv_cache_dtype)
+                          for _ in range(spec.layers_per_plane)]
         log.info("KV cache: %d blocks of %d tokens, %.1f MiB, kv_mode=%s, kv_dtype=%s", self.num_blocks,
                  self.block_size, self.num_blocks * self.bytes_per_block / 2**20, self.layout.kv_mode,
                  kv_dtype or self.dtype)
