@@ -1,5 +1,6 @@
 """What the CPU Hal counts as free memory (the KV cache's budget): what Linux could hand out, page cache
-included, not only the pages that are free this instant."""
+included, not only the pages that are free this instant; and how it allocates that cache (zeroed
+pages taken as they are first written)."""
 import os
 
 import pytest
