@@ -81,6 +81,7 @@ def draft_tokens(runner, requests: list, first_tokens: torch.Tensor, starts: lis
     planes = env.layout.num_fixed_planes + draft_loops       # the only planes a draft pass touches
     tables = [blocks.block_tables(r.request_id)[:planes] for r in requests]
     graphs = runner.graphs if use_graphs else None
+    model = runner.model        # the captured program keeps `model`, not the runner that keeps the program
     tokens = torch.zeros(num_seqs, max_drafts, dtype=torch.long, device=device)
     guess = torch.zeros(num_seqs, dtype=torch.long, device=device) if with_guess else None
     states = probs = None
@@ -93,13 +94,13 @@ def draft_tokens(runner, requests: list, first_tokens: torch.Tensor, starts: lis
         heads = [i for i, b in enumerate(active) if j < num_drafts[b] or with_guess]
         if graphs is not None and graphs.bucket(len(active)) is not None:
             key = ("draft", graphs.bucket(len(active)), draft_loops)
-            program = lambda x, ctx: draft_stages(runner.model, draft_loops, x, ctx)       # noqa: E731
+            program = lambda x, ctx: draft_stages(model, draft_loops, x, ctx)       # noqa: E731
             state, logits = graphs.run(key, program, host, 1, planes, ids)          # [1, B, X], [B, V]
             state = state[:, :len(active)]
             logits = logits.index_select(0, _long(heads, device)) if heads else None
         else:
             ctx = place(env, host, ids=ids).ctx
-            state, logits = draft_stages(runner.model, draft_loops, ids[None], ctx, _long(heads, device))
+            state, logits = draft_stages(model, draft_loops, ids[None], ctx, _long(heads, device))
         state = state[0]
         if states is None:
             states = state.new_empty(num_seqs, max_drafts + 1, state.shape[-1])
