@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from hal.ascend.ops import CALL_SITES, AscendOps, GraphCall
-from hal.common.graph import copy_into
+from hal.common.graph import copy_into, cycle_collector_paused
 
 
 def check_host_params(calls: Sequence[GraphCall], host_params: Sequence[dict[str, Any]]) -> None:
@@ -50,7 +50,8 @@ class AscendGraph:
             raise RuntimeError("another Ascend graph is capturing")
         self.ops.capture_log = []
         try:
-            out = self._capture(fn)
+            with cycle_collector_paused():
+                out = self._capture(fn)
         finally:
             self.calls, self.ops.capture_log = self.ops.capture_log, None
         self.fn = fn          # keeps every tensor the captured work reads (fn's closure) allocated

@@ -1,7 +1,10 @@
-"""The eager graph: `hal.resources.Graph` for Hals that do not record device work (the CPU, simulations)."""
+"""The eager graph: `hal.resources.Graph` for Hals that do not record device work (the CPU, simulations),
+and what every recording graph needs during its capture."""
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+import gc
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -39,3 +42,19 @@ def copy_into(dst: Any, src: Any) -> None:
     elif isinstance(dst, dict):
         for key in dst:
             copy_into(dst[key], src[key])
+
+
+@contextlib.contextmanager
+def cycle_collector_paused() -> Iterator[None]:
+    """No automatic cycle collection inside a capture. A collection there may free a dead cycle that
+    holds another graph or device memory (an engine dropped without `del` of its cycles), and
+    destroying a graph or freeing memory while a stream captures invalidates the capture: cuBLAS
+    then reports CUBLAS_STATUS_EXECUTION_FAILED at an unrelated call. (Recent torch no longer
+    collects before a capture: `torch.compiler.config.force_cudagraph_gc`.)"""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -5,6 +5,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from hal.common.graph import cycle_collector_paused
+
 
 class CudaGraph:
     """One captured graph. All graphs of a Hal capture on the same side stream; `pool` is a memory
@@ -32,7 +34,7 @@ class CudaGraph:
             raise RuntimeError("this graph is already captured; make a new one with hal.graph()")
         with torch.cuda.device(self.device):
             # torch.cuda.graph synchronises the device first, so work queued before capture is done
-            with torch.cuda.graph(self.graph, pool=self.pool, stream=self.stream):
+            with cycle_collector_paused(), torch.cuda.graph(self.graph, pool=self.pool, stream=self.stream):
                 self.outputs = fn()
         # the graph reads every tensor `fn` closes over at fixed addresses: keeping `fn` keeps them
         # allocated (a freed static input is reused by the allocator and replays read garbage)
