@@ -152,11 +152,12 @@ class EngineRequests:
     def output_of(self, request: Request, ending: bool = False) -> RequestOutput:
         """The request's output; for a sample of an n > 1 request, the whole request's (every
         sample so far; with best_of > n, the n best once all have finished). `ending`: it is the
-        last (an abort), so nothing of the text is held back for a stop string."""
+        last (an abort): nothing of the text is held back for a stop string, and with best_of > n
+        it shows the n best samples so far."""
         group = request.group
         if group is None:
             return request_output([request], request.request_id, request.is_finished, self.tokenizer, ending=ending)
-        return request_output(group.reported(), group.request_id, group.finished, self.tokenizer, group.samples[0],
+        return request_output(group.reported(ending), group.request_id, group.finished, self.tokenizer, group.samples[0],
                               ending=ending)
 
     def output_for(self, request_id: str, finish_reason: str | None = None) -> RequestOutput | None:

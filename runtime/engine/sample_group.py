@@ -25,12 +25,14 @@ class SampleGroup:
     def child_id(self, index: int) -> str:
         return f"{self.request_id}#{index}"
 
-    def reported(self) -> list[Request]:
-        """The samples an output shows: all so far; with best_of > n, once all have finished, the n
-        of highest mean logprob per token (a sample that ended early by an abort or an error only
+    def reported(self, ending: bool = False) -> list[Request]:
+        """The samples an output shows: all so far; with best_of > n, once all have finished or when
+        the output is the last (`ending`: an abort, with samples still running or never forked), the
+        n of highest mean logprob per token (a sample that ended early by an abort or an error only
         after every complete one: its few tokens' mean says nothing of a whole answer)."""
-        if self.best_of > self.n and self.finished:
-            return sorted(self.samples, key=lambda r: (r.status in _CUT_SHORT, -mean_logprob(r)))[:self.n]
+        if self.best_of > self.n and (self.finished or ending):
+            return sorted(self.samples, key=lambda r: (not r.is_finished or r.status in _CUT_SHORT,
+                                                       -mean_logprob(r)))[:self.n]
         return list(self.samples)
 
     def owns(self, request_id: str) -> bool:

@@ -395,3 +395,28 @@ def test_sample_ids_of_a_live_group_are_kept_and_a_cut_short_sample_is_never_the
         group.samples.append(SimpleNamespace(status=status, cumulative_logprob=cumulative, logprobs=[0] * tokens,
                                              is_finished=True))
     assert group.reported() == [group.samples[2]]
+
+
+def test_an_aborted_best_of_request_reports_its_n_best_samples_so_far(tiny):
+    """The last output of a best_of > n request cut off by an abort (the server asks for it with
+    `output_for(id, "abort")`) shows n samples, not every one forked so far: the complete ones first."""
+    case = golden_case("ouro-tiny")
+    engine = LLMEngine(tiny, hal.get("cpu"), EngineConfig(num_kv_blocks=256, block_size=4))
+    engine.add_request("r", case.prompt(0), SamplingParams(max_tokens=40, temperature=1.0, seed=3, n=2, best_of=4,
+                                                           ignore_eos=True))
+    while len(engine.groups["r"].samples) < 4 or not engine.groups["r"].samples[-1].output_token_ids:
+        engine.step()
+    assert len(engine.output_for("r").outputs) == 4                # running: every sample so far
+    out = engine.output_for("r", "abort")
+    assert out.finished and len(out.outputs) == 2 and all(s.finish_reason == "abort" for s in out.outputs)
+    engine.abort("r")
+    assert not engine.has_unfinished_requests() and engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+    from runtime.engine.sample_group import SampleGroup
+    from runtime.engine.sequence import RequestStatus
+    group = SampleGroup("g", n=1, best_of=3)
+    group.samples = [SimpleNamespace(status=RequestStatus.FINISHED_LENGTH, cumulative_logprob=-9.0, logprobs=[0] * 6,
+                                     is_finished=True),
+                     SimpleNamespace(status=RequestStatus.RUNNING, cumulative_logprob=-0.1, logprobs=[0],
+                                     is_finished=False)]
+    assert group.reported() == group.samples and group.reported(ending=True) == [group.samples[0]]
