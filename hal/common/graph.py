@@ -47,10 +47,11 @@ def copy_into(dst: Any, src: Any) -> None:
 @contextlib.contextmanager
 def cycle_collector_paused() -> Iterator[None]:
     """No automatic cycle collection inside a capture. A collection there may free a dead cycle that
-    holds another graph or device memory (an engine dropped without `del` of its cycles), and
-    destroying a graph or freeing memory while a stream captures invalidates the capture: cuBLAS
-    then reports CUBLAS_STATUS_EXECUTION_FAILED at an unrelated call. (Recent torch no longer
-    collects before a capture: `torch.compiler.config.force_cudagraph_gc`.)"""
+    holds another graph (an engine whose objects reference each other), and destroying a graph
+    while a stream captures invalidates the capture: the next call into it fails, as "operation
+    failed due to a previous error during capture" or, from cuBLAS, CUBLAS_STATUS_EXECUTION_FAILED
+    (measured on an H100, docs/benchmarks.md, forty-second session). torch no longer collects
+    before a capture unless `torch.compiler.config.force_cudagraph_gc` is set."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
