@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -52,10 +53,21 @@ def cycle_collector_paused() -> Iterator[None]:
     failed due to a previous error during capture" or, from cuBLAS, CUBLAS_STATUS_EXECUTION_FAILED
     (measured on an H100, docs/benchmarks.md, forty-second session). torch no longer collects
     before a capture unless `torch.compiler.config.force_cudagraph_gc` is set."""
-    was_enabled = gc.isenabled()
-    gc.disable()
+    global _num_pausing, _was_enabled
+    with _pause_lock:                # captures of several threads (tensor-parallel ranks) overlap:
+        if _num_pausing == 0:        # the first pauses, the last restores what it found
+            _was_enabled = gc.isenabled()
+            gc.disable()
+        _num_pausing += 1
     try:
         yield
     finally:
-        if was_enabled:
-            gc.enable()
+        with _pause_lock:
+            _num_pausing -= 1
+            if _num_pausing == 0 and _was_enabled:
+                gc.enable()
+
+
+_pause_lock = threading.Lock()
+_num_pausing = 0
+_was_enabled = True

@@ -49,3 +49,25 @@ def test_an_engine_is_freed_without_the_cycle_collector(ouro, name):
     finally:
         if was_enabled:
             gc.enable()
+
+
+def test_overlapping_captures_keep_the_collector_paused_until_the_last_ends():
+    """Tensor-parallel ranks in threads capture at the same time: the first capture to end must not
+    turn the collector back on under the other, and the last restores what the first found."""
+    from hal.common.graph import cycle_collector_paused
+
+    assert gc.isenabled()
+    first, second = cycle_collector_paused(), cycle_collector_paused()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert not gc.isenabled()
+    second.__exit__(None, None, None)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with cycle_collector_paused():
+            pass
+        assert not gc.isenabled()        # off before: left off
+    finally:
+        gc.enable()
