@@ -182,9 +182,10 @@ class PassGraphs:
     def _record(self, step: Callable[[], Any]) -> tuple[Any, Any]:
         """(graph, outputs) of `step` captured once (replayed eagerly where capture is off)."""
         with torch.inference_mode():
-            step()                         # warm-up: kernel compilation and library handles, outside capture
-            self.hal.synchronize()
             graph = self.hal.graph() if self.capture else EagerGraph()
+            if not isinstance(graph, EagerGraph):   # an eager graph's capture runs `step` as it is
+                step()                     # warm-up: kernel compilation and library handles, outside capture
+                self.hal.synchronize()
             return graph, graph.capture(step)
 
 
