@@ -32,7 +32,7 @@ class Graph(Protocol):
 
     `capture(fn)` records `fn()` and returns its outputs: tensors that every replay overwrites in
     place (a device graph records without running, so they hold values only after a replay; call
-    `fn()` once eagerly before capturing, for lazy initialisation). `replay()` re-issues the same work. `update(host_params)` pushes
+    `fn()` once eagerly before capturing one, for lazy initialisation; the eager graph needs no such call). `replay()` re-issues the same work. `update(host_params)` pushes
     new host-side arguments into the captured work before a replay: a no-op where kernels read
     lengths from device memory (CUDA/ROCm), required on Ascend where fused attention takes lengths
     as host lists. On the CPU, replay re-runs `fn` eagerly and copies into the captured outputs.

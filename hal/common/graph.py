@@ -45,6 +45,11 @@ def copy_into(dst: Any, src: Any) -> None:
             copy_into(dst[key], src[key])
 
 
+_pause_lock = threading.Lock()    # the pause below, shared by every thread that captures
+_num_pausing = 0
+_was_enabled = True
+
+
 @contextlib.contextmanager
 def cycle_collector_paused() -> Iterator[None]:
     """No automatic cycle collection inside a capture. A collection there may free a dead cycle that
@@ -67,7 +72,3 @@ def cycle_collector_paused() -> Iterator[None]:
             if _num_pausing == 0 and _was_enabled:
                 gc.enable()
 
-
-_pause_lock = threading.Lock()
-_num_pausing = 0
-_was_enabled = True
