@@ -333,7 +333,7 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
         print(json.dumps(row), flush=True)
         engine.close()
         del engine, runner
-        gc.collect()                     # the runner and its graphs reference each other
+        gc.collect()                     # a cycle left behind (tests/runtime/test_engine_lifetime.py finds none) frees its memory before the cache empties
         hal.empty_cache()
     return results
 

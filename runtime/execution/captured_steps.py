@@ -32,11 +32,13 @@ log = logging.getLogger(__name__)
 # A step of up to MAX_SPLIT_PROMPTS prompt chunks of MAX_SPLIT_TOKENS tokens in all replays captured
 # prefills beside its captured decode pass (`split_step`). Each replay pays a pass's fixed cost once
 # more (about 2 ms at Ouro-1.4B's shape: the weight reads past its compute, its ~1,000 kernels' tails);
-# the one eager pass pays its host's launches once (about 50 ms on the H100 host), which the device
-# time of more than about 1K tokens hides. Measured warm on an H100 (docs/performance.md, lever 108):
-# 64 x 128-token prompts at a 512 budget (4-5 chunks a step) 710 ms TTFT split under a cap of 8, 807-825
-# under 4, 899-910 eager; a 1K chunk a step split 2,705 against 3,348 eager; two 1K chunks a step
-# split 2,098 against 1,772-1,806 eager, and sixteen 128-token chunks 393 against 302.
+# the one eager pass pays its host's launches once (about 50-70 ms on an H100 host, against about 49 ms
+# of kernels for 2K tokens: level, so the eager side depends on the machine's host). Measured warm on
+# H100s (docs/performance.md, levers 108 and the forty-second session): 64 x 128-token prompts at a 512
+# budget (4-5 chunks a step) 701-710 ms TTFT split under a cap of 8, 807-825 under 4, 899-910 eager; a
+# 1K chunk a step split 2,705 against 3,348 eager; two 1K chunks a step split 2,098-2,109 against
+# 1,741-2,665 eager (1,772-1,806 on three machines, a median of about 2,230 on two others), and sixteen
+# 128-token chunks 393 against 302.
 MAX_SPLIT_PROMPTS = 8
 MAX_SPLIT_TOKENS = 1024
 
