@@ -21,6 +21,10 @@ class AttnCaps(NamedTuple):
     # have room for max_model_len, and a backend whose work grows with their width (Ascend's int8
     # prefill dequantizes every block they name) runs wider chunks eagerly over tables of their own
     max_context_prefill_width: int | None = None
+    # a captured pass may take packed batches of any query lengths within its capacity (prompt chunks
+    # and decodes together, `MetaCapacity.packed`): the kernels' shapes depend on the token and
+    # sequence counts only, and a sequence may have no tokens (a padding slot)
+    packed_graphs: bool = False
 
 
 class PagedBatch(NamedTuple):
@@ -56,6 +60,9 @@ class MetaCapacity(NamedTuple):
     fresh: bool = False
     # a batch may have prior context (False: prompts' only chunks, tables of their own width)
     context: bool = True
+    # any mix of query lengths up to `max_num_tokens` in all (`AttnCaps.packed_graphs`); else every
+    # batch has the captured one's longest query
+    packed: bool = False
 
 
 class AttentionBackend(ABC):

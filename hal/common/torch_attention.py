@@ -30,7 +30,7 @@ class TorchPagedAttention(AttentionBackend):
 
     @property
     def caps(self) -> AttnCaps:
-        return AttnCaps(packed_prefill=True, graphs=True,
+        return AttnCaps(packed_prefill=True, graphs=True, packed_graphs=True,
                         reason="reference paged attention in plain torch (graphs replay eagerly)")
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:

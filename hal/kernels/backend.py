@@ -45,6 +45,10 @@ class TritonMeta(NamedTuple):
     max_query_len: int              # host ints: pick the config and the context split
     max_seq_len: int
     fresh_lens: tuple[int, ...] | None = None   # query lengths when the batch takes the fresh path
+    packed: bool = False            # any query lengths (MetaCapacity.packed): max_query_len is the capacity's
+    # a capacity-built meta's pinned host mirrors: update_meta stages each step's values there and
+    # copies them asynchronously into these same device tensors, whose addresses graphs captured
+    staging: StagingRing | None = None
 
 
 def device_compute_units(device: torch.device) -> int:
@@ -74,7 +78,6 @@ class TritonPagedAttention(AttentionBackend):
             raise ValueError(f"triton attention takes head_dim <= {MAX_HEAD_DIM}, not {head_dim}; "
                              "use the torch backend")
         self.configs = configs if configs is not None else configs_for(target_of(torch.device(device)).arch)
-        self._staging: dict[int, StagingRing] = {}
         self.num_compute_units = num_compute_units or device_compute_units(torch.device(device))
         # "flash" / "sdpa" for prefill without context (hal/kernels/fresh.py), where it serves
         usable = fresh.usable(fresh_attention, dtype, head_dim)
@@ -82,7 +85,7 @@ class TritonPagedAttention(AttentionBackend):
 
     @property
     def caps(self) -> AttnCaps:
-        return AttnCaps(packed_prefill=True, graphs=True,
+        return AttnCaps(packed_prefill=True, graphs=True, packed_graphs=True,
                         reason="Triton unified paged attention (hal/kernels): varlen prefill, chunked "
                                "prefill and split-context decode in one kernel, no host syncs")
 
@@ -107,23 +110,28 @@ class TritonPagedAttention(AttentionBackend):
     def build_meta(self, batch: PagedBatch, capacity: MetaCapacity | None = None) -> TritonMeta:
         arrays = self._host_arrays(batch, capacity.max_blocks_per_seq if capacity else None)
         tensors = [torch.from_numpy(a).to(self.device, non_blocking=True) for a in arrays]
-        if capacity is not None:
-            # pinned host mirrors: update_meta stages each step's values there and copies them
-            # asynchronously into these same device tensors, whose addresses graphs captured
-            self._staging[id(tensors[0])] = StagingRing(arrays, self.device)
         # a captured pass takes the fresh path only where its capacity promises prefills without context
         is_fresh = (capacity is None or capacity.fresh) and fresh.takes(self.fresh_attention, batch.query_lens,
                                                                          batch.seq_lens, DECODE_MAX_QUERY_LEN)
-        return TritonMeta(*tensors, max_query_len=max(batch.query_lens, default=0),
+        packed = capacity is not None and capacity.packed
+        if packed and capacity.fresh:
+            raise ValueError("a packed capacity attends through the paged kernel, not the fresh path")
+        # a packed pass always launches the paged kernel's prefill config (a max query length past the
+        # decode configs'), whose grid follows the token and sequence counts alone, so any batch
+        # within the capacity replays it
+        longest = max(capacity.max_num_tokens, DECODE_MAX_QUERY_LEN + 1) if packed else max(batch.query_lens, default=0)
+        return TritonMeta(*tensors, max_query_len=longest,
                           max_seq_len=capacity.max_seq_len if capacity else max(batch.seq_lens, default=0),
-                          fresh_lens=tuple(map(int, batch.query_lens)) if is_fresh else None)
+                          fresh_lens=tuple(map(int, batch.query_lens)) if is_fresh and not packed else None,
+                          packed=packed, staging=None if capacity is None else StagingRing(arrays, self.device))
 
     def update_meta(self, meta: TritonMeta, batch: PagedBatch) -> list[dict]:
         """Refill a capacity-built `meta` in place: same shapes (the captured bucket), new values."""
-        staging = self._staging.get(id(meta.query_start_loc))
+        staging = meta.staging
         if staging is None:
             raise ValueError("update_meta needs a meta built with a capacity (build_meta(batch, capacity))")
-        if max(batch.query_lens, default=0) != meta.max_query_len:
+        longest = max(batch.query_lens, default=0)
+        if longest != meta.max_query_len and not (meta.packed and longest <= meta.max_query_len):
             raise ValueError("a captured meta takes batches with the same max query length")
         if meta.fresh_lens is not None and (tuple(map(int, batch.query_lens)) != meta.fresh_lens or not fresh.takes(
                 self.fresh_attention, batch.query_lens, batch.seq_lens, DECODE_MAX_QUERY_LEN)):

@@ -117,6 +117,20 @@ class PassGraphs:
         # the warm-up writes the slots the replay then rewrites, before anything reads them
         over = full if bucket * width > self.env.num_scratch_slots else None
         cap = self.prepare(key, program, bucket, width, num_planes, state_width, fresh, context, over)
+        return self._replay(cap, host, full, inputs, fed_from)
+
+    def run_packed(self, key: tuple, program: Program, host: HostInputs, full: HostInputs,
+                   capacity: MetaCapacity, fed_from: Any = None) -> Any:
+        """Replay (capturing on first use, over this batch) the packed pass `key`: `host`'s prompt
+        chunks and decodes, padded to `full` (`packed_steps.pad_packed`) within `capacity`."""
+        cap = self.captured.get(key)
+        if cap is None:
+            cap = self.captured[key] = self._capture(program, capacity, 0, None, repr(key), full)
+        return self._replay(cap, host, full, None, fed_from)
+
+    def _replay(self, cap: Captured, host: HostInputs, full: HostInputs, inputs: torch.Tensor | None,
+                fed_from: Any) -> Any:
+        """Refill `cap`'s static buffers from `host` (padded: `full`) and replay it."""
         num_rows = host.num_tokens
         if inputs is None:
             src = fed_rows(host, fed_from, len(full.positions))

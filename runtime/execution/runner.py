@@ -5,12 +5,14 @@ KV storage is `layers_per_plane` tensors (one per layer slot of a plane), each h
 of the pool in the backend's layout; a block id means the same block in every one of them.
 
 `execute` runs every kind of step through one path: a step that captured passes can run replays
-them (runtime/execution/captured_steps.py, which the runner inherits: pure decode steps over the
-persistent batch, runtime/execution/input_batch.py; a prompt's only or last chunk; requests joining
-a decoding batch), so it costs its device work rather than a thousand launches from the host; any
-other step runs eagerly, packed: prompts, prompt chunks and decodes together, and wavefront
-segments (the eager pass, runtime/execution/eager_pass.py, which the runner inherits too). Every
-path ends in `finish_step`, which samples the logits.
+them, so it costs its device work rather than a thousand launches from the host: pure decode steps
+over the persistent batch (runtime/execution/input_batch.py) and a prompt's only or last chunk
+(runtime/execution/captured_steps.py, which the runner inherits); any other step of prompt chunks,
+with or without decodes, at one depth: one packed pass where the attention backend captures packed
+batches (runtime/execution/packed_steps.py, inherited too), else a decode pass and a prefill per
+chunk, up to caps (`split_step`). Any other step runs eagerly, packed: prompts, prompt chunks and
+decodes together, and wavefront segments (the eager pass, runtime/execution/eager_pass.py, which
+the runner inherits too). Every path ends in `finish_step`, which samples the logits.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from runtime.execution.input_batch import InputBatch
 from runtime.execution.kv_pool import check_cache_fits, plan_num_blocks
 from runtime.execution.quantization import prepare_weights, resolve_kv_dtype
 from runtime.execution.logprobs import StepLogprobs
+from runtime.execution.packed_steps import PackedSteps
 from runtime.execution.prefill_buckets import PrefillBuckets
 from runtime.execution.row_sampling import RowSampling, StepRows
 from runtime.execution.sampler import SamplingTensors, sample
@@ -44,7 +47,7 @@ from zoo.parallel import rank_heads
 
 log = logging.getLogger(__name__)
 
-class ModelRunner(EagerPass, CapturedSteps):
+class ModelRunner(EagerPass, CapturedSteps, PackedSteps):
     def __init__(self, model: LoopedCausalLM, hal: Hal, config: EngineConfig, max_model_len: int,
                  max_loops: int) -> None:
         self.model, self.hal, self.config = model, hal, config
@@ -107,6 +110,8 @@ class ModelRunner(EagerPass, CapturedSteps):
         self.row_sampling = RowSampling(config.max_num_seqs, self.device)   # the rows' settings on the device
         self.wave_states: dict[tuple[str, int], torch.Tensor] = {}  # wavefront segments' states between steps
         self.prefill_rows: dict[tuple, torch.Tensor] = {}           # captured prefills' sample-row buffers
+        self.packed_rows: dict[tuple, torch.Tensor] = {}            # packed passes' sample-row buffers
+        self.packed_seen: set[tuple] = set()                        # packed passes run once, uncaptured
         self.start_capture_s = 0.0
         if captures and hal.caps.graphs and config.capture_at_start:
             self.capture_at_start(max_loops, max_model_len)     # the engine's default depth, as planned
@@ -132,6 +137,9 @@ class ModelRunner(EagerPass, CapturedSteps):
         width = self.prefill_bucket(scheduled)
         if width is not None:
             return self._execute_prefill(scheduled[0], width, blocks, input_ids_from_device, deferred)
+        packed = self.packed_step(scheduled)
+        if packed is not None:
+            return self._execute_packed(scheduled, packed, blocks, input_ids_from_device, deferred)
         split = self.split_step(scheduled)
         if split is not None:
             return self._execute_split(*split, blocks, input_ids_from_device, deferred)

@@ -174,17 +174,20 @@ def pad(host: HostInputs, num_seqs: int, width: int, env: PassEnv) -> HostInputs
                       host.draws + [(None, width)] * len(pad_rows), host.rows)
 
 
-def place(env: PassEnv, host: HostInputs, fed_from: Any = None, ids: torch.Tensor | None = None) -> StepInputs:
+def place(env: PassEnv, host: HostInputs, fed_from: Any = None, ids: torch.Tensor | None = None,
+          capacity: Any = None) -> StepInputs:
     """Fresh device tensors and metadata for `host`. `fed_from` (an `async_step.PendingStep`) supplies
     the tokens `host.fed` names, by a device-side copy; `ids: [T]` (on the device) replaces the host's
-    token ids altogether (speculation drafts from tokens it has not read back)."""
+    token ids altogether (speculation drafts from tokens it has not read back). `capacity` (a
+    `MetaCapacity`): the metadata a pass captured within it would have (its kernels' configs)."""
     from runtime.execution.async_step import feed_tokens
 
     if ids is None:
         ids = feed_tokens(host.token_ids, host.fed, fed_from, env.device)
     ids = ids[None]
     positions = torch.as_tensor(np.asarray(host.positions, dtype=np.int64)).to(env.device, non_blocking=True)[None]
-    return StepInputs(ids, positions, context(env, host, positions))
+    meta = None if capacity is None else env.backend.build_meta(host.batch, capacity)
+    return StepInputs(ids, positions, context(env, host, positions, meta=meta))
 
 
 def context(env: PassEnv, host: HostInputs, positions: torch.Tensor, meta: Any = None,

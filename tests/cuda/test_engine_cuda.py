@@ -156,11 +156,13 @@ def test_steps_replay_the_passes_captured_at_start():
 def test_a_burst_of_chunked_prompts_replays_captured_prefills(monkeypatch):
     """Prompts longer than the step's token budget, arriving together at the real Ouro-1.4B shape
     (bf16): the steps of their chunks (most not a prompt's last, beside decodes or none) replay a
-    captured prefill per chunk (`ModelRunner.split_step`); with graphs off the same chunks run
+    captured prefill per chunk (`ModelRunner.split_step`, as on a Hal whose backend captures no
+    packed batches: packed steps are turned off here); with graphs off the same chunks run
     eagerly, each padded to its bucket, so the greedy tokens are the eager engine's (a packed pass
     would round differently and flip random weights' near-ties)."""
     from runtime.execution.runner import ModelRunner
 
+    monkeypatch.setattr(ModelRunner, "packed_step", lambda self, scheduled: None)
     gpu = hal.get("cuda")
     model = zoo.from_config(CONFIGS / "ouro-1.4b.json", dtype="bfloat16", device=gpu.device(), seed=0)
     rng = random.Random(5)
@@ -178,6 +180,40 @@ def test_a_burst_of_chunked_prompts_replays_captured_prefills(monkeypatch):
         results[graphs] = [outs[str(i)] for i in range(len(prompts))]
         assert len(num_split) >= 6, len(num_split)
         num_split.clear()
+        del engine
+        torch.cuda.empty_cache()
+    assert results[True] == results[False]
+
+
+def test_a_burst_beside_decodes_replays_packed_passes(monkeypatch):
+    """Prompts of 700-1,000 tokens joining a decoding batch at the real Ouro-1.4B shape (bf16), at a
+    budget of 2,048 tokens (past the split caps): the steps of their chunks and the decodes replay
+    one packed pass each (runtime/execution/packed_steps.py); with graphs off the same padded passes
+    run eagerly, and the greedy tokens are the same."""
+    from runtime.execution.runner import ModelRunner
+
+    gpu = hal.get("cuda")
+    model = zoo.from_config(CONFIGS / "ouro-1.4b.json", dtype="bfloat16", device=gpu.device(), seed=0)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(1, 49152) for _ in range(rng.randint(700, 1000))] for _ in range(8)]
+    num_packed = []
+    packed = ModelRunner._execute_packed
+    monkeypatch.setattr(ModelRunner, "_execute_packed",
+                        lambda self, *a, **k: num_packed.append(1) or packed(self, *a, **k))
+    results = {}
+    for graphs in (True, False):
+        engine = LLMEngine(model, gpu, EngineConfig(graphs=graphs, max_num_seqs=16, max_num_batched_tokens=2048,
+                                                    max_model_len=1100))
+        for i, prompt in enumerate(prompts[:2]):
+            engine.add_request(str(i), prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        engine.step()
+        engine.step()
+        for i, prompt in enumerate(prompts[2:], start=2):
+            engine.add_request(str(i), prompt, SamplingParams(max_tokens=6 + i, temperature=0.0, ignore_eos=True))
+        outs = {o.request_id: o.token_ids for o in engine.run_until_done()}
+        results[graphs] = [outs[str(i)] for i in range(len(prompts))]
+        assert len(num_packed) >= 2, len(num_packed)
+        num_packed.clear()
         del engine
         torch.cuda.empty_cache()
     assert results[True] == results[False]

@@ -164,3 +164,29 @@ def test_long_prompts_replay_captured_fresh_prefills(monkeypatch):
             assert captures[("prefill", 32, loops, planes, True, False)].ctx.meta.fresh_lens == (32,)
             assert {k[1:] for k in short.runner.graphs.captured if k[0] == "prefill"} == {(16, loops, planes, False, False)}
     assert outs[True] == outs[False]
+
+
+def test_packed_steps_through_triton_attention(monkeypatch):
+    """Steps of several prompt chunks beside decodes replay one packed pass through the Triton
+    backend: its meta built with a packed capacity (the prefill config, whatever the step's query
+    lengths) and refilled for each step's mix, padded with sequences that have no tokens; the golden
+    greedy tokens."""
+    from runtime.execution.runner import ModelRunner
+
+    packed = []
+    original = ModelRunner._execute_packed
+    monkeypatch.setattr(ModelRunner, "_execute_packed", lambda self, *a, **k: packed.append(a[1]) or original(self, *a, **k))
+    case = golden_case("ouro-tiny-gqa-bf16")
+    model = zoo.from_pretrained(case.path, dtype="float32")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with interpreter(), torch.inference_mode():
+        engine = LLMEngine(model, TritonOnCpu(), EngineConfig(block_size=4, max_num_batched_tokens=20, graphs=True,
+                                                               max_num_seqs=4))
+        engine.add_request("0", case.prompt(0), params)
+        engine.step()
+        for i in range(1, 4):                # the golden prompts again: chunks of two at a time
+            engine.add_request(str(i), case.prompt(i % case.num_prompts), params)
+        outs = {o.request_id: o.token_ids for o in engine.run_until_done()}
+    assert len(packed) >= 2 and all(shape.num_seqs == 5 for shape in packed), packed
+    for i in range(4):
+        assert outs[str(i)] == case.greedy(i % case.num_prompts)[:6]

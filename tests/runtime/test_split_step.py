@@ -1,6 +1,6 @@
-"""A step that decodes and ends a few prompts replays the captured decode pass and one captured
-prefill per prompt (`ModelRunner.split_step`) instead of one eager pass, and the tokens stay those
-of the simple path: requests joining a decoding batch, on the CPU with graphs=true (the padded
+"""Where a Hal's attention backend takes no packed graphs (Ascend), a step that decodes and ends a
+few prompts replays the captured decode pass and one captured prefill per prompt
+(`ModelRunner.split_step`) instead of one eager pass, and the tokens stay those of the simple path: requests joining a decoding batch, on the CPU with graphs=true (the padded
 passes run eagerly; by default the CPU keeps its one packed pass) and on the simulated Ascend Hal
 (its graphs replay what the start captured), every model family."""
 import pytest
@@ -16,6 +16,13 @@ from runtime.execution.reference import generate_reference
 from runtime.execution.runner import ModelRunner
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, init_scale=0.0)
+
+
+@pytest.fixture(autouse=True)
+def no_packed_steps(monkeypatch):
+    """The split steps as a Hal runs them whose attention backend takes no packed graphs (Ascend's):
+    on the others a packed pass runs these steps first (tests/runtime/test_packed_step.py)."""
+    monkeypatch.setattr(ModelRunner, "packed_step", lambda self, scheduled: None)
 
 
 @pytest.fixture
