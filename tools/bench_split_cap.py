@@ -6,14 +6,18 @@ environment, for measuring them (docs/benchmarks.md, thirty-ninth and forty-firs
 
 CAP=0 splits no step (every step of prompt chunks runs one eager pass); CAP=N splits steps of up to N
 chunks (`runtime.execution.captured_steps.MAX_SPLIT_PROMPTS`, default 8) and TOKENS=M steps of up to M
-prompt tokens (`MAX_SPLIT_TOKENS`, default 1024)."""
+prompt tokens (`MAX_SPLIT_TOKENS`, default 1024). PACKED=0 runs the steps past those caps through the
+eager pass instead of a packed captured pass (runtime/execution/packed_steps.py: lever 109's A/B)."""
 import os
 import sys
 
 from runtime.execution import captured_steps
+from runtime.execution.runner import ModelRunner
 
 captured_steps.MAX_SPLIT_PROMPTS = int(os.environ.get("CAP", captured_steps.MAX_SPLIT_PROMPTS))
 captured_steps.MAX_SPLIT_TOKENS = int(os.environ.get("TOKENS", captured_steps.MAX_SPLIT_TOKENS))
+if os.environ.get("PACKED", "1") == "0":
+    ModelRunner.packed_step = lambda self, scheduled: None
 
 from runtime import bench  # noqa: E402
 
