@@ -87,8 +87,9 @@ class ModelRunner(EagerPass, CapturedSteps, PackedSteps):
         num_scratch_slots = max(config.max_num_seqs * (config.speculative.num_tokens + 1),
                                 self.prefill_buckets.scratch_tokens(self.block_size))
         cache_blocks = self.num_blocks + math.ceil(num_scratch_slots / self.block_size)
-        check_cache_fits(config, cache_blocks * self.bytes_per_block, hal.mem_info().total_bytes, cache_blocks,
-                         self.block_size)
+        memory = hal.mem_info()
+        check_cache_fits(config, cache_blocks * self.bytes_per_block, memory.total_bytes, cache_blocks,
+                         self.block_size, memory.free_bytes)
         self.kv_caches = [hal.zeros(self.backend.kv_cache_shape(cache_blocks), self.backend.kv_cache_dtype)
                           for _ in range(spec.layers_per_plane)]
         log.info("KV cache: %d blocks of %d tokens, %.1f MiB, kv_mode=%s, kv_dtype=%s", self.num_blocks,

@@ -246,6 +246,24 @@ def test_a_cache_larger_than_the_device_or_a_block_past_the_context_is_refused_b
         engine_for(model, kv_cache_memory_bytes=10)
 
 
+def test_a_cache_larger_than_the_free_memory_is_allocated_with_a_warning_naming_the_setting(monkeypatch, caplog):
+    """The CPU maps a pool's pages as requests write them, so a pool past the memory free at start
+    would fail only once requests fill it: the start says so, with the setting that sized it."""
+    from hal.base import MemInfo
+    from hal.cpu import CpuHal
+
+    model = zoo.from_pretrained(golden_case("ouro-tiny").path, dtype="float32")
+    monkeypatch.setattr(CpuHal, "mem_info", lambda self: MemInfo(1 << 20, 64 << 30))
+    with caplog.at_level("WARNING", logger="runtime.execution.kv_pool"):
+        engine_for(model, num_kv_blocks=4096)
+    assert "more than the 0.0 GiB free now" in caplog.text and "lower engine.num_kv_blocks" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(CpuHal, "mem_info", lambda self: MemInfo(60 << 30, 64 << 30))
+    with caplog.at_level("WARNING", logger="runtime.execution.kv_pool"):
+        engine_for(model, num_kv_blocks=4096)
+    assert "free now" not in caplog.text
+
+
 def test_abort_frees_blocks_and_streaming_yields_every_token():
     from runtime import LLM
 
