@@ -55,6 +55,22 @@ def single_thread():
     torch.set_num_threads(previous)
 
 
+def count_step_kinds(monkeypatch, kinds: tuple[str, ...]) -> dict[str, int]:
+    """How many steps `ModelRunner` ran through each `_execute_<kind>` (counted as they run)."""
+    from runtime.execution.runner import ModelRunner
+
+    counts = dict.fromkeys(kinds, 0)
+    for kind in kinds:
+        original = getattr(ModelRunner, f"_execute_{kind}")
+
+        def counted(self, *args, _kind=kind, _original=original, **kwargs):
+            counts[_kind] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(ModelRunner, f"_execute_{kind}", counted)
+    return counts
+
+
 def hal_available(name: str) -> bool:
     import hal
 

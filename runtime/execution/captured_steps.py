@@ -43,14 +43,14 @@ MAX_SPLIT_PROMPTS = 8
 MAX_SPLIT_TOKENS = 1024
 
 
-def prefill_program(model: LoopedCausalLM, num_loops: int, sample_row: torch.Tensor):
-    """A prefill pass of one sequence: prelude, every loop, the head on row `sample_row` (`[1]`, the
-    last real token; a static buffer) -> logits `[1, V]` float32."""
+def prefill_program(model: LoopedCausalLM, num_loops: int, sample_rows: torch.Tensor):
+    """A prefill pass: prelude, every loop, the head on rows `sample_rows` (a static buffer: `[1]`, one
+    prompt's last real token; `[S]`, each sequence's last row of a packed step) -> logits `[R, V]` float32."""
     def run(ids: torch.Tensor, ctx) -> torch.Tensor:
         state = model.prelude(ids, ctx)
         for depth in range(num_loops):
             state = model.loop(state, depth, ctx)
-        return model.coda(state, ctx, rows=sample_row)[0].float()
+        return model.coda(state, ctx, rows=sample_rows)[0].float()
     return run
 
 

@@ -36,6 +36,7 @@ from runtime.engine.kv_cache import BlockManager
 from runtime.engine.planes import PlaneLayout
 from runtime.engine.step_schedule import ScheduledRequest
 from runtime.execution.async_step import PendingStep, StepResult
+from runtime.execution.captured_steps import prefill_program
 from runtime.execution.graphs import PassGraphs
 from runtime.execution.step_inputs import HostInputs, PassEnv, describe, place
 from zoo.base import LoopedCausalLM
@@ -50,17 +51,6 @@ PACKED_MAX_TOKENS = 2048
 class PackedShape(NamedTuple):
     num_seqs: int          # sequence capacity: the real ones, then padding
     num_tokens: int        # the step's tokens rounded up to the granule
-
-
-def packed_program(model: LoopedCausalLM, num_loops: int, sample_rows: torch.Tensor):
-    """A packed pass: prelude, every loop, the head on rows `sample_rows` (`[S]`, each sequence's last
-    row; a static buffer) -> logits `[S, V]` float32."""
-    def run(ids: torch.Tensor, ctx) -> torch.Tensor:
-        state = model.prelude(ids, ctx)
-        for depth in range(num_loops):
-            state = model.loop(state, depth, ctx)
-        return model.coda(state, ctx, rows=sample_rows)[0].float()
-    return run
 
 
 def pad_packed(host: HostInputs, shape: PackedShape, env: PassEnv) -> HostInputs:
@@ -142,7 +132,7 @@ class PackedSteps:
         rows.copy_(torch.from_numpy(np.maximum(ends, 0)), non_blocking=True)
         capacity = MetaCapacity(shape.num_seqs, shape.num_tokens, self.graphs.max_blocks_of(PACKED_GRANULE),
                                 num_planes, self.graphs.max_model_len + PACKED_GRANULE, packed=True)
-        program = packed_program(self.model, loops, rows)
+        program = prefill_program(self.model, loops, rows)
         if key in self.graphs.captured or key in self.packed_seen:
             logits = self.graphs.run_packed(key, program, host, full, capacity, fed_from)
         else:

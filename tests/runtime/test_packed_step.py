@@ -5,7 +5,7 @@ the CPU with graphs=true (the padded pass runs eagerly, as a Hal that captures w
 import numpy as np
 import pytest
 import torch
-from helpers import golden_case, golden_names, single_thread  # noqa: F401 (fixture)
+from helpers import count_step_kinds, golden_case, golden_names, single_thread  # noqa: F401 (fixture)
 
 import hal
 import zoo
@@ -16,7 +16,6 @@ from runtime.engine.llm_engine import LLMEngine
 from runtime.execution import captured_steps
 from runtime.execution.packed_steps import PACKED_GRANULE, PackedShape, pad_packed
 from runtime.execution.reference import generate_reference
-from runtime.execution.runner import ModelRunner
 from runtime.execution.step_inputs import HostInputs, PassEnv
 from hal.attention import PagedBatch
 
@@ -26,16 +25,7 @@ PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, init_sca
 @pytest.fixture
 def packed_steps(monkeypatch):
     """How many steps ran packed, and how many eagerly."""
-    counts = {"packed": 0, "eager": 0}
-    for kind in counts:
-        original = getattr(ModelRunner, f"_execute_{kind}")
-
-        def counted(self, *args, _kind=kind, _original=original, **kwargs):
-            counts[_kind] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(ModelRunner, f"_execute_{kind}", counted)
-    return counts
+    return count_step_kinds(monkeypatch, ("packed", "eager"))
 
 
 @pytest.mark.parametrize("name", golden_names())

@@ -1,10 +1,11 @@
 """Where a Hal's attention backend takes no packed graphs (Ascend), a step that decodes and ends a
 few prompts replays the captured decode pass and one captured prefill per prompt
-(`ModelRunner.split_step`) instead of one eager pass, and the tokens stay those of the simple path: requests joining a decoding batch, on the CPU with graphs=true (the padded
+(`ModelRunner.split_step`) instead of one eager pass, and the tokens stay those of the simple path:
+requests joining a decoding batch, on the CPU with graphs=true and packed steps off (the padded
 passes run eagerly; by default the CPU keeps its one packed pass) and on the simulated Ascend Hal
 (its graphs replay what the start captured), every model family."""
 import pytest
-from helpers import golden_case, golden_names, single_thread  # noqa: F401 (fixture)
+from helpers import count_step_kinds, golden_case, golden_names, single_thread  # noqa: F401 (fixture)
 
 import hal
 import zoo
@@ -28,16 +29,7 @@ def no_packed_steps(monkeypatch):
 @pytest.fixture
 def step_kinds(monkeypatch):
     """Counts of the runner's step kinds: split, eager, captured decode, captured prefill."""
-    counts = {"split": 0, "eager": 0, "captured": 0, "prefill": 0}
-    for kind in counts:
-        original = getattr(ModelRunner, f"_execute_{kind}")
-
-        def counted(self, *args, _kind=kind, _original=original, **kwargs):
-            counts[_kind] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(ModelRunner, f"_execute_{kind}", counted)
-    return counts
+    return count_step_kinds(monkeypatch, ("split", "eager", "captured", "prefill"))
 
 
 def join_while_decoding(engine, prompts, joins):
