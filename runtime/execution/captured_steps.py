@@ -1,11 +1,12 @@
-"""The runner's captured steps: which steps replay captured passes (runtime/execution/graphs.py)
-and how. A pure decode step replays the decode pass of its batch bucket over the persistent batch's
+"""The runner's captured steps: which steps replay captured passes (runtime/execution/graphs.py) and
+how. A pure decode step replays the decode pass of its batch bucket over the persistent batch's
 rows; a step that is one prompt (or its last chunk) replays the prefill of its token-count bucket;
-a step of up to `MAX_SPLIT_PROMPTS` prompt chunks (any chunk) of up to `MAX_SPLIT_TOKENS` tokens in
-all, beside such decodes or alone, replays those passes one after another, so neither an arrival nor
-a burst of short prompts costs an eager pass whose host's launches outlast its device time.
-`capture_at_start` captures the passes these steps expect when the engine starts. `ModelRunner`
-inherits this and samples what it returns.
+where no packed pass takes it (runtime/execution/packed_steps.py), a step of up to
+`MAX_SPLIT_PROMPTS` prompt chunks (any chunk) of up to `MAX_SPLIT_TOKENS` tokens in all, beside such
+decodes or alone, replays those passes one after another, so neither an arrival nor a burst of short
+prompts costs an eager pass whose host's launches outlast its device time. `capture_at_start`
+captures the passes these steps expect when the engine starts. `ModelRunner` inherits this and
+samples what it returns.
 """
 from __future__ import annotations
 
