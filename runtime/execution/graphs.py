@@ -190,6 +190,9 @@ class PassGraphs:
 
         env.backend.update_meta(meta, host.batch)
         graph, outputs = self._record(step)
+        # replays draw Huginn's states into the static buffer (`run`): the captured context reads no
+        # request, and must not keep a first batch's (`over`) alive for the engine's life
+        ctx.draws = [(None, rows) for _, rows in ctx.draws]
         log.info("captured a pass: %s, batch %d", what, bucket)
         return Captured(graph, inputs, positions, initial_state, ctx, outputs, fed_from, staging)
 

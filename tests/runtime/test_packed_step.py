@@ -54,6 +54,26 @@ def test_a_burst_beside_decodes_replays_packed_passes_and_keeps_the_tokens(name,
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
+def test_a_pass_captured_over_a_burst_keeps_none_of_its_requests(single_thread):
+    """A packed pass is captured over the batch of its token count's second step: once those requests
+    finish and the engine forgets them, nothing holds them (the captured context keeps no draws)."""
+    import gc
+    import weakref
+
+    case = golden_case("huginn-tiny")
+    model = zoo.from_pretrained(case.path, dtype="float32").eval()
+    engine = LLMEngine(model, hal.get("cpu"), EngineConfig(max_num_seqs=8, max_num_batched_tokens=32, graphs=True))
+    requests = [engine.add_request(str(i), (case.prompt(0) * 8)[:40 + i], PARAMS) for i in range(4)]
+    refs = [weakref.ref(r) for r in requests]
+    del requests
+    engine.run_until_done()
+    assert any(key[0] == "packed" for key in engine.runner.graphs.captured)
+    engine.add_request("after", case.prompt(1), PARAMS)      # the scheduler keeps its last step's plan
+    engine.run_until_done()
+    gc.collect()
+    assert [ref() for ref in refs] == [None] * 4
+
+
 def test_steps_the_packed_pass_does_not_take_stay_eager(packed_steps, monkeypatch, single_thread):
     """Prompt logprobs (every prompt row's logits) and requests at different depths keep the eager
     pass (past the split caps, set low here)."""
