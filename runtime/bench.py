@@ -290,11 +290,11 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
             log.info("matmul rate %.0f TFLOP/s, copy rate %.2f TB/s", rate / 1e12, copy_rate / 1e12)
         if cfg.warmup:
             # same prompt lengths, a late prompt's too: kernels compile (and passes the engine did not
-            # capture at start, such as a long chunk's prefill, capture) outside the timed cell; twice,
-            # with up to four prompts, since a packed pass captures at its second step of a token count
-            # (runtime/execution/packed_steps.py)
+            # capture at start, such as a long chunk's prefill, capture) outside the timed cell; with
+            # several prompts twice, with up to four, since a packed pass captures at its second step of
+            # a token count (runtime/execution/packed_steps.py; one prompt never takes a packed step)
             late = {"late_prompt": cell["late_prompt"]} if cell.get("late_prompt") else {}
-            for seed in (1, 2):
+            for seed in (1, 2) if cell["batch"] > 1 else (1,):
                 run_cell(engine, {"batch": min(cell["batch"], 4), "prompt": cell["prompt"], "new": 4, **late},
                          num_loops, seed=seed)
         row = {"workload": workload, "model": name, "hal": hal.name, "tp": parallel.world_size,

@@ -73,7 +73,7 @@ def add_burst(engine: LLMEngine, tag: str, num_requests: int, context: int, voca
 
 
 def burst(engine: LLMEngine, eager: EagerSteps, synced: bool, profiler: cProfile.Profile | None = None) -> list:
-    """Runs the engine until idle -> (host ms, whole ms) of each step that ran an eager pass."""
+    """Runs the engine until idle -> (host ms, whole ms) of each step that ran the measured pass."""
     rows = []
     while engine.has_unfinished_requests():
         if synced:
@@ -180,12 +180,13 @@ def main() -> None:
     if not rows:
         raise SystemExit("no step ran the pass this measures (the CPU Hal captures nothing: packed steps need "
                          "graphs; use --eager there)")
+    kind = "eager" if args.eager else "packed"
     host, whole = [r[0] for r in rows], [r[1] for r in rows]
-    print(f"eager steps, each from an idle device: {len(rows)}; host (until step() returns) median "
+    print(f"{kind} steps, each from an idle device: {len(rows)}; host (until step() returns) median "
           f"{statistics.median(host):.1f} ms (min {min(host):.1f}, max {max(host):.1f}); until the device is "
           f"done median {statistics.median(whole):.1f} ms (min {min(whole):.1f})")
 
-    print("operations that wait for the device in one eager step with decodes beside its chunks:")
+    print(f"operations that wait for the device in one {kind} step with decodes beside its chunks:")
     sites = sync_sites(engine, eager, args, vocab) if torch.cuda.is_available() else []
     for site in sites[:40]:
         print("  ", site)
@@ -194,19 +195,19 @@ def main() -> None:
     profiler = cProfile.Profile()
     add_burst(engine, "c", args.requests, args.context, vocab)
     rows = burst(engine, eager, synced=True, profiler=profiler)
-    print(f"under cProfile: {len(rows)} eager steps, host median {statistics.median(r[0] for r in rows):.1f} ms")
+    print(f"under cProfile: {len(rows)} {kind} steps, host median {statistics.median(r[0] for r in rows):.1f} ms")
     for key in ("tottime", "cumtime"):
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(args.top)
-        print(f"--- by {key} (all steps of the burst, eager and not) ---")
+        print(f"--- by {key} (all steps of the burst, {kind} and not) ---")
         print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:12000])
 
     hidden = model.config.hidden_size
-    rows_per_step = args.budget + args.requests
+    rows_per_step = args.budget                 # the budget counts the decodes beside the chunks
     widths = sorted({p.shape[0] for n, p in model.named_parameters() if p.dim() == 2 and p.shape[1] == hidden})
     print(f"F.linear host us per call at {rows_per_step} rows x {hidden}: "
           + ", ".join(f"N={n}: {us:.1f}" for n, us in linear_host_us(device, rows_per_step, hidden, widths).items()))
-    print(f"... at 64 rows: " + ", ".join(f"N={n}: {us:.1f}" for n, us in linear_host_us(device, 64, hidden, widths).items()))
+    print("... at 64 rows: " + ", ".join(f"N={n}: {us:.1f}" for n, us in linear_host_us(device, 64, hidden, widths).items()))
 
 
 if __name__ == "__main__":
