@@ -7,7 +7,10 @@ environment, for measuring them (docs/benchmarks.md, thirty-ninth and forty-firs
 CAP=0 splits no step (every step of prompt chunks runs one eager pass); CAP=N splits steps of up to N
 chunks (`runtime.execution.captured_steps.MAX_SPLIT_PROMPTS`, default 8) and TOKENS=M steps of up to M
 prompt tokens (`MAX_SPLIT_TOKENS`, default 1024). PACKED=0 runs the steps past those caps through the
-eager pass instead of a packed captured pass (runtime/execution/packed_steps.py: lever 109's A/B)."""
+eager pass instead of a packed captured pass (runtime/execution/packed_steps.py: lever 109's A/B).
+LONE=0 restores the steps of one prompt chunk as they ran before lever 110 (lever 110's A/B): a lone
+chunk that is not its prompt's last splits up to the caps, else runs eagerly, and a chunk beside
+decodes never takes a packed pass."""
 import os
 import sys
 
@@ -18,6 +21,16 @@ captured_steps.MAX_SPLIT_PROMPTS = int(os.environ.get("CAP", captured_steps.MAX_
 captured_steps.MAX_SPLIT_TOKENS = int(os.environ.get("TOKENS", captured_steps.MAX_SPLIT_TOKENS))
 if os.environ.get("PACKED", "1") == "0":
     ModelRunner.packed_step = lambda self, scheduled: None
+if os.environ.get("LONE", "1") == "0":
+    _prefill_bucket, _packed_step = ModelRunner.prefill_bucket, ModelRunner.packed_step
+
+    def _last_chunk_only(self, scheduled):
+        return _prefill_bucket(self, scheduled) if len(scheduled) == 1 and scheduled[0].samples else None
+
+    def _two_chunks_only(self, scheduled):
+        return _packed_step(self, scheduled) if sum(item.num_tokens > 1 for item in scheduled) >= 2 else None
+
+    ModelRunner.prefill_bucket, ModelRunner.packed_step = _last_chunk_only, _two_chunks_only
 
 from runtime import bench  # noqa: E402
 

@@ -1,6 +1,7 @@
 """The runner's captured steps: which steps replay captured passes (runtime/execution/graphs.py) and
 how. A pure decode step replays the decode pass of its batch bucket over the persistent batch's
-rows; a step that is one prompt (or its last chunk) replays the prefill of its token-count bucket;
+rows; a step that is one prompt chunk alone (its prompt's last or not: a long prompt over the
+engine's default budget of 2,048) replays the prefill of its token-count bucket;
 where no packed pass takes it (runtime/execution/packed_steps.py), a step of up to
 `MAX_SPLIT_PROMPTS` prompt chunks (any chunk) of up to `MAX_SPLIT_TOKENS` tokens in all, beside such
 decodes or alone, replays those passes one after another, so neither an arrival nor a burst of short
@@ -104,10 +105,12 @@ class CapturedSteps:
         log.info("captured %d passes at start in %.2f s", len(graphs.captured), self.start_capture_s)
 
     def prefill_bucket(self, scheduled: Sequence[ScheduledRequest]) -> int | None:
-        """The captured prefill width for a step that is one prompt's last (or only) chunk, or None.
-        Unlike `split_step`, this holds where passes are not captured too: the same padded pass then
-        runs eagerly, so turning graphs off changes no kernel's shapes for a lone prompt."""
-        if self.graphs is None or len(scheduled) != 1 or not scheduled[0].samples:
+        """The captured prefill width for a step that is one prompt chunk alone, or None. A chunk that
+        is not its prompt's last (a long prompt over a budget of 2,048, the engine's default) replays
+        the same pass and samples nothing: one replay, so no cap applies. Unlike `split_step`, this
+        holds where passes are not captured too: the same padded pass then runs eagerly, so turning
+        graphs off changes no kernel's shapes for a lone prompt."""
+        if self.graphs is None or len(scheduled) != 1:
             return None
         return self.chunk_bucket(scheduled[0])
 
@@ -202,8 +205,9 @@ class CapturedSteps:
     def _execute_prefill(self, item: ScheduledRequest, width: int, blocks: BlockManager,
                          fed_from: PendingStep | None, deferred: bool) -> StepResult | PendingStep:
         logits = self._prefill_logits(item, width, blocks, fed_from)
-        return self.finish_step(logits, [item.request], [item.request.num_loops], item.num_tokens, deferred,
-                                fed_from=fed_from)
+        requests = [item.request] if item.samples else []
+        return self.finish_step(logits if requests else None, requests, [item.request.num_loops] * len(requests),
+                                item.num_tokens, deferred, fed_from=fed_from)
 
     def _prefill_logits(self, item: ScheduledRequest, bucket: int, blocks: BlockManager,
                         fed_from: PendingStep | None) -> torch.Tensor:

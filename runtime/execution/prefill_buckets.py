@@ -1,4 +1,4 @@
-"""Which captured prefill a prompt (or its last chunk) replays: the token counts that are captured, the
+"""Which captured prefill a prompt chunk replays: the token counts that are captured, the
 padding each may take, and which of them attend through the backend's fresh path. Arithmetic only;
 the runner asks, `graphs.PassGraphs` captures.
 

@@ -160,16 +160,15 @@ def test_a_burst_of_chunked_prompts_replays_captured_prefills(monkeypatch):
     packed batches: packed steps are turned off here); with graphs off the same chunks run
     eagerly, each padded to its bucket, so the greedy tokens are the eager engine's (a packed pass
     would round differently and flip random weights' near-ties)."""
+    from helpers import count_step_kinds
     from runtime.execution.runner import ModelRunner
 
     monkeypatch.setattr(ModelRunner, "packed_step", lambda self, scheduled: None)
+    kinds = count_step_kinds(monkeypatch, ("split", "prefill", "eager"))
     gpu = hal.get("cuda")
     model = zoo.from_config(CONFIGS / "ouro-1.4b.json", dtype="bfloat16", device=gpu.device(), seed=0)
     rng = random.Random(5)
     prompts = [[rng.randrange(1, 49152) for _ in range(rng.randint(300, 700))] for _ in range(6)]
-    num_split = []
-    split = ModelRunner._execute_split
-    monkeypatch.setattr(ModelRunner, "_execute_split", lambda self, *a, **k: num_split.append(1) or split(self, *a, **k))
     results = {}
     for graphs in (True, False):
         engine = LLMEngine(model, gpu, EngineConfig(graphs=graphs, max_num_seqs=8, max_num_batched_tokens=512,
@@ -178,8 +177,9 @@ def test_a_burst_of_chunked_prompts_replays_captured_prefills(monkeypatch):
             engine.add_request(str(i), prompt, SamplingParams(max_tokens=8 + i, temperature=0.0, ignore_eos=True))
         outs = {o.request_id: o.token_ids for o in engine.run_until_done()}
         results[graphs] = [outs[str(i)] for i in range(len(prompts))]
-        assert len(num_split) >= 6, len(num_split)
-        num_split.clear()
+        # (a lone chunk, such as the first step's, replays its prefill without a split)
+        assert kinds["eager"] == 0 and kinds["split"] + kinds["prefill"] >= 6, kinds
+        kinds.update(dict.fromkeys(kinds, 0))
         del engine
         torch.cuda.empty_cache()
     assert results[True] == results[False]
@@ -217,3 +217,42 @@ def test_a_burst_beside_decodes_replays_packed_passes(monkeypatch):
         del engine
         torch.cuda.empty_cache()
     assert results[True] == results[False]
+
+
+def test_a_long_prompt_at_the_default_budget_replays_its_chunks(monkeypatch):
+    """A 7,000-token prompt at the engine's default budget (2,048 tokens), alone and then joining two
+    decoding requests, at the real Ouro-1.4B shape (bf16): alone, each chunk replays a captured
+    prefill (the chunks before the last sample nothing); beside the decodes, each step its chunks
+    fill replays one packed pass. Graphs off gives the same tokens (its packed passes run the same
+    padded pass eagerly; its chunks of 2,048 run the eager pass: uncaptured, the prefills are padded
+    only up to 1,024 tokens)."""
+    from helpers import count_step_kinds
+
+    kinds = count_step_kinds(monkeypatch, ("prefill", "packed", "eager"))
+    gpu = hal.get("cuda")
+    model = zoo.from_config(CONFIGS / "ouro-1.4b.json", dtype="bfloat16", device=gpu.device(), seed=0)
+    rng = random.Random(11)
+    long = [rng.randrange(1, 49152) for _ in range(7000)]
+    short = [[rng.randrange(1, 49152) for _ in range(300)] for _ in range(2)]
+    results, counts = {}, {}
+    for graphs in (True, False):
+        engine = LLMEngine(model, gpu, EngineConfig(graphs=graphs, max_num_seqs=4, max_model_len=7200))
+        engine.add_request("alone", long, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        outs = {o.request_id: o.token_ids for o in engine.run_until_done()}
+        alone = dict(kinds)
+        for i, prompt in enumerate(short):
+            engine.add_request(str(i), prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+        engine.step()
+        engine.step()
+        engine.add_request("joining", long, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        outs.update({o.request_id: o.token_ids for o in engine.run_until_done()})
+        results[graphs], counts[graphs] = outs, (alone, dict(kinds))
+        for kind in kinds:
+            kinds[kind] = 0
+        del engine
+        torch.cuda.empty_cache()
+    assert results[True] == results[False]
+    alone, both = counts[True]
+    assert alone["prefill"] == 4 and alone["eager"] == 0, alone
+    assert both["packed"] >= 3 and both["eager"] == 0, both
+    assert counts[False][1]["packed"] >= 3, counts[False]

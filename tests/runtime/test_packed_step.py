@@ -116,3 +116,30 @@ def test_padding_is_one_sequence_in_the_scratch_blocks_and_empty_ones():
     assert np.array_equal(slots[:, 6:], np.tile(np.arange(50 * 4, 50 * 4 + 10), (2, 1)))
     with pytest.raises(AssertionError):
         pad_packed(host, PackedShape(2, 16), _env())                # no room for a padding sequence
+
+
+@pytest.mark.parametrize("name", golden_names())
+def test_a_long_prompt_joining_decodes_fills_its_steps_with_packed_passes(name, monkeypatch, single_thread):
+    """A prompt three budgets long joins two decoding requests: each step that holds one of its chunks
+    and the decodes fills the budget, so it replays one packed pass of the budget's token count (the
+    count recurs: captured over the second such step) instead of an eager pass; tokens unchanged."""
+    kinds = count_step_kinds(monkeypatch, ("packed", "split", "eager"))
+    case = golden_case(name)
+    model = zoo.from_pretrained(case.path, dtype="float32").eval()
+    budget = 32
+    short = [case.prompt(0)[:5], case.prompt(1 % case.num_prompts)[:7]]
+    long = (case.prompt(0) * 20)[: 3 * budget + 4]
+    engine = LLMEngine(model, hal.get("cpu"), EngineConfig(max_num_seqs=4, max_num_batched_tokens=budget,
+                                                            graphs=True))
+    decoding = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, init_scale=0.0)
+    for i, prompt in enumerate(short):
+        engine.add_request(str(i), prompt, decoding)
+    engine.step()
+    engine.step()
+    engine.add_request("long", long, PARAMS)
+    outs = {o.request_id: o.token_ids for o in engine.run_until_done()}
+    assert outs["long"] == generate_reference(model, long, PARAMS)[0]
+    assert outs["0"] == generate_reference(model, short[0], decoding)[0]
+    assert kinds["packed"] >= 3 and kinds["eager"] == 0, kinds
+    assert ("packed", budget, 5, model.default_num_loops, engine.runner.layout.num_planes(model.default_num_loops)) \
+        in engine.runner.graphs.captured

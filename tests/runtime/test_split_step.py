@@ -127,6 +127,25 @@ def test_with_capture_turned_off_the_same_chunks_split_eagerly(step_kinds, monke
     assert splits[False] == splits[True] >= 4, splits
 
 
+@pytest.mark.parametrize("hal_name", ["cpu", "ascend-sim"])
+def test_a_lone_prompt_past_the_split_cap_replays_a_prefill_per_chunk(hal_name, step_kinds, monkeypatch,
+                                                                      single_thread):
+    """One prompt three budgets long, alone, with chunks wider than `MAX_SPLIT_TOKENS` (the engine's
+    default budget of 2,048 against the cap of 1,024): every chunk, its last and the ones before
+    (which sample nothing), replays its captured prefill, one pass a step, never the eager pass."""
+    monkeypatch.setattr(captured_steps, "MAX_SPLIT_TOKENS", 8)
+    case = golden_case("ouro-tiny")
+    model = zoo.from_pretrained(case.path, dtype="float32").eval()
+    prompt = (case.prompt(0) * 20)[:3 * 32 + 5]
+    sim = {"sim_any_shape": True} if hal_name == "ascend-sim" else {}
+    engine = LLMEngine(model, hal.get(hal_name, **sim), EngineConfig(block_size=16, max_num_seqs=4,
+                                                                      max_num_batched_tokens=32, graphs=True))
+    engine.add_request("a", prompt, PARAMS)
+    outs = {o.request_id: o.token_ids for o in engine.run_until_done()}
+    assert outs["a"] == generate_reference(model, prompt, PARAMS)[0]
+    assert step_kinds["prefill"] == 4 and step_kinds["eager"] == step_kinds["split"] == 0, step_kinds
+
+
 @pytest.mark.parametrize("cap, max_tokens, path", [(6, 69, "split"), (5, 69, "eager"), (6, 68, "eager")])
 def test_six_prompts_at_once_split_under_both_caps(cap, max_tokens, path, step_kinds, monkeypatch, single_thread):
     """Six prompts of 69 tokens in all arriving together make one step of six chunks: replayed one by
