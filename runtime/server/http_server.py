@@ -38,6 +38,11 @@ class GracefulServer(uvicorn.Server):
             await asyncio.wait({drain}, timeout=FORCE_POLL_S)
         await drain
         await super().shutdown(sockets)
+        if self.force_exit:
+            # uvicorn skips the app's lifespan shutdown on a forced exit, and asyncio then cancels the
+            # lifespan task, which starlette logs as a CancelledError traceback; the engine has stopped
+            # by now, so that shutdown returns at once: run it
+            await self.lifespan.shutdown()
 
 
 def make_server(app: Any, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout_s: float = 30.0,

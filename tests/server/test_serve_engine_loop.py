@@ -183,7 +183,9 @@ def test_the_pool_gauges_are_published_before_any_request(make_engine):
 
 
 def test_a_second_ctrl_c_ends_the_drain_at_once(monkeypatch):
-    """uvicorn sets force_exit on a second SIGINT: the drain (30 s here) then ends within a poll."""
+    """uvicorn sets force_exit on a second SIGINT: the drain (30 s here) then ends within a poll, and
+    the app's lifespan still shuts down (uvicorn skips it when forced, and the cancelled lifespan
+    task printed a CancelledError traceback)."""
     import threading
 
     import uvicorn
@@ -207,6 +209,13 @@ def test_a_second_ctrl_c_ends_the_drain_at_once(monkeypatch):
     monkeypatch.setattr(uvicorn.Server, "shutdown", stopped)
     engine_loop = SlowToDrain()
     server = GracefulServer(uvicorn.Config(lambda scope, receive, send: None), engine_loop, shutdown_timeout_s=30.0)
+    lifespan_shutdowns = []
+
+    class Lifespan:
+        async def shutdown(self) -> None:
+            lifespan_shutdowns.append(engine_loop.ended.is_set())
+
+    server.lifespan = Lifespan()
 
     async def run() -> float:
         start = time.monotonic()
@@ -218,3 +227,4 @@ def test_a_second_ctrl_c_ends_the_drain_at_once(monkeypatch):
 
     assert asyncio.run(run()) < 5
     assert engine_loop.drains == [30.0, 0.0]
+    assert lifespan_shutdowns == [True]
