@@ -9,8 +9,8 @@ chunks (`runtime.execution.captured_steps.MAX_SPLIT_PROMPTS`, default 8) and TOK
 prompt tokens (`MAX_SPLIT_TOKENS`, default 1024). PACKED=0 runs the steps past those caps through the
 eager pass instead of a packed captured pass (runtime/execution/packed_steps.py: lever 109's A/B).
 LONE=0 restores the steps of one prompt chunk as they ran before lever 110 (lever 110's A/B): a lone
-chunk that is not its prompt's last splits up to the caps, else runs eagerly, and a chunk beside
-decodes never takes a packed pass."""
+chunk that is not its prompt's last splits up to the caps, else runs eagerly, and one chunk beside
+decodes splits only up to TOKENS (not `MAX_SPLIT_TOKENS_ONE_CHUNK`)."""
 import os
 import sys
 
@@ -22,15 +22,13 @@ captured_steps.MAX_SPLIT_TOKENS = int(os.environ.get("TOKENS", captured_steps.MA
 if os.environ.get("PACKED", "1") == "0":
     ModelRunner.packed_step = lambda self, scheduled: None
 if os.environ.get("LONE", "1") == "0":
-    _prefill_bucket, _packed_step = ModelRunner.prefill_bucket, ModelRunner.packed_step
+    _prefill_bucket = ModelRunner.prefill_bucket
 
     def _last_chunk_only(self, scheduled):
         return _prefill_bucket(self, scheduled) if len(scheduled) == 1 and scheduled[0].samples else None
 
-    def _two_chunks_only(self, scheduled):
-        return _packed_step(self, scheduled) if sum(item.num_tokens > 1 for item in scheduled) >= 2 else None
-
-    ModelRunner.prefill_bucket, ModelRunner.packed_step = _last_chunk_only, _two_chunks_only
+    ModelRunner.prefill_bucket = _last_chunk_only
+    captured_steps.MAX_SPLIT_TOKENS_ONE_CHUNK = captured_steps.MAX_SPLIT_TOKENS
 
 from runtime import bench  # noqa: E402
 

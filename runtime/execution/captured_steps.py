@@ -43,6 +43,11 @@ log = logging.getLogger(__name__)
 # 128-token chunks 393 against 302.
 MAX_SPLIT_PROMPTS = 8
 MAX_SPLIT_TOKENS = 1024
+# One chunk beside decodes (a request joining) splits up to this many tokens, the engine's default budget:
+# two replays whatever its size. Measured on an H100 at 2,048 (docs/performance.md, lever 110): a
+# 1,500-token prompt joining 64 decodes 80.9-81.1 ms to its first token split against 89.4-151.6
+# eager; a 4K prompt's chunks beside them 207.4-208.8 split against 217.3-219.9 as one packed pass.
+MAX_SPLIT_TOKENS_ONE_CHUNK = 2048
 
 
 def prefill_program(model: LoopedCausalLM, num_loops: int, sample_rows: torch.Tensor):
@@ -138,8 +143,8 @@ class CapturedSteps:
 
     def split_step(self, scheduled: Sequence[ScheduledRequest]) -> tuple[list, list] | None:
         """(decodes, [(prompt chunk, its width)]) of a step of prompt chunks that captured prefills
-        run, up to `MAX_SPLIT_PROMPTS` of them and `MAX_SPLIT_TOKENS` tokens, beside decodes that a
-        captured decode pass runs (or none): the step replays those passes instead of one eager pass,
+        run, up to `MAX_SPLIT_PROMPTS` of them and `MAX_SPLIT_TOKENS` tokens (one chunk: up to
+        `MAX_SPLIT_TOKENS_ONE_CHUNK`), beside decodes that a captured decode pass runs (or none): the step replays those passes instead of one eager pass,
         whose host work (about a thousand launches issued from Python, about 50 ms on the H100's host)
         would stall every decoding request each time a request joins, and pace a burst of short
         prompts prefilled chunk by chunk. Past those limits the eager pass's device time covers its
@@ -155,7 +160,8 @@ class CapturedSteps:
         decodes = [item for item in scheduled if item.num_tokens == 1]
         prompts = [item for item in scheduled if item.num_tokens > 1]
         num_tokens = sum(item.num_tokens for item in prompts)
-        if not 0 < len(prompts) <= MAX_SPLIT_PROMPTS or num_tokens > MAX_SPLIT_TOKENS:
+        limit = MAX_SPLIT_TOKENS_ONE_CHUNK if len(prompts) == 1 else MAX_SPLIT_TOKENS
+        if not 0 < len(prompts) <= MAX_SPLIT_PROMPTS or num_tokens > limit:
             return None
         if decodes and not self.is_graph_step(decodes):
             return None

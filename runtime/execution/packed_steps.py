@@ -1,6 +1,6 @@
 """The runner's packed captured steps: a step of prompt chunks, with or without decodes beside them
-(requests joining a decoding batch, a burst of prompts chunked over a server's token budget, a long
-prompt's chunks filling the budget beside decodes), replays one captured pass over all of its rows, packed as the eager pass packs them, where the
+(requests joining a decoding batch, a burst of prompts chunked over a server's token budget),
+replays one captured pass over all of its rows, packed as the eager pass packs them, where the
 attention backend captures packed batches (`AttnCaps.packed_graphs`: the Triton backend of the CUDA
 and ROCm Hals, the CPU reference); elsewhere `split_step` replays a decode pass and a prefill per
 chunk, up to its caps.
@@ -9,9 +9,7 @@ Why (docs/performance.md, lever 109, measured on H100s): the eager pass of such 
 host (47-63 ms of host against about 49 ms of kernels for 2,048 tokens: tools/eager_host_cost.py),
 and a split step reads the weights once per pass it replays, where a packed one reads them once.
 The 64 x 1K burst at a budget of 2,048 took 1,750-1,756 ms packed against 1,934-2,332 eager; at
-1,024, 2,422-2,434 against 3,013-3,015 split; 64 x 128 tokens at 512, 420-463 against 718-721 split;
-a 4K prompt joining 64 decodes at 2,048, 218.5-219.2 ms to its first token against 222.5-223.2 eager
-(lever 110: such a step is about as long on the device as its eager pass on an H100's host).
+1,024, 2,422-2,434 against 3,013-3,015 split; 64 x 128 tokens at 512, 420-463 against 718-721 split.
 
 A packed pass is captured per token count (rounded up to `PACKED_GRANULE` where the scratch slots
 hold the padding) at a fixed capacity of `max_num_seqs + 1` sequences: the paged kernel's grid
@@ -99,23 +97,21 @@ class PackedSteps:
 
     def packed_step(self, scheduled: Sequence[ScheduledRequest]) -> PackedShape | None:
         """The shape of the packed pass that runs this step, or None (a split or the eager pass runs
-        it): a step of at most `PACKED_MAX_TOKENS` tokens, every row at one depth without early exit,
-        wavefront segments or prompt logprobs, on a backend whose captured passes take packed batches,
-        that holds two or more prompt chunks (a burst, whose full steps recur at one token count), or
-        one chunk beside decodes that fills the step's budget (a long prompt joining a decoding batch:
-        each of its chunks but the last fills it, so that count recurs). Any other lone chunk beside
-        decodes (a request joining) keeps `split_step`, whose passes the engine captured at start: its
-        token count seldom recurs, and a capture inside it (about two passes of host work) cost a
-        128-token join 254-272 ms of TTFT against 54 ms split."""
+        it): a step of two or more prompt chunks (a burst, whose full steps recur at one token count)
+        and of at most `PACKED_MAX_TOKENS` tokens, every row at one depth without early exit,
+        wavefront segments or prompt logprobs, on a backend whose captured passes take packed batches.
+        A lone chunk beside decodes (a request joining) keeps `split_step`, whose passes the engine
+        captured at start: its token count seldom recurs, and a capture inside it (about two passes
+        of host work) cost a 128-token join 254-272 ms of TTFT against 54 ms split; where its count
+        does recur (a long prompt's chunks that fill the budget), split still beat the packed pass
+        (a 4K prompt joining 64 decodes at 2,048: 207-209 ms to its first token against 217-220)."""
         turned_off = self.config.graphs is False and self.hal.caps.graphs
         if (self.graphs is None or not (self.graphs.capture or turned_off)
                 or not self.backend.caps.packed_graphs or len(scheduled) >= self.graphs.buckets[-1] + 1):
             return None
         loops = scheduled[0].request.num_loops
         num_tokens = sum(item.num_tokens for item in scheduled)
-        num_chunks = sum(item.num_tokens > 1 for item in scheduled)
-        fills = num_chunks == 1 and len(scheduled) > 1 and num_tokens == self.config.max_num_batched_tokens
-        if (num_chunks < 2 and not fills) or num_tokens > PACKED_MAX_TOKENS or not all(
+        if sum(item.num_tokens > 1 for item in scheduled) < 2 or num_tokens > PACKED_MAX_TOKENS or not all(
                 not item.is_wave and item.request.num_loops == loops and item.request.exit_threshold >= 1.0
                 and item.request.params.prompt_logprobs is None for item in scheduled):
             return None

@@ -8,10 +8,10 @@ of the pool in the backend's layout; a block id means the same block in every on
 them, so it costs its device work rather than a thousand launches from the host: pure decode steps
 over the persistent batch (runtime/execution/input_batch.py) and a prompt chunk alone, its
 prompt's last or not (runtime/execution/captured_steps.py, which the runner inherits); a step of two
-or more prompt chunks (up to 2,048 tokens), with or without decodes, or of one chunk beside decodes
-that fills the step's budget, at one depth: one packed pass where the attention backend captures
-packed batches (runtime/execution/packed_steps.py, inherited too); other
-steps of chunks: a decode pass and a prefill per chunk, up to caps (`split_step`). Any other step
+or more prompt chunks (up to 2,048 tokens), with or without decodes, at one depth: one packed pass
+where the attention backend captures packed batches (runtime/execution/packed_steps.py, inherited
+too); other steps of chunks (a lone chunk beside decodes, of up to 2,048 tokens): a decode pass and a
+prefill per chunk, up to caps (`split_step`). Any other step
 runs eagerly, packed: prompts, prompt chunks and decodes together, and wavefront segments (the eager
 pass, runtime/execution/eager_pass.py, which the runner inherits too). Every path ends in
 `finish_step`, which samples the logits.

@@ -222,13 +222,14 @@ def test_a_burst_beside_decodes_replays_packed_passes(monkeypatch):
 def test_a_long_prompt_at_the_default_budget_replays_its_chunks(monkeypatch):
     """A 7,000-token prompt at the engine's default budget (2,048 tokens), alone and then joining two
     decoding requests, at the real Ouro-1.4B shape (bf16): alone, each chunk replays a captured
-    prefill (the chunks before the last sample nothing); beside the decodes, each step its chunks
-    fill replays one packed pass. Graphs off gives the same tokens (its packed passes run the same
-    padded pass eagerly; its chunks of 2,048 run the eager pass: uncaptured, the prefills are padded
-    only up to 1,024 tokens)."""
+    prefill (the chunks before the last sample nothing); beside the decodes, each step of one of its
+    chunks replays the decode pass and the chunk's prefill. Graphs off gives the long prompt the same
+    tokens (its chunks of 2,048 run the eager pass: uncaptured, the prefills are padded only up to
+    1,024 tokens; the decoding requests' tokens may differ there at near-ties: their rows attend
+    through another kernel in the eager pass)."""
     from helpers import count_step_kinds
 
-    kinds = count_step_kinds(monkeypatch, ("prefill", "packed", "eager"))
+    kinds = count_step_kinds(monkeypatch, ("prefill", "split", "eager"))
     gpu = hal.get("cuda")
     model = zoo.from_config(CONFIGS / "ouro-1.4b.json", dtype="bfloat16", device=gpu.device(), seed=0)
     rng = random.Random(11)
@@ -251,8 +252,7 @@ def test_a_long_prompt_at_the_default_budget_replays_its_chunks(monkeypatch):
             kinds[kind] = 0
         del engine
         torch.cuda.empty_cache()
-    assert results[True] == results[False]
+    assert [results[True][k] for k in ("alone", "joining")] == [results[False][k] for k in ("alone", "joining")]
     alone, both = counts[True]
     assert alone["prefill"] == 4 and alone["eager"] == 0, alone
-    assert both["packed"] >= 3 and both["eager"] == 0, both
-    assert counts[False][1]["packed"] >= 3, counts[False]
+    assert both["split"] >= 4 and both["eager"] == 0, both

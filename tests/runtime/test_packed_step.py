@@ -118,20 +118,21 @@ def test_padding_is_one_sequence_in_the_scratch_blocks_and_empty_ones():
         pad_packed(host, PackedShape(2, 16), _env())                # no room for a padding sequence
 
 
+
 @pytest.mark.parametrize("name", golden_names())
-def test_a_long_prompt_joining_decodes_fills_its_steps_with_packed_passes(name, monkeypatch, single_thread):
-    """A prompt three budgets long joins two decoding requests: each step that holds one of its chunks
-    and the decodes fills the budget, so it replays one packed pass of the budget's token count (the
-    count recurs: captured over the second such step) instead of an eager pass; tokens unchanged."""
+def test_a_long_prompt_joining_decodes_splits_past_the_token_cap(name, monkeypatch, single_thread):
+    """A prompt three budgets long joins two decoding requests: each step of one of its chunks beside
+    the decodes replays the decode pass and the chunk's prefill (packed passes take two or more
+    chunks), though the chunk is past `MAX_SPLIT_TOKENS` (a lone chunk splits up to
+    `MAX_SPLIT_TOKENS_ONE_CHUNK`); tokens unchanged."""
+    monkeypatch.setattr(captured_steps, "MAX_SPLIT_TOKENS", 8)
     kinds = count_step_kinds(monkeypatch, ("packed", "split", "eager"))
     case = golden_case(name)
     model = zoo.from_pretrained(case.path, dtype="float32").eval()
-    budget = 32
-    short = [case.prompt(0)[:5], case.prompt(1 % case.num_prompts)[:7]]
-    long = (case.prompt(0) * 20)[: 3 * budget + 4]
-    engine = LLMEngine(model, hal.get("cpu"), EngineConfig(max_num_seqs=4, max_num_batched_tokens=budget,
-                                                            graphs=True))
     decoding = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, init_scale=0.0)
+    short = [case.prompt(0)[:5], case.prompt(1 % case.num_prompts)[:7]]
+    long = (case.prompt(0) * 40)[: 3 * 32 + 4]
+    engine = LLMEngine(model, hal.get("cpu"), EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, graphs=True))
     for i, prompt in enumerate(short):
         engine.add_request(str(i), prompt, decoding)
     engine.step()
@@ -140,6 +141,4 @@ def test_a_long_prompt_joining_decodes_fills_its_steps_with_packed_passes(name, 
     outs = {o.request_id: o.token_ids for o in engine.run_until_done()}
     assert outs["long"] == generate_reference(model, long, PARAMS)[0]
     assert outs["0"] == generate_reference(model, short[0], decoding)[0]
-    assert kinds["packed"] >= 3 and kinds["eager"] == 0, kinds
-    assert ("packed", budget, 5, model.default_num_loops, engine.runner.layout.num_planes(model.default_num_loops)) \
-        in engine.runner.graphs.captured
+    assert kinds["split"] >= 4 and kinds["eager"] == 0, kinds
