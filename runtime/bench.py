@@ -71,7 +71,8 @@ def build_model(cfg: Any, device: torch.device, parallel: Any = None):
 
 
 def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int = 0,
-             profile_steps: int = 0, profile_prefill: bool = False) -> dict[str, Any]:
+             profile_steps: int = 0, profile_prefill: bool = False,
+             exit_threshold: float | None = None) -> dict[str, Any]:
     """Prefill `batch` prompts of `prompt` random tokens, then decode `new` tokens each. With
     `late_prompt: N` one more prompt of N tokens arrives once the batch decodes: its time to first
     token and the decode step time while it prefills are reported (chunked vs wavefront prefill).
@@ -90,7 +91,8 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
     profiler = None
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.model.config.vocab_size
-    params = SamplingParams(max_tokens=cell["new"], temperature=0.0, ignore_eos=True, num_loops=num_loops)
+    params = SamplingParams(max_tokens=cell["new"], temperature=0.0, ignore_eos=True, num_loops=num_loops,
+                            exit_threshold=exit_threshold)
     for i in range(cell["batch"]):
         prompt = torch.randint(1, vocab, (cell["prompt"],), generator=gen).tolist()
         engine.add_request(f"bench-{seed}-{i}", prompt, params)
@@ -296,7 +298,7 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
             late = {"late_prompt": cell["late_prompt"]} if cell.get("late_prompt") else {}
             for seed in (1, 2) if cell["batch"] > 1 else (1,):
                 run_cell(engine, {"batch": min(cell["batch"], 4), "prompt": cell["prompt"], "new": 4, **late},
-                         num_loops, seed=seed)
+                         num_loops, seed=seed, exit_threshold=cfg.model.exit_threshold)
         row = {"workload": workload, "model": name, "hal": hal.name, "tp": parallel.world_size,
                "kv_mode": config.kv_mode, "kv_dtype": config.kv_dtype, "weights_dtype": config.weights_dtype,
                # which FP8 GEMM the CUDA Hal was told to use (hal/cuda/fp8.py), for comparing the paths
@@ -310,8 +312,9 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
                "graphs": engine.runner.graphs is not None and engine.runner.graphs.capture,
                "start_capture_s": round(engine.runner.start_capture_s, 3),
                "spec": f"K={spec.num_tokens},d={spec.draft_loops},{spec.mode}" if spec.is_enabled else "off",
+               **({"exit_threshold": cfg.model.exit_threshold} if cfg.model.exit_threshold is not None else {}),
                **run_cell(engine, cell, num_loops, profile_steps=cfg.profile,
-                          profile_prefill=cfg.profile_prefill)}
+                          profile_prefill=cfg.profile_prefill, exit_threshold=cfg.model.exit_threshold)}
         if spec.is_enabled:
             row.update(step_costs(engine, cell, num_loops))
         runner = engine.runner           # the cache's own bytes per token and layer (8-bit KV: with its scales)

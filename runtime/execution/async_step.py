@@ -27,8 +27,8 @@ class StepResult(NamedTuple):
 
 
 class Readback:
-    """Two page-locked host buffers of `capacity` token ids and as many finish codes, used in turn:
-    the engine reads step t's buffer before it launches step t+2, which reuses it."""
+    """Two page-locked host buffers of `capacity` token ids, as many finish codes and as many loop
+    counts, used in turn: the engine reads step t's buffer before it launches step t+2, which reuses it."""
 
     def __init__(self, hal: Hal, capacity: int) -> None:
         self.hal, self.capacity = hal, capacity
@@ -36,10 +36,10 @@ class Readback:
         self.turn = 0
 
     def start(self, tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Queue the copy of `tokens` (`[R]`, or `[2R]` with the finish codes) to host; returns (host
-        view, event recorded after the copy)."""
+        """Queue the copy of `tokens` (`[R]`, or up to `[3R]` with the finish codes and the loop counts)
+        to host; returns (host view, event recorded after the copy)."""
         if self.buffers is None:
-            self.buffers = [self.hal.host_tensor((2 * self.capacity,), torch.long) for _ in range(2)]
+            self.buffers = [self.hal.host_tensor((3 * self.capacity,), torch.long) for _ in range(2)]
         host = self.buffers[self.turn][:tokens.shape[0]]
         self.turn ^= 1
         host.copy_(tokens, non_blocking=True)
@@ -49,18 +49,22 @@ class Readback:
 
 
 class PendingStep:
-    """A launched step: `tokens: [R]` (device, int64) are its sampled tokens in `request_ids` order."""
+    """A launched step: `tokens: [R]` (device, int64) are its sampled tokens in `request_ids` order;
+    `loops` the loops behind each: host ints, or `[R]` on the device (early exits a captured pass chose)."""
 
     def __init__(self, readback: Readback, tokens: torch.Tensor | None, request_ids: Sequence[str],
-                 loops: Sequence[int], num_tokens: int, logprobs: Any = None, rows: Any = None,
+                 loops: Sequence[int] | torch.Tensor, num_tokens: int, logprobs: Any = None, rows: Any = None,
                  codes: torch.Tensor | None = None) -> None:
         self.tokens, self.num_tokens = tokens, num_tokens
         self.has_codes = codes is not None       # `[R]` finish codes, copied after the tokens
         self.rows = rows                         # persistent-batch rows of the requests (a decode step), or None
         self.logprobs = logprobs                 # a StepLogprobs on the device, read with the tokens
-        self.request_ids, self.loops = list(request_ids), list(loops)
+        self.request_ids = list(request_ids)
+        self.loops_on_device = isinstance(loops, torch.Tensor)   # then copied last, read with the tokens
+        self.loops = None if self.loops_on_device else list(loops)
         self.row_of = {rid: i for i, rid in enumerate(self.request_ids)}
-        packed = tokens if codes is None else torch.cat([tokens, codes])
+        parts = [t for t in (tokens, codes, loops if self.loops_on_device else None) if t is not None]
+        packed = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else None
         self._host, self._event = readback.start(packed) if tokens is not None else (None, None)
 
     def result(self) -> StepResult:
@@ -72,8 +76,10 @@ class PendingStep:
         # logprobs (only when a request asked): a plain device-to-host read, after this step's event
         logprobs, prompt = self.logprobs.to_host() if self.logprobs is not None else (None, None)
         values = self._host.tolist()
-        sampled = {rid: (t, n) for rid, t, n in zip(self.request_ids, values, self.loops)}
-        codes = dict(zip(self.request_ids, values[len(self.request_ids):])) if self.has_codes else None
+        n = len(self.request_ids)
+        loops = values[len(values) - n:] if self.loops_on_device else self.loops
+        sampled = {rid: (t, k) for rid, t, k in zip(self.request_ids, values, loops)}
+        codes = dict(zip(self.request_ids, values[n:2 * n])) if self.has_codes else None
         return StepResult(sampled, self.num_tokens, logprobs, prompt, codes)
 
 

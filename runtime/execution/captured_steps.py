@@ -12,6 +12,7 @@ samples what it returns.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Sequence
 
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from hal.attention import AttentionBackend
+from hal.common.staging import StagingRing
 from runtime.engine.kv_cache import BlockManager
 from runtime.engine.planes import PlaneLayout
 from runtime.engine.step_schedule import ScheduledRequest
@@ -26,6 +28,7 @@ from runtime.execution.async_step import PendingStep, StepResult
 from runtime.execution.graphs import PassGraphs
 from runtime.execution.input_batch import InputBatch
 from runtime.execution.prefill_buckets import PrefillBuckets
+from runtime.execution.programs import ExitRows, decode_program, prefill_program
 from runtime.execution.step_inputs import PassEnv, describe, describe_rows, extend
 from zoo.base import LoopedCausalLM
 
@@ -50,27 +53,6 @@ MAX_SPLIT_TOKENS = 1024
 MAX_SPLIT_TOKENS_ONE_CHUNK = 2048
 
 
-def prefill_program(model: LoopedCausalLM, num_loops: int, sample_rows: torch.Tensor):
-    """A prefill pass: prelude, every loop, the head on rows `sample_rows` (a static buffer: `[1]`, one
-    prompt's last real token; `[S]`, each sequence's last row of a packed step) -> logits `[R, V]` float32."""
-    def run(ids: torch.Tensor, ctx) -> torch.Tensor:
-        state = model.prelude(ids, ctx)
-        for depth in range(num_loops):
-            state = model.loop(state, depth, ctx)
-        return model.coda(state, ctx, rows=sample_rows)[0].float()
-    return run
-
-
-def decode_program(model: LoopedCausalLM, num_loops: int):
-    """A decode pass: prelude, every loop, the head on every row -> logits `[B, V]` float32."""
-    def run(ids: torch.Tensor, ctx) -> torch.Tensor:
-        state = model.prelude(ids, ctx)
-        for depth in range(num_loops):
-            state = model.loop(state, depth, ctx)
-        return model.coda(state, ctx)[0].float()
-    return run
-
-
 class CapturedSteps:
     """The captured steps of `ModelRunner`, which inherits them and sets what they read below."""
 
@@ -86,6 +68,8 @@ class CapturedSteps:
     num_graph_copies: int
     num_decode_replays: int
     prefill_rows: dict[tuple, torch.Tensor]
+    exit_rows: dict[tuple, ExitRows]
+    captures_exits: bool
     start_capture_s: float
 
     def capture_at_start(self, num_loops: int, max_model_len: int) -> None:
@@ -117,14 +101,14 @@ class CapturedSteps:
         graphs off changes no kernel's shapes for a lone prompt."""
         if self.graphs is None or len(scheduled) != 1:
             return None
-        return self.chunk_bucket(scheduled[0])
+        return self.chunk_bucket(scheduled[0], early_exit=self.captures_exits)
 
-    def chunk_bucket(self, item: ScheduledRequest) -> int | None:
+    def chunk_bucket(self, item: ScheduledRequest, early_exit: bool = False) -> int | None:
         """The captured prefill width that runs one prompt chunk (of a step of several, `split_step`),
         or None. A chunk that is not its prompt's last runs the same pass, whose one row of logits
-        nobody samples."""
+        nobody samples. With `early_exit`, a request below exit threshold 1 too (`captures_exits`)."""
         req = item.request
-        if (self.graphs is None or item.is_wave or item.num_tokens < 2 or req.exit_threshold < 1.0
+        if (self.graphs is None or item.is_wave or item.num_tokens < 2 or (req.exit_threshold < 1.0 and not early_exit)
                 or req.params.prompt_logprobs is not None):
             return None
         width, widest = self.prefill_buckets.bucket(item.num_tokens), self.backend.caps.max_context_prefill_width
@@ -132,13 +116,16 @@ class CapturedSteps:
             return None
         return width
 
-    def is_graph_step(self, scheduled: Sequence[ScheduledRequest]) -> bool:
-        """A pure decode step that a captured pass can run (see the module docstring)."""
+    def is_graph_step(self, scheduled: Sequence[ScheduledRequest], early_exit: bool = True) -> bool:
+        """A pure decode step that a captured pass can run (see the module docstring): with
+        `early_exit`, rows below exit threshold 1 too, where every loop runs anyway (`captures_exits`)."""
         if self.graphs is None or self.graphs.bucket(len(scheduled)) is None:
             return False
         loops = scheduled[0].request.num_loops
+        exits = early_exit and self.captures_exits
         return all(item.num_tokens == 1 and item.samples and not item.is_wave and item.request.num_loops == loops
-                   and item.request.exit_threshold >= 1.0 and item.request.num_planes <= self.input_batch.tables.shape[0]
+                   and (item.request.exit_threshold >= 1.0 or exits)
+                   and item.request.num_planes <= self.input_batch.tables.shape[0]
                    for item in scheduled)
 
     def split_step(self, scheduled: Sequence[ScheduledRequest]) -> tuple[list, list] | None:
@@ -163,7 +150,7 @@ class CapturedSteps:
         limit = MAX_SPLIT_TOKENS_ONE_CHUNK if len(prompts) == 1 else MAX_SPLIT_TOKENS
         if not 0 < len(prompts) <= MAX_SPLIT_PROMPTS or num_tokens > limit:
             return None
-        if decodes and not self.is_graph_step(decodes):
+        if decodes and not self.is_graph_step(decodes, early_exit=False):
             return None
         widths = [self.chunk_bucket(item) for item in prompts]
         if None in widths:
@@ -177,7 +164,7 @@ class CapturedSteps:
         logits = [self._decode_logits(decodes, blocks, fed_from)[0].clone()] if decodes else []
         requests = [item.request for item in decodes]
         for item, width in prompts:
-            row = self._prefill_logits(item, width, blocks, fed_from)
+            row = self._prefill_logits(item, width, blocks, fed_from)[0]
             if item.samples:
                 logits.append(row.clone())
                 requests.append(item.request)
@@ -187,15 +174,17 @@ class CapturedSteps:
 
     def _execute_captured(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager,
                           fed_from: PendingStep | None, deferred: bool) -> StepResult | PendingStep:
-        logits, rows, positions = self._decode_logits(scheduled, blocks, fed_from)
+        logits, rows, positions, exit_loops_of = self._decode_logits(scheduled, blocks, fed_from)
         requests = [item.request for item in scheduled]
-        return self.finish_step(logits, requests, [r.num_loops for r in requests], len(scheduled), deferred,
+        loops = exit_loops_of if exit_loops_of is not None else [r.num_loops for r in requests]
+        return self.finish_step(logits, requests, loops, len(scheduled), deferred,
                                 fed_from=fed_from, rows=rows, positions=positions)
 
-    def _decode_logits(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager,
-                       fed_from: PendingStep | None) -> tuple[torch.Tensor, np.ndarray, list[int]]:
+    def _decode_logits(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager, fed_from: PendingStep | None
+                       ) -> tuple[torch.Tensor, np.ndarray, list[int], torch.Tensor | None]:
         """The captured decode pass over the persistent batch's rows of `scheduled`: (logits `[n, V]`,
-        in the graph's output buffer; the rows; the input positions)."""
+        in the graph's output buffer; the rows; the input positions; where a row exits early, the
+        loops behind each row's logits `[n]` on the device, else None)."""
         requests = [item.request for item in scheduled]
         loops = requests[0].num_loops
         batch = self.input_batch
@@ -203,29 +192,57 @@ class CapturedSteps:
         host = describe_rows(batch.tables, batch.lengths, rows, requests, requests[0].num_planes, self.block_size)
         copy = self.num_decode_replays % self.num_graph_copies
         self.num_decode_replays += 1
-        logits = self.graphs.run(("decode", self.graphs.bucket(len(scheduled)), loops, copy),
-                                 decode_program(self.model, loops), host, 1, self.layout.num_planes(loops),
-                                 fed_from=fed_from)
-        return logits[:len(scheduled)], rows, host.positions
+        bucket = self.graphs.bucket(len(scheduled))
+        if all(r.exit_threshold >= 1.0 for r in requests):
+            logits = self.graphs.run(("decode", bucket, loops, copy), decode_program(self.model, loops), host, 1,
+                                     self.layout.num_planes(loops), fed_from=fed_from)
+            return logits[:len(scheduled)], rows, host.positions, None
+        key = ("decode_exit", bucket, loops, copy)
+        exits = self._exit_rows(key, bucket, requests)
+        logits, chosen = self.graphs.run(key, decode_program(self.model, loops, exits), host, 1,
+                                         self.layout.num_planes(loops), fed_from=fed_from)
+        return logits[:len(scheduled)], rows, host.positions, chosen[:len(scheduled)]
+
+    def _exit_rows(self, key: tuple, bucket: int, requests: Sequence) -> ExitRows:
+        """The static exit settings of captured pass `key`, refilled for `requests` (padding rows
+        take their last loop), by copies ordered after the replay that may still read them."""
+        threshold = np.full(bucket, math.inf, dtype=np.float32)
+        threshold[:len(requests)] = [r.exit_threshold if r.exit_threshold < 1.0 else math.inf for r in requests]
+        min_loops = np.zeros(bucket, dtype=np.int64)
+        min_loops[:len(requests)] = [r.params.min_loops for r in requests]
+        exits = self.exit_rows.get(key)
+        if exits is None:
+            exits = self.exit_rows[key] = ExitRows(torch.full((bucket,), math.inf, device=self.device),
+                                                   torch.zeros(bucket, dtype=torch.long, device=self.device),
+                                                   StagingRing([threshold, min_loops], self.device))
+        exits.staging.stage([threshold, min_loops], [exits.threshold, exits.min_loops])
+        return exits
 
     def _execute_prefill(self, item: ScheduledRequest, width: int, blocks: BlockManager,
                          fed_from: PendingStep | None, deferred: bool) -> StepResult | PendingStep:
-        logits = self._prefill_logits(item, width, blocks, fed_from)
+        logits, exit_loops_of = self._prefill_logits(item, width, blocks, fed_from)
         requests = [item.request] if item.samples else []
-        return self.finish_step(logits if requests else None, requests, [item.request.num_loops] * len(requests),
-                                item.num_tokens, deferred, fed_from=fed_from)
+        loops = exit_loops_of if exit_loops_of is not None else [item.request.num_loops] * len(requests)
+        return self.finish_step(logits if requests else None, requests, loops, item.num_tokens, deferred,
+                                fed_from=fed_from)
 
     def _prefill_logits(self, item: ScheduledRequest, bucket: int, blocks: BlockManager,
-                        fed_from: PendingStep | None) -> torch.Tensor:
-        """The captured prefill of one prompt chunk at width `bucket`: logits `[1, V]` of its last
-        token, in the graph's output buffer."""
+                        fed_from: PendingStep | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The captured prefill of one prompt chunk at width `bucket`: (logits `[1, V]` of its last
+        token, in the graph's output buffer; where its request exits early and the chunk samples, the
+        loop behind them `[1]` on the device, else None)."""
         req = item.request
         host = extend(describe([self.slice_of(item, blocks)], req.num_planes, self.block_size), bucket, self.env)
         key = self.prefill_key(bucket, req.num_loops, item.first_token)
+        exits = None
+        if req.exit_threshold < 1.0 and item.samples:
+            key = ("prefill_exit", *key[1:])
+            exits = self._exit_rows(key, 1, [req])
         sample_row = self.sample_row(key)
         sample_row.copy_(torch.tensor([item.num_tokens - 1]), non_blocking=True)
-        return self.graphs.run(key, prefill_program(self.model, req.num_loops, sample_row), host, bucket,
-                               key[3], fed_from=fed_from, fresh=key[4], context=key[5])
+        out = self.graphs.run(key, prefill_program(self.model, req.num_loops, sample_row, exits), host, bucket,
+                              key[3], fed_from=fed_from, fresh=key[4], context=key[5])
+        return out if exits is not None else (out, None)
 
     def prefill_key(self, width: int, num_loops: int, first_token: int) -> tuple:
         """The captured prefill of `width` tokens at depth `num_loops` for a chunk from `first_token`:

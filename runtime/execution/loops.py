@@ -121,6 +121,18 @@ def run_loops(model: LoopedCausalLM, state: torch.Tensor, ctx, plans: Sequence[S
     return LoopResult(state, sample_state, (selected + 1).tolist(), exits)
 
 
+def exit_loops(hazards: Sequence[torch.Tensor], threshold: torch.Tensor, min_loops: torch.Tensor) -> torch.Tensor:
+    """`[R]` int64: per row, the 0-based loop whose state gives its logits, where every row ran all
+    `len(hazards)` loops (a decode step in a KV mode that does not stop early): `run_loops`'s choice
+    (`first_exit_step_bounded`) from device values alone, so a captured pass can make it.
+    `hazards`: one `[R]` float32 per loop; `threshold: [R]` float32 (inf: the last loop);
+    `min_loops: [R]` int64."""
+    pdf = exit_distribution(torch.stack(list(hazards), dim=-1))
+    loops = torch.arange(pdf.shape[-1], device=pdf.device)
+    last = (loops == pdf.shape[-1] - 1)[None, :]
+    return _may_exit(pdf, loops, threshold, min_loops, last).int().argmax(dim=-1)
+
+
 def first_exit_step_bounded(pdf: torch.Tensor, threshold: torch.Tensor, min_loops: torch.Tensor,
                             num_loops: torch.Tensor) -> torch.Tensor:
     """`zoo.base.first_exit_step` per row with its own threshold, min_loops and loop count.

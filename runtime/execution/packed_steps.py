@@ -36,7 +36,7 @@ from runtime.engine.kv_cache import BlockManager
 from runtime.engine.planes import PlaneLayout
 from runtime.engine.step_schedule import ScheduledRequest
 from runtime.execution.async_step import PendingStep, StepResult
-from runtime.execution.captured_steps import prefill_program
+from runtime.execution.programs import prefill_program
 from runtime.execution.graphs import PassGraphs
 from runtime.execution.step_inputs import HostInputs, PassEnv, describe, place
 from zoo.base import LoopedCausalLM

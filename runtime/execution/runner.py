@@ -31,6 +31,7 @@ from runtime.engine.planes import PlaneLayout
 from runtime.engine.step_schedule import ScheduledRequest
 from runtime.execution.async_step import PendingStep, Readback, StepResult
 from runtime.execution.captured_steps import CapturedSteps
+from runtime.execution.programs import ExitRows
 from runtime.execution.eager_pass import EagerPass
 from runtime.execution.graphs import PassGraphs
 from runtime.execution.input_batch import InputBatch
@@ -113,6 +114,11 @@ class ModelRunner(EagerPass, CapturedSteps, PackedSteps):
         self.row_sampling = RowSampling(config.max_num_seqs, self.device)   # the rows' settings on the device
         self.wave_states: dict[tuple[str, int], torch.Tensor] = {}  # wavefront segments' states between steps
         self.prefill_rows: dict[tuple, torch.Tensor] = {}           # captured prefills' sample-row buffers
+        self.exit_rows: dict[tuple, ExitRows] = {}                  # captured decodes' early-exit settings
+        # early exit inside a captured decode pass: where every loop runs anyway (the KV mode keeps
+        # each loop's plane) and the model has an exit gate (Ouro)
+        self.captures_exits = (not self.layout.stops_early
+                               and type(model).exit_hazard is not LoopedCausalLM.exit_hazard)
         self.packed_rows: dict[tuple, torch.Tensor] = {}            # packed passes' sample-row buffers
         self.packed_seen: set[tuple] = set()                        # packed passes run once, uncaptured
         self.start_capture_s = 0.0
@@ -153,11 +159,12 @@ class ModelRunner(EagerPass, CapturedSteps, PackedSteps):
         logits, requests, loops, num_rows, prompt = self.eager_pass(scheduled, blocks, fed_from)
         return self.finish_step(logits, requests, loops, num_rows, deferred, prompt, fed_from)
 
-    def finish_step(self, logits: torch.Tensor | None, requests: Sequence, loops: Sequence[int],
+    def finish_step(self, logits: torch.Tensor | None, requests: Sequence, loops: Sequence[int] | torch.Tensor,
                     num_rows: int, deferred: bool, prompt=None, fed_from: PendingStep | None = None,
                     rows=None, positions=None) -> StepResult | PendingStep:
-        """Sample `logits: [R, V]` (one row per request of `requests`): to host ints now, or `deferred`
-        on the device with an asynchronous copy to host (read by `PendingStep.result()`). Log-
+        """Sample `logits: [R, V]` (one row per request of `requests`, from `loops` loops each: host
+        ints, or `[R]` on the device where a captured pass chose early exits): to host ints now, or
+        `deferred` on the device with an asynchronous copy to host (read by `PendingStep.result()`). Log-
         probabilities, where requests asked (`prompt`: prompt rows and their logits), come along.
         `fed_from`: the step whose tokens are still on the device (penalties count them). A decode
         step over the persistent batch (`rows`, its input `positions`) gathers its sampling settings
@@ -171,10 +178,14 @@ class ModelRunner(EagerPass, CapturedSteps, PackedSteps):
         logprobs = StepLogprobs.compute(logits, tokens, requests, prompt, None if step is None else step.num_logprobs)
         ids = [r.request_id for r in requests]
         if deferred:
-            return PendingStep(self.readback, tokens, ids, list(loops), num_rows, logprobs, rows, codes)
+            return PendingStep(self.readback, tokens, ids, loops, num_rows, logprobs, rows, codes)
         sampled, prompt_lp = logprobs.to_host() if logprobs is not None else (None, None)
-        values = [] if tokens is None else (tokens if codes is None else torch.cat([tokens, codes])).tolist()
-        finish = None if codes is None else dict(zip(ids, values[len(ids):]))     # one host sync for both
+        on_device = isinstance(loops, torch.Tensor)
+        parts = [t for t in (tokens, codes, loops if on_device else None) if t is not None]
+        values = [] if tokens is None else torch.cat(parts).tolist()              # one host sync for all
+        if on_device:
+            loops = values[len(values) - len(ids):]
+        finish = None if codes is None else dict(zip(ids, values[len(ids):2 * len(ids)]))
         return StepResult(dict(zip(ids, zip(values, loops))), num_rows, sampled, prompt_lp, finish)
 
     def sample(self, logits: torch.Tensor, requests: Sequence, fed_from: PendingStep | None = None,

@@ -256,3 +256,28 @@ def test_a_long_prompt_at_the_default_budget_replays_its_chunks(monkeypatch):
     alone, both = counts[True]
     assert alone["prefill"] == 4 and alone["eager"] == 0, alone
     assert both["split"] >= 4 and both["eager"] == 0, both
+
+
+def test_early_exit_decodes_replay_captured_passes_at_ouro_1_4b_shape(monkeypatch):
+    """Requests with early exit (thresholds away from the random gates' cumulative 0.5 / 0.75 /
+    0.875) at the real Ouro-1.4B shape (bf16): their decode steps replay the captured exit pass,
+    and tokens and loops per token equal the eager pass's (the steps before this change)."""
+    gpu = hal.get("cuda")
+    model = zoo.from_config(CONFIGS / "ouro-1.4b.json", dtype="bfloat16", device=gpu.device(), seed=0)
+    rng = random.Random(13)
+    prompts = [[rng.randrange(1, 49152) for _ in range(rng.randint(20, 200))] for _ in range(4)]
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, exit_threshold=t)
+              for t in (0.6, 0.8, 0.95, 1.0)]
+    results = {}
+    for captured in (True, False):
+        engine = LLMEngine(model, gpu, EngineConfig(max_num_seqs=4, max_model_len=256))
+        engine.runner.captures_exits = captured
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            engine.add_request(str(i), prompt, p)
+        outs = {o.request_id: o for o in engine.run_until_done()}
+        results[captured] = [(outs[str(i)].token_ids, outs[str(i)].loops_per_token) for i in range(4)]
+        assert any(key[0] == "decode_exit" for key in engine.runner.graphs.captured) == captured
+        del engine
+        torch.cuda.empty_cache()
+    assert results[True] == results[False]
+    assert {n for _, loops in results[True] for n in loops} != {4}
