@@ -131,9 +131,10 @@ class CapturedSteps:
     def split_step(self, scheduled: Sequence[ScheduledRequest]) -> tuple[list, list] | None:
         """(decodes, [(prompt chunk, its width)]) of a step of prompt chunks that captured prefills
         run, up to `MAX_SPLIT_PROMPTS` of them and `MAX_SPLIT_TOKENS` tokens (one chunk: up to
-        `MAX_SPLIT_TOKENS_ONE_CHUNK`), beside decodes that a captured decode pass runs (or none): the step replays those passes instead of one eager pass,
-        whose host work (about a thousand launches issued from Python, about 50 ms on the H100's host)
-        would stall every decoding request each time a request joins, and pace a burst of short
+        `MAX_SPLIT_TOKENS_ONE_CHUNK`), beside decodes that a captured decode pass runs (or none):
+        the step replays those passes instead of one eager pass, whose host work (about a thousand
+        launches issued from Python, about 50 ms on the H100's host) would stall every decoding
+        request each time a request joins, and pace a burst of short
         prompts prefilled chunk by chunk. Past those limits the eager pass's device time covers its
         host's, and each replay more would add its fixed cost. Where the Hal captures but
         `graphs=false` turned capture off, the same passes run eagerly, so turning capture off to

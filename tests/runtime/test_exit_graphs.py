@@ -1,8 +1,8 @@
 """Decode steps and lone prompts (or their chunks) of requests with early exit (`exit_threshold < 1`,
 Ouro's gate) replay captured passes where every loop runs anyway (kv_mode=full): the pass keeps each
 loop's state and gate of the rows it samples, chooses each row's exit loop on the device from static
-per-row settings, and hands back the loops with the tokens. Tokens and loops per token equal the simple path's, rows joining and leaving (so
-the settings change between replays), sync and async, on the CPU and on the simulated Ascend Hal
+per-row settings, and hands back the loops with the tokens. Tokens and loops per token equal the
+simple path's, rows joining and leaving (so the settings change between replays), sync and async, on the CPU and on the simulated Ascend Hal
 (whose graphs keep the host values of their capture: a setting read on the host would go stale)."""
 import pytest
 import torch
