@@ -151,9 +151,9 @@ class CapturedSteps:
         limit = MAX_SPLIT_TOKENS_ONE_CHUNK if len(prompts) == 1 else MAX_SPLIT_TOKENS
         if not 0 < len(prompts) <= MAX_SPLIT_PROMPTS or num_tokens > limit:
             return None
-        if decodes and not self.is_graph_step(decodes, early_exit=False):
+        if decodes and not self.is_graph_step(decodes):
             return None
-        widths = [self.chunk_bucket(item) for item in prompts]
+        widths = [self.chunk_bucket(item, early_exit=self.captures_exits) for item in prompts]
         if None in widths:
             return None
         return decodes, list(zip(prompts, widths))
@@ -161,17 +161,32 @@ class CapturedSteps:
     def _execute_split(self, decodes: list[ScheduledRequest], prompts: list[tuple[ScheduledRequest, int]],
                        blocks: BlockManager, fed_from: PendingStep | None,
                        deferred: bool) -> StepResult | PendingStep:
-        # each pass's logits are copied out before the next replay, which may reuse the pool's memory
-        logits = [self._decode_logits(decodes, blocks, fed_from)[0].clone()] if decodes else []
-        requests = [item.request for item in decodes]
+        # each pass's logits (and exit loops) are copied out before the next replay, which may reuse
+        # the pool's memory
+        logits, loops, requests = [], [], [item.request for item in decodes]
+        if decodes:
+            out, _, _, chosen = self._decode_logits(decodes, blocks, fed_from)
+            logits.append(out.clone())
+            loops.append((None if chosen is None else chosen.clone(), decodes[0].request.num_loops, len(decodes)))
         for item, width in prompts:
-            row = self._prefill_logits(item, width, blocks, fed_from)[0]
+            row, chosen = self._prefill_logits(item, width, blocks, fed_from)
             if item.samples:
                 logits.append(row.clone())
+                loops.append((None if chosen is None else chosen.clone(), item.request.num_loops, 1))
                 requests.append(item.request)
         num_rows = len(decodes) + sum(item.num_tokens for item, _ in prompts)
-        return self.finish_step(torch.cat(logits) if logits else None, requests, [r.num_loops for r in requests],
+        return self.finish_step(torch.cat(logits) if logits else None, requests, self._step_loops(loops),
                                 num_rows, deferred, fed_from=fed_from)
+
+    def _step_loops(self, parts: list[tuple[torch.Tensor | None, int, int]]) -> list[int] | torch.Tensor:
+        """The loops behind a split step's logits from its passes' `(exit loops on the device or None,
+        loops, rows)`: host ints, or one device tensor where a pass chose early exits (the others'
+        filled on the device: no host value travels)."""
+        if all(chosen is None for chosen, _, _ in parts):
+            return [num_loops for _, num_loops, n in parts for _ in range(n)]
+        return torch.cat([chosen if chosen is not None else
+                          torch.full((n,), num_loops, dtype=torch.long, device=self.device)
+                          for chosen, num_loops, n in parts])
 
     def _execute_captured(self, scheduled: Sequence[ScheduledRequest], blocks: BlockManager,
                           fed_from: PendingStep | None, deferred: bool) -> StepResult | PendingStep:

@@ -49,7 +49,7 @@ def test_early_exit_decodes_replay_captured_passes(case_and_model, hal_name, asy
         assert (outs[str(i)].token_ids, outs[str(i)].loops_per_token) == (tokens, loops), i
     assert any(min(outs[str(i)].loops_per_token) < model.default_num_loops for i in range(len(SETTINGS)))
     assert any(key[0] == "decode_exit" for key in engine.runner.graphs.captured)
-    assert kinds["captured"] >= 4, kinds          # (steps where a prompt joins stay eager)
+    assert kinds["captured"] >= 4 and kinds["eager"] == 0, kinds     # (a joining prompt's step splits)
 
 
 @pytest.mark.parametrize("hal_name", ["cpu", "ascend-sim"])
@@ -85,3 +85,32 @@ def test_modes_that_stop_early_keep_the_eager_pass(case_and_model, monkeypatch, 
                                                            exit_threshold=0.5))
     engine.run_until_done()
     assert kinds["captured"] == 0 and kinds["eager"] == 4, kinds
+
+
+@pytest.mark.parametrize("hal_name", ["cpu", "ascend-sim"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prompts_joining_early_exit_decodes_split(case_and_model, hal_name, async_scheduling, monkeypatch,
+                                                  single_thread):
+    """Prompts joining requests that decode with early exit: the step replays the decode pass and
+    each chunk's prefill, both choosing exit loops on the device (on the CPU, whose backend takes
+    packed batches, packed steps are off here: their passes take no early exit)."""
+    from runtime.execution.runner import ModelRunner
+
+    monkeypatch.setattr(ModelRunner, "packed_step", lambda self, scheduled: None)
+    case, model = case_and_model
+    kinds = count_step_kinds(monkeypatch, ("split", "captured", "prefill", "eager"))
+    sim = {"sim_any_shape": True} if hal_name == "ascend-sim" else {}
+    engine = LLMEngine(model, hal.get(hal_name, **sim), EngineConfig(max_num_seqs=4, graphs=True,
+                                                                      async_scheduling=async_scheduling))
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, exit_threshold=t, min_loops=m)
+              for t, m, n in SETTINGS]
+    prompts = [case.prompt(i % case.num_prompts)[: 3 + 2 * i] for i in range(len(SETTINGS))]
+    outs = {}
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), prompt, p)
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    outs.update({o.request_id: o for o in engine.run_until_done()})
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        tokens, _, loops = generate_reference(model, prompt, p)
+        assert (outs[str(i)].token_ids, outs[str(i)].loops_per_token) == (tokens, loops), i
+    assert kinds["eager"] == 0 and kinds["split"] >= 3, kinds
