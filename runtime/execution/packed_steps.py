@@ -94,12 +94,14 @@ class PackedSteps:
     block_size: int
     packed_rows: dict[tuple, torch.Tensor]
     packed_seen: set[tuple]
+    captures_exits: bool
 
     def packed_step(self, scheduled: Sequence[ScheduledRequest]) -> PackedShape | None:
         """The shape of the packed pass that runs this step, or None (a split or the eager pass runs
         it): a step of two or more prompt chunks (a burst, whose full steps recur at one token count)
-        and of at most `PACKED_MAX_TOKENS` tokens, every row at one depth without early exit,
-        wavefront segments or prompt logprobs, on a backend whose captured passes take packed batches.
+        and of at most `PACKED_MAX_TOKENS` tokens, every row at one depth without wavefront segments
+        or prompt logprobs (nor early exit, unless every loop runs anyway: `captures_exits`), on a
+        backend whose captured passes take packed batches.
         A lone chunk beside decodes (a request joining) keeps `split_step`, whose passes the engine
         captured at start: its token count seldom recurs, and a capture inside it (about two passes
         of host work) cost a 128-token join 254-272 ms of TTFT against 54 ms split; where its count
@@ -112,7 +114,8 @@ class PackedSteps:
         loops = scheduled[0].request.num_loops
         num_tokens = sum(item.num_tokens for item in scheduled)
         if sum(item.num_tokens > 1 for item in scheduled) < 2 or num_tokens > PACKED_MAX_TOKENS or not all(
-                not item.is_wave and item.request.num_loops == loops and item.request.exit_threshold >= 1.0
+                not item.is_wave and item.request.num_loops == loops
+                and (item.request.exit_threshold >= 1.0 or self.captures_exits)
                 and item.request.params.prompt_logprobs is None for item in scheduled):
             return None
         rounded = -(-num_tokens // PACKED_GRANULE) * PACKED_GRANULE
@@ -127,6 +130,10 @@ class PackedSteps:
         host = describe([self.slice_of(item, blocks) for item in scheduled], num_planes, self.block_size)
         full = pad_packed(host, shape, self.env)
         key = ("packed", shape.num_tokens, shape.num_seqs, loops, num_planes)
+        exits = None
+        if any(item.request.exit_threshold < 1.0 for item in scheduled):
+            key = ("packed_exit", *key[1:])
+            exits = self._exit_rows(key, shape.num_seqs, [item.request for item in scheduled])   # CapturedSteps
         ends = np.cumsum(np.asarray(full.batch.query_lens, dtype=np.int64)) - 1
         rows = self.packed_rows.get(key)
         if rows is None:
@@ -134,23 +141,25 @@ class PackedSteps:
         rows.copy_(torch.from_numpy(np.maximum(ends, 0)), non_blocking=True)
         capacity = MetaCapacity(shape.num_seqs, shape.num_tokens, self.graphs.max_blocks_of(PACKED_GRANULE),
                                 num_planes, self.graphs.max_model_len + PACKED_GRANULE, packed=True)
-        program = prefill_program(self.model, loops, rows)
+        program = prefill_program(self.model, loops, rows, exits)
         if key in self.graphs.captured or key in self.packed_seen:
-            logits = self.graphs.run_packed(key, program, host, full, capacity, fed_from)
+            out = self.graphs.run_packed(key, program, host, full, capacity, fed_from)
         else:
             # a token count's first step runs the same padded pass uncaptured: a capture costs about
             # two eager passes of host work, which a count that never recurs (a burst's last step)
             # would not repay
             self.packed_seen.add(key)
             inputs = place(self.env, full, fed_from, capacity=capacity)
-            logits = program(inputs.ids, inputs.ctx)
+            out = program(inputs.ids, inputs.ctx)
+        logits, chosen = out if exits is not None else (out, None)          # chosen: each row's exit loops
         sampling = [i for i, item in enumerate(scheduled) if item.samples]
         requests = [scheduled[i].request for i in sampling]
         if len(sampling) == len(scheduled):
-            logits = logits[:len(scheduled)]
+            picked = slice(0, len(scheduled))
         elif sampling:
-            logits = logits.index_select(0, torch.as_tensor(sampling).to(self.device, non_blocking=True))
+            picked = torch.as_tensor(sampling).to(self.device, non_blocking=True)
         else:
-            logits = None
-        return self.finish_step(logits, requests, [loops] * len(requests), host.num_tokens, deferred,
-                                fed_from=fed_from)
+            return self.finish_step(None, [], [], host.num_tokens, deferred, fed_from=fed_from)
+        logits = logits[picked]
+        step_loops = [loops] * len(requests) if chosen is None else chosen[picked]
+        return self.finish_step(logits, requests, step_loops, host.num_tokens, deferred, fed_from=fed_from)

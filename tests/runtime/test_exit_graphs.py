@@ -114,3 +114,24 @@ def test_prompts_joining_early_exit_decodes_split(case_and_model, hal_name, asyn
         tokens, _, loops = generate_reference(model, prompt, p)
         assert (outs[str(i)].token_ids, outs[str(i)].loops_per_token) == (tokens, loops), i
     assert kinds["eager"] == 0 and kinds["split"] >= 3, kinds
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_burst_with_early_exit_replays_packed_passes(case_and_model, async_scheduling, monkeypatch, single_thread):
+    """Prompts arriving together, chunked over a small budget beside decodes, with early exit: the
+    steps of two or more chunks replay packed passes that choose their sampled rows' exit loops."""
+    case, model = case_and_model
+    kinds = count_step_kinds(monkeypatch, ("packed", "eager"))
+    engine = LLMEngine(model, hal.get("cpu"), EngineConfig(max_num_seqs=8, graphs=True, max_num_batched_tokens=24,
+                                                            async_scheduling=async_scheduling))
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, exit_threshold=t, min_loops=m)
+              for t, m, n in SETTINGS]
+    prompts = [(case.prompt(i % case.num_prompts) * 4)[: 7 + 5 * i] for i in range(len(SETTINGS))]
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), prompt, p)
+    outs = {o.request_id: o for o in engine.run_until_done()}
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        tokens, _, loops = generate_reference(model, prompt, p)
+        assert (outs[str(i)].token_ids, outs[str(i)].loops_per_token) == (tokens, loops), i
+    assert kinds["packed"] >= 2 and kinds["eager"] == 0, kinds
+    assert any(key[0] == "packed_exit" for key in engine.runner.graphs.captured)
