@@ -101,14 +101,15 @@ class CapturedSteps:
         graphs off changes no kernel's shapes for a lone prompt."""
         if self.graphs is None or len(scheduled) != 1:
             return None
-        return self.chunk_bucket(scheduled[0], early_exit=self.captures_exits)
+        return self.chunk_bucket(scheduled[0])
 
-    def chunk_bucket(self, item: ScheduledRequest, early_exit: bool = False) -> int | None:
+    def chunk_bucket(self, item: ScheduledRequest) -> int | None:
         """The captured prefill width that runs one prompt chunk (of a step of several, `split_step`),
         or None. A chunk that is not its prompt's last runs the same pass, whose one row of logits
-        nobody samples. With `early_exit`, a request below exit threshold 1 too (`captures_exits`)."""
+        nobody samples. Early exit only where every loop runs anyway (`captures_exits`)."""
         req = item.request
-        if (self.graphs is None or item.is_wave or item.num_tokens < 2 or (req.exit_threshold < 1.0 and not early_exit)
+        if (self.graphs is None or item.is_wave or item.num_tokens < 2
+                or (req.exit_threshold < 1.0 and not self.captures_exits)
                 or req.params.prompt_logprobs is not None):
             return None
         width, widest = self.prefill_buckets.bucket(item.num_tokens), self.backend.caps.max_context_prefill_width
@@ -116,15 +117,14 @@ class CapturedSteps:
             return None
         return width
 
-    def is_graph_step(self, scheduled: Sequence[ScheduledRequest], early_exit: bool = True) -> bool:
-        """A pure decode step that a captured pass can run (see the module docstring): with
-        `early_exit`, rows below exit threshold 1 too, where every loop runs anyway (`captures_exits`)."""
+    def is_graph_step(self, scheduled: Sequence[ScheduledRequest]) -> bool:
+        """A pure decode step that a captured pass can run (see the module docstring); early exit only
+        where every loop runs anyway (`captures_exits`)."""
         if self.graphs is None or self.graphs.bucket(len(scheduled)) is None:
             return False
         loops = scheduled[0].request.num_loops
-        exits = early_exit and self.captures_exits
         return all(item.num_tokens == 1 and item.samples and not item.is_wave and item.request.num_loops == loops
-                   and (item.request.exit_threshold >= 1.0 or exits)
+                   and (item.request.exit_threshold >= 1.0 or self.captures_exits)
                    and item.request.num_planes <= self.input_batch.tables.shape[0]
                    for item in scheduled)
 
@@ -153,7 +153,7 @@ class CapturedSteps:
             return None
         if decodes and not self.is_graph_step(decodes):
             return None
-        widths = [self.chunk_bucket(item, early_exit=self.captures_exits) for item in prompts]
+        widths = [self.chunk_bucket(item) for item in prompts]
         if None in widths:
             return None
         return decodes, list(zip(prompts, widths))
