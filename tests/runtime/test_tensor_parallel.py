@@ -2,7 +2,7 @@
 tokens on every golden case (all have 4 query heads and 4 or 2 KV heads, so tp=2 divides them), with
 chunked prefill, preemption (recompute; swap with prefix caching and wavefront prefill) and
 speculation rounds; and the tp=1 tokens for KV heads replicated across ranks, early exit with skipped
-planes, and seeded sampling with Huginn's random initial states."""
+planes and with every loop run (its exit chosen inside the decode pass), and seeded sampling with Huginn's random initial states."""
 import json
 import os
 import subprocess

@@ -66,6 +66,7 @@ def jobs() -> list[Job]:
     out.append(Job("mqa-replicated-kv", mqa, [(q, greedy) for q in prompts], {"block_size": 4}, [True] * 3))
     out.append(Job("early-exit-last-exited", mqa, [(q, exiting) for q in prompts],
                    {"block_size": 4, "kv_mode": "last_exited"}, [True] * 3))
+    out.append(Job("early-exit-full", mqa, [(q, exiting) for q in prompts], {"block_size": 4}, [True] * 3))
     case = golden_case("huginn-tiny")
     seeded = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.95, seed=1234, init_scale=1.0,
                             ignore_eos=True)
