@@ -18,6 +18,13 @@ from runtime.execution.reference import generate_reference
 SETTINGS = [(0.5, 1, 9), (0.9, 2, 4), (1.0, 1, 6), (0.3, 1, 7), (0.7, 3, 5)]   # threshold, min_loops, max_tokens
 
 
+def assert_simple_path(model, prompts, params, outs) -> None:
+    """Each request's tokens and loops per token are the simple path's."""
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        tokens, _, loops = generate_reference(model, prompt, p)
+        assert (outs[str(i)].token_ids, outs[str(i)].loops_per_token) == (tokens, loops), i
+
+
 @pytest.fixture(scope="module")
 def case_and_model():
     case = golden_case("ouro-tiny")
@@ -31,8 +38,10 @@ def case_and_model():
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_early_exit_decodes_replay_captured_passes(case_and_model, hal_name, async_scheduling, monkeypatch,
                                                    single_thread):
+    """Requests with different exit settings join one after each step (each join a split step: the
+    exit decode pass and the chunk's exit prefill), so the rows' settings change between replays."""
     case, model = case_and_model
-    kinds = count_step_kinds(monkeypatch, ("captured", "eager"))
+    kinds = count_step_kinds(monkeypatch, ("captured", "split", "eager"))
     sim = {"sim_any_shape": True} if hal_name == "ascend-sim" else {}
     engine = LLMEngine(model, hal.get(hal_name, **sim), EngineConfig(max_num_seqs=4, graphs=True,
                                                                       async_scheduling=async_scheduling))
@@ -44,12 +53,10 @@ def test_early_exit_decodes_replay_captured_passes(case_and_model, hal_name, asy
         engine.add_request(str(i), prompt, p)
         outs.update({o.request_id: o for o in engine.step() if o.finished})
     outs.update({o.request_id: o for o in engine.run_until_done()})
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        tokens, _, loops = generate_reference(model, prompt, p)
-        assert (outs[str(i)].token_ids, outs[str(i)].loops_per_token) == (tokens, loops), i
+    assert_simple_path(model, prompts, params, outs)
     assert any(min(outs[str(i)].loops_per_token) < model.default_num_loops for i in range(len(SETTINGS)))
     assert any(key[0] == "decode_exit" for key in engine.runner.graphs.captured)
-    assert kinds["captured"] >= 4 and kinds["eager"] == 0, kinds     # (a joining prompt's step splits)
+    assert kinds["captured"] >= 4 and kinds["split"] >= 3 and kinds["eager"] == 0, kinds
 
 
 @pytest.mark.parametrize("hal_name", ["cpu", "ascend-sim"])
@@ -87,35 +94,6 @@ def test_modes_that_stop_early_keep_the_eager_pass(case_and_model, monkeypatch, 
     assert kinds["captured"] == 0 and kinds["eager"] == 4, kinds
 
 
-@pytest.mark.parametrize("hal_name", ["cpu", "ascend-sim"])
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_prompts_joining_early_exit_decodes_split(case_and_model, hal_name, async_scheduling, monkeypatch,
-                                                  single_thread):
-    """Prompts joining requests that decode with early exit: the step replays the decode pass and
-    each chunk's prefill, both choosing exit loops on the device (on the CPU, whose backend takes
-    packed batches, packed steps are off here: their passes take no early exit)."""
-    from runtime.execution.runner import ModelRunner
-
-    monkeypatch.setattr(ModelRunner, "packed_step", lambda self, scheduled: None)
-    case, model = case_and_model
-    kinds = count_step_kinds(monkeypatch, ("split", "captured", "prefill", "eager"))
-    sim = {"sim_any_shape": True} if hal_name == "ascend-sim" else {}
-    engine = LLMEngine(model, hal.get(hal_name, **sim), EngineConfig(max_num_seqs=4, graphs=True,
-                                                                      async_scheduling=async_scheduling))
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, exit_threshold=t, min_loops=m)
-              for t, m, n in SETTINGS]
-    prompts = [case.prompt(i % case.num_prompts)[: 3 + 2 * i] for i in range(len(SETTINGS))]
-    outs = {}
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        engine.add_request(str(i), prompt, p)
-        outs.update({o.request_id: o for o in engine.step() if o.finished})
-    outs.update({o.request_id: o for o in engine.run_until_done()})
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        tokens, _, loops = generate_reference(model, prompt, p)
-        assert (outs[str(i)].token_ids, outs[str(i)].loops_per_token) == (tokens, loops), i
-    assert kinds["eager"] == 0 and kinds["split"] >= 3, kinds
-
-
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_burst_with_early_exit_replays_packed_passes(case_and_model, async_scheduling, monkeypatch, single_thread):
     """Prompts arriving together, chunked over a small budget beside decodes, with early exit: the
@@ -130,8 +108,6 @@ def test_a_burst_with_early_exit_replays_packed_passes(case_and_model, async_sch
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), prompt, p)
     outs = {o.request_id: o for o in engine.run_until_done()}
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        tokens, _, loops = generate_reference(model, prompt, p)
-        assert (outs[str(i)].token_ids, outs[str(i)].loops_per_token) == (tokens, loops), i
+    assert_simple_path(model, prompts, params, outs)
     assert kinds["packed"] >= 2 and kinds["eager"] == 0, kinds
     assert any(key[0] == "packed_exit" for key in engine.runner.graphs.captured)
