@@ -37,10 +37,12 @@ def loops_to_exit(model: LoopedCausalLM, state: torch.Tensor, ctx, num_loops: in
     return stacked.gather(0, chosen[None, :, None].expand(1, *stacked.shape[1:])), chosen + 1
 
 
-def prefill_program(model: LoopedCausalLM, num_loops: int, sample_rows: torch.Tensor, exits: ExitRows | None = None):
-    """A prefill pass: prelude, every loop, the head on rows `sample_rows` (a static buffer: `[1]`, one
-    prompt's last real token; `[S]`, each sequence's last row of a packed step) -> logits `[R, V]` float32;
-    with `exits` the rows' logits come from their exit loops -> (logits, the loops behind them `[R]`)."""
+def prefill_program(model: LoopedCausalLM, num_loops: int, sample_rows: torch.Tensor | None,
+                    exits: ExitRows | None = None):
+    """A pass: prelude, every loop, the head on rows `sample_rows` (a static buffer: `[1]`, one
+    prompt's last real token; `[S]`, each sequence's last row of a packed step; None: every row) ->
+    logits `[R, V]` float32; with `exits` the rows' logits come from their exit loops -> (logits, the
+    loops behind them `[R]`)."""
     def run(ids: torch.Tensor, ctx) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         state = model.prelude(ids, ctx)
         if exits is not None:
@@ -53,15 +55,6 @@ def prefill_program(model: LoopedCausalLM, num_loops: int, sample_rows: torch.Te
 
 
 def decode_program(model: LoopedCausalLM, num_loops: int, exits: ExitRows | None = None):
-    """A decode pass: prelude, every loop, the head on every row -> logits `[B, V]` float32. With
-    `exits` (early exit where every loop runs: kv_mode=full), each row's logits come from its exit
-    loop -> (logits, the loops behind them `[B]`)."""
-    def run(ids: torch.Tensor, ctx) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        state = model.prelude(ids, ctx)
-        if exits is not None:
-            picked, loops = loops_to_exit(model, state, ctx, num_loops, exits)
-            return model.coda(picked, ctx)[0].float(), loops
-        for depth in range(num_loops):
-            state = model.loop(state, depth, ctx)
-        return model.coda(state, ctx)[0].float()
-    return run
+    """A decode pass: the head on every row -> logits `[B, V]` float32 (with `exits`: and the loops
+    behind them `[B]`)."""
+    return prefill_program(model, num_loops, None, exits)
