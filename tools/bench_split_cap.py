@@ -10,7 +10,9 @@ prompt tokens (`MAX_SPLIT_TOKENS`, default 1024). PACKED=0 runs the steps past t
 eager pass instead of a packed captured pass (runtime/execution/packed_steps.py: lever 109's A/B).
 LONE=0 restores the steps of one prompt chunk as they ran before lever 110 (lever 110's A/B): a lone
 chunk that is not its prompt's last splits up to the caps, else runs eagerly, and one chunk beside
-decodes splits only up to TOKENS (not `MAX_SPLIT_TOKENS_ONE_CHUNK`)."""
+decodes splits only up to TOKENS (not `MAX_SPLIT_TOKENS_ONE_CHUNK`). MIXED=0 sends the decode rows of
+mixed steps (eager or packed) through the prefill config with their chunks again, as before lever 113
+(`hal.kernels.attend.launches_for(mixed=)`)."""
 import os
 import sys
 
@@ -29,6 +31,16 @@ if os.environ.get("LONE", "1") == "0":
 
     ModelRunner.prefill_bucket = _last_chunk_only
     captured_steps.MAX_SPLIT_TOKENS_ONE_CHUNK = captured_steps.MAX_SPLIT_TOKENS
+
+if os.environ.get("MIXED", "1") == "0":
+    from hal.kernels import attend
+
+    _launches_for = attend.launches_for
+
+    def _unmixed(*args, mixed=False, **kwargs):
+        return _launches_for(*args[:12], **kwargs)
+
+    attend.launches_for = _unmixed
 
 from runtime import bench  # noqa: E402
 

@@ -12,7 +12,13 @@
   where the table has `attention_decode_tma_fp8` (FP8 cache) / `attention_decode_tma` (16-bit) and
   the cache fits it;
 - every other batch takes the unified kernel (hal/kernels/attention.py): its decode config for
-  batches of at most `DECODE_MAX_QUERY_LEN` new tokens per sequence, its prefill config otherwise.
+  batches of at most `DECODE_MAX_QUERY_LEN` new tokens per sequence, its prefill config otherwise;
+- a mixed batch (prompt chunks beside sequences of one new token: requests joining a decoding
+  batch, a burst's packed steps) of a multi-head model splits where the table has the row kernel:
+  the prefill config takes the chunks, the row kernel (its `attention_row_decode` entry, the
+  context unsplit) the one-token rows, which in the prefill config ran one real query row in a
+  tensor-core tile of 64 (docs/performance.md, lever 113). The split depends on the batch's kind
+  alone, never on its sizes, so an eager step and a captured packed pass give the same bits.
 Decode-like batches split the context (hal/kernels/splits.py). Every choice depends on host integers
 fixed per graph bucket (`max_query_len`, the number of sequences, dtypes, compute units), never on a
 device value.
@@ -81,8 +87,10 @@ def fuses_rotary(dtype: torch.dtype, num_heads: int, num_kv_heads: int, max_quer
 def launches_for(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                  query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                  configs: dict[str, KernelConfig], num_compute_units: int, out: torch.Tensor,
-                 kv_scales: torch.Tensor | None = None, new_kv: NewKV | None = None) -> list[Launch]:
-    """The launches `paged_attention` runs for this batch."""
+                 kv_scales: torch.Tensor | None = None, new_kv: NewKV | None = None,
+                 mixed: bool = False) -> list[Launch]:
+    """The launches `paged_attention` runs for this batch (`mixed`: it may hold one-token sequences
+    beside its prompt chunks)."""
     quantized = kv_scales is not None
     num_kv_heads = kv_cache.shape[3]
     args = (q, kv_cache, block_table, seq_lens, query_start_loc, scale)
@@ -93,8 +101,15 @@ def launches_for(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
         raise ValueError("only the row-stream decode kernel rotates and stores this step's K/V itself "
                          "(check attend.fuses_rotary first)")
     if max_query_len > DECODE_MAX_QUERY_LEN:
-        return attention_launches(*args, configs[config_key("prefill", q.dtype, quantized)], 1,
-                                  configs["attention_reduce"], out, backend_of(q.device), kv_scales)
+        single_key = row_decode_key(q.dtype, q.shape[1], num_kv_heads, 1, quantized, num_seqs, num_compute_units)
+        split = mixed and q.shape[1] == num_kv_heads and single_key in configs
+        launches = attention_launches(*args, configs[config_key("prefill", q.dtype, quantized)], 1,
+                                      configs["attention_reduce"], out, backend_of(q.device), kv_scales,
+                                      skip_single=split)
+        if split:
+            launches += row_decode_launches(*args, configs[single_key], 1, configs["attention_reduce"], out,
+                                            backend_of(q.device), kv_scales)
+        return launches
     reduce_config, target = configs["attention_reduce"], backend_of(q.device)
     if row_key in configs:
         num_splits = num_row_splits(num_seqs, q.shape[1], num_compute_units)
@@ -121,13 +136,15 @@ def launches_for(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                     configs: dict[str, KernelConfig], num_compute_units: int,
-                    kv_scales: torch.Tensor | None = None, new_kv: NewKV | None = None) -> torch.Tensor:
+                    kv_scales: torch.Tensor | None = None, new_kv: NewKV | None = None,
+                    mixed: bool = False) -> torch.Tensor:
     """Causal attention of packed queries over one plane of the paged cache; returns `[T, H, D]`.
 
     q `[T, H, D]`; kv_cache `[2, NB, page, KVH, D]`; block_table `[S, max_blocks]` int32 (one plane);
     seq_lens `[S]` int32 (cached tokens incl. this step's); query_start_loc `[S + 1]` int32;
     kv_scales `[2, NB, page, KVH]` exponent bytes for an 8-bit kv_cache (`hal.common.kv_quant.QuantLayout.scales`);
-    `new_kv` (row kernel only): q and this step's k, v before rotary, stored by the kernel itself.
+    `new_kv` (row kernel only): q and this step's k, v before rotary, stored by the kernel itself;
+    `mixed`: prompt chunks and one-token sequences may share the batch (`launches_for`).
     """
     check_device(q)
     if q.stride(-1) != 1:
@@ -138,6 +155,6 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     if q.shape[0] == 0:
         return out
     for launch in launches_for(q, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, scale,
-                               configs, num_compute_units, out, kv_scales, new_kv):
+                               configs, num_compute_units, out, kv_scales, new_kv, mixed):
         run_launch(launch)
     return out

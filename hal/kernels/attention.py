@@ -129,7 +129,7 @@ def _paged_attention_kernel(
         NUM_QUERIES_PER_KV: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, HEADS_FIRST: tl.constexpr,
-        PDL: tl.constexpr = False):
+        SKIP_SINGLE: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_wait(PDL)
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
@@ -143,6 +143,8 @@ def _paged_attention_kernel(
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
     local_block = q_block - (q_start // BLOCK_Q + seq)
     if local_block * BLOCK_Q >= q_len:
+        return
+    if SKIP_SINGLE and q_len == 1:        # a mixed batch's decode row: the row kernel's (attend.launches_for)
         return
     context_len = tl.load(seq_lens_ptr + seq) - q_len      # cached tokens before this step's queries
 
@@ -222,11 +224,13 @@ def config_key(kind: str, dtype: torch.dtype, is_quantized: bool = False) -> str
 def attention_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                        config: KernelConfig, num_splits: int, reduce_config: KernelConfig,
-                       out: torch.Tensor, target: str, kv_scales: torch.Tensor | None = None) -> list[Launch]:
+                       out: torch.Tensor, target: str, kv_scales: torch.Tensor | None = None,
+                       skip_single: bool = False) -> list[Launch]:
     """The launches of one attention call for `target` ("cuda", "hip", "interpreter"); `out`
     `[T, H, D]` receives the result. `config.heads_first`: grid `(KVH, query blocks, splits)`, the KV
     heads of a query block side by side (they read the same cache rows), where the query blocks fit
-    the grid's second dimension.
+    the grid's second dimension. `skip_single`: sequences of one query token are left to another
+    launch (the row kernel's, in a mixed batch) and their rows of `out` untouched.
 
     q `[T, H, D]`; kv_cache `[2, NB, page, KVH, D]`; block_table `[S, max_blocks]` int32 (one plane);
     seq_lens `[S]` int32 (cached tokens incl. this step's); query_start_loc `[S + 1]` int32.
@@ -256,7 +260,7 @@ def attention_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         NUM_QUERIES_PER_KV=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION=dot_precision(q.dtype, target), KV_QUANT=kv_scales is not None, HEADS_FIRST=heads_first,
-        **launch_options(config, target)))
+        SKIP_SINGLE=skip_single, **launch_options(config, target)))
     if num_splits == 1:
         return [main]
     return [main, reduce_launch(out, parts, reduce_config, target)]

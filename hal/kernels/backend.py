@@ -46,6 +46,7 @@ class TritonMeta(NamedTuple):
     max_seq_len: int
     fresh_lens: tuple[int, ...] | None = None   # query lengths when the batch takes the fresh path
     packed: bool = False            # any query lengths (MetaCapacity.packed): max_query_len is the capacity's
+    mixed: bool = False             # prompt chunks beside one-token sequences (packed: maybe): attend.launches_for
     # a capacity-built meta's pinned host mirrors: update_meta stages each step's values there and
     # copies them asynchronously into these same device tensors, whose addresses graphs captured
     staging: StagingRing | None = None
@@ -120,10 +121,11 @@ class TritonPagedAttention(AttentionBackend):
         # decode configs'), whose grid follows the token and sequence counts alone, so any batch
         # within the capacity replays it
         longest = max(capacity.max_num_tokens, DECODE_MAX_QUERY_LEN + 1) if packed else max(batch.query_lens, default=0)
+        mixed = packed or (capacity is None and longest > DECODE_MAX_QUERY_LEN and 1 in batch.query_lens)
         return TritonMeta(*tensors, max_query_len=longest,
                           max_seq_len=capacity.max_seq_len if capacity else max(batch.seq_lens, default=0),
                           fresh_lens=tuple(map(int, batch.query_lens)) if is_fresh and not packed else None,
-                          packed=packed, staging=None if capacity is None else StagingRing(arrays, self.device))
+                          packed=packed, mixed=mixed, staging=None if capacity is None else StagingRing(arrays, self.device))
 
     def update_meta(self, meta: TritonMeta, batch: PagedBatch) -> list[dict]:
         """Refill a capacity-built `meta` in place: same shapes (the captured bucket), new values."""
@@ -224,4 +226,5 @@ class TritonPagedAttention(AttentionBackend):
             raise ValueError(f"q is {q.dtype} but the backend computes in {self.dtype} over an 8-bit cache; "
                              f"cast q to the model dtype {self.dtype}")
         return paged_attention(q, values, meta.block_tables[plane], meta.seq_lens, meta.query_start_loc,
-                               meta.max_query_len, scale, self.configs, self.num_compute_units, scales)
+                               meta.max_query_len, scale, self.configs, self.num_compute_units, scales,
+                               mixed=meta.mixed)

@@ -22,7 +22,8 @@ by side over the same cache rows (a slot's row holds every head's values; H200, 
 A tile's values and scales are one contiguous run each per KV head (hal/common/kv_quant.py; the
 scales exponent bytes, which tiles of 16 keys or more load as words: lever 76) and a tile of at most a
 page looks its page up once (`_pages`): per tile, not per key (levers 70, 74). Sequences
-without a query this step (graph padding) return at once; with `NUM_SPLITS > 1` the partials go to
+without exactly one query this step (graph padding; in a mixed batch, the prompt chunks the unified
+kernel takes: `attend.launches_for`) return at once; with `NUM_SPLITS > 1` the partials go to
 hal/kernels/splits.py's reduce. At two stages the pages of a tile come from the block table one
 iteration ahead, as in the unified kernel (its lever 22); with more, each tile reads its own and the
 pipeliner keeps several tiles in flight (a page carried from the iteration before tied every load to
@@ -81,7 +82,8 @@ def _row_decode_kernel(
     # (copied in before the step), the rotary angles, and the keys before this step's one, which
     # earlier steps stored; so the split's first tile is on its way while the predecessor drains
     token = tl.load(query_start_ptr + seq)
-    is_padding = tl.load(query_start_ptr + seq + 1) == token  # no query this step (graph padding)
+    # no query this step (graph padding), or a prompt chunk of a mixed batch (the unified kernel's)
+    is_padding = tl.load(query_start_ptr + seq + 1) - token != 1
     token = token.to(tl.int64)
     last_pos = tl.load(seq_lens_ptr + seq) - 1               # the query sees keys 0 .. last_pos
     dims = tl.arange(0, HEAD_DIM_PAD)

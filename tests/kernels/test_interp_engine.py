@@ -190,3 +190,50 @@ def test_packed_steps_through_triton_attention(monkeypatch):
     assert len(packed) >= 2 and all(shape.num_seqs == 5 for shape in packed), packed
     for i in range(4):
         assert outs[str(i)] == case.greedy(i % case.num_prompts)[:6]
+
+
+def test_mixed_steps_decode_rows_on_the_row_kernel_packed_and_eager_alike(monkeypatch):
+    """Prompts joining a decoding batch of a multi-head bf16 model, with the row kernel in the table:
+    the decode rows of those mixed steps take the row kernel (lever 113) both in the packed captured
+    pass (graphs on) and in the eager pass (graphs off), which give the same tokens."""
+    from hal.kernels import attend
+    from hal.kernels.configs import KernelConfig, configs_for
+    from runtime.execution.runner import ModelRunner
+
+    configs = {**configs_for("default"), "attention_row_decode": KernelConfig(1, 16, 1, 2)}
+
+    class RowsOnCpu(CpuHal):
+        def attention(self, num_heads, num_kv_heads, head_dim, dtype, block_size=None, backend=None):
+            return TritonPagedAttention(num_heads, num_kv_heads, head_dim, dtype, self.device(), block_size or 16,
+                                        configs=configs, num_compute_units=4)
+
+    mixed_launches, packed = [], []
+    real_launches, real_packed = attend.launches_for, ModelRunner._execute_packed
+
+    def counting(*args, **kwargs):
+        launches = real_launches(*args, **kwargs)
+        if kwargs.get("mixed") or (len(args) > 12 and args[12]):
+            mixed_launches.append(len(launches))
+        return launches
+
+    monkeypatch.setattr(attend, "launches_for", counting)
+    monkeypatch.setattr(ModelRunner, "_execute_packed", lambda self, *a, **k: packed.append(1) or real_packed(self, *a, **k))
+    case = golden_case("ouro-tiny")
+    model = zoo.from_pretrained(case.path, dtype="bfloat16")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for graphs in (True, False):
+        with interpreter(), torch.inference_mode():
+            engine = LLMEngine(model, RowsOnCpu(), EngineConfig(block_size=4, max_num_batched_tokens=24,
+                                                                graphs=graphs, max_num_seqs=4))
+            engine.add_request("0", case.prompt(0), params)
+            engine.step()
+            for i in range(1, 4):            # prompts joining request 0's decodes, two chunks a step
+                engine.add_request(str(i), case.prompt(i % case.num_prompts), params)
+            outs[graphs] = {o.request_id: o.token_ids for o in engine.run_until_done()}
+        if graphs:
+            assert packed, "no step ran the packed pass"
+            assert mixed_launches and all(n == 2 for n in mixed_launches), mixed_launches
+            num_packed = len(mixed_launches)
+    assert len(mixed_launches) > num_packed, "no eager mixed step"
+    assert outs[True] == outs[False]

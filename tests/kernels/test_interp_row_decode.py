@@ -142,6 +142,46 @@ def test_padding_sequences_without_a_query_are_skipped():
     assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_mixed_batches_leave_their_one_token_rows_to_the_row_kernel(monkeypatch, kv_dtype):
+    """Prompt chunks beside one-token sequences (a join, a burst's packed step): the prefill config
+    takes the chunks, the row kernel (unsplit, its row entry) the one-token rows (docs/performance.md,
+    lever 113). The result matches the reference, and the one-token rows are the bits of the same
+    rows decoded alone, unsplit: so an eager mixed step and a packed pass agree to the bit."""
+    calls = _count_row_launches(monkeypatch)
+    rng = random.Random(5)
+    seq_lens = [rng.randint(60, 90), 37, 1, rng.randint(20, 50), 45]
+    query_lens = [1, 37, 1, 1, 12]           # decodes, a prompt, a one-token prompt, a chunk with context
+    case = random_case(rng, 4, 4, 64, torch.bfloat16, seq_lens=seq_lens, query_lens=query_lens)
+    backend = _backend(4, 4, 64, torch.bfloat16, 1, kv_dtype=kv_dtype)
+    mixed = backend.build_meta(case.step)
+    assert mixed.mixed and mixed.max_query_len == 37
+    out, ref = _run_fp8(backend, case, 0.125) if kv_dtype else run_both(backend, case, plane=1, scale=0.125)
+    assert len(calls) == 1, "the one-token rows did not take the row kernel"
+    err = (out.float() - ref).abs().max().item()
+    assert torch.isfinite(out).all() and err <= TOLERANCE[torch.bfloat16], f"max error {err:.2e}"
+
+    # the same one-token rows as a decode batch of their own (1 compute unit: unsplit)
+    singles = [i for i, n in enumerate(query_lens) if n == 1]
+    starts = [sum(query_lens[:i]) for i in singles]
+    alone = case._replace(step=case.step._replace(query_lens=[1] * len(singles),
+                                                 seq_lens=[seq_lens[i] for i in singles],
+                                                 block_tables=[[t[i] for i in singles] for t in case.step.block_tables]),
+                          q=case.q[starts])
+    out_alone, _ = _run_fp8(backend, alone, 0.125) if kv_dtype else run_both(backend, alone, plane=1, scale=0.125)
+    assert torch.equal(out[starts], out_alone)
+
+    # a table without the row kernel, and grouped queries, keep the prefill config for every row
+    calls.clear()
+    plain = TritonPagedAttention(4, 4, 64, torch.bfloat16, CPU, 16, configs={**configs_for("default"),
+                                 "kv_write": ROWS["kv_write"]}, num_compute_units=1, kv_dtype=kv_dtype)
+    out_plain, _ = _run_fp8(plain, case, 0.125) if kv_dtype else run_both(plain, case, plane=1, scale=0.125)
+    assert not calls and (out_plain.float() - ref).abs().max().item() <= TOLERANCE[torch.bfloat16]
+    gqa = random_case(rng, 4, 2, 64, torch.bfloat16, seq_lens=seq_lens, query_lens=query_lens)
+    run_both(_backend(4, 2, 64, torch.bfloat16, 1), gqa, plane=1, scale=0.125)
+    assert not calls
+
+
 def test_single_token_decode_takes_the_row_kernel_grouped_queries_only_when_split():
     def key(dtype, heads, kv_heads, max_query_len, quantized, num_seqs=64):
         return attend.row_decode_key(dtype, heads, kv_heads, max_query_len, quantized, num_seqs, 132)
