@@ -28,7 +28,7 @@ from runtime.execution.async_step import PendingStep, StepResult
 from runtime.execution.graphs import PassGraphs
 from runtime.execution.input_batch import InputBatch
 from runtime.execution.prefill_buckets import PrefillBuckets
-from runtime.execution.programs import ExitRows, decode_program, prefill_program
+from runtime.execution.programs import ExitRows, decode_program, prefill_program, with_loops
 from runtime.execution.step_inputs import PassEnv, describe, describe_rows, extend
 from zoo.base import LoopedCausalLM
 
@@ -258,7 +258,7 @@ class CapturedSteps:
         sample_row.copy_(torch.tensor([item.num_tokens - 1]), non_blocking=True)
         out = self.graphs.run(key, prefill_program(self.model, req.num_loops, sample_row, exits), host, bucket,
                               key[3], fed_from=fed_from, fresh=key[4], context=key[5])
-        return out if exits is not None else (out, None)
+        return with_loops(out, exits)
 
     def prefill_key(self, width: int, num_loops: int, first_token: int) -> tuple:
         """The captured prefill of `width` tokens at depth `num_loops` for a chunk from `first_token`:

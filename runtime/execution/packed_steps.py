@@ -36,7 +36,7 @@ from runtime.engine.kv_cache import BlockManager
 from runtime.engine.planes import PlaneLayout
 from runtime.engine.step_schedule import ScheduledRequest
 from runtime.execution.async_step import PendingStep, StepResult
-from runtime.execution.programs import prefill_program
+from runtime.execution.programs import prefill_program, with_loops
 from runtime.execution.graphs import PassGraphs
 from runtime.execution.step_inputs import HostInputs, PassEnv, describe, place
 from zoo.base import LoopedCausalLM
@@ -151,7 +151,7 @@ class PackedSteps:
             self.packed_seen.add(key)
             inputs = place(self.env, full, fed_from, capacity=capacity)
             out = program(inputs.ids, inputs.ctx)
-        logits, chosen = out if exits is not None else (out, None)          # chosen: each row's exit loops
+        logits, chosen = with_loops(out, exits)                # chosen: each row's exit loops
         sampling = [i for i, item in enumerate(scheduled) if item.samples]
         requests = [scheduled[i].request for i in sampling]
         if len(sampling) == len(scheduled):

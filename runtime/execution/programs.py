@@ -54,6 +54,11 @@ def prefill_program(model: LoopedCausalLM, num_loops: int, sample_rows: torch.Te
     return run
 
 
+def with_loops(out, exits: ExitRows | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A program's output as (logits, the loops behind them or None: every row ran all of them)."""
+    return out if exits is not None else (out, None)
+
+
 def decode_program(model: LoopedCausalLM, num_loops: int, exits: ExitRows | None = None):
     """A decode pass: the head on every row -> logits `[B, V]` float32 (with `exits`: and the loops
     behind them `[B]`)."""
