@@ -16,10 +16,9 @@
 - a mixed batch (prompt chunks beside sequences of one new token: requests joining a decoding
   batch, a burst's packed steps) of a multi-head model splits where the table has the row kernel:
   the prefill config takes the chunks, the row kernel (its `attention_row_decode` entry, the
-  context split `MIXED_ROW_SPLITS` ways) the one-token rows, which in the prefill config ran one
-  real query row in a tensor-core tile of 64 (docs/performance.md, lever 113). Both depend on the
-  batch's kind alone, never on its sizes, so an eager step and a captured packed pass give the
-  same bits.
+  context unsplit) the one-token rows, which in the prefill config ran one real query row in a
+  tensor-core tile of 64 (docs/performance.md, lever 113). The split depends on the batch's kind
+  alone, never on its sizes, so an eager step and a captured packed pass give the same bits.
 Decode-like batches split the context (hal/kernels/splits.py). Every choice depends on host integers
 fixed per graph bucket (`max_query_len`, the number of sequences, dtypes, compute units), never on a
 device value.
@@ -50,11 +49,6 @@ DENSE_ROW_KEY = "attention_row_decode_dense"     # the row kernel's config where
 # entry's 16 x 1 x 3, engine step 19.24 -> 19.03 ms; at 64 x 1K (7.75 per SM) 78.1 against 72.5
 # (2026-12-03, eighteenth session, lever 74)
 DENSE_ROW_MIN_PROGRAMS = 12
-# The context splits of a mixed batch's one-token rows (`launches_for(mixed=True)`): fixed, so an eager
-# mixed step and a captured packed pass (whose sequence capacity says nothing of its decode rows) give
-# the same bits. Unsplit, a packed step of the 64 x 1K burst at 2,048 ran about 31 rows x 16 heads =
-# ~500 programs of 1K keys each, 136 us a layer-plane on an H100 (2.1 TB/s; lever 113)
-MIXED_ROW_SPLITS = 4
 
 
 def row_decode_key(dtype: torch.dtype, num_heads: int, num_kv_heads: int, max_query_len: int,
@@ -113,8 +107,10 @@ def launches_for(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
                                       configs["attention_reduce"], out, backend_of(q.device), kv_scales,
                                       skip_single=split)
         if split:
-            launches += row_decode_launches(*args, configs[single_key], MIXED_ROW_SPLITS, configs["attention_reduce"],
-                                            out, backend_of(q.device), kv_scales, mixed=True)
+            # unsplit: a fixed 4-way split (with a reduce of one-token sequences) measured level on an
+            # H100, the row launch waiting for the chunks' launch before it either way (lever 113)
+            launches += row_decode_launches(*args, configs[single_key], 1, configs["attention_reduce"], out,
+                                            backend_of(q.device), kv_scales)
         return launches
     reduce_config, target = configs["attention_reduce"], backend_of(q.device)
     if row_key in configs:

@@ -73,7 +73,7 @@ def _row_decode_kernel(
         NUM_SPLITS: tl.constexpr, KV_QUANT: tl.constexpr, NUM_STAGES: tl.constexpr,
         ROTARY: tl.constexpr = False, INTERLEAVED: tl.constexpr = False, QMAX: tl.constexpr = 0.0,
         LAZY: tl.constexpr = True, GROUP: tl.constexpr = 1, WORD_SCALES: tl.constexpr = False,
-        BY_SEQ: tl.constexpr = False, PDL: tl.constexpr = False):
+        PDL: tl.constexpr = False):
     head = tl.program_id(0)
     kv_head = head // GROUP
     seq = tl.program_id(1)
@@ -169,8 +169,7 @@ def _row_decode_kernel(
         tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
                  mask=dim_valid)
     else:
-        # a partial row per token, or per sequence in a mixed batch (`num_tokens` is then the sequences')
-        part_row = (split * num_tokens + (seq.to(tl.int64) if BY_SEQ else token)) * tl.num_programs(0) + head
+        part_row = (split * num_tokens + token) * tl.num_programs(0) + head
         tl.store(part_out_ptr + part_row * HEAD_DIM_PAD + dims, out)
         tl.store(part_max_ptr + part_row, m_all)
         tl.store(part_sum_ptr + part_row, l_all)
@@ -190,14 +189,12 @@ def row_decode_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                         config: KernelConfig, num_splits: int, reduce_config: KernelConfig,
                         out: torch.Tensor, target: str, kv_scales: torch.Tensor | None = None,
-                        new_kv: NewKV | None = None, mixed: bool = False) -> list[Launch]:
+                        new_kv: NewKV | None = None) -> list[Launch]:
     """The launches of one decode attention call with at most one query per sequence (query heads a
     multiple of the KV heads); arguments as `hal.kernels.attention.attention_launches`. With `new_kv`,
     q is not rotated yet and the cache lacks this step's keys: the kernel rotates q, and the split
     that reads a sequence's last key rotates and stores k and v first (one launch fewer than
-    `rotary_kv.rotary_kv_write` before it; its bytes, up to the ulp the module docstring names).
-    `mixed`: the batch holds prompt chunks too (which return at once), so split partials go to a row
-    per sequence and the reduce merges only one-token sequences' (the token rows would be the chunks')."""
+    `rotary_kv.rotary_kv_write` before it; its bytes, up to the ulp the module docstring names)."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, _ = kv_cache.shape
     if num_heads % num_kv_heads:
@@ -220,18 +217,16 @@ def row_decode_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
             qmax = dict(QMAX=quant_max(kv_cache.dtype))
     else:
         fresh = (q, q, q, q, q, 0, 0, 0, 0)           # unused pointers (ROTARY=False compiles them away)
-    num_seqs = seq_lens.shape[0]
-    by_seq = mixed and num_splits > 1
-    parts = split_parts(q, num_splits, head_dim_pad, num_seqs if by_seq else None)
-    main = Launch(_row_decode_kernel, (num_heads, num_seqs, num_splits), (
+    parts = split_parts(q, num_splits, head_dim_pad)
+    main = Launch(_row_decode_kernel, (num_heads, seq_lens.shape[0], num_splits), (
         out, q, key_cache, value_cache, k_scales, v_scales, block_table, seq_lens, query_start_loc, *parts,
-        scale * LOG2E, num_seqs if by_seq else num_tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        scale * LOG2E, num_tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
         *scale_strides, *fresh), dict(
         PAGE_SIZE=page_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=config.block_n,
         NUM_SPLITS=num_splits, KV_QUANT=kv_scales is not None, NUM_STAGES=config.num_stages,
         WORD_SCALES=_word_scales_fit(kv_scales, page_size, config.block_n),
-        GROUP=num_heads // num_kv_heads, BY_SEQ=by_seq, **rotary, **qmax, **launch_options(config, target)))
+        GROUP=num_heads // num_kv_heads, **rotary, **qmax, **launch_options(config, target)))
     if num_splits == 1:
         return [main]
-    return [main, reduce_launch(out, parts, reduce_config, target, query_start_loc if by_seq else None)]
+    return [main, reduce_launch(out, parts, reduce_config, target)]

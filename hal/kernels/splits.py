@@ -43,17 +43,15 @@ def num_kv_splits(num_seqs: int, num_kv_heads: int, num_compute_units: int) -> i
     return min(next_pow2(wanted), MAX_SPLITS)
 
 
-def split_parts(q: torch.Tensor, num_splits: int, head_dim_pad: int, num_rows: int | None = None) -> list[torch.Tensor]:
-    """(partial outputs `[S, R, H, D_pad]`, maxima `[S, R, H]`, sums `[S, R, H]`), float32, a row per
-    query token (R = T) or per sequence (`num_rows`: a mixed batch's one-token rows); empty
+def split_parts(q: torch.Tensor, num_splits: int, head_dim_pad: int) -> list[torch.Tensor]:
+    """(partial outputs `[S, T, H, D_pad]`, maxima `[S, T, H]`, sums `[S, T, H]`), float32; empty
     placeholders without a split (the kernels never touch them then)."""
     if num_splits == 1:
         return [q.new_empty(0, dtype=torch.float32)] * 3
-    num_heads = q.shape[1]
-    rows = q.shape[0] if num_rows is None else num_rows
-    return [q.new_empty(num_splits, rows, num_heads, head_dim_pad, dtype=torch.float32),
-            q.new_empty(num_splits, rows, num_heads, dtype=torch.float32),
-            q.new_empty(num_splits, rows, num_heads, dtype=torch.float32)]
+    num_tokens, num_heads = q.shape[:2]
+    return [q.new_empty(num_splits, num_tokens, num_heads, head_dim_pad, dtype=torch.float32),
+            q.new_empty(num_splits, num_tokens, num_heads, dtype=torch.float32),
+            q.new_empty(num_splits, num_tokens, num_heads, dtype=torch.float32)]
 
 
 @triton.jit
@@ -64,22 +62,17 @@ def split_tiles(num_tiles, split, NUM_SPLITS: tl.constexpr):
     return tile_lo, tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
 
-@triton.jit(do_not_specialize=["num_rows"])        # a step's size (hal/kernels/launch.py)
-def _reduce_splits_kernel(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, query_start_ptr, num_rows, stride_ot,
-                          stride_oh, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                          SPLITS_PAD: tl.constexpr, BY_SEQ: tl.constexpr = False, PDL: tl.constexpr = False):
+@triton.jit(do_not_specialize=["num_tokens"])        # a step's size (hal/kernels/launch.py)
+def _reduce_splits_kernel(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, num_tokens, stride_ot, stride_oh,
+                          HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                          SPLITS_PAD: tl.constexpr, PDL: tl.constexpr = False):
     pdl_wait(PDL)
-    row = tl.program_id(0).to(tl.int64)
+    token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
-    token = row
-    if BY_SEQ:                 # a row per sequence: only one-token sequences were split (a mixed batch)
-        token = tl.load(query_start_ptr + row).to(tl.int64)
-        if tl.load(query_start_ptr + row + 1) - token != 1:
-            return
     splits = tl.arange(0, SPLITS_PAD)
     split_valid = splits < NUM_SPLITS
-    part_row = (splits * num_rows + row) * num_heads + head                    # [S]
+    part_row = (splits * num_tokens + token) * num_heads + head                # [S]
     m = tl.load(part_max_ptr + part_row, mask=split_valid, other=float("-inf"))
     l = tl.load(part_sum_ptr + part_row, mask=split_valid, other=0.0)
     m_all = tl.max(m, 0)
@@ -93,13 +86,10 @@ def _reduce_splits_kernel(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, que
              mask=dims < HEAD_DIM)
 
 
-def reduce_launch(out: torch.Tensor, parts: list[torch.Tensor], config: KernelConfig, target: str,
-                  query_start_loc: torch.Tensor | None = None) -> Launch:
-    """The launch merging `parts` (from `split_parts`) into `out` `[T, H, D]`; with `query_start_loc`
-    the parts hold a row per sequence, of which only one-token sequences are merged (at their token)."""
-    num_splits, num_rows, num_heads, head_dim_pad = parts[0].shape
-    by_seq = query_start_loc is not None
-    return Launch(_reduce_splits_kernel, (num_rows, num_heads), (
-        out, *parts, query_start_loc if by_seq else out, num_rows, out.stride(0), out.stride(1)), dict(
+def reduce_launch(out: torch.Tensor, parts: list[torch.Tensor], config: KernelConfig, target: str) -> Launch:
+    """The launch merging `parts` (from `split_parts`) into `out` `[T, H, D]`."""
+    num_splits, num_tokens, num_heads, head_dim_pad = parts[0].shape
+    return Launch(_reduce_splits_kernel, (num_tokens, num_heads), (
+        out, *parts, num_tokens, out.stride(0), out.stride(1)), dict(
         HEAD_DIM=out.shape[2], HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
-        SPLITS_PAD=max(next_pow2(num_splits), 2), BY_SEQ=by_seq, **launch_options(config, target)))
+        SPLITS_PAD=max(next_pow2(num_splits), 2), **launch_options(config, target)))

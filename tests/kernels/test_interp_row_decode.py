@@ -145,9 +145,9 @@ def test_padding_sequences_without_a_query_are_skipped():
 @pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 def test_mixed_batches_leave_their_one_token_rows_to_the_row_kernel(monkeypatch, kv_dtype):
     """Prompt chunks beside one-token sequences (a join, a burst's packed step): the prefill config
-    takes the chunks, the row kernel (its row entry, `MIXED_ROW_SPLITS` context splits whatever the
-    batch) the one-token rows (docs/performance.md, lever 113). The result matches the reference,
-    and the one-token rows are the bits of the same rows decoded alone in as many splits."""
+    takes the chunks, the row kernel (unsplit, its row entry) the one-token rows (docs/performance.md,
+    lever 113). The result matches the reference, and the one-token rows are the bits of the same
+    rows decoded alone, unsplit: so an eager mixed step and a packed pass agree to the bit."""
     calls = _count_row_launches(monkeypatch)
     rng = random.Random(5)
     seq_lens = [rng.randint(60, 90), 37, 1, rng.randint(20, 50), 45]
@@ -161,16 +161,14 @@ def test_mixed_batches_leave_their_one_token_rows_to_the_row_kernel(monkeypatch,
     err = (out.float() - ref).abs().max().item()
     assert torch.isfinite(out).all() and err <= TOLERANCE[torch.bfloat16], f"max error {err:.2e}"
 
-    # the same one-token rows as a decode batch of their own, on enough compute units for 4 splits
-    assert attend.MIXED_ROW_SPLITS == 4 and attend.num_row_splits(3, 4, 24) == 4
+    # the same one-token rows as a decode batch of their own (1 compute unit: unsplit)
     singles = [i for i, n in enumerate(query_lens) if n == 1]
     starts = [sum(query_lens[:i]) for i in singles]
     alone = case._replace(step=case.step._replace(query_lens=[1] * len(singles),
                                                  seq_lens=[seq_lens[i] for i in singles],
                                                  block_tables=[[t[i] for i in singles] for t in case.step.block_tables]),
                           q=case.q[starts])
-    wide = _backend(4, 4, 64, torch.bfloat16, 24, kv_dtype=kv_dtype)
-    out_alone, _ = _run_fp8(wide, alone, 0.125) if kv_dtype else run_both(wide, alone, plane=1, scale=0.125)
+    out_alone, _ = _run_fp8(backend, alone, 0.125) if kv_dtype else run_both(backend, alone, plane=1, scale=0.125)
     assert torch.equal(out[starts], out_alone)
 
     # a table without the row kernel, and grouped queries, keep the prefill config for every row
