@@ -12,7 +12,9 @@ LONE=0 restores the steps of one prompt chunk as they ran before lever 110 (leve
 chunk that is not its prompt's last splits up to the caps, else runs eagerly, and one chunk beside
 decodes splits only up to TOKENS (not `MAX_SPLIT_TOKENS_ONE_CHUNK`). MIXED=0 sends the decode rows of
 mixed steps (eager or packed) through the prefill config with their chunks again, as before lever 113
-(`hal.kernels.attend.launches_for(mixed=)`)."""
+(`hal.kernels.attend.launches_for(mixed=)`). SIDE=1 (CUDA, an experiment for lever 113's next step) runs a
+mixed step's row launch on a side stream, a parallel branch of the captured graph, beside the chunks'
+launch, which in one stream's PDL chain it waits for though it needs nothing of it."""
 import os
 import sys
 
@@ -41,6 +43,37 @@ if os.environ.get("MIXED", "1") == "0":
         return _launches_for(*args[:12], **kwargs)
 
     attend.launches_for = _unmixed
+
+if os.environ.get("SIDE", "0") == "1":
+    import torch
+
+    from hal.kernels import attend, backend
+    from hal.kernels.launch import run_launch
+
+    _side_streams = {}
+
+    def _side_by_side(q, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, scale, configs,
+                      num_compute_units, kv_scales=None, new_kv=None, mixed=False):
+        if not mixed or q.device.type != "cuda":
+            return attend.paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, max_query_len,
+                                          scale, configs, num_compute_units, kv_scales, new_kv, mixed)
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if q.shape[0] == 0:
+            return out
+        launches = attend.launches_for(q, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, scale,
+                                       configs, num_compute_units, out, kv_scales, new_kv, mixed)
+        current = torch.cuda.current_stream(q.device)
+        side = _side_streams.setdefault(q.device, torch.cuda.Stream(q.device))
+        side.wait_stream(current)                  # the cache this step wrote, q
+        with torch.cuda.stream(side):
+            for launch in launches[1:]:            # the one-token rows (the row kernel)
+                run_launch(launch)
+        run_launch(launches[0])                    # the chunks (the prefill config)
+        current.wait_stream(side)                  # the next layer reads both halves of `out`
+        return out
+
+    backend.paged_attention = _side_by_side
 
 from runtime import bench  # noqa: E402
 
