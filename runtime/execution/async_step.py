@@ -26,6 +26,23 @@ class StepResult(NamedTuple):
     codes: dict[str, int] | None = None
 
 
+def pack_step_values(tokens: torch.Tensor, codes: torch.Tensor | None,
+                     loops: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """One `[R]`, `[2R]` or `[3R]` int64 tensor for one copy to host: the sampled tokens, then the
+    finish codes where the step has them, then the loops where a captured pass chose them on the device."""
+    parts = [t for t in (tokens, codes, loops if isinstance(loops, torch.Tensor) else None) if t is not None]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def unpack_step_values(values: list[int], request_ids: Sequence[str], has_codes: bool,
+                       loops: Sequence[int] | None) -> tuple[list[int], dict[str, int] | None]:
+    """(loops per request, finish codes or None) from `pack_step_values`'s values on the host;
+    `loops` None: they travelled with the tokens."""
+    n = len(request_ids)
+    codes = dict(zip(request_ids, values[n:2 * n])) if has_codes else None
+    return (values[len(values) - n:] if loops is None else list(loops)), codes
+
+
 class Readback:
     """Two page-locked host buffers of `capacity` token ids, as many finish codes and as many loop
     counts, used in turn: the engine reads step t's buffer before it launches step t+2, which reuses it."""
@@ -60,12 +77,11 @@ class PendingStep:
         self.rows = rows                         # persistent-batch rows of the requests (a decode step), or None
         self.logprobs = logprobs                 # a StepLogprobs on the device, read with the tokens
         self.request_ids = list(request_ids)
-        self.loops_on_device = isinstance(loops, torch.Tensor)   # then copied last, read with the tokens
-        self.loops = None if self.loops_on_device else list(loops)
+        # loops on the device travel with the tokens (None here), host ints stay here
+        self.loops = None if isinstance(loops, torch.Tensor) else list(loops)
         self.row_of = {rid: i for i, rid in enumerate(self.request_ids)}
-        parts = [t for t in (tokens, codes, loops if self.loops_on_device else None) if t is not None]
-        packed = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else None
-        self._host, self._event = readback.start(packed) if tokens is not None else (None, None)
+        self._host, self._event = (readback.start(pack_step_values(tokens, codes, loops)) if tokens is not None
+                                   else (None, None))
 
     def result(self) -> StepResult:
         """Wait for this step's copy only (later steps may still run) and return its tokens."""
@@ -76,10 +92,8 @@ class PendingStep:
         # logprobs (only when a request asked): a plain device-to-host read, after this step's event
         logprobs, prompt = self.logprobs.to_host() if self.logprobs is not None else (None, None)
         values = self._host.tolist()
-        n = len(self.request_ids)
-        loops = values[len(values) - n:] if self.loops_on_device else self.loops
+        loops, codes = unpack_step_values(values, self.request_ids, self.has_codes, self.loops)
         sampled = {rid: (t, k) for rid, t, k in zip(self.request_ids, values, loops)}
-        codes = dict(zip(self.request_ids, values[n:2 * n])) if self.has_codes else None
         return StepResult(sampled, self.num_tokens, logprobs, prompt, codes)
 
 

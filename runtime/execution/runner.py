@@ -29,7 +29,7 @@ from runtime.config import EngineConfig
 from runtime.engine.kv_cache import BlockManager
 from runtime.engine.planes import PlaneLayout
 from runtime.engine.step_schedule import ScheduledRequest
-from runtime.execution.async_step import PendingStep, Readback, StepResult
+from runtime.execution.async_step import PendingStep, Readback, StepResult, pack_step_values, unpack_step_values
 from runtime.execution.captured_steps import CapturedSteps
 from runtime.execution.programs import ExitRows
 from runtime.execution.eager_pass import EagerPass
@@ -180,12 +180,9 @@ class ModelRunner(EagerPass, CapturedSteps, PackedSteps):
         if deferred:
             return PendingStep(self.readback, tokens, ids, loops, num_rows, logprobs, rows, codes)
         sampled, prompt_lp = logprobs.to_host() if logprobs is not None else (None, None)
-        on_device = isinstance(loops, torch.Tensor)
-        parts = [t for t in (tokens, codes, loops if on_device else None) if t is not None]
-        values = [] if tokens is None else torch.cat(parts).tolist()              # one host sync for all
-        if on_device:
-            loops = values[len(values) - len(ids):]
-        finish = None if codes is None else dict(zip(ids, values[len(ids):2 * len(ids)]))
+        values = [] if tokens is None else pack_step_values(tokens, codes, loops).tolist()   # one host sync for all
+        loops, finish = unpack_step_values(values, ids, codes is not None,
+                                           None if isinstance(loops, torch.Tensor) else loops)
         return StepResult(dict(zip(ids, zip(values, loops))), num_rows, sampled, prompt_lp, finish)
 
     def sample(self, logits: torch.Tensor, requests: Sequence, fed_from: PendingStep | None = None,
