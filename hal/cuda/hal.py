@@ -261,12 +261,29 @@ class CudaHal(Hal):
 
     def _table_linear(self) -> Callable[..., Any] | None:
         """The decode projections' product: cuBLASLt at the measured algorithms of this device and
-        library (hal/cuda/blaslt.py), or None for `F.linear` (no table for them, `LOOPSTACK_BLASLT=0`)."""
+        library (hal/cuda/blaslt.py), or None for `F.linear` (no table for them, `LOOPSTACK_BLASLT=0`);
+        on sm_90, one-row products of the shapes hal/cuda/ring_gemv.py's table names on its TMA ring."""
         if self._gemm is None:
             from hal.cuda.blaslt import table_linear
 
-            self._gemm = (table_linear(self.device()) if self.device().type == "cuda" else None,)
+            product = table_linear(self.device()) if self.device().type == "cuda" else None
+            library = product or torch.nn.functional.linear
+            ringed = self._ring_or(library)
+            self._gemm = (product if ringed is library else ringed,)
         return self._gemm[0]
+
+    def _ring_or(self, library: Callable[..., Any]) -> Callable[..., Any]:
+        """`library`, or the ring wrapped around it (needs a Triton with Gluon's Hopper ops: 3.6 or newer)."""
+        if self.facts.arch != "sm_90":
+            return library
+        try:
+            from hal.cuda.ring_gemv import ring_or
+        except ImportError as e:
+            self._log_once("ring", "the TMA ring projections need Gluon (Triton >= 3.6): %s", e)
+            return library
+        from hal.kernels import pdl
+
+        return ring_or(library, self.facts.arch, pdl.enabled(self.device()))
 
     def _projection_rows(self, configs: dict[str, Any]) -> int:
         """Rows up to which the decode projections run fused (0: cuBLAS and the separate small ops)."""
