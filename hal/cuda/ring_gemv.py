@@ -155,11 +155,14 @@ def _smem_layout(bits: int) -> Any:
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=2)
 
 
-_DESCRIPTORS: dict[tuple, TensorDescriptor] = {}    # (data_ptr, shape, strides, box) -> descriptor
+# (data_ptr, dtype, shape, strides, box) -> descriptor: all a descriptor encodes, so a tensor that
+# reuses a freed weight's memory with the same key gets a descriptor that is right for it too
+_DESCRIPTORS: dict[tuple, TensorDescriptor] = {}
 
 
 def _descriptor(weight: torch.Tensor, config: RingConfig) -> TensorDescriptor:
-    key = (weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()), config.block_n, config.block_k)
+    key = (weight.data_ptr(), weight.dtype, tuple(weight.shape), tuple(weight.stride()), config.block_n,
+           config.block_k)
     desc = _DESCRIPTORS.get(key)
     if desc is None:
         desc = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k],
