@@ -278,7 +278,7 @@ class CudaHal(Hal):
             return library
         try:
             from hal.cuda.ring_gemv import ring_or
-        except ImportError as e:
+        except (ImportError, AttributeError) as e:    # no Gluon, or one whose names the module does not know
             self._log_once("ring", "the TMA ring projections need Gluon (Triton >= 3.6): %s", e)
             return library
         from hal.kernels import pdl
