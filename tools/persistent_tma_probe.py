@@ -567,18 +567,6 @@ def run_chain(args, bench, sms: int) -> list[dict]:
                                              for off, w, want in zip(offs[1:], weights, wants)]))
                 except Exception as e:  # noqa: BLE001 (reported, not fatal)
                     print(f"{name:52s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-            # lever 114's question: each product its own launch (a span of one phase), chained by PDL
-            # alone (the next launch's ring fills before its wait), as engine projections would run
-            name = f"tma {cfg}{' swiglu' if swiglu else ''} launch per product, pdl"
-            try:
-                plan = Plan(phases, vec, sms * cfg[0], *cfg[1:4])
-                launch = launcher(plan, cfg, [(i, i + 1) for i in range(plan.num_phases)], "none", pdl=True)
-                us = bench.graph_median_us(launch)
-                _fresh_run(plan, launch, outputs)
-                report(name, us, _worst([_rel(plan.vector(off, w.shape[0]), want)
-                                         for off, w, want in zip(offs[1:], weights, wants)]))
-            except Exception as e:  # noqa: BLE001 (reported, not fatal)
-                print(f"{name:52s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
     # the ring alone: one product of every weight of the first K stacked (no barrier, one input)
     k0 = shapes[0][2]
     big = torch.cat([w for w in weights if w.shape[1] == k0])

@@ -14,6 +14,11 @@ is BOXES boxes of [BN, BK] along K (zeros past N and K: TMA fills them). The fir
 issued before the wait on the launch before (weights depend on no kernel), then x is staged once in
 shared memory and every stage multiplies into a [BN, BK] float32 tile, summed over K when a chunk is
 done, so each output is a fixed sum order: the same bits run after run, not cuBLAS's bits.
+
+Measured (H100, docs/benchmarks.md "forty-sixth session"): Nanbeige4.2-3B's b1 step 5.83 -> 5.38 ms with
+its four products here; Huginn-0125's products (wider K) were slower than the library, and SwiGLU
+staged in the ring (no silu_and_mul launch before down) was slower than the launch (5.50 ms): its
+staging after the PDL wait sits on the critical path. So the table names Nanbeige's shapes only.
 """
 from __future__ import annotations
 
@@ -54,12 +59,14 @@ class RingConfig(NamedTuple):
 
 
 # lever 97's best for wide K (Nanbeige4.2-3B's chain, call 7): 8-row chunks, 4 boxes of 256 per stage,
-# 6 stages, 4 warps; one program per SM (96 KiB of ring + the staged x)
+# 6 stages, 4 warps; one program per SM (96 KiB of ring + the staged x: 104-128 KiB at Nanbeige's K)
 DEFAULT = RingConfig(1, 8, 256, 4, 6, 4)
 
-# arch -> {(N, K): config}: the products measured faster than the library at one row. Empty until
-# measured (docs/performance.md, lever 114); LOOPSTACK_RING_GEMV=1 takes every shape it can.
-TABLE: dict[str, dict[tuple[int, int], RingConfig]] = {}
+# arch -> {(N, K): config}: the products measured faster than the library at one row
+# (docs/performance.md, lever 114); LOOPSTACK_RING_GEMV=1 takes every shape it can, "0" none.
+# Nanbeige4.2-3B's four (H100, 2026-12-06: its b1 step 5.83 -> 5.38 ms against cuBLASLt's table).
+NANBEIGE_4_2_3B = {(8192, 3072): DEFAULT, (3072, 6144): DEFAULT, (21504, 3072): DEFAULT, (3072, 10752): DEFAULT}
+TABLE: dict[str, dict[tuple[int, int], RingConfig]] = {"sm_90": NANBEIGE_4_2_3B}
 
 
 @gluon.jit
@@ -80,8 +87,7 @@ def _issue(desc, bars, bufs, s, total, k_stages, pid, num_programs,
 
 @gluon.jit
 def _ring_gemv_kernel(desc, x_ptr, out_ptr, N, K, BN: gl.constexpr, BK: gl.constexpr, BOXES: gl.constexpr,
-                      STAGES: gl.constexpr, XT: gl.constexpr, PDL: gl.constexpr, SWIGLU: gl.constexpr,
-                      num_warps: gl.constexpr):
+                      STAGES: gl.constexpr, XT: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
     pid = gl.program_id(0)
     num_programs = gl.num_programs(0)
     VEC: gl.constexpr = 16 // desc.dtype.primitive_bitwidth * 8
@@ -109,16 +115,9 @@ def _ring_gemv_kernel(desc, x_ptr, out_ptr, N, K, BN: gl.constexpr, BK: gl.const
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
                                   pack=1)
 
-    # x once into shared memory, zeros past K (the ring's boxes past K are zeros too); SWIGLU: x is
-    # gate | up ([2K]) and the product's input silu(gate) * up, rounded as hal.kernels.ops rounds it
+    # x once into shared memory, zeros past K (the ring's boxes past K are zeros too)
     offs = gl.arange(0, XT * BK, layout=gl.BlockedLayout([8], [32], [num_warps], [0]))
-    x = gl.load(x_ptr + offs, mask=offs < K, other=0.0)
-    if SWIGLU:
-        gate = x.to(gl.float32)
-        up = gl.load(x_ptr + K + offs, mask=offs < K, other=0.0).to(gl.float32)
-        act = (gate / (1.0 + gl.exp(-gate))).to(x.dtype).to(gl.float32)
-        x = (act * up).to(x.dtype)
-    x_flat.store(x)
+    x_flat.store(gl.load(x_ptr + offs, mask=offs < K, other=0.0))
     _cta_barrier()
 
     acc = gl.zeros([BN, BK], gl.float32, layout)
@@ -141,12 +140,11 @@ def _x_tiles(k: int, config: RingConfig) -> int:
     return triton.next_power_of_2(-(-k // (config.block_k * config.boxes)) * config.boxes)
 
 
-def takes(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False) -> bool:
-    """One contiguous 16-bit row (`[1, K]`, or `[1, 2K]` = gate | up with `swiglu`) against a 16-bit
-    `[N, K]` weight whose rows TMA can address."""
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """One contiguous 16-bit row against a 16-bit `[N, K]` weight whose rows TMA can address."""
     return (x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and weight.dim() == 2 and weight.stride(1) == 1
-            and x.shape[1] == weight.shape[1] * (2 if swiglu else 1) and x.is_contiguous()
+            and x.shape[1] == weight.shape[1] and x.is_contiguous()
             and (weight.stride(0) * weight.element_size()) % 16 == 0 and weight.data_ptr() % 16 == 0)
 
 
@@ -172,9 +170,9 @@ def _descriptor(weight: torch.Tensor, config: RingConfig) -> TensorDescriptor:
 
 
 def ring_linear(x: torch.Tensor, weight: torch.Tensor, config: RingConfig = DEFAULT, num_programs: int = 0,
-                pdl: bool = True, out: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
-    """`x[1, K] @ weight[N, K]^T` as `[1, N]`, or with `swiglu` `silu_and_mul(x[1, 2K]) @ weight^T`
-    (`takes(x, weight, swiglu)` must hold). `num_programs` 0: one wave, `config.programs_per_sm` per SM."""
+                pdl: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`x[1, K] @ weight[N, K]^T` as `[1, N]` (`takes(x, weight)` must hold). `num_programs` 0: one
+    wave, `config.programs_per_sm` per SM."""
     n, k = weight.shape
     if out is None:
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
@@ -184,22 +182,20 @@ def ring_linear(x: torch.Tensor, weight: torch.Tensor, config: RingConfig = DEFA
     extra = {"launch_pdl": True} if pdl else {}
     _ring_gemv_kernel[(num_programs,)](_descriptor(weight, config), x, out, n, k, BN=config.block_n,
                                        BK=config.block_k, BOXES=config.boxes, STAGES=config.stages,
-                                       XT=_x_tiles(k, config), PDL=pdl, SWIGLU=swiglu, num_warps=config.num_warps,
-                                       **extra)
+                                       XT=_x_tiles(k, config), PDL=pdl, num_warps=config.num_warps, **extra)
     return out
 
 
 class RingOr:
     """The decode projections' product (the `gemm` of hal.kernels.gemv_ops.Gemv): the ring for the one-row
-    shapes `shapes` names (all it takes with `every`), else `library` (cuBLASLt's table or F.linear).
-    `silu_mul` offers Gemv SwiGLU in the ring's staging, so that down needs no silu_and_mul launch."""
+    shapes `shapes` names (all it takes with `every`), else `library` (cuBLASLt's table or F.linear)."""
 
     def __init__(self, library: Any, shapes: dict[tuple[int, int], RingConfig], every: bool, pdl: bool) -> None:
         self.library, self.shapes, self.every, self.pdl = library, shapes, every, pdl
 
-    def config(self, x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False) -> RingConfig | None:
+    def config(self, x: torch.Tensor, weight: torch.Tensor) -> RingConfig | None:
         rows = x.reshape(-1, x.shape[-1]) if x.dim() else x
-        if not takes(rows, weight, swiglu):
+        if not takes(rows, weight):
             return None
         return self.shapes.get(tuple(weight.shape), DEFAULT if self.every else None)
 
@@ -208,13 +204,6 @@ class RingOr:
         if config is None:
             return self.library(x, weight)
         return ring_linear(x.reshape(1, -1), weight, config, pdl=self.pdl).view(*x.shape[:-1], -1)
-
-    def silu_mul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-        """`silu_and_mul(x) @ weight^T` for x `[..., 2K]` of one row in the ring, or None."""
-        config = self.config(x, weight, swiglu=True)
-        if config is None:
-            return None
-        return ring_linear(x.reshape(1, -1), weight, config, pdl=self.pdl, swiglu=True).view(*x.shape[:-1], -1)
 
 
 def ring_or(library: Any, arch: str, pdl: bool) -> Any:

@@ -198,11 +198,7 @@ class Gemv:
                         residual: torch.Tensor | None = None) -> torch.Tensor:
         """`linear(silu_and_mul(x), weight) (+ residual)`; x `[..., 2K]` = gate | up."""
         if x.shape[-1] != 2 * weight.shape[-1] or not self._fits(x, weight, residual, prologue=SILU_AND_MUL):
-            # a product that stages SwiGLU itself (hal/cuda/ring_gemv.py's `silu_mul`) saves the launch
-            in_prologue = getattr(self.gemm, "silu_mul", None)
-            y = in_prologue(x, weight) if in_prologue is not None else None
-            if y is None:
-                y = self.gemm(self._silu_and_mul(x), weight)
+            y = self.gemm(self._silu_and_mul(x), weight)
             return y if residual is None else residual + y
         out_res = None if residual is None else _rows(residual)
         return self._run(_rows(x), weight, SILU_AND_MUL, out_residual=out_res).view(*x.shape[:-1], -1)

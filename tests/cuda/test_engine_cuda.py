@@ -92,6 +92,48 @@ def test_graphs_equal_eager_at_ouro_1_4b_shape_bf16():
     assert same == 64
 
 
+def test_nanbeige_one_row_products_on_the_tma_ring_graphs_equal_eager(monkeypatch):
+    """Batch 1 at the real Nanbeige4.2-3B shape runs its four projections on hal/cuda/ring_gemv.py's ring
+    (its table's shapes), captured and eager alike: the same tokens. Against the library (cuBLASLt's
+    table, LOOPSTACK_RING_GEMV=0: another sum order) the agreement is printed, not asserted."""
+    ring = pytest.importorskip("hal.cuda.ring_gemv")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the TMA ring is built for sm_90")
+    calls = []
+    real = ring.ring_linear
+
+    def counted(*args, **kwargs):
+        calls.append(tuple(args[1].shape))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ring, "ring_linear", counted)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(1, 166144) for _ in range(rng.randint(8, 100))] for _ in range(3)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    results = {}
+    for name, graphs, env in (("eager", False, None), ("graphs", True, None), ("library", True, "0")):
+        if env is None:
+            monkeypatch.delenv(ring.ENV, raising=False)
+        else:
+            monkeypatch.setenv(ring.ENV, env)
+        gpu = hal.get("cuda")            # a fresh Hal: the product is chosen once per Hal, from the env
+        model = zoo.from_config(CONFIGS / "nanbeige4.2-3b.json", dtype="bfloat16", device=gpu.device(), seed=0)
+        engine = LLMEngine(model, gpu, EngineConfig(graphs=graphs, max_num_seqs=1, max_model_len=256))
+        calls.clear()
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        results[name] = {o.request_id: o.token_ids for o in engine.run_until_done()}
+        if name == "eager":
+            assert set(calls) == set(ring.NANBEIGE_4_2_3B), calls[:8]
+        if name == "library":
+            assert calls == []
+        del engine, model
+        torch.cuda.empty_cache()
+    assert results["graphs"] == results["eager"]
+    same = sum(results["library"][k] == results["eager"][k] for k in results["eager"])
+    print(f"Nanbeige4.2-3B b1, ring against the library: {same}/{len(prompts)} sequences identical")
+
+
 @pytest.mark.parametrize("prompt_len,width,fresh", [(4096, 4096, True), (2040, 2048, True), (1500, 1536, True)])
 def test_a_long_prompt_replays_a_captured_prefill(prompt_len, width, fresh, monkeypatch):
     """A prompt past the short buckets replays a captured prefill of its bucket (padded), captured

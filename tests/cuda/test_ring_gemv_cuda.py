@@ -42,18 +42,6 @@ def test_the_ring_computes_the_product(n, k, config):
     assert torch.equal(again, y)
 
 
-@pytest.mark.parametrize("n,k", [(3072, 10752), (5280, 17920), (24, 520)])
-def test_swiglu_staged_in_the_ring_is_silu_and_mul_then_the_product(n, k):
-    from hal.kernels.ops import silu_and_mul
-
-    gate_up, w = _operands(n, 2 * k, seed=4)[0], _operands(n, k, seed=5)[1]
-    y = ring.ring_linear(gate_up, w, swiglu=True)
-    assert torch.equal(y, ring.ring_linear(silu_and_mul(gate_up), w))   # the same staged input, bit for bit
-    routed = ring.RingOr(F.linear, {(n, k): ring.DEFAULT}, every=False, pdl=True)
-    assert torch.equal(routed.silu_mul(gate_up.view(1, 1, -1), w).view(1, -1), y)
-    assert routed.silu_mul(torch.cat([gate_up, gate_up]), w) is None     # two rows: the caller's path
-
-
 def test_the_ring_in_a_graph_chained_by_pdl():
     # three products, each reading the one before: a launch that started early (PDL) and read its
     # input before the launch before had written it would give other values than the eager chain

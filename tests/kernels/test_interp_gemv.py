@@ -500,36 +500,3 @@ def test_unfused_products_run_through_the_injected_gemm():
     ops["silu_mul_linear"](x, down)
     ops["norm_residual_linear"](x, x, norm_w, norm_w, 1e-6, w)
     assert calls == [((4, 64), (32, 64)), ((4, 64), (32, 64)), ((4, 32), (64, 32)), ((4, 64), (32, 64))]
-
-
-def test_a_product_with_swiglu_staging_takes_the_unfused_down_projection():
-    """A `gemm` that offers `silu_mul` (hal/cuda/ring_gemv.py's ring) gets the unfused down projection
-    whole, so no silu_and_mul launch runs; where it answers None, silu_and_mul and `gemm` run as before."""
-    calls = []
-
-    class Staging:
-        def __init__(self, takes):
-            self.takes = takes
-
-        def __call__(self, x, w):
-            calls.append(("gemm", tuple(x.shape)))
-            return torch.nn.functional.linear(x, w)
-
-        def silu_mul(self, x, w):
-            calls.append(("silu_mul", tuple(x.shape)))
-            return torch.nn.functional.linear(silu_and_mul_ref(x), w) + 1 if self.takes else None
-
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(4, 64, generator=gen, dtype=torch.bfloat16)
-    down = torch.randn(16, 32, generator=gen, dtype=torch.bfloat16)
-    want = torch.nn.functional.linear(silu_and_mul_ref(x), down)
-    for takes in (True, False):
-        calls.clear()
-        ops = gemv_ops.gemv_ops({**configs_for("default"), "gemv": DOT}, num_compute_units=16, max_rows=1,
-                                gemm=Staging(takes))
-        y = ops["silu_mul_linear"](x, down, x[:, :16])
-        if takes:
-            assert torch.equal(y, x[:, :16] + (want + 1))
-        else:
-            torch.testing.assert_close(y, x[:, :16] + want, rtol=2e-2, atol=2e-2)
-        assert calls == ([("silu_mul", (4, 64))] if takes else [("silu_mul", (4, 64)), ("gemm", (4, 32))])
