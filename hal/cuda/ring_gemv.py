@@ -15,10 +15,10 @@ issued before the wait on the launch before (weights depend on no kernel), then 
 shared memory and every stage multiplies into a [BN, BK] float32 tile, summed over K when a chunk is
 done, so each output is a fixed sum order: the same bits run after run, not cuBLAS's bits.
 
-Measured (H100, docs/benchmarks.md "forty-sixth session"): Nanbeige4.2-3B's b1 step 5.83 -> 5.38 ms with
-its four products here; Huginn-0125's products (wider K) were slower than the library, and SwiGLU
-staged in the ring (no silu_and_mul launch before down) was slower than the launch (5.50 ms): its
-staging after the PDL wait sits on the critical path. So the table names Nanbeige's shapes only.
+Measured (H100, docs/benchmarks.md "forty-sixth session"): Nanbeige4.2-3B's b1 step 5.86 -> 5.38 ms with
+its four products here, Huginn-0125's 40.68 -> 39.93 ms. SwiGLU staged in the ring (no silu_and_mul
+launch before down) was slower than the launch it saves (Nanbeige 5.50 ms; Huginn 41.59): its staging
+after the PDL wait sits on the step's critical path. So the table names those two models' shapes.
 """
 from __future__ import annotations
 
@@ -64,9 +64,12 @@ DEFAULT = RingConfig(1, 8, 256, 4, 6, 4)
 
 # arch -> {(N, K): config}: the products measured faster than the library at one row
 # (docs/performance.md, lever 114); LOOPSTACK_RING_GEMV=1 takes every shape it can, "0" none.
-# Nanbeige4.2-3B's four (H100, 2026-12-06: its b1 step 5.83 -> 5.38 ms against cuBLASLt's table).
+# Nanbeige4.2-3B's four (H100, 2026-12-06: its b1 step 5.86 -> 5.38 ms against cuBLASLt's table) and
+# Huginn-0125's q|k|v, o, fc, proj and adapter halves (39.93 against 40.68 ms).
 NANBEIGE_4_2_3B = {(8192, 3072): DEFAULT, (3072, 6144): DEFAULT, (21504, 3072): DEFAULT, (3072, 10752): DEFAULT}
-TABLE: dict[str, dict[tuple[int, int], RingConfig]] = {"sm_90": NANBEIGE_4_2_3B}
+HUGINN_0125 = {(15840, 5280): DEFAULT, (5280, 5280): DEFAULT, (35840, 5280): DEFAULT, (5280, 17920): DEFAULT,
+               (5280, 10560): DEFAULT}
+TABLE: dict[str, dict[tuple[int, int], RingConfig]] = {"sm_90": {**NANBEIGE_4_2_3B, **HUGINN_0125}}
 
 
 @gluon.jit
