@@ -213,6 +213,9 @@ def ring_or(library: Any, arch: str, pdl: bool) -> Any:
     """`library` wrapped with the ring where this arch's table (or LOOPSTACK_RING_GEMV=1) has shapes;
     `library` itself where it has none (sm_90 only: TMA and Gluon's Hopper ops)."""
     env = os.environ.get(ENV)
+    if env not in (None, "0", "1"):
+        raise ValueError(f"{ENV}={env!r}: set 1 (every one-row product the ring takes), 0 (none) or leave it "
+                         "unset (the shapes of its table)")
     if env == "0" or arch != "sm_90":
         return library
     shapes = TABLE.get(arch, {})

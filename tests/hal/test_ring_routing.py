@@ -1,0 +1,60 @@
+"""Which products the CUDA Hal's TMA ring takes (hal/cuda/ring_gemv.py), decided on the host: one
+contiguous 16-bit row at a shape of its table (every shape with LOOPSTACK_RING_GEMV=1), sm_90 only;
+everything else goes to the library product unchanged. No GPU needed (tests/cuda/test_ring_gemv_cuda.py
+runs the kernel; tests/kernels/test_xcompile_ring.py compiles it for sm_90)."""
+import pytest
+import torch
+
+ring = pytest.importorskip("hal.cuda.ring_gemv", exc_type=ImportError)
+
+
+def _library(calls):
+    def library(x, w):
+        calls.append(tuple(x.shape))
+        return torch.nn.functional.linear(x, w)
+    return library
+
+
+def test_table_is_sm_90_and_names_whole_model_shapes():
+    assert set(ring.TABLE) == {"sm_90"}
+    shapes = ring.TABLE["sm_90"]
+    assert set(ring.NANBEIGE_4_2_3B) <= set(shapes) and set(ring.HUGINN_0125) <= set(shapes)
+    for (n, k), config in shapes.items():
+        assert n > 0 and k % 8 == 0           # rows TMA can address: 16-byte strides
+        assert config.block_k <= 256 and config.block_n * config.block_k * config.boxes * 2 <= 32 << 10
+
+
+def test_only_one_contiguous_16_bit_row_at_a_table_shape_is_taken():
+    routed = ring.RingOr(_library([]), {(64, 32): ring.DEFAULT}, every=False, pdl=True)
+    w = torch.zeros(64, 32, dtype=torch.bfloat16)
+    assert routed.config(torch.zeros(1, 32, dtype=torch.bfloat16), w) == ring.DEFAULT
+    assert routed.config(torch.zeros(1, 1, 32, dtype=torch.bfloat16), w) == ring.DEFAULT     # leading dims
+    assert routed.config(torch.zeros(2, 32, dtype=torch.bfloat16), w) is None                # two rows
+    assert routed.config(torch.zeros(1, 32), w.float()) is None                              # float32
+    assert routed.config(torch.zeros(1, 64, dtype=torch.bfloat16)[:, ::2], w) is None        # strided row
+    assert routed.config(torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(48, 32, dtype=torch.bfloat16)) is None
+    every = ring.RingOr(_library([]), {}, every=True, pdl=True)
+    assert every.config(torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(48, 32, dtype=torch.bfloat16)) \
+        == ring.DEFAULT
+
+
+def test_what_the_ring_does_not_take_reaches_the_library_unchanged():
+    calls = []
+    routed = ring.RingOr(_library(calls), {(64, 32): ring.DEFAULT}, every=False, pdl=True)
+    x, w = torch.randn(3, 32, dtype=torch.bfloat16), torch.randn(64, 32, dtype=torch.bfloat16)
+    assert torch.equal(routed(x, w), torch.nn.functional.linear(x, w))
+    assert calls == [(3, 32)]
+
+
+def test_the_switch_and_the_arch(monkeypatch):
+    lib = _library([])
+    monkeypatch.delenv(ring.ENV, raising=False)
+    assert isinstance(ring.ring_or(lib, "sm_90", True), ring.RingOr)
+    assert ring.ring_or(lib, "sm_80", True) is lib and ring.ring_or(lib, "sm_100", True) is lib
+    monkeypatch.setenv(ring.ENV, "0")
+    assert ring.ring_or(lib, "sm_90", True) is lib
+    monkeypatch.setenv(ring.ENV, "1")
+    assert ring.ring_or(lib, "sm_90", False).every
+    monkeypatch.setenv(ring.ENV, "yes")
+    with pytest.raises(ValueError, match="LOOPSTACK_RING_GEMV"):
+        ring.ring_or(lib, "sm_90", True)
