@@ -1,6 +1,7 @@
 """Programmatic dependent launch (PDL) for the batch-1 projections: an experiment on the GPU.
 
     PYTHONPATH=. python tools/pdl_bench.py [--quick] [--model ouro-1.4b] [--layers 24] [--out rows.jsonl]
+    PYTHONPATH=. python tools/pdl_bench.py --quick --ring --model ouro-1.4b    # the TMA ring beside them
     PYTHONPATH=. python tools/pdl_bench.py --rows 64 [--shape o]     # decode batches: cuBLAS vs gemv.py's tl.dot path
 
 Why: at batch 1 a decode step is a chain of about 7 launches per layer and loop, each paying its own
@@ -86,6 +87,22 @@ def slice_gemv_launcher(pdl: bool, config, scales: dict | None = None):
     return launch
 
 
+RING_CONFIGS = ((1, 8, 256, 4, 6, 4), (1, 8, 256, 2, 8, 4), (1, 16, 256, 2, 6, 4), (1, 16, 256, 4, 4, 8),
+                (1, 8, 256, 4, 4, 4), (2, 8, 256, 2, 6, 4), (2, 8, 256, 4, 3, 4))
+# hal/cuda/ring_gemv.RingConfig: programs_per_sm, block_n, block_k, boxes, stages, num_warps
+
+
+def ring_launcher(config):
+    """hal/cuda/ring_gemv.py (lever 114: the TMA ring, with PDL) into the chain's buffers."""
+    from hal.cuda import ring_gemv
+
+    config = ring_gemv.RingConfig(*config)
+
+    def launch(x, w, out):
+        ring_gemv.ring_linear(x, w, config, pdl=True, out=out)
+    return launch
+
+
 def chain(launch, weights, bufs, x0, independent: bool = False):
     """Every product reads the previous product's output (its first K values); `independent`: each
     reads x0 (one shape repeated, whose output is narrower than its input)."""
@@ -152,6 +169,7 @@ def main() -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--quick", action="store_true", help="cuBLAS and the slice kernel's configs only")
     p.add_argument("--rows", type=int, default=1, help="rows of x: above 1, cuBLAS against gemv.py's tl.dot path")
+    p.add_argument("--ring", action="store_true", help="also the TMA ring's configs (hal/cuda/ring_gemv.py, sm_90)")
     p.add_argument("--shape", default=None, help="one projection repeated (each reads the same x) instead of the chain")
     args = p.parse_args()
     torch.manual_seed(0)
@@ -173,6 +191,8 @@ def main() -> int:
         for pdl in (False, True):
             variants.append((f"gemv_slice bn{bn} bk{bk} w{warps}{' pdl' if pdl else ''}",
                              slice_gemv_launcher(pdl, KernelConfig(1, bn, warps, 1, block_k=bk))))
+    if args.ring and args.rows == 1:
+        variants += [(f"ring {c[:4]} s{c[4]} w{c[5]} pdl", ring_launcher(c)) for c in RING_CONFIGS]
     if not args.quick and args.rows == 1:   # the K-looping kernel, in its table config and with one tile per split
         for label, config in (("sm_90 config", None),
                               ("bn16 bk512 one tile/split", KernelConfig(1, 16, 4, 2, block_k=512, split_k=16)),

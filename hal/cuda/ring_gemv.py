@@ -202,6 +202,11 @@ class RingOr:
             return None
         return self.shapes.get(tuple(weight.shape), DEFAULT if self.every else None)
 
+    def prefers(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether this product runs on the ring: the fused decode ops (hal/kernels/gemv_ops.py) hand
+        such a product over rather than run their own kernel on it."""
+        return self.config(x, weight) is not None
+
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         config = self.config(x, weight)
         if config is None:

@@ -155,11 +155,22 @@ class Gemv:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`linear(x, weight) (+ residual)`."""
-        if not self._fits(x, weight, residual):
+        if not self._fits(x, weight, residual) or (residual is None and self._gemm_first(x, weight)):
             y = self.gemm(x, weight)
             return y if residual is None else residual + y
         out_res = None if residual is None else _rows(residual)
         return self._run(_rows(x), weight, NONE, out_residual=out_res).view(*x.shape[:-1], -1)
+
+    def _gemm_first(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether the unfused product claims this plain product before the kernels here: a `gemm` with
+        `prefers(x, weight)` (the CUDA Hal's TMA ring, hal/cuda/ring_gemv.py, at the shapes its table
+        names) streams it faster than they do, and with no prologue nothing is lost by handing it over."""
+        prefers = getattr(self.gemm, "prefers", None)
+        return prefers is not None and prefers(x, weight)
+
+    def _plain(self, x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """`x2 @ weight^T` for rows that fit here: the gemm where it claims them, else the kernels."""
+        return self.gemm(x2, weight) if self._gemm_first(x2, weight) else self._run(x2, weight, NONE)
 
     def fp8_linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
         """W8A16 `x @ (weight * scale[:, None]).T` for x `[M, K]` bf16/fp16 with M <= MAX_ROWS, FP8 weight
@@ -191,7 +202,7 @@ class Gemv:
             return self.gemm(self._rms_norm(x, norm_weight, eps), weight)
         x2 = _rows(x)
         if self._norm_apart(x2.shape[0], weight.shape[1], RMS_NORM):
-            return self._run(_rows(self._rms_norm(x2, norm_weight, eps)), weight, NONE).view(*x.shape[:-1], -1)
+            return self._plain(_rows(self._rms_norm(x2, norm_weight, eps)), weight).view(*x.shape[:-1], -1)
         return self._run(x2, weight, RMS_NORM, eps=eps, norm_weight=norm_weight).view(*x.shape[:-1], -1)
 
     def silu_mul_linear(self, x: torch.Tensor, weight: torch.Tensor,
@@ -223,7 +234,7 @@ class Gemv:
         x2 = _rows(x)
         if self._norm_apart(x2.shape[0], weight.shape[1], prologue):      # the boundary in one launch
             y, h = self._norm_add_norm(x, residual, post_norm_weight, norm_weight, eps, sum_first)
-            return self._run(_rows(y), weight, NONE).view(*x.shape[:-1], -1), h
+            return self._plain(_rows(y), weight).view(*x.shape[:-1], -1), h
         h = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
         y = self._run(x2, weight, prologue, eps=eps, norm_weight=norm_weight,
                       residual=_rows(residual), res_norm_weight=post_norm_weight, stream_out=h)

@@ -29,6 +29,8 @@ def test_only_one_contiguous_16_bit_row_at_a_table_shape_is_taken():
     w = torch.zeros(64, 32, dtype=torch.bfloat16)
     assert routed.config(torch.zeros(1, 32, dtype=torch.bfloat16), w) == ring.DEFAULT
     assert routed.config(torch.zeros(1, 1, 32, dtype=torch.bfloat16), w) == ring.DEFAULT     # leading dims
+    assert routed.prefers(torch.zeros(1, 32, dtype=torch.bfloat16), w)          # what the fused ops hand over
+    assert not routed.prefers(torch.zeros(2, 32, dtype=torch.bfloat16), w)
     assert routed.config(torch.zeros(2, 32, dtype=torch.bfloat16), w) is None                # two rows
     assert routed.config(torch.zeros(1, 32), w.float()) is None                              # float32
     assert routed.config(torch.zeros(1, 64, dtype=torch.bfloat16)[:, ::2], w) is None        # strided row

@@ -329,6 +329,44 @@ def test_one_row_norm_runs_rms_norm_then_the_plain_slice(monkeypatch):
     _assert_bits(y, rms_norm_ref(x, w, 1e-6) @ eye.T, "norm")
 
 
+class _ClaimingGemm:
+    """A product that claims one shape (as the CUDA Hal's TMA ring claims its table's), recording calls."""
+
+    def __init__(self, shape):
+        self.shape, self.calls = shape, []
+
+    def prefers(self, x, weight):
+        return x.numel() == x.shape[-1] and tuple(weight.shape) == self.shape
+
+    def __call__(self, x, weight):
+        self.calls.append(tuple(weight.shape))
+        return torch.nn.functional.linear(x, weight)
+
+
+def test_a_gemm_that_claims_a_plain_one_row_product_gets_it(monkeypatch):
+    """Where the unfused product `prefers` a shape (the ring, lever 114), the plain one-row products
+    of that shape go to it, the norm before them still in its own launch; a product with a residual
+    epilogue or a SwiGLU prologue, and other shapes, stay on the slice kernel."""
+    from hal.kernels import norms
+
+    ops, launched, boundaries = _one_row_ops_recording(monkeypatch, norms, "norm_add_norm")
+    eye, other = _permutation(32, torch.bfloat16), (torch.randn(16, 32) / 6).bfloat16()
+    ops.gemm = claim = _ClaimingGemm((32, 32))
+    x, residual = (torch.randn(1, 32) * 3).bfloat16(), torch.randn(1, 32).bfloat16()
+    w1, w2 = torch.randn(32).bfloat16(), torch.randn(32).bfloat16()
+    assert torch.equal(ops.linear(x, eye), x @ eye.T)
+    y, h = ops.norm_residual_linear(x, residual, w1, w2, 1e-6, eye)
+    _assert_bits(y, rms_norm_ref(rms_norm_ref(x, w1, 1e-6, residual), w2, 1e-6) @ eye.T, "sandwich")
+    y = ops.rms_norm_linear(x, w1, 1e-6, eye)
+    _assert_bits(y, rms_norm_ref(x, w1, 1e-6) @ eye.T, "norm")
+    assert claim.calls == [(32, 32)] * 3 and launched == [] and len(boundaries) == 1
+    ops.linear(x, eye, residual)                                    # the add stays in the slice's epilogue
+    ops.linear(x, other)                                            # a shape it does not claim
+    ops.silu_mul_linear(torch.randn(1, 64).bfloat16(), eye)         # SwiGLU stays in the slice's prologue
+    assert claim.calls == [(32, 32)] * 3
+    assert [launch.kernel for launch in launched] == [gemv_slice._slice_gemv_kernel] * 3
+
+
 def test_fp8_one_row_takes_the_slice_kernel_in_up_to_split_k_slices(monkeypatch):
     """FP8 weights at one row (`fp8_linear`, the CUDA Hal's W8A16 path): K in up to `split_k` slices
     runs the slice kernel (Ouro-1.4B's down projection: 3 slices of 2048), more slices the K-looping
