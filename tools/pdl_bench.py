@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python tools/pdl_bench.py [--quick] [--model ouro-1.4b] [--layers 24] [--out rows.jsonl]
     PYTHONPATH=. python tools/pdl_bench.py --quick --ring --model ouro-1.4b    # the TMA ring beside them
+    PYTHONPATH=. python tools/pdl_bench.py --fp8 --model ouro-1.4b      # E4M3 weights: slice kernel vs the ring
     PYTHONPATH=. python tools/pdl_bench.py --rows 64 [--shape o]     # decode batches: cuBLAS vs gemv.py's tl.dot path
 
 Why: at batch 1 a decode step is a chain of about 7 launches per layer and loop, each paying its own
@@ -92,15 +93,35 @@ RING_CONFIGS = ((1, 8, 256, 4, 6, 4), (1, 8, 256, 2, 8, 4), (1, 16, 256, 2, 6, 4
 # hal/cuda/ring_gemv.RingConfig: programs_per_sm, block_n, block_k, boxes, stages, num_warps
 
 
-def ring_launcher(config):
-    """hal/cuda/ring_gemv.py (lever 114: the TMA ring, with PDL) into the chain's buffers."""
+FP8_RING_CONFIGS = ((1, 16, 256, 4, 4, 8, True), (1, 16, 256, 4, 4, 8, False), (1, 16, 256, 4, 6, 4, True),
+                    (1, 16, 256, 4, 6, 4, False), (2, 16, 256, 2, 4, 4, True), (1, 32, 256, 2, 4, 4, True),
+                    (2, 8, 256, 4, 4, 4, True))
+# the same fields, then `bits`: e4m3 widened by integer ops (True) or by cvt instructions (False)
+
+
+def ring_launcher(config, scales: dict | None = None, bits: bool = True):
+    """hal/cuda/ring_gemv.py (lever 114: the TMA ring, with PDL) into the chain's buffers; `scales` (N ->
+    float32 [N]): FP8 weights with a scale per output row."""
     from hal.cuda import ring_gemv
 
     config = ring_gemv.RingConfig(*config)
 
     def launch(x, w, out):
-        ring_gemv.ring_linear(x, w, config, pdl=True, out=out)
+        ring_gemv.ring_linear(x, w, config, pdl=True, out=out, bits=bits,
+                              scale=scales[w.shape[0]] if scales is not None else None)
     return launch
+
+
+def fp8_weights(weights: list) -> tuple[list, dict]:
+    """E4M3 copies of `weights` with one float32 scale per output row and N (every layer of a shape
+    shares its first layer's scales, as the launchers look them up by N)."""
+    scales, out = {}, []
+    for w in weights:
+        n = w.shape[0]
+        if n not in scales:
+            scales[n] = (w.float().abs().amax(dim=1) / 448.0).clamp(min=1e-12)
+        out.append((w.float() / scales[n][:, None]).clamp(-448, 448).to(torch.float8_e4m3fn))
+    return out, scales
 
 
 def chain(launch, weights, bufs, x0, independent: bool = False):
@@ -170,6 +191,8 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="cuBLAS and the slice kernel's configs only")
     p.add_argument("--rows", type=int, default=1, help="rows of x: above 1, cuBLAS against gemv.py's tl.dot path")
     p.add_argument("--ring", action="store_true", help="also the TMA ring's configs (hal/cuda/ring_gemv.py, sm_90)")
+    p.add_argument("--fp8", action="store_true", help="E4M3 weights (scale per row): the FP8 slice kernel (the "
+                   "engine's) against the ring's FP8 configs")
     p.add_argument("--shape", default=None, help="one projection repeated (each reads the same x) instead of the chain")
     args = p.parse_args()
     torch.manual_seed(0)
@@ -179,21 +202,28 @@ def main() -> int:
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
                for _ in range(args.layers) for _, n, k in shapes]
     x0 = torch.randn(args.rows, max(k for _, _, k in shapes), device="cuda", dtype=torch.bfloat16)
-    layer_bytes = sum(n * k * 2 for _, n, k in shapes)
+    layer_bytes = sum(n * k * 2 for _, n, k in shapes) // (2 if args.fp8 else 1)
     floor_us = layer_bytes / FLOOR_BANDWIDTH * 1e6
     print(f"torch {torch.__version__} triton {triton.__version__} gdc {HAS_GDC}; per layer {layer_bytes / 1e6:.1f} MB, "
           f"floor {floor_us:.1f} us", flush=True)
     variants = [("cublas", cublas_launch)]
-    if args.rows > 1:
+    if args.fp8:                    # no library product at one row: the engine's slice kernel is the reference
+        weights, scales = fp8_weights(weights)
+        slice_config = KernelConfig(1, 4, 4, 1, block_k=2048, split_k=3)
+        variants = [("cublas", slice_gemv_launcher(True, slice_config, scales))]
+        variants += [(f"ring fp8 {c[:4]} s{c[4]} w{c[5]} {'bits' if c[6] else 'cvt'} pdl",
+                      ring_launcher(c[:6], scales, c[6])) for c in FP8_RING_CONFIGS]
+    bf16_rows = 0 if args.fp8 else args.rows        # the bf16 variants below: none with --fp8
+    if bf16_rows > 1:
         variants += rows_variants(args.rows)
-    for bn, bk, warps in () if args.rows > 1 else ((4, 2048, 4), (2, 2048, 2), (4, 2048, 2), (8, 2048, 4), (8, 2048, 8), (4, 4096, 4),
+    for bn, bk, warps in () if bf16_rows != 1 else ((4, 2048, 4), (2, 2048, 2), (4, 2048, 2), (8, 2048, 4), (8, 2048, 8), (4, 4096, 4),
                           (4, 4096, 8), (2, 4096, 4), (16, 1024, 4), (8, 1024, 2)):
         for pdl in (False, True):
             variants.append((f"gemv_slice bn{bn} bk{bk} w{warps}{' pdl' if pdl else ''}",
                              slice_gemv_launcher(pdl, KernelConfig(1, bn, warps, 1, block_k=bk))))
-    if args.ring and args.rows == 1:
+    if args.ring and bf16_rows == 1:
         variants += [(f"ring {c[:4]} s{c[4]} w{c[5]} pdl", ring_launcher(c)) for c in RING_CONFIGS]
-    if not args.quick and args.rows == 1:   # the K-looping kernel, in its table config and with one tile per split
+    if not args.quick and bf16_rows == 1:   # the K-looping kernel, in its table config and with one tile per split
         for label, config in (("sm_90 config", None),
                               ("bn16 bk512 one tile/split", KernelConfig(1, 16, 4, 2, block_k=512, split_k=16)),
                               ("bn8 bk1024 one tile/split", KernelConfig(1, 8, 4, 2, block_k=1024, split_k=16)),
@@ -214,7 +244,7 @@ def main() -> int:
         ref.setdefault("cublas", y)
         rel = float((y.float() - ref["cublas"].float()).norm() / ref["cublas"].float().norm())
         per_layer = us / args.layers
-        row = {"model": args.model, "rows": args.rows, "shape": args.shape or "chain", "variant": name, "us_per_layer": round(per_layer, 2), "tb_s": round(layer_bytes / per_layer / 1e6, 3),
+        row = {"model": args.model, "rows": args.rows, "fp8": args.fp8, "shape": args.shape or "chain", "variant": name, "us_per_layer": round(per_layer, 2), "tb_s": round(layer_bytes / per_layer / 1e6, 3),
                "floor_ratio": round(floor_us / per_layer, 3), "max_diff_vs_no_pdl": diff,
                "rel_diff_vs_cublas": rel}
         rows.append(row)

@@ -242,7 +242,8 @@ class CudaHal(Hal):
                 from hal.cuda.fp8 import fp8_linear_op
 
                 has_fp8 = self.facts.fp8_dtype is not None
-                self._ops[name] = fp8_linear_op(self.facts.arch, configs, has_triton) if has_fp8 else None
+                self._ops[name] = (fp8_linear_op(self.facts.arch, configs, has_triton, self._fp8_ring())
+                                   if has_fp8 else None)
             elif name == "silu_mul_fp8_linear":   # SwiGLU in the prologue of fp8_linear's decode GEMV
                 from hal.cuda.fp8 import silu_mul_fp8_linear_op
 
@@ -284,6 +285,19 @@ class CudaHal(Hal):
         from hal.kernels import pdl
 
         return ring_or(library, self.facts.arch, pdl.enabled(self.device()))
+
+    def _fp8_ring(self) -> Callable[..., Any] | None:
+        """hal/cuda/ring_gemv.py's W8A16 ring where its FP8 table (or LOOPSTACK_RING_GEMV=1) has shapes."""
+        if self.facts.arch != "sm_90" or self.device().type != "cuda":
+            return None
+        try:
+            from hal.cuda.ring_gemv import fp8_ring
+        except (ImportError, AttributeError) as e:
+            self._log_once("ring", "the TMA ring projections need Gluon (Triton >= 3.6): %s", e)
+            return None
+        from hal.kernels import pdl
+
+        return fp8_ring(self.facts.arch, pdl.enabled(self.device()))
 
     def _projection_rows(self, configs: dict[str, Any]) -> int:
         """Rows up to which the decode projections run fused (0: cuBLAS and the separate small ops)."""

@@ -71,6 +71,17 @@ HUGINN_0125 = {(15840, 5280): DEFAULT, (5280, 5280): DEFAULT, (35840, 5280): DEF
                (5280, 10560): DEFAULT}
 TABLE: dict[str, dict[tuple[int, int], RingConfig]] = {"sm_90": {**NANBEIGE_4_2_3B, **HUGINN_0125}}
 
+# E4M3 weights with a scale per row (W8A16, the `fp8_linear` op): 16-row chunks (an FP8 stage holds
+# the bytes of a 16-bit one), 8 warps; no shape measured faster than the slice kernel yet, so the
+# table is empty and only LOOPSTACK_RING_GEMV=1 puts them here
+FP8_DEFAULT = RingConfig(1, 16, 256, 4, 4, 8)
+FP8_TABLE: dict[str, dict[tuple[int, int], RingConfig]] = {"sm_90": {}}
+
+
+# the sign (bit 31 of a sign-extended byte shifted by 20) and e4m3's exponent and mantissa, which land on
+# float32's low exponent bits: the float32 is the e4m3 value times 2^-120 (exact, subnormals included)
+_E4M3_F32_BITS = gl.constexpr(-0x78100000)      # 0x87F00000 as int32
+
 
 @gluon.jit
 def _issue(desc, bars, bufs, s, total, k_stages, pid, num_programs,
@@ -89,8 +100,9 @@ def _issue(desc, bars, bufs, s, total, k_stages, pid, num_programs,
 
 
 @gluon.jit
-def _ring_gemv_kernel(desc, x_ptr, out_ptr, N, K, BN: gl.constexpr, BK: gl.constexpr, BOXES: gl.constexpr,
-                      STAGES: gl.constexpr, XT: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
+def _ring_gemv_kernel(desc, x_ptr, out_ptr, scale_ptr, N, K, BN: gl.constexpr, BK: gl.constexpr,
+                      BOXES: gl.constexpr, STAGES: gl.constexpr, XT: gl.constexpr, PDL: gl.constexpr,
+                      SCALE: gl.constexpr, BITS: gl.constexpr, num_warps: gl.constexpr):
     pid = gl.program_id(0)
     num_programs = gl.num_programs(0)
     VEC: gl.constexpr = 16 // desc.dtype.primitive_bitwidth * 8
@@ -130,12 +142,20 @@ def _ring_gemv_kernel(desc, x_ptr, out_ptr, N, K, BN: gl.constexpr, BK: gl.const
         kk = i % k_stages
         for b in gl.static_range(BOXES):
             w = bufs.index(slot * BOXES + b).load(layout)
-            acc += w.to(gl.float32) * x_smem.index(kk * BOXES + b).load(cols_layout).to(gl.float32)[None, :]
+            if BITS:    # e4m3 -> float32 by moving its bits (2^-120 of its value, subnormals too)
+                wi = w.to(gl.int8, bitcast=True).to(gl.int32)
+                wf = ((wi << 20) & _E4M3_F32_BITS).to(gl.float32, bitcast=True)
+            else:
+                wf = w.to(gl.float32)
+            acc += wf * x_smem.index(kk * BOXES + b).load(cols_layout).to(gl.float32)[None, :]
         _cta_barrier()                         # every warp has read the slot before it is refilled
         _issue(desc, bars, bufs, i + STAGES, total, k_stages, pid, num_programs, BN, BK, BOXES, STAGES)
         if kk == k_stages - 1:
             rows = (pid + (i // k_stages) * num_programs) * BN + gl.arange(0, BN, layout=rows_layout)
-            gl.store(out_ptr + rows, gl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=rows < N)
+            y = gl.sum(acc, axis=1)
+            if SCALE:
+                y = y * (gl.load(scale_ptr + rows, mask=rows < N, other=0.0) * (2.0 ** 120 if BITS else 1.0))
+            gl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
             acc = gl.zeros([BN, BK], gl.float32, layout)
 
 
@@ -149,6 +169,14 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.dtype == x.dtype and weight.dim() == 2 and weight.stride(1) == 1
             and x.shape[1] == weight.shape[1] and x.is_contiguous()
             and (weight.stride(0) * weight.element_size()) % 16 == 0 and weight.data_ptr() % 16 == 0)
+
+
+def takes_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    """One contiguous 16-bit row against an e4m3 `[N, K]` weight with a float32 scale per row."""
+    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) and x.is_contiguous()
+            and weight.dtype == torch.float8_e4m3fn and weight.dim() == 2 and weight.stride(1) == 1
+            and x.shape[1] == weight.shape[1] and weight.stride(0) % 16 == 0 and weight.data_ptr() % 16 == 0
+            and scale.dtype == torch.float32 and scale.numel() == weight.shape[0] and scale.is_contiguous())
 
 
 @functools.lru_cache(maxsize=None)
@@ -173,9 +201,12 @@ def _descriptor(weight: torch.Tensor, config: RingConfig) -> TensorDescriptor:
 
 
 def ring_linear(x: torch.Tensor, weight: torch.Tensor, config: RingConfig = DEFAULT, num_programs: int = 0,
-                pdl: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`x[1, K] @ weight[N, K]^T` as `[1, N]` (`takes(x, weight)` must hold). `num_programs` 0: one
-    wave, `config.programs_per_sm` per SM."""
+                pdl: bool = True, out: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                bits: bool = True) -> torch.Tensor:
+    """`x[1, K] @ weight[N, K]^T` as `[1, N]` (`takes(x, weight)` must hold), or with an FP8 (e4m3)
+    weight and its float32 `scale[N]`, `x @ (weight * scale[:, None])^T` (`takes_fp8`); `bits`: widen
+    e4m3 by moving bits rather than the conversion instructions. `num_programs` 0: one wave,
+    `config.programs_per_sm` per SM."""
     n, k = weight.shape
     if out is None:
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
@@ -183,9 +214,11 @@ def ring_linear(x: torch.Tensor, weight: torch.Tensor, config: RingConfig = DEFA
         num_programs = config.programs_per_sm * torch.cuda.get_device_properties(x.device).multi_processor_count
     num_programs = min(num_programs, -(-n // config.block_n))
     extra = {"launch_pdl": True} if pdl else {}
-    _ring_gemv_kernel[(num_programs,)](_descriptor(weight, config), x, out, n, k, BN=config.block_n,
-                                       BK=config.block_k, BOXES=config.boxes, STAGES=config.stages,
-                                       XT=_x_tiles(k, config), PDL=pdl, num_warps=config.num_warps, **extra)
+    _ring_gemv_kernel[(num_programs,)](_descriptor(weight, config), x, out, x if scale is None else scale, n, k,
+                                       BN=config.block_n, BK=config.block_k, BOXES=config.boxes,
+                                       STAGES=config.stages, XT=_x_tiles(k, config), PDL=pdl,
+                                       SCALE=scale is not None, BITS=scale is not None and bits,
+                                       num_warps=config.num_warps, **extra)
     return out
 
 
@@ -214,16 +247,49 @@ class RingOr:
         return ring_linear(x.reshape(1, -1), weight, config, pdl=self.pdl).view(*x.shape[:-1], -1)
 
 
-def ring_or(library: Any, arch: str, pdl: bool) -> Any:
-    """`library` wrapped with the ring where this arch's table (or LOOPSTACK_RING_GEMV=1) has shapes;
-    `library` itself where it has none (sm_90 only: TMA and Gluon's Hopper ops)."""
+class Fp8Ring:
+    """The one-row W8A16 products on the ring (`fp8_linear`'s first choice, hal/cuda/fp8.py): the shapes
+    `shapes` names (all it takes with `every`); None for the rest, which keep the op's other paths."""
+
+    def __init__(self, shapes: dict[tuple[int, int], RingConfig], every: bool, pdl: bool) -> None:
+        self.shapes, self.every, self.pdl = shapes, every, pdl
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+        rows = x.reshape(-1, x.shape[-1]) if x.dim() else x
+        if not takes_fp8(rows, weight, scale):
+            return None
+        config = self.shapes.get(tuple(weight.shape), FP8_DEFAULT if self.every else None)
+        if config is None:
+            return None
+        return ring_linear(rows, weight, config, pdl=self.pdl, scale=scale.reshape(-1)).view(*x.shape[:-1], -1)
+
+
+def _switch() -> str | None:
     env = os.environ.get(ENV)
     if env not in (None, "0", "1"):
         raise ValueError(f"{ENV}={env!r}: set 1 (every one-row product the ring takes), 0 (none) or leave it "
                          "unset (the shapes of its table)")
+    return env
+
+
+def ring_or(library: Any, arch: str, pdl: bool) -> Any:
+    """`library` wrapped with the ring where this arch's table (or LOOPSTACK_RING_GEMV=1) has shapes;
+    `library` itself where it has none (sm_90 only: TMA and Gluon's Hopper ops)."""
+    env = _switch()
     if env == "0" or arch != "sm_90":
         return library
     shapes = TABLE.get(arch, {})
     if not shapes and env != "1":
         return library
     return RingOr(library, shapes, env == "1", pdl)
+
+
+def fp8_ring(arch: str, pdl: bool) -> Fp8Ring | None:
+    """The W8A16 ring where this arch's FP8 table (or LOOPSTACK_RING_GEMV=1) has shapes, else None."""
+    env = _switch()
+    if env == "0" or arch != "sm_90":
+        return None
+    shapes = FP8_TABLE.get(arch, {})
+    if not shapes and env != "1":
+        return None
+    return Fp8Ring(shapes, env == "1", pdl)

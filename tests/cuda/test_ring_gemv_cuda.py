@@ -88,3 +88,22 @@ def test_routing_takes_one_row_table_shapes_and_leaves_the_rest(monkeypatch):
     monkeypatch.setenv(ring.ENV, "1")
     assert isinstance(ring.ring_or(library, "sm_90", True), ring.RingOr)
     assert ring.ring_or(library, "sm_80", True) is library
+
+
+@pytest.mark.parametrize("bits", [True, False], ids=["bits", "cvt"])
+@pytest.mark.parametrize("n,k", [(6144, 2048), (2048, 5632), (1000, 3008), (24, 528)])
+@pytest.mark.parametrize("config", [ring.RingConfig(1, 16, 256, 4, 4, 8), ring.RingConfig(2, 16, 256, 2, 4, 4)])
+def test_the_fp8_ring_computes_the_scaled_product(n, k, config, bits):
+    """E4M3 weights with a float32 scale per row (W8A16): `x @ (w * scale[:, None])^T`, subnormal
+    weights included (widened by moving bits, the values are 2^-120 of theirs until the scale)."""
+    x, w = _operands(n, k)
+    scale = (w.float().abs().amax(dim=1) / 448.0).clamp(min=1e-12)
+    q = (w.float() / scale[:, None]).to(torch.float8_e4m3fn)
+    q[:, :64] = ((torch.arange(64, device="cuda") % 8).float() * 2 ** -9).to(torch.float8_e4m3fn)  # subnormals
+    assert ring.takes_fp8(x, q, scale) and not ring.takes(x, q)
+    out = torch.full((1, n), float("nan"), device="cuda", dtype=x.dtype)
+    y = ring.ring_linear(x, q, config, out=out, scale=scale, bits=bits)
+    ref = F.linear(x.float(), q.float() * scale[:, None])
+    err = ((y.float() - ref).norm() / ref.norm()).item()
+    assert err < 4e-3, err
+    assert torch.equal(ring.ring_linear(x, q, config, scale=scale, bits=bits), y)
