@@ -46,7 +46,7 @@ else:
     def _as_tiles(flat, XT: gl.constexpr, BK: gl.constexpr, layout: gl.constexpr):
         return flat._reinterpret(flat.dtype, [XT, BK], layout)
 
-ENV = "LOOPSTACK_RING_GEMV"    # "1": every one-row 16-bit product it takes; "0": none; unset: the table
+ENV = "LOOPSTACK_RING_GEMV"    # "1": every one-row product it takes (16-bit and W8A16); "0": none; unset: the tables
 
 
 class RingConfig(NamedTuple):
