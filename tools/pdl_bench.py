@@ -72,9 +72,10 @@ def gemv_launcher(pdl: bool, config=None, preload: bool = False, rows: int = 1):
     return launch
 
 
-def slice_gemv_launcher(pdl: bool, config, scales: dict | None = None):
+def slice_gemv_launcher(pdl: bool, config, scales: dict | None = None, early: bool = False):
     """hal/kernels/gemv_slice.py (what the sm_90 table runs at one row) into the chain's buffers;
-    `scales` (N -> float32 [N]): FP8 weights with a scale per output row."""
+    `scales` (N -> float32 [N]): FP8 weights with a scale per output row (`early`: widened before the
+    PDL wait)."""
     from hal.kernels.gemv_slice import slice_gemv_launch
     from hal.kernels.launch import run_launch
 
@@ -84,7 +85,8 @@ def slice_gemv_launcher(pdl: bool, config, scales: dict | None = None):
     def launch(x, w, out):
         os.environ[ENV] = "1" if pdl else "0"
         run_launch(slice_gemv_launch(x, w, out, config, "cuda", workspace=workspace, counters=counters,
-                                     weight_scale=scales[w.shape[0]] if scales is not None else None))
+                                     weight_scale=scales[w.shape[0]] if scales is not None else None,
+                                     early=early))
     return launch
 
 
@@ -207,10 +209,11 @@ def main() -> int:
     print(f"torch {torch.__version__} triton {triton.__version__} gdc {HAS_GDC}; per layer {layer_bytes / 1e6:.1f} MB, "
           f"floor {floor_us:.1f} us", flush=True)
     variants = [("cublas", cublas_launch)]
-    if args.fp8:                    # no library product at one row: the engine's slice kernel is the reference
+    if args.fp8:    # no library product at one row: the engine's slice kernel is the reference ("rel-to-cublas")
         weights, scales = fp8_weights(weights)
         slice_config = KernelConfig(1, 4, 4, 1, block_k=2048, split_k=3)
-        variants = [("cublas", slice_gemv_launcher(True, slice_config, scales))]
+        variants = [("gemv_slice fp8 bn4 bk2048 w4 pdl", slice_gemv_launcher(True, slice_config, scales)),
+                    ("gemv_slice fp8 widened before the wait pdl", slice_gemv_launcher(True, slice_config, scales, True))]
         variants += [(f"ring fp8 {c[:4]} s{c[4]} w{c[5]} {'bits' if c[6] else 'cvt'} pdl",
                       ring_launcher(c[:6], scales, c[6])) for c in FP8_RING_CONFIGS]
     bf16_rows = 0 if args.fp8 else args.rows        # the bf16 variants below: none with --fp8

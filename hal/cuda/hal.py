@@ -273,31 +273,35 @@ class CudaHal(Hal):
             self._gemm = (product if ringed is library else ringed,)
         return self._gemm[0]
 
-    def _ring_or(self, library: Callable[..., Any]) -> Callable[..., Any]:
-        """`library`, or the ring wrapped around it (needs a Triton with Gluon's Hopper ops: 3.6 or newer)."""
-        if self.facts.arch != "sm_90":
-            return library
-        try:
-            from hal.cuda.ring_gemv import ring_or
-        except (ImportError, AttributeError) as e:    # no Gluon, or one whose names the module does not know
-            self._log_once("ring", "the TMA ring projections need Gluon (Triton >= 3.6): %s", e)
-            return library
-        from hal.kernels import pdl
-
-        return ring_or(library, self.facts.arch, pdl.enabled(self.device()))
-
-    def _fp8_ring(self) -> Callable[..., Any] | None:
-        """hal/cuda/ring_gemv.py's W8A16 ring where its FP8 table (or LOOPSTACK_RING_GEMV=1) has shapes."""
+    def _ring(self) -> Any:
+        """hal/cuda/ring_gemv.py on an sm_90 device, where Triton has Gluon's Hopper ops (3.6 or newer);
+        else None (a simulated device of that arch has no TMA to run it)."""
         if self.facts.arch != "sm_90" or self.device().type != "cuda":
             return None
         try:
-            from hal.cuda.ring_gemv import fp8_ring
-        except (ImportError, AttributeError) as e:
+            from hal.cuda import ring_gemv
+        except (ImportError, AttributeError) as e:    # no Gluon, or one whose names the module does not know
             self._log_once("ring", "the TMA ring projections need Gluon (Triton >= 3.6): %s", e)
+            return None
+        return ring_gemv
+
+    def _ring_or(self, library: Callable[..., Any]) -> Callable[..., Any]:
+        """`library`, or the ring wrapped around it where its table (or LOOPSTACK_RING_GEMV=1) has shapes."""
+        ring = self._ring()
+        if ring is None:
+            return library
+        from hal.kernels import pdl
+
+        return ring.ring_or(library, self.facts.arch, pdl.enabled(self.device()))
+
+    def _fp8_ring(self) -> Callable[..., Any] | None:
+        """The W8A16 ring where its FP8 table (or LOOPSTACK_RING_GEMV=1) has shapes, else None."""
+        ring = self._ring()
+        if ring is None:
             return None
         from hal.kernels import pdl
 
-        return fp8_ring(self.facts.arch, pdl.enabled(self.device()))
+        return ring.fp8_ring(self.facts.arch, pdl.enabled(self.device()))
 
     def _projection_rows(self, configs: dict[str, Any]) -> int:
         """Rows up to which the decode projections run fused (0: cuBLAS and the separate small ops)."""
