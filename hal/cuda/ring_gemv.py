@@ -19,6 +19,12 @@ Measured (H100, docs/benchmarks.md "forty-sixth session"): Nanbeige4.2-3B's b1 s
 its four products here, Huginn-0125's 40.68 -> 39.93 ms. SwiGLU staged in the ring (no silu_and_mul
 launch before down) was slower than the launch it saves (Nanbeige 5.50 ms; Huginn 41.59): its staging
 after the PDL wait sits on the step's critical path. So the table names those two models' shapes.
+Ouro-1.4B's shapes led the slice kernel in a chain of products but lost in the step (lever 115).
+
+E4M3 weights with a float32 scale per row (W8A16, lever 116) take the same ring: their boxes hold
+twice the columns' bytes, and they widen by moving bits (`BITS`: a byte's sign, exponent and
+mantissa shifted into a float32 are its value times 2^-120, exact) rather than through the e4m3
+conversion instructions, which bounded lever 97's FP8 ring; 2^120 joins the row's scale.
 """
 from __future__ import annotations
 
@@ -264,32 +270,30 @@ class Fp8Ring:
         return ring_linear(rows, weight, config, pdl=self.pdl, scale=scale.reshape(-1)).view(*x.shape[:-1], -1)
 
 
-def _switch() -> str | None:
+def _taken(table: dict[str, dict[tuple[int, int], RingConfig]], arch: str
+           ) -> tuple[dict[tuple[int, int], RingConfig], bool] | None:
+    """(the shapes `table` names for `arch`, whether LOOPSTACK_RING_GEMV=1 adds every other), or None
+    where the ring takes nothing (sm_90 only: TMA and Gluon's Hopper ops)."""
     env = os.environ.get(ENV)
     if env not in (None, "0", "1"):
         raise ValueError(f"{ENV}={env!r}: set 1 (every one-row product the ring takes), 0 (none) or leave it "
                          "unset (the shapes of its table)")
-    return env
+    if env == "0" or arch != "sm_90":
+        return None
+    shapes = table.get(arch, {})
+    if not shapes and env != "1":
+        return None
+    return shapes, env == "1"
 
 
 def ring_or(library: Any, arch: str, pdl: bool) -> Any:
     """`library` wrapped with the ring where this arch's table (or LOOPSTACK_RING_GEMV=1) has shapes;
-    `library` itself where it has none (sm_90 only: TMA and Gluon's Hopper ops)."""
-    env = _switch()
-    if env == "0" or arch != "sm_90":
-        return library
-    shapes = TABLE.get(arch, {})
-    if not shapes and env != "1":
-        return library
-    return RingOr(library, shapes, env == "1", pdl)
+    `library` itself where it has none."""
+    taken = _taken(TABLE, arch)
+    return library if taken is None else RingOr(library, *taken, pdl)
 
 
 def fp8_ring(arch: str, pdl: bool) -> Fp8Ring | None:
     """The W8A16 ring where this arch's FP8 table (or LOOPSTACK_RING_GEMV=1) has shapes, else None."""
-    env = _switch()
-    if env == "0" or arch != "sm_90":
-        return None
-    shapes = FP8_TABLE.get(arch, {})
-    if not shapes and env != "1":
-        return None
-    return Fp8Ring(shapes, env == "1", pdl)
+    taken = _taken(FP8_TABLE, arch)
+    return None if taken is None else Fp8Ring(*taken, pdl)
