@@ -72,10 +72,9 @@ def gemv_launcher(pdl: bool, config=None, preload: bool = False, rows: int = 1):
     return launch
 
 
-def slice_gemv_launcher(pdl: bool, config, scales: dict | None = None, early: bool = False):
+def slice_gemv_launcher(pdl: bool, config, scales: dict | None = None):
     """hal/kernels/gemv_slice.py (what the sm_90 table runs at one row) into the chain's buffers;
-    `scales` (N -> float32 [N]): FP8 weights with a scale per output row (`early`: widened before the
-    PDL wait)."""
+    `scales` (N -> float32 [N]): FP8 weights with a scale per output row."""
     from hal.kernels.gemv_slice import slice_gemv_launch
     from hal.kernels.launch import run_launch
 
@@ -85,8 +84,7 @@ def slice_gemv_launcher(pdl: bool, config, scales: dict | None = None, early: bo
     def launch(x, w, out):
         os.environ[ENV] = "1" if pdl else "0"
         run_launch(slice_gemv_launch(x, w, out, config, "cuda", workspace=workspace, counters=counters,
-                                     weight_scale=scales[w.shape[0]] if scales is not None else None,
-                                     early=early))
+                                     weight_scale=scales[w.shape[0]] if scales is not None else None))
     return launch
 
 
@@ -212,8 +210,7 @@ def main() -> int:
     if args.fp8:    # no library product at one row: the engine's slice kernel is the reference ("rel-to-cublas")
         weights, scales = fp8_weights(weights)
         slice_config = KernelConfig(1, 4, 4, 1, block_k=2048, split_k=3)
-        variants = [("gemv_slice fp8 bn4 bk2048 w4 pdl", slice_gemv_launcher(True, slice_config, scales)),
-                    ("gemv_slice fp8 widened before the wait pdl", slice_gemv_launcher(True, slice_config, scales, True))]
+        variants = [("gemv_slice fp8 bn4 bk2048 w4 pdl", slice_gemv_launcher(True, slice_config, scales))]
         variants += [(f"ring fp8 {c[:4]} s{c[4]} w{c[5]} {'bits' if c[6] else 'cvt'} pdl",
                       ring_launcher(c[:6], scales, c[6])) for c in FP8_RING_CONFIGS]
     bf16_rows = 0 if args.fp8 else args.rows        # the bf16 variants below: none with --fp8

@@ -61,11 +61,9 @@ def takes_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.shape[-1] % 16 == 0 and weight.shape[0] % 16 == 0)
 
 
-def fp8_linear_op(arch: str, configs: dict[str, Any] | None, has_triton: bool,
-                  ring: Callable[..., Any] | None = None) -> Callable[..., Any] | None:
+def fp8_linear_op(arch: str, configs: dict[str, Any] | None, has_triton: bool) -> Callable[..., Any] | None:
     """The `fp8_linear` op for a device of `arch` ("sm_90", "gfx942"), or None where neither path
-    exists (no FP8 there: callers dequantize in torch). `ring(x, weight, scale)`: a first choice that
-    answers None for operands it does not take (hal/cuda/ring_gemv.py's W8A16 ring)."""
+    exists (no FP8 there: callers dequantize in torch)."""
     choice = gemm_choice()
     nvidia_fp8 = arch.startswith("sm_") and int(arch[3:]) >= 89 and hasattr(torch, "_scaled_mm")
     use_scaled_mm = nvidia_fp8 and choice != "triton"
@@ -92,10 +90,6 @@ def fp8_linear_op(arch: str, configs: dict[str, Any] | None, has_triton: bool,
 
     def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-        if ring is not None and bias is None:
-            y = ring(x, weight, scale)
-            if y is not None:
-                return y
         if gemv is not None and bias is None:
             y = gemv(x, weight, scale)
             if y is not None:

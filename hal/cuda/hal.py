@@ -242,8 +242,7 @@ class CudaHal(Hal):
                 from hal.cuda.fp8 import fp8_linear_op
 
                 has_fp8 = self.facts.fp8_dtype is not None
-                self._ops[name] = (fp8_linear_op(self.facts.arch, configs, has_triton, self._fp8_ring())
-                                   if has_fp8 else None)
+                self._ops[name] = fp8_linear_op(self.facts.arch, configs, has_triton) if has_fp8 else None
             elif name == "silu_mul_fp8_linear":   # SwiGLU in the prologue of fp8_linear's decode GEMV
                 from hal.cuda.fp8 import silu_mul_fp8_linear_op
 
@@ -273,35 +272,19 @@ class CudaHal(Hal):
             self._gemm = (product if ringed is library else ringed,)
         return self._gemm[0]
 
-    def _ring(self) -> Any:
-        """hal/cuda/ring_gemv.py on an sm_90 device, where Triton has Gluon's Hopper ops (3.6 or newer);
-        else None (a simulated device of that arch has no TMA to run it)."""
+    def _ring_or(self, library: Callable[..., Any]) -> Callable[..., Any]:
+        """`library`, or the ring wrapped around it where its table (or LOOPSTACK_RING_GEMV=1) has shapes:
+        on an sm_90 device (a simulated one has no TMA) whose Triton has Gluon's Hopper ops (3.6 or newer)."""
         if self.facts.arch != "sm_90" or self.device().type != "cuda":
-            return None
+            return library
         try:
-            from hal.cuda import ring_gemv
+            from hal.cuda.ring_gemv import ring_or
         except (ImportError, AttributeError) as e:    # no Gluon, or one whose names the module does not know
             self._log_once("ring", "the TMA ring projections need Gluon (Triton >= 3.6): %s", e)
-            return None
-        return ring_gemv
-
-    def _ring_or(self, library: Callable[..., Any]) -> Callable[..., Any]:
-        """`library`, or the ring wrapped around it where its table (or LOOPSTACK_RING_GEMV=1) has shapes."""
-        ring = self._ring()
-        if ring is None:
             return library
         from hal.kernels import pdl
 
-        return ring.ring_or(library, self.facts.arch, pdl.enabled(self.device()))
-
-    def _fp8_ring(self) -> Callable[..., Any] | None:
-        """The W8A16 ring where its FP8 table (or LOOPSTACK_RING_GEMV=1) has shapes, else None."""
-        ring = self._ring()
-        if ring is None:
-            return None
-        from hal.kernels import pdl
-
-        return ring.fp8_ring(self.facts.arch, pdl.enabled(self.device()))
+        return ring_or(library, self.facts.arch, pdl.enabled(self.device()))
 
     def _projection_rows(self, configs: dict[str, Any]) -> int:
         """Rows up to which the decode projections run fused (0: cuBLAS and the separate small ops)."""

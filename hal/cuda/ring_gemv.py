@@ -21,10 +21,11 @@ launch before down) was slower than the launch it saves (Nanbeige 5.50 ms; Hugin
 after the PDL wait sits on the step's critical path. So the table names those two models' shapes.
 Ouro-1.4B's shapes led the slice kernel in a chain of products but lost in the step (lever 115).
 
-E4M3 weights with a float32 scale per row (W8A16, lever 116) take the same ring: their boxes hold
-twice the columns' bytes, and they widen by moving bits (`BITS`: a byte's sign, exponent and
-mantissa shifted into a float32 are its value times 2^-120, exact) rather than through the e4m3
-conversion instructions, which bounded lever 97's FP8 ring; 2^120 joins the row's scale.
+E4M3 weights with a float32 scale per row (W8A16, lever 116) run on the same ring for tools only
+(`ring_linear(..., scale=)`, tools/pdl_bench.py --fp8): widened by the conversion instructions or by
+moving bits (`BITS`: a byte's sign, exponent and mantissa shifted into a float32 are its value times
+2^-120, exact; 2^120 joins the row's scale), the ring took 33.6-52.0 us a layer of Ouro-1.4B's chain
+where the FP8 slice kernel takes 23.8 (H100), so the engine keeps the slice kernel for FP8 weights.
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ else:
     def _as_tiles(flat, XT: gl.constexpr, BK: gl.constexpr, layout: gl.constexpr):
         return flat._reinterpret(flat.dtype, [XT, BK], layout)
 
-ENV = "LOOPSTACK_RING_GEMV"    # "1": every one-row product it takes (16-bit and W8A16); "0": none; unset: the tables
+ENV = "LOOPSTACK_RING_GEMV"    # "1": every one-row 16-bit product it takes; "0": none; unset: the table
 
 
 class RingConfig(NamedTuple):
@@ -76,12 +77,6 @@ NANBEIGE_4_2_3B = {(8192, 3072): DEFAULT, (3072, 6144): DEFAULT, (21504, 3072): 
 HUGINN_0125 = {(15840, 5280): DEFAULT, (5280, 5280): DEFAULT, (35840, 5280): DEFAULT, (5280, 17920): DEFAULT,
                (5280, 10560): DEFAULT}
 TABLE: dict[str, dict[tuple[int, int], RingConfig]] = {"sm_90": {**NANBEIGE_4_2_3B, **HUGINN_0125}}
-
-# E4M3 weights with a scale per row (W8A16, the `fp8_linear` op): 16-row chunks (an FP8 stage holds
-# the bytes of a 16-bit one), 8 warps; no shape measured faster than the slice kernel yet, so the
-# table is empty and only LOOPSTACK_RING_GEMV=1 puts them here
-FP8_DEFAULT = RingConfig(1, 16, 256, 4, 4, 8)
-FP8_TABLE: dict[str, dict[tuple[int, int], RingConfig]] = {"sm_90": {}}
 
 
 # the sign (bit 31 of a sign-extended byte shifted by 20) and e4m3's exponent and mantissa, which land on
@@ -253,47 +248,16 @@ class RingOr:
         return ring_linear(x.reshape(1, -1), weight, config, pdl=self.pdl).view(*x.shape[:-1], -1)
 
 
-class Fp8Ring:
-    """The one-row W8A16 products on the ring (`fp8_linear`'s first choice, hal/cuda/fp8.py): the shapes
-    `shapes` names (all it takes with `every`); None for the rest, which keep the op's other paths."""
-
-    def __init__(self, shapes: dict[tuple[int, int], RingConfig], every: bool, pdl: bool) -> None:
-        self.shapes, self.every, self.pdl = shapes, every, pdl
-
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
-        rows = x.reshape(-1, x.shape[-1]) if x.dim() else x
-        if not takes_fp8(rows, weight, scale):
-            return None
-        config = self.shapes.get(tuple(weight.shape), FP8_DEFAULT if self.every else None)
-        if config is None:
-            return None
-        return ring_linear(rows, weight, config, pdl=self.pdl, scale=scale.reshape(-1)).view(*x.shape[:-1], -1)
-
-
-def _taken(table: dict[str, dict[tuple[int, int], RingConfig]], arch: str
-           ) -> tuple[dict[tuple[int, int], RingConfig], bool] | None:
-    """(the shapes `table` names for `arch`, whether LOOPSTACK_RING_GEMV=1 adds every other), or None
-    where the ring takes nothing (sm_90 only: TMA and Gluon's Hopper ops)."""
+def ring_or(library: Any, arch: str, pdl: bool) -> Any:
+    """`library` wrapped with the ring where this arch's table (or LOOPSTACK_RING_GEMV=1) has shapes;
+    `library` itself where it has none (sm_90 only: TMA and Gluon's Hopper ops)."""
     env = os.environ.get(ENV)
     if env not in (None, "0", "1"):
         raise ValueError(f"{ENV}={env!r}: set 1 (every one-row product the ring takes), 0 (none) or leave it "
                          "unset (the shapes of its table)")
     if env == "0" or arch != "sm_90":
-        return None
-    shapes = table.get(arch, {})
+        return library
+    shapes = TABLE.get(arch, {})
     if not shapes and env != "1":
-        return None
-    return shapes, env == "1"
-
-
-def ring_or(library: Any, arch: str, pdl: bool) -> Any:
-    """`library` wrapped with the ring where this arch's table (or LOOPSTACK_RING_GEMV=1) has shapes;
-    `library` itself where it has none."""
-    taken = _taken(TABLE, arch)
-    return library if taken is None else RingOr(library, *taken, pdl)
-
-
-def fp8_ring(arch: str, pdl: bool) -> Fp8Ring | None:
-    """The W8A16 ring where this arch's FP8 table (or LOOPSTACK_RING_GEMV=1) has shapes, else None."""
-    taken = _taken(FP8_TABLE, arch)
-    return None if taken is None else Fp8Ring(*taken, pdl)
+        return library
+    return RingOr(library, shapes, env == "1", pdl)

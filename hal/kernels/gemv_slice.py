@@ -13,12 +13,9 @@ graph, 2026-12-02): 4 x 2048 slices on 4 warps 32.1 us per layer with PDL, 37.4 
 Prologues and the residual epilogue are gemv.py's (`PROLOGUE`, `ADD_RESIDUAL`, the same device
 functions, so the same rounding). K > KS splits into `cdiv(K, KS)` programs per column block whose
 fp32 partials the last to arrive sums in split order (deterministic, as in gemv.py). FP8 weights
-(`W_SCALED`) widen in registers (to bf16 before the PDL wait with `WIDEN_EARLY`); the per-column scale
-multiplies the sum.
+(`W_SCALED`) widen in registers; the per-column scale multiplies the sum.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -31,8 +28,6 @@ from hal.kernels.gemv_prologue import NONE, _input_tile, _row_stats
 from hal.kernels.launch import Launch, launch_options, next_pow2
 from hal.kernels.pdl import pdl_wait
 
-WIDEN_ENV = "LOOPSTACK_FP8_WIDEN_EARLY"
-
 
 @triton.jit
 def _slice_gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, res_norm_ptr, out_res_ptr,
@@ -40,7 +35,7 @@ def _slice_gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, 
                        PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
                        KS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                        STATS_BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, W_SCALED: tl.constexpr,
-                       WIDEN_EARLY: tl.constexpr = False, PDL: tl.constexpr = False):
+                       PDL: tl.constexpr = False):
     """out `[1, N]` = prologue(x) `[1, K]` @ w `[N, K]`.T (+ out_res). Grid `(cdiv(N, BLOCK_N), SPLIT_K)`;
     split-K partials go to part `[SPLIT_K, N]` fp32."""
     DT = out_ptr.dtype.element_ty
@@ -58,8 +53,6 @@ def _slice_gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, 
     else:
         w = tl.load(w_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
     w_scale = _weight_scale(w_scale_ptr, cols, col_mask, W_SCALED, BLOCK_N)
-    if W_SCALED and WIDEN_EARLY:    # FP8 widened before the wait, off the critical path (exact: lever 117)
-        w = w.to(tl.bfloat16)
     pdl_wait(PDL)             # the slice is in flight; x and the outputs belong to the kernels around
     rows = tl.arange(0, 1)
     row_mask = rows < 1
@@ -75,16 +68,6 @@ def _slice_gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, 
             pid_n, pid_k, 0, 0, ADD_RESIDUAL, SPLIT_K, W_SCALED, 1, BLOCK_N, DT)
 
 
-def widen_early() -> bool:
-    """LOOPSTACK_FP8_WIDEN_EARLY=1: FP8 weight slices widen to bf16 before the PDL wait (every e4m3 value is
-    a bf16, so the same bits), trading registers (fewer programs resident) for conversions off the step's
-    critical path (docs/performance.md, lever 117); unset or 0: after the wait, as measured until then."""
-    env = os.environ.get(WIDEN_ENV, "0")
-    if env not in ("0", "1"):
-        raise ValueError(f"{WIDEN_ENV}={env!r}: set 1 (widen FP8 weights before the PDL wait) or 0 / unset (after)")
-    return env == "1"
-
-
 def num_splits(k: int, config: KernelConfig) -> int:
     """Programs per column block: K in slices of `config.block_k`."""
     return -(-k // config.block_k)
@@ -95,13 +78,11 @@ def slice_gemv_launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, 
                       norm_weight: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                       res_norm_weight: torch.Tensor | None = None, stream_out: torch.Tensor | None = None,
                       out_residual: torch.Tensor | None = None, workspace: torch.Tensor | None = None,
-                      counters: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
-                      early: bool | None = None) -> Launch:
+                      counters: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None) -> Launch:
     """The launch of `out [1, N] = prologue(x) @ weight.T (+ out_residual)`; x `[1, K]` (`[1, 2K]` for
     SILU_AND_MUL), weight `[N, K]` with unit stride along K, all vectors contiguous. `config.block_n`
     columns and `config.block_k` (a power of two) of K per program; K > block_k needs `workspace`
-    (>= splits * N float32) and `counters` (int32 zeros, >= cdiv(N, block_n)). `early`: FP8 weights widen
-    before the PDL wait (None: `widen_early()`)."""
+    (>= splits * N float32) and `counters` (int32 zeros, >= cdiv(N, block_n))."""
     rows, n = out.shape
     k = weight.shape[1]
     if rows != 1:
@@ -121,6 +102,4 @@ def slice_gemv_launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, 
         PROLOGUE=prologue, ADD_RESIDUAL=out_residual is not None, BLOCK_N=config.block_n, KS=config.block_k,
         SPLIT_K=split, EVEN_K=k % config.block_k == 0, EVEN_N=n % config.block_n == 0,
         STATS_BLOCK=min(next_pow2(k), gemv.STATS_ELEMENTS), ONE_PASS=next_pow2(k) <= gemv.STATS_ELEMENTS,
-        W_SCALED=weight_scale is not None,
-        WIDEN_EARLY=weight_scale is not None and (widen_early() if early is None else early),
-        **launch_options(config, target)))
+        W_SCALED=weight_scale is not None, **launch_options(config, target)))

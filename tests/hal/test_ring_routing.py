@@ -61,36 +61,3 @@ def test_the_switch_and_the_arch(monkeypatch):
     with pytest.raises(ValueError, match="LOOPSTACK_RING_GEMV"):
         ring.ring_or(lib, "sm_90", True)
 
-
-def test_fp8_ring_switch_and_what_it_takes(monkeypatch):
-    """W8A16 products: none on the ring unless its FP8 table or LOOPSTACK_RING_GEMV=1 names them; it
-    answers None (the op's other paths) for operands it does not take."""
-    monkeypatch.delenv(ring.ENV, raising=False)
-    assert (ring.fp8_ring("sm_90", True) is None) == (not ring.FP8_TABLE["sm_90"])
-    monkeypatch.setenv(ring.ENV, "1")
-    assert ring.fp8_ring("sm_80", True) is None
-    every = ring.fp8_ring("sm_90", True)
-    x, w, scale = torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(48, 32, dtype=torch.float8_e4m3fn), torch.ones(48)
-    assert ring.takes_fp8(x, w, scale)
-    assert every(torch.zeros(2, 32, dtype=torch.bfloat16), w, scale) is None               # two rows
-    assert every(x, w, scale.double()) is None                                             # scale not float32
-    assert every(x, w.view(torch.int8), scale) is None                                     # not e4m3
-    monkeypatch.setenv(ring.ENV, "0")
-    assert ring.fp8_ring("sm_90", True) is None
-
-
-def test_fp8_linear_asks_the_ring_first():
-    from hal.cuda.fp8 import fp8_linear_op
-
-    asked = []
-
-    def declining(x, w, scale):
-        asked.append(tuple(w.shape))
-        return None
-
-    op = fp8_linear_op("sm_90", None, False, ring=lambda x, w, s: torch.full((1, w.shape[0]), 7.0))
-    x, w, scale = torch.randn(1, 32), (torch.randn(16, 32)).to(torch.float8_e4m3fn), torch.ones(16)
-    assert torch.equal(op(x, w, scale), torch.full((1, 16), 7.0))
-    op = fp8_linear_op("sm_90", None, False, ring=declining)
-    y = op(x, w, scale)
-    assert asked == [(16, 32)] and torch.allclose(y, x @ w.float().T)

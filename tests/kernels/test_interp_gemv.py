@@ -262,15 +262,12 @@ def test_fp8_weights_stream_and_scale_once(path, fp8):
     assert ops.fp8_linear(torch.randn(2, 160), weight, scale) is None
 
 
-@pytest.mark.parametrize("early", ["0", "1"], ids=["after-wait", "before-wait"])
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e4m3fnuz], ids=["e4m3fn", "e4m3fnuz"])
 @pytest.mark.parametrize("block_k", [256, 64], ids=["one-slice", "three-slices"])
-def test_fp8_slice_with_unit_scales_gives_the_bits_of_its_bf16_values(block_k, fp8, early, monkeypatch):
-    """The slice kernel widens FP8 weights exactly, after its PDL wait or (LOOPSTACK_FP8_WIDEN_EARLY=1,
-    lever 117) to bf16 before it: with unit scales the product is the slice kernel's bf16 product of
-    the same values to the bit (K in one slice: plain and SwiGLU; in three: SwiGLU, the only 16-bit
-    product split there)."""
-    monkeypatch.setenv(gemv_slice.WIDEN_ENV, early)
+def test_fp8_slice_with_unit_scales_gives_the_bits_of_its_bf16_values(block_k, fp8, monkeypatch):
+    """The slice kernel widens FP8 weights exactly: with unit scales the product is the slice kernel's
+    bf16 product of the same values to the bit (K in one slice: plain and SwiGLU; in three: SwiGLU, the
+    only 16-bit product split there)."""
     config = KernelConfig(1, 4, 4, 1, block_k=block_k, split_k=3)
     ops = gemv_ops.Gemv({**configs_for("default"), gemv_ops.SLICE_KEY: config}, 16, max_rows=1)
     launched = []
@@ -286,11 +283,6 @@ def test_fp8_slice_with_unit_scales_gives_the_bits_of_its_bf16_values(block_k, f
         assert torch.equal(ops.fp8_linear(x, weight, unit), ops.linear(x, same))
     assert launched and set(launched) == {gemv_slice._slice_gemv_kernel}
 
-
-def test_the_widening_switch_is_checked(monkeypatch):
-    monkeypatch.setenv(gemv_slice.WIDEN_ENV, "yes")
-    with pytest.raises(ValueError, match="LOOPSTACK_FP8_WIDEN_EARLY"):
-        gemv_slice.widen_early()
 
 
 def test_one_row_slices_up_to_their_limit_and_leave_counters_zero():
