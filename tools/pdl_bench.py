@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hal.kernels.configs import KernelConfig
+from hal.kernels.configs import KernelConfig, configs_for
+from hal.kernels.gemv_ops import SLICE_KEY
 
 # (name, N, K) of a layer's four projections per model; each output is at least as wide as the next K
 MODEL_SHAPES = {
@@ -52,7 +53,6 @@ def cublas_launch(x, w, out):
 def gemv_launcher(pdl: bool, config=None, preload: bool = False, rows: int = 1):
     """The Hal's decode GEMV kernel (hal/kernels/gemv.py) into the chain's buffers, PDL on or off
     (`preload`: the tl.dot path's first weight tile before the PDL wait)."""
-    from hal.kernels.configs import configs_for
     from hal.kernels.gemv import gemv_launch, plan
     from hal.kernels.launch import run_launch
 
@@ -209,8 +209,8 @@ def main() -> int:
     variants = [("cublas", cublas_launch)]
     if args.fp8:    # no library product at one row: the engine's slice kernel is the reference ("rel-to-cublas")
         weights, scales = fp8_weights(weights)
-        slice_config = KernelConfig(1, 4, 4, 1, block_k=2048, split_k=3)
-        variants = [("gemv_slice fp8 bn4 bk2048 w4 pdl", slice_gemv_launcher(True, slice_config, scales))]
+        engine_config = configs_for("sm_90")[SLICE_KEY]
+        variants = [("gemv_slice fp8 (sm_90 table) pdl", slice_gemv_launcher(True, engine_config, scales))]
         variants += [(f"ring fp8 {c[:4]} s{c[4]} w{c[5]} {'bits' if c[6] else 'cvt'} pdl",
                       ring_launcher(c[:6], scales, c[6])) for c in FP8_RING_CONFIGS]
     bf16_rows = 0 if args.fp8 else args.rows        # the bf16 variants below: none with --fp8

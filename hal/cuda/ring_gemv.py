@@ -164,20 +164,15 @@ def _x_tiles(k: int, config: RingConfig) -> int:
     return triton.next_power_of_2(-(-k // (config.block_k * config.boxes)) * config.boxes)
 
 
-def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One contiguous 16-bit row against a 16-bit `[N, K]` weight whose rows TMA can address."""
-    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and weight.dim() == 2 and weight.stride(1) == 1
-            and x.shape[1] == weight.shape[1] and x.is_contiguous()
-            and (weight.stride(0) * weight.element_size()) % 16 == 0 and weight.data_ptr() % 16 == 0)
-
-
-def takes_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
-    """One contiguous 16-bit row against an e4m3 `[N, K]` weight with a float32 scale per row."""
+def takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
+    """One contiguous 16-bit row against an `[N, K]` weight whose rows TMA can address: of x's dtype, or
+    e4m3 with a float32 `scale` per row."""
     return (x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) and x.is_contiguous()
-            and weight.dtype == torch.float8_e4m3fn and weight.dim() == 2 and weight.stride(1) == 1
-            and x.shape[1] == weight.shape[1] and weight.stride(0) % 16 == 0 and weight.data_ptr() % 16 == 0
-            and scale.dtype == torch.float32 and scale.numel() == weight.shape[0] and scale.is_contiguous())
+            and weight.dtype == (x.dtype if scale is None else torch.float8_e4m3fn)
+            and weight.dim() == 2 and weight.stride(1) == 1 and x.shape[1] == weight.shape[1]
+            and (weight.stride(0) * weight.element_size()) % 16 == 0 and weight.data_ptr() % 16 == 0
+            and (scale is None or (scale.dtype == torch.float32 and scale.numel() == weight.shape[0]
+                                   and scale.is_contiguous())))
 
 
 @functools.lru_cache(maxsize=None)
@@ -205,7 +200,7 @@ def ring_linear(x: torch.Tensor, weight: torch.Tensor, config: RingConfig = DEFA
                 pdl: bool = True, out: torch.Tensor | None = None, scale: torch.Tensor | None = None,
                 bits: bool = True) -> torch.Tensor:
     """`x[1, K] @ weight[N, K]^T` as `[1, N]` (`takes(x, weight)` must hold), or with an FP8 (e4m3)
-    weight and its float32 `scale[N]`, `x @ (weight * scale[:, None])^T` (`takes_fp8`); `bits`: widen
+    weight and its float32 `scale[N]`, `x @ (weight * scale[:, None])^T` (`takes(x, weight, scale)`); `bits`: widen
     e4m3 by moving bits rather than the conversion instructions. `num_programs` 0: one wave,
     `config.programs_per_sm` per SM."""
     n, k = weight.shape

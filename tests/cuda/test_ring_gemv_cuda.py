@@ -100,7 +100,7 @@ def test_the_fp8_ring_computes_the_scaled_product(n, k, config, bits):
     scale = (w.float().abs().amax(dim=1) / 448.0).clamp(min=1e-12)
     q = (w.float() / scale[:, None]).to(torch.float8_e4m3fn)
     q[:, :64] = ((torch.arange(64, device="cuda") % 8).float() * 2 ** -9).to(torch.float8_e4m3fn)  # subnormals
-    assert ring.takes_fp8(x, q, scale) and not ring.takes(x, q)
+    assert ring.takes(x, q, scale) and not ring.takes(x, q) and not ring.takes(x, w, scale)
     out = torch.full((1, n), float("nan"), device="cuda", dtype=x.dtype)
     y = ring.ring_linear(x, q, config, out=out, scale=scale, bits=bits)
     ref = F.linear(x.float(), q.float() * scale[:, None])

@@ -35,6 +35,12 @@ def test_only_one_contiguous_16_bit_row_at_a_table_shape_is_taken():
     assert routed.config(torch.zeros(1, 32), w.float()) is None                              # float32
     assert routed.config(torch.zeros(1, 64, dtype=torch.bfloat16)[:, ::2], w) is None        # strided row
     assert routed.config(torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(48, 32, dtype=torch.bfloat16)) is None
+    fp8, scale = torch.zeros(64, 32, dtype=torch.float8_e4m3fn), torch.ones(64)   # the tools' W8A16 form
+    assert ring.takes(torch.zeros(1, 32, dtype=torch.bfloat16), fp8, scale)
+    assert not ring.takes(torch.zeros(1, 32, dtype=torch.bfloat16), fp8)                     # no scale
+    assert not ring.takes(torch.zeros(1, 32, dtype=torch.bfloat16), w, scale)                # 16-bit weight
+    assert not ring.takes(torch.zeros(1, 32, dtype=torch.bfloat16), fp8, scale.double())    # float64 scale
+    assert not ring.takes(torch.zeros(1, 32, dtype=torch.bfloat16), fp8, torch.ones(48))     # scale per row
     every = ring.RingOr(_library([]), {}, every=True, pdl=True)
     assert every.config(torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(48, 32, dtype=torch.bfloat16)) \
         == ring.DEFAULT
