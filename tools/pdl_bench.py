@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python tools/pdl_bench.py [--quick] [--model ouro-1.4b] [--layers 24] [--out rows.jsonl]
     PYTHONPATH=. python tools/pdl_bench.py --quick --ring --model ouro-1.4b    # the TMA ring beside them
-    PYTHONPATH=. python tools/pdl_bench.py --fp8 --model ouro-1.4b      # E4M3 weights: slice kernel vs the ring
+    PYTHONPATH=. python tools/pdl_bench.py --fp8 [--ring] --model ouro-1.4b    # E4M3 weights: W8A16 slices, W8A8
+                                                                            # slices (lever 118)[, the ring]
     PYTHONPATH=. python tools/pdl_bench.py --rows 64 [--shape o]     # decode batches: cuBLAS vs gemv.py's tl.dot path
 
 Why: at batch 1 a decode step is a chain of about 7 launches per layer and loop, each paying its own
@@ -72,9 +73,10 @@ def gemv_launcher(pdl: bool, config=None, preload: bool = False, rows: int = 1):
     return launch
 
 
-def slice_gemv_launcher(pdl: bool, config, scales: dict | None = None):
+def slice_gemv_launcher(pdl: bool, config, scales: dict | None = None, a8: bool = False):
     """hal/kernels/gemv_slice.py (what the sm_90 table runs at one row) into the chain's buffers;
-    `scales` (N -> float32 [N]): FP8 weights with a scale per output row."""
+    `scales` (N -> float32 [N]): FP8 weights with a scale per output row; `a8`: x quantized too (W8A8
+    on the tensor cores, lever 118)."""
     from hal.kernels.gemv_slice import slice_gemv_launch
     from hal.kernels.launch import run_launch
 
@@ -84,7 +86,7 @@ def slice_gemv_launcher(pdl: bool, config, scales: dict | None = None):
     def launch(x, w, out):
         os.environ[ENV] = "1" if pdl else "0"
         run_launch(slice_gemv_launch(x, w, out, config, "cuda", workspace=workspace, counters=counters,
-                                     weight_scale=scales[w.shape[0]] if scales is not None else None))
+                                     weight_scale=scales[w.shape[0]] if scales is not None else None, a8=a8))
     return launch
 
 
@@ -97,6 +99,11 @@ FP8_RING_CONFIGS = ((1, 16, 256, 4, 4, 8, True), (1, 16, 256, 4, 4, 8, False), (
                     (1, 16, 256, 4, 6, 4, False), (2, 16, 256, 2, 4, 4, True), (1, 32, 256, 2, 4, 4, True),
                     (2, 8, 256, 4, 4, 4, True))
 # the same fields, then `bits`: e4m3 widened by integer ops (True) or by cvt instructions (False)
+
+
+# lever 118: W8A8 one-row slices on the FP8 tensor cores (wgmma needs 64 rows a warpgroup): block_n, block_k, warps
+W8A8_SLICE_CONFIGS = ((64, 512, 4), (64, 1024, 4), (64, 256, 4), (128, 256, 4), (128, 512, 8), (64, 2048, 4),
+                      (64, 512, 8), (128, 128, 4))
 
 
 def ring_launcher(config, scales: dict | None = None, bits: bool = True):
@@ -211,8 +218,12 @@ def main() -> int:
         weights, scales = fp8_weights(weights)
         engine_config = configs_for("sm_90")[SLICE_KEY]
         variants = [("gemv_slice fp8 (sm_90 table) pdl", slice_gemv_launcher(True, engine_config, scales))]
-        variants += [(f"ring fp8 {c[:4]} s{c[4]} w{c[5]} {'bits' if c[6] else 'cvt'} pdl",
-                      ring_launcher(c[:6], scales, c[6])) for c in FP8_RING_CONFIGS]
+        variants += [(f"w8a8 slice bn{bn} bk{bk} w{warps} pdl",
+                      slice_gemv_launcher(True, KernelConfig(1, bn, warps, 1, block_k=bk), scales, a8=True))
+                     for bn, bk, warps in W8A8_SLICE_CONFIGS]
+        if args.ring:
+            variants += [(f"ring fp8 {c[:4]} s{c[4]} w{c[5]} {'bits' if c[6] else 'cvt'} pdl",
+                          ring_launcher(c[:6], scales, c[6])) for c in FP8_RING_CONFIGS]
     bf16_rows = 0 if args.fp8 else args.rows        # the bf16 variants below: none with --fp8
     if bf16_rows > 1:
         variants += rows_variants(args.rows)

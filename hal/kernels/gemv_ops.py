@@ -38,6 +38,7 @@ MAX_ROWS = 8                     # decode batches the kernels take; more rows go
 NORM_PROLOGUE_MAX_ROWS = 1
 SANDWICH_PROLOGUE_MAX_ROWS = 1
 SLICE_KEY = "gemv_slice"         # a table with this entry runs one-row projections on hal/kernels/gemv_slice.py
+A8_KEY = "gemv_slice_w8a8"       # with it, one-row e4m3fn products run W8A8 on the slice kernel (lever 118)
 WIDE_KEY = "gemv_wide"           # a table with this entry runs MAX_ROWS+1..MAX_DOT_ROWS rows on the tl.dot path
 COUNTER_SLOTS = 1 << 16          # column blocks a split-K launch may have (N / BLOCK_N)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -125,12 +126,23 @@ class Gemv:
         several = prologue == SILU_AND_MUL or fp8
         return config if splits == 1 or (several and splits <= config.split_k) else None
 
+    def _a8(self, weight: torch.Tensor) -> KernelConfig | None:
+        """The W8A8 slice config (`A8_KEY`) for one row against this e4m3fn weight, or None: x quantized
+        per slice and multiplied on the FP8 tensor cores (lever 118; an experiment's opt-in)."""
+        config = self.configs.get(A8_KEY)
+        if config is None or weight.dtype != torch.float8_e4m3fn:
+            return None
+        return config if num_splits(weight.shape[1], config) <= config.split_k else None
+
     def _run(self, x2: torch.Tensor, weight: torch.Tensor, prologue: int, **kw) -> torch.Tensor:
         check_device(x2)
         rows, n = x2.shape[0], weight.shape[0]
         out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
         fp8 = kw.get("weight_scale") is not None
         slice_config = self._slice(weight.shape[1], prologue, fp8) if rows == 1 else None
+        a8 = self._a8(weight) if rows == 1 and fp8 else None
+        if a8 is not None:
+            slice_config, kw["a8"] = a8, True
         if slice_config is not None:                        # one row: the whole-slice kernel (PDL)
             splits = num_splits(weight.shape[1], slice_config)
             if splits > 1:

@@ -28,6 +28,8 @@ from hal.kernels.gemv_prologue import NONE, _input_tile, _row_stats
 from hal.kernels.launch import Launch, launch_options, next_pow2
 from hal.kernels.pdl import pdl_wait
 
+E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
+
 
 @triton.jit
 def _slice_gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, res_norm_ptr, out_res_ptr,
@@ -35,7 +37,7 @@ def _slice_gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, 
                        PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
                        KS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                        STATS_BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, W_SCALED: tl.constexpr,
-                       PDL: tl.constexpr = False):
+                       PDL: tl.constexpr = False, A8: tl.constexpr = False):
     """out `[1, N]` = prologue(x) `[1, K]` @ w `[N, K]`.T (+ out_res). Grid `(cdiv(N, BLOCK_N), SPLIT_K)`;
     split-K partials go to part `[SPLIT_K, N]` fp32."""
     DT = out_ptr.dtype.element_ty
@@ -63,9 +65,26 @@ def _slice_gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, 
                                          PROLOGUE, 1, STATS_BLOCK, ONE_PASS, DT)
     a = _input_tile(x_ptr, res_ptr, in_norm_ptr, res_norm_ptr, stream_ptr, rows, row_mask, ks, k_mask, K,
                     inv_src, inv_stream, tl.where(pid_n == 0, 1, 0), 0, 0, 0, PROLOGUE, DT)   # [1, KS]
-    acc = tl.sum(w.to(tl.float32) * a.to(tl.float32), 1)[None, :]                     # [1, BLOCK_N]
+    if A8:      # W8A8: the slice of x quantized like the weight, the product on the FP8 tensor cores
+        acc = _a8_product(w, a, KS)
+    else:
+        acc = tl.sum(w.to(tl.float32) * a.to(tl.float32), 1)[None, :]                 # [1, BLOCK_N]
     _finish(acc, out_ptr, out_res_ptr, part_ptr, count_ptr, w_scale, rows, cols, row_mask, col_mask, 1, N,
             pid_n, pid_k, 0, 0, ADD_RESIDUAL, SPLIT_K, W_SCALED, 1, BLOCK_N, DT)
+
+
+@triton.jit
+def _a8_product(w, a, KS: tl.constexpr):
+    """`a [1, KS] @ w [BLOCK_N, KS]^T` as `[1, BLOCK_N]` fp32 with a quantized to w's FP8 format by one
+    scale for the slice (`absmax / 448`, as `hal.kernels.fp8_linear.quantize_rows` does per row): x
+    becomes column 0 of a `[KS, 16]` operand (the least width tl.dot takes; the other columns zeros), so
+    no weight is widened on the CUDA cores."""
+    a32 = a.to(tl.float32)
+    a_scale = tl.maximum(tl.max(tl.abs(a32), 1), 1e-12) / E4M3_MAX                      # [1]
+    aq = tl.clamp(a32 / a_scale[:, None], -E4M3_MAX, E4M3_MAX).to(w.dtype)             # [1, KS]
+    col = tl.arange(0, 16)[None, :]
+    b = tl.where(col == 0, tl.trans(aq), tl.zeros([KS, 16], w.dtype))                   # [KS, 16]
+    return tl.trans(tl.sum(tl.dot(w, b), 1)[:, None]) * a_scale[:, None]                 # [1, BLOCK_N]
 
 
 def num_splits(k: int, config: KernelConfig) -> int:
@@ -78,7 +97,8 @@ def slice_gemv_launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, 
                       norm_weight: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                       res_norm_weight: torch.Tensor | None = None, stream_out: torch.Tensor | None = None,
                       out_residual: torch.Tensor | None = None, workspace: torch.Tensor | None = None,
-                      counters: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None) -> Launch:
+                      counters: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
+                      a8: bool = False) -> Launch:
     """The launch of `out [1, N] = prologue(x) @ weight.T (+ out_residual)`; x `[1, K]` (`[1, 2K]` for
     SILU_AND_MUL), weight `[N, K]` with unit stride along K, all vectors contiguous. `config.block_n`
     columns and `config.block_k` (a power of two) of K per program; K > block_k needs `workspace`
@@ -90,6 +110,9 @@ def slice_gemv_launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, 
     if config.block_k != next_pow2(config.block_k):
         raise ValueError(f"gemv_slice's block_k must be a power of two, got {config.block_k}")
     split = num_splits(k, config)
+    if a8 and (weight.dtype != torch.float8_e4m3fn or weight_scale is None or config.block_n < 16):
+        raise ValueError("the W8A8 slice gemv takes e4m3fn weights with their scales and block_n >= 16, got "
+                         f"{weight.dtype}, block_n {config.block_n}")
     if split > 1 and (workspace is None or counters is None):
         raise ValueError("a split-K slice gemv needs a workspace and counters")
     return Launch(_slice_gemv_kernel, (-(-n // config.block_n), split), (
@@ -102,4 +125,4 @@ def slice_gemv_launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, 
         PROLOGUE=prologue, ADD_RESIDUAL=out_residual is not None, BLOCK_N=config.block_n, KS=config.block_k,
         SPLIT_K=split, EVEN_K=k % config.block_k == 0, EVEN_N=n % config.block_n == 0,
         STATS_BLOCK=min(next_pow2(k), gemv.STATS_ELEMENTS), ONE_PASS=next_pow2(k) <= gemv.STATS_ELEMENTS,
-        W_SCALED=weight_scale is not None, **launch_options(config, target)))
+        W_SCALED=weight_scale is not None, A8=a8, **launch_options(config, target)))

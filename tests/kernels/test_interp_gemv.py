@@ -561,3 +561,69 @@ def test_unfused_products_run_through_the_injected_gemm():
     ops["silu_mul_linear"](x, down)
     ops["norm_residual_linear"](x, x, norm_w, norm_w, 1e-6, w)
     assert calls == [((4, 64), (32, 64)), ((4, 64), (32, 64)), ((4, 32), (64, 32)), ((4, 64), (32, 64))]
+
+
+def _a8_reference(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int) -> torch.Tensor:
+    """W8A8 with one activation scale per `block_k` slice of K (`absmax / 448`, as quantize_rows per
+    row): each slice's FP8 product exact in float64, times both scales, summed over the slices."""
+    total = torch.zeros(a.shape[0], weight.shape[0], dtype=torch.float64)
+    for lo in range(0, a.shape[1], block_k):
+        part = a[:, lo:lo + block_k].float()
+        a_scale = part.abs().amax(1, keepdim=True).clamp_min(1e-12) / 448.0
+        aq = (part / a_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        total += (aq.double() @ weight[:, lo:lo + block_k].double().T) * a_scale.double()
+    return total * scale.double()
+
+
+@pytest.mark.parametrize("block_k,prologue", [(256, "none"), (32, "none"), (32, "silu_and_mul")],
+                         ids=["one-slice", "three-slices", "three-slices-swiglu"])
+def test_w8a8_slice_quantizes_each_slice_of_x_and_sums_fp8_products(block_k, prologue):
+    """`A8` (the W8A8 one-row form for the FP8 tensor cores): x's slice quantized to e4m3fn by its own
+    absmax, the product of FP8 values exact in fp32, both scales applied once: the float64 reference
+    rounded once (the split-K partials in split order)."""
+    from hal.common.kv_quant import quantize
+    from hal.kernels.launch import run_launch
+
+    config = KernelConfig(1, 16, 4, 1, block_k=block_k)
+    weight, scale = quantize(torch.randn(40, 96) * 0.05, torch.float8_e4m3fn)
+    swiglu = prologue == "silu_and_mul"
+    x = torch.randn(1, 192 if swiglu else 96).bfloat16()
+    a = silu_and_mul_ref(x) if swiglu else x
+    splits = gemv_slice.num_splits(96, config)
+    out = torch.empty(1, 40, dtype=torch.bfloat16)
+    run_launch(gemv_slice.slice_gemv_launch(
+        x, weight, out, config, "interpreter", prologue=gemv.SILU_AND_MUL if swiglu else gemv.NONE,
+        workspace=torch.empty(splits * 40), counters=torch.zeros(4, dtype=torch.int32), weight_scale=scale,
+        a8=True))
+    ref = _a8_reference(a, weight, scale, block_k)
+    err = (out.double() - ref).abs()
+    assert (err <= ref.abs() * 2 ** -8 + 1e-6).all(), f"error {err.max().item():.3g}"
+    w8a16 = a.double() @ (weight.double() * scale.double()[:, None]).T
+    assert (out.double() - w8a16).abs().max() > 0           # x was quantized: not the W8A16 product
+    with pytest.raises(ValueError, match="block_n >= 16"):
+        gemv_slice.slice_gemv_launch(x, weight, out, KernelConfig(1, 8, 4, 1, block_k=block_k), "interpreter",
+                                     weight_scale=scale, a8=True)
+
+
+def test_w8a8_entry_routes_one_row_e4m3fn_products(monkeypatch):
+    """A table with `gemv_slice_w8a8` runs one-row e4m3fn products (plain and SwiGLU + residual) as
+    W8A8 on the slice kernel; e4m3fnuz weights and more rows keep W8A16."""
+    from hal.common.kv_quant import quantize
+
+    a8 = KernelConfig(1, 16, 4, 1, block_k=32, split_k=4)
+    ops = gemv_ops.Gemv({**configs_for("default"), gemv_ops.SLICE_KEY: SLICE, gemv_ops.A8_KEY: a8}, 16)
+    seen = []
+    real = gemv_ops.slice_gemv_launch
+    monkeypatch.setattr(gemv_ops, "slice_gemv_launch", lambda *a, **kw: seen.append(kw.get("a8", False))
+                        or real(*a, **kw))
+    weight, scale = quantize(torch.randn(40, 96) * 0.05, torch.float8_e4m3fn)
+    x, gate_up, residual = torch.randn(1, 96).bfloat16(), torch.randn(1, 192).bfloat16(), torch.randn(1, 40).bfloat16()
+    ref = _a8_reference(x, weight, scale, 32)
+    assert ((ops.fp8_linear(x, weight, scale).double() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-6).all()
+    y = ops.silu_mul_fp8_linear(gate_up, weight, scale, residual)
+    ref = residual.double() + _a8_reference(silu_and_mul_ref(gate_up), weight, scale, 32).bfloat16().double()
+    assert ((y.double() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-6).all()
+    assert seen == [True, True]
+    fnuz, fnuz_scale = quantize(torch.randn(40, 96) * 0.05, torch.float8_e4m3fnuz)
+    _assert_product(ops.fp8_linear(x, fnuz, fnuz_scale), x.float(), fnuz.float() * fnuz_scale[:, None], "fnuz")
+    assert seen[2:] == [False]
