@@ -73,10 +73,10 @@ def gemv_launcher(pdl: bool, config=None, preload: bool = False, rows: int = 1):
     return launch
 
 
-def slice_gemv_launcher(pdl: bool, config, scales: dict | None = None, a8: bool = False):
+def slice_gemv_launcher(pdl: bool, config, scales: dict | None = None, a8: bool = False, tc: bool = False):
     """hal/kernels/gemv_slice.py (what the sm_90 table runs at one row) into the chain's buffers;
     `scales` (N -> float32 [N]): FP8 weights with a scale per output row; `a8`: x quantized too (W8A8
-    on the tensor cores, lever 118)."""
+    on the tensor cores, lever 118); `tc`: 16-bit weights on the tensor cores (lever 119)."""
     from hal.kernels.gemv_slice import slice_gemv_launch
     from hal.kernels.launch import run_launch
 
@@ -86,7 +86,8 @@ def slice_gemv_launcher(pdl: bool, config, scales: dict | None = None, a8: bool 
     def launch(x, w, out):
         os.environ[ENV] = "1" if pdl else "0"
         run_launch(slice_gemv_launch(x, w, out, config, "cuda", workspace=workspace, counters=counters,
-                                     weight_scale=scales[w.shape[0]] if scales is not None else None, a8=a8))
+                                     weight_scale=scales[w.shape[0]] if scales is not None else None, a8=a8,
+                                     tensor_cores=tc))
     return launch
 
 
@@ -104,6 +105,11 @@ FP8_RING_CONFIGS = ((1, 16, 256, 4, 4, 8, True), (1, 16, 256, 4, 4, 8, False), (
 # lever 118: W8A8 one-row slices on the FP8 tensor cores (wgmma needs 64 rows a warpgroup): block_n, block_k, warps
 W8A8_SLICE_CONFIGS = ((64, 512, 4), (64, 1024, 4), (64, 256, 4), (128, 256, 4), (128, 512, 8), (64, 2048, 4),
                       (64, 512, 8), (128, 128, 4))
+
+
+# lever 119: 16-bit one-row slices on the tensor cores, staged in shared memory before the wait
+TC_SLICE_CONFIGS = ((64, 512, 4), (64, 256, 4), (128, 256, 4), (64, 1024, 4), (128, 512, 8), (64, 512, 8),
+                    (128, 128, 4))
 
 
 def ring_launcher(config, scales: dict | None = None, bits: bool = True):
@@ -232,6 +238,10 @@ def main() -> int:
         for pdl in (False, True):
             variants.append((f"gemv_slice bn{bn} bk{bk} w{warps}{' pdl' if pdl else ''}",
                              slice_gemv_launcher(pdl, KernelConfig(1, bn, warps, 1, block_k=bk))))
+    if bf16_rows == 1:
+        variants += [(f"tc slice bn{bn} bk{bk} w{warps} pdl",
+                      slice_gemv_launcher(True, KernelConfig(1, bn, warps, 1, block_k=bk), tc=True))
+                     for bn, bk, warps in TC_SLICE_CONFIGS]
     if args.ring and bf16_rows == 1:
         variants += [(f"ring {c[:4]} s{c[4]} w{c[5]} pdl", ring_launcher(c)) for c in RING_CONFIGS]
     if not args.quick and bf16_rows == 1:   # the K-looping kernel, in its table config and with one tile per split

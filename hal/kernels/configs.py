@@ -53,6 +53,8 @@ callers; nothing else chooses tiles. Keys of a table are kernel names:
   gemv_slice_w8a8     (optional, no table has it: LOOPSTACK_KERNEL_CONFIGS adds it) one-row e4m3fn products
                       as W8A8 on the slice kernel: x quantized per block_k slice, wgmma on the FP8 tensor
                       cores (block_n >= 64 for wgmma; K in up to split_k slices; lever 118)
+  gemv_slice_tc       (optional, likewise) the one-row 16-bit products gemv_slice takes, on the tensor
+                      cores: the slice staged in shared memory before the PDL wait (lever 119)
 
 AMD-only keys (`waves_per_eu`, `matrix_instr_nonkdim`, `kpack`) are passed to a launch only when
 it targets an AMD GPU (see `hal.kernels.launch`). On AMD `num_stages` 2 enables the stream
@@ -74,7 +76,7 @@ KERNEL_NAMES = ("attention_prefill", "attention_decode", "attention_prefill_fp32
                 "attention_decode_tma_fp8",
                 "attention_reduce", "kv_write",
                 "rms_norm", "norm_add_norm", "rotary", "silu_and_mul", "fp8_linear", "gemv_m1", "gemv",
-                "gemv_slice", "gemv_slice_w8a8", "gemv_wide")
+                "gemv_slice", "gemv_slice_w8a8", "gemv_slice_tc", "gemv_wide")
 # a table without the attention_row_* keys routes every decode batch to the unified kernel
 # (hal/kernels/attend.py); one without norm_add_norm launches it with the rms_norm entry; one without
 # gemv_wide leaves decode batches above gemv_ops.MAX_ROWS rows to the vendor's GEMM
@@ -83,7 +85,7 @@ OPTIONAL_KERNEL_NAMES = ("attention_row_decode", "attention_row_decode_fp8", "at
                          "attention_row_decode_split_few_fp8", "attention_row_decode_dense",
                          "attention_row_decode_dense_fp8", "attention_decode_tma", "attention_decode_tma_fp8",
                          "norm_add_norm",
-                         "gemv_slice", "gemv_slice_w8a8", "gemv_wide")
+                         "gemv_slice", "gemv_slice_w8a8", "gemv_slice_tc", "gemv_wide")
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ NORM_PROLOGUE_MAX_ROWS = 1
 SANDWICH_PROLOGUE_MAX_ROWS = 1
 SLICE_KEY = "gemv_slice"         # a table with this entry runs one-row projections on hal/kernels/gemv_slice.py
 A8_KEY = "gemv_slice_w8a8"       # with it, one-row e4m3fn products run W8A8 on the slice kernel (lever 118)
+TC_KEY = "gemv_slice_tc"         # with it, one-row 16-bit slice products run on the tensor cores (lever 119)
 WIDE_KEY = "gemv_wide"           # a table with this entry runs MAX_ROWS+1..MAX_DOT_ROWS rows on the tl.dot path
 COUNTER_SLOTS = 1 << 16          # column blocks a split-K launch may have (N / BLOCK_N)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -134,6 +135,12 @@ class Gemv:
             return None
         return config if num_splits(weight.shape[1], config) <= config.split_k else None
 
+    def _tensor_cores(self, weight: torch.Tensor) -> KernelConfig | None:
+        """The `TC_KEY` config for a one-row 16-bit product the slice kernel takes, or None: the slice
+        staged in shared memory before the PDL wait, the product on the tensor cores (lever 119)."""
+        config = self.configs.get(TC_KEY)
+        return config if config is not None and num_splits(weight.shape[1], config) <= config.split_k else None
+
     def _run(self, x2: torch.Tensor, weight: torch.Tensor, prologue: int, **kw) -> torch.Tensor:
         check_device(x2)
         rows, n = x2.shape[0], weight.shape[0]
@@ -143,6 +150,9 @@ class Gemv:
         a8 = self._a8(weight) if rows == 1 and fp8 else None
         if a8 is not None:
             slice_config, kw["a8"] = a8, True
+        tc = self._tensor_cores(weight) if slice_config is not None and not fp8 else None
+        if tc is not None:
+            slice_config, kw["tensor_cores"] = tc, True
         if slice_config is not None:                        # one row: the whole-slice kernel (PDL)
             splits = num_splits(weight.shape[1], slice_config)
             if splits > 1:

@@ -37,7 +37,8 @@ def _slice_gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, 
                        PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
                        KS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                        STATS_BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, W_SCALED: tl.constexpr,
-                       PDL: tl.constexpr = False, A8: tl.constexpr = False):
+                       PDL: tl.constexpr = False, A8: tl.constexpr = False,
+                       TC: tl.constexpr = False):
     """out `[1, N]` = prologue(x) `[1, K]` @ w `[N, K]`.T (+ out_res). Grid `(cdiv(N, BLOCK_N), SPLIT_K)`;
     split-K partials go to part `[SPLIT_K, N]` fp32."""
     DT = out_ptr.dtype.element_ty
@@ -67,6 +68,8 @@ def _slice_gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, 
                     inv_src, inv_stream, tl.where(pid_n == 0, 1, 0), 0, 0, 0, PROLOGUE, DT)   # [1, KS]
     if A8:      # W8A8: the slice of x quantized like the weight, the product on the FP8 tensor cores
         acc = _a8_product(w, a, KS)
+    elif TC:    # 16-bit weights on the tensor cores: the slice staged in shared memory before the wait
+        acc = _column_product(w, a.to(w.dtype), KS)
     else:
         acc = tl.sum(w.to(tl.float32) * a.to(tl.float32), 1)[None, :]                 # [1, BLOCK_N]
     _finish(acc, out_ptr, out_res_ptr, part_ptr, count_ptr, w_scale, rows, cols, row_mask, col_mask, 1, N,
@@ -82,9 +85,16 @@ def _a8_product(w, a, KS: tl.constexpr):
     a32 = a.to(tl.float32)
     a_scale = tl.maximum(tl.max(tl.abs(a32), 1), 1e-12) / E4M3_MAX                      # [1]
     aq = tl.clamp(a32 / a_scale[:, None], -E4M3_MAX, E4M3_MAX).to(w.dtype)             # [1, KS]
+    return _column_product(w, aq, KS) * a_scale[:, None]                                 # [1, BLOCK_N]
+
+
+@triton.jit
+def _column_product(w, a, KS: tl.constexpr):
+    """`a [1, KS] @ w [BLOCK_N, KS]^T` as `[1, BLOCK_N]` fp32 on the tensor cores (a and w of one dtype):
+    a becomes column 0 of a `[KS, 16]` operand, the least width tl.dot takes, the other columns zeros."""
     col = tl.arange(0, 16)[None, :]
-    b = tl.where(col == 0, tl.trans(aq), tl.zeros([KS, 16], w.dtype))                   # [KS, 16]
-    return tl.trans(tl.sum(tl.dot(w, b), 1)[:, None]) * a_scale[:, None]                 # [1, BLOCK_N]
+    b = tl.where(col == 0, tl.trans(a), tl.zeros([KS, 16], w.dtype))                    # [KS, 16]
+    return tl.trans(tl.sum(tl.dot(w, b), 1)[:, None])                                     # [1, BLOCK_N]
 
 
 def num_splits(k: int, config: KernelConfig) -> int:
@@ -98,7 +108,7 @@ def slice_gemv_launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, 
                       res_norm_weight: torch.Tensor | None = None, stream_out: torch.Tensor | None = None,
                       out_residual: torch.Tensor | None = None, workspace: torch.Tensor | None = None,
                       counters: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
-                      a8: bool = False) -> Launch:
+                      a8: bool = False, tensor_cores: bool = False) -> Launch:
     """The launch of `out [1, N] = prologue(x) @ weight.T (+ out_residual)`; x `[1, K]` (`[1, 2K]` for
     SILU_AND_MUL), weight `[N, K]` with unit stride along K, all vectors contiguous. `config.block_n`
     columns and `config.block_k` (a power of two) of K per program; K > block_k needs `workspace`
@@ -113,6 +123,9 @@ def slice_gemv_launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, 
     if a8 and (weight.dtype != torch.float8_e4m3fn or weight_scale is None or config.block_n < 16):
         raise ValueError("the W8A8 slice gemv takes e4m3fn weights with their scales and block_n >= 16, got "
                          f"{weight.dtype}, block_n {config.block_n}")
+    if tensor_cores and (config.block_n < 16 or weight.dtype != x.dtype):
+        raise ValueError("the slice gemv on the tensor cores takes a weight of x's dtype and block_n >= 16, got "
+                         f"{weight.dtype}, block_n {config.block_n}")
     if split > 1 and (workspace is None or counters is None):
         raise ValueError("a split-K slice gemv needs a workspace and counters")
     return Launch(_slice_gemv_kernel, (-(-n // config.block_n), split), (
@@ -125,4 +138,4 @@ def slice_gemv_launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, 
         PROLOGUE=prologue, ADD_RESIDUAL=out_residual is not None, BLOCK_N=config.block_n, KS=config.block_k,
         SPLIT_K=split, EVEN_K=k % config.block_k == 0, EVEN_N=n % config.block_n == 0,
         STATS_BLOCK=min(next_pow2(k), gemv.STATS_ELEMENTS), ONE_PASS=next_pow2(k) <= gemv.STATS_ELEMENTS,
-        W_SCALED=weight_scale is not None, A8=a8, **launch_options(config, target)))
+        W_SCALED=weight_scale is not None, A8=a8, TC=tensor_cores, **launch_options(config, target)))

@@ -627,3 +627,42 @@ def test_w8a8_entry_routes_one_row_e4m3fn_products(monkeypatch):
     fnuz, fnuz_scale = quantize(torch.randn(40, 96) * 0.05, torch.float8_e4m3fnuz)
     _assert_product(ops.fp8_linear(x, fnuz, fnuz_scale), x.float(), fnuz.float() * fnuz_scale[:, None], "fnuz")
     assert seen[2:] == [False]
+
+
+@pytest.mark.parametrize("block_k", [256, 32], ids=["one-slice", "three-slices"])
+def test_tensor_core_slice_rounds_the_product_once(block_k):
+    """`TC` (16-bit weights on the tensor cores, x as column 0 of the dot's second operand): the exact
+    products summed in fp32, rounded once (with and without split-K); fp8 weights are refused."""
+    from hal.kernels.launch import run_launch
+
+    config = KernelConfig(1, 16, 4, 1, block_k=block_k)
+    weight, x = (torch.randn(40, 96) / 8).bfloat16(), torch.randn(1, 96).bfloat16()
+    splits = gemv_slice.num_splits(96, config)
+    out = torch.empty(1, 40, dtype=torch.bfloat16)
+    run_launch(gemv_slice.slice_gemv_launch(x, weight, out, config, "interpreter", workspace=torch.empty(splits * 40),
+                                            counters=torch.zeros(4, dtype=torch.int32), tensor_cores=True))
+    _assert_product(out, x.float(), weight.float(), f"{splits} slices")
+    with pytest.raises(ValueError, match="weight of x's dtype"):
+        gemv_slice.slice_gemv_launch(x, weight.to(torch.float8_e4m3fn), out, config, "interpreter",
+                                     weight_scale=torch.ones(40), tensor_cores=True)
+
+
+def test_tensor_core_entry_takes_the_slice_kernels_16_bit_products(monkeypatch):
+    """A table with `gemv_slice_tc` runs the one-row 16-bit products the slice kernel takes (plain, and
+    SwiGLU with the residual add) on the tensor cores; FP8 weights keep their W8A16 slice."""
+    from hal.common.kv_quant import quantize
+
+    tc = KernelConfig(1, 16, 4, 1, block_k=32, split_k=8)
+    ops = gemv_ops.Gemv({**configs_for("default"), gemv_ops.SLICE_KEY: SLICE, gemv_ops.TC_KEY: tc}, 16, max_rows=1)
+    seen = []
+    real = gemv_ops.slice_gemv_launch
+    monkeypatch.setattr(gemv_ops, "slice_gemv_launch", lambda *a, **kw: seen.append(kw.get("tensor_cores", False))
+                        or real(*a, **kw))
+    weight, x = (torch.randn(40, 96) / 8).bfloat16(), torch.randn(1, 96).bfloat16()
+    _assert_product(ops.linear(x, weight), x.float(), weight.float(), "plain")
+    gate_up, residual = torch.randn(1, 192).bfloat16(), torch.randn(1, 40).bfloat16()
+    _assert_product(ops.silu_mul_linear(gate_up, weight, residual), silu_and_mul_ref(gate_up).float(), weight.float(),
+                    "swiglu", residual)
+    fp8, scale = quantize(torch.randn(40, 96) * 0.05, torch.float8_e4m3fn)
+    _assert_product(ops.fp8_linear(x, fp8, scale), x.float(), fp8.float() * scale[:, None], "fp8")
+    assert seen == [True, True, False]
