@@ -14,6 +14,12 @@ Prologues and the residual epilogue are gemv.py's (`PROLOGUE`, `ADD_RESIDUAL`, t
 functions, so the same rounding). K > KS splits into `cdiv(K, KS)` programs per column block whose
 fp32 partials the last to arrive sums in split order (deterministic, as in gemv.py). FP8 weights
 (`W_SCALED`) widen in registers; the per-column scale multiplies the sum.
+
+Two tensor-core forms (experiments, used only where a table names them, docs/performance.md levers
+118-119): `A8` quantizes the program's slice of x to e4m3 by the slice's absmax and multiplies the FP8
+slice as it is (W8A8, wgmma on e4m3); `TC` multiplies a 16-bit slice on the tensor cores. In both, x is
+column 0 of the dot's `[KS, 16]` second operand, and the compiler stores the slice to shared memory as
+soon as it arrives, before the wait, instead of holding it in registers.
 """
 from __future__ import annotations
 
