@@ -1,0 +1,43 @@
+"""The one-row slice kernel's tensor-core forms (hal/kernels/gemv_slice.py `A8`, `TC`; docs/performance.md
+levers 118-119) compile for sm_90 on the CPU: wgmma on e4m3 / bf16 operands, no spills, shared memory
+within an SM's, and every store of the weight slice to shared memory ahead of the PDL wait (the point of
+the form: the slice lands while the kernel before still runs). Level: compiles for sm_90."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import xcompile
+from hal.kernels import gemv, gemv_slice
+from hal.kernels.configs import KernelConfig
+
+CONFIGS = [KernelConfig(1, 64, 4, 1, block_k=512), KernelConfig(1, 128, 4, 1, block_k=256)]
+
+
+def _compile(n: int, k: int, config: KernelConfig, fp8: bool, swiglu: bool):
+    x = torch.empty(1, 2 * k if swiglu else k, dtype=torch.bfloat16)
+    out = torch.empty(1, n, dtype=x.dtype)
+    launch = gemv_slice.slice_gemv_launch(
+        x, torch.empty(n, k, dtype=torch.float8_e4m3fn if fp8 else x.dtype), out, config, "cuda",
+        prologue=gemv.SILU_AND_MUL if swiglu else gemv.NONE, out_residual=torch.empty_like(out) if swiglu else None,
+        workspace=torch.empty(1), counters=torch.empty(1, dtype=torch.int32),
+        weight_scale=torch.empty(n) if fp8 else None, a8=fp8, tensor_cores=not fp8)
+    return xcompile.compile_launch(launch._replace(kwargs={**launch.kwargs, "PDL": True}), xcompile.TARGETS["sm_90"])
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["w8a8", "bf16"])
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"n{c.block_n}k{c.block_k}")
+@pytest.mark.parametrize("n,k", [(6144, 2048), (2048, 5632)], ids=["qkv", "down-swiglu"])
+def test_tensor_core_slices_compile_for_sm_90_with_the_slice_stored_before_the_wait(n, k, config, fp8):
+    kernel = _compile(n, k, config, fp8, swiglu=k == 5632)
+    res = xcompile._nvidia_resources(kernel.asm["cubin"])
+    assert res.get("LOCAL", 0) == 0 and res.get("STACK", 0) == 0, res
+    assert kernel.metadata.shared <= xcompile.TARGETS["sm_90"].shared_limit, kernel.metadata.shared
+    lines = kernel.asm["ptx"].splitlines()
+    operands = "e4m3.e4m3" if fp8 else "bf16.bf16"
+    assert any("wgmma.mma_async" in line and operands in line for line in lines), operands
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    slice_stores = [i for i, line in enumerate(lines) if "st.shared.v4.b32" in line]
+    slice_bytes = config.block_n * config.block_k * (1 if fp8 else 2)
+    assert len(slice_stores) * 16 * 32 * config.num_warps >= slice_bytes        # 16-byte stores cover the slice
+    assert max(slice_stores) < wait
