@@ -269,12 +269,11 @@ def main() -> int:
                "floor_ratio": round(floor_us / per_layer, 3), "max_diff_vs_no_pdl": diff,
                "rel_diff_vs_cublas": rel}
         rows.append(row)
+        if args.out:        # row by row: a run cut short by its time limit keeps what it measured
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
         print(f"{name:34s} {per_layer:7.2f} us/layer  {row['tb_s']:.2f} TB/s  {row['floor_ratio']:.2f} of floor  "
               f"diff {diff:.3g}  rel-to-cublas {rel:.2g}", flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
     return 0
 
 
