@@ -233,15 +233,15 @@ def main() -> int:
     bf16_rows = 0 if args.fp8 else args.rows        # the bf16 variants below: none with --fp8
     if bf16_rows > 1:
         variants += rows_variants(args.rows)
+    if bf16_rows == 1:      # ahead of the slice sweep, so that a run cut short keeps them
+        variants += [(f"tc slice bn{bn} bk{bk} w{warps} pdl",
+                      slice_gemv_launcher(True, KernelConfig(1, bn, warps, 1, block_k=bk), tc=True))
+                     for bn, bk, warps in TC_SLICE_CONFIGS]
     for bn, bk, warps in () if bf16_rows != 1 else ((4, 2048, 4), (2, 2048, 2), (4, 2048, 2), (8, 2048, 4), (8, 2048, 8), (4, 4096, 4),
                           (4, 4096, 8), (2, 4096, 4), (16, 1024, 4), (8, 1024, 2)):
         for pdl in (False, True):
             variants.append((f"gemv_slice bn{bn} bk{bk} w{warps}{' pdl' if pdl else ''}",
                              slice_gemv_launcher(pdl, KernelConfig(1, bn, warps, 1, block_k=bk))))
-    if bf16_rows == 1:
-        variants += [(f"tc slice bn{bn} bk{bk} w{warps} pdl",
-                      slice_gemv_launcher(True, KernelConfig(1, bn, warps, 1, block_k=bk), tc=True))
-                     for bn, bk, warps in TC_SLICE_CONFIGS]
     if args.ring and bf16_rows == 1:
         variants += [(f"ring {c[:4]} s{c[4]} w{c[5]} pdl", ring_launcher(c)) for c in RING_CONFIGS]
     if not args.quick and bf16_rows == 1:   # the K-looping kernel, in its table config and with one tile per split
