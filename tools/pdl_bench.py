@@ -205,7 +205,7 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=1, help="rows of x: above 1, cuBLAS against gemv.py's tl.dot path")
     p.add_argument("--ring", action="store_true", help="also the TMA ring's configs (hal/cuda/ring_gemv.py, sm_90)")
     p.add_argument("--fp8", action="store_true", help="E4M3 weights (scale per row): the FP8 slice kernel (the "
-                   "engine's) against the ring's FP8 configs")
+                   "engine's) against W8A8 slice configs (lever 118), and with --ring the ring's FP8 configs")
     p.add_argument("--shape", default=None, help="one projection repeated (each reads the same x) instead of the chain")
     args = p.parse_args()
     torch.manual_seed(0)

@@ -22,7 +22,7 @@ after the PDL wait sits on the step's critical path. So the table names those tw
 Ouro-1.4B's shapes led the slice kernel in a chain of products but lost in the step (lever 115).
 
 E4M3 weights with a float32 scale per row (W8A16, lever 116) run on the same ring for tools only
-(`ring_linear(..., scale=)`, tools/pdl_bench.py --fp8): widened by the conversion instructions or by
+(`ring_linear(..., scale=)`, tools/pdl_bench.py --fp8 --ring): widened by the conversion instructions or by
 moving bits (`BITS`: a byte's sign, exponent and mantissa shifted into a float32 are its value times
 2^-120, exact; 2^120 joins the row's scale), the ring took 33.6-52.0 us a layer of Ouro-1.4B's chain
 where the FP8 slice kernel takes 23.8 (H100), so the engine keeps the slice kernel for FP8 weights.
