@@ -128,6 +128,7 @@ def test_w8a8_slice_matches_its_reference_at_ouro_shapes(block_n, block_k, warps
     from hal.kernels.configs import KernelConfig
     from hal.kernels.gemv_slice import num_splits, slice_gemv_launch
     from hal.kernels.launch import run_launch
+    from kernel_reference import silu_and_mul_ref, w8a8_slices_ref
 
     dev = gpu.device()
     config = KernelConfig(1, block_n, warps, 1, block_k=block_k)
@@ -135,20 +136,14 @@ def test_w8a8_slice_matches_its_reference_at_ouro_shapes(block_n, block_k, warps
         swiglu = k == 5632
         weight, scale = quantize(torch.randn(n, k, device=dev) * 0.02, torch.float8_e4m3fn)
         x = torch.randn(1, 2 * k if swiglu else k, device=dev, dtype=torch.bfloat16)
-        a = (torch.nn.functional.silu(x[:, :k].float()) * x[:, k:].float()).bfloat16() if swiglu else x
+        a = silu_and_mul_ref(x) if swiglu else x
         splits = num_splits(k, config)
         out = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
         run_launch(slice_gemv_launch(x, weight, out, config, "cuda", prologue=gemv.SILU_AND_MUL if swiglu else gemv.NONE,
                                      workspace=torch.empty(splits * n, device=dev),
                                      counters=torch.zeros(n, dtype=torch.int32, device=dev), weight_scale=scale,
                                      a8=True))
-        ref = torch.zeros(1, n, dtype=torch.float64, device=dev)
-        for lo in range(0, k, block_k):
-            part = a[:, lo:lo + block_k].float()
-            a_scale = part.abs().amax(1, keepdim=True).clamp_min(1e-12) / 448.0
-            aq = (part / a_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-            ref += (aq.double() @ weight[:, lo:lo + block_k].double().T) * a_scale.double()
-        ref *= scale.double()
+        ref = w8a8_slices_ref(a, weight, scale, block_k)
         rel = ((out.double() - ref).norm() / ref.norm()).item()
         print(f"w8a8 {n}x{k} bn{block_n} bk{block_k} w{warps}: rel {rel:.2e}")
         assert rel < 5e-3                  # the bf16 rounding of out (and of the SwiGLU input)

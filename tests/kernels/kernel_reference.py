@@ -51,3 +51,16 @@ def write_kv_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
     flat[0][slot_mapping[keep]] = k[keep].to(flat.dtype)
     flat[1][slot_mapping[keep]] = v[keep].to(flat.dtype)
+
+
+def w8a8_slices_ref(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int) -> torch.Tensor:
+    """The W8A8 one-row slice product (hal/kernels/gemv_slice.py `A8`) in float64: one activation scale
+    per `block_k` slice of K (`absmax / 448`, as `quantize_rows` per row), each slice's product of FP8
+    values exact, times both scales, summed over the slices. a `[M, K]`, e4m3fn weight `[N, K]`, scale `[N]`."""
+    total = torch.zeros(a.shape[0], weight.shape[0], dtype=torch.float64, device=a.device)
+    for lo in range(0, a.shape[1], block_k):
+        part = a[:, lo:lo + block_k].float()
+        a_scale = part.abs().amax(1, keepdim=True).clamp_min(1e-12) / 448.0
+        aq = (part / a_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        total += (aq.double() @ weight[:, lo:lo + block_k].double().T) * a_scale.double()
+    return total * scale.double()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_reference import rms_norm_ref, silu_and_mul_ref
+from kernel_reference import rms_norm_ref, silu_and_mul_ref, w8a8_slices_ref
 
 from hal.kernels import gemv, gemv_ops, gemv_slice
 from hal.kernels.configs import KernelConfig, all_configs, configs_for
@@ -563,18 +563,6 @@ def test_unfused_products_run_through_the_injected_gemm():
     assert calls == [((4, 64), (32, 64)), ((4, 64), (32, 64)), ((4, 32), (64, 32)), ((4, 64), (32, 64))]
 
 
-def _a8_reference(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int) -> torch.Tensor:
-    """W8A8 with one activation scale per `block_k` slice of K (`absmax / 448`, as quantize_rows per
-    row): each slice's FP8 product exact in float64, times both scales, summed over the slices."""
-    total = torch.zeros(a.shape[0], weight.shape[0], dtype=torch.float64)
-    for lo in range(0, a.shape[1], block_k):
-        part = a[:, lo:lo + block_k].float()
-        a_scale = part.abs().amax(1, keepdim=True).clamp_min(1e-12) / 448.0
-        aq = (part / a_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-        total += (aq.double() @ weight[:, lo:lo + block_k].double().T) * a_scale.double()
-    return total * scale.double()
-
-
 @pytest.mark.parametrize("block_k,prologue", [(256, "none"), (32, "none"), (32, "silu_and_mul")],
                          ids=["one-slice", "three-slices", "three-slices-swiglu"])
 def test_w8a8_slice_quantizes_each_slice_of_x_and_sums_fp8_products(block_k, prologue):
@@ -595,7 +583,7 @@ def test_w8a8_slice_quantizes_each_slice_of_x_and_sums_fp8_products(block_k, pro
         x, weight, out, config, "interpreter", prologue=gemv.SILU_AND_MUL if swiglu else gemv.NONE,
         workspace=torch.empty(splits * 40), counters=torch.zeros(4, dtype=torch.int32), weight_scale=scale,
         a8=True))
-    ref = _a8_reference(a, weight, scale, block_k)
+    ref = w8a8_slices_ref(a, weight, scale, block_k)
     err = (out.double() - ref).abs()
     assert (err <= ref.abs() * 2 ** -8 + 1e-6).all(), f"error {err.max().item():.3g}"
     w8a16 = a.double() @ (weight.double() * scale.double()[:, None]).T
@@ -607,7 +595,7 @@ def test_w8a8_slice_quantizes_each_slice_of_x_and_sums_fp8_products(block_k, pro
 
 def test_w8a8_entry_routes_one_row_e4m3fn_products(monkeypatch):
     """A table with `gemv_slice_w8a8` runs one-row e4m3fn products (plain and SwiGLU + residual) as
-    W8A8 on the slice kernel; e4m3fnuz weights and more rows keep W8A16."""
+    W8A8 on the slice kernel; e4m3fnuz weights keep W8A16."""
     from hal.common.kv_quant import quantize
 
     a8 = KernelConfig(1, 16, 4, 1, block_k=32, split_k=4)
@@ -618,10 +606,10 @@ def test_w8a8_entry_routes_one_row_e4m3fn_products(monkeypatch):
                         or real(*a, **kw))
     weight, scale = quantize(torch.randn(40, 96) * 0.05, torch.float8_e4m3fn)
     x, gate_up, residual = torch.randn(1, 96).bfloat16(), torch.randn(1, 192).bfloat16(), torch.randn(1, 40).bfloat16()
-    ref = _a8_reference(x, weight, scale, 32)
+    ref = w8a8_slices_ref(x, weight, scale, 32)
     assert ((ops.fp8_linear(x, weight, scale).double() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-6).all()
     y = ops.silu_mul_fp8_linear(gate_up, weight, scale, residual)
-    ref = residual.double() + _a8_reference(silu_and_mul_ref(gate_up), weight, scale, 32).bfloat16().double()
+    ref = residual.double() + w8a8_slices_ref(silu_and_mul_ref(gate_up), weight, scale, 32).bfloat16().double()
     assert ((y.double() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-6).all()
     assert seen == [True, True]
     fnuz, fnuz_scale = quantize(torch.randn(40, 96) * 0.05, torch.float8_e4m3fnuz)
