@@ -127,18 +127,11 @@ class Gemv:
         several = prologue == SILU_AND_MUL or fp8
         return config if splits == 1 or (several and splits <= config.split_k) else None
 
-    def _a8(self, weight: torch.Tensor) -> KernelConfig | None:
-        """The W8A8 slice config (`A8_KEY`) for one row against this e4m3fn weight, or None: x quantized
-        per slice and multiplied on the FP8 tensor cores (lever 118; an experiment's opt-in)."""
-        config = self.configs.get(A8_KEY)
-        if config is None or weight.dtype != torch.float8_e4m3fn:
-            return None
-        return config if num_splits(weight.shape[1], config) <= config.split_k else None
-
-    def _tensor_cores(self, weight: torch.Tensor) -> KernelConfig | None:
-        """The `TC_KEY` config for a one-row 16-bit product the slice kernel takes, or None: the slice
-        staged in shared memory before the PDL wait, the product on the tensor cores (lever 119)."""
-        config = self.configs.get(TC_KEY)
+    def _tensor_core_slice(self, key: str, weight: torch.Tensor) -> KernelConfig | None:
+        """The slice config of a tensor-core form (`A8_KEY`: W8A8 for e4m3fn weights, lever 118; `TC_KEY`:
+        16-bit weights, lever 119) for one row against `weight`, or None: the table has no entry, or K
+        needs more than its `split_k` slices."""
+        config = self.configs.get(key)
         return config if config is not None and num_splits(weight.shape[1], config) <= config.split_k else None
 
     def _run(self, x2: torch.Tensor, weight: torch.Tensor, prologue: int, **kw) -> torch.Tensor:
@@ -147,10 +140,10 @@ class Gemv:
         out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
         fp8 = kw.get("weight_scale") is not None
         slice_config = self._slice(weight.shape[1], prologue, fp8) if rows == 1 else None
-        a8 = self._a8(weight) if rows == 1 and fp8 else None
+        a8 = self._tensor_core_slice(A8_KEY, weight) if rows == 1 and weight.dtype == torch.float8_e4m3fn else None
         if a8 is not None:
             slice_config, kw["a8"] = a8, True
-        tc = self._tensor_cores(weight) if slice_config is not None and not fp8 else None
+        tc = self._tensor_core_slice(TC_KEY, weight) if slice_config is not None and not fp8 else None
         if tc is not None:
             slice_config, kw["tensor_cores"] = tc, True
         if slice_config is not None:                        # one row: the whole-slice kernel (PDL)

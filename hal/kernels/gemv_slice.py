@@ -27,14 +27,13 @@ import torch
 import triton
 import triton.language as tl
 
+from hal.common.kv_quant import quant_max
 from hal.kernels import gemv
 from hal.kernels.configs import KernelConfig
 from hal.kernels.gemv import _finish, _weight_scale
 from hal.kernels.gemv_prologue import NONE, _input_tile, _row_stats
 from hal.kernels.launch import Launch, launch_options, next_pow2
 from hal.kernels.pdl import pdl_wait
-
-E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
 
 
 @triton.jit
@@ -44,7 +43,7 @@ def _slice_gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, 
                        KS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                        STATS_BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, W_SCALED: tl.constexpr,
                        PDL: tl.constexpr = False, A8: tl.constexpr = False,
-                       TC: tl.constexpr = False):
+                       TC: tl.constexpr = False, QMAX: tl.constexpr = 0.0):
     """out `[1, N]` = prologue(x) `[1, K]` @ w `[N, K]`.T (+ out_res). Grid `(cdiv(N, BLOCK_N), SPLIT_K)`;
     split-K partials go to part `[SPLIT_K, N]` fp32."""
     DT = out_ptr.dtype.element_ty
@@ -73,7 +72,7 @@ def _slice_gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, 
     a = _input_tile(x_ptr, res_ptr, in_norm_ptr, res_norm_ptr, stream_ptr, rows, row_mask, ks, k_mask, K,
                     inv_src, inv_stream, tl.where(pid_n == 0, 1, 0), 0, 0, 0, PROLOGUE, DT)   # [1, KS]
     if A8:      # W8A8: the slice of x quantized like the weight, the product on the FP8 tensor cores
-        acc = _a8_product(w, a, KS)
+        acc = _a8_product(w, a, KS, QMAX)
     elif TC:    # 16-bit weights on the tensor cores: the slice staged in shared memory before the wait
         acc = _column_product(w, a.to(w.dtype), KS)
     else:
@@ -83,14 +82,13 @@ def _slice_gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, 
 
 
 @triton.jit
-def _a8_product(w, a, KS: tl.constexpr):
+def _a8_product(w, a, KS: tl.constexpr, QMAX: tl.constexpr):
     """`a [1, KS] @ w [BLOCK_N, KS]^T` as `[1, BLOCK_N]` fp32 with a quantized to w's FP8 format by one
-    scale for the slice (`absmax / 448`, as `hal.kernels.fp8_linear.quantize_rows` does per row): x
-    becomes column 0 of a `[KS, 16]` operand (the least width tl.dot takes; the other columns zeros), so
+    scale for the slice (`absmax / QMAX`, as `hal.kernels.fp8_linear.quantize_rows` does per row), so
     no weight is widened on the CUDA cores."""
     a32 = a.to(tl.float32)
-    a_scale = tl.maximum(tl.max(tl.abs(a32), 1), 1e-12) / E4M3_MAX                      # [1]
-    aq = tl.clamp(a32 / a_scale[:, None], -E4M3_MAX, E4M3_MAX).to(w.dtype)             # [1, KS]
+    a_scale = tl.maximum(tl.max(tl.abs(a32), 1), 1e-12) / QMAX                          # [1]
+    aq = tl.clamp(a32 / a_scale[:, None], -QMAX, QMAX).to(w.dtype)                     # [1, KS]
     return _column_product(w, aq, KS) * a_scale[:, None]                                 # [1, BLOCK_N]
 
 
@@ -144,4 +142,5 @@ def slice_gemv_launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, 
         PROLOGUE=prologue, ADD_RESIDUAL=out_residual is not None, BLOCK_N=config.block_n, KS=config.block_k,
         SPLIT_K=split, EVEN_K=k % config.block_k == 0, EVEN_N=n % config.block_n == 0,
         STATS_BLOCK=min(next_pow2(k), gemv.STATS_ELEMENTS), ONE_PASS=next_pow2(k) <= gemv.STATS_ELEMENTS,
-        W_SCALED=weight_scale is not None, A8=a8, TC=tensor_cores, **launch_options(config, target)))
+        W_SCALED=weight_scale is not None, A8=a8, TC=tensor_cores,
+        QMAX=quant_max(weight.dtype) if a8 else 0.0, **launch_options(config, target)))
