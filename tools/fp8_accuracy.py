@@ -13,7 +13,9 @@ the runtime does it; FP8 emulated with torch's float8 dtypes). Per subject and c
   float32's greedy tokens (a divergence usually changes everything after it), `first` the mean index
   of the first differing token (N when none differs).
 W8A8 is the `torch._scaled_mm` path of hal/cuda/fp8.py (activations rounded to e4m3 per row): bf16
-models run the real op (torch has it on the CPU), float32 ones its emulation.
+models run the real op (torch has it on the CPU), float32 ones its emulation. "W8A8 per 512-slice" is
+the sm_90 one-row decode kernel's rounding (one activation scale per 512 values of K; lever 118),
+emulated for every row.
 Subjects: the four golden cases (tiny random models with deliberately sharp weights: a worst case);
 ouro-tiny, the trained model shipped in the package (15.5M since issue 22), on text; Ouro-1.4B's real layer shape
 (hidden 2048, 16 heads x 128, MLP 5632, vocab 49152) with random weights and 2 layers x 4 loops
@@ -60,10 +62,13 @@ CONFIGS = {
     "fp8 KV (e4m3fnuz = MI300)": Config("float32", "fp8_e4m3fnuz", "auto"),
     "fp8 weights W8A16": Config("float32", "auto", "w8a16"),
     "fp8 weights W8A8": Config("float32", "auto", "w8a8"),
+    "fp8 weights W8A8 per 512-slice": Config("float32", "auto", "w8a8s"),
     "fp8 KV + W8A16": Config("float32", "fp8_e4m3fn", "w8a16"),
     "bf16 + fp8 KV + W8A8 (H200 above 8 rows)": Config("bfloat16", "fp8_e4m3fn", "w8a8"),
     "bf16 + fp8 KV + W8A16 (H200 decode of 1-8 rows)": Config("bfloat16", "fp8_e4m3fn", "w8a16"),
+    "bf16 + fp8 KV + W8A8 per 512-slice (sm_90 decode of 1 row)": Config("bfloat16", "fp8_e4m3fn", "w8a8s"),
 }
+SLICE_K = 512       # the sm_90 table's gemv_slice_w8a8 block_k: one activation scale per 512 values of K
 
 
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -72,6 +77,18 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         return scaled_mm_linear(x, weight, scale, bias)
     xq, x_scale = quantize_rows(x)
     y = (xq.float() * x_scale) @ (weight.float() * scale[:, None]).T
+    return (y if bias is None else y + bias).to(x.dtype)
+
+
+def w8a8_slices_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8 as the one-row slice kernel rounds (hal/kernels/gemv_slice.py `A8`): each row's activations
+    in slices of SLICE_K, each slice to e4m3 by its own absmax (every row here, whatever the batch)."""
+    pad = -x.shape[-1] % SLICE_K
+    parts = torch.nn.functional.pad(x.float(), (0, pad)).unflatten(-1, (-1, SLICE_K))   # [..., slices, SLICE_K]
+    xq, x_scale = quantize_rows(parts.flatten(0, -2))
+    xd = (xq.float() * x_scale).view(parts.shape).flatten(-2)[..., :x.shape[-1]]
+    y = xd @ (weight.float() * scale[:, None]).T
     return (y if bias is None else y + bias).to(x.dtype)
 
 
@@ -115,10 +132,15 @@ def subjects(names: list[str]) -> list[Subject]:
 
 
 class W8A8CpuHal(CpuHal):
-    """The CPU Hal whose fp8_linear quantizes activations too (W8A8, as `torch._scaled_mm` does)."""
+    """The CPU Hal whose fp8_linear quantizes activations too (W8A8: per row as `torch._scaled_mm` does,
+    or per slice of K as the sm_90 one-row kernel does)."""
+
+    def __init__(self, linear=w8a8_linear):
+        super().__init__()
+        self.linear = linear
 
     def op(self, name: str):
-        return w8a8_linear if name == "fp8_linear" else super().op(name)
+        return self.linear if name == "fp8_linear" else super().op(name)
 
 
 def run_config(subject: Subject, config: Config, forced: list[list[int]] | None) -> dict[str, Any]:
@@ -127,7 +149,8 @@ def run_config(subject: Subject, config: Config, forced: list[list[int]] | None)
     model = subject.load(config.dtype)
     weights = "auto" if config.weights == "auto" else "fp8"
     # W8A8: the CPU Hal with the activation-quantizing linear as its fp8_linear op (the engine binds it)
-    device_hal = W8A8CpuHal() if config.weights == "w8a8" else hal.get("cpu")
+    device_hal = (W8A8CpuHal() if config.weights == "w8a8" else W8A8CpuHal(w8a8_slices_linear)
+                  if config.weights == "w8a8s" else hal.get("cpu"))
     longest = max(map(len, subject.prompts)) + subject.new_tokens + 1
     engine = LLMEngine(model, device_hal, EngineConfig(
         kv_dtype=config.kv, weights_dtype=weights, max_num_seqs=len(subject.prompts), max_model_len=longest))

@@ -252,8 +252,9 @@ def _gemv(config: KernelConfig, target: str, num_rows: int, n: int, k: int, prol
 
 
 def _gemv_slice(config: KernelConfig, target: str, n: int, k: int, prologue: str, out_residual: bool = False,
-                fp8: torch.dtype | None = None) -> Launch:
-    """A one-row projection of hal/kernels/gemv_slice.py at an Ouro-1.4B shape (split-K for K > block_k)."""
+                fp8: torch.dtype | None = None, a8: bool = False, tensor_cores: bool = False) -> Launch:
+    """A one-row projection of hal/kernels/gemv_slice.py at an Ouro-1.4B shape (split-K for K > block_k);
+    `a8` / `tensor_cores`: its tensor-core forms (W8A8 on `fp8` weights, 16-bit)."""
     from hal.kernels import gemv, gemv_slice
 
     mode = getattr(gemv, prologue.upper())
@@ -267,7 +268,8 @@ def _gemv_slice(config: KernelConfig, target: str, n: int, k: int, prologue: str
         res_norm_weight=torch.empty(k, dtype=x.dtype), stream_out=row if sandwich else None,
         out_residual=torch.empty_like(out) if out_residual else None, workspace=torch.empty(1),
         counters=torch.empty(1, dtype=torch.int32),
-        weight_scale=torch.empty(n, dtype=torch.float32) if fp8 is not None else None)
+        weight_scale=torch.empty(n, dtype=torch.float32) if fp8 is not None else None, a8=a8,
+        tensor_cores=tensor_cores)
 
 
 # one-row whole-slice cases: (name, N, K, prologue, residual epilogue); down splits K
@@ -334,6 +336,13 @@ CASES = {c.name: c for c in (
     *(Case(name, "gemv_slice", False, False, lambda c, t, a=(n, k, pro, res): _gemv_slice(c, t, *a[:3],
                                                                                            out_residual=a[3]))
       for name, n, k, pro, res in GEMV_SLICE_CASES),
+    # the tensor-core forms (levers 118-119; only the sm_90 table has them): wgmma on e4m3 / bf16 slices
+    *(Case(f"{key}/{name.split('/')[1]}", key, True, False,
+           lambda c, t, a=(n, k, pro, res, key): _gemv_slice(
+               c, t, *a[:3], out_residual=a[3], fp8=torch.float8_e4m3fn if a[4] == "gemv_slice_w8a8" else None,
+               a8=a[4] == "gemv_slice_w8a8", tensor_cores=a[4] == "gemv_slice_tc"))
+      for key in ("gemv_slice_w8a8", "gemv_slice_tc")
+      for name, n, k, pro, res in GEMV_SLICE_CASES if pro in ("none", "silu_and_mul")),
 )}
 
 

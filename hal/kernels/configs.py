@@ -50,11 +50,14 @@ callers; nothing else chooses tiles. Keys of a table are kernel names:
                       (a power of two) of K per program; K in one slice, or for the down projection (a
                       SwiGLU prologue) in up to split_k slices; a CUDA table with it runs batch-1
                       projections of those shapes there (hal/kernels/gemv_ops.py), the rest on cuBLAS
-  gemv_slice_w8a8     (optional, no table has it: LOOPSTACK_KERNEL_CONFIGS adds it) one-row e4m3fn products
-                      as W8A8 on the slice kernel: x quantized per block_k slice, wgmma on the FP8 tensor
-                      cores (block_n >= 64 for wgmma; K in up to split_k slices; lever 118)
-  gemv_slice_tc       (optional, likewise) the one-row 16-bit products gemv_slice takes, on the tensor
+  gemv_slice_w8a8     (optional, sm_90) one-row e4m3fn products as W8A8 on the slice kernel: x quantized
+                      per block_k slice, wgmma on the FP8 tensor cores (block_n >= 64 for wgmma; K in up
+                      to split_k slices; lever 118)
+  gemv_slice_tc       (optional, sm_90) the one-row 16-bit products gemv_slice takes, on the tensor
                       cores: the slice staged in shared memory before the PDL wait (lever 119)
+
+`LOOPSTACK_KERNEL_CONFIGS` replaces entries, and removes an optional one given as null
+(`'{"gemv_slice_w8a8": null}'`: the W8A16 slice kernel again, for an A/B on one tree).
 
 AMD-only keys (`waves_per_eu`, `matrix_instr_nonkdim`, `kpack`) are passed to a launch only when
 it targets an AMD GPU (see `hal.kernels.launch`). On AMD `num_stages` 2 enables the stream
@@ -212,6 +215,14 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         # session); Ouro-1.4B batch 1 4.97 ms/step against 5.31 on cuBLAS. Wider K in several slices
         # (Huginn's 5280, Nanbeige's 3072) measured slower than cuBLAS: those stay there
         "gemv_slice": KernelConfig(1, 4, 4, 1, block_k=2048, split_k=3),
+        # one row on the tensor cores (levers 118-119; H100, forty-ninth session, two runs each, alternating):
+        # FP8 weights as W8A8, x quantized per 512-wide slice (e4m3 wgmma): Ouro-1.4B b1 with FP8 weights
+        # + KV 3.580 / 3.585 -> 3.256 / 3.254 ms; 16-bit slices on bf16 wgmma: 5.061 / 5.053 -> 4.974 /
+        # 4.974 ms. The best of the chains' configs (tools/pdl_bench.py --fp8 / --quick) though neither
+        # chain beat the slice kernel alone (25.3 vs 23.9, 44.4 vs 40.1 us a layer): in the step each
+        # program's product after the PDL wait is the shorter
+        "gemv_slice_w8a8": KernelConfig(1, 128, 8, 1, block_k=512, split_k=32),
+        "gemv_slice_tc": KernelConfig(1, 128, 4, 1, block_k=256, split_k=32),
     },
     # A100: mma.sync; 164 KiB shared memory per SM, so two stages for the prefill tiles.
     "sm_80": {
@@ -266,27 +277,35 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
 
 def configs_for(arch: str) -> dict[str, KernelConfig]:
     """The table for `arch` ("sm_90", "sm_80", "gfx942", "gfx950"); any other arch gets "default".
-    `LOOPSTACK_KERNEL_CONFIGS` (JSON, e.g. '{"attention_decode": [16, 32, 4, 3]}') replaces entries:
-    for tuning on a GPU without editing the table (tools/fp8_kernels_bench.py prints candidates)."""
+    `LOOPSTACK_KERNEL_CONFIGS` (JSON, e.g. '{"attention_decode": [16, 32, 4, 3]}') replaces entries, and
+    null removes an optional one: for tuning on a GPU without editing the table
+    (tools/fp8_kernels_bench.py prints candidates)."""
     base = arch.split(":")[0]          # "gfx942:sramecc+:xnack-" -> "gfx942"
-    return {**_TABLES.get(base, _TABLES["default"]), **overrides(os.environ.get("LOOPSTACK_KERNEL_CONFIGS", ""))}
+    table = {**_TABLES.get(base, _TABLES["default"]), **overrides(os.environ.get("LOOPSTACK_KERNEL_CONFIGS", ""))}
+    return {name: config for name, config in table.items() if config is not None}
 
 
-def overrides(text: str) -> dict[str, KernelConfig]:
-    """Table entries from JSON `{"<kernel name>": [block_m, block_n, num_warps, num_stages, ...]}`."""
+def overrides(text: str) -> dict[str, KernelConfig | None]:
+    """Table entries from JSON `{"<kernel name>": [block_m, block_n, num_warps, num_stages, ...]}`; None
+    where an optional kernel is given as null (its entry removed)."""
     if not text.strip():
         return {}
     try:
         entries = json.loads(text)
-        return {_known(name): KernelConfig(*values) for name, values in entries.items()}
+        return {_known(name, values is None): None if values is None else KernelConfig(*values)
+                for name, values in entries.items()}
     except (ValueError, TypeError, AttributeError) as e:
         raise ValueError(f"LOOPSTACK_KERNEL_CONFIGS={text!r}: {e}; expected JSON like "
-                         '\'{"attention_decode": [16, 32, 4, 3]}\' (kernel name -> KernelConfig fields)') from None
+                         """'{"attention_decode": [16, 32, 4, 3]}' (kernel name -> KernelConfig fields, or """
+                         "null to remove an optional entry)") from None
 
 
-def _known(name: str) -> str:
+def _known(name: str, removed: bool = False) -> str:
     if name not in KERNEL_NAMES:
         raise ValueError(f"unknown kernel {name!r}; known: {', '.join(KERNEL_NAMES)}")
+    if removed and name not in OPTIONAL_KERNEL_NAMES:
+        raise ValueError(f"{name!r} cannot be removed (every table needs it); null removes only one of "
+                         f"{', '.join(OPTIONAL_KERNEL_NAMES)}")
     return name
 
 

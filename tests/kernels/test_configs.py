@@ -29,10 +29,21 @@ def test_env_override_replaces_table_entries(monkeypatch):
     assert table["attention_decode"] == KernelConfig(16, 32, 4, 4)
     assert table["attention_prefill"] == all_configs()["sm_90"]["attention_prefill"]
     for bad, fix in (('{"attention_decod": [16, 32, 4, 4]}', "unknown kernel 'attention_decod'"),
-                     ('{"attention_decode": [16]}', "expected JSON like"), ("16,32,4,4", "expected JSON like")):
+                     ('{"attention_decode": [16]}', "expected JSON like"), ("16,32,4,4", "expected JSON like"),
+                     ('{"attention_decode": null}', "cannot be removed")):
         monkeypatch.setenv("LOOPSTACK_KERNEL_CONFIGS", bad)
         with pytest.raises(ValueError, match=fix):
             configs_for("sm_90")
+
+
+def test_env_override_null_removes_an_optional_entry(monkeypatch):
+    """null takes an optional kernel out of the table (an A/B of a table entry on one tree)."""
+    assert "gemv_slice_w8a8" in configs_for("sm_90")
+    monkeypatch.setenv("LOOPSTACK_KERNEL_CONFIGS", '{"gemv_slice_w8a8": null, "gemv_slice_tc": null}')
+    table = configs_for("sm_90")
+    assert "gemv_slice_w8a8" not in table and "gemv_slice_tc" not in table
+    assert table["gemv_slice"] == all_configs()["sm_90"]["gemv_slice"]
+    assert configs_for("gfx942") == all_configs()["gfx942"]          # absent there already: nothing to remove
 
 
 def test_pick_decode_configs_takes_the_least_summed_time():
