@@ -1,7 +1,9 @@
 """Where a decode step's time goes: torch.profiler over a few engine steps of a real-shape model with
 random weights, printing the kernels by total device time.
 
-    python tools/profile_step.py --model ouro-1.4b --batch 1 --context 256 [--graphs 0|1] [--steps 5]
+    python tools/profile_step.py --model ouro-1.4b --batch 1 --context 256 [--graphs 0|1] [--steps 5] [--fp8]
+
+`--fp8`: FP8 weights and KV cache (`engine.weights_dtype=fp8 engine.kv_dtype=fp8`).
 """
 from __future__ import annotations
 
@@ -29,11 +31,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--graphs", type=int, default=1)
     parser.add_argument("--rows", type=int, default=30)
+    parser.add_argument("--fp8", action="store_true", help="FP8 weights and KV cache")
     args = parser.parse_args()
 
     device_hal = hal.get(args.hal)
     model = zoo.from_config(CONFIGS / f"{args.model}.json", dtype="bfloat16", device=device_hal.device(), seed=0)
-    engine = LLMEngine(model, device_hal, EngineConfig(max_num_seqs=args.batch, graphs=bool(args.graphs),
+    fp8 = dict(weights_dtype="fp8", kv_dtype="fp8") if args.fp8 else {}
+    engine = LLMEngine(model, device_hal, EngineConfig(max_num_seqs=args.batch, graphs=bool(args.graphs), **fp8,
                                                        max_model_len=args.context + 64 + args.steps,
                                                        max_num_batched_tokens=8192))
     gen = torch.Generator().manual_seed(0)
