@@ -137,8 +137,8 @@ def dequantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
 # and only options slower than bf16 in some measured cell.
 SLOWER_THAN_BF16 = {
     "sm_90": {
-        "kv": "engine.kv_dtype=fp8 on this GPU (H200, 2026-12-03/04): 1.5-1.64x the bf16 tok/s at 64-128 x 1K "
-              "for multi-head models (Ouro, Huginn), 1.11-1.19x for grouped-query ones (Nanbeige4.2-3B, "
+        "kv": "engine.kv_dtype=fp8 on sm_90 (measured on an H200, 2026-12-03/04): 1.5-1.64x the bf16 tok/s "
+              "at 64-128 x 1K for multi-head models (Ouro, Huginn), 1.11-1.19x for grouped-query ones (Nanbeige4.2-3B, "
               "the TMA decode kernel), 0.99-1.0x at batch 1 with short contexts: for single short "
               "requests leave engine.kv_dtype unset unless the memory is needed",
     },
