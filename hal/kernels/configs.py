@@ -50,11 +50,12 @@ callers; nothing else chooses tiles. Keys of a table are kernel names:
                       (a power of two) of K per program; K in one slice, or for the down projection (a
                       SwiGLU prologue) in up to split_k slices; a CUDA table with it runs batch-1
                       projections of those shapes there (hal/kernels/gemv_ops.py), the rest on cuBLAS
-  gemv_slice_w8a8     (optional, sm_90) one-row e4m3fn products as W8A8 on the slice kernel: x quantized
-                      per block_k slice, wgmma on the FP8 tensor cores (block_n >= 64 for wgmma; K in up
-                      to split_k slices; lever 118)
-  gemv_slice_tc       (optional, sm_90) the one-row 16-bit products gemv_slice takes, on the tensor
-                      cores: the slice staged in shared memory before the PDL wait (lever 119)
+  gemv_slice_w8a8     (optional, sm_90) e4m3fn products of up to block_m rows (1, or up to 16: a decode
+                      batch) as W8A8 on the slice kernel: x quantized per row and block_k slice, wgmma on
+                      the FP8 tensor cores (block_n >= 64 for wgmma; K in up to split_k slices; lever 118)
+  gemv_slice_tc       (optional, sm_90) the 16-bit products gemv_slice takes (K in one slice; SwiGLU's in
+                      up to its split_k), of up to block_m rows, on the tensor cores: the slice staged in
+                      shared memory before the PDL wait (lever 119)
 
 `LOOPSTACK_KERNEL_CONFIGS` replaces entries, and removes an optional one given as null
 (`'{"gemv_slice_w8a8": null}'`: the W8A16 slice kernel again, for an A/B on one tree).

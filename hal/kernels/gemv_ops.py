@@ -25,7 +25,7 @@ from hal.kernels.gemv import (
     gemv_launch,
     plan,
 )
-from hal.kernels.gemv_slice import num_splits, slice_gemv_launch
+from hal.kernels.gemv_slice import MAX_TENSOR_CORE_ROWS, num_splits, slice_gemv_launch
 from hal.kernels.launch import backend_of, check_device, run_launch
 
 MAX_ROWS = 8                     # decode batches the kernels take; more rows go to the GEMM (cuBLAS)
@@ -38,8 +38,8 @@ MAX_ROWS = 8                     # decode batches the kernels take; more rows go
 NORM_PROLOGUE_MAX_ROWS = 1
 SANDWICH_PROLOGUE_MAX_ROWS = 1
 SLICE_KEY = "gemv_slice"         # a table with this entry runs one-row projections on hal/kernels/gemv_slice.py
-A8_KEY = "gemv_slice_w8a8"       # with it, one-row e4m3fn products run W8A8 on the slice kernel (lever 118)
-TC_KEY = "gemv_slice_tc"         # with it, one-row 16-bit slice products run on the tensor cores (lever 119)
+A8_KEY = "gemv_slice_w8a8"       # with it, e4m3fn products of up to block_m rows run W8A8 on the slice kernel
+TC_KEY = "gemv_slice_tc"         # with it, 16-bit slice products of up to block_m rows run on the tensor cores
 WIDE_KEY = "gemv_wide"           # a table with this entry runs MAX_ROWS+1..MAX_DOT_ROWS rows on the tl.dot path
 COUNTER_SLOTS = 1 << 16          # column blocks a split-K launch may have (N / BLOCK_N)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -127,29 +127,33 @@ class Gemv:
         several = prologue == SILU_AND_MUL or fp8
         return config if splits == 1 or (several and splits <= config.split_k) else None
 
-    def _tensor_core_slice(self, key: str, weight: torch.Tensor) -> KernelConfig | None:
+    def _tensor_core_slice(self, key: str, weight: torch.Tensor, rows: int) -> KernelConfig | None:
         """The slice config of a tensor-core form (`A8_KEY`: W8A8 for e4m3fn weights, lever 118; `TC_KEY`:
-        16-bit weights, lever 119) for one row against `weight`, or None: the table has no entry, or K
-        needs more than its `split_k` slices."""
+        16-bit weights, lever 119) for `rows` rows against `weight`, or None: the table has no entry, K
+        needs more than its `split_k` slices, or there are more rows than its `block_m` (1: one row only;
+        up to 16)."""
         config = self.configs.get(key)
-        return config if config is not None and num_splits(weight.shape[1], config) <= config.split_k else None
+        if config is None or rows > min(config.block_m, MAX_TENSOR_CORE_ROWS):
+            return None
+        return config if num_splits(weight.shape[1], config) <= config.split_k else None
 
     def _run(self, x2: torch.Tensor, weight: torch.Tensor, prologue: int, **kw) -> torch.Tensor:
         check_device(x2)
         rows, n = x2.shape[0], weight.shape[0]
         out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
         fp8 = kw.get("weight_scale") is not None
-        slice_config = self._slice(weight.shape[1], prologue, fp8) if rows == 1 else None
-        a8 = self._tensor_core_slice(A8_KEY, weight) if rows == 1 and weight.dtype == torch.float8_e4m3fn else None
+        sliced = self._slice(weight.shape[1], prologue, fp8)             # K as the slice kernel takes it
+        slice_config = sliced if rows == 1 else None
+        a8 = self._tensor_core_slice(A8_KEY, weight, rows) if weight.dtype == torch.float8_e4m3fn else None
         if a8 is not None:
             slice_config, kw["a8"] = a8, True
-        tc = self._tensor_core_slice(TC_KEY, weight) if slice_config is not None and not fp8 else None
+        tc = self._tensor_core_slice(TC_KEY, weight, rows) if sliced is not None and not fp8 else None
         if tc is not None:
             slice_config, kw["tensor_cores"] = tc, True
-        if slice_config is not None:                        # one row: the whole-slice kernel (PDL)
+        if slice_config is not None:       # one row (or a tensor-core form's few): the whole-slice kernel (PDL)
             splits = num_splits(weight.shape[1], slice_config)
             if splits > 1:
-                kw["workspace"] = torch.empty(splits * n, dtype=torch.float32, device=x2.device)
+                kw["workspace"] = torch.empty(splits * rows * n, dtype=torch.float32, device=x2.device)
                 kw["counters"] = _counters(x2.device)
             run_launch(slice_gemv_launch(x2, weight, out, slice_config, backend_of(x2.device), prologue=prologue,
                                          **kw))

@@ -15,11 +15,13 @@ functions, so the same rounding). K > KS splits into `cdiv(K, KS)` programs per 
 fp32 partials the last to arrive sums in split order (deterministic, as in gemv.py). FP8 weights
 (`W_SCALED`) widen in registers; the per-column scale multiplies the sum.
 
-Two tensor-core forms (experiments, used only where a table names them, docs/performance.md levers
-118-119): `A8` quantizes the program's slice of x to e4m3 by the slice's absmax and multiplies the FP8
-slice as it is (W8A8, wgmma on e4m3); `TC` multiplies a 16-bit slice on the tensor cores. In both, x is
-column 0 of the dot's `[KS, 16]` second operand, and the compiler stores the slice to shared memory as
-soon as it arrives, before the wait, instead of holding it in registers.
+Two tensor-core forms (where a table names them: the sm_90 table since lever 120, docs/performance.md
+levers 118-120): `A8` quantizes the program's slice of x to e4m3 by the slice's absmax and multiplies
+the FP8 slice as it is (W8A8, wgmma on e4m3); `TC` multiplies a 16-bit slice on the tensor cores. In
+both, x is column 0 of the dot's `[KS, 16]` second operand, and the compiler stores the slice to shared
+memory as soon as it arrives, before the wait, instead of holding it in registers. The same forms take
+a decode batch of up to 16 rows (each row one column of that operand, each quantized on its own): the
+weight bytes and the dot are the one row's, only x grows.
 """
 from __future__ import annotations
 
@@ -35,17 +37,21 @@ from hal.kernels.gemv_prologue import NONE, _input_tile, _row_stats
 from hal.kernels.launch import Launch, launch_options, next_pow2
 from hal.kernels.pdl import pdl_wait
 
+MAX_TENSOR_CORE_ROWS = 16     # rows the tensor-core forms take: the dot's second operand is [KS, 16]
+
 
 @triton.jit
 def _slice_gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, res_norm_ptr, out_res_ptr,
-                       part_ptr, count_ptr, w_scale_ptr, N, K, eps, stride_wn,
+                       part_ptr, count_ptr, w_scale_ptr, M, N, K, eps, stride_wn, stride_xm, stride_rm, stride_sm,
+                       stride_om, stride_orm,
                        PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
                        KS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                        STATS_BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, W_SCALED: tl.constexpr,
                        PDL: tl.constexpr = False, A8: tl.constexpr = False,
-                       TC: tl.constexpr = False, QMAX: tl.constexpr = 0.0):
-    """out `[1, N]` = prologue(x) `[1, K]` @ w `[N, K]`.T (+ out_res). Grid `(cdiv(N, BLOCK_N), SPLIT_K)`;
-    split-K partials go to part `[SPLIT_K, N]` fp32."""
+                       TC: tl.constexpr = False, QMAX: tl.constexpr = 0.0, BLOCK_M: tl.constexpr = 1):
+    """out `[M, N]` = prologue(x) `[M, K]` @ w `[N, K]`.T (+ out_res); M = 1, or up to BLOCK_M = 16 rows in
+    the tensor-core forms. Grid `(cdiv(N, BLOCK_N), SPLIT_K)`; split-K partials go to part `[SPLIT_K, M, N]`
+    fp32."""
     DT = out_ptr.dtype.element_ty
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -62,43 +68,47 @@ def _slice_gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, 
         w = tl.load(w_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
     w_scale = _weight_scale(w_scale_ptr, cols, col_mask, W_SCALED, BLOCK_N)
     pdl_wait(PDL)             # the slice is in flight; x and the outputs belong to the kernels around
-    rows = tl.arange(0, 1)
-    row_mask = rows < 1
-    inv_src = tl.zeros([1], tl.float32)
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    inv_src = tl.zeros([BLOCK_M], tl.float32)
     inv_stream = inv_src
     if PROLOGUE == 1 or PROLOGUE >= 3:
-        inv_src, inv_stream = _row_stats(x_ptr, res_ptr, res_norm_ptr, rows, row_mask, K, eps, 0, 0,
-                                         PROLOGUE, 1, STATS_BLOCK, ONE_PASS, DT)
+        inv_src, inv_stream = _row_stats(x_ptr, res_ptr, res_norm_ptr, rows, row_mask, K, eps, stride_xm,
+                                         stride_rm, PROLOGUE, BLOCK_M, STATS_BLOCK, ONE_PASS, DT)
     a = _input_tile(x_ptr, res_ptr, in_norm_ptr, res_norm_ptr, stream_ptr, rows, row_mask, ks, k_mask, K,
-                    inv_src, inv_stream, tl.where(pid_n == 0, 1, 0), 0, 0, 0, PROLOGUE, DT)   # [1, KS]
+                    inv_src, inv_stream, tl.where(pid_n == 0, M, 0), stride_xm, stride_rm, stride_sm,
+                    PROLOGUE, DT)                                                            # [BLOCK_M, KS]
     if A8:      # W8A8: the slice of x quantized like the weight, the product on the FP8 tensor cores
-        acc = _a8_product(w, a, KS, QMAX)
+        acc = _a8_product(w, a, KS, QMAX, BLOCK_M)
     elif TC:    # 16-bit weights on the tensor cores: the slice staged in shared memory before the wait
-        acc = _column_product(w, a.to(w.dtype), KS)
+        acc = _column_product(w, a.to(w.dtype), KS, BLOCK_M)
     else:
         acc = tl.sum(w.to(tl.float32) * a.to(tl.float32), 1)[None, :]                 # [1, BLOCK_N]
-    _finish(acc, out_ptr, out_res_ptr, part_ptr, count_ptr, w_scale, rows, cols, row_mask, col_mask, 1, N,
-            pid_n, pid_k, 0, 0, ADD_RESIDUAL, SPLIT_K, W_SCALED, 1, BLOCK_N, DT)
+    _finish(acc, out_ptr, out_res_ptr, part_ptr, count_ptr, w_scale, rows, cols, row_mask, col_mask, M, N,
+            pid_n, pid_k, stride_om, stride_orm, ADD_RESIDUAL, SPLIT_K, W_SCALED, BLOCK_M, BLOCK_N, DT)
 
 
 @triton.jit
-def _a8_product(w, a, KS: tl.constexpr, QMAX: tl.constexpr):
-    """`a [1, KS] @ w [BLOCK_N, KS]^T` as `[1, BLOCK_N]` fp32 with a quantized to w's FP8 format by one
-    scale for the slice (`absmax / QMAX`, as `hal.kernels.fp8_linear.quantize_rows` does per row), so
-    no weight is widened on the CUDA cores."""
+def _a8_product(w, a, KS: tl.constexpr, QMAX: tl.constexpr, BLOCK_M: tl.constexpr):
+    """`a [BLOCK_M, KS] @ w [BLOCK_N, KS]^T` as `[BLOCK_M, BLOCK_N]` fp32 with each row of a quantized to
+    w's FP8 format by one scale for the slice (`absmax / QMAX`, as `hal.kernels.fp8_linear.quantize_rows`
+    does per row), so no weight is widened on the CUDA cores."""
     a32 = a.to(tl.float32)
-    a_scale = tl.maximum(tl.max(tl.abs(a32), 1), 1e-12) / QMAX                          # [1]
-    aq = tl.clamp(a32 / a_scale[:, None], -QMAX, QMAX).to(w.dtype)                     # [1, KS]
-    return _column_product(w, aq, KS) * a_scale[:, None]                                 # [1, BLOCK_N]
+    a_scale = tl.maximum(tl.max(tl.abs(a32), 1), 1e-12) / QMAX                          # [BLOCK_M]
+    aq = tl.clamp(a32 / a_scale[:, None], -QMAX, QMAX).to(w.dtype)                     # [BLOCK_M, KS]
+    return _column_product(w, aq, KS, BLOCK_M) * a_scale[:, None]                        # [BLOCK_M, BLOCK_N]
 
 
 @triton.jit
-def _column_product(w, a, KS: tl.constexpr):
-    """`a [1, KS] @ w [BLOCK_N, KS]^T` as `[1, BLOCK_N]` fp32 on the tensor cores (a and w of one dtype):
-    a becomes column 0 of a `[KS, 16]` operand, the least width tl.dot takes, the other columns zeros."""
-    col = tl.arange(0, 16)[None, :]
-    b = tl.where(col == 0, tl.trans(a), tl.zeros([KS, 16], w.dtype))                    # [KS, 16]
-    return tl.trans(tl.sum(tl.dot(w, b), 1)[:, None])                                     # [1, BLOCK_N]
+def _column_product(w, a, KS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """`a [BLOCK_M, KS] @ w [BLOCK_N, KS]^T` as `[BLOCK_M, BLOCK_N]` fp32 on the tensor cores (a and w of
+    one dtype): the rows of a are the columns of the dot's `[KS, 16]` second operand, 16 the least width
+    tl.dot takes; one row is column 0, the other columns zeros."""
+    if BLOCK_M == 1:
+        col = tl.arange(0, 16)[None, :]
+        b = tl.where(col == 0, tl.trans(a), tl.zeros([KS, 16], w.dtype))                # [KS, 16]
+        return tl.trans(tl.sum(tl.dot(w, b), 1)[:, None])                                 # [1, BLOCK_N]
+    return tl.trans(tl.dot(w, tl.trans(a)))                                               # [16, BLOCK_N]
 
 
 def num_splits(k: int, config: KernelConfig) -> int:
@@ -113,14 +123,16 @@ def slice_gemv_launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, 
                       out_residual: torch.Tensor | None = None, workspace: torch.Tensor | None = None,
                       counters: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
                       a8: bool = False, tensor_cores: bool = False) -> Launch:
-    """The launch of `out [1, N] = prologue(x) @ weight.T (+ out_residual)`; x `[1, K]` (`[1, 2K]` for
-    SILU_AND_MUL), weight `[N, K]` with unit stride along K, all vectors contiguous. `config.block_n`
-    columns and `config.block_k` (a power of two) of K per program; K > block_k needs `workspace`
-    (>= splits * N float32) and `counters` (int32 zeros, >= cdiv(N, block_n))."""
+    """The launch of `out [M, N] = prologue(x) @ weight.T (+ out_residual)`; x `[M, K]` (`[M, 2K]` for
+    SILU_AND_MUL), weight `[N, K]` with unit stride along K, rows with unit stride. M = 1, or up to
+    MAX_TENSOR_CORE_ROWS in the tensor-core forms (`a8`, `tensor_cores`). `config.block_n` columns and
+    `config.block_k` (a power of two) of K per program; K > block_k needs `workspace` (>= splits * M * N
+    float32) and `counters` (int32 zeros, >= cdiv(N, block_n))."""
     rows, n = out.shape
     k = weight.shape[1]
-    if rows != 1:
-        raise ValueError(f"the slice gemv takes one row, got {rows}")
+    if rows != 1 and not (1 <= rows <= MAX_TENSOR_CORE_ROWS and (a8 or tensor_cores)):
+        raise ValueError(f"the slice gemv takes one row, or up to {MAX_TENSOR_CORE_ROWS} on the tensor cores "
+                         f"(a8, tensor_cores); got {rows}")
     if config.block_k != next_pow2(config.block_k):
         raise ValueError(f"gemv_slice's block_k must be a power of two, got {config.block_k}")
     split = num_splits(k, config)
@@ -138,9 +150,15 @@ def slice_gemv_launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, 
         res_norm_weight if res_norm_weight is not None else weight,
         out_residual if out_residual is not None else out, workspace if workspace is not None else out,
         counters if counters is not None else out, weight_scale if weight_scale is not None else out,
-        n, k, eps, weight.stride(0)), dict(
+        rows, n, k, eps, weight.stride(0), x.stride(0), _stride(residual), _stride(stream_out), out.stride(0),
+        _stride(out_residual)), dict(
         PROLOGUE=prologue, ADD_RESIDUAL=out_residual is not None, BLOCK_N=config.block_n, KS=config.block_k,
         SPLIT_K=split, EVEN_K=k % config.block_k == 0, EVEN_N=n % config.block_n == 0,
         STATS_BLOCK=min(next_pow2(k), gemv.STATS_ELEMENTS), ONE_PASS=next_pow2(k) <= gemv.STATS_ELEMENTS,
         W_SCALED=weight_scale is not None, A8=a8, TC=tensor_cores,
-        QMAX=quant_max(weight.dtype) if a8 else 0.0, **launch_options(config, target)))
+        QMAX=quant_max(weight.dtype) if a8 else 0.0, BLOCK_M=1 if rows == 1 else MAX_TENSOR_CORE_ROWS,
+        **launch_options(config, target)))
+
+
+def _stride(rows: torch.Tensor | None) -> int:
+    return rows.stride(0) if rows is not None else 0

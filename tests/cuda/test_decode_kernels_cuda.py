@@ -274,28 +274,30 @@ def test_grouped_decode_on_the_tma_kernel(gpu, num_seqs, kv_dtype):
     assert errors[0] < 1e-2 and errors[0] < 2 * errors[1] + 1e-3, errors
 
 
-@pytest.mark.parametrize("block_n,block_k,warps", [(64, 512, 4), (64, 256, 4), (128, 256, 4), (64, 1024, 4)])
-def test_tensor_core_slice_at_ouro_shapes(block_n, block_k, warps, gpu):
-    """Lever 119's one-row slices on the tensor cores (x as column 0 of wgmma's second operand) against
-    the float64 product at Ouro-1.4B's four shapes, SwiGLU prologue and residual epilogue on down."""
+@pytest.mark.parametrize("block_n,block_k,warps,rows", [(64, 512, 4, 1), (64, 256, 4, 1), (128, 256, 4, 1),
+                                                         (64, 1024, 4, 1), (128, 256, 4, 8)])
+def test_tensor_core_slice_at_ouro_shapes(block_n, block_k, warps, rows, gpu):
+    """Lever 119's slices on the tensor cores (each row of x a column of wgmma's second operand; one row
+    or a decode batch of 8) against the float64 product at Ouro-1.4B's four shapes, SwiGLU prologue and
+    residual epilogue on down."""
     from hal.kernels import gemv
     from hal.kernels.configs import KernelConfig
     from hal.kernels.gemv_slice import num_splits, slice_gemv_launch
     from hal.kernels.launch import run_launch
 
-    config = KernelConfig(1, block_n, warps, 1, block_k=block_k)
+    config = KernelConfig(16 if rows > 1 else 1, block_n, warps, 1, block_k=block_k)
     for n, k in ((6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632)):
         swiglu = k == 5632
         weight = _randn(n, k, scale=k ** -0.5)
-        x = _randn(1, 2 * k if swiglu else k)
-        residual = _randn(1, n) if swiglu else None
+        x = _randn(rows, 2 * k if swiglu else k)
+        residual = _randn(rows, n) if swiglu else None
         a = silu_and_mul(x) if swiglu else x
-        out = torch.empty(1, n, device=x.device, dtype=x.dtype)
+        out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
         splits = num_splits(k, config)
         run_launch(slice_gemv_launch(x, weight, out, config, "cuda", prologue=gemv.SILU_AND_MUL if swiglu else gemv.NONE,
-                                     out_residual=residual, workspace=torch.empty(splits * n, device=x.device),
+                                     out_residual=residual, workspace=torch.empty(splits * rows * n, device=x.device),
                                      counters=torch.zeros(n, dtype=torch.int32, device=x.device), tensor_cores=True))
         ref = a.double() @ weight.double().T + (0 if residual is None else residual.double())
         rel = _rel(out, ref)
-        print(f"tc slice {n}x{k} bn{block_n} bk{block_k} w{warps}: rel {rel:.2e}")
+        print(f"tc slice {rows} x {n}x{k} bn{block_n} bk{block_k} w{warps}: rel {rel:.2e}")
         assert rel < 5e-3

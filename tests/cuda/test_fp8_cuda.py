@@ -119,10 +119,12 @@ def test_scaled_mm_and_triton_fp8_linear_agree(gpu, monkeypatch):
         assert rel < (3e-2 if choice == "scaled_mm" else 5e-3)
 
 
-@pytest.mark.parametrize("block_n,block_k,warps", [(64, 512, 4), (64, 1024, 4), (128, 256, 4), (64, 256, 4)])
-def test_w8a8_slice_matches_its_reference_at_ouro_shapes(block_n, block_k, warps, gpu):
-    """Lever 118's W8A8 one-row slice (x quantized per block_k slice, wgmma on e4m3) against the float64
-    product of the same quantized values at Ouro-1.4B's four shapes, SwiGLU prologue on down."""
+@pytest.mark.parametrize("block_n,block_k,warps,rows", [(64, 512, 4, 1), (64, 1024, 4, 1), (128, 256, 4, 1),
+                                                         (64, 256, 4, 1), (128, 512, 8, 1), (128, 512, 8, 8)])
+def test_w8a8_slice_matches_its_reference_at_ouro_shapes(block_n, block_k, warps, rows, gpu):
+    """Lever 118's W8A8 slice (x quantized per row and block_k slice, wgmma on e4m3; one row, or a
+    decode batch of 8) against the float64 product of the same quantized values at Ouro-1.4B's four
+    shapes, SwiGLU prologue on down."""
     from hal.common.kv_quant import quantize
     from hal.kernels import gemv
     from hal.kernels.configs import KernelConfig
@@ -131,19 +133,19 @@ def test_w8a8_slice_matches_its_reference_at_ouro_shapes(block_n, block_k, warps
     from kernel_reference import silu_and_mul_ref, w8a8_slices_ref
 
     dev = gpu.device()
-    config = KernelConfig(1, block_n, warps, 1, block_k=block_k)
+    config = KernelConfig(16 if rows > 1 else 1, block_n, warps, 1, block_k=block_k)
     for n, k in ((6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632)):
         swiglu = k == 5632
         weight, scale = quantize(torch.randn(n, k, device=dev) * 0.02, torch.float8_e4m3fn)
-        x = torch.randn(1, 2 * k if swiglu else k, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(rows, 2 * k if swiglu else k, device=dev, dtype=torch.bfloat16)
         a = silu_and_mul_ref(x) if swiglu else x
         splits = num_splits(k, config)
-        out = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
+        out = torch.empty(rows, n, device=dev, dtype=torch.bfloat16)
         run_launch(slice_gemv_launch(x, weight, out, config, "cuda", prologue=gemv.SILU_AND_MUL if swiglu else gemv.NONE,
-                                     workspace=torch.empty(splits * n, device=dev),
+                                     workspace=torch.empty(splits * rows * n, device=dev),
                                      counters=torch.zeros(n, dtype=torch.int32, device=dev), weight_scale=scale,
                                      a8=True))
         ref = w8a8_slices_ref(a, weight, scale, block_k)
         rel = ((out.double() - ref).norm() / ref.norm()).item()
-        print(f"w8a8 {n}x{k} bn{block_n} bk{block_k} w{warps}: rel {rel:.2e}")
+        print(f"w8a8 {rows} x {n}x{k} bn{block_n} bk{block_k} w{warps}: rel {rel:.2e}")
         assert rel < 5e-3                  # the bf16 rounding of out (and of the SwiGLU input)

@@ -617,6 +617,65 @@ def test_w8a8_entry_routes_one_row_e4m3fn_products(monkeypatch):
     assert seen[2:] == [False]
 
 
+@pytest.mark.parametrize("num_rows,prologue", [(3, "none"), (8, "silu_and_mul"), (16, "none")])
+def test_w8a8_slice_takes_several_rows_each_quantized_on_its_own(num_rows, prologue):
+    """The tensor-core forms take up to 16 rows (the rows are the dot's columns): each row's slice of x
+    quantized by its own absmax, split-K partials per row, the residual added per row; a row of zeros
+    stays zeros; 17 rows are refused."""
+    from hal.common.kv_quant import quantize
+    from hal.kernels.launch import run_launch
+
+    config = KernelConfig(16, 16, 4, 1, block_k=32)
+    weight, scale = quantize(torch.randn(40, 96) * 0.05, torch.float8_e4m3fn)
+    swiglu = prologue == "silu_and_mul"
+    x = torch.randn(num_rows, 192 if swiglu else 96).bfloat16() * torch.logspace(-2, 1, num_rows)[:, None].bfloat16()
+    x[1] = 0
+    a = silu_and_mul_ref(x) if swiglu else x
+    residual = torch.randn(num_rows, 40).bfloat16()
+    splits = gemv_slice.num_splits(96, config)
+    out = torch.empty(num_rows, 40, dtype=torch.bfloat16)
+    run_launch(gemv_slice.slice_gemv_launch(
+        x, weight, out, config, "interpreter", prologue=gemv.SILU_AND_MUL if swiglu else gemv.NONE,
+        out_residual=residual, workspace=torch.empty(splits * num_rows * 40), counters=torch.zeros(4, dtype=torch.int32),
+        weight_scale=scale, a8=True))
+    ref = residual.double() + w8a8_slices_ref(a, weight, scale, 32).bfloat16().double()
+    err = (out.double() - ref).abs()
+    assert (err <= ref.abs() * 2 ** -7 + 1e-6).all(), f"error {err.max().item():.3g}"
+    assert torch.equal(out[1], residual[1])
+    with pytest.raises(ValueError, match="up to 16 on the tensor cores"):
+        gemv_slice.slice_gemv_launch(torch.zeros(17, 96).bfloat16(), weight, torch.empty(17, 40).bfloat16(), config,
+                                     "interpreter", weight_scale=scale, a8=True)
+    with pytest.raises(ValueError, match="takes one row"):
+        gemv_slice.slice_gemv_launch(x, weight.float().bfloat16(), out, config, "interpreter")
+
+
+def test_entries_with_block_m_take_decode_batches_up_to_it(monkeypatch):
+    """`gemv_slice_w8a8` / `gemv_slice_tc` with block_m 16 run e4m3fn / 16-bit products of 2-8 rows on the
+    slice kernel (the table's block_m 1 entries only one row): the W8A8 rows as the per-row reference,
+    the 16-bit rows as the exact product."""
+    from hal.common.kv_quant import quantize
+
+    a8, tc = KernelConfig(16, 16, 4, 1, block_k=32, split_k=4), KernelConfig(16, 16, 4, 1, block_k=32, split_k=8)
+    ops = gemv_ops.Gemv({**configs_for("default"), gemv_ops.SLICE_KEY: SLICE, gemv_ops.A8_KEY: a8,
+                         gemv_ops.TC_KEY: tc}, 16)
+    seen = []
+    real = gemv_ops.slice_gemv_launch
+    monkeypatch.setattr(gemv_ops, "slice_gemv_launch", lambda *a, **kw: seen.append(
+        (a[0].shape[0], kw.get("a8", False), kw.get("tensor_cores", False))) or real(*a, **kw))
+    weight, scale = quantize(torch.randn(40, 96) * 0.05, torch.float8_e4m3fn)
+    x = torch.randn(5, 96).bfloat16()
+    ref = w8a8_slices_ref(x, weight, scale, 32)
+    assert ((ops.fp8_linear(x, weight, scale).double() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-6).all()
+    w16 = (torch.randn(40, 96) / 8).bfloat16()
+    _assert_product(ops.linear(x, w16), x.float(), w16.float(), "tc rows")
+    assert seen == [(5, True, False), (5, False, True)]
+    one_row = gemv_ops.Gemv({**configs_for("default"), gemv_ops.SLICE_KEY: SLICE,
+                             gemv_ops.A8_KEY: KernelConfig(1, 16, 4, 1, block_k=32, split_k=4)}, 16)
+    seen.clear()
+    one_row.fp8_linear(x, weight, scale)
+    assert seen == []                                    # block_m 1: five rows keep the W8A16 GEMV
+
+
 @pytest.mark.parametrize("block_k", [256, 32], ids=["one-slice", "three-slices"])
 def test_tensor_core_slice_rounds_the_product_once(block_k):
     """`TC` (16-bit weights on the tensor cores, x as column 0 of the dot's second operand): the exact

@@ -14,9 +14,9 @@ from hal.kernels.configs import KernelConfig
 CONFIGS = [KernelConfig(1, 64, 4, 1, block_k=512), KernelConfig(1, 128, 4, 1, block_k=256)]
 
 
-def _compile(n: int, k: int, config: KernelConfig, fp8: bool, swiglu: bool):
-    x = torch.empty(1, 2 * k if swiglu else k, dtype=torch.bfloat16)
-    out = torch.empty(1, n, dtype=x.dtype)
+def _compile(n: int, k: int, config: KernelConfig, fp8: bool, swiglu: bool, rows: int = 1):
+    x = torch.empty(rows, 2 * k if swiglu else k, dtype=torch.bfloat16)
+    out = torch.empty(rows, n, dtype=x.dtype)
     launch = gemv_slice.slice_gemv_launch(
         x, torch.empty(n, k, dtype=torch.float8_e4m3fn if fp8 else x.dtype), out, config, "cuda",
         prologue=gemv.SILU_AND_MUL if swiglu else gemv.NONE, out_residual=torch.empty_like(out) if swiglu else None,
@@ -41,3 +41,20 @@ def test_tensor_core_slices_compile_for_sm_90_with_the_slice_stored_before_the_w
     slice_bytes = config.block_n * config.block_k * (1 if fp8 else 2)
     assert len(slice_stores) * 16 * 32 * config.num_warps >= slice_bytes        # 16-byte stores cover the slice
     assert max(slice_stores) < wait
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["w8a8", "bf16"])
+@pytest.mark.parametrize("n,k", [(6144, 2048), (2048, 5632)], ids=["qkv", "down-swiglu"])
+def test_tensor_core_slices_of_eight_rows_compile_for_sm_90(n, k, fp8):
+    """Several rows (a decode batch of 2-16) are the dot's 16 columns: still wgmma, no spills, the weight
+    slice stored before the wait (the rows of x, which the kernel before makes, after it)."""
+    config = KernelConfig(16, 128, 8, 1, block_k=512) if fp8 else KernelConfig(16, 128, 4, 1, block_k=256)
+    kernel = _compile(n, k, config, fp8, swiglu=k == 5632, rows=8)
+    res = xcompile._nvidia_resources(kernel.asm["cubin"])
+    assert res.get("LOCAL", 0) == 0 and res.get("STACK", 0) == 0, res
+    assert kernel.metadata.shared <= xcompile.TARGETS["sm_90"].shared_limit, kernel.metadata.shared
+    lines = kernel.asm["ptx"].splitlines()
+    assert any("wgmma.mma_async" in line and ("e4m3.e4m3" if fp8 else "bf16.bf16") in line for line in lines)
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    stores_before = [i for i, line in enumerate(lines[:wait]) if "st.shared.v4.b32" in line]
+    assert len(stores_before) * 16 * 32 * config.num_warps >= config.block_n * config.block_k * (1 if fp8 else 2)
