@@ -58,3 +58,16 @@ def test_tensor_core_slices_of_eight_rows_compile_for_sm_90(n, k, fp8):
     wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
     stores_before = [i for i, line in enumerate(lines[:wait]) if "st.shared.v4.b32" in line]
     assert len(stores_before) * 16 * 32 * config.num_warps >= config.block_n * config.block_k * (1 if fp8 else 2)
+
+
+@pytest.mark.parametrize("n,k", [(4608, 3072), (3072, 10752), (15840, 5280), (5280, 17920)],
+                         ids=["nanbeige-qkv", "nanbeige-down", "huginn-qkv", "huginn-down"])
+def test_the_tables_w8a8_entry_compiles_at_nanbeige_and_huginn_shapes(n, k):
+    """The sm_90 table's W8A8 entry takes every one-row e4m3fn product with K in up to split_k slices, so
+    Nanbeige's and Huginn's too (K not a multiple of 512 at Huginn): 16-byte weight loads, no spills."""
+    from hal.kernels.configs import all_configs
+
+    kernel = _compile(n, k, all_configs()["sm_90"]["gemv_slice_w8a8"], fp8=True, swiglu=k > 10000)
+    res = xcompile._nvidia_resources(kernel.asm["cubin"])
+    assert res.get("LOCAL", 0) == 0 and res.get("STACK", 0) == 0, res
+    assert any("ld.global" in line and ".v4.b32" in line for line in kernel.asm["ptx"].splitlines())
