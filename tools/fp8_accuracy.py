@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 import hal  # noqa: E402
 import zoo  # noqa: E402
 from hal.cuda.fp8 import quantize_rows, scaled_mm_linear  # noqa: E402
+from hal.kernels.configs import all_configs  # noqa: E402
 from runtime import SamplingParams  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
 from runtime.engine.llm_engine import LLMEngine  # noqa: E402
@@ -68,7 +69,7 @@ CONFIGS = {
     "bf16 + fp8 KV + W8A16 (H200 decode of 1-8 rows)": Config("bfloat16", "fp8_e4m3fn", "w8a16"),
     "bf16 + fp8 KV + W8A8 per 512-slice (sm_90 decode of 1 row)": Config("bfloat16", "fp8_e4m3fn", "w8a8s"),
 }
-SLICE_K = 512       # the sm_90 table's gemv_slice_w8a8 block_k: one activation scale per 512 values of K
+SLICE_K = all_configs()["sm_90"]["gemv_slice_w8a8"].block_k      # one activation scale per SLICE_K values of K
 
 
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -149,8 +150,8 @@ def run_config(subject: Subject, config: Config, forced: list[list[int]] | None)
     model = subject.load(config.dtype)
     weights = "auto" if config.weights == "auto" else "fp8"
     # W8A8: the CPU Hal with the activation-quantizing linear as its fp8_linear op (the engine binds it)
-    device_hal = (W8A8CpuHal() if config.weights == "w8a8" else W8A8CpuHal(w8a8_slices_linear)
-                  if config.weights == "w8a8s" else hal.get("cpu"))
+    w8a8 = {"w8a8": w8a8_linear, "w8a8s": w8a8_slices_linear}.get(config.weights)
+    device_hal = W8A8CpuHal(w8a8) if w8a8 is not None else hal.get("cpu")
     longest = max(map(len, subject.prompts)) + subject.new_tokens + 1
     engine = LLMEngine(model, device_hal, EngineConfig(
         kv_dtype=config.kv, weights_dtype=weights, max_num_seqs=len(subject.prompts), max_model_len=longest))

@@ -338,9 +338,8 @@ CASES = {c.name: c for c in (
       for name, n, k, pro, res in GEMV_SLICE_CASES),
     # the tensor-core forms (levers 118-119; only the sm_90 table has them): wgmma on e4m3 / bf16 slices
     *(Case(f"{key}/{name.split('/')[1]}", key, True, False,
-           lambda c, t, a=(n, k, pro, res, key): _gemv_slice(
-               c, t, *a[:3], out_residual=a[3], fp8=torch.float8_e4m3fn if a[4] == "gemv_slice_w8a8" else None,
-               a8=a[4] == "gemv_slice_w8a8", tensor_cores=a[4] == "gemv_slice_tc"))
+           lambda c, t, a=(n, k, pro, res), a8=key == "gemv_slice_w8a8": _gemv_slice(
+               c, t, *a[:3], out_residual=a[3], fp8=torch.float8_e4m3fn if a8 else None, a8=a8, tensor_cores=not a8))
       for key in ("gemv_slice_w8a8", "gemv_slice_tc")
       for name, n, k, pro, res in GEMV_SLICE_CASES if pro in ("none", "silu_and_mul")),
 )}

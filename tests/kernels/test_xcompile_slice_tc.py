@@ -25,22 +25,33 @@ def _compile(n: int, k: int, config: KernelConfig, fp8: bool, swiglu: bool, rows
     return xcompile.compile_launch(launch._replace(kwargs={**launch.kwargs, "PDL": True}), xcompile.TARGETS["sm_90"])
 
 
-@pytest.mark.parametrize("fp8", [True, False], ids=["w8a8", "bf16"])
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"n{c.block_n}k{c.block_k}")
-@pytest.mark.parametrize("n,k", [(6144, 2048), (2048, 5632)], ids=["qkv", "down-swiglu"])
-def test_tensor_core_slices_compile_for_sm_90_with_the_slice_stored_before_the_wait(n, k, config, fp8):
-    kernel = _compile(n, k, config, fp8, swiglu=k == 5632)
+def _assert_no_spills(kernel) -> None:
     res = xcompile._nvidia_resources(kernel.asm["cubin"])
     assert res.get("LOCAL", 0) == 0 and res.get("STACK", 0) == 0, res
+
+
+def _slice_stores_and_wait(kernel, config: KernelConfig, fp8: bool) -> tuple[list[int], int]:
+    """Checks what every tensor-core form must show (no spills, shared memory within an SM's, wgmma on its
+    operands, enough 16-byte shared stores ahead of `griddepcontrol.wait` to hold the weight slice) and
+    returns the PTX lines of every 16-byte shared store and of the wait."""
+    _assert_no_spills(kernel)
     assert kernel.metadata.shared <= xcompile.TARGETS["sm_90"].shared_limit, kernel.metadata.shared
     lines = kernel.asm["ptx"].splitlines()
     operands = "e4m3.e4m3" if fp8 else "bf16.bf16"
     assert any("wgmma.mma_async" in line and operands in line for line in lines), operands
     wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
-    slice_stores = [i for i, line in enumerate(lines) if "st.shared.v4.b32" in line]
+    stores = [i for i, line in enumerate(lines) if "st.shared.v4.b32" in line]
     slice_bytes = config.block_n * config.block_k * (1 if fp8 else 2)
-    assert len(slice_stores) * 16 * 32 * config.num_warps >= slice_bytes        # 16-byte stores cover the slice
-    assert max(slice_stores) < wait
+    assert sum(i < wait for i in stores) * 16 * 32 * config.num_warps >= slice_bytes   # the slice, before the wait
+    return stores, wait
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["w8a8", "bf16"])
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"n{c.block_n}k{c.block_k}")
+@pytest.mark.parametrize("n,k", [(6144, 2048), (2048, 5632)], ids=["qkv", "down-swiglu"])
+def test_tensor_core_slices_compile_for_sm_90_with_the_slice_stored_before_the_wait(n, k, config, fp8):
+    stores, wait = _slice_stores_and_wait(_compile(n, k, config, fp8, swiglu=k == 5632), config, fp8)
+    assert max(stores) < wait                   # one row: every shared store (the x column too) before it
 
 
 @pytest.mark.parametrize("fp8", [True, False], ids=["w8a8", "bf16"])
@@ -49,15 +60,7 @@ def test_tensor_core_slices_of_eight_rows_compile_for_sm_90(n, k, fp8):
     """Several rows (a decode batch of 2-16) are the dot's 16 columns: still wgmma, no spills, the weight
     slice stored before the wait (the rows of x, which the kernel before makes, after it)."""
     config = KernelConfig(16, 128, 8, 1, block_k=512) if fp8 else KernelConfig(16, 128, 4, 1, block_k=256)
-    kernel = _compile(n, k, config, fp8, swiglu=k == 5632, rows=8)
-    res = xcompile._nvidia_resources(kernel.asm["cubin"])
-    assert res.get("LOCAL", 0) == 0 and res.get("STACK", 0) == 0, res
-    assert kernel.metadata.shared <= xcompile.TARGETS["sm_90"].shared_limit, kernel.metadata.shared
-    lines = kernel.asm["ptx"].splitlines()
-    assert any("wgmma.mma_async" in line and ("e4m3.e4m3" if fp8 else "bf16.bf16") in line for line in lines)
-    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
-    stores_before = [i for i, line in enumerate(lines[:wait]) if "st.shared.v4.b32" in line]
-    assert len(stores_before) * 16 * 32 * config.num_warps >= config.block_n * config.block_k * (1 if fp8 else 2)
+    _slice_stores_and_wait(_compile(n, k, config, fp8, swiglu=k == 5632, rows=8), config, fp8)
 
 
 @pytest.mark.parametrize("n,k", [(4608, 3072), (3072, 10752), (15840, 5280), (5280, 17920)],
@@ -68,6 +71,5 @@ def test_the_tables_w8a8_entry_compiles_at_nanbeige_and_huginn_shapes(n, k):
     from hal.kernels.configs import all_configs
 
     kernel = _compile(n, k, all_configs()["sm_90"]["gemv_slice_w8a8"], fp8=True, swiglu=k > 10000)
-    res = xcompile._nvidia_resources(kernel.asm["cubin"])
-    assert res.get("LOCAL", 0) == 0 and res.get("STACK", 0) == 0, res
+    _assert_no_spills(kernel)
     assert any("ld.global" in line and ".v4.b32" in line for line in kernel.asm["ptx"].splitlines())
