@@ -1,8 +1,10 @@
 """Huginn-0125 configuration: the keys of the released config.json (model_type "huginn_raven")."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
+
+from zoo.config_fields import config_values
 
 # config.json keys whose released value is the only one zoo.huginn computes: key -> accepted value
 FIXED_CHOICES = {
@@ -101,10 +103,7 @@ class HuginnConfig:
         layers = ("n_layers_in_prelude", "n_layers_in_recurrent_block", "n_layers_in_coda")
         if all(k in raw for k in ("n_layers", *layers)) and raw["n_layers"] != sum(map(raw.get, layers)):
             raise ValueError(f"n_layers={raw['n_layers']} is not prelude + recurrent block + coda")
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in raw.items() if k in known}
+        values = config_values(cls, raw)
         if "tie_embeddings" not in raw and "tie_word_embeddings" in raw:
             values["tie_embeddings"] = raw["tie_word_embeddings"]
-        if "torch_dtype" not in values and "dtype" in raw:
-            values["torch_dtype"] = raw["dtype"]
         return cls(**values)

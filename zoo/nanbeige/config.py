@@ -1,8 +1,10 @@
 """Nanbeige4.2 configuration: the keys of the released config.json (model_type "nanbeige")."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
+
+from zoo.config_fields import check_attention_heads, config_values, rotary_scaling
 
 # optional features of the Nanbeige remote code that the released 4.2-3B checkpoint leaves off:
 # config key -> why it is refused when a config turns it on
@@ -45,11 +47,9 @@ def check_supported(raw: dict[str, Any]) -> None:
         refuse("emb_neighbor_num", "n-gram embeddings")
     if raw.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", f"activation {raw['hidden_act']!r} (Nanbeige uses silu)")
-    for key in ("rope_scaling", "rope_parameters"):
-        rope = raw.get(key)
-        kind = (rope.get("type") or rope.get("rope_type")) if isinstance(rope, dict) else None
-        if kind not in (None, "default"):
-            refuse(key, f"{kind!r} rotary scaling")
+    scaling = rotary_scaling(raw)
+    if scaling is not None:
+        refuse(scaling[0], f"{scaling[1]!r} rotary scaling")
 
 
 @dataclass(frozen=True)
@@ -74,22 +74,11 @@ class NanbeigeConfig:
     model_type: str = "nanbeige"
 
     def __post_init__(self) -> None:
-        if self.head_dim is None:
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
-                             f"num_key_value_heads={self.num_key_value_heads}")
+        check_attention_heads(self)
         if self.num_loops < 1:
             raise ValueError(f"num_loops must be >= 1, got {self.num_loops}")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "NanbeigeConfig":
         check_supported(raw)
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in raw.items() if k in known}
-        rope = raw.get("rope_parameters")
-        if "rope_theta" not in values and isinstance(rope, dict) and "rope_theta" in rope:
-            values["rope_theta"] = rope["rope_theta"]
-        if "torch_dtype" not in values and "dtype" in raw:
-            values["torch_dtype"] = raw["dtype"]
-        return cls(**values)
+        return cls(**config_values(cls, raw))
