@@ -12,7 +12,6 @@ configs in the engine, where the launch before o is attention: time candidates t
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from pdl_bench import (FLOOR_BANDWIDTH, MODEL_SHAPES, cublas_launch, gemv_launch
                        slice_gemv_launcher, time_graph)
 
 from hal.kernels.configs import KernelConfig  # noqa: E402
+from bench_rows import append_rows  # noqa: E402
 
 # gemv.py's K loop: (block_n, block_k, warps, stages, split_k; 0 = gemv.plan's rule)
 LOOP_CONFIGS = ((16, 256, 4, 2, 0), (16, 256, 4, 2, 4), (16, 256, 4, 2, 8), (8, 512, 4, 2, 0),
@@ -71,9 +71,7 @@ def main() -> int:
                        floor_us=round(floor, 2), tb_s=round(n * k * 2 / per / 1e6, 3),
                        rel_vs_cublas=float((y.float() - ref.float()).norm() / ref.float().norm()))
             print(f"{name:7s} {label:32s} {per:7.2f} us  {row['tb_s']:.2f} TB/s  floor {floor:.1f}", flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            append_rows(args.out, [row])
     return 0
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 
@@ -35,6 +34,7 @@ import triton.language as tl
 
 from hal.kernels.configs import KernelConfig, configs_for
 from hal.kernels.gemv_ops import SLICE_KEY
+from bench_rows import append_rows
 
 # (name, N, K) of a layer's four projections per model; each output is at least as wide as the next K
 MODEL_SHAPES = {
@@ -269,9 +269,7 @@ def main() -> int:
                "floor_ratio": round(floor_us / per_layer, 3), "max_diff_vs_no_pdl": diff,
                "rel_diff_vs_cublas": rel}
         rows.append(row)
-        if args.out:        # row by row: a run cut short by its time limit keeps what it measured
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        append_rows(args.out, [row])  # row by row: a run cut short by its time limit keeps what it measured
         print(f"{name:34s} {per_layer:7.2f} us/layer  {row['tb_s']:.2f} TB/s  {row['floor_ratio']:.2f} of floor  "
               f"diff {diff:.3g}  rel-to-cublas {rel:.2g}", flush=True)
     return 0

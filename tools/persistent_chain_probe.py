@@ -21,13 +21,13 @@ hang, so it is capped at 2 with small tiles. In the interpreter programs run one
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
 import triton
 import triton.language as tl
+from bench_rows import append_rows
 
 FLOOR_BANDWIDTH = 4.27e12
 FIELDS = 8         # per phase: w_off, N, K, in_off, out_off, rows per program, row chunks, K chunks
@@ -280,10 +280,7 @@ def main() -> int:
             report(name, us, chain.output(len(weights) - 1))
         except Exception as e:  # noqa: BLE001
             print(f"{name:40s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            for row in results:
-                f.write(json.dumps(row) + "\n")
+    append_rows(args.out, results)
     return 0
 
 

@@ -46,7 +46,6 @@ docs/performance.md levers 97 and 102, rows in docs/data/h200-s27-tma-probe.json
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -57,6 +56,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from bench_rows import append_rows
 
 FLOOR_BANDWIDTH = 4.27e12
 FIELDS = 12   # per phase: descriptor, first row, N, K stages, in, out, chunks, K, kind, residual, norm weight,
@@ -670,10 +670,7 @@ def main() -> int:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"torch {torch.__version__} triton {triton.__version__}", flush=True)
     rows = (run_chain if args.mode == "chain" else run_block)(args, bench, sms)
-    if args.out:
-        with open(args.out, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+    append_rows(args.out, rows)
     return 0
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from pdl_bench import MODEL_SHAPES, graph_median_us  # noqa: E402
 
 from hal.cuda import ring_gemv  # noqa: E402
 from hal.cuda.blaslt import table_linear  # noqa: E402
+from bench_rows import append_rows  # noqa: E402
 
 L2_BYTES = 60 << 20
 
@@ -84,10 +84,7 @@ def main() -> int:
     for model in args.models.split(","):
         for name, n, k in MODEL_SHAPES[model]:
             rows += sweep(f"{model}/{name}", n, k, library, configs)
-    if args.out:
-        with open(args.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    append_rows(args.out, rows)
     return 0
 
 

@@ -10,7 +10,6 @@ CUDA graph over enough weight copies to defeat the 60 MB L2, against `F.linear`.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from pathlib import Path
@@ -21,6 +20,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).parent))
 from decode_kernels_bench import time_calls  # noqa: E402
+from bench_rows import append_rows  # noqa: E402
 
 SHAPES = {"qkv": (6144, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632)}
 ROWS = 64
@@ -94,10 +94,7 @@ def main() -> int:
             print(f"{name:8s} {label:32s} {t:7.2f} us (+ sum {t_sum:5.2f})  {n * k * 2 / t / 1e6:5.2f} TB/s  err {err:.1e}",
                   flush=True)
         del ws_
-    if args.out:
-        with open(args.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    append_rows(args.out, rows)
     return 0
 
 

@@ -277,3 +277,16 @@ def test_a_cell_longer_than_the_cache_names_the_cache_not_max_model_len():
     with pytest.raises(ValueError, match=r"workload tiny needs \d+ positions per request, but the KV cache has 5 "
                                          r"blocks.*raise engine.num_kv_blocks"):
         run(cfg)
+
+
+def test_tools_append_their_rows_as_json_lines(tmp_path):
+    """tools/bench_rows.py: each call appends (a device call's second tool adds to the first's file);
+    no path writes nothing."""
+    from bench_rows import append_rows
+
+    out = tmp_path / "rows.jsonl"
+    append_rows(str(out), [{"name": "a", "us": 1.5}])
+    append_rows(str(out), iter([{"name": "b", "us": 2}, {"name": "c", "us": None}]))
+    append_rows(None, [{"name": "lost"}])
+    assert [json.loads(line) for line in out.read_text().splitlines()] == [
+        {"name": "a", "us": 1.5}, {"name": "b", "us": 2}, {"name": "c", "us": None}]
