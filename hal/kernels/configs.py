@@ -143,6 +143,20 @@ def _fp32_attention(prefill: KernelConfig, decode: KernelConfig) -> dict[str, Ke
     return {"attention_prefill_fp32": prefill, "attention_decode_fp32": decode}
 
 
+def _cdna3() -> dict[str, KernelConfig]:
+    """MI300X (gfx942) and MI350X (gfx950) take the same tiles (the same VGPR file); a new dict each."""
+    return {
+        "attention_prefill": KernelConfig(128, 64, 8, 2, waves_per_eu=2, matrix_instr_nonkdim=16),
+        "attention_decode": KernelConfig(16, 32, 4, 2, matrix_instr_nonkdim=16),
+        "attention_prefill_fp8": KernelConfig(128, 32, 8, 1, waves_per_eu=2, matrix_instr_nonkdim=16),
+        "attention_decode_fp8": KernelConfig(16, 32, 4, 2, matrix_instr_nonkdim=16),
+        **_fp32_attention(KernelConfig(64, 32, 4, 1), KernelConfig(16, 32, 4, 1)),
+        **_small_ops(4, 1, block_n=2048),
+        **_gemv(KernelConfig(1, 16, 4, 2, block_k=256, split_k=0),
+                KernelConfig(16, 32, 4, 2, block_k=128, split_k=0, matrix_instr_nonkdim=16)),
+    }
+
+
 _TABLES: dict[str, dict[str, KernelConfig]] = {
     # H100/H200: 8 warps = two warpgroups for wgmma on 128 query rows. Decode: 64-key tiles, 2 stages
     # (one K/V tile in flight beside the one in use, 32 KiB) at 4 programs per SM: 89% / 92% of the copy
@@ -241,27 +255,9 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
     # FP8 KV prefill: 128x64 spills (the FP8 tiles go through LDS byte-wise before widening); 128x32
     # at one stage fits in 178 VGPRs, on gfx950 too.
     # 16x16 MFMA: 32x32 needs >= 32 rows and spilled at 128 rows. 64 KiB LDS per CU.
-    "gfx942": {
-        "attention_prefill": KernelConfig(128, 64, 8, 2, waves_per_eu=2, matrix_instr_nonkdim=16),
-        "attention_decode": KernelConfig(16, 32, 4, 2, matrix_instr_nonkdim=16),
-        "attention_prefill_fp8": KernelConfig(128, 32, 8, 1, waves_per_eu=2, matrix_instr_nonkdim=16),
-        "attention_decode_fp8": KernelConfig(16, 32, 4, 2, matrix_instr_nonkdim=16),
-        **_fp32_attention(KernelConfig(64, 32, 4, 1), KernelConfig(16, 32, 4, 1)),
-        **_small_ops(4, 1, block_n=2048),
-        **_gemv(KernelConfig(1, 16, 4, 2, block_k=256, split_k=0),
-                KernelConfig(16, 32, 4, 2, block_k=128, split_k=0, matrix_instr_nonkdim=16)),
-    },
+    "gfx942": _cdna3(),
     # MI350X: same tiles (same VGPR file); 160 KiB LDS; kpack is deprecated there (forced to 1).
-    "gfx950": {
-        "attention_prefill": KernelConfig(128, 64, 8, 2, waves_per_eu=2, matrix_instr_nonkdim=16),
-        "attention_decode": KernelConfig(16, 32, 4, 2, matrix_instr_nonkdim=16),
-        "attention_prefill_fp8": KernelConfig(128, 32, 8, 1, waves_per_eu=2, matrix_instr_nonkdim=16),
-        "attention_decode_fp8": KernelConfig(16, 32, 4, 2, matrix_instr_nonkdim=16),
-        **_fp32_attention(KernelConfig(64, 32, 4, 1), KernelConfig(16, 32, 4, 1)),
-        **_small_ops(4, 1, block_n=2048),
-        **_gemv(KernelConfig(1, 16, 4, 2, block_k=256, split_k=0),
-                KernelConfig(16, 32, 4, 2, block_k=128, split_k=0, matrix_instr_nonkdim=16)),
-    },
+    "gfx950": _cdna3(),
     # Anything else (other GPUs, the CPU interpreter): small tiles that fit every target.
     "default": {
         "attention_prefill": KernelConfig(64, 32, 4, 1),
