@@ -301,10 +301,8 @@ def test_engine_on_the_sm_90_table_decodes_fp8_weights_with_the_w8a8_slices(monk
     with torch.inference_mode():
         for graphs in (False, True):
             engine = LLMEngine(model, table, EngineConfig(block_size=4, max_num_batched_tokens=16, graphs=graphs))
-            outs[graphs] = []
-            for i in range(2):
-                engine.add_request(str(i), case.prompt(i)[:5], params)
-                outs[graphs] += [o.token_ids for o in engine.run_until_done()]
+            engine.add_request("1", case.prompt(1)[:5], params)
+            outs[graphs] = [o.token_ids for o in engine.run_until_done()]
             assert engine.runner.graphs.captured or not graphs
     assert outs[True] == outs[False]
     assert forms["w8a8"] > 0 and not forms["other"], forms
