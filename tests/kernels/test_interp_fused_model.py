@@ -238,22 +238,28 @@ def test_fp8_down_projections_take_swiglu_in_their_prologue(name):
     assert err <= 2e-2 * unfused.abs().max().item(), err
 
 
-def test_engine_on_the_sm_90_table_decodes_the_tokens_of_the_unfused_kernels(monkeypatch):
-    """The CUDA Hal's one-row projections as the sm_90 table has them (hal/kernels/configs.py: the slice
-    kernel, and its tensor-core entry `gemv_slice_tc` for every product it takes) through the engine with
-    graphs: the greedy tokens of the unfused kernels, run eagerly."""
+def _slice_forms(monkeypatch) -> collections.Counter:
+    """Counts the slice kernel's launches by form ("tensor cores", "w8a8", "cuda cores") as gemv_ops makes them."""
     import hal.kernels.gemv_ops as gemv_ops_module
 
-    case = golden_case("ouro-tiny-gqa-bf16")
-    model = _model(case.name, "bfloat16")
     forms = collections.Counter()
     launch = gemv_ops_module.slice_gemv_launch
 
     def counted(*args, **kwargs):
-        forms["tensor cores" if kwargs.get("tensor_cores") else "cuda cores"] += 1
+        forms["w8a8" if kwargs.get("a8") else "tensor cores" if kwargs.get("tensor_cores") else "cuda cores"] += 1
         return launch(*args, **kwargs)
 
     monkeypatch.setattr(gemv_ops_module, "slice_gemv_launch", counted)
+    return forms
+
+
+def test_engine_on_the_sm_90_table_decodes_the_tokens_of_the_unfused_kernels(monkeypatch):
+    """The CUDA Hal's one-row projections as the sm_90 table has them (hal/kernels/configs.py: the slice
+    kernel, and its tensor-core entry `gemv_slice_tc` for every product it takes) through the engine with
+    graphs: the greedy tokens of the unfused kernels, run eagerly."""
+    case = golden_case("ouro-tiny-gqa-bf16")
+    model = _model(case.name, "bfloat16")
+    forms = _slice_forms(monkeypatch)
     sm_90 = configs_for("sm_90")
     assert "gemv_slice_tc" in sm_90
     table = TritonOpsOnCpu(SMALL_OPS + PROJECTION_OPS + ("projection_takes",))
@@ -268,7 +274,7 @@ def test_engine_on_the_sm_90_table_decodes_the_tokens_of_the_unfused_kernels(mon
                 engine.add_request(str(i), case.prompt(i)[:5], params)
                 outs[graphs] += [o.token_ids for o in engine.run_until_done()]
     assert outs[True] == outs[False]
-    assert forms["tensor cores"] > 0 and not forms["cuda cores"], forms
+    assert forms["tensor cores"] > 0 and set(forms) == {"tensor cores"}, forms
 
 
 def test_engine_on_the_sm_90_table_decodes_fp8_weights_with_the_w8a8_slices(monkeypatch):
@@ -278,19 +284,11 @@ def test_engine_on_the_sm_90_table_decodes_fp8_weights_with_the_w8a8_slices(monk
     weights dequantized in torch the third token of the second prompt moves: [146, 30, 30] against
     [146, 30, 154], the activation rounding W8A8 adds; its kernels' numerics are
     tests/kernels/test_interp_gemv.py's, against the per-slice reference.)"""
-    import hal.kernels.gemv_ops as gemv_ops_module
     from hal.cuda.fp8 import fp8_linear_op, silu_mul_fp8_linear_op
 
     case = golden_case("ouro-tiny-gqa-bf16")
     model = fuse_projections(zoo.from_pretrained(case.path, dtype="bfloat16", weights_dtype="fp8").eval())
-    forms = collections.Counter()
-    launch = gemv_ops_module.slice_gemv_launch
-
-    def counted(*args, **kwargs):
-        forms["w8a8" if kwargs.get("a8") else "other"] += 1
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(gemv_ops_module, "slice_gemv_launch", counted)
+    forms = _slice_forms(monkeypatch)
     sm_90 = configs_for("sm_90")
     table = TritonOpsOnCpu(SMALL_OPS + ("fp8_linear", "silu_mul_fp8_linear"))
     linear = fp8_linear_op("sm_90", sm_90, True)
@@ -305,4 +303,4 @@ def test_engine_on_the_sm_90_table_decodes_fp8_weights_with_the_w8a8_slices(monk
             outs[graphs] = [o.token_ids for o in engine.run_until_done()]
             assert engine.runner.graphs.captured or not graphs
     assert outs[True] == outs[False]
-    assert forms["w8a8"] > 0 and not forms["other"], forms
+    assert forms["w8a8"] > 0 and set(forms) == {"w8a8"}, forms
