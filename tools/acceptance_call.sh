@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
+# run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
+#   END=560 bash tools/acceptance_call.sh       # END: seconds this script may use (the run's limit less a margin)
+# Rows: $OUT/rows.jsonl (runtime.bench), $OUT/peer.txt, $OUT/pytest.txt, $OUT/acceptance.log; a table last.
+# On an H100 the tests go first (its numbers are not the issues' targets), then the same cells.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/.out/acceptance}
+END=${END:-560}
+mkdir -p "$OUT"
+LOG=$OUT/acceptance.log
+ROWS=$OUT/rows.jsonl
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/hydra ]; then   # Hydra as wheels (../shared/device/README.md)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+STATUS=()
+
+step() {   # step NAME COST LIMIT CMD...: skip when COST seconds no longer fit before END; cap at LIMIT
+  local name=$1 cost=$2 limit=$3; shift 3
+  if (( SECONDS + cost > END )); then STATUS+=("$(printf '%-40s skipped (budget)' "$name")"); return; fi
+  (( limit > END - SECONDS )) && limit=$(( END - SECONDS ))
+  local start=$SECONDS
+  echo "===== $name: $*" >>"$LOG"
+  timeout "$limit" "$@" >>"$LOG" 2>&1
+  STATUS+=("$(printf '%-40s rc=%-3s %4ss' "$name" "$?" "$((SECONDS - start))")")
+}
+bench() { local name=$1; shift; step "$name" 35 150 python3 -m runtime.bench hal=${HAL:-cuda} weights=random output="$ROWS" "$@"; }
+FP8=(engine.kv_dtype=fp8 engine.weights_dtype=fp8)
+ROW16='{"gemv_slice_w8a8": [16, 128, 8, 1, 0, 0, 1, 512, 32]}'
+
+cells() {
+  bench "ouro b1 bf16" model=ouro-1.4b 'workload=[b1]'
+  bench "ouro b1 fp8" model=ouro-1.4b "${FP8[@]}" 'workload=[b1]'
+  step "peer" 110 200 bash -c "python3 .peer/compiled_ouro.py zoo/configs/ouro-1.4b.json 1:256 64:1024 128:1024 > $OUT/peer.txt 2>&1"
+  bench "nanbeige b1 bf16" model=nanbeige4.2-3b 'workload=[b1]'
+  bench "nanbeige b1 fp8" model=nanbeige4.2-3b "${FP8[@]}" 'workload=[b1]'
+  bench "huginn b1" model=huginn-0125 'workload=[b1]'
+  bench "ouro b64 b128" model=ouro-1.4b 'workload=[b64,b128]'
+  bench "ouro b128 fp8 kv" model=ouro-1.4b engine.kv_dtype=fp8 'workload=[b128]'
+  bench "ouro ttft1k prefill8k" model=ouro-1.4b 'workload=[ttft1k,prefill8k]'
+  bench "ouro b1 bf16 (again)" model=ouro-1.4b 'workload=[b1]'
+  bench "ouro b1 fp8 (again)" model=ouro-1.4b "${FP8[@]}" 'workload=[b1]'
+}
+tests() {
+  step "pytest engine" 90 240 bash -c "python3 -m pytest -m cuda tests/cuda/test_engine_cuda.py -q -rs -p no:cacheprovider \
+    >> $OUT/pytest.txt 2>&1"
+  step "pytest rows (lever 122)" 40 120 bash -c "python3 -m pytest -m cuda tests/cuda/test_fp8_cuda.py \
+    tests/cuda/test_decode_kernels_cuda.py -k 'w8a8_slice or tensor_core_slice' -q -rs -p no:cacheprovider >> $OUT/pytest.txt 2>&1"
+}
+rows() {   # lever 122: FP8 weights + KV at b8 with and without the 16-row entry
+  bench "b8 fp8" model=ouro-1.4b "${FP8[@]}" 'workload=[b8]'
+  export LOOPSTACK_KERNEL_CONFIGS=$ROW16
+  bench "b8 fp8 16-row entry" model=ouro-1.4b "${FP8[@]}" 'workload=[b8]'
+  unset LOOPSTACK_KERNEL_CONFIGS
+}
+
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
+echo "$GPU; $(python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')" | tee "$LOG"
+case $GPU in
+  *H200*) cells; tests; rows ;;
+  *) tests; cells; rows ;;
+esac
+
+{ echo "===== summary ($GPU)"; printf '%s\n' "${STATUS[@]}"; } | tee -a "$LOG"
+[ -f "$ROWS" ] && python3 - "$ROWS" <<'EOF' | tee -a "$LOG"
+import json, sys
+keys = ["model", "workload", "kv_dtype", "weights_dtype", "batch", "decode_ms_step", "decode_tok_s", "decode_vs_floor",
+        "wall_vs_device", "copy_tb_s", "decode_vs_measured_floor", "ttft_ms", "prefill_tok_s"]
+print(" | ".join(keys))
+for line in open(sys.argv[1]):
+    row = json.loads(line)
+    print(" | ".join(str(row.get(k, "")) for k in keys))
+EOF
+grep -h '"mode"' "$OUT/peer.txt" 2>/dev/null | tee -a "$LOG"
+grep -hE "passed|failed|error" "$OUT/pytest.txt" 2>/dev/null | tail -n 4 | tee -a "$LOG"
