@@ -3,7 +3,7 @@
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
 #   END=560 bash tools/acceptance_call.sh       # END: seconds this script may use (the run's limit less a margin)
 # Rows: $OUT/rows.jsonl (runtime.bench), $OUT/peer.txt, $OUT/pytest.txt, $OUT/acceptance.log; a table last.
-# On an H100 the tests go first (its numbers are not the issues' targets), then the same cells.
+# On an H100 the tests go first (its numbers are not the issues' targets), then lever 121's configs, then the cells.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/.out/acceptance}
@@ -56,11 +56,21 @@ rows() {   # lever 122: FP8 weights + KV at b8 with and without the 16-row entry
   unset LOOPSTACK_KERNEL_CONFIGS
 }
 
+configs() {   # lever 121: other W8A8 slice configs as the one-row entry, FP8 weights + KV at b1
+  local entry
+  for entry in "64, 4, 1, 0, 0, 1, 512" "128, 4, 1, 0, 0, 1, 256" "256, 8, 1, 0, 0, 1, 256"; do
+    export LOOPSTACK_KERNEL_CONFIGS="{\"gemv_slice_w8a8\": [1, $entry, 32]}"
+    bench "ouro b1 fp8 w8a8 [$entry]" model=ouro-1.4b "${FP8[@]}" 'workload=[b1]'
+    bench "nanbeige b1 fp8 w8a8 [$entry]" model=nanbeige4.2-3b "${FP8[@]}" 'workload=[b1]'
+  done
+  unset LOOPSTACK_KERNEL_CONFIGS
+}
+
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
 echo "$GPU; $(python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')" | tee "$LOG"
 case $GPU in
   *H200*) cells; tests; rows ;;
-  *) tests; cells; rows ;;
+  *) tests; configs; cells; rows ;;
 esac
 
 { echo "===== summary ($GPU)"; printf '%s\n' "${STATUS[@]}"; } | tee -a "$LOG"
