@@ -43,7 +43,7 @@ log = logging.getLogger("runtime.bench")
 CONFIGS = Path(__file__).resolve().parent.parent / "zoo" / "configs"
 
 KERNEL_ENV = ("LOOPSTACK_PDL", "LOOPSTACK_DECODE_PROJECTIONS", "LOOPSTACK_KERNEL_CONFIGS", "LOOPSTACK_MAX_SPLITS",
-              "LOOPSTACK_BLASLT")
+              "LOOPSTACK_BLASLT", "LOOPSTACK_RING_GEMV", "LOOPSTACK_RING_CONFIGS")
 # quoted from issue #5: the checkpoint's own HF remote code on the same H200, Ouro-1.4B bf16
 HF_REFERENCE_MS_PER_STEP = {("ouro-1.4b", 1): 130.0, ("ouro-1.4b", 64): 127.0}
 

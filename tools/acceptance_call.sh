@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
-#   END=560 bash tools/acceptance_call.sh       # END: seconds this script may use (the run's limit less a margin)
-# Rows: $OUT/rows.jsonl (runtime.bench), $OUT/peer.txt, $OUT/pytest.txt, $OUT/acceptance.log; a table last.
+#   END=560 [PARTS="cells tests ring rows configs"] bash tools/acceptance_call.sh
+# END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by GPU).
+# Files under $OUT (six, of the 8 a call brings back): rows.jsonl (runtime.bench), peer.txt, pytest.txt,
+# ring_rows.jsonl and ring.json (tools/ring_sweep.py), acceptance.log; a table last.
 # On an H100 the tests go first (its numbers are not the issues' targets), then lever 121's configs, then the cells.
 set -u
 cd "$(dirname "$0")/.."
@@ -66,12 +68,29 @@ configs() {   # lever 121: other W8A8 slice configs as the one-row entry, FP8 we
   unset LOOPSTACK_KERNEL_CONFIGS
 }
 
+ring() {   # issue 19's Nanbeige cell: the ring's configs per shape (tools/ring_sweep.py), then the step with them
+  step "ring sweep nanbeige" 150 240 python3 tools/ring_sweep.py --models nanbeige4.2-3b --out "$OUT/ring_rows.jsonl" \
+    --env-out "$OUT/ring.json"
+  [ -s "$OUT/ring.json" ] || return
+  local round
+  for round in 1 2; do     # alternating with the table's configs
+    export LOOPSTACK_RING_CONFIGS=$(cat "$OUT/ring.json")
+    bench "nanbeige b1 swept ring ($round)" model=nanbeige4.2-3b 'workload=[b1]'
+    unset LOOPSTACK_RING_CONFIGS
+    bench "nanbeige b1 table ring ($round)" model=nanbeige4.2-3b 'workload=[b1]'
+  done
+}
+
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
 echo "$GPU; $(python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')" | tee "$LOG"
-case $GPU in
-  *H200*) cells; tests; rows ;;
-  *) tests; configs; cells; rows ;;
-esac
+if [ -n "${PARTS:-}" ]; then     # e.g. PARTS="tests ring rows" for a second call
+  for part in $PARTS; do $part; done
+else
+  case $GPU in
+    *H200*) cells; tests; ring; rows ;;
+    *) tests; configs; cells; rows ;;
+  esac
+fi
 
 { echo "===== summary ($GPU)"; printf '%s\n' "${STATUS[@]}"; } | tee -a "$LOG"
 [ -f "$ROWS" ] && python3 - "$ROWS" <<'EOF' | tee -a "$LOG"

@@ -4,14 +4,18 @@ each config of the TMA ring (hal/cuda/ring_gemv.py) and the product the CUDA Hal
 launches chained by PDL as in the engine.
 
     PYTHONPATH=.:tools python tools/ring_sweep.py [--models nanbeige4.2-3b,huginn-0125] [--out rows.jsonl]
+        [--env-out ring.json]
 
 Prints us per call, TB/s and the ratio to the library per shape and config; the best config per shape
-is what `ring_gemv.TABLE` should name where it beats the library (sm_90 only).
+is what `ring_gemv.TABLE` should name where it beats the library (sm_90 only). `--env-out` writes those
+choices as the engine reads them from LOOPSTACK_RING_CONFIGS (null where the library wins), so the same
+device call can run the step with them: `LOOPSTACK_RING_CONFIGS="$(cat ring.json)" python -m runtime.bench ...`.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 from pathlib import Path
 
@@ -30,7 +34,7 @@ L2_BYTES = 60 << 20
 def _configs() -> list[ring_gemv.RingConfig]:
     grid = itertools.product((8, 16), (2, 4), (4, 6, 8), (4, 8))     # block_n, boxes, stages, warps
     return [ring_gemv.RingConfig(1, bn, 256, boxes, stages, warps) for bn, boxes, stages, warps in grid
-            if bn * 256 * boxes * stages * 2 <= 160 << 10]
+            if bn * 256 * boxes * stages * 2 <= ring_gemv.MAX_RING_BYTES]
 
 
 def sweep(name: str, n: int, k: int, library, configs) -> list[dict]:
@@ -59,7 +63,8 @@ def sweep(name: str, n: int, k: int, library, configs) -> list[dict]:
             for w, o in zip(weights, outs):
                 ring_gemv.ring_linear(x, w, config, out=o)
         try:
-            rows.append(row(f"ring {tuple(config)[1:]}", graph_median_us(run_ring) / copies, outs[-1]))
+            rows.append({**row(f"ring {tuple(config)[1:]}", graph_median_us(run_ring) / copies, outs[-1]),
+                         "config": list(config)})
         except Exception as e:  # noqa: BLE001 (reported, the sweep goes on)
             print(f"{name:22s} ring {tuple(config)[1:]} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
     lib = rows[0]["us"]
@@ -70,10 +75,25 @@ def sweep(name: str, n: int, k: int, library, configs) -> list[dict]:
     return rows
 
 
+def choices(rows: list[dict]) -> dict[str, list[int] | None]:
+    """Per shape, the fastest ring config where it beats the library, else None: LOOPSTACK_RING_CONFIGS's JSON."""
+    by_shape: dict[tuple[int, int], list[dict]] = {}
+    for r in rows:
+        by_shape.setdefault((r["n"], r["k"]), []).append(r)
+    out = {}
+    for (n, k), shape_rows in by_shape.items():
+        library = next(r["us"] for r in shape_rows if r["variant"] == "library")
+        rings = [r for r in shape_rows if r.get("config")]
+        best = min(rings, key=lambda r: r["us"], default=None)
+        out[f"{n},{k}"] = best["config"] if best is not None and best["us"] < library else None
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--models", default="nanbeige4.2-3b,huginn-0125")
     p.add_argument("--out", default=None)
+    p.add_argument("--env-out", default=None, help="write the per-shape choices as LOOPSTACK_RING_CONFIGS's JSON")
     args = p.parse_args()
     torch.manual_seed(0)
     library = table_linear(torch.device("cuda")) or torch.nn.functional.linear
@@ -85,6 +105,11 @@ def main() -> int:
         for name, n, k in MODEL_SHAPES[model]:
             rows += sweep(f"{model}/{name}", n, k, library, configs)
     append_rows(args.out, rows)
+    if args.env_out:
+        picked = choices(rows)
+        ring_gemv.table_overrides(json.dumps(picked))     # the engine must accept what it is handed
+        Path(args.env_out).write_text(json.dumps(picked))
+        print(f"{ring_gemv.CONFIGS_ENV}={json.dumps(picked)}", flush=True)
     return 0
 
 

@@ -30,6 +30,7 @@ where the FP8 slice kernel takes 23.8 (H100), so the engine keeps the slice kern
 from __future__ import annotations
 
 import functools
+import json
 import os
 from typing import Any, NamedTuple
 
@@ -54,6 +55,8 @@ else:
         return flat._reinterpret(flat.dtype, [XT, BK], layout)
 
 ENV = "LOOPSTACK_RING_GEMV"    # "1": every one-row 16-bit product it takes; "0": none; unset: the table
+CONFIGS_ENV = "LOOPSTACK_RING_CONFIGS"    # JSON {"N,K": [RingConfig fields] or null}: the table's entries replaced
+MAX_RING_BYTES = 160 << 10    # the stages in flight, 16-bit boxes (beside the staged x, in 227 KiB of shared memory)
 
 
 class RingConfig(NamedTuple):
@@ -243,16 +246,47 @@ class RingOr:
         return ring_linear(x.reshape(1, -1), weight, config, pdl=self.pdl).view(*x.shape[:-1], -1)
 
 
+def table_overrides(text: str) -> dict[tuple[int, int], RingConfig | None]:
+    """Ring table entries from JSON `{"N,K": [programs_per_sm, block_n, block_k, boxes, stages, num_warps]}`,
+    None where a shape is given as null (the library runs it): what tools/ring_sweep.py measures, tried in the
+    engine without a code change."""
+    if not text.strip():
+        return {}
+    try:
+        entries = json.loads(text)
+        table = {}
+        for shape, values in entries.items():
+            n, k = (int(v) for v in shape.split(","))
+            table[(n, k)] = None if values is None else _checked(RingConfig(*(int(v) for v in values)))
+        return table
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{CONFIGS_ENV}={text!r}: {e}; expected JSON like '{{\"8192,3072\": [1, 8, 256, 4, 6, 4]}}' "
+                         "(N,K of the weight -> programs_per_sm, block_n, block_k, boxes, stages, num_warps; null: "
+                         "the library)") from None
+
+
+def _checked(config: RingConfig) -> RingConfig:
+    if min(config) < 1 or config.block_k % 16 or config.num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"{config}: every field >= 1, block_k a multiple of 16, num_warps a power of two <= 16")
+    ring_bytes = config.block_n * config.block_k * config.boxes * config.stages * 2 * config.programs_per_sm
+    if ring_bytes > MAX_RING_BYTES:
+        raise ValueError(f"{config}: its stages hold {ring_bytes >> 10} KiB an SM, more than the "
+                         f"{MAX_RING_BYTES >> 10} KiB of shared memory the ring may take")
+    return config
+
+
 def ring_or(library: Any, arch: str, pdl: bool) -> Any:
-    """`library` wrapped with the ring where this arch's table (or LOOPSTACK_RING_GEMV=1) has shapes;
-    `library` itself where it has none (sm_90 only: TMA and Gluon's Hopper ops)."""
+    """`library` wrapped with the ring where this arch's table (with LOOPSTACK_RING_CONFIGS's entries, or
+    LOOPSTACK_RING_GEMV=1) has shapes; `library` itself where it has none (sm_90 only: TMA and Gluon's
+    Hopper ops)."""
     env = os.environ.get(ENV)
     if env not in (None, "0", "1"):
         raise ValueError(f"{ENV}={env!r}: set 1 (every one-row product the ring takes), 0 (none) or leave it "
                          "unset (the shapes of its table)")
     if env == "0" or arch != "sm_90":
         return library
-    shapes = TABLE.get(arch, {})
+    shapes = {**TABLE.get(arch, {}), **table_overrides(os.environ.get(CONFIGS_ENV, ""))}
+    shapes = {shape: config for shape, config in shapes.items() if config is not None}
     if not shapes and env != "1":
         return library
     return RingOr(library, shapes, env == "1", pdl)

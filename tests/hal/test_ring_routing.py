@@ -1,7 +1,12 @@
 """Which products the CUDA Hal's TMA ring takes (hal/cuda/ring_gemv.py), decided on the host: one
 contiguous 16-bit row at a shape of its table (every shape with LOOPSTACK_RING_GEMV=1), sm_90 only;
 everything else goes to the library product unchanged. No GPU needed (tests/cuda/test_ring_gemv_cuda.py
-runs the kernel; tests/kernels/test_xcompile_ring.py compiles it for sm_90)."""
+runs the kernel; tests/kernels/test_xcompile_ring.py compiles it for sm_90). LOOPSTACK_RING_CONFIGS replaces
+the table's entries with what tools/ring_sweep.py measured."""
+import json
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -67,3 +72,48 @@ def test_the_switch_and_the_arch(monkeypatch):
     with pytest.raises(ValueError, match="LOOPSTACK_RING_GEMV"):
         ring.ring_or(lib, "sm_90", True)
 
+
+
+def test_ring_configs_from_the_environment_replace_or_remove_table_entries(monkeypatch):
+    lib = _library([])
+    monkeypatch.delenv(ring.ENV, raising=False)
+    qkv, o = (8192, 3072), (3072, 6144)      # two of Nanbeige4.2-3B's table shapes
+    monkeypatch.setenv(ring.CONFIGS_ENV, '{"8192,3072": [1, 16, 256, 4, 4, 8], "3072,6144": null, "64,32": [1, 8, 256, 2, 4, 4]}')
+    routed = ring.ring_or(lib, "sm_90", True)
+    assert routed.shapes[qkv] == ring.RingConfig(1, 16, 256, 4, 4, 8)
+    assert o not in routed.shapes and (64, 32) in routed.shapes
+    x = torch.zeros(1, 6144, dtype=torch.bfloat16)
+    assert routed.config(x, torch.zeros(o, dtype=torch.bfloat16)) is None      # null: the library runs it
+    # removing every shape leaves the library itself
+    monkeypatch.setenv(ring.CONFIGS_ENV, "{" + ", ".join(f'"{n},{k}": null' for n, k in ring.TABLE["sm_90"]) + "}")
+    assert ring.ring_or(lib, "sm_90", True) is lib
+
+
+@pytest.mark.parametrize("text, match", [
+    ('{"8192": [1, 8, 256, 4, 6, 4]}', "N,K of the weight"),              # no K
+    ('{"8192,3072": [1, 8, 256, 4]}', "missing"),                         # too few fields
+    ('{"8192,3072": [1, 16, 256, 4, 8, 8]}', "256 KiB an SM"),             # more stages than shared memory holds
+    ('{"8192,3072": [1, 8, 100, 4, 6, 4]}', "multiple of 16"),
+    ("[1, 8]", "expected JSON like"),
+])
+def test_bad_ring_configs_name_the_fix(monkeypatch, text, match):
+    monkeypatch.delenv(ring.ENV, raising=False)
+    monkeypatch.setenv(ring.CONFIGS_ENV, text)
+    with pytest.raises(ValueError, match=match):
+        ring.ring_or(_library([]), "sm_90", True)
+
+
+def test_the_sweep_picks_what_beats_the_library_in_the_form_the_engine_reads():
+    sys.path.insert(0, str(Path(__file__).parents[2] / "tools"))
+    import ring_sweep
+
+    config = [1, 8, 256, 4, 6, 4]
+    rows = [{"n": 64, "k": 32, "variant": "library", "us": 10.0},
+            {"n": 64, "k": 32, "variant": "ring a", "us": 9.5, "config": [1, 16, 256, 4, 4, 8]},
+            {"n": 64, "k": 32, "variant": "ring b", "us": 9.0, "config": config},
+            {"n": 32, "k": 64, "variant": "library", "us": 5.0},
+            {"n": 32, "k": 64, "variant": "ring a", "us": 6.0, "config": config}]
+    picked = ring_sweep.choices(rows)
+    assert picked == {"64,32": config, "32,64": None}
+    assert ring.table_overrides(json.dumps(picked)) == {(64, 32): ring.RingConfig(*config), (32, 64): None}
+    assert all(c.block_n * c.block_k * c.boxes * c.stages * 2 <= ring.MAX_RING_BYTES for c in ring_sweep._configs())
