@@ -35,7 +35,7 @@ ROW16='{"gemv_slice_w8a8": [16, 128, 8, 1, 0, 0, 1, 512, 32]}'
 cells() {
   bench "ouro b1 bf16" model=ouro-1.4b 'workload=[b1]'
   bench "ouro b1 fp8" model=ouro-1.4b "${FP8[@]}" 'workload=[b1]'
-  step "peer" 110 200 bash -c "python3 .peer/compiled_ouro.py zoo/configs/ouro-1.4b.json 1:256 64:1024 128:1024 > $OUT/peer.txt 2>&1"
+  step "peer" 70 200 bash -c "MODES=${PEER_MODES:-default} python3 .peer/compiled_ouro.py zoo/configs/ouro-1.4b.json 1:256 64:1024 128:1024 > $OUT/peer.txt 2>&1"
   bench "nanbeige b1 bf16" model=nanbeige4.2-3b 'workload=[b1]'
   bench "nanbeige b1 fp8" model=nanbeige4.2-3b "${FP8[@]}" 'workload=[b1]'
   bench "huginn b1" model=huginn-0125 'workload=[b1]'
