@@ -2,7 +2,8 @@
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
 #   END=560 [PARTS="cells tests ring rows configs"] bash tools/acceptance_call.sh
-# END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by GPU).
+# END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by
+# GPU; H200_PARTS and OTHER_PARTS set them for one kind of card only).
 # Files under $OUT (six, of the 8 a call brings back): rows.jsonl (runtime.bench), peer.txt, pytest.txt,
 # ring_rows.jsonl and ring.json (tools/ring_sweep.py), acceptance.log; a table last.
 # On an H100 the tests go first (its numbers are not the issues' targets), then lever 121's configs, then the cells.
@@ -83,14 +84,11 @@ ring() {   # issue 19's Nanbeige cell: the ring's configs per shape (tools/ring_
 
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
 echo "$GPU; $(python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')" | tee "$LOG"
-if [ -n "${PARTS:-}" ]; then     # e.g. PARTS="tests ring rows" for a second call
-  for part in $PARTS; do $part; done
-else
-  case $GPU in
-    *H200*) cells; tests; ring; rows ;;
-    *) tests; configs; cells; rows ;;
-  esac
-fi
+case $GPU in    # PARTS for any card, else H200_PARTS or OTHER_PARTS (e.g. "tests ring rows" for a second call)
+  *H200*) PARTS=${PARTS:-${H200_PARTS:-cells tests ring rows}} ;;
+  *) PARTS=${PARTS:-${OTHER_PARTS:-tests configs cells rows}} ;;
+esac
+for part in $PARTS; do $part; done
 
 { echo "===== summary ($GPU)"; printf '%s\n' "${STATUS[@]}"; } | tee -a "$LOG"
 [ -f "$ROWS" ] && python3 - "$ROWS" <<'EOF' | tee -a "$LOG"
