@@ -58,7 +58,6 @@ rows() {   # lever 122: FP8 weights + KV at b8 with and without the 16-row entry
   bench "b8 fp8 16-row entry" model=ouro-1.4b "${FP8[@]}" 'workload=[b8]'
   unset LOOPSTACK_KERNEL_CONFIGS
 }
-
 configs() {   # lever 121: other W8A8 slice configs as the one-row entry, FP8 weights + KV at b1
   local entry
   for entry in "64, 4, 1, 0, 0, 1, 512" "128, 4, 1, 0, 0, 1, 256" "256, 8, 1, 0, 0, 1, 256"; do
@@ -68,7 +67,6 @@ configs() {   # lever 121: other W8A8 slice configs as the one-row entry, FP8 we
   done
   unset LOOPSTACK_KERNEL_CONFIGS
 }
-
 huginn() {   # lever 124: Huginn-0125's FP8 down (K = 17,920: 35 slices of 512) on the W8A8 entry with split_k 48
   bench "huginn b1 fp8" model=huginn-0125 "${FP8[@]}" 'workload=[b1]'
   export LOOPSTACK_KERNEL_CONFIGS='{"gemv_slice_w8a8": [1, 128, 8, 1, 0, 0, 1, 512, 48]}'
@@ -101,10 +99,11 @@ for part in $PARTS; do $part; done
 import json, sys
 keys = ["model", "workload", "kv_dtype", "weights_dtype", "batch", "decode_ms_step", "decode_tok_s", "decode_vs_floor",
         "wall_vs_device", "copy_tb_s", "decode_vs_measured_floor", "ttft_ms", "prefill_tok_s"]
-print(" | ".join(keys))
+print(" | ".join(keys + ["configs from the environment"]))
 for line in open(sys.argv[1]):
     row = json.loads(line)
-    print(" | ".join(str(row.get(k, "")) for k in keys))
+    env = row.get("kernel_configs") or row.get("ring_configs") or ""
+    print(" | ".join([str(row.get(k, "")) for k in keys] + [env]))
 EOF
 grep -h '"mode"' "$OUT/peer.txt" 2>/dev/null | tee -a "$LOG"
 grep -hE "passed|failed|error" "$OUT/pytest.txt" 2>/dev/null | tail -n 4 | tee -a "$LOG"
