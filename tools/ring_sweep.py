@@ -33,8 +33,8 @@ L2_BYTES = 60 << 20
 
 def _configs() -> list[ring_gemv.RingConfig]:
     grid = itertools.product((8, 16), (2, 4), (4, 6, 8), (4, 8))     # block_n, boxes, stages, warps
-    return [ring_gemv.RingConfig(1, bn, 256, boxes, stages, warps) for bn, boxes, stages, warps in grid
-            if bn * 256 * boxes * stages * 2 <= ring_gemv.MAX_RING_BYTES]
+    configs = (ring_gemv.RingConfig(1, bn, 256, boxes, stages, warps) for bn, boxes, stages, warps in grid)
+    return [c for c in configs if ring_gemv.ring_bytes(c) <= ring_gemv.MAX_RING_BYTES]
 
 
 def sweep(name: str, n: int, k: int, library, configs) -> list[dict]:

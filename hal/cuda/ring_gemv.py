@@ -265,12 +265,16 @@ def table_overrides(text: str) -> dict[tuple[int, int], RingConfig | None]:
                          "the library)") from None
 
 
+def ring_bytes(config: RingConfig) -> int:
+    """Shared memory the 16-bit stages in flight take on one SM."""
+    return config.block_n * config.block_k * config.boxes * config.stages * 2 * config.programs_per_sm
+
+
 def _checked(config: RingConfig) -> RingConfig:
     if min(config) < 1 or config.block_k % 16 or config.num_warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"{config}: every field >= 1, block_k a multiple of 16, num_warps a power of two <= 16")
-    ring_bytes = config.block_n * config.block_k * config.boxes * config.stages * 2 * config.programs_per_sm
-    if ring_bytes > MAX_RING_BYTES:
-        raise ValueError(f"{config}: its stages hold {ring_bytes >> 10} KiB an SM, more than the "
+    if ring_bytes(config) > MAX_RING_BYTES:
+        raise ValueError(f"{config}: its stages hold {ring_bytes(config) >> 10} KiB an SM, more than the "
                          f"{MAX_RING_BYTES >> 10} KiB of shared memory the ring may take")
     return config
 

@@ -73,12 +73,12 @@ def test_the_switch_and_the_arch(monkeypatch):
         ring.ring_or(lib, "sm_90", True)
 
 
-
 def test_ring_configs_from_the_environment_replace_or_remove_table_entries(monkeypatch):
     lib = _library([])
     monkeypatch.delenv(ring.ENV, raising=False)
     qkv, o = (8192, 3072), (3072, 6144)      # two of Nanbeige4.2-3B's table shapes
-    monkeypatch.setenv(ring.CONFIGS_ENV, '{"8192,3072": [1, 16, 256, 4, 4, 8], "3072,6144": null, "64,32": [1, 8, 256, 2, 4, 4]}')
+    monkeypatch.setenv(ring.CONFIGS_ENV,
+                       '{"8192,3072": [1, 16, 256, 4, 4, 8], "3072,6144": null, "64,32": [1, 8, 256, 2, 4, 4]}')
     routed = ring.ring_or(lib, "sm_90", True)
     assert routed.shapes[qkv] == ring.RingConfig(1, 16, 256, 4, 4, 8)
     assert o not in routed.shapes and (64, 32) in routed.shapes
@@ -116,4 +116,6 @@ def test_the_sweep_picks_what_beats_the_library_in_the_form_the_engine_reads():
     picked = ring_sweep.choices(rows)
     assert picked == {"64,32": config, "32,64": None}
     assert ring.table_overrides(json.dumps(picked)) == {(64, 32): ring.RingConfig(*config), (32, 64): None}
-    assert all(c.block_n * c.block_k * c.boxes * c.stages * 2 <= ring.MAX_RING_BYTES for c in ring_sweep._configs())
+    tried = ring_sweep._configs()        # whichever of them a sweep picks, the engine takes
+    as_env = json.dumps({f"{n},16": list(c) for n, c in enumerate(tried, 1)})
+    assert len(tried) == 20 and len(ring.table_overrides(as_env)) == 20
