@@ -76,7 +76,8 @@ def sweep(name: str, n: int, k: int, library, configs) -> list[dict]:
 
 
 def choices(rows: list[dict]) -> dict[str, list[int] | None]:
-    """Per shape, the fastest ring config where it beats the library, else None: LOOPSTACK_RING_CONFIGS's JSON."""
+    """Per shape, the fastest ring config where it beats the library, else None (LOOPSTACK_RING_CONFIGS's
+    JSON)."""
     by_shape: dict[tuple[int, int], list[dict]] = {}
     for r in rows:
         by_shape.setdefault((r["n"], r["k"]), []).append(r)
@@ -93,7 +94,8 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--models", default="nanbeige4.2-3b,huginn-0125")
     p.add_argument("--out", default=None)
-    p.add_argument("--env-out", default=None, help="write the per-shape choices as LOOPSTACK_RING_CONFIGS's JSON")
+    p.add_argument("--env-out", default=None,
+                   help="write the per-shape choices as LOOPSTACK_RING_CONFIGS's JSON")
     args = p.parse_args()
     torch.manual_seed(0)
     library = table_linear(torch.device("cuda")) or torch.nn.functional.linear

@@ -55,8 +55,8 @@ else:
         return flat._reinterpret(flat.dtype, [XT, BK], layout)
 
 ENV = "LOOPSTACK_RING_GEMV"    # "1": every one-row 16-bit product it takes; "0": none; unset: the table
-CONFIGS_ENV = "LOOPSTACK_RING_CONFIGS"    # JSON {"N,K": [RingConfig fields] or null}: the table's entries replaced
-MAX_RING_BYTES = 160 << 10    # the stages in flight, 16-bit boxes (beside the staged x, in 227 KiB of shared memory)
+CONFIGS_ENV = "LOOPSTACK_RING_CONFIGS"    # JSON {"N,K": [RingConfig fields] or null}: replaces table entries
+MAX_RING_BYTES = 160 << 10    # the 16-bit stages in flight (beside the staged x, in 227 KiB of shared memory)
 
 
 class RingConfig(NamedTuple):
@@ -260,9 +260,9 @@ def table_overrides(text: str) -> dict[tuple[int, int], RingConfig | None]:
             table[(n, k)] = None if values is None else _checked(RingConfig(*(int(v) for v in values)))
         return table
     except (ValueError, TypeError, AttributeError) as e:
-        raise ValueError(f"{CONFIGS_ENV}={text!r}: {e}; expected JSON like '{{\"8192,3072\": [1, 8, 256, 4, 6, 4]}}' "
-                         "(N,K of the weight -> programs_per_sm, block_n, block_k, boxes, stages, num_warps; null: "
-                         "the library)") from None
+        raise ValueError(f"{CONFIGS_ENV}={text!r}: {e}; expected JSON like "
+                         """'{"8192,3072": [1, 8, 256, 4, 6, 4]}' (N,K of the weight -> programs_per_sm, """
+                         "block_n, block_k, boxes, stages, num_warps; null: the library)") from None
 
 
 def ring_bytes(config: RingConfig) -> int:
@@ -272,7 +272,8 @@ def ring_bytes(config: RingConfig) -> int:
 
 def _checked(config: RingConfig) -> RingConfig:
     if min(config) < 1 or config.block_k % 16 or config.num_warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"{config}: every field >= 1, block_k a multiple of 16, num_warps a power of two <= 16")
+        raise ValueError(f"{config}: every field >= 1, block_k a multiple of 16, num_warps a power of two "
+                         "<= 16")
     if ring_bytes(config) > MAX_RING_BYTES:
         raise ValueError(f"{config}: its stages hold {ring_bytes(config) >> 10} KiB an SM, more than the "
                          f"{MAX_RING_BYTES >> 10} KiB of shared memory the ring may take")

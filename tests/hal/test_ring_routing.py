@@ -83,16 +83,17 @@ def test_ring_configs_from_the_environment_replace_or_remove_table_entries(monke
     assert routed.shapes[qkv] == ring.RingConfig(1, 16, 256, 4, 4, 8)
     assert o not in routed.shapes and (64, 32) in routed.shapes
     x = torch.zeros(1, 6144, dtype=torch.bfloat16)
-    assert routed.config(x, torch.zeros(o, dtype=torch.bfloat16)) is None      # null: the library runs it
+    assert routed.config(x, torch.zeros(o, dtype=torch.bfloat16)) is None    # null: the library runs it
     # removing every shape leaves the library itself
-    monkeypatch.setenv(ring.CONFIGS_ENV, "{" + ", ".join(f'"{n},{k}": null' for n, k in ring.TABLE["sm_90"]) + "}")
+    every_shape = ", ".join(f'"{n},{k}": null' for n, k in ring.TABLE["sm_90"])
+    monkeypatch.setenv(ring.CONFIGS_ENV, "{" + every_shape + "}")
     assert ring.ring_or(lib, "sm_90", True) is lib
 
 
 @pytest.mark.parametrize("text, match", [
     ('{"8192": [1, 8, 256, 4, 6, 4]}', "N,K of the weight"),              # no K
     ('{"8192,3072": [1, 8, 256, 4]}', "missing"),                         # too few fields
-    ('{"8192,3072": [1, 16, 256, 4, 8, 8]}', "256 KiB an SM"),             # more stages than shared memory holds
+    ('{"8192,3072": [1, 16, 256, 4, 8, 8]}', "256 KiB an SM"),             # stages past shared memory
     ('{"8192,3072": [1, 8, 100, 4, 6, 4]}', "multiple of 16"),
     ("[1, 8]", "expected JSON like"),
 ])
