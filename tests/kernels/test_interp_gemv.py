@@ -617,6 +617,17 @@ def test_w8a8_entry_routes_one_row_e4m3fn_products(monkeypatch):
     assert seen[2:] == [False]
 
 
+@pytest.mark.parametrize("n,k,takes", [(6144, 2048, True), (3072, 10752, True), (5280, 17920, True),
+                                       (5280, 24576, True), (5280, 24577, False)],
+                         ids=["ouro-qkv", "nanbeige-down", "huginn-down", "48-slices", "49-slices"])
+def test_the_sm_90_w8a8_entry_takes_every_family_s_one_row_products(n, k, takes):
+    """The sm_90 table's W8A8 entry takes a one-row e4m3fn product while K fits in its split_k slices of 512:
+    Huginn-0125's down (35 slices) among them (lever 124: at 32 it fell to gemv.py's K-looping W8A16 kernel)."""
+    ops = gemv_ops.Gemv(configs_for("sm_90"), 132)
+    weight = torch.empty(n, k, dtype=torch.float8_e4m3fn, device="meta")
+    assert (ops._tensor_core_slice(gemv_ops.A8_KEY, weight, 1) is not None) == takes
+
+
 @pytest.mark.parametrize("num_rows,prologue", [(3, "none"), (8, "silu_and_mul"), (16, "none")])
 def test_w8a8_slice_takes_several_rows_each_quantized_on_its_own(num_rows, prologue):
     """The tensor-core forms take up to 16 rows (the rows are the dot's columns): each row's slice of x
