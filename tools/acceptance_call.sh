@@ -67,11 +67,13 @@ configs() {   # lever 121: other W8A8 slice configs as the one-row entry, FP8 we
   done
   unset LOOPSTACK_KERNEL_CONFIGS
 }
-huginn() {   # lever 124: Huginn-0125's FP8 down (K = 17,920: 35 slices of 512) on the W8A8 entry with split_k 48
+huginn() {   # lever 124: Huginn-0125's FP8 down (K = 17,920: 35 slices of 512) on the W8A8 entry (split_k 48,
+             # the table's since the fifty-first session) against split_k 32 (down off it), and its bf16 twin
   bench "huginn b1 fp8" model=huginn-0125 "${FP8[@]}" 'workload=[b1]'
-  export LOOPSTACK_KERNEL_CONFIGS='{"gemv_slice_w8a8": [1, 128, 8, 1, 0, 0, 1, 512, 48]}'
-  bench "huginn b1 fp8 split_k 48" model=huginn-0125 "${FP8[@]}" 'workload=[b1]'
+  export LOOPSTACK_KERNEL_CONFIGS='{"gemv_slice_w8a8": [1, 128, 8, 1, 0, 0, 1, 512, 32]}'
+  bench "huginn b1 fp8 split_k 32" model=huginn-0125 "${FP8[@]}" 'workload=[b1]'
   unset LOOPSTACK_KERNEL_CONFIGS
+  bench "huginn b1 bf16" model=huginn-0125 'workload=[b1]'
 }
 ring() {   # issue 19's Nanbeige cell: the ring's configs per shape (tools/ring_sweep.py), then the step with them
   step "ring sweep nanbeige" 150 240 python3 tools/ring_sweep.py --models nanbeige4.2-3b --out "$OUT/ring_rows.jsonl" \
