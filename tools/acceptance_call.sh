@@ -54,25 +54,22 @@ tests() {
 }
 rows() {   # lever 122: FP8 weights + KV at b8 with and without the 16-row entry
   bench "b8 fp8" model=ouro-1.4b "${FP8[@]}" 'workload=[b8]'
-  export LOOPSTACK_KERNEL_CONFIGS=$ROW16
-  bench "b8 fp8 16-row entry" model=ouro-1.4b "${FP8[@]}" 'workload=[b8]'
-  unset LOOPSTACK_KERNEL_CONFIGS
+  LOOPSTACK_KERNEL_CONFIGS=$ROW16 bench "b8 fp8 16-row entry" model=ouro-1.4b "${FP8[@]}" 'workload=[b8]'
 }
 configs() {   # lever 121: other W8A8 slice configs as the one-row entry, FP8 weights + KV at b1
   local entry
   for entry in "64, 4, 1, 0, 0, 1, 512" "128, 4, 1, 0, 0, 1, 256" "256, 8, 1, 0, 0, 1, 256"; do
-    export LOOPSTACK_KERNEL_CONFIGS="{\"gemv_slice_w8a8\": [1, $entry, 32]}"
-    bench "ouro b1 fp8 w8a8 [$entry]" model=ouro-1.4b "${FP8[@]}" 'workload=[b1]'
-    bench "nanbeige b1 fp8 w8a8 [$entry]" model=nanbeige4.2-3b "${FP8[@]}" 'workload=[b1]'
+    local configs="{\"gemv_slice_w8a8\": [1, $entry, 32]}"
+    LOOPSTACK_KERNEL_CONFIGS=$configs bench "ouro b1 fp8 w8a8 [$entry]" model=ouro-1.4b "${FP8[@]}" 'workload=[b1]'
+    LOOPSTACK_KERNEL_CONFIGS=$configs bench "nanbeige b1 fp8 w8a8 [$entry]" model=nanbeige4.2-3b "${FP8[@]}" \
+      'workload=[b1]'
   done
-  unset LOOPSTACK_KERNEL_CONFIGS
 }
 huginn() {   # lever 124: Huginn-0125's FP8 down (K = 17,920: 35 slices of 512) on the W8A8 entry (split_k 48,
              # the table's since the fifty-first session) against split_k 32 (down off it), and its bf16 twin
   bench "huginn b1 fp8" model=huginn-0125 "${FP8[@]}" 'workload=[b1]'
-  export LOOPSTACK_KERNEL_CONFIGS='{"gemv_slice_w8a8": [1, 128, 8, 1, 0, 0, 1, 512, 32]}'
-  bench "huginn b1 fp8 split_k 32" model=huginn-0125 "${FP8[@]}" 'workload=[b1]'
-  unset LOOPSTACK_KERNEL_CONFIGS
+  LOOPSTACK_KERNEL_CONFIGS='{"gemv_slice_w8a8": [1, 128, 8, 1, 0, 0, 1, 512, 32]}' \
+    bench "huginn b1 fp8 split_k 32" model=huginn-0125 "${FP8[@]}" 'workload=[b1]'
   bench "huginn b1 bf16" model=huginn-0125 'workload=[b1]'
 }
 ring() {   # issue 19's Nanbeige cell: the ring's configs per shape (tools/ring_sweep.py), then the step with them
@@ -81,9 +78,8 @@ ring() {   # issue 19's Nanbeige cell: the ring's configs per shape (tools/ring_
   [ -s "$OUT/ring.json" ] || return
   local round
   for round in 1 2; do     # alternating with the table's configs
-    export LOOPSTACK_RING_CONFIGS=$(cat "$OUT/ring.json")
-    bench "nanbeige b1 swept ring ($round)" model=nanbeige4.2-3b 'workload=[b1]'
-    unset LOOPSTACK_RING_CONFIGS
+    LOOPSTACK_RING_CONFIGS=$(cat "$OUT/ring.json") bench "nanbeige b1 swept ring ($round)" model=nanbeige4.2-3b \
+      'workload=[b1]'
     bench "nanbeige b1 table ring ($round)" model=nanbeige4.2-3b 'workload=[b1]'
   done
 }
