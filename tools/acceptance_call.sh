@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
-#   END=560 [PARTS="cells tests ring rows configs huginn"] bash tools/acceptance_call.sh
+#   END=560 [PARTS="cells tests ring rows configs huginn profile"] bash tools/acceptance_call.sh
 # END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by
 # GPU; H200_PARTS and OTHER_PARTS set them for one kind of card only).
 # Files under $OUT (six, of the 8 a call brings back): rows.jsonl (runtime.bench), peer.txt, pytest.txt,
@@ -71,6 +71,10 @@ huginn() {   # lever 124: Huginn-0125's FP8 down (K = 17,920: 35 slices of 512) 
   LOOPSTACK_KERNEL_CONFIGS='{"gemv_slice_w8a8": [1, 128, 8, 1, 0, 0, 1, 512, 32]}' \
     bench "huginn b1 fp8 split_k 32" model=huginn-0125 "${FP8[@]}" 'workload=[b1]'
   bench "huginn b1 bf16" model=huginn-0125 'workload=[b1]'
+}
+profile() {   # where Ouro-1.4B's b1 step goes since the sm_90 table's one-row entries, bf16 and FP8 weights + KV
+  bench "ouro b1 bf16 profile" model=ouro-1.4b 'workload=[b1]' profile=4
+  bench "ouro b1 fp8 profile" model=ouro-1.4b "${FP8[@]}" 'workload=[b1]' profile=4
 }
 ring() {   # issue 19's Nanbeige cell: the ring's configs per shape (tools/ring_sweep.py), then the step with them
   step "ring sweep nanbeige" 150 240 python3 tools/ring_sweep.py --models nanbeige4.2-3b --out "$OUT/ring_rows.jsonl" \
