@@ -227,11 +227,13 @@ def test_a_burst_of_chunked_prompts_replays_captured_prefills(monkeypatch):
     assert results[True] == results[False]
 
 
-def test_a_burst_beside_decodes_replays_packed_passes(monkeypatch):
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_a_burst_beside_decodes_replays_packed_passes(kv_dtype, monkeypatch):
     """Prompts of 700-1,000 tokens joining a decoding batch at the real Ouro-1.4B shape (bf16), at a
     budget of 2,048 tokens (past the split caps): the steps of their chunks and the decodes replay
     one packed pass each (runtime/execution/packed_steps.py); with graphs off the same padded passes
-    run eagerly, and the greedy tokens are the same."""
+    run eagerly, and the greedy tokens are the same. With an FP8 cache the decode rows of those mixed
+    steps take the FP8 row path, which the CPU suite runs only in the interpreter."""
     from runtime.execution.runner import ModelRunner
 
     gpu = hal.get("cuda")
@@ -245,7 +247,7 @@ def test_a_burst_beside_decodes_replays_packed_passes(monkeypatch):
     results = {}
     for graphs in (True, False):
         engine = LLMEngine(model, gpu, EngineConfig(graphs=graphs, max_num_seqs=16, max_num_batched_tokens=2048,
-                                                    max_model_len=1100))
+                                                    max_model_len=1100, kv_dtype=kv_dtype))
         for i, prompt in enumerate(prompts[:2]):
             engine.add_request(str(i), prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
         engine.step()
