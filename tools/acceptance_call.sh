@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
-#   END=560 [PARTS="cells tests ring rows configs huginn profile"] bash tools/acceptance_call.sh
+#   END=560 [PARTS="cells tests ring rows configs huginn profile landed"] bash tools/acceptance_call.sh
 # END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by
 # GPU; H200_PARTS and OTHER_PARTS set them for one kind of card only).
 # Files under $OUT (six, of the 8 a call brings back): rows.jsonl (runtime.bench), peer.txt, pytest.txt,
-# ring_rows.jsonl and ring.json (tools/ring_sweep.py), acceptance.log; a table last.
+# ring_rows.jsonl and ring.json (tools/ring_sweep.py of RING_MODEL, default nanbeige4.2-3b), acceptance.log; a table last.
 # On an H100 the tests go first (its numbers are not the issues' targets), then lever 121's configs, then the cells.
 set -u
 cd "$(dirname "$0")/.."
@@ -51,6 +51,8 @@ tests() {
     >> $OUT/pytest.txt 2>&1"
   step "pytest rows (lever 122)" 40 120 bash -c "python3 -m pytest -m cuda tests/cuda/test_fp8_cuda.py \
     tests/cuda/test_decode_kernels_cuda.py -k 'w8a8_slice or tensor_core_slice' -q -rs -p no:cacheprovider >> $OUT/pytest.txt 2>&1"
+  step "pytest ring" 40 120 bash -c "python3 -m pytest -m cuda tests/cuda/test_ring_gemv_cuda.py -q -rs \
+    -p no:cacheprovider >> $OUT/pytest.txt 2>&1"
 }
 rows() {   # lever 122: FP8 weights + KV at b8 with and without the 16-row entry
   bench "b8 fp8" model=ouro-1.4b "${FP8[@]}" 'workload=[b8]'
@@ -76,16 +78,28 @@ profile() {   # where Ouro-1.4B's b1 step goes since the sm_90 table's one-row e
   bench "ouro b1 bf16 profile" model=ouro-1.4b 'workload=[b1]' profile=4
   bench "ouro b1 fp8 profile" model=ouro-1.4b "${FP8[@]}" 'workload=[b1]' profile=4
 }
-ring() {   # issue 19's Nanbeige cell: the ring's configs per shape (tools/ring_sweep.py), then the step with them
-  step "ring sweep nanbeige" 150 240 python3 tools/ring_sweep.py --models nanbeige4.2-3b --out "$OUT/ring_rows.jsonl" \
+ring() {   # the ring's configs per shape of RING_MODEL (tools/ring_sweep.py), then its b1 step with them
+  local model=${RING_MODEL:-nanbeige4.2-3b} round
+  step "ring sweep $model" 150 240 python3 tools/ring_sweep.py --models "$model" --out "$OUT/ring_rows.jsonl" \
     --env-out "$OUT/ring.json"
   [ -s "$OUT/ring.json" ] || return
-  local round
   for round in 1 2; do     # alternating with the table's configs
-    LOOPSTACK_RING_CONFIGS=$(cat "$OUT/ring.json") bench "nanbeige b1 swept ring ($round)" model=nanbeige4.2-3b \
-      'workload=[b1]'
-    bench "nanbeige b1 table ring ($round)" model=nanbeige4.2-3b 'workload=[b1]'
+    LOOPSTACK_RING_CONFIGS=$(cat "$OUT/ring.json") bench "$model b1 swept ring ($round)" model="$model" 'workload=[b1]'
+    bench "$model b1 table ring ($round)" model="$model" 'workload=[b1]'
   done
+}
+landed() {   # the fifty-second session's defaults beside what they replaced: Nanbeige's swept ring configs (lever
+             # 123) against lever 97's DEFAULT at its four shapes; the W8A8 entry at 2-8 rows (lever 122), and bf16
+  local round old_ring='{"8192,3072": [1, 8, 256, 4, 6, 4], "3072,6144": [1, 8, 256, 4, 6, 4],
+    "21504,3072": [1, 8, 256, 4, 6, 4], "3072,10752": [1, 8, 256, 4, 6, 4]}'
+  for round in 1 2; do
+    bench "nanbeige b1 ($round)" model=nanbeige4.2-3b 'workload=[b1]'
+    LOOPSTACK_RING_CONFIGS=$old_ring bench "nanbeige b1 DEFAULT ring ($round)" model=nanbeige4.2-3b 'workload=[b1]'
+  done
+  bench "b8 fp8" model=ouro-1.4b "${FP8[@]}" 'workload=[b8]'
+  LOOPSTACK_KERNEL_CONFIGS='{"gemv_slice_w8a8": [1, 128, 8, 1, 0, 0, 1, 512, 48]}' \
+    bench "b8 fp8 one-row entry" model=ouro-1.4b "${FP8[@]}" 'workload=[b8]'
+  bench "b8 bf16" model=ouro-1.4b 'workload=[b8]'
 }
 
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)

@@ -3,11 +3,12 @@ weight `q: [N, K]` in the Hal's FP8 format and one float32 scale per output chan
 
 Three paths, chosen per call from the shapes and dtypes (no device value is read, so graphs capture
 each):
-- W8A16 through the decode GEMV for 1..8 rows of bf16/fp16 (one row on an H200: the whole-slice
-  kernel with PDL, hal/kernels/gemv_slice.py, at the shapes it takes; else hal/kernels/gemv.py):
-  decode at small batch is bound by the weight bytes, which FP8 halves; quantizing 1..8 activation
-  rows for `_scaled_mm` costs a launch and tensor cores do not help a product this thin. Ouro-1.4B
-  batch 1 with FP8 weights and KV: 3.69-3.73 ms/step against bf16's 4.97 (H200, 2026-12-02).
+- The decode GEMV for 1..8 rows of bf16/fp16: decode at small batch is bound by the weight bytes,
+  which FP8 halves. On sm_90 (the table's `gemv_slice_w8a8`) the whole-slice kernel with PDL runs it as
+  W8A8 on the FP8 tensor cores, each row of x quantized per 512-wide slice inside the kernel, with no
+  launch of its own (hal/kernels/gemv_slice.py; levers 118-122); elsewhere, or where K needs more slices
+  than the entry's, W8A16 (the slice kernel for one row, hal/kernels/gemv.py's K-looping kernel for more).
+  Ouro-1.4B with FP8 weights and KV on an H100: batch 1 3.26 ms/step against bf16's 4.98, batch 8 6.18.
 - W8A8 through `torch._scaled_mm` (NVIDIA sm_89+ only, bf16 activations, K and N multiples of 16):
   each row of x is quantized to e4m3fn on the device (`scale = absmax / 448`; one Triton launch,
   `hal.kernels.fp8_linear.quantize_rows`), and cuBLASLt runs the product on the FP8 tensor cores

@@ -236,8 +236,11 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         # 4.974 ms. The best of the chains' configs (tools/pdl_bench.py --fp8 / --quick) though neither
         # chain beat the slice kernel alone (25.3 vs 23.9, 44.4 vs 40.1 us a layer): in the step each
         # program's product after the PDL wait is the shorter. W8A8 up to 48 slices, so that Huginn-0125's
-        # down (K = 17,920: 35) takes it too: its FP8 weights + KV b1 27.79 -> 25.31 ms (H100, lever 124)
-        "gemv_slice_w8a8": KernelConfig(1, 128, 8, 1, block_k=512, split_k=48),
+        # down (K = 17,920: 35) takes it too: its FP8 weights + KV b1 27.79 -> 25.31 ms (H100, lever 124).
+        # block_m 16: decode batches of 2-8 rows too (each row quantized on its own), where the K-looping
+        # W8A16 kernel widened every weight: Ouro-1.4B b8 with FP8 weights + KV 10.62 -> 6.18 ms (H100,
+        # lever 122, fifty-second session)
+        "gemv_slice_w8a8": KernelConfig(16, 128, 8, 1, block_k=512, split_k=48),
         "gemv_slice_tc": KernelConfig(1, 128, 4, 1, block_k=256, split_k=32),
     },
     # A100: mma.sync; 164 KiB shared memory per SM, so two stages for the prefill tiles.

@@ -620,12 +620,16 @@ def test_w8a8_entry_routes_one_row_e4m3fn_products(monkeypatch):
 @pytest.mark.parametrize("n,k,takes", [(6144, 2048, True), (3072, 10752, True), (5280, 17920, True),
                                        (5280, 24576, True), (5280, 24577, False)],
                          ids=["ouro-qkv", "nanbeige-down", "huginn-down", "48-slices", "49-slices"])
-def test_the_sm_90_w8a8_entry_takes_every_family_s_one_row_products(n, k, takes):
-    """The sm_90 table's W8A8 entry takes a one-row e4m3fn product while K fits in its split_k slices of 512:
-    Huginn-0125's down (35 slices) among them (lever 124: at 32 it fell to gemv.py's K-looping W8A16 kernel)."""
+def test_the_sm_90_w8a8_entry_takes_every_family_s_decode_products(n, k, takes):
+    """The sm_90 table's W8A8 entry takes an e4m3fn product of one row and of decode batches up to
+    MAX_ROWS (lever 122: at 2-8 rows they ran gemv.py's K-looping W8A16 kernel) while K fits in its
+    split_k slices of 512: Huginn-0125's down (35 slices) among them (lever 124: at 32 it fell to that
+    kernel too). Past MAX_ROWS the fp8 linear leaves the decode GEMV (cuBLASLt's W8A8)."""
     ops = gemv_ops.Gemv(configs_for("sm_90"), 132)
     weight = torch.empty(n, k, dtype=torch.float8_e4m3fn, device="meta")
-    assert (ops._tensor_core_slice(gemv_ops.A8_KEY, weight, 1) is not None) == takes
+    for rows in (1, 2, gemv_ops.MAX_ROWS):
+        assert (ops._tensor_core_slice(gemv_ops.A8_KEY, weight, rows) is not None) == takes, rows
+    assert not ops.takes(gemv_ops.MAX_ROWS + 1, k)
 
 
 @pytest.mark.parametrize("num_rows,prologue", [(3, "none"), (8, "silu_and_mul"), (16, "none")])

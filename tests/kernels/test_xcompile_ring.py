@@ -49,6 +49,16 @@ def test_the_ring_compiles_clean_for_sm_90(n, k, config):
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
 
 
+@pytest.mark.parametrize("shape", [s for s, c in ring.TABLE["sm_90"].items() if c not in CONFIGS],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+def test_the_table_s_own_configs_compile_clean_at_their_shapes(shape):
+    """Each table entry's config (the per-shape picks of tools/ring_sweep.py) at the shape that takes it."""
+    kernel = _compile(*shape, ring.TABLE["sm_90"][shape])
+    res = xcompile._nvidia_resources(kernel.asm["cubin"])
+    assert res.get("LOCAL", 0) == 0 and res.get("STACK", 0) == 0, res
+    assert kernel.metadata.shared <= xcompile.TARGETS["sm_90"].shared_limit, kernel.metadata.shared
+
+
 FP8_CONFIGS = [ring.RingConfig(1, 16, 256, 4, 4, 8), ring.RingConfig(2, 16, 256, 2, 4, 4)]
 
 
