@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
-#   END=560 [PARTS="cells tests ring rows configs huginn profile landed"] bash tools/acceptance_call.sh
+#   END=560 [PARTS="cells tests ring rows configs huginn profile landed tcrows"] bash tools/acceptance_call.sh
 # END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by
 # GPU; H200_PARTS and OTHER_PARTS set them for one kind of card only).
 # Files under $OUT (six, of the 8 a call brings back): rows.jsonl (runtime.bench), peer.txt, pytest.txt,
@@ -88,18 +88,23 @@ ring() {   # the ring's configs per shape of RING_MODEL (tools/ring_sweep.py), t
     bench "$model b1 table ring ($round)" model="$model" 'workload=[b1]'
   done
 }
-landed() {   # the fifty-second session's defaults beside what they replaced: Nanbeige's swept ring configs (lever
-             # 123) against lever 97's DEFAULT at its four shapes; the W8A8 entry at 2-8 rows (lever 122), and bf16
-  local round old_ring='{"8192,3072": [1, 8, 256, 4, 6, 4], "3072,6144": [1, 8, 256, 4, 6, 4],
-    "21504,3072": [1, 8, 256, 4, 6, 4], "3072,10752": [1, 8, 256, 4, 6, 4]}'
+landed() {   # the fifty-second session's defaults beside what they replaced (lever 125: Huginn-0125's swept ring
+             # configs against lever 97's DEFAULT at those shapes), and the b8 cells with FP8 on the W8A8 rows (122)
+  local round old_ring='{"15840,5280": [1, 8, 256, 4, 6, 4], "5280,5280": [1, 8, 256, 4, 6, 4],
+    "35840,5280": [1, 8, 256, 4, 6, 4]}'
   for round in 1 2; do
-    bench "nanbeige b1 ($round)" model=nanbeige4.2-3b 'workload=[b1]'
-    LOOPSTACK_RING_CONFIGS=$old_ring bench "nanbeige b1 DEFAULT ring ($round)" model=nanbeige4.2-3b 'workload=[b1]'
+    bench "huginn b1 ($round)" model=huginn-0125 'workload=[b1]'
+    LOOPSTACK_RING_CONFIGS=$old_ring bench "huginn b1 DEFAULT ring ($round)" model=huginn-0125 'workload=[b1]'
   done
   bench "b8 fp8" model=ouro-1.4b "${FP8[@]}" 'workload=[b8]'
-  LOOPSTACK_KERNEL_CONFIGS='{"gemv_slice_w8a8": [1, 128, 8, 1, 0, 0, 1, 512, 48]}' \
-    bench "b8 fp8 one-row entry" model=ouro-1.4b "${FP8[@]}" 'workload=[b8]'
   bench "b8 bf16" model=ouro-1.4b 'workload=[b8]'
+}
+tcrows() {   # lever 126: bf16 decode batches of 2-8 rows on the fused projections (gemv.py's tl.dot), and on the
+             # tensor-core slices with a 16-row entry, against cuBLAS (the default past one row)
+  LOOPSTACK_DECODE_PROJECTIONS=1 bench "b8 bf16 fused rows" model=ouro-1.4b 'workload=[b8]'
+  LOOPSTACK_DECODE_PROJECTIONS=1 LOOPSTACK_KERNEL_CONFIGS='{"gemv_slice_tc": [16, 128, 4, 1, 0, 0, 1, 256, 32]}' \
+    bench "b8 bf16 tc slices" model=ouro-1.4b 'workload=[b8]'
+  bench "b8 bf16 (again)" model=ouro-1.4b 'workload=[b8]'
 }
 
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
