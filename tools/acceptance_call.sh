@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
-#   END=560 [PARTS="cells tests ring rows configs huginn profile landed tcrows"] bash tools/acceptance_call.sh
+#   END=560 [PARTS="cells tests ring rows configs huginn profile profile_batches landed tcrows"] bash tools/acceptance_call.sh
 # END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by
 # GPU; H200_PARTS and OTHER_PARTS set them for one kind of card only).
 # Files under $OUT (six, of the 8 a call brings back): rows.jsonl (runtime.bench), peer.txt, pytest.txt,
@@ -77,6 +77,11 @@ huginn() {   # lever 124: Huginn-0125's FP8 down (K = 17,920: 35 slices of 512) 
 profile() {   # where Ouro-1.4B's b1 step goes since the sm_90 table's one-row entries, bf16 and FP8 weights + KV
   bench "ouro b1 bf16 profile" model=ouro-1.4b 'workload=[b1]' profile=4
   bench "ouro b1 fp8 profile" model=ouro-1.4b "${FP8[@]}" 'workload=[b1]' profile=4
+}
+profile_batches() {   # where the b8 steps (bf16, FP8 weights + KV on the W8A8 rows) and the b64 step go
+  bench "b8 fp8 profile" model=ouro-1.4b "${FP8[@]}" 'workload=[b8]' profile=4
+  bench "b8 bf16 profile" model=ouro-1.4b 'workload=[b8]' profile=4
+  bench "b64 profile" model=ouro-1.4b 'workload=[b64]' profile=4
 }
 ring() {   # the ring's configs per shape of RING_MODEL (tools/ring_sweep.py), then its b1 step with them
   local model=${RING_MODEL:-nanbeige4.2-3b} round
