@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
-#   END=560 [PARTS="cells tests ring rows configs huginn profile profile_batches landed tcrows"] bash tools/acceptance_call.sh
+#   END=560 [PARTS="cells tests ring rows configs huginn profile profile_batches landed tcrows smallbatch"] bash tools/acceptance_call.sh
 # END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by
 # GPU; H200_PARTS and OTHER_PARTS set them for one kind of card only).
 # Files under $OUT (six, of the 8 a call brings back): rows.jsonl (runtime.bench), peer.txt, pytest.txt,
@@ -82,6 +82,11 @@ profile_batches() {   # where the b8 steps (bf16, FP8 weights + KV on the W8A8 r
   bench "b8 fp8 profile" model=ouro-1.4b "${FP8[@]}" 'workload=[b8]' profile=4
   bench "b8 bf16 profile" model=ouro-1.4b 'workload=[b8]' profile=4
   bench "b64 profile" model=ouro-1.4b 'workload=[b64]' profile=4
+}
+smallbatch() {   # FP8 weights + KV against bf16 at 2 and 4 rows (1K in, 128 out): the W8A8 rows of lever 122
+  local w=('+workloads.b2={batch:2,prompt:1024,new:128}' '+workloads.b4={batch:4,prompt:1024,new:128}')
+  bench "b2 b4 fp8" model=ouro-1.4b "${FP8[@]}" "${w[@]}" 'workload=[b2,b4]'
+  bench "b2 b4 bf16" model=ouro-1.4b "${w[@]}" 'workload=[b2,b4]'
 }
 ring() {   # the ring's configs per shape of RING_MODEL (tools/ring_sweep.py), then its b1 step with them
   local model=${RING_MODEL:-nanbeige4.2-3b} round
