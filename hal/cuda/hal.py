@@ -74,7 +74,8 @@ class CudaHal(Hal):
         # the fused decode projections: True for 1-8 rows (hal/kernels/gemv.py; not faster than cuBLAS
         # on an H200 beyond one row), False for none, None (LOOPSTACK_DECODE_PROJECTIONS unset) for one
         # row where the arch's table has the whole-slice kernel and launches chain with PDL
-        # (hal/kernels/gemv_slice.py, at the shapes it measured faster than cuBLAS: docs/performance.md, 38)
+        # (hal/kernels/gemv_slice.py, at the shapes it measured faster than cuBLAS: docs/performance.md, 38),
+        # and for the rows of its tensor-core entry's block_m (sm_90: two, lever 127)
         env = os.environ.get(DECODE_PROJECTIONS_ENV)
         self.decode_projections = (decode_projections if decode_projections is not None
                                    else None if env is None else env == "1")

@@ -241,7 +241,10 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         # W8A16 kernel widened every weight: Ouro-1.4B b8 with FP8 weights + KV 10.62 -> 6.18 ms (H100,
         # lever 122, fifty-second session)
         "gemv_slice_w8a8": KernelConfig(16, 128, 8, 1, block_k=512, split_k=48),
-        "gemv_slice_tc": KernelConfig(1, 128, 4, 1, block_k=256, split_k=32),
+        # block_m 2: the CUDA Hal's decode steps of two rows too (its bf16 products past one row otherwise
+        # run on cuBLAS): Ouro-1.4B b2 6.744 -> 6.400 ms, where 4 and 8 rows lost (7.18 -> 7.59, 8.37 -> 9.59;
+        # H100, levers 126-127, fifty-second session)
+        "gemv_slice_tc": KernelConfig(2, 128, 4, 1, block_k=256, split_k=32),
     },
     # A100: mma.sync; 164 KiB shared memory per SM, so two stages for the prefill tiles.
     "sm_80": {

@@ -91,11 +91,18 @@ class Gemv:
 
     def takes(self, rows: int, k: int, prologue: int = NONE) -> bool:
         """Whether a projection of `rows` rows of K with `prologue` runs here (else the unfused path):
-        with `max_rows=1` (the CUDA Hal's default) only where the slice kernel takes it; decode batches
-        of more than MAX_ROWS rows where the table has a `gemv_wide` entry."""
+        with `max_rows=1` (the CUDA Hal's default) only where the slice kernel takes it, one row, or the
+        few rows of the tensor-core entry's block_m; decode batches of more than MAX_ROWS rows where the
+        table has a `gemv_wide` entry."""
         if self.wide is not None and MAX_ROWS < rows <= MAX_DOT_ROWS:
             return True
-        return 0 < rows <= self.max_rows and (self.max_rows > 1 or self._slice(k, prologue) is not None)
+        if self.max_rows > 1:
+            return 0 < rows <= self.max_rows
+        if rows < 1 or self._slice(k, prologue) is None:
+            return False
+        tc = self.configs.get(TC_KEY)      # (16-bit weights: the FP8 ops take MAX_ROWS rows, max_rows > 1)
+        return rows == 1 or (tc is not None and rows <= min(tc.block_m, MAX_TENSOR_CORE_ROWS)
+                             and num_splits(k, tc) <= tc.split_k)
 
     def projection_takes(self, rows: int, k: int, after_norm: bool = False) -> bool:
         """The Hal op "projection_takes": whether these ops fuse a projection of `rows` rows of K (that

@@ -243,10 +243,12 @@ def _slice_forms(monkeypatch) -> collections.Counter:
     import hal.kernels.gemv_ops as gemv_ops_module
 
     forms = collections.Counter()
+    forms.rows = collections.Counter()          # launches by the rows of x
     launch = gemv_ops_module.slice_gemv_launch
 
     def counted(*args, **kwargs):
         forms["w8a8" if kwargs.get("a8") else "tensor cores" if kwargs.get("tensor_cores") else "cuda cores"] += 1
+        forms.rows[args[0].shape[0]] += 1
         return launch(*args, **kwargs)
 
     monkeypatch.setattr(gemv_ops_module, "slice_gemv_launch", counted)
@@ -254,27 +256,30 @@ def _slice_forms(monkeypatch) -> collections.Counter:
 
 
 def test_engine_on_the_sm_90_table_decodes_the_tokens_of_the_unfused_kernels(monkeypatch):
-    """The CUDA Hal's one-row projections as the sm_90 table has them (hal/kernels/configs.py: the slice
-    kernel, and its tensor-core entry `gemv_slice_tc` for every product it takes) through the engine with
-    graphs: the greedy tokens of the unfused kernels, run eagerly."""
+    """The CUDA Hal's decode projections as the sm_90 table has them (hal/kernels/configs.py: the slice
+    kernel, and its tensor-core entry `gemv_slice_tc` for every product it takes, one row or two; the
+    Hal's `max_rows` 1) through the engine with graphs: the greedy tokens of the unfused kernels, run
+    eagerly. A request alone decodes one-row steps, two together two-row steps."""
     case = golden_case("ouro-tiny-gqa-bf16")
     model = _model(case.name, "bfloat16")
     forms = _slice_forms(monkeypatch)
     sm_90 = configs_for("sm_90")
-    assert "gemv_slice_tc" in sm_90
+    assert sm_90["gemv_slice_tc"].block_m == 2
     table = TritonOpsOnCpu(SMALL_OPS + PROJECTION_OPS + ("projection_takes",))
-    table.table = {**fused_ops(sm_90), **gemv_ops(sm_90, 132)}
+    table.table = {**fused_ops(sm_90), **gemv_ops(sm_90, 132, max_rows=1)}
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, num_loops=2)
     outs = {}
     with torch.inference_mode():
         for hal, graphs in ((TritonOpsOnCpu(SMALL_OPS), False), (table, True)):
             engine = LLMEngine(model, hal, EngineConfig(block_size=4, max_num_batched_tokens=16, graphs=graphs))
-            outs[graphs] = []
-            for i in range(2):          # one at a time: one-row decode steps, the rows the table's entries take
-                engine.add_request(str(i), case.prompt(i)[:5], params)
-                outs[graphs] += [o.token_ids for o in engine.run_until_done()]
+            engine.add_request("0", case.prompt(0)[:5], params)
+            outs[graphs] = [o.token_ids for o in engine.run_until_done()]
+            for i in (1, 2):
+                engine.add_request(str(i), case.prompt(i % case.num_prompts)[:5], params)
+            outs[graphs] += [o.token_ids for o in sorted(engine.run_until_done(), key=lambda o: o.request_id)]
     assert outs[True] == outs[False]
     assert forms["tensor cores"] > 0 and set(forms) == {"tensor cores"}, forms
+    assert forms.rows[1] > 0 and forms.rows[2] > 0 and set(forms.rows) == {1, 2}, forms.rows
 
 
 def test_engine_on_the_sm_90_table_decodes_fp8_weights_with_the_w8a8_slices(monkeypatch):

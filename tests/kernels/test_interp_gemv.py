@@ -632,6 +632,22 @@ def test_the_sm_90_w8a8_entry_takes_every_family_s_decode_products(n, k, takes):
     assert not ops.takes(gemv_ops.MAX_ROWS + 1, k)
 
 
+def test_the_cuda_hal_s_slices_take_two_rows_where_the_tensor_core_entry_does():
+    """With the CUDA Hal's `max_rows` 1 (slices only) the 16-bit projections of a decode step take the slice
+    kernels at one row where K is one slice (or SwiGLU's few), and at two rows where the sm_90 tensor-core
+    entry (block_m 2, lever 127) takes them too; three rows, and K the slice kernel does not take, stay on
+    the library (cuBLAS), as without the entry's rows."""
+    sm_90 = configs_for("sm_90")
+    ops = gemv_ops.Gemv(sm_90, 132, max_rows=1)
+    assert ops.takes(1, 2048) and ops.takes(2, 2048) and ops.takes(2, 5632, gemv.SILU_AND_MUL)
+    assert not ops.takes(3, 2048) and not ops.takes(2, 3072) and not ops.takes(1, 3072)
+    assert ops.projection_takes(2, 2048, after_norm=True)
+    one_row = gemv_ops.Gemv({**sm_90, gemv_ops.TC_KEY: KernelConfig(1, 128, 4, 1, block_k=256, split_k=32)}, 132,
+                            max_rows=1)
+    assert one_row.takes(1, 2048) and not one_row.takes(2, 2048)
+    assert gemv_ops.Gemv(sm_90, 132).takes(3, 3072)          # max_rows 8 (LOOPSTACK_DECODE_PROJECTIONS=1): every K
+
+
 @pytest.mark.parametrize("num_rows,prologue", [(3, "none"), (8, "silu_and_mul"), (16, "none")])
 def test_w8a8_slice_takes_several_rows_each_quantized_on_its_own(num_rows, prologue):
     """The tensor-core forms take up to 16 rows (the rows are the dot's columns): each row's slice of x
