@@ -32,6 +32,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from runtime.bench_rows import append_rows
 from runtime.bench_profile import late_summary, profile_decode, start_profile, step_costs, stop_profile
 from runtime.sampling_params import SamplingParams
 from runtime.config import BenchConfig
@@ -210,7 +211,7 @@ def workload_names(cfg: Any) -> list[str]:
 
 def check_options(cfg: Any) -> None:
     """The bench's own options, before any model is built: the cells, `profile=` and `output=` (a
-    file that cannot be written would fail only after every cell had run)."""
+    file that cannot be written would fail only after the first cell had run)."""
     workload_names(cfg)
     if not (isinstance(cfg.profile, int) and cfg.profile >= 0):
         raise ValueError(f"profile must be an integer >= 0 (decode steps of each cell to profile), got {cfg.profile!r}")
@@ -337,6 +338,7 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
             row["speedup_vs_hf"] = round(hf / row["decode_ms_step"], 1)
         results.append(row)
         print(json.dumps(row), flush=True)
+        append_rows(cfg.output, [row])   # now: a call cut short by its time limit keeps the cells done
         engine.close()
         del engine, runner
         gc.collect()                     # a cycle left behind (tests/runtime/test_engine_lifetime.py finds none) frees its memory before the cache empties
@@ -351,11 +353,7 @@ register_schemas()
 def _main(cfg: DictConfig) -> None:
     setup_logging(cfg.log_level)
     with clear_errors(cfg.log_level):
-        results = run(cfg)
-        if cfg.output:
-            with open(cfg.output, "a") as f:
-                for row in results:
-                    f.write(json.dumps(row) + "\n")
+        run(cfg)
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from pdl_bench import (FLOOR_BANDWIDTH, MODEL_SHAPES, cublas_launch, gemv_launch
                        slice_gemv_launcher, time_graph)
 
 from hal.kernels.configs import KernelConfig  # noqa: E402
-from bench_rows import append_rows  # noqa: E402
+from runtime.bench_rows import append_rows  # noqa: E402
 
 # gemv.py's K loop: (block_n, block_k, warps, stages, split_k; 0 = gemv.plan's rule)
 LOOP_CONFIGS = ((16, 256, 4, 2, 0), (16, 256, 4, 2, 4), (16, 256, 4, 2, 8), (8, 512, 4, 2, 0),

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from hal.kernels.configs import KernelConfig, configs_for
 from hal.kernels.gemv_ops import SLICE_KEY
-from bench_rows import append_rows
+from runtime.bench_rows import append_rows
 
 # (name, N, K) of a layer's four projections per model; each output is at least as wide as the next K
 MODEL_SHAPES = {

@@ -27,7 +27,7 @@ import sys
 import torch
 import triton
 import triton.language as tl
-from bench_rows import append_rows
+from runtime.bench_rows import append_rows
 
 FLOOR_BANDWIDTH = 4.27e12
 FIELDS = 8         # per phase: w_off, N, K, in_off, out_off, rows per program, row chunks, K chunks

@@ -56,7 +56,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from bench_rows import append_rows
+from runtime.bench_rows import append_rows
 
 FLOOR_BANDWIDTH = 4.27e12
 FIELDS = 12   # per phase: descriptor, first row, N, K stages, in, out, chunks, K, kind, residual, norm weight,

@@ -26,7 +26,7 @@ from pdl_bench import MODEL_SHAPES, graph_median_us  # noqa: E402
 
 from hal.cuda import ring_gemv  # noqa: E402
 from hal.cuda.blaslt import table_linear  # noqa: E402
-from bench_rows import append_rows  # noqa: E402
+from runtime.bench_rows import append_rows  # noqa: E402
 
 L2_BYTES = 60 << 20
 

@@ -20,7 +20,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).parent))
 from decode_kernels_bench import time_calls  # noqa: E402
-from bench_rows import append_rows  # noqa: E402
+from runtime.bench_rows import append_rows  # noqa: E402
 
 SHAPES = {"qkv": (6144, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632)}
 ROWS = 64

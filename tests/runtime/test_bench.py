@@ -114,8 +114,8 @@ def test_bench_refuses_a_workload_longer_than_the_model_before_measuring(single_
                                                ("output=.", "output=. cannot be written"),
                                                ("profile=-1", "profile must be an integer >= 0")])
 def test_bench_refuses_a_bad_output_or_profile_before_building_a_model(override, message, monkeypatch):
-    """The rows are appended to `output=` after every cell has run: a path that cannot be written is
-    refused first, as is a negative `profile=`."""
+    """The rows are appended to `output=` as each cell finishes: a path that cannot be written is
+    refused before any cell runs, as is a negative `profile=`."""
     from hydra import compose, initialize_config_dir
 
     import runtime.bench as bench
@@ -279,10 +279,39 @@ def test_a_cell_longer_than_the_cache_names_the_cache_not_max_model_len():
         run(cfg)
 
 
+def test_bench_appends_each_row_as_its_cell_finishes(tmp_path, single_thread, monkeypatch):
+    """`output=`: the first cell's row is in the file though the second cell fails (a device call's time
+    limit cuts a run of several cells short)."""
+    from hydra import compose, initialize_config_dir
+
+    import runtime.bench as bench
+    from runtime.generate import CONF_DIR
+
+    real, calls = bench.run_cell, []
+
+    def second_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("cut short")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_cell", second_fails)
+    out = tmp_path / "rows.jsonl"
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("bench", overrides=["hal=cpu", f"model.path={golden_case('ouro-tiny').path}",
+                                          "weights=checkpoint", "model.dtype=float32", "warmup=false",
+                                          "matmul_size=64", "workload=[tiny,b1]", "workloads.b1.prompt=8",
+                                          "workloads.b1.new=2", f"output={out}"])
+    with pytest.raises(RuntimeError, match="cut short"):
+        bench.run(cfg)
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["workload"] == "tiny" and row["decode_ms_step"] > 0
+
+
 def test_tools_append_their_rows_as_json_lines(tmp_path):
-    """tools/bench_rows.py: each call appends (a device call's second tool adds to the first's file);
+    """runtime/bench_rows.py: each call appends (a device call's second tool adds to the first's file);
     no path writes nothing."""
-    from bench_rows import append_rows
+    from runtime.bench_rows import append_rows
 
     out = tmp_path / "rows.jsonl"
     append_rows(str(out), [{"name": "a", "us": 1.5}])

@@ -1,7 +1,8 @@
-"""Benchmark rows out: the tools append one JSON object per line to the file `--out` names.
+"""Benchmark rows out: `runtime.bench` (`output=`) and the tools (`--out`) append one JSON object per
+line as each row is measured.
 
-Why a module: a row written as soon as it is measured survives a run cut short by its time limit
-(the device calls' `timeout`), and every tool writes the same format that runtime.bench does.
+Why: a row written as soon as it is measured survives a run cut short by its time limit (the device
+calls' `timeout`), and every tool writes the format runtime.bench does.
 """
 from __future__ import annotations
 
