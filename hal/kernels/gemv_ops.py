@@ -100,9 +100,8 @@ class Gemv:
             return 0 < rows <= self.max_rows
         if rows < 1 or self._slice(k, prologue) is None:
             return False
-        tc = self.configs.get(TC_KEY)      # (16-bit weights: the FP8 ops take MAX_ROWS rows, max_rows > 1)
-        return rows == 1 or (tc is not None and rows <= min(tc.block_m, MAX_TENSOR_CORE_ROWS)
-                             and num_splits(k, tc) <= tc.split_k)
+        # (16-bit products only: the FP8 ops are a Gemv of MAX_ROWS rows, hal/cuda/fp8.py)
+        return rows == 1 or self._tensor_core_slice(TC_KEY, k, rows) is not None
 
     def projection_takes(self, rows: int, k: int, after_norm: bool = False) -> bool:
         """The Hal op "projection_takes": whether these ops fuse a projection of `rows` rows of K (that
@@ -134,31 +133,30 @@ class Gemv:
         several = prologue == SILU_AND_MUL or fp8
         return config if splits == 1 or (several and splits <= config.split_k) else None
 
-    def _tensor_core_slice(self, key: str, weight: torch.Tensor, rows: int) -> KernelConfig | None:
+    def _tensor_core_slice(self, key: str, k: int, rows: int) -> KernelConfig | None:
         """The slice config of a tensor-core form (`A8_KEY`: W8A8 for e4m3fn weights, lever 118; `TC_KEY`:
-        16-bit weights, lever 119) for `rows` rows against `weight`, or None: the table has no entry, K
-        needs more than its `split_k` slices, or there are more rows than its `block_m` (1: one row only;
-        up to 16)."""
+        16-bit weights, lever 119) for `rows` rows of K, or None: the table has no entry, K needs more
+        than its `split_k` slices, or there are more rows than its `block_m` (1: one row only; up to 16)."""
         config = self.configs.get(key)
         if config is None or rows > min(config.block_m, MAX_TENSOR_CORE_ROWS):
             return None
-        return config if num_splits(weight.shape[1], config) <= config.split_k else None
+        return config if num_splits(k, config) <= config.split_k else None
 
     def _run(self, x2: torch.Tensor, weight: torch.Tensor, prologue: int, **kw) -> torch.Tensor:
         check_device(x2)
-        rows, n = x2.shape[0], weight.shape[0]
+        rows, (n, k) = x2.shape[0], weight.shape
         out = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
         fp8 = kw.get("weight_scale") is not None
-        sliced = self._slice(weight.shape[1], prologue, fp8)             # K as the slice kernel takes it
+        sliced = self._slice(k, prologue, fp8)                           # K as the slice kernel takes it
         slice_config = sliced if rows == 1 else None
-        a8 = self._tensor_core_slice(A8_KEY, weight, rows) if weight.dtype == torch.float8_e4m3fn else None
+        a8 = self._tensor_core_slice(A8_KEY, k, rows) if weight.dtype == torch.float8_e4m3fn else None
         if a8 is not None:
             slice_config, kw["a8"] = a8, True
-        tc = self._tensor_core_slice(TC_KEY, weight, rows) if sliced is not None and not fp8 else None
+        tc = self._tensor_core_slice(TC_KEY, k, rows) if sliced is not None and not fp8 else None
         if tc is not None:
             slice_config, kw["tensor_cores"] = tc, True
         if slice_config is not None:       # one row (or a tensor-core form's few): the whole-slice kernel (PDL)
-            splits = num_splits(weight.shape[1], slice_config)
+            splits = num_splits(k, slice_config)
             if splits > 1:
                 kw["workspace"] = torch.empty(splits * rows * n, dtype=torch.float32, device=x2.device)
                 kw["counters"] = _counters(x2.device)
@@ -170,7 +168,7 @@ class Gemv:
         if self.num_compute_units is None:
             self.num_compute_units = _compute_units(x2.device)
         units = self.num_compute_units
-        p = plan(rows, n, weight.shape[1], config, units, wide=wide)
+        p = plan(rows, n, k, config, units, wide=wide)
         if p.split_k > 1:
             kw["workspace"] = torch.empty(p.split_k * rows * n, dtype=torch.float32, device=x2.device)
             kw["counters"] = _counters(x2.device)
