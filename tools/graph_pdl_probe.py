@@ -1,6 +1,6 @@
 """Which library kernels of a captured graph may take a programmatic edge: an experiment on the GPU.
 
-    PYTHONPATH=. python tools/graph_pdl_probe.py [--chain] [--sass] [--out rows.jsonl]
+    PYTHONPATH=. python tools/graph_pdl_probe.py [--chain] [--out rows.jsonl]
     PYTHONPATH=. python tools/graph_pdl_probe.py --variants ouro-1.4b:qkv:m64,...   # the harness's variants
 
 Why: making the edges into library kernels (cuBLAS, cuDNN) programmatic (tools/graph_edges.py) would
@@ -17,9 +17,9 @@ let them launch under their predecessor as our PDL kernels do; that is only safe
   kernel, which does not wait, must read NaN;
 - `verdict`: the kernels that waited and those that did not, with the library versions;
 - `chain` (with --chain): a layer loop of (a small PDL kernel, a projection) at batch 1 and 64, the
-  graph as captured and with the edges into waiting kernels programmatic: us per layer;
-- `sass` (with --sass): `ACQBULK` / `PREEXIT` counts where cuobjdump finds the kernel (it finds
-  cuBLAS's split-K reduction, not its nvjet kernels).
+  graph as captured and with the edges into waiting kernels programmatic: us per layer.
+(The `sass` row in docs/data/h200-s28-graph-pdl.jsonl came from a `--sass` mode, cuobjdump's counts,
+whose function was never committed: the flag, which could only fail, is gone.)
 """
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ import argparse
 import ctypes
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -239,7 +238,6 @@ def main():
     parser.add_argument("--chain", action="store_true", help="also time the layer chains")
     parser.add_argument("--variants", default=None, help="comma-separated case labels: race each library "
                                                           "kernel of these cases under each harness variant")
-    parser.add_argument("--sass", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.variants:
@@ -265,8 +263,6 @@ def main():
         waits = graph_edges.name_matcher("^(" + "|".join(map(re.escape, waiting)) + ")$")
         for model, m, layers in (("nanbeige4.2-3b", 1, 22), ("ouro-1.4b", 1, 24), ("ouro-1.4b", 64, 24)):
             _write([chain_row(model, m, layers, waits)], args.out)
-    if args.sass:
-        _write(sass_rows(labels), args.out)
 
 
 def _write(rows, out):
