@@ -105,8 +105,9 @@ def main() -> int:
     rows = []
     for model in args.models.split(","):
         for name, n, k in MODEL_SHAPES[model]:
-            rows += sweep(f"{model}/{name}", n, k, library, configs)
-    append_rows(args.out, rows)
+            shape_rows = sweep(f"{model}/{name}", n, k, library, configs)
+            append_rows(args.out, shape_rows)        # each shape's as it finishes (a call's limit keeps them)
+            rows += shape_rows
     if args.env_out:
         picked = choices(rows)
         ring_gemv.table_overrides(json.dumps(picked))     # the engine must accept what it is handed
