@@ -31,7 +31,7 @@ step() {   # step NAME COST LIMIT CMD...: skip when COST seconds no longer fit b
 }
 bench() { local name=$1; shift; step "$name" 35 150 python3 -m runtime.bench hal=${HAL:-cuda} weights=random output="$ROWS" "$@"; }
 FP8=(engine.kv_dtype=fp8 engine.weights_dtype=fp8)
-ROW16='{"gemv_slice_w8a8": [16, 128, 8, 1, 0, 0, 1, 512, 32]}'
+ONE_ROW='{"gemv_slice_w8a8": [1, 128, 8, 1, 0, 0, 1, 512, 48]}'   # the W8A8 entry before lever 122
 
 cells() {
   bench "ouro b1 bf16" model=ouro-1.4b 'workload=[b1]'
@@ -54,9 +54,9 @@ tests() {
   step "pytest ring" 40 120 bash -c "python3 -m pytest -m cuda tests/cuda/test_ring_gemv_cuda.py -q -rs \
     -p no:cacheprovider >> $OUT/pytest.txt 2>&1"
 }
-rows() {   # lever 122: FP8 weights + KV at b8 with and without the 16-row entry
+rows() {   # lever 122: FP8 weights + KV at b8 on the table's 16-row W8A8 entry and on the one-row entry it replaced
   bench "b8 fp8" model=ouro-1.4b "${FP8[@]}" 'workload=[b8]'
-  LOOPSTACK_KERNEL_CONFIGS=$ROW16 bench "b8 fp8 16-row entry" model=ouro-1.4b "${FP8[@]}" 'workload=[b8]'
+  LOOPSTACK_KERNEL_CONFIGS=$ONE_ROW bench "b8 fp8 one-row entry" model=ouro-1.4b "${FP8[@]}" 'workload=[b8]'
 }
 configs() {   # lever 121: other W8A8 slice configs as the one-row entry, FP8 weights + KV at b1
   local entry

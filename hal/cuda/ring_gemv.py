@@ -76,12 +76,16 @@ DEFAULT = RingConfig(1, 8, 256, 4, 6, 4)
 # (docs/performance.md, lever 114); LOOPSTACK_RING_GEMV=1 takes every shape it can, "0" none.
 # Nanbeige4.2-3B's four (H100, 2026-12-06: its b1 step 5.86 -> 5.38 ms against cuBLASLt's table; each
 # shape's own pick from tools/ring_sweep.py, H100, 2026-12-07: 5.378 / 5.373 -> 5.167 / 5.165 ms, lever 123)
-# and Huginn-0125's q|k|v, o, fc, proj and adapter halves (39.93 against 40.68 ms; q|k|v, o and gate|up on their
-# own picks, H100, 2026-12-07: 40.028 / 40.024 -> 37.739 / 37.750 ms, lever 125; the adapter was not swept).
-NANBEIGE_4_2_3B = {(8192, 3072): RingConfig(1, 16, 256, 2, 8, 4), (3072, 6144): RingConfig(1, 8, 256, 4, 8, 4),
-                   (21504, 3072): RingConfig(1, 16, 256, 2, 8, 4), (3072, 10752): RingConfig(1, 8, 256, 2, 6, 4)}
+# and Huginn-0125's q|k|v, o, fc, proj and adapter halves (39.93 against 40.68 ms; q|k|v, o and gate|up on
+# their own picks, H100, 2026-12-07: 40.028 / 40.024 -> 37.739 / 37.750 ms, lever 125; 5280 x 10560 was not
+# swept).
+NANBEIGE_4_2_3B = {(8192, 3072): RingConfig(1, 16, 256, 2, 8, 4),
+                   (3072, 6144): RingConfig(1, 8, 256, 4, 8, 4),
+                   (21504, 3072): RingConfig(1, 16, 256, 2, 8, 4),
+                   (3072, 10752): RingConfig(1, 8, 256, 2, 6, 4)}
 HUGINN_0125 = {(15840, 5280): RingConfig(1, 16, 256, 2, 8, 4), (5280, 5280): RingConfig(1, 16, 256, 2, 8, 4),
-               (35840, 5280): RingConfig(1, 8, 256, 2, 6, 8), (5280, 17920): DEFAULT, (5280, 10560): DEFAULT}
+               (35840, 5280): RingConfig(1, 8, 256, 2, 6, 8), (5280, 17920): DEFAULT,
+               (5280, 10560): DEFAULT}
 TABLE: dict[str, dict[tuple[int, int], RingConfig]] = {"sm_90": {**NANBEIGE_4_2_3B, **HUGINN_0125}}
 
 
