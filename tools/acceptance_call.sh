@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
-#   END=560 [PARTS="cells tests ring rows configs huginn profile profile_batches landed tcrows smallbatch"] bash tools/acceptance_call.sh
+#   END=560 [PARTS="cells tests gaps ring rows configs huginn profile profile_batches landed tcrows smallbatch"] bash tools/acceptance_call.sh
 # END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by
 # GPU; H200_PARTS and OTHER_PARTS set them for one kind of card only).
 # Files under $OUT (six, of the 8 a call brings back): rows.jsonl (runtime.bench), peer.txt, pytest.txt,
@@ -53,6 +53,11 @@ tests() {
     tests/cuda/test_decode_kernels_cuda.py -k 'w8a8_slice or tensor_core_slice' -q -rs -p no:cacheprovider >> $OUT/pytest.txt 2>&1"
   step "pytest ring" 40 120 bash -c "python3 -m pytest -m cuda tests/cuda/test_ring_gemv_cuda.py -q -rs \
     -p no:cacheprovider >> $OUT/pytest.txt 2>&1"
+}
+gaps() {   # the cuda tests the tests part leaves out (speculation, FP8 whole, scheduling, graphs, fresh prefill,
+          # cuBLASLt, the Hal's device tests with conformance R3)
+  step "pytest the rest" 120 330 bash -c "python3 -m pytest -m cuda tests/cuda tests/hal -q -rs -p no:cacheprovider \
+    --ignore tests/cuda/test_engine_cuda.py --ignore tests/cuda/test_ring_gemv_cuda.py >> $OUT/pytest.txt 2>&1"
 }
 rows() {   # lever 122: FP8 weights + KV at b8 on the table's 16-row W8A8 entry and on the one-row entry it replaced
   bench "b8 fp8" model=ouro-1.4b "${FP8[@]}" 'workload=[b8]'
