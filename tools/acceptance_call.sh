@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
-#   END=560 [PARTS="cells tests gaps ring rows configs huginn profile profile_batches landed tcrows smallbatch"] bash tools/acceptance_call.sh
+#   END=560 [PARTS="cells tests gaps fp8prefill ring rows configs huginn profile profile_batches landed tcrows smallbatch"] bash tools/acceptance_call.sh
 # END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by
 # GPU; H200_PARTS and OTHER_PARTS set them for one kind of card only).
 # Files under $OUT (six, of the 8 a call brings back): rows.jsonl (runtime.bench), peer.txt, pytest.txt,
@@ -58,6 +58,17 @@ gaps() {   # the cuda tests the tests part leaves out (speculation, FP8 whole, s
           # cuBLASLt, the Hal's device tests with conformance R3)
   step "pytest the rest" 120 330 bash -c "python3 -m pytest -m cuda tests/cuda tests/hal -q -rs -p no:cacheprovider \
     --ignore tests/cuda/test_engine_cuda.py --ignore tests/cuda/test_ring_gemv_cuda.py >> $OUT/pytest.txt 2>&1"
+}
+fp8prefill() {   # lever 128: time to first token and prefill with FP8 against bf16 (128, 1K and 8K-token prompts),
+                 # the W8A16 Triton GEMM forced, and the 128-token prefill under the profiler
+  local t128='+workloads.t128={batch:1,prompt:128,new:16}' cells='workload=[t128,ttft1k,prefill8k]'
+  bench "prefill bf16" model=ouro-1.4b "$t128" "$cells"
+  bench "prefill fp8 kv" model=ouro-1.4b engine.kv_dtype=fp8 "$t128" "$cells"
+  bench "prefill fp8 w+kv" model=ouro-1.4b "${FP8[@]}" "$t128" "$cells"
+  bench "prefill bf16 profiled" model=ouro-1.4b "$t128" 'workload=[t128]' profile_prefill=true
+  bench "prefill fp8 w+kv profiled" model=ouro-1.4b "${FP8[@]}" "$t128" 'workload=[t128]' profile_prefill=true
+  LOOPSTACK_FP8_GEMM=triton bench "prefill fp8 w+kv triton gemm" model=ouro-1.4b "${FP8[@]}" "$t128" \
+    'workload=[t128,ttft1k]'
 }
 rows() {   # lever 122: FP8 weights + KV at b8 on the table's 16-row W8A8 entry and on the one-row entry it replaced
   bench "b8 fp8" model=ouro-1.4b "${FP8[@]}" 'workload=[b8]'
