@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
-#   END=560 [PARTS="cells tests gaps fp8prefill ring rows configs huginn profile profile_batches landed tcrows smallbatch"] bash tools/acceptance_call.sh
+#   END=560 [PARTS="cells tests gaps fp8prefill fp8rows ring rows configs huginn profile profile_batches landed tcrows smallbatch"] bash tools/acceptance_call.sh
 # END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by
 # GPU; H200_PARTS and OTHER_PARTS set them for one kind of card only).
 # Files under $OUT (six, of the 8 a call brings back): rows.jsonl (runtime.bench), peer.txt, pytest.txt,
@@ -31,6 +31,7 @@ step() {   # step NAME COST LIMIT CMD...: skip when COST seconds no longer fit b
 }
 bench() { local name=$1; shift; step "$name" 35 150 python3 -m runtime.bench hal=${HAL:-cuda} weights=random output="$ROWS" "$@"; }
 FP8=(engine.kv_dtype=fp8 engine.weights_dtype=fp8)
+T128='+workloads.t128={batch:1,prompt:128,new:16}'    # a 128-token prompt's time to first token, little decode
 ONE_ROW='{"gemv_slice_w8a8": [1, 128, 8, 1, 0, 0, 1, 512, 48]}'   # the W8A8 entry before lever 122
 
 cells() {
@@ -61,14 +62,27 @@ gaps() {   # the cuda tests the tests part leaves out (speculation, FP8 whole, s
 }
 fp8prefill() {   # lever 128: time to first token and prefill with FP8 against bf16 (128, 1K and 8K-token prompts),
                  # the W8A16 Triton GEMM forced, and the 128-token prefill under the profiler
-  local t128='+workloads.t128={batch:1,prompt:128,new:16}' cells='workload=[t128,ttft1k,prefill8k]'
-  bench "prefill bf16" model=ouro-1.4b "$t128" "$cells"
-  bench "prefill fp8 kv" model=ouro-1.4b engine.kv_dtype=fp8 "$t128" "$cells"
-  bench "prefill fp8 w+kv" model=ouro-1.4b "${FP8[@]}" "$t128" "$cells"
-  bench "prefill bf16 profiled" model=ouro-1.4b "$t128" 'workload=[t128]' profile_prefill=true
-  bench "prefill fp8 w+kv profiled" model=ouro-1.4b "${FP8[@]}" "$t128" 'workload=[t128]' profile_prefill=true
-  LOOPSTACK_FP8_GEMM=triton bench "prefill fp8 w+kv triton gemm" model=ouro-1.4b "${FP8[@]}" "$t128" \
+  local cells='workload=[t128,ttft1k,prefill8k]'
+  bench "prefill bf16" model=ouro-1.4b "$T128" "$cells"
+  bench "prefill fp8 kv" model=ouro-1.4b engine.kv_dtype=fp8 "$T128" "$cells"
+  bench "prefill fp8 w+kv" model=ouro-1.4b "${FP8[@]}" "$T128" "$cells"
+  bench "prefill bf16 profiled" model=ouro-1.4b "$T128" 'workload=[t128]' profile_prefill=true
+  bench "prefill fp8 w+kv profiled" model=ouro-1.4b "${FP8[@]}" "$T128" 'workload=[t128]' profile_prefill=true
+  LOOPSTACK_FP8_GEMM=triton bench "prefill fp8 w+kv triton gemm" model=ouro-1.4b "${FP8[@]}" "$T128" \
     'workload=[t128,ttft1k]'
+}
+fp8rows() {   # lever 128: a prompt's FP8 products on the W8A16 tile kernel's candidates against _scaled_mm, one
+              # product at a time, then the engine's 128- and 1,024-token prompts on the fastest (fp8_linear_rows)
+  step "fp8 prompt products" 60 200 python3 tools/fp8_kernels_bench.py --only prompt --budget 150 \
+    --out "$OUT/fp8_prompt.jsonl" --env-out "$OUT/fp8_rows.json"
+  [ -s "$OUT/fp8_rows.json" ] || return
+  local round cells='workload=[t128,ttft1k]'
+  for round in 1 2; do
+    LOOPSTACK_KERNEL_CONFIGS=$(cat "$OUT/fp8_rows.json") bench "fp8 w+kv rows entry ($round)" model=ouro-1.4b \
+      "${FP8[@]}" "$T128" "$cells"
+    bench "fp8 w+kv scaled_mm ($round)" model=ouro-1.4b "${FP8[@]}" "$T128" "$cells"
+  done
+  bench "bf16 prompts" model=ouro-1.4b "$T128" "$cells"
 }
 rows() {   # lever 122: FP8 weights + KV at b8 on the table's 16-row W8A8 entry and on the one-row entry it replaced
   bench "b8 fp8" model=ouro-1.4b "${FP8[@]}" 'workload=[b8]'

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
+from dataclasses import astuple, replace
 import math
 import random
 import sys
@@ -277,13 +277,76 @@ def projection_cells(bench: Bench) -> None:
         torch.cuda.empty_cache()
 
 
+PROMPT_ROWS = (32, 128, 512, 1024)
+PROMPT_TILES = [KernelConfig(bm, bn, w, st, block_k=bk) for bm, bn, w, st, bk in (   # lever 128's candidates
+    (64, 64, 4, 4, 128), (64, 128, 4, 3, 128), (128, 64, 8, 3, 128), (128, 128, 8, 3, 64), (64, 32, 4, 4, 128),
+    (32, 64, 4, 4, 128), (64, 64, 4, 3, 64), (128, 64, 4, 4, 64), (64, 128, 4, 4, 64))]
+
+
+def _tile_label(c: KernelConfig) -> str:
+    return f"tile W8A16 {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} k{c.block_k}"
+
+
+def prompt_choice(rows: list, num_rows: int = 128) -> KernelConfig | None:
+    """Prints each variant's sum over Ouro-1.4B's four products per M; returns the tile config with the least
+    sum at `num_rows` (a 128-token prompt's) where it beats `_scaled_mm`'s, else None."""
+    sums: dict[tuple[int, str], list[float]] = {}
+    for r in rows:
+        if r.group == "prompt" and r.us is not None:
+            sums.setdefault((r.rows, r.variant), []).append(r.us)
+    whole = {key: sum(us) for key, us in sums.items() if len(us) == len(SHAPES) - 1}     # lm_head is not timed
+    for (m, variant), us in sorted(whole.items()):
+        print(f"prompt   sum        {m:>4} {variant:34} {us:8.2f}")
+    tiles = {c: whole[(num_rows, _tile_label(c))] for c in PROMPT_TILES if (num_rows, _tile_label(c)) in whole}
+    best = min(tiles, key=tiles.get, default=None)
+    scaled = whole.get((num_rows, "scaled_mm W8A8"))
+    return best if best is not None and (scaled is None or tiles[best] < scaled) else None
+
+
+def prompt_projection_cells(bench: Bench) -> None:
+    """Lever 128: a prompt's FP8 products (32-1,024 rows) on `torch._scaled_mm` with its quantization launch
+    (the engine's path past the decode rows), and on the W8A16 tile kernel in `PROMPT_TILES` (the candidates
+    for the `fp8_linear_rows` entry), beside cuBLAS bf16."""
+    import torch.nn.functional as F
+
+    from hal.common.kv_quant import quantize
+    from hal.cuda.fp8 import scaled_mm_linear
+    from hal.kernels import fp8_linear as w8a16
+
+    quantize_rows = lambda x: w8a16.quantize_rows(x, FP8, configs_for("sm_90")["rms_norm"])   # noqa: E731
+    for name, (n, k) in SHAPES.items():
+        if name == "lm_head":
+            continue
+        copies = max(2, min(48, math.ceil(4 * L2_BYTES / (n * k))))
+        bf16 = [torch.randn(n, k, device=bench.device, dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
+        fp8 = [quantize(w.float(), FP8) for w in bf16]
+        for m in PROMPT_ROWS:
+            xs = [_randn(m, k, device=bench.device) for _ in range(copies)]
+            io = 2 * m * (k + n)
+            ref = xs[0].float() @ bf16[0].float().T
+            bench.cell("prompt", name, m, "cublas bf16",
+                       lambda xs=xs: [lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, bf16)], 2 * n * k + io)
+            variants = [("scaled_mm W8A8", lambda x, w, s: scaled_mm_linear(x, w, s, None, quantize_rows))]
+            variants += [(_tile_label(c), lambda x, w, s, c=c: w8a16.fp8_linear(x, w, s, None, c))
+                         for c in PROMPT_TILES]
+            for label, fn in variants:
+                bench.cell("prompt", name, m, label,
+                           lambda xs=xs, fn=fn: [lambda x=x, ws=ws, fn=fn: fn(x, *ws) for x, ws in zip(xs, fp8)],
+                           n * k + 4 * n + io, lambda fn=fn, xs=xs: _rel_err(fn(xs[0], *fp8[0]), ref))
+        del bf16, fp8
+        torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", type=float, default=120.0, help="seconds; later cells are skipped")
     parser.add_argument("--out", default=None, help="JSON lines of every cell")
-    parser.add_argument("--only", choices=("attn", "attnrows", "write", "proj", "layout"), default=None,
+    parser.add_argument("--only", choices=("attn", "attnrows", "write", "proj", "layout", "prompt"), default=None,
                         help="one group of cells (attnrows: the row kernel's sweep at batch 64 and 128; "
-                             "layout: lever 49's cache-layout diagnostic)")
+                             "layout: lever 49's cache-layout diagnostic; prompt: lever 128's prompt-sized "
+                             "FP8 products, not part of the default run)")
+    parser.add_argument("--env-out", default=None, help="with --only prompt: the fastest tile config at 128 rows "
+                        "as LOOPSTACK_KERNEL_CONFIGS's JSON (fp8_linear_rows), or {} where _scaled_mm is faster")
     args = parser.parse_args(argv)
     from hal.kernels.backend import device_compute_units
 
@@ -295,6 +358,12 @@ def main(argv: list[str] | None = None) -> int:
         attention_cells(bench, rows_only=True)
     if args.only == "layout":
         layout_cells(bench)
+    if args.only == "prompt":
+        prompt_projection_cells(bench)
+        best = prompt_choice(bench.rows)
+        if args.env_out:
+            Path(args.env_out).write_text(json.dumps({} if best is None else {"fp8_linear_rows": list(
+                astuple(best))}))
     for group, cells in (("attn", attention_cells), ("write", write_cells), ("proj", projection_cells)):
         if args.only in (None, group):
             cells(bench)

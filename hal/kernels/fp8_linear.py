@@ -3,8 +3,9 @@ with the weight `q: [N, K]` in FP8 and one float32 scale per output channel, act
 bf16/fp16/fp32 (W8A16). Also the per-row activation quantization of the `_scaled_mm` path
 (`quantize_rows`: one launch where torch needs six).
 
-A program owns a `BLOCK_M x BLOCK_N` tile of y and walks K in steps of `BLOCK_K`: the FP8 weight tile
-is loaded (half the bytes of bf16, which is what decode at small M is bound by), widened to x's dtype
+A program owns a `BLOCK_M x BLOCK_N` tile of y and walks K in steps of `BLOCK_K` (the config's `block_k`,
+64 where it has none): the FP8 weight tile is loaded (half the bytes of bf16, which is what decode at
+small M is bound by), widened to x's dtype
 (exact) and multiplied on the tensor cores with float32 accumulation; the row scales multiply the
 accumulator once at the end (they factor out of the sum over K), then the bias. Every product is
 exact and only the accumulation order differs from the torch reference (dequantize in float32, then
@@ -57,7 +58,7 @@ def fp8_linear_launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     return Launch(_fp8_linear_kernel, grid, (
         out, x, weight, scale, scale if bias is None else bias, rows, cols, inner, x.stride(0), weight.stride(0),
         out.stride(0)), dict(HAS_BIAS=bias is not None, BLOCK_M=max(config.block_m, 16), BLOCK_N=config.block_n,
-                             BLOCK_K=BLOCK_K, DOT_PRECISION=dot_precision(x.dtype, target),
+                             BLOCK_K=config.block_k or BLOCK_K, DOT_PRECISION=dot_precision(x.dtype, target),
                              **launch_options(config, target)))
 
 
