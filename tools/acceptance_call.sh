@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
-#   END=560 [PARTS="cells tests gaps fp8prefill fp8rows ring rows configs huginn profile profile_batches landed tcrows smallbatch"] bash tools/acceptance_call.sh
+#   END=560 [PARTS="cells tests gaps fp8prefill fp8rows fp8kvprefill ring rows configs huginn profile profile_batches landed tcrows smallbatch"] bash tools/acceptance_call.sh
 # END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by
 # GPU; H200_PARTS and OTHER_PARTS set them for one kind of card only).
 # Files under $OUT (six, of the 8 a call brings back): rows.jsonl (runtime.bench), peer.txt, pytest.txt,
@@ -71,18 +71,23 @@ fp8prefill() {   # lever 128: time to first token and prefill with FP8 against b
   LOOPSTACK_FP8_GEMM=triton bench "prefill fp8 w+kv triton gemm" model=ouro-1.4b "${FP8[@]}" "$T128" \
     'workload=[t128,ttft1k]'
 }
-fp8rows() {   # lever 128: a prompt's FP8 products on the W8A16 tile kernel's candidates against _scaled_mm, one
-              # product at a time, then the engine's 128- and 1,024-token prompts on the fastest (fp8_linear_rows)
+fp8rows() {   # lever 129 (lost): a prompt's FP8 products on the W8A16 tile kernel in prompt-sized tiles against
+              # _scaled_mm and cuBLAS bf16, one product at a time
   step "fp8 prompt products" 60 200 python3 tools/fp8_kernels_bench.py --only prompt --budget 150 \
-    --out "$OUT/fp8_prompt.jsonl" --env-out "$OUT/fp8_rows.json"
-  [ -s "$OUT/fp8_rows.json" ] || return
-  local round cells='workload=[t128,ttft1k]'
-  for round in 1 2; do
-    LOOPSTACK_KERNEL_CONFIGS=$(cat "$OUT/fp8_rows.json") bench "fp8 w+kv rows entry ($round)" model=ouro-1.4b \
-      "${FP8[@]}" "$T128" "$cells"
-    bench "fp8 w+kv scaled_mm ($round)" model=ouro-1.4b "${FP8[@]}" "$T128" "$cells"
+    --out "$OUT/fp8_prompt.jsonl"
+}
+fp8kvprefill() {   # lever 130: prompts over an FP8 cache with the paged prefill kernel in spill-free tiles, against
+                   # the table's tile (it spills) and bf16, and the 1,024-token prompt under the profiler
+  local config cells='workload=[t128,ttft1k]'
+  bench "kv bf16 prompts" model=ouro-1.4b "$T128" "$cells"
+  bench "kv fp8 prompts" model=ouro-1.4b engine.kv_dtype=fp8 "$T128" "$cells"
+  for config in "128, 32, 8, 3" "64, 64, 4, 3" "64, 32, 4, 3"; do
+    LOOPSTACK_KERNEL_CONFIGS="{\"attention_prefill_fp8\": [$config]}" bench "kv fp8 prompts [$config]" \
+      model=ouro-1.4b engine.kv_dtype=fp8 "$T128" "$cells"
   done
-  bench "bf16 prompts" model=ouro-1.4b "$T128" "$cells"
+  bench "kv fp8 prompts (again)" model=ouro-1.4b engine.kv_dtype=fp8 "$T128" "$cells"
+  bench "kv bf16 ttft1k profiled" model=ouro-1.4b 'workload=[ttft1k]' profile_prefill=true
+  bench "kv fp8 ttft1k profiled" model=ouro-1.4b engine.kv_dtype=fp8 'workload=[ttft1k]' profile_prefill=true
 }
 rows() {   # lever 122: FP8 weights + KV at b8 on the table's 16-row W8A8 entry and on the one-row entry it replaced
   bench "b8 fp8" model=ouro-1.4b "${FP8[@]}" 'workload=[b8]'

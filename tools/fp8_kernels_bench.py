@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import astuple, replace
+from dataclasses import replace
 import math
 import random
 import sys
@@ -278,7 +278,7 @@ def projection_cells(bench: Bench) -> None:
 
 
 PROMPT_ROWS = (32, 128, 512, 1024)
-PROMPT_TILES = [KernelConfig(bm, bn, w, st, block_k=bk) for bm, bn, w, st, bk in (   # lever 128's candidates
+PROMPT_TILES = [KernelConfig(bm, bn, w, st, block_k=bk) for bm, bn, w, st, bk in (   # lever 129's tiles
     (64, 64, 4, 4, 128), (64, 128, 4, 3, 128), (128, 64, 8, 3, 128), (128, 128, 8, 3, 64), (64, 32, 4, 4, 128),
     (32, 64, 4, 4, 128), (64, 64, 4, 3, 64), (128, 64, 4, 4, 64), (64, 128, 4, 4, 64))]
 
@@ -287,9 +287,8 @@ def _tile_label(c: KernelConfig) -> str:
     return f"tile W8A16 {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} k{c.block_k}"
 
 
-def prompt_choice(rows: list, num_rows: int = 128) -> KernelConfig | None:
-    """Prints each variant's sum over Ouro-1.4B's four products per M; returns the tile config with the least
-    sum at `num_rows` (a 128-token prompt's) where it beats `_scaled_mm`'s, else None."""
+def prompt_sums(rows: list) -> None:
+    """Prints each variant's sum over Ouro-1.4B's four products per M (a layer-loop's products)."""
     sums: dict[tuple[int, str], list[float]] = {}
     for r in rows:
         if r.group == "prompt" and r.us is not None:
@@ -297,16 +296,12 @@ def prompt_choice(rows: list, num_rows: int = 128) -> KernelConfig | None:
     whole = {key: sum(us) for key, us in sums.items() if len(us) == len(SHAPES) - 1}     # lm_head is not timed
     for (m, variant), us in sorted(whole.items()):
         print(f"prompt   sum        {m:>4} {variant:34} {us:8.2f}")
-    tiles = {c: whole[(num_rows, _tile_label(c))] for c in PROMPT_TILES if (num_rows, _tile_label(c)) in whole}
-    best = min(tiles, key=tiles.get, default=None)
-    scaled = whole.get((num_rows, "scaled_mm W8A8"))
-    return best if best is not None and (scaled is None or tiles[best] < scaled) else None
 
 
 def prompt_projection_cells(bench: Bench) -> None:
-    """Lever 128: a prompt's FP8 products (32-1,024 rows) on `torch._scaled_mm` with its quantization launch
-    (the engine's path past the decode rows), and on the W8A16 tile kernel in `PROMPT_TILES` (the candidates
-    for the `fp8_linear_rows` entry), beside cuBLAS bf16."""
+    """Lever 129: a prompt's FP8 products (32-1,024 rows) on `torch._scaled_mm` with its quantization launch
+    (the engine's path past the decode rows), and on the W8A16 tile kernel in `PROMPT_TILES` (prompt-sized
+    tiles; lost: docs/performance.md), beside cuBLAS bf16."""
     import torch.nn.functional as F
 
     from hal.common.kv_quant import quantize
@@ -343,10 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="JSON lines of every cell")
     parser.add_argument("--only", choices=("attn", "attnrows", "write", "proj", "layout", "prompt"), default=None,
                         help="one group of cells (attnrows: the row kernel's sweep at batch 64 and 128; "
-                             "layout: lever 49's cache-layout diagnostic; prompt: lever 128's prompt-sized "
+                             "layout: lever 49's cache-layout diagnostic; prompt: lever 129's prompt-sized "
                              "FP8 products, not part of the default run)")
-    parser.add_argument("--env-out", default=None, help="with --only prompt: the fastest tile config at 128 rows "
-                        "as LOOPSTACK_KERNEL_CONFIGS's JSON (fp8_linear_rows), or {} where _scaled_mm is faster")
     args = parser.parse_args(argv)
     from hal.kernels.backend import device_compute_units
 
@@ -360,10 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         layout_cells(bench)
     if args.only == "prompt":
         prompt_projection_cells(bench)
-        best = prompt_choice(bench.rows)
-        if args.env_out:
-            Path(args.env_out).write_text(json.dumps({} if best is None else {"fp8_linear_rows": list(
-                astuple(best))}))
+        prompt_sums(bench.rows)
     for group, cells in (("attn", attention_cells), ("write", write_cells), ("proj", projection_cells)):
         if args.only in (None, group):
             cells(bench)

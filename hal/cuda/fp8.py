@@ -17,9 +17,6 @@ each):
 - W8A16 through the Triton kernel of hal/kernels/fp8_linear.py otherwise: FP8 weight tiles widen to
   x's dtype, x is not quantized. ROCm always takes this path: it is the one compile-checked for
   gfx942 (e4m3fnuz) and gfx950.
-- Where the table names `fp8_linear_rows` (lever 128), a prompt's products of 17 to TILE_MAX_ROWS rows take
-  that W8A16 kernel in that entry's tiles: at 128 rows `_scaled_mm`'s tiles leave most SMs idle and the
-  quantization is a launch of its own per product.
 `LOOPSTACK_FP8_GEMM=triton` (or `scaled_mm`) forces one path for every shape, to compare them on a GPU.
 """
 from __future__ import annotations
@@ -32,8 +29,6 @@ import torch
 GEMM_ENV = "LOOPSTACK_FP8_GEMM"
 GEMM_CHOICES = ("auto", "scaled_mm", "triton")
 E4M3_MAX = 448.0
-ROWS_KEY = "fp8_linear_rows"     # the W8A16 tile kernel's entry for prompt-sized products (lever 128)
-TILE_MAX_ROWS = 1024             # rows up to which that entry takes a product (more: `_scaled_mm`)
 
 
 def gemm_choice() -> str:
@@ -76,17 +71,13 @@ def fp8_linear_op(arch: str, configs: dict[str, Any] | None, has_triton: bool) -
     if choice == "scaled_mm" and not nvidia_fp8:
         raise ValueError(f"{GEMM_ENV}=scaled_mm: torch._scaled_mm needs an NVIDIA GPU of sm_89 or later, "
                          f"this is {arch}; unset {GEMM_ENV}")
-    triton_linear, quantize, gemv, rows_linear = None, None, None, None
+    triton_linear, quantize, gemv = None, None, None
     if has_triton:
         from hal.kernels import fp8_linear as kernels
         from hal.kernels.gemv_ops import Gemv
 
         if choice == "auto":
             gemv = Gemv(configs).fp8_linear
-            rows_config = (configs or {}).get(ROWS_KEY)
-            if rows_config is not None:
-                def rows_linear(x, weight, scale, bias=None):
-                    return kernels.fp8_linear(x, weight, scale, bias, rows_config)
 
         config, row_config = (configs or {}).get("fp8_linear"), (configs or {}).get("rms_norm")
 
@@ -104,8 +95,6 @@ def fp8_linear_op(arch: str, configs: dict[str, Any] | None, has_triton: bool) -
             y = gemv(x, weight, scale)
             if y is not None:
                 return y
-        if rows_linear is not None and x.shape[0] <= TILE_MAX_ROWS:
-            return rows_linear(x, weight, scale, bias)
         if use_scaled_mm and takes_scaled_mm(x, weight):
             return scaled_mm_linear(x, weight, scale, bias, quantize)
         if triton_linear is not None:

@@ -56,9 +56,6 @@ callers; nothing else chooses tiles. Keys of a table are kernel names:
   gemv_slice_tc       (optional, sm_90) the 16-bit products gemv_slice takes (K in one slice; SwiGLU's in
                       up to its split_k), of up to block_m rows, on the tensor cores: the slice staged in
                       shared memory before the PDL wait (lever 119)
-  fp8_linear_rows     (optional, CUDA) fp8_linear's tile for the FP8 products past the decode GEMV's rows up
-                      to hal.cuda.fp8.TILE_MAX_ROWS (a prompt's), which otherwise take torch._scaled_mm
-                      (lever 128); block_k as in fp8_linear's kernel
 
 `LOOPSTACK_KERNEL_CONFIGS` replaces entries, and removes an optional one given as null
 (`'{"gemv_slice_w8a8": null}'`: the W8A16 slice kernel again, for an A/B on one tree).
@@ -83,7 +80,7 @@ KERNEL_NAMES = ("attention_prefill", "attention_decode", "attention_prefill_fp32
                 "attention_decode_tma_fp8",
                 "attention_reduce", "kv_write",
                 "rms_norm", "norm_add_norm", "rotary", "silu_and_mul", "fp8_linear", "gemv_m1", "gemv",
-                "gemv_slice", "gemv_slice_w8a8", "gemv_slice_tc", "gemv_wide", "fp8_linear_rows")
+                "gemv_slice", "gemv_slice_w8a8", "gemv_slice_tc", "gemv_wide")
 # a table without the attention_row_* keys routes every decode batch to the unified kernel
 # (hal/kernels/attend.py); one without norm_add_norm launches it with the rms_norm entry; one without
 # gemv_wide leaves decode batches above gemv_ops.MAX_ROWS rows to the vendor's GEMM
@@ -92,7 +89,7 @@ OPTIONAL_KERNEL_NAMES = ("attention_row_decode", "attention_row_decode_fp8", "at
                          "attention_row_decode_split_few_fp8", "attention_row_decode_dense",
                          "attention_row_decode_dense_fp8", "attention_decode_tma", "attention_decode_tma_fp8",
                          "norm_add_norm",
-                         "gemv_slice", "gemv_slice_w8a8", "gemv_slice_tc", "gemv_wide", "fp8_linear_rows")
+                         "gemv_slice", "gemv_slice_w8a8", "gemv_slice_tc", "gemv_wide")
 
 
 @dataclass(frozen=True)

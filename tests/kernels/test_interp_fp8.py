@@ -143,33 +143,6 @@ def test_fp8_linear_kernel_is_exact_at_the_config_s_block_k():
         assert (fp8_linear(x, weight, scale, None, config) - ref).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("entry", [True, False], ids=["rows-entry", "no-entry"])
-def test_prompt_sized_fp8_products_take_the_rows_entry_up_to_its_rows(monkeypatch, entry):
-    """With `fp8_linear_rows` in the table, the CUDA Hal's FP8 linear runs products past the decode rows up
-    to TILE_MAX_ROWS on the W8A16 tile kernel in that entry (its bits), and more rows on `_scaled_mm`; a
-    table without the entry sends them all to `_scaled_mm`."""
-    from hal.cuda import fp8 as cuda_fp8
-
-    rows_entry = KernelConfig(64, 32, 4, 2, block_k=128)
-    configs = {**configs_for("sm_90"), **({cuda_fp8.ROWS_KEY: rows_entry} if entry else {})}
-    scaled = []
-
-    def scaled_mm(x, *args):
-        scaled.append(x.shape[0])
-        return torch.zeros(x.shape[0], args[0].shape[0], dtype=x.dtype)
-    monkeypatch.setattr(cuda_fp8, "scaled_mm_linear", scaled_mm)
-    linear = cuda_fp8.fp8_linear_op("sm_90", configs, True)
-    weight, scale = quantize(torch.randn(48, 64) * 0.05, torch.float8_e4m3fn)
-    x = torch.randn(40, 64).bfloat16()           # `_scaled_mm` takes bf16 activations
-    got = linear(x, weight, scale)
-    if entry:
-        assert scaled == [] and torch.equal(got, fp8_linear(x, weight, scale, None, rows_entry))
-    else:
-        assert scaled == [40]
-    linear(torch.randn(cuda_fp8.TILE_MAX_ROWS + 1, 64).bfloat16(), weight, scale)
-    assert scaled[-1] == cuda_fp8.TILE_MAX_ROWS + 1
-
-
 def test_row_quantization_kernel_equals_torch():
     """The W8A8 path's activation quantization (one launch): torch's bytes and scales exactly."""
     from hal.cuda.fp8 import quantize_rows as torch_quantize_rows
