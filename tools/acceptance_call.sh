@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
-#   END=560 [PARTS="cells tests gaps fp8prefill fp8rows fp8kvprefill ring rows configs huginn profile profile_batches landed tcrows smallbatch"] bash tools/acceptance_call.sh
+#   END=560 [PARTS="cells tests gaps fp8prefill fp8rows fp8kvprefill prefilltiles ring rows configs huginn profile profile_batches landed tcrows smallbatch"] bash tools/acceptance_call.sh
 # END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by
 # GPU; H200_PARTS and OTHER_PARTS set them for one kind of card only).
 # Files under $OUT (six, of the 8 a call brings back): rows.jsonl (runtime.bench), peer.txt, pytest.txt,
@@ -88,6 +88,20 @@ fp8kvprefill() {   # lever 130: prompts over an FP8 cache with the paged prefill
   bench "kv fp8 prompts (again)" model=ouro-1.4b engine.kv_dtype=fp8 "$T128" "$cells"
   bench "kv bf16 ttft1k profiled" model=ouro-1.4b 'workload=[ttft1k]' profile_prefill=true
   bench "kv fp8 ttft1k profiled" model=ouro-1.4b engine.kv_dtype=fp8 'workload=[ttft1k]' profile_prefill=true
+}
+prefilltiles() {   # lever 130 again: the 64 x 64 prefill tile over an FP8 cache against the table's, alternating,
+                   # the same tile for bf16, and a 16K prompt (its second chunk attends over 8K of context)
+  local round cells='workload=[t128,ttft1k]' tile='[64, 64, 4, 3]' p16k='+workloads.p16k={batch:1,prompt:16384,new:1}'
+  for round in 1 2; do
+    bench "kv fp8 prompts ($round)" model=ouro-1.4b engine.kv_dtype=fp8 "$T128" "$cells"
+    LOOPSTACK_KERNEL_CONFIGS="{\"attention_prefill_fp8\": $tile}" bench "kv fp8 prompts 64x64 ($round)" \
+      model=ouro-1.4b engine.kv_dtype=fp8 "$T128" "$cells"
+  done
+  bench "bf16 prompts" model=ouro-1.4b "$T128" "$cells"
+  LOOPSTACK_KERNEL_CONFIGS="{\"attention_prefill\": $tile}" bench "bf16 prompts 64x64" model=ouro-1.4b "$T128" "$cells"
+  bench "kv fp8 16k" model=ouro-1.4b engine.kv_dtype=fp8 "$p16k" 'workload=[p16k]'
+  LOOPSTACK_KERNEL_CONFIGS="{\"attention_prefill_fp8\": $tile}" bench "kv fp8 16k 64x64" model=ouro-1.4b \
+    engine.kv_dtype=fp8 "$p16k" 'workload=[p16k]'
 }
 rows() {   # lever 122: FP8 weights + KV at b8 on the table's 16-row W8A8 entry and on the one-row entry it replaced
   bench "b8 fp8" model=ouro-1.4b "${FP8[@]}" 'workload=[b8]'
