@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
-#   END=560 [PARTS="cells tests gaps fp8prefill fp8rows fp8kvprefill prefilltiles ring rows configs huginn profile profile_batches landed tcrows smallbatch"] bash tools/acceptance_call.sh
+#   END=560 [PARTS="cells tests gaps fp8prefill fp8rows fp8kvprefill prefilltiles fp8tests ring rows configs huginn profile profile_batches landed tcrows smallbatch"] bash tools/acceptance_call.sh
 # END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by
 # GPU; H200_PARTS and OTHER_PARTS set them for one kind of card only).
 # Files under $OUT (six, of the 8 a call brings back): rows.jsonl (runtime.bench), peer.txt, pytest.txt,
@@ -102,6 +102,11 @@ prefilltiles() {   # lever 130 again: the 64 x 64 prefill tile over an FP8 cache
   bench "kv fp8 16k" model=ouro-1.4b engine.kv_dtype=fp8 "$p16k" 'workload=[p16k]'
   LOOPSTACK_KERNEL_CONFIGS="{\"attention_prefill_fp8\": $tile}" bench "kv fp8 16k 64x64" model=ouro-1.4b \
     engine.kv_dtype=fp8 "$p16k" 'workload=[p16k]'
+}
+fp8tests() {   # lever 130 as landed: the FP8 cuda tests and the engine's with an FP8 cache, then its prompts
+  step "pytest fp8" 60 150 bash -c "python3 -m pytest -m cuda tests/cuda/test_fp8_cuda.py tests/cuda/test_engine_cuda.py \
+    -k 'fp8' -q -rs -p no:cacheprovider >> $OUT/pytest.txt 2>&1"
+  bench "kv fp8 prompts (table)" model=ouro-1.4b engine.kv_dtype=fp8 "$T128" 'workload=[t128,ttft1k]'
 }
 rows() {   # lever 122: FP8 weights + KV at b8 on the table's 16-row W8A8 entry and on the one-row entry it replaced
   bench "b8 fp8" model=ouro-1.4b "${FP8[@]}" 'workload=[b8]'

@@ -167,7 +167,12 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         # 128 x 1K 293 -> 259 us per layer-plane on shuffled pages, the b64 / b128 cells 19.62 / 32.85 ->
         # 19.39 / 32.53 ms (the engine's pages are mostly consecutive; 2026-12-02, fifth session)
         "attention_decode": KernelConfig(16, 64, 4, 2, heads_first=1),
-        "attention_prefill_fp8": KernelConfig(128, 64, 8, 3),
+        # prompts over an FP8 cache in 64-row query blocks: 256 programs for a 1,024-token prompt's 16 heads,
+        # two per SM (128 x 64 x 8 warps spilled 32 bytes in the FP8 variant, one program per SM). Ouro-1.4B
+        # FP8 KV, time to first token: 1,024 tokens 23.79 / 23.48 -> 22.96 / 22.82 ms, 128 tokens 8.94 / 8.57
+        # -> 8.19 / 8.28, a 16K prompt 813 -> 754 ms (H100, 2026-12-07, fifty-third session, lever 130);
+        # the bf16 kernel lost with the same tile (21.04 -> 21.85 ms at 1,024 tokens)
+        "attention_prefill_fp8": KernelConfig(64, 64, 4, 3),
         # FP8 decode where the row kernel does not take it: grouped queries past a few sequences
         # (Nanbeige). 32 keys x 4 warps x 3 stages, Nanbeige4.2-3B FP8 KV 64 x 1K 8.751 -> 8.302 ms (the
         # 128-key 2-stage entry before spilled 16 bytes; 64 keys x 4 x 2 9.878, 128 x 8 x 2 10.227,

@@ -80,6 +80,14 @@ def test_sm90_fp8_row_decode_streams_without_spills():
     assert report.occupancy >= 3, report
 
 
+def test_sm90_fp8_prefill_tile_compiles_without_spills():
+    """The sm_90 prefill tile over an FP8 cache (lever 130): no spills, two programs per SM. The bf16 tile
+    it replaced (128 x 64, 8 warps) spilled in the FP8 variant, which widens every K/V tile with its scales."""
+    config = all_configs()["sm_90"]["attention_prefill_fp8"]
+    report = xcompile.compile_case("attention_prefill/e4m3fn", config, "sm_90")
+    assert not report.problems and report.mma == "wgmma" and report.occupancy >= 2, report
+
+
 def test_oversized_tile_is_flagged():
     """A 256x128 prefill tile on 4 waves cannot fit gfx942's 512 VGPRs: the check must say so.
     (256x256 spills too, but takes 25 s of CPU to compile; this one 6 s.)"""
