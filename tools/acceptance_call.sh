@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
-#   END=560 [PARTS="cells tests gaps fp8prefill fp8rows fp8kvprefill prefilltiles fp8tests ring rows configs huginn profile profile_batches landed tcrows smallbatch"] bash tools/acceptance_call.sh
+#   END=560 [PARTS="cells tests gaps fp8prefill fp8rows fp8kvprefill prefilltiles fp8tests ring rows configs
+#                   huginn profile profile_batches landed tcrows smallbatch"] bash tools/acceptance_call.sh
 # END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by
 # GPU; H200_PARTS and OTHER_PARTS set them for one kind of card only).
-# Files under $OUT (six, of the 8 a call brings back): rows.jsonl (runtime.bench), peer.txt, pytest.txt,
-# ring_rows.jsonl and ring.json (tools/ring_sweep.py of RING_MODEL, default nanbeige4.2-3b), acceptance.log; a table last.
+# Files under $OUT (at most seven of the 8 a call brings back): rows.jsonl (runtime.bench), peer.txt, pytest.txt,
+# ring_rows.jsonl and ring.json (tools/ring_sweep.py of RING_MODEL, default nanbeige4.2-3b), fp8_prompt.jsonl
+# (fp8rows), acceptance.log; a table last.
 # On an H100 the tests go first (its numbers are not the issues' targets), then lever 121's configs, then the cells.
 set -u
 cd "$(dirname "$0")/.."
@@ -60,8 +62,8 @@ gaps() {   # the cuda tests the tests part leaves out (speculation, FP8 whole, s
   step "pytest the rest" 120 330 bash -c "python3 -m pytest -m cuda tests/cuda tests/hal -q -rs -p no:cacheprovider \
     --ignore tests/cuda/test_engine_cuda.py --ignore tests/cuda/test_ring_gemv_cuda.py >> $OUT/pytest.txt 2>&1"
 }
-fp8prefill() {   # lever 128: time to first token and prefill with FP8 against bf16 (128, 1K and 8K-token prompts),
-                 # the W8A16 Triton GEMM forced, and the 128-token prefill under the profiler
+fp8prefill() {   # lever 128: time to first token and prefill with FP8 against bf16 (128, 1K and 8K-token
+                 # prompts), the W8A16 Triton GEMM forced, and the 128-token prefill under the profiler
   local cells='workload=[t128,ttft1k,prefill8k]'
   bench "prefill bf16" model=ouro-1.4b "$T128" "$cells"
   bench "prefill fp8 kv" model=ouro-1.4b engine.kv_dtype=fp8 "$T128" "$cells"
@@ -71,13 +73,13 @@ fp8prefill() {   # lever 128: time to first token and prefill with FP8 against b
   LOOPSTACK_FP8_GEMM=triton bench "prefill fp8 w+kv triton gemm" model=ouro-1.4b "${FP8[@]}" "$T128" \
     'workload=[t128,ttft1k]'
 }
-fp8rows() {   # lever 129 (lost): a prompt's FP8 products on the W8A16 tile kernel in prompt-sized tiles against
-              # _scaled_mm and cuBLAS bf16, one product at a time
+fp8rows() {   # lever 129 (lost): a prompt's FP8 products on the W8A16 tile kernel in prompt-sized tiles
+              # against _scaled_mm and cuBLAS bf16, one product at a time
   step "fp8 prompt products" 60 200 python3 tools/fp8_kernels_bench.py --only prompt --budget 150 \
     --out "$OUT/fp8_prompt.jsonl"
 }
-fp8kvprefill() {   # lever 130: prompts over an FP8 cache with the paged prefill kernel in spill-free tiles, against
-                   # the table's tile (it spills) and bf16, and the 1,024-token prompt under the profiler
+fp8kvprefill() {   # lever 130: prompts over an FP8 cache with the paged prefill kernel in spill-free tiles,
+                   # against the table's tile then (it spilled) and bf16, and the 1,024-token prompt profiled
   local config cells='workload=[t128,ttft1k]'
   bench "kv bf16 prompts" model=ouro-1.4b "$T128" "$cells"
   bench "kv fp8 prompts" model=ouro-1.4b engine.kv_dtype=fp8 "$T128" "$cells"
@@ -89,23 +91,25 @@ fp8kvprefill() {   # lever 130: prompts over an FP8 cache with the paged prefill
   bench "kv bf16 ttft1k profiled" model=ouro-1.4b 'workload=[ttft1k]' profile_prefill=true
   bench "kv fp8 ttft1k profiled" model=ouro-1.4b engine.kv_dtype=fp8 'workload=[ttft1k]' profile_prefill=true
 }
-prefilltiles() {   # lever 130 again: the 64 x 64 prefill tile over an FP8 cache against the table's, alternating,
-                   # the same tile for bf16, and a 16K prompt (its second chunk attends over 8K of context)
-  local round cells='workload=[t128,ttft1k]' tile='[64, 64, 4, 3]' p16k='+workloads.p16k={batch:1,prompt:16384,new:1}'
+prefilltiles() {   # lever 130 again: the 64 x 64 prefill tile over an FP8 cache against the table's then,
+                   # alternating, the same tile for bf16, and a 16K prompt (its second chunk attends over 8K)
+  local round cells='workload=[t128,ttft1k]' tile='[64, 64, 4, 3]'
+  local p16k='+workloads.p16k={batch:1,prompt:16384,new:1}'
   for round in 1 2; do
     bench "kv fp8 prompts ($round)" model=ouro-1.4b engine.kv_dtype=fp8 "$T128" "$cells"
     LOOPSTACK_KERNEL_CONFIGS="{\"attention_prefill_fp8\": $tile}" bench "kv fp8 prompts 64x64 ($round)" \
       model=ouro-1.4b engine.kv_dtype=fp8 "$T128" "$cells"
   done
   bench "bf16 prompts" model=ouro-1.4b "$T128" "$cells"
-  LOOPSTACK_KERNEL_CONFIGS="{\"attention_prefill\": $tile}" bench "bf16 prompts 64x64" model=ouro-1.4b "$T128" "$cells"
+  LOOPSTACK_KERNEL_CONFIGS="{\"attention_prefill\": $tile}" bench "bf16 prompts 64x64" model=ouro-1.4b "$T128" \
+    "$cells"
   bench "kv fp8 16k" model=ouro-1.4b engine.kv_dtype=fp8 "$p16k" 'workload=[p16k]'
   LOOPSTACK_KERNEL_CONFIGS="{\"attention_prefill_fp8\": $tile}" bench "kv fp8 16k 64x64" model=ouro-1.4b \
     engine.kv_dtype=fp8 "$p16k" 'workload=[p16k]'
 }
 fp8tests() {   # lever 130 as landed: the FP8 cuda tests and the engine's with an FP8 cache, then its prompts
-  step "pytest fp8" 60 150 bash -c "python3 -m pytest -m cuda tests/cuda/test_fp8_cuda.py tests/cuda/test_engine_cuda.py \
-    -k 'fp8' -q -rs -p no:cacheprovider >> $OUT/pytest.txt 2>&1"
+  step "pytest fp8" 60 150 bash -c "python3 -m pytest -m cuda tests/cuda/test_fp8_cuda.py \
+    tests/cuda/test_engine_cuda.py -k 'fp8' -q -rs -p no:cacheprovider >> $OUT/pytest.txt 2>&1"
   bench "kv fp8 prompts (table)" model=ouro-1.4b engine.kv_dtype=fp8 "$T128" 'workload=[t128,ttft1k]'
 }
 rows() {   # lever 122: FP8 weights + KV at b8 on the table's 16-row W8A8 entry and on the one-row entry it replaced

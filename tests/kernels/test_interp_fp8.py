@@ -30,8 +30,8 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 FAST_WRITE = KernelConfig(32, 1, 4, 1)
 
 
-def _pair(heads, kv_heads, head_dim, dtype, kv_dtype, block_size=16, num_compute_units=4):
-    configs = {**configs_for("default"), "kv_write": FAST_WRITE}
+def _pair(heads, kv_heads, head_dim, dtype, kv_dtype, block_size=16, num_compute_units=4, configs=None):
+    configs = {**configs_for("default"), **(configs or {}), "kv_write": FAST_WRITE}
     triton = TritonPagedAttention(heads, kv_heads, head_dim, dtype, CPU, block_size, configs=configs,
                                   num_compute_units=num_compute_units, kv_dtype=kv_dtype)
     reference = TorchPagedAttention(heads, kv_heads, head_dim, torch.float32, CPU, block_size, kv_dtype=kv_dtype)
@@ -97,6 +97,19 @@ def test_fp8_attention_matches_reference(kv_dtype, dtype):
     assert out.dtype == dtype and torch.isfinite(out).all()
     err = (out.float() - ref).abs().max().item()
     assert err <= TOLERANCE[dtype], f"max error {err:.2e}"
+
+
+def test_sm90_fp8_prefill_tile_matches_reference():
+    """The sm_90 table's prefill tile over an FP8 cache (64 query rows x 64 keys, lever 130) at Ouro's head
+    size: a prompt without context and a chunk after 80 tokens of it, against dequantize-then-attend."""
+    rng = random.Random(0)
+    tile = {"attention_prefill_fp8": configs_for("sm_90")["attention_prefill_fp8"]}
+    case = random_case(rng, 4, 4, 128, torch.bfloat16, seq_lens=[150, 70], query_lens=[70, 70])
+    backend, reference = _pair(4, 4, 128, torch.bfloat16, torch.float8_e4m3fn, configs=tile)
+    cache, ref_cache = _filled(backend, reference, case)
+    out = backend.forward(case.q, cache, backend.build_meta(case.step), 0, 128 ** -0.5)
+    ref = reference.forward(case.q.float(), ref_cache, reference.build_meta(case.step), 0, 128 ** -0.5)
+    assert (out.float() - ref).abs().max().item() <= TOLERANCE[torch.bfloat16]
 
 
 def test_fp8_decode_split_matches_reference():
