@@ -140,13 +140,13 @@ SLOWER_THAN_BF16 = {
     "sm_90": {
         "kv": "engine.kv_dtype=fp8 on sm_90 (measured on an H200, 2026-12-03/04): 1.5-1.64x the bf16 tok/s "
               "at 64-128 x 1K for multi-head models (Ouro, Huginn), 1.11-1.19x for grouped-query ones (Nanbeige4.2-3B, "
-              "the TMA decode kernel), 0.99-1.0x at batch 1 with short contexts, and prompts of up to 1,024 "
-              "tokens 3-9% longer to the first token (an H100, 2026-12-07): for single short requests leave "
+              "the TMA decode kernel), 0.99-1.0x at batch 1 with short contexts, and a 1,024-token prompt "
+              "about 8% longer to the first token (an H100, 2026-12-07): for single short requests leave "
               "engine.kv_dtype unset unless the memory is needed",
         "weights": "engine.weights_dtype=fp8 on sm_90 (measured on an H100, 2026-12-07, with FP8 KV): decode "
                    "steps of 1-8 rows take 0.66-0.74x bf16's time and an 8K-token prompt prefills 1.22x faster, "
-                   "but a 128-token prompt takes 9-13% longer to the first token (its products past 16 rows "
-                   "quantize the activations in a launch of their own): where the first token of short prompts "
+                   "but a 128-token prompt takes 11-18% longer to the first token, a 1,024-token one 2-5% (its "
+                   "products past 16 rows quantize the activations in a launch of their own): where the first token of short prompts "
                    "matters most, leave engine.weights_dtype unset",
     },
 }

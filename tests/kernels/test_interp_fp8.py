@@ -147,7 +147,7 @@ def test_fp8_linear_kernel_matches_dequantized_matmul(fp8, dtype, shape):
 
 
 def test_fp8_linear_kernel_is_exact_at_the_config_s_block_k():
-    """A config's `block_k` is the K step (lever 128's prompt tiles): K = 200 in steps of 128 (the second
+    """A config's `block_k` is the K step (lever 129's prompt tiles): K = 200 in steps of 128 (the second
     ragged) gives the dequantized product, as the default step of 64 does."""
     x = torch.randn(40, 200)
     weight, scale = quantize(torch.randn(72, 200) * 0.05, torch.float8_e4m3fn)
