@@ -302,34 +302,37 @@ def prompt_projection_cells(bench: Bench) -> None:
     """Lever 129: a prompt's FP8 products (32-1,024 rows) on `torch._scaled_mm` with its quantization launch
     (the engine's path past the decode rows), and on the W8A16 tile kernel in `PROMPT_TILES` (prompt-sized
     tiles; lost: docs/performance.md), beside cuBLAS bf16."""
+    for name, (n, k) in SHAPES.items():
+        if name != "lm_head":
+            _prompt_shape_cells(bench, name, n, k)      # its weight copies are freed on return
+            torch.cuda.empty_cache()
+
+
+def _prompt_shape_cells(bench: Bench, name: str, n: int, k: int) -> None:
     import torch.nn.functional as F
 
     from hal.common.kv_quant import quantize
     from hal.cuda.fp8 import scaled_mm_linear
     from hal.kernels import fp8_linear as w8a16
 
-    quantize_rows = lambda x: w8a16.quantize_rows(x, FP8, configs_for("sm_90")["rms_norm"])   # noqa: E731
-    for name, (n, k) in SHAPES.items():
-        if name == "lm_head":
-            continue
-        copies = max(2, min(48, math.ceil(4 * L2_BYTES / (n * k))))
-        bf16 = [torch.randn(n, k, device=bench.device, dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
-        fp8 = [quantize(w.float(), FP8) for w in bf16]
-        for m in PROMPT_ROWS:
-            xs = [_randn(m, k, device=bench.device) for _ in range(copies)]
-            io = 2 * m * (k + n)
-            ref = xs[0].float() @ bf16[0].float().T
-            bench.cell("prompt", name, m, "cublas bf16",
-                       lambda xs=xs: [lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, bf16)], 2 * n * k + io)
-            variants = [("scaled_mm W8A8", lambda x, w, s: scaled_mm_linear(x, w, s, None, quantize_rows))]
-            variants += [(_tile_label(c), lambda x, w, s, c=c: w8a16.fp8_linear(x, w, s, None, c))
-                         for c in PROMPT_TILES]
-            for label, fn in variants:
-                bench.cell("prompt", name, m, label,
-                           lambda xs=xs, fn=fn: [lambda x=x, ws=ws, fn=fn: fn(x, *ws) for x, ws in zip(xs, fp8)],
-                           n * k + 4 * n + io, lambda fn=fn, xs=xs: _rel_err(fn(xs[0], *fp8[0]), ref))
-        del bf16, fp8
-        torch.cuda.empty_cache()
+    def quantize_rows(x):
+        return w8a16.quantize_rows(x, FP8, configs_for("sm_90")["rms_norm"])
+
+    copies = max(2, min(48, math.ceil(4 * L2_BYTES / (n * k))))
+    bf16 = [torch.randn(n, k, device=bench.device, dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
+    fp8 = [quantize(w.float(), FP8) for w in bf16]
+    variants = [("scaled_mm W8A8", lambda x, w, s: scaled_mm_linear(x, w, s, None, quantize_rows))]
+    variants += [(_tile_label(c), lambda x, w, s, c=c: w8a16.fp8_linear(x, w, s, None, c)) for c in PROMPT_TILES]
+    for m in PROMPT_ROWS:
+        xs = [_randn(m, k, device=bench.device) for _ in range(copies)]
+        io = 2 * m * (k + n)
+        ref = xs[0].float() @ bf16[0].float().T
+        bench.cell("prompt", name, m, "cublas bf16",
+                   lambda xs=xs: [lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, bf16)], 2 * n * k + io)
+        for label, fn in variants:
+            bench.cell("prompt", name, m, label,
+                       lambda xs=xs, fn=fn: [lambda x=x, ws=ws, fn=fn: fn(x, *ws) for x, ws in zip(xs, fp8)],
+                       n * k + 4 * n + io, lambda fn=fn, xs=xs, ref=ref: _rel_err(fn(xs[0], *fp8[0]), ref))
 
 
 def main(argv: list[str] | None = None) -> int:
