@@ -171,6 +171,14 @@ def _quantize_rows(config: KernelConfig, target: str, fp8: torch.dtype) -> Launc
     return quantize_rows_launch(x, torch.empty(x.shape, dtype=fp8), torch.empty(64, 1), config, target)
 
 
+def _silu_mul_quantize_rows(config: KernelConfig, target: str, fp8: torch.dtype) -> Launch:
+    """The same quantization fused with SwiGLU: 64 rows of Ouro-1.4B's gate | up (2 x 5632)."""
+    from hal.kernels.fp8_linear import silu_mul_quantize_rows_launch
+
+    x = torch.empty(64, 2 * 5632, dtype=SHAPE["dtype"])
+    return silu_mul_quantize_rows_launch(x, torch.empty(64, 5632, dtype=fp8), torch.empty(64, 1), config, target)
+
+
 def _rms_norm(config: KernelConfig, target: str, residual: bool) -> Launch:
     from hal.kernels.norms import rms_norm_launch
 
@@ -385,6 +393,8 @@ def _fp8_cases(fmt: str, fp8: torch.dtype) -> tuple[Case, ...]:
         Case(f"gemv/down-res-{fmt}", "gemv", True, False,
              lambda c, t: _gemv(c, t, 8, 2048, 5632, "none", out_residual=True, fp8=fp8)),
         Case(f"fp8_quantize_rows/{fmt}", "rms_norm", False, False, lambda c, t: _quantize_rows(c, t, fp8)),
+        Case(f"fp8_silu_mul_quantize_rows/{fmt}", "rms_norm", False, False,
+             lambda c, t: _silu_mul_quantize_rows(c, t, fp8)),
     )
 
 

@@ -11,7 +11,8 @@ each):
   Ouro-1.4B with FP8 weights and KV on an H100: batch 1 3.26 ms/step against bf16's 4.98, batch 8 6.18.
 - W8A8 through `torch._scaled_mm` (NVIDIA sm_89+ only, bf16 activations, K and N multiples of 16):
   each row of x is quantized to e4m3fn on the device (`scale = absmax / 448`; one Triton launch,
-  `hal.kernels.fp8_linear.quantize_rows`), and cuBLASLt runs the product on the FP8 tensor cores
+  `hal.kernels.fp8_linear.quantize_rows`, which for the down projection also runs SwiGLU:
+  `silu_mul_quantize_rows`, lever 131), and cuBLASLt runs the product on the FP8 tensor cores
   with row-wise scales on both sides, out in bf16. The activation
   rounding adds error on top of the weights' (docs/fp8.md measures both).
 - W8A16 through the Triton kernel of hal/kernels/fp8_linear.py otherwise: FP8 weight tiles widen to
@@ -62,11 +63,16 @@ def takes_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.shape[-1] % 16 == 0 and weight.shape[0] % 16 == 0)
 
 
+def has_scaled_mm(arch: str) -> bool:
+    """Whether `torch._scaled_mm` runs FP8 products on a device of `arch`: NVIDIA sm_89 and later."""
+    return arch.startswith("sm_") and int(arch[3:]) >= 89 and hasattr(torch, "_scaled_mm")
+
+
 def fp8_linear_op(arch: str, configs: dict[str, Any] | None, has_triton: bool) -> Callable[..., Any] | None:
     """The `fp8_linear` op for a device of `arch` ("sm_90", "gfx942"), or None where neither path
     exists (no FP8 there: callers dequantize in torch)."""
     choice = gemm_choice()
-    nvidia_fp8 = arch.startswith("sm_") and int(arch[3:]) >= 89 and hasattr(torch, "_scaled_mm")
+    nvidia_fp8 = has_scaled_mm(arch)
     use_scaled_mm = nvidia_fp8 and choice != "triton"
     if choice == "scaled_mm" and not nvidia_fp8:
         raise ValueError(f"{GEMM_ENV}=scaled_mm: torch._scaled_mm needs an NVIDIA GPU of sm_89 or later, "
@@ -103,24 +109,38 @@ def fp8_linear_op(arch: str, configs: dict[str, Any] | None, has_triton: bool) -
     return linear
 
 
-def silu_mul_fp8_linear_op(configs: dict[str, Any] | None, linear: Callable[..., Any],
+def silu_mul_fp8_linear_op(arch: str, configs: dict[str, Any] | None, linear: Callable[..., Any],
                            silu_and_mul: Callable[..., Any]) -> Callable[..., Any] | None:
     """The `silu_mul_fp8_linear` op over this Hal's `linear` (`fp8_linear`) and `silu_and_mul`: where
     `linear` would take the W8A16 decode GEMV, SwiGLU runs in that GEMV's prologue and the residual
     add in its epilogue (one launch for the two or three of the unfused path, the same routing, the
-    same rounding); other operands run the two ops. None where `LOOPSTACK_FP8_GEMM` forces one GEMM:
-    the down projection then stays on it as well, so the comparison covers every product."""
+    same rounding); where it would take `_scaled_mm`, SwiGLU runs in the activation's quantization
+    (`silu_mul_quantize_rows`: one launch for two, the same bytes); other operands run the two ops. None
+    where `LOOPSTACK_FP8_GEMM` forces one GEMM: the down projection then stays on it as well, so the
+    comparison covers every product."""
     if gemm_choice() != "auto":
         return None
     from hal.kernels.gemv_ops import Gemv
 
-    gemv = Gemv(configs).silu_mul_fp8_linear
+    decode = Gemv(configs)
+    fused_quantize = None
+    if has_scaled_mm(arch) and configs is not None:
+        from hal.kernels import fp8_linear as kernels
+
+        def fused_quantize(gate_up):
+            return kernels.silu_mul_quantize_rows(gate_up, torch.float8_e4m3fn, configs.get("rms_norm"))
 
     def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                         residual: torch.Tensor | None = None) -> torch.Tensor:
-        y = gemv(x, weight, scale, residual)
+        y = decode.silu_mul_fp8_linear(x, weight, scale, residual)
         if y is not None:
             return y
+        rows, (n, k) = x.reshape(-1, x.shape[-1]), weight.shape
+        if (fused_quantize is not None and not decode.takes(rows.shape[0], k) and x.shape[-1] == 2 * k
+                and takes_scaled_mm(rows[:, :k], weight)):
+            # `linear` would quantize silu_and_mul's output for `_scaled_mm`: the same bytes in one launch
+            y = scaled_mm_linear(rows, weight, scale, None, fused_quantize).view(*x.shape[:-1], n)
+            return y if residual is None else residual + y
         act = silu_and_mul(x)
         y = linear(act.reshape(-1, act.shape[-1]), weight, scale).view(*act.shape[:-1], weight.shape[0])
         return y if residual is None else residual + y

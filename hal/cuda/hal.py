@@ -249,7 +249,7 @@ class CudaHal(Hal):
 
                 # decode_projections=False asks for the separate small ops, before FP8 weights too
                 linear, silu = self.op("fp8_linear"), self.op("silu_and_mul")
-                self._ops[name] = (silu_mul_fp8_linear_op(configs, linear, silu)
+                self._ops[name] = (silu_mul_fp8_linear_op(self.facts.arch, configs, linear, silu)
                                    if linear is not None and silu is not None and self.decode_projections
                                    is not False else None)
             elif name in attention.GEMV_OPS:

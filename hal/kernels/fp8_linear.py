@@ -103,6 +103,35 @@ def quantize_rows_launch(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor
                   dict(QMAX=quant_max(out.dtype), BLOCK=next_pow2(x.shape[1]), **launch_options(config, target)))
 
 
+@triton.jit
+def _silu_mul_quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_cols, stride_x, stride_q, QMAX: tl.constexpr,
+                                   BLOCK: tl.constexpr):
+    """`_quantize_rows_kernel` of `silu(gate) * up` for one row of `x = gate | up`, the product rounded to x's
+    dtype as the silu_and_mul kernel (hal/kernels/ops.py) stores it: the bytes of the two launches in one."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < num_cols
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + num_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = x_ptr.dtype.element_ty
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)          # torch rounds silu first
+    x = (act * up).to(dtype).to(tl.float32)                                   # [I]
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), 1e-12), QMAX)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX)
+    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+def silu_mul_quantize_rows_launch(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, config: KernelConfig,
+                                  target: str) -> Launch:
+    """x `[M, 2I]` (gate | up), out `[M, I]` FP8, scale `[M, 1]` float32; `config.num_warps` per row."""
+    from hal.common.kv_quant import quant_max
+
+    return Launch(_silu_mul_quantize_rows_kernel, (x.shape[0],),
+                  (x, out, scale, out.shape[1], x.stride(0), out.stride(0)),
+                  dict(QMAX=quant_max(out.dtype), BLOCK=next_pow2(out.shape[1]), **launch_options(config, target)))
+
+
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
                   config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`x: [M, K]` -> (`[M, K]` in FP8 `dtype`, float32 scales `[M, 1]`), one scale per row: the
@@ -114,4 +143,22 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
     scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
     if x.shape[0]:
         run_launch(quantize_rows_launch(x, out, scale, config or KernelConfig(1, 1, 4, 1), backend_of(x.device)))
+    return out, scale
+
+
+def silu_mul_quantize_rows(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
+                           config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x: [M, 2I]` (gate | up) -> `quantize_rows(silu_and_mul(x))` in one launch: the same bytes and scales,
+    without the `[M, I]` activation's round trip through memory (the FP8 down projection past the decode
+    rows, hal/cuda/fp8.py)."""
+    check_device(x)
+    if x.shape[-1] % 2:
+        raise ValueError(f"silu_mul_quantize_rows needs an even last dim (gate | up), got {tuple(x.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=dtype, device=x.device)
+    scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+    if x.shape[0]:
+        run_launch(silu_mul_quantize_rows_launch(x, out, scale, config or KernelConfig(1, 1, 4, 1),
+                                                 backend_of(x.device)))
     return out, scale

@@ -168,6 +168,48 @@ def test_row_quantization_kernel_equals_torch():
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
 
 
+def test_silu_mul_quantization_is_silu_and_mul_then_the_row_quantization():
+    """The FP8 down projection's activation past the decode rows in one launch: the bytes and scales of
+    `silu_and_mul` then `quantize_rows`, a zero row and large values included."""
+    from hal.kernels.fp8_linear import silu_mul_quantize_rows
+    from hal.kernels.ops import silu_and_mul
+
+    x = (torch.randn(6, 2 * 200) * torch.rand(6, 1) * 8).bfloat16()
+    x[3] = 0.0
+    q, scale = silu_mul_quantize_rows(x)
+    want_q, want_scale = quantize_rows(silu_and_mul(x))
+    assert q.shape == (6, 200) and scale.shape == (6, 1)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "gfx942"])
+def test_fp8_swiglu_past_the_decode_rows_quantizes_in_one_launch(arch, monkeypatch):
+    """`silu_mul_fp8_linear` at 40 rows: where the product is `_scaled_mm`'s (sm_90) SwiGLU runs in the
+    quantization launch, with no `silu_and_mul`, and the result is the unfused path's bit for bit; on gfx942
+    (the W8A16 kernel) SwiGLU stays its own launch."""
+    from hal.cuda.fp8 import fp8_linear_op, silu_mul_fp8_linear_op
+    from hal.kernels import fp8_linear as kernels
+    from hal.kernels.ops import silu_and_mul
+
+    configs = configs_for(arch)
+    calls = []
+
+    def counted(name, fn):
+        def wrapped(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return wrapped
+    monkeypatch.setattr(kernels, "silu_mul_quantize_rows", counted("fused", kernels.silu_mul_quantize_rows))
+    linear = fp8_linear_op(arch, configs, True)
+    silu = counted("silu_and_mul", silu_and_mul)
+    op = silu_mul_fp8_linear_op(arch, configs, linear, silu)
+    weight, scale = quantize(torch.randn(48, 64) * 0.05, torch.float8_e4m3fn)
+    gate_up, residual = (torch.randn(40, 128) * 2).bfloat16(), torch.randn(40, 48).bfloat16()
+    got = op(gate_up, weight, scale, residual)
+    assert calls == (["fused"] if arch == "sm_90" else ["silu_and_mul"])
+    assert torch.equal(got, residual + linear(silu_and_mul(gate_up), weight, scale))
+
+
 class TritonFp8OnCpu(CpuHal):
     """The CPU Hal with the Triton backend (interpreted), as the CUDA Hal builds it for kv_dtype=fp8."""
 

@@ -222,7 +222,8 @@ def test_fp8_down_projections_take_swiglu_in_their_prologue(name):
     def run(names):
         hal = TritonOpsOnCpu(SMALL_OPS + names)
         linear, silu = fp8_linear_op("gfx942", configs, True), hal.table["silu_and_mul"]
-        hal.table.update(fp8_linear=linear, silu_mul_fp8_linear=silu_mul_fp8_linear_op(configs, linear, silu))
+        hal.table.update(fp8_linear=linear,
+                         silu_mul_fp8_linear=silu_mul_fp8_linear_op("gfx942", configs, linear, silu))
         for module in model.modules():
             if isinstance(module, Fp8Linear):
                 module.ops = ModelOps(hal)                 # what the engine binds (quantize_fp8(..., ops=))
@@ -298,7 +299,8 @@ def test_engine_on_the_sm_90_table_decodes_fp8_weights_with_the_w8a8_slices(monk
     table = TritonOpsOnCpu(SMALL_OPS + ("fp8_linear", "silu_mul_fp8_linear"))
     linear = fp8_linear_op("sm_90", sm_90, True)
     table.table.update(fp8_linear=linear,
-                       silu_mul_fp8_linear=silu_mul_fp8_linear_op(sm_90, linear, table.table["silu_and_mul"]))
+                       silu_mul_fp8_linear=silu_mul_fp8_linear_op("sm_90", sm_90, linear,
+                                                                         table.table["silu_and_mul"]))
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, num_loops=2)
     outs = {}
     with torch.inference_mode():

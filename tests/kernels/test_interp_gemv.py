@@ -475,7 +475,7 @@ class _Fp8Hal:
         configs = configs_for("default")
         silu, linear = fused_ops(configs)["silu_and_mul"], fp8_linear_op("gfx942", configs, True)
         table = {"silu_and_mul": silu, "fp8_linear": linear,
-                 "silu_mul_fp8_linear": silu_mul_fp8_linear_op(configs, linear, silu)}
+                 "silu_mul_fp8_linear": silu_mul_fp8_linear_op("gfx942", configs, linear, silu)}
         self.ops, self.calls = {name: table[name] for name in names}, {}
 
     def op(self, name):
@@ -524,7 +524,7 @@ def test_fp8_swiglu_op_follows_the_fp8_gemm_choice(monkeypatch):
     from hal.cuda.fp8 import GEMM_ENV, silu_mul_fp8_linear_op
 
     monkeypatch.setenv(GEMM_ENV, "triton")
-    assert silu_mul_fp8_linear_op(configs_for("default"), lambda *a: None, lambda x: x) is None
+    assert silu_mul_fp8_linear_op("sm_90", configs_for("default"), lambda *a: None, lambda x: x) is None
 
 
 def test_fp8_swiglu_op_passes_the_conformance_bound():

@@ -54,7 +54,7 @@ def test_fp8_kernels_compile_clean(target, reports, record_property):
     reports.extend(rows)
     record_property("xcompile_fp8", xcompile.format_table(rows))
     fmt = "e4m3fnuz" if target == "gfx942" else "e4m3fn"
-    assert len(rows) == 10 and all(r.case.endswith(fmt) for r in rows), [r.case for r in rows]
+    assert len(rows) == 11 and all(r.case.endswith(fmt) for r in rows), [r.case for r in rows]
     assert f"rotary_kv_write/{fmt}" in {r.case for r in rows}
     problems = [f"{r.case}: {'; '.join(r.problems)}" for r in rows if r.problems]
     assert not problems, f"FP8 on {target}:\n" + "\n".join(problems)
