@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
-#   END=560 [PARTS="cells tests gaps fp8prefill fp8rows fp8kvprefill prefilltiles fp8tests ring rows configs
+#   END=560 [PARTS="cells tests gaps fp8prefill fp8rows fp8kvprefill prefilltiles fp8tests ab ring rows configs
 #                   huginn profile profile_batches landed tcrows smallbatch"] bash tools/acceptance_call.sh
 # END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by
 # GPU; H200_PARTS and OTHER_PARTS set them for one kind of card only).
@@ -111,6 +111,16 @@ fp8tests() {   # lever 130 as landed: the FP8 cuda tests and the engine's with a
   step "pytest fp8" 60 150 bash -c "python3 -m pytest -m cuda tests/cuda/test_fp8_cuda.py \
     tests/cuda/test_engine_cuda.py -k 'fp8' -q -rs -p no:cacheprovider >> $OUT/pytest.txt 2>&1"
   bench "kv fp8 prompts (table)" model=ouro-1.4b engine.kv_dtype=fp8 "$T128" 'workload=[t128,ttft1k]'
+}
+ab() {   # this tree against the one in .old (`git archive <commit before a lever> | tar -x -C .old`, carried),
+         # alternating twice, each running runtime.bench with AB_ARGS (e.g. lever 131: the FP8 prompts)
+  if [ ! -d .old ]; then STATUS+=("ab: no .old tree (carry it)"); return; fi
+  local round
+  for round in 1 2; do
+    bench "ab new ($round)" ${AB_ARGS:-model=ouro-1.4b "${FP8[@]}" "$T128" 'workload=[t128,ttft1k,prefill8k]'}
+    cd .old && bench "ab old ($round)" ${AB_ARGS:-model=ouro-1.4b "${FP8[@]}" "$T128" 'workload=[t128,ttft1k,prefill8k]'}
+    cd ..
+  done
 }
 rows() {   # lever 122: FP8 weights + KV at b8 on the table's 16-row W8A8 entry and on the one-row entry it replaced
   bench "b8 fp8" model=ouro-1.4b "${FP8[@]}" 'workload=[b8]'
