@@ -20,6 +20,7 @@ import triton.language as tl
 from hal.kernels.attention import dot_precision
 from hal.kernels.configs import KernelConfig
 from hal.kernels.launch import Launch, backend_of, check_device, launch_options, next_pow2, run_launch
+from hal.kernels.ops import silu_mul_row
 
 BLOCK_K = 64
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -88,10 +89,17 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_cols, stride_x, stride_q,
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * stride_x + cols, mask=cols < num_cols, other=0.0).to(tl.float32)    # [K]
+    _store_quantized_row(x, q_ptr + row * stride_q, scale_ptr + row, cols, cols < num_cols, QMAX)
+
+
+@triton.jit
+def _store_quantized_row(x, q_row_ptr, scale_ptr, cols, mask, QMAX: tl.constexpr):
+    """x (float32, one row) as FP8 at `cols` and its scale `max(absmax, 1e-12) / QMAX`; both divisions
+    correctly rounded, as torch's."""
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), 1e-12), QMAX)
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX)
-    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=cols < num_cols)
-    tl.store(scale_ptr + row, scale)
+    tl.store(q_row_ptr + cols, q.to(q_row_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr, scale)
 
 
 def quantize_rows_launch(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, config: KernelConfig,
@@ -111,15 +119,8 @@ def _silu_mul_quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_cols, stride_x, 
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + num_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    dtype = x_ptr.dtype.element_ty
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)          # torch rounds silu first
-    x = (act * up).to(dtype).to(tl.float32)                                   # [I]
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), 1e-12), QMAX)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX)
-    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row, scale)
+    x = silu_mul_row(x_ptr + row * stride_x, cols, mask, num_cols, x_ptr.dtype.element_ty).to(tl.float32)  # [I]
+    _store_quantized_row(x, q_ptr + row * stride_q, scale_ptr + row, cols, mask, QMAX)
 
 
 def silu_mul_quantize_rows_launch(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, config: KernelConfig,

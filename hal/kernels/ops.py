@@ -147,11 +147,19 @@ def _silu_and_mul_kernel(out_ptr, x_ptr, num_cols, stride_x, stride_o, BLOCK: tl
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < num_cols
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + num_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + row * stride_o + cols, silu_mul_row(x_ptr + row * stride_x, cols, mask, num_cols,
+                                                           out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def silu_mul_row(row_ptr, cols, mask, num_cols, dtype: tl.constexpr):
+    """`silu(gate) * up` at `cols` of one row `gate | up` (each `num_cols` wide), rounded to `dtype` as torch
+    rounds it (silu first): the silu_and_mul kernel's values, which hal/kernels/fp8_linear.py's fused
+    quantization must reproduce."""
+    gate = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(row_ptr + num_cols + cols, mask=mask, other=0.0).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)         # torch rounds silu first
-    tl.store(out_ptr + row * stride_o + cols, (act * up).to(dtype), mask=mask)
+    return (act * up).to(dtype)
 
 
 @functools.lru_cache(maxsize=64)

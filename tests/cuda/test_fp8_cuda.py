@@ -119,6 +119,24 @@ def test_scaled_mm_and_triton_fp8_linear_agree(gpu, monkeypatch):
         assert rel < (3e-2 if choice == "scaled_mm" else 5e-3)
 
 
+def test_swiglu_quantization_is_the_two_launches_bytes(gpu):
+    """Lever 131 on the GPU: the FP8 down projection's fused SwiGLU quantization gives the bytes and scales of
+    silu_and_mul then quantize_rows at Ouro-1.4B's MLP width (both compiled for this device), and the op at
+    a prompt's rows the unfused path's result bit for bit."""
+    from hal.common.kv_quant import quantize
+    from hal.kernels.fp8_linear import quantize_rows, silu_mul_quantize_rows
+
+    gate_up = (torch.randn(300, 2 * 5632, device=gpu.device()) * 3).bfloat16()
+    q, scale = silu_mul_quantize_rows(gate_up)
+    want_q, want_scale = quantize_rows(gpu.op("silu_and_mul")(gate_up))
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
+    weight, w_scale = quantize(torch.randn(2048, 5632, device=gpu.device()) * 0.02, torch.float8_e4m3fn)
+    residual = torch.randn(300, 2048, device=gpu.device(), dtype=torch.bfloat16)
+    got = gpu.op("silu_mul_fp8_linear")(gate_up, weight, w_scale, residual)
+    want = residual + gpu.op("fp8_linear")(gpu.op("silu_and_mul")(gate_up), weight, w_scale)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("block_n,block_k,warps,rows", [(64, 512, 4, 1), (64, 1024, 4, 1), (128, 256, 4, 1),
                                                          (64, 256, 4, 1), (128, 512, 8, 1), (128, 512, 8, 8)])
 def test_w8a8_slice_matches_its_reference_at_ouro_shapes(block_n, block_k, warps, rows, gpu):

@@ -16,7 +16,11 @@ from hal.cpu import CpuHal
 from hal.common.torch_attention import TorchPagedAttention
 from hal.kernels.backend import TritonPagedAttention
 from hal.kernels.configs import KernelConfig, configs_for
-from hal.kernels.fp8_linear import fp8_linear, quantize_rows
+from hal.cuda.fp8 import fp8_linear_op, silu_mul_fp8_linear_op
+from hal.kernels import fp8_linear as fp8_kernels
+from hal.kernels import gemv_ops  # noqa: F401 (imported outside the interpreter, as xcompile needs it)
+from hal.kernels.fp8_linear import fp8_linear, quantize_rows, silu_mul_quantize_rows
+from hal.kernels.ops import silu_and_mul
 from hal.common.kv_quant import quantize
 from runtime import SamplingParams
 from runtime.config import EngineConfig
@@ -171,9 +175,6 @@ def test_row_quantization_kernel_equals_torch():
 def test_silu_mul_quantization_is_silu_and_mul_then_the_row_quantization():
     """The FP8 down projection's activation past the decode rows in one launch: the bytes and scales of
     `silu_and_mul` then `quantize_rows`, a zero row and large values included."""
-    from hal.kernels.fp8_linear import silu_mul_quantize_rows
-    from hal.kernels.ops import silu_and_mul
-
     x = (torch.randn(6, 2 * 200) * torch.rand(6, 1) * 8).bfloat16()
     x[3] = 0.0
     q, scale = silu_mul_quantize_rows(x)
@@ -187,10 +188,6 @@ def test_fp8_swiglu_past_the_decode_rows_quantizes_in_one_launch(arch, monkeypat
     """`silu_mul_fp8_linear` at 40 rows: where the product is `_scaled_mm`'s (sm_90) SwiGLU runs in the
     quantization launch, with no `silu_and_mul`, and the result is the unfused path's bit for bit; on gfx942
     (the W8A16 kernel) SwiGLU stays its own launch."""
-    from hal.cuda.fp8 import fp8_linear_op, silu_mul_fp8_linear_op
-    from hal.kernels import fp8_linear as kernels
-    from hal.kernels.ops import silu_and_mul
-
     configs = configs_for(arch)
     calls = []
 
@@ -199,7 +196,7 @@ def test_fp8_swiglu_past_the_decode_rows_quantizes_in_one_launch(arch, monkeypat
             calls.append(name)
             return fn(*args, **kwargs)
         return wrapped
-    monkeypatch.setattr(kernels, "silu_mul_quantize_rows", counted("fused", kernels.silu_mul_quantize_rows))
+    monkeypatch.setattr(fp8_kernels, "silu_mul_quantize_rows", counted("fused", silu_mul_quantize_rows))
     linear = fp8_linear_op(arch, configs, True)
     silu = counted("silu_and_mul", silu_and_mul)
     op = silu_mul_fp8_linear_op(arch, configs, linear, silu)
