@@ -115,11 +115,12 @@ fp8tests() {   # lever 130 as landed: the FP8 cuda tests and the engine's with a
 ab() {   # this tree against the one in .old (`git archive <commit before a lever> | tar -x -C .old`, carried),
          # alternating twice, each running runtime.bench with AB_ARGS (e.g. lever 131: the FP8 prompts)
   if [ ! -d .old ]; then STATUS+=("ab: no .old tree (carry it)"); return; fi
-  local round
+  local round args=(model=ouro-1.4b "${FP8[@]}" "$T128" 'workload=[t128,ttft1k,prefill8k]')
+  [ -n "${AB_ARGS:-}" ] && read -ra args <<< "$AB_ARGS"
   for round in 1 2; do
-    bench "ab new ($round)" ${AB_ARGS:-model=ouro-1.4b "${FP8[@]}" "$T128" 'workload=[t128,ttft1k,prefill8k]'}
-    cd .old && bench "ab old ($round)" ${AB_ARGS:-model=ouro-1.4b "${FP8[@]}" "$T128" 'workload=[t128,ttft1k,prefill8k]'}
-    cd ..
+    bench "ab new ($round)" "${args[@]}"
+    pushd .old > /dev/null && bench "ab old ($round)" "${args[@]}"
+    popd > /dev/null
   done
 }
 rows() {   # lever 122: FP8 weights + KV at b8 on the table's 16-row W8A8 entry and on the one-row entry it replaced
