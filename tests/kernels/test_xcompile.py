@@ -43,18 +43,17 @@ def test_tables_compile_clean(table, target, reports, record_property):
             assert r.vec16, f"{r.case} on {target}: weight loads are not 16-byte vectors"
 
 
-@pytest.mark.parametrize("target", ["gfx942", "gfx950"])
-def test_fp8_kernels_compile_clean(target, reports, record_property):
+@pytest.mark.parametrize("target,num_cases", [("gfx942", 11), ("gfx950", 11), ("sm_90", 18)])
+def test_fp8_kernels_compile_clean(target, num_cases, reports, record_property):
     """Attention over an FP8 KV cache, the quantizing KV writes (alone and with rotary), the W8A16
-    linear and decode GEMV, each in the target's own format (e4m3fnuz on gfx942, e4m3fn on gfx950),
-    in its arch table. (sm_90: `python -m xcompile --fp8 --targets sm_90`, left out of CI to save
-    10 s; clean but for the unified FP8 decode kernel, which has spilled 16-56 bytes since the
-    exponent-byte scales, docs/performance.md lever 75.)"""
+    linear and decode GEMV and the activation quantizations, each in the target's own format (e4m3fnuz on
+    gfx942, e4m3fn on gfx950 and sm_90), in its arch table. (sm_90 since the fifty-third session, whose
+    prefill tile over an FP8 cache had spilled unseen: 10 s more.)"""
     rows = xcompile.check_fp8((target,))
     reports.extend(rows)
     record_property("xcompile_fp8", xcompile.format_table(rows))
     fmt = "e4m3fnuz" if target == "gfx942" else "e4m3fn"
-    assert len(rows) == 11 and all(r.case.endswith(fmt) for r in rows), [r.case for r in rows]
+    assert len(rows) == num_cases and all(r.case.endswith(fmt) for r in rows), [r.case for r in rows]
     assert f"rotary_kv_write/{fmt}" in {r.case for r in rows}
     problems = [f"{r.case}: {'; '.join(r.problems)}" for r in rows if r.problems]
     assert not problems, f"FP8 on {target}:\n" + "\n".join(problems)
@@ -80,12 +79,12 @@ def test_sm90_fp8_row_decode_streams_without_spills():
     assert report.occupancy >= 3, report
 
 
-def test_sm90_fp8_prefill_tile_compiles_without_spills():
-    """The sm_90 prefill tile over an FP8 cache (lever 130): no spills, two programs per SM. The bf16 tile
-    it replaced (128 x 64, 8 warps) spilled in the FP8 variant, which widens every K/V tile with its scales."""
+def test_sm90_fp8_prefill_tile_fits_two_programs_per_sm():
+    """The sm_90 prefill tile over an FP8 cache (lever 130) is 64 query rows on 4 warps, two programs per SM (the
+    128-row tile it replaced ran one, and spilled: `test_fp8_kernels_compile_clean` checks spills)."""
     config = all_configs()["sm_90"]["attention_prefill_fp8"]
     report = xcompile.compile_case("attention_prefill/e4m3fn", config, "sm_90")
-    assert not report.problems and report.mma == "wgmma" and report.occupancy >= 2, report
+    assert report.mma == "wgmma" and report.occupancy >= 2, report
 
 
 def test_oversized_tile_is_flagged():
