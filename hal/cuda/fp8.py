@@ -166,8 +166,8 @@ SLOWER_THAN_BF16 = {
         "weights": "engine.weights_dtype=fp8 on sm_90 (measured on an H100, 2026-12-07, with FP8 KV): decode "
                    "steps of 1-8 rows take 0.66-0.74x bf16's time and an 8K-token prompt prefills 1.22x faster, "
                    "but a 128-token prompt takes 11-18% longer to the first token, a 1,024-token one 2-5% (its "
-                   "products past 16 rows quantize the activations in a launch of their own): where the first token of short prompts "
-                   "matters most, leave engine.weights_dtype unset",
+                   "products past 8 rows quantize the activations in a launch of their own): where the first "
+                   "token of short prompts matters most, leave engine.weights_dtype unset",
     },
 }
 
