@@ -137,14 +137,7 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
                   config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`x: [M, K]` -> (`[M, K]` in FP8 `dtype`, float32 scales `[M, 1]`), one scale per row: the
     same bytes as `hal.cuda.fp8.quantize_rows` in torch, in one launch."""
-    check_device(x)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    out = torch.empty(x.shape, dtype=dtype, device=x.device)
-    scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
-    if x.shape[0]:
-        run_launch(quantize_rows_launch(x, out, scale, config or KernelConfig(1, 1, 4, 1), backend_of(x.device)))
-    return out, scale
+    return _quantized_rows(quantize_rows_launch, x, x.shape[-1], dtype, config)
 
 
 def silu_mul_quantize_rows(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
@@ -152,14 +145,19 @@ def silu_mul_quantize_rows(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4
     """`x: [M, 2I]` (gate | up) -> `quantize_rows(silu_and_mul(x))` in one launch: the same bytes and scales,
     without the `[M, I]` activation's round trip through memory (the FP8 down projection past the decode
     rows, hal/cuda/fp8.py)."""
-    check_device(x)
     if x.shape[-1] % 2:
         raise ValueError(f"silu_mul_quantize_rows needs an even last dim (gate | up), got {tuple(x.shape)}")
+    return _quantized_rows(silu_mul_quantize_rows_launch, x, x.shape[-1] // 2, dtype, config)
+
+
+def _quantized_rows(build, x: torch.Tensor, num_cols: int, dtype: torch.dtype,
+                    config: KernelConfig | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[M, num_cols]` in FP8 `dtype` and float32 scales `[M, 1]` from x `[M, ...]` by the launch `build` makes."""
+    check_device(x)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=dtype, device=x.device)
+    out = torch.empty(x.shape[0], num_cols, dtype=dtype, device=x.device)
     scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
     if x.shape[0]:
-        run_launch(silu_mul_quantize_rows_launch(x, out, scale, config or KernelConfig(1, 1, 4, 1),
-                                                 backend_of(x.device)))
+        run_launch(build(x, out, scale, config or KernelConfig(1, 1, 4, 1), backend_of(x.device)))
     return out, scale
