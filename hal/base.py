@@ -215,6 +215,11 @@ class Hal(ABC):
           FP8 `weight: [N, K]` (`caps.fp8_dtype`) dequantized per output channel by `weight_scale: [N]`
           float32, float32 accumulation, `+ bias`, `y: [M, N]` in x's dtype. An implementation may
           also quantize x per row to FP8 (W8A8 through `torch._scaled_mm`); it says so in its docs.
+        - `norm_add_norm_fp8(x, residual, post_weight, weight, eps, sum_first=False) -> (rows, h) | None`:
+          offered where `fp8_linear` quantizes x per row: `norm_add_norm` with y as `QuantizedRows`
+          (hal/common/quantized_rows.py), the bytes `fp8_linear` would make of y, which `fp8_linear`
+          then takes as its x; None for operands whose product would not quantize them (the caller
+          runs `norm_add_norm`). `fp8_linear` of those rows equals `fp8_linear` of y bit for bit.
 
         Decode projections (a small op folded into the matrix product that follows or precedes it;
         `x: [..., K]`, `weight: [N, K]`, results `[..., N]` in x's dtype; `norm` is `rms_norm` above):

@@ -244,13 +244,13 @@ def projection_cells(bench: Bench) -> None:
 
     from hal.common.kv_quant import quantize
     from hal.cuda.fp8 import scaled_mm_linear
-    from hal.kernels import fp8_linear as w8a16
+    from hal.kernels import fp8_linear as w8a16, fp8_rows
     from hal.kernels.gemv_ops import Gemv
 
     configs = configs_for("sm_90")
     gemv = Gemv(configs, bench.device_units)
     wide = Gemv({**configs, "gemv_m1": KernelConfig(1, 16, 4, 2, block_k=512, split_k=0)}, bench.device_units)
-    quantize_rows = lambda x: w8a16.quantize_rows(x, FP8, configs["rms_norm"])   # noqa: E731
+    quantize_rows = lambda x: fp8_rows.quantize_rows(x, FP8, configs["rms_norm"])   # noqa: E731
     for name, (n, k) in SHAPES.items():
         if name == "lm_head":
             continue
@@ -313,10 +313,10 @@ def _prompt_shape_cells(bench: Bench, name: str, n: int, k: int) -> None:
 
     from hal.common.kv_quant import quantize
     from hal.cuda.fp8 import scaled_mm_linear
-    from hal.kernels import fp8_linear as w8a16
+    from hal.kernels import fp8_linear as w8a16, fp8_rows
 
     def quantize_rows(x):
-        return w8a16.quantize_rows(x, FP8, configs_for("sm_90")["rms_norm"])
+        return fp8_rows.quantize_rows(x, FP8, configs_for("sm_90")["rms_norm"])
 
     copies = max(2, min(48, math.ceil(4 * L2_BYTES / (n * k))))
     bf16 = [torch.randn(n, k, device=bench.device, dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]

@@ -165,7 +165,7 @@ def _fp8_linear(config: KernelConfig, target: str, fp8: torch.dtype, num_rows: i
 
 def _quantize_rows(config: KernelConfig, target: str, fp8: torch.dtype) -> Launch:
     """The W8A8 path's activation quantization of 64 rows of Ouro-1.4B's MLP input (5632)."""
-    from hal.kernels.fp8_linear import quantize_rows_launch
+    from hal.kernels.fp8_rows import quantize_rows_launch
 
     x = torch.empty(64, 5632, dtype=SHAPE["dtype"])
     return quantize_rows_launch(x, torch.empty(x.shape, dtype=fp8), torch.empty(64, 1), config, target)
@@ -173,10 +173,20 @@ def _quantize_rows(config: KernelConfig, target: str, fp8: torch.dtype) -> Launc
 
 def _silu_mul_quantize_rows(config: KernelConfig, target: str, fp8: torch.dtype) -> Launch:
     """The same quantization fused with SwiGLU: 64 rows of Ouro-1.4B's gate | up (2 x 5632)."""
-    from hal.kernels.fp8_linear import silu_mul_quantize_rows_launch
+    from hal.kernels.fp8_rows import silu_mul_quantize_rows_launch
 
     x = torch.empty(64, 2 * 5632, dtype=SHAPE["dtype"])
     return silu_mul_quantize_rows_launch(x, torch.empty(64, 5632, dtype=fp8), torch.empty(64, 1), config, target)
+
+
+def _norm_add_norm_quantize(config: KernelConfig, target: str, fp8: torch.dtype) -> Launch:
+    """The quantization fused with a sandwich boundary (Ouro): 64 rows of Ouro-1.4B's hidden (2048)."""
+    from hal.kernels.fp8_rows import norm_add_norm_quantize_launch
+
+    x = torch.empty(64, 2048, dtype=SHAPE["dtype"])
+    weight = torch.empty(2048, dtype=x.dtype)
+    return norm_add_norm_quantize_launch(x, torch.empty_like(x), weight, weight, 1e-6, torch.empty(x.shape, dtype=fp8),
+                                         torch.empty(64, 1), torch.empty_like(x), x.dtype, config, target)
 
 
 def _rms_norm(config: KernelConfig, target: str, residual: bool) -> Launch:
@@ -395,6 +405,8 @@ def _fp8_cases(fmt: str, fp8: torch.dtype) -> tuple[Case, ...]:
         Case(f"fp8_quantize_rows/{fmt}", "rms_norm", False, False, lambda c, t: _quantize_rows(c, t, fp8)),
         Case(f"fp8_silu_mul_quantize_rows/{fmt}", "rms_norm", False, False,
              lambda c, t: _silu_mul_quantize_rows(c, t, fp8)),
+        Case(f"fp8_norm_add_norm_quantize/{fmt}", "norm_add_norm", False, False,
+             lambda c, t: _norm_add_norm_quantize(c, t, fp8)),
     )
 
 

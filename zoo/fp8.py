@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from hal.common.kv_quant import dequantize, quantize
+from hal.common.quantized_rows import QuantizedRows
 from zoo.context import PLAIN_OPS, ModelOps
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -33,14 +34,18 @@ SKIP_NAMES = ("lm_head",)
 MIN_OUT_FEATURES = 16
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale: torch.Tensor,
                bias: torch.Tensor | None = None, ops: ModelOps = PLAIN_OPS) -> torch.Tensor:
     """`x: [..., K]` times FP8 `weight: [N, K]` with row scales `scale: [N]` (+ `bias`), in x's dtype,
-    through `ops`' fused `fp8_linear` where it has one."""
+    through `ops`' fused `fp8_linear` where it has one. x may come quantized from the norm boundary before
+    (`QuantizedRows`: zoo.layers.norm_add_norm with `quantized`)."""
     op = ops.op("fp8_linear")
     if op is not None:
-        y = op(x.reshape(-1, x.shape[-1]), weight, scale, bias)
+        rows = x.flat() if isinstance(x, QuantizedRows) else x.reshape(-1, x.shape[-1])
+        y = op(rows, weight, scale, bias)
         return y.view(*x.shape[:-1], weight.shape[0])
+    if isinstance(x, QuantizedRows):
+        x = x.dequantize()
     w = dequantize(weight, scale)                                          # [N, K] float32
     y = nn.functional.linear(x.float(), w, None if bias is None else bias.float())
     return y.to(x.dtype)
@@ -52,7 +57,7 @@ class Fp8Weight(NamedTuple):
     weight: torch.Tensor            # [N, K] FP8
     scale: torch.Tensor             # [N] float32
 
-    def __call__(self, x: torch.Tensor, ops: ModelOps = PLAIN_OPS) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor | QuantizedRows, ops: ModelOps = PLAIN_OPS) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.scale, ops=ops)
 
     def to_format(self, dtype: torch.dtype) -> "Fp8Weight":
@@ -111,7 +116,7 @@ class Fp8Linear(nn.Module):
     def convert_(self, dtype: torch.dtype) -> None:
         self.weight, self.weight_scale = convert_format(self.weight, self.weight_scale, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.ops)
 
     def extra_repr(self) -> str:

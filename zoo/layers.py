@@ -44,18 +44,32 @@ class RMSNorm(nn.Module):
 
 
 def norm_add_norm(x: torch.Tensor, residual: torch.Tensor, post_norm: RMSNorm | None, norm: RMSNorm,
-                  ctx: ForwardContext | None = None, sum_first: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+                  ctx: ForwardContext | None = None, sum_first: bool = False, quantized: bool = False
+                  ) -> tuple[Any, torch.Tensor] | None:
     """`(norm(h), h)` for the residual stream h at a sublayer boundary, in one kernel where the Hal
     has `norm_add_norm` (and the norms share eps); else None, and the caller runs its torch code. h:
     - `residual + post_norm(x)`: sandwich norms (Ouro);
     - `post_norm(x + residual)` with `sum_first`: Huginn's sandwich block;
-    - `residual + x` without `post_norm`: pre-norm layers (the add `project(..., residual=)` makes)."""
-    fused = ops_of(ctx).op("norm_add_norm")
+    - `residual + x` without `post_norm`: pre-norm layers (the add `project(..., residual=)` makes).
+    `quantized`: only an FP8 matrix takes norm(h); where the Hal's FP8 product would quantize these
+    rows (`norm_add_norm_fp8`), norm(h) comes as those bytes (`QuantizedRows`), no launch of its own."""
+    ops = ops_of(ctx)
+    fused = ops.op("norm_add_norm")
     if fused is None or (post_norm is not None and post_norm.eps != norm.eps):
         return None
     post_weight = post_norm.weight if post_norm is not None else None
+    fp8 = ops.op("norm_add_norm_fp8") if quantized else None
+    if fp8 is not None:
+        out = fp8(x, residual, post_weight, norm.weight, norm.eps, sum_first=sum_first)
+        if out is not None:
+            return out
     return fused(x, residual, post_weight, norm.weight, norm.eps, sum_first=sum_first)
+
+
+def feeds_fp8(matrix: Any) -> bool:
+    """Whether `matrix` (a projection after a norm boundary) is an FP8 one: `norm_add_norm`'s
+    `quantized` for the boundary before it."""
+    return fp8_matrix(matrix) is not None
 
 
 def fuses_pre_norm_boundaries(ctx: ForwardContext | None, h: torch.Tensor) -> bool:
@@ -177,7 +191,7 @@ class SwiGLU(nn.Module):
         if fused is not None and post_norm.eps == norm.eps:
             gate_up, h = fused(x, residual, post_norm.weight, norm.weight, norm.eps, weight)
             return self.down(gate_up, ctx), h
-        normed = norm_add_norm(x, residual, post_norm, norm, ctx)
+        normed = norm_add_norm(x, residual, post_norm, norm, ctx, quantized=feeds_fp8(self.gate_up))
         if normed is not None:
             n, h = normed
             return self(n, ctx), h
@@ -235,14 +249,17 @@ class GQAttention(nn.Module):
 
 def run_layers(layers: nn.ModuleList, x: torch.Tensor, ctx: ForwardContext, plane: int,
                input_norm: Callable[[nn.Module], RMSNorm], final_norm: RMSNorm | None = None,
-               first_slot: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+               first_slot: int = 0, input_matrix: Callable[[nn.Module], Any] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`x: [B, T, hidden]` through a run of layers on KV plane `plane` (layer slots from
     `first_slot`). Each layer is handed the norm that follows it (the next layer's `input_norm`, the
     last one's `final_norm`) to run with its last residual add in one kernel where the Hal has
-    `norm_add_norm`, and then the next layer takes that normalised input. Returns
-    `(x, final_norm(x))` where the last layer fused it, else `(x, None)`."""
+    `norm_add_norm`, and then the next layer takes that normalised input; quantized for it
+    (`quantize_next`) where the next layer's `input_matrix`, the projection after that norm, is FP8.
+    Returns `(x, final_norm(x))` where the last layer fused it, else `(x, None)`."""
     next_norms = [input_norm(layer) for layer in layers[1:]] + [final_norm]
+    quantize = [input_matrix is not None and feeds_fp8(input_matrix(layer)) for layer in layers[1:]] + [False]
     normed = None                      # next_norm(x) when the layer fused it with its last add
     for i, (layer, next_norm) in enumerate(zip(layers, next_norms)):
-        x, normed = layer(x, ctx, plane, first_slot + i, normed, next_norm)
+        x, normed = layer(x, ctx, plane, first_slot + i, normed, next_norm, quantize_next=quantize[i])
     return x, normed

@@ -6,7 +6,8 @@ of the same format; what `read_kv` gives back must agree (same quantization rule
 and attention over the cache must match the reference's within the dtype's tolerance.
 FP8 linear: `y = x @ (q * scale).T` within e4m3's rounding of the activations (an implementation may
 quantize x per row, W8A8) plus the dtype's, against float64 on the dequantized weight; where offered,
-`silu_mul_fp8_linear` the same on `silu(gate) * up` (and with a residual).
+`silu_mul_fp8_linear` the same on `silu(gate) * up` (and with a residual), and `norm_add_norm_fp8`'s
+quantized rows exactly what `fp8_linear` makes of norm_add_norm's output.
 """
 from __future__ import annotations
 
@@ -76,8 +77,33 @@ def check_fp8_linear(hal: Hal) -> str:
             bound = (x.double().abs() @ w.abs().T) * 2**-4 + TOLERANCE[dtype] * (1 + ref.abs())
             excess = ((out.double().cpu() - ref).abs() - bound).max().item()
             assert excess <= 0, f"fp8_linear {dtype} rows={rows}: error beyond the bound by {excess:.2e}"
-    checked = _check_silu_mul_fp8_linear(hal, fp8)
-    return f"weights in {str(fp8).removeprefix('torch.')}" + (", silu_mul_fp8_linear" if checked else "")
+    checked = [name for name, check in (("silu_mul_fp8_linear", _check_silu_mul_fp8_linear),
+                                        ("norm_add_norm_fp8", _check_norm_add_norm_fp8)) if check(hal, fp8)]
+    return ", ".join([f"weights in {str(fp8).removeprefix('torch.')}", *checked])
+
+
+def _check_norm_add_norm_fp8(hal: Hal, fp8: torch.dtype) -> bool:
+    """`op("norm_add_norm_fp8")`: where it hands back quantized rows (a prompt's 40 bf16 rows), h is
+    `norm_add_norm`'s and `fp8_linear` of the rows is `fp8_linear` of norm_add_norm's y, bit for bit;
+    False where the Hal offers none, or declines these rows."""
+    fused, boundary, linear = hal.op("norm_add_norm_fp8"), hal.op("norm_add_norm"), hal.op("fp8_linear")
+    if fused is None or boundary is None or torch.bfloat16 not in hal.caps.dtypes:
+        return False
+    device = hal.device()
+    x, residual = (torch.randn(40, 256, dtype=torch.bfloat16, device=device) * 3 for _ in range(2))
+    post, weight = ((torch.rand(256, device=device) + 0.5).bfloat16() for _ in range(2))
+    weight_q, scale = (t.to(device) for t in quantize(torch.randn(192, 256) * 0.05, fp8))
+    for post_weight, sum_first in ((post, False), (post, True), (None, False)):
+        out = fused(x, residual, post_weight, weight, 1e-6, sum_first=sum_first)
+        if out is None:
+            return False
+        rows, h = out
+        y, want_h = boundary(x, residual, post_weight, weight, 1e-6, sum_first=sum_first)
+        what = f"norm_add_norm_fp8 post={post_weight is not None} sum_first={sum_first}"
+        assert torch.equal(h, want_h), f"{what}: h is not norm_add_norm's"
+        assert torch.equal(linear(rows, weight_q, scale), linear(y, weight_q, scale)), \
+            f"{what}: fp8_linear of the quantized rows is not fp8_linear of norm_add_norm's y"
+    return True
 
 
 def _check_silu_mul_fp8_linear(hal: Hal, fp8: torch.dtype) -> bool:

@@ -27,6 +27,8 @@ from typing import Any, Callable
 
 import torch
 
+from hal.common.quantized_rows import QuantizedRows
+
 GEMM_ENV = "LOOPSTACK_FP8_GEMM"
 GEMM_CHOICES = ("auto", "scaled_mm", "triton")
 E4M3_MAX = 448.0
@@ -50,15 +52,21 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                      bias: torch.Tensor | None = None, quantize: Callable[..., Any] | None = None) -> torch.Tensor:
     """W8A8: `x: [M, K]` bf16, e4m3fn `weight: [N, K]`, `scale: [N]` float32 -> `[M, N]` bf16.
     `quantize`: the per-row activation quantization (default: `quantize_rows` in torch)."""
-    xq, x_scale = (quantize or quantize_rows)(x)
+    return scaled_mm_rows(QuantizedRows(*(quantize or quantize_rows)(x), x.dtype), weight, scale, bias)
+
+
+def scaled_mm_rows(rows: QuantizedRows, weight: torch.Tensor, scale: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8 of rows already quantized (`[M, K]` e4m3fn, scales `[M, 1]`) -> `[M, N]` in `rows.dtype`."""
     # weight.t() is [K, N] column-major, the layout cuBLASLt takes for the second operand
-    y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1).contiguous(),
-                         out_dtype=x.dtype)
+    y = torch._scaled_mm(rows.data, weight.t(), scale_a=rows.scale, scale_b=scale.view(1, -1).contiguous(),
+                         out_dtype=rows.dtype)
     return y if bias is None else y + bias.to(y.dtype)
 
 
-def takes_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `scaled_mm_linear` takes these operands (dtypes and the 16-multiples cuBLASLt needs)."""
+def takes_scaled_mm(x: torch.Tensor | QuantizedRows, weight: torch.Tensor) -> bool:
+    """Whether `scaled_mm_linear` (`scaled_mm_rows`) takes these operands (dtypes and the 16-multiples
+    cuBLASLt needs)."""
     return (x.dtype == torch.bfloat16 and weight.dtype == torch.float8_e4m3fn
             and x.shape[-1] % 16 == 0 and weight.shape[0] % 16 == 0)
 
@@ -79,7 +87,7 @@ def fp8_linear_op(arch: str, configs: dict[str, Any] | None, has_triton: bool) -
                          f"this is {arch}; unset {GEMM_ENV}")
     triton_linear, quantize, gemv = None, None, None
     if has_triton:
-        from hal.kernels import fp8_linear as kernels
+        from hal.kernels import fp8_linear as kernels, fp8_rows
         from hal.kernels.gemv_ops import Gemv
 
         if choice == "auto":
@@ -88,15 +96,19 @@ def fp8_linear_op(arch: str, configs: dict[str, Any] | None, has_triton: bool) -
         config, row_config = (configs or {}).get("fp8_linear"), (configs or {}).get("rms_norm")
 
         def quantize(x):                      # one launch instead of torch's six (per linear, per step)
-            return kernels.quantize_rows(x, torch.float8_e4m3fn, row_config)
+            return fp8_rows.quantize_rows(x, torch.float8_e4m3fn, row_config)
         if choice != "scaled_mm":
             def triton_linear(x, weight, scale, bias=None):
                 return kernels.fp8_linear(x, weight, scale, bias, config)
     if gemv is None and not use_scaled_mm:
         return triton_linear
 
-    def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+    def linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(x, QuantizedRows):      # from norm_add_norm_fp8: made only where this takes them
+            if use_scaled_mm and takes_scaled_mm(x, weight):
+                return scaled_mm_rows(x, weight, scale, bias)
+            x = x.dequantize()
         if gemv is not None and bias is None:
             y = gemv(x, weight, scale)
             if y is not None:
@@ -125,10 +137,10 @@ def silu_mul_fp8_linear_op(arch: str, configs: dict[str, Any] | None, linear: Ca
     decode = Gemv(configs)
     fused_quantize = None
     if has_scaled_mm(arch) and configs is not None:
-        from hal.kernels import fp8_linear as kernels
+        from hal.kernels import fp8_rows
 
         def fused_quantize(gate_up):
-            return kernels.silu_mul_quantize_rows(gate_up, torch.float8_e4m3fn, configs.get("rms_norm"))
+            return fp8_rows.silu_mul_quantize_rows(gate_up, torch.float8_e4m3fn, configs.get("rms_norm"))
 
     def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                         residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -145,6 +157,31 @@ def silu_mul_fp8_linear_op(arch: str, configs: dict[str, Any] | None, linear: Ca
         y = linear(act.reshape(-1, act.shape[-1]), weight, scale).view(*act.shape[:-1], weight.shape[0])
         return y if residual is None else residual + y
     return silu_mul_linear
+
+
+def norm_add_norm_fp8_op(arch: str, configs: dict[str, Any] | None) -> Callable[..., Any] | None:
+    """The `norm_add_norm_fp8` op: `norm_add_norm` (hal/kernels/norms.py) whose normalised rows come out
+    quantized for the FP8 product after the boundary (`QuantizedRows`, hal/kernels/fp8_rows.py), where
+    `fp8_linear` would quantize them for `_scaled_mm`: past the decode GEMV's rows, bf16, K a multiple of
+    16. Elsewhere the op returns None and the caller runs `norm_add_norm`. None where this device has no
+    `_scaled_mm`, or `LOOPSTACK_FP8_GEMM` forces the Triton GEMM."""
+    if not has_scaled_mm(arch) or configs is None or gemm_choice() == "triton":
+        return None
+    from hal.kernels import fp8_rows
+    from hal.kernels.gemv_ops import Gemv
+
+    decode = Gemv(configs) if gemm_choice() == "auto" else None
+
+    def norm_add_norm_fp8(x: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor | None,
+                          weight: torch.Tensor, eps: float, sum_first: bool = False
+                          ) -> tuple[QuantizedRows, torch.Tensor] | None:
+        rows, k = x.numel() // x.shape[-1], x.shape[-1]
+        if (decode is not None and decode.takes(rows, k)) or k % 16 or torch.promote_types(
+                torch.promote_types(x.dtype, residual.dtype), weight.dtype) != torch.bfloat16:
+            return None
+        return fp8_rows.norm_add_norm_quantize(x, residual, post_weight, weight, eps, sum_first,
+                                               torch.float8_e4m3fn, configs)
+    return norm_add_norm_fp8
 
 
 def dequantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

@@ -252,6 +252,11 @@ class CudaHal(Hal):
                 self._ops[name] = (silu_mul_fp8_linear_op(self.facts.arch, configs, linear, silu)
                                    if linear is not None and silu is not None and self.decode_projections
                                    is not False else None)
+            elif name == "norm_add_norm_fp8":     # a boundary quantizing its output for `_scaled_mm`
+                from hal.cuda.fp8 import norm_add_norm_fp8_op
+
+                has_fp8 = self.facts.fp8_dtype is not None and self.op("norm_add_norm") is not None
+                self._ops[name] = norm_add_norm_fp8_op(self.facts.arch, configs) if has_fp8 else None
             elif name in attention.GEMV_OPS:
                 rows = self._projection_rows(configs) if has_triton else 0
                 self._ops[name] = (attention.fused_op(name, configs, self.facts.num_compute_units, rows,

@@ -1,7 +1,6 @@
 """FP8-weight linear for GPUs without (or not using) `torch._scaled_mm`: `y = x @ (q * scale).T`
 with the weight `q: [N, K]` in FP8 and one float32 scale per output channel, activations in
-bf16/fp16/fp32 (W8A16). Also the per-row activation quantization of the `_scaled_mm` path
-(`quantize_rows`: one launch where torch needs six).
+bf16/fp16/fp32 (W8A16). The `_scaled_mm` path's activation quantization is hal/kernels/fp8_rows.py.
 
 A program owns a `BLOCK_M x BLOCK_N` tile of y and walks K in steps of `BLOCK_K` (the config's `block_k`,
 64 where it has none): the FP8 weight tile is loaded (half the bytes of bf16, which is what decode at
@@ -19,8 +18,7 @@ import triton.language as tl
 
 from hal.kernels.attention import dot_precision
 from hal.kernels.configs import KernelConfig
-from hal.kernels.launch import Launch, backend_of, check_device, launch_options, next_pow2, run_launch
-from hal.kernels.ops import silu_mul_row
+from hal.kernels.launch import Launch, backend_of, check_device, launch_options, run_launch
 
 BLOCK_K = 64
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -79,85 +77,3 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
         w = weight if weight.stride(-1) == 1 else weight.contiguous()      # column views (Huginn's adapter) as they are
         run_launch(fp8_linear_launch(x, w, scale, bias, out, config, backend_of(x.device)))
     return out
-
-
-@triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_cols, stride_x, stride_q, QMAX: tl.constexpr,
-                          BLOCK: tl.constexpr):
-    """One row per program, held whole in registers: `scale = max(absmax, 1e-12) / QMAX`, then
-    `clamp(x / scale)` rounded to FP8; both divisions correctly rounded, as torch's."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < num_cols, other=0.0).to(tl.float32)    # [K]
-    _store_quantized_row(x, q_ptr + row * stride_q, scale_ptr + row, cols, cols < num_cols, QMAX)
-
-
-@triton.jit
-def _store_quantized_row(x, q_row_ptr, scale_ptr, cols, mask, QMAX: tl.constexpr):
-    """x (float32, one row) as FP8 at `cols` and its scale `max(absmax, 1e-12) / QMAX`; both divisions
-    correctly rounded, as torch's."""
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), 1e-12), QMAX)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX)
-    tl.store(q_row_ptr + cols, q.to(q_row_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr, scale)
-
-
-def quantize_rows_launch(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, config: KernelConfig,
-                         target: str) -> Launch:
-    """x `[M, K]`, out `[M, K]` FP8, scale `[M, 1]` float32; `config.num_warps` per row."""
-    from hal.common.kv_quant import quant_max
-
-    return Launch(_quantize_rows_kernel, (x.shape[0],), (x, out, scale, x.shape[1], x.stride(0), out.stride(0)),
-                  dict(QMAX=quant_max(out.dtype), BLOCK=next_pow2(x.shape[1]), **launch_options(config, target)))
-
-
-@triton.jit
-def _silu_mul_quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_cols, stride_x, stride_q, QMAX: tl.constexpr,
-                                   BLOCK: tl.constexpr):
-    """`_quantize_rows_kernel` of `silu(gate) * up` for one row of `x = gate | up`, the product rounded to x's
-    dtype as the silu_and_mul kernel (hal/kernels/ops.py) stores it: the bytes of the two launches in one."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < num_cols
-    x = silu_mul_row(x_ptr + row * stride_x, cols, mask, num_cols, x_ptr.dtype.element_ty).to(tl.float32)  # [I]
-    _store_quantized_row(x, q_ptr + row * stride_q, scale_ptr + row, cols, mask, QMAX)
-
-
-def silu_mul_quantize_rows_launch(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, config: KernelConfig,
-                                  target: str) -> Launch:
-    """x `[M, 2I]` (gate | up), out `[M, I]` FP8, scale `[M, 1]` float32; `config.num_warps` per row."""
-    from hal.common.kv_quant import quant_max
-
-    return Launch(_silu_mul_quantize_rows_kernel, (x.shape[0],),
-                  (x, out, scale, out.shape[1], x.stride(0), out.stride(0)),
-                  dict(QMAX=quant_max(out.dtype), BLOCK=next_pow2(out.shape[1]), **launch_options(config, target)))
-
-
-def quantize_rows(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
-                  config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x: [M, K]` -> (`[M, K]` in FP8 `dtype`, float32 scales `[M, 1]`), one scale per row: the
-    same bytes as `hal.cuda.fp8.quantize_rows` in torch, in one launch."""
-    return _quantized_rows(quantize_rows_launch, x, x.shape[-1], dtype, config)
-
-
-def silu_mul_quantize_rows(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
-                           config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x: [M, 2I]` (gate | up) -> `quantize_rows(silu_and_mul(x))` in one launch: the same bytes and scales,
-    without the `[M, I]` activation's round trip through memory (the FP8 down projection past the decode
-    rows, hal/cuda/fp8.py)."""
-    if x.shape[-1] % 2:
-        raise ValueError(f"silu_mul_quantize_rows needs an even last dim (gate | up), got {tuple(x.shape)}")
-    return _quantized_rows(silu_mul_quantize_rows_launch, x, x.shape[-1] // 2, dtype, config)
-
-
-def _quantized_rows(build, x: torch.Tensor, num_cols: int, dtype: torch.dtype,
-                    config: KernelConfig | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[M, num_cols]` in FP8 `dtype` and float32 scales `[M, 1]` from x `[M, ...]` by the launch `build` makes."""
-    check_device(x)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    out = torch.empty(x.shape[0], num_cols, dtype=dtype, device=x.device)
-    scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
-    if x.shape[0]:
-        run_launch(build(x, out, scale, config or KernelConfig(1, 1, 4, 1), backend_of(x.device)))
-    return out, scale

@@ -6,6 +6,8 @@ weight), one row per program.
 """
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -44,15 +46,26 @@ def _rms_norm_kernel(out_ptr, x_ptr, weight_ptr, residual_ptr, eps, num_cols, st
 
 
 @triton.jit
-def _norm_add_norm_kernel(y_ptr, h_ptr, x_ptr, residual_ptr, post_weight_ptr, weight_ptr, eps, num_cols,
-                          stride_x, stride_r, stride_h, stride_y, BLOCK: tl.constexpr, X_DTYPE: tl.constexpr,
+def _norm_add_norm_kernel(y_ptr, stride_y, h_ptr, x_ptr, residual_ptr, post_weight_ptr, weight_ptr, eps,
+                          num_cols, stride_x, stride_r, stride_h, BLOCK: tl.constexpr, X_DTYPE: tl.constexpr,
                           MID_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr, NORM_DTYPE: tl.constexpr,
                           HAS_POST: tl.constexpr, SUM_FIRST: tl.constexpr, PDL: tl.constexpr = False):
-    # the residual stream h (one of three boundaries, below), then y = norm(h): each step rounds to
-    # the dtype torch's expression rounds to, h included, as the launches it replaces store it
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
+    y = boundary_row(h_ptr, x_ptr, residual_ptr, post_weight_ptr, weight_ptr, row, cols, mask, eps, num_cols,
+                     stride_x, stride_r, stride_h, X_DTYPE, MID_DTYPE, H_DTYPE, NORM_DTYPE, HAS_POST, SUM_FIRST, PDL)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def boundary_row(h_ptr, x_ptr, residual_ptr, post_weight_ptr, weight_ptr, row, cols, mask, eps, num_cols,
+                 stride_x, stride_r, stride_h, X_DTYPE: tl.constexpr, MID_DTYPE: tl.constexpr,
+                 H_DTYPE: tl.constexpr, NORM_DTYPE: tl.constexpr, HAS_POST: tl.constexpr,
+                 SUM_FIRST: tl.constexpr, PDL: tl.constexpr):
+    """One row of a boundary: stores the residual stream h (one of three boundaries, below) and returns
+    `y = norm(h)` in NORM_DTYPE. Each step rounds to the dtype torch's expression rounds to, h included,
+    as the launches it replaces store it."""
     # the norm weights before the wait: at one row their reads from HBM, not the rows from L2, are
     # what the kernel would wait on after it
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -72,8 +85,7 @@ def _norm_add_norm_kernel(y_ptr, h_ptr, x_ptr, residual_ptr, post_weight_ptr, we
         h = (residual + x).to(H_DTYPE)
     tl.store(h_ptr + row * stride_h + cols, h, mask=mask)               # masked columns are 0 in h
     normed = _normed(h.to(tl.float32), num_cols, eps, H_DTYPE)
-    y = (weight * normed).to(NORM_DTYPE)
-    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    return (weight * normed).to(NORM_DTYPE)
 
 
 def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
@@ -124,15 +136,51 @@ def _stream_dtypes(x: torch.Tensor, residual: torch.Tensor, post_weight: torch.T
 def norm_add_norm_launch(x: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor | None,
                          weight: torch.Tensor, eps: float, y: torch.Tensor, h: torch.Tensor,
                          config: KernelConfig, target: str, sum_first: bool = False) -> Launch:
-    rows, cols = x.shape                                                  # 2-D views
+    return boundary_launch(_norm_add_norm_kernel, (y, y.stride(0)), x, residual, post_weight, weight, eps, h,
+                           y.dtype, config, target, sum_first)
+
+
+def boundary_launch(kernel: Any, outputs: tuple[Any, ...], x: torch.Tensor, residual: torch.Tensor,
+                    post_weight: torch.Tensor | None, weight: torch.Tensor, eps: float, h: torch.Tensor,
+                    norm_dtype: torch.dtype, config: KernelConfig, target: str, sum_first: bool = False,
+                    **constants: Any) -> Launch:
+    """A launch of `kernel`, a boundary kernel (`boundary_row` per program) whose own arguments,
+    `outputs` (pointers, then strides), come first; 2-D `x`, `residual` and `h`; `constants`: its own."""
+    rows, cols = x.shape
     mid_dtype, _ = _stream_dtypes(x, residual, post_weight, sum_first)
     post = post_weight if post_weight is not None else weight            # not read without a post-norm
-    return Launch(_norm_add_norm_kernel, (rows,), (
-        y, h, x, residual, post, weight, eps, cols, x.stride(0), residual.stride(0), h.stride(0),
-        y.stride(0)), dict(
+    return Launch(kernel, (rows,), (
+        *outputs, h, x, residual, post, weight, eps, cols, x.stride(0), residual.stride(0), h.stride(0)), dict(
         BLOCK=next_pow2(cols), X_DTYPE=_TL_DTYPES[x.dtype], MID_DTYPE=_TL_DTYPES[mid_dtype],
-        H_DTYPE=_TL_DTYPES[h.dtype], NORM_DTYPE=_TL_DTYPES[y.dtype], HAS_POST=post_weight is not None,
-        SUM_FIRST=sum_first and post_weight is not None, **launch_options(config, target)))
+        H_DTYPE=_TL_DTYPES[h.dtype], NORM_DTYPE=_TL_DTYPES[norm_dtype], HAS_POST=post_weight is not None,
+        SUM_FIRST=sum_first and post_weight is not None, **constants, **launch_options(config, target)))
+
+
+class BoundaryRows(NamedTuple):
+    """A boundary's operands as the kernels take them: 2-D rows, and h allocated."""
+
+    x: torch.Tensor                     # [M, N]
+    residual: torch.Tensor              # [M, N]
+    post_weight: torch.Tensor | None
+    weight: torch.Tensor
+    h: torch.Tensor                     # [M, N], the stream's dtype (empty)
+    norm_dtype: torch.dtype             # y's: torch's promotion of h and weight
+
+
+def boundary_rows(x: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor | None,
+                  weight: torch.Tensor, sum_first: bool) -> BoundaryRows:
+    check_device(x)
+    if residual.shape != x.shape:
+        raise ValueError(f"norm_add_norm needs x and residual of one shape, got {tuple(x.shape)} "
+                         f"and {tuple(residual.shape)}")
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    res2 = residual.reshape(-1, x.shape[-1]).contiguous()
+    _, h_dtype = _stream_dtypes(x, residual, post_weight, sum_first)
+    post = post_weight.contiguous() if post_weight is not None else None
+    return BoundaryRows(x2, res2, post, weight.contiguous(), torch.empty(x2.shape, dtype=h_dtype, device=x.device),
+                        torch.promote_types(h_dtype, weight.dtype))
 
 
 def norm_add_norm(x: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor | None,
@@ -144,20 +192,10 @@ def norm_add_norm(x: torch.Tensor, residual: torch.Tensor, post_weight: torch.Te
     - `rms_norm(x + residual, post_weight, eps)` with `sum_first` (Huginn's sandwich block),
     - `residual + x` with `post_weight=None` (pre-norm layers; `sum_first` does not apply).
     Dtypes as torch's promotion in those expressions; y of h and weight."""
-    check_device(x)
-    if residual.shape != x.shape:
-        raise ValueError(f"norm_add_norm needs x and residual of one shape, got {tuple(x.shape)} "
-                         f"and {tuple(residual.shape)}")
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    res2 = residual.reshape(-1, x.shape[-1]).contiguous()
-    _, h_dtype = _stream_dtypes(x, residual, post_weight, sum_first)
-    h = torch.empty(x2.shape, dtype=h_dtype, device=x.device)
-    y = torch.empty(x2.shape, dtype=torch.promote_types(h_dtype, weight.dtype), device=x.device)
-    if x2.shape[0]:
+    b = boundary_rows(x, residual, post_weight, weight, sum_first)
+    y = torch.empty(b.x.shape, dtype=b.norm_dtype, device=x.device)
+    if b.x.shape[0]:
         config = config_or_default(configs, "norm_add_norm", fallback="rms_norm")
-        post = post_weight.contiguous() if post_weight is not None else None
-        run_launch(norm_add_norm_launch(x2, res2, post, weight.contiguous(), eps, y, h, config,
+        run_launch(norm_add_norm_launch(b.x, b.residual, b.post_weight, b.weight, eps, y, b.h, config,
                                         backend_of(x.device), sum_first))
-    return y.view(x.shape), h.view(x.shape)
+    return y.view(x.shape), b.h.view(x.shape)

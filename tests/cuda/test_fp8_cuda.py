@@ -124,7 +124,7 @@ def test_swiglu_quantization_is_the_two_launches_bytes(gpu):
     silu_and_mul then quantize_rows at Ouro-1.4B's MLP width (both compiled for this device), and the op at
     a prompt's rows the unfused path's result bit for bit."""
     from hal.common.kv_quant import quantize
-    from hal.kernels.fp8_linear import quantize_rows, silu_mul_quantize_rows
+    from hal.kernels.fp8_rows import quantize_rows, silu_mul_quantize_rows
 
     gate_up = (torch.randn(300, 2 * 5632, device=gpu.device()) * 3).bfloat16()
     q, scale = silu_mul_quantize_rows(gate_up)
@@ -135,6 +135,23 @@ def test_swiglu_quantization_is_the_two_launches_bytes(gpu):
     got = gpu.op("silu_mul_fp8_linear")(gate_up, weight, w_scale, residual)
     want = residual + gpu.op("fp8_linear")(gpu.op("silu_and_mul")(gate_up), weight, w_scale)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("sum_first", [False, True])
+def test_boundary_quantization_is_the_two_launches_bytes(gpu, sum_first):
+    """Lever 132 on the GPU: the norm boundary that quantizes its rows for a prompt's FP8 q|k|v or gate|up
+    gives norm_add_norm's h and the bytes and scales of quantize_rows of norm_add_norm's y at Ouro-1.4B's
+    width (all compiled for this device), and the Hal's op declines the decode GEMV's 8 rows."""
+    from hal.kernels.fp8_rows import quantize_rows
+
+    x, residual = ((torch.randn(300, 2048, device=gpu.device()) * 3).bfloat16() for _ in range(2))
+    post, weight = ((torch.rand(2048, device=gpu.device()) + 0.5).bfloat16() for _ in range(2))
+    rows, h = gpu.op("norm_add_norm_fp8")(x, residual, post, weight, 1e-6, sum_first=sum_first)
+    y, want_h = gpu.op("norm_add_norm")(x, residual, post, weight, 1e-6, sum_first=sum_first)
+    want_q, want_scale = quantize_rows(y)
+    assert torch.equal(h, want_h)
+    assert torch.equal(rows.data.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(rows.scale, want_scale)
+    assert gpu.op("norm_add_norm_fp8")(x[:8], residual[:8], post, weight, 1e-6) is None
 
 
 @pytest.mark.parametrize("block_n,block_k,warps,rows", [(64, 512, 4, 1), (64, 1024, 4, 1), (128, 256, 4, 1),

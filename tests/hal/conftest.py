@@ -85,6 +85,9 @@ def fake_kernels(monkeypatch):
         def silu_mul_fp8_linear(self, x, weight, scale, residual=None):
             return "gemv silu_mul_fp8_linear" if x.shape[0] <= 8 and x.dtype != torch.float32 else None
 
+        def takes(self, rows, k, prologue=0):
+            return 0 < rows <= 8
+
     modules = {
         "hal.kernels": _module("hal.kernels", __path__=[]),
         "hal.kernels.configs": _module("hal.kernels.configs", configs_for=configs_for),
@@ -93,8 +96,10 @@ def fake_kernels(monkeypatch):
             "rms_norm": lambda *a: "rms_norm", "norm_add_norm": lambda *a: "norm_add_norm",
             "rotary": lambda *a: "rotary", "silu_and_mul": lambda *a: "silu_and_mul"}),
         "hal.kernels.gemv_ops": _module("hal.kernels.gemv_ops", Gemv=FakeGemv),
-        "hal.kernels.fp8_linear": _module("hal.kernels.fp8_linear", fp8_linear=lambda *a: "triton fp8_linear",
-                                          quantize_rows=lambda x, dtype, config=None: quantize_rows(x)),
+        "hal.kernels.fp8_linear": _module("hal.kernels.fp8_linear", fp8_linear=lambda *a: "triton fp8_linear"),
+        "hal.kernels.fp8_rows": _module("hal.kernels.fp8_rows",
+                                        quantize_rows=lambda x, dtype, config=None: quantize_rows(x),
+                                        norm_add_norm_quantize=lambda *a: "norm_add_norm_quantize"),
     }
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)

@@ -105,3 +105,27 @@ def test_fp8_down_projections_fuse_swiglu_where_fp8_linear_has_the_gemv(simulate
         torch.randn(32, 64), FNUZ)) == "gemv silu_mul_fp8_linear"
     assert hal.get("cpu").op("silu_mul_fp8_linear") is None
     assert hal.get("ascend-sim").op("silu_mul_fp8_linear") is None
+
+
+def test_fp8_boundary_quantization_comes_where_fp8_linear_quantizes(simulate, fake_kernels, monkeypatch):
+    """`op("norm_add_norm_fp8")` (lever 132) where `fp8_linear` quantizes a prompt's rows for `_scaled_mm`
+    (CUDA sm_89+, the GEMM not forced to Triton); it declines the decode GEMV's rows and non-bf16 ones;
+    none on sm_80, ROCm (W8A16), the CPU or Ascend."""
+    import hal
+
+    monkeypatch.delenv(GEMM_ENV, raising=False)
+    simulate("cuda", capability=(9, 0))
+    fused = CudaHal().op("norm_add_norm_fp8")
+    x, weight = torch.randn(40, 64).bfloat16(), torch.ones(64).bfloat16()
+    assert fused(x, x, weight, weight, 1e-6) == "norm_add_norm_quantize"
+    assert fused(x[:8], x[:8], weight, weight, 1e-6) is None
+    assert fused(x.float(), x.float(), weight.float(), weight.float(), 1e-6) is None
+    monkeypatch.setenv(GEMM_ENV, "triton")
+    assert CudaHal().op("norm_add_norm_fp8") is None
+    monkeypatch.delenv(GEMM_ENV)
+    simulate("cuda", capability=(8, 0))
+    assert CudaHal().op("norm_add_norm_fp8") is None
+    simulate("rocm", arch="gfx942:sramecc+:xnack-")
+    assert RocmHal().op("norm_add_norm_fp8") is None
+    assert hal.get("cpu").op("norm_add_norm_fp8") is None
+    assert hal.get("ascend-sim").op("norm_add_norm_fp8") is None

@@ -17,9 +17,11 @@ from hal.common.torch_attention import TorchPagedAttention
 from hal.kernels.backend import TritonPagedAttention
 from hal.kernels.configs import KernelConfig, configs_for
 from hal.cuda.fp8 import fp8_linear_op, silu_mul_fp8_linear_op
-from hal.kernels import fp8_linear as fp8_kernels
+from hal.kernels import fp8_rows as fp8_row_kernels
 from hal.kernels import gemv_ops  # noqa: F401 (imported outside the interpreter, as xcompile needs it)
-from hal.kernels.fp8_linear import fp8_linear, quantize_rows, silu_mul_quantize_rows
+from hal.kernels.fp8_linear import fp8_linear
+from hal.kernels.fp8_rows import norm_add_norm_quantize, quantize_rows, silu_mul_quantize_rows
+from hal.kernels.norms import norm_add_norm
 from hal.kernels.ops import silu_and_mul
 from hal.common.kv_quant import quantize
 from runtime import SamplingParams
@@ -183,6 +185,78 @@ def test_silu_mul_quantization_is_silu_and_mul_then_the_row_quantization():
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
 
 
+BOUNDARIES = {"sandwich": (True, False), "sum_first": (True, True), "pre-norm": (False, False)}
+
+
+@pytest.mark.parametrize("boundary", list(BOUNDARIES))
+def test_boundary_quantization_is_norm_add_norm_then_the_row_quantization(boundary):
+    """q|k|v's and gate|up's input past the decode rows in one launch (lever 132): the norm boundary's h
+    as `norm_add_norm` stores it, and its normalised rows as `quantize_rows` of norm_add_norm's y, bytes
+    and scales, a row of zeros and a width that is not a power of two included."""
+    has_post, sum_first = BOUNDARIES[boundary]
+    x, residual = (torch.randn(7, 200) * torch.rand(7, 1) * 6).bfloat16(), torch.randn(7, 200).bfloat16()
+    x[4], residual[4] = 0.0, 0.0
+    post, weight = (torch.rand(200) + 0.5).bfloat16() if has_post else None, (torch.rand(200) + 0.5).bfloat16()
+    rows, h = norm_add_norm_quantize(x, residual, post, weight, 1e-6, sum_first)
+    want_y, want_h = norm_add_norm(x, residual, post, weight, 1e-6, sum_first)
+    want_q, want_scale = quantize_rows(want_y)
+    assert rows.data.shape == (7, 200) and rows.scale.shape == (7, 1) and rows.dtype == torch.bfloat16
+    assert torch.equal(h, want_h)
+    assert torch.equal(rows.data.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(rows.scale, want_scale)
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "gfx942"])
+def test_fp8_boundary_quantizes_only_for_the_scaled_mm_rows(arch):
+    """`norm_add_norm_fp8`: on sm_90, past the decode GEMV's 8 rows, the boundary hands the FP8 product its
+    rows quantized, and `fp8_linear` of them is `fp8_linear` of norm_add_norm's y bit for bit; at 8 rows
+    (the W8A8 slices quantize per slice) and on gfx942 (no `_scaled_mm`: W8A16) there is no such op or it
+    declines."""
+    from hal.cuda.fp8 import norm_add_norm_fp8_op
+
+    configs = configs_for(arch)
+    op, linear = norm_add_norm_fp8_op(arch, configs), fp8_linear_op(arch, configs, True)
+    if arch != "sm_90":
+        assert op is None
+        return
+    weight, scale = quantize(torch.randn(48, 64) * 0.05, torch.float8_e4m3fn)
+    norm_weight = (torch.rand(64) + 0.5).bfloat16()
+    for rows in (8, 40):
+        x, residual = torch.randn(1, rows, 64).bfloat16(), torch.randn(1, rows, 64).bfloat16()
+        out = op(x, residual, norm_weight, norm_weight, 1e-6)
+        if rows <= 8:
+            assert out is None
+            continue
+        quantized, h = out
+        y, want_h = norm_add_norm(x, residual, norm_weight, norm_weight, 1e-6)
+        assert quantized.shape == (1, rows, 64) and torch.equal(h, want_h)
+        assert torch.equal(linear(quantized.flat(), weight, scale), linear(y.reshape(rows, 64), weight, scale))
+
+
+def test_conformance_checks_the_boundary_quantization_of_the_sm_90_ops():
+    """The R2 check of `norm_add_norm_fp8` (hal/conformance/quant.py) passes on the sm_90 ops (interpreted),
+    and fails on a boundary whose rows are not what `fp8_linear` would make of norm_add_norm's y."""
+    from hal.conformance.quant import _check_norm_add_norm_fp8
+    from hal.cuda.fp8 import norm_add_norm_fp8_op
+
+    configs = configs_for("sm_90")
+    ops = {"norm_add_norm": norm_add_norm, "fp8_linear": fp8_linear_op("sm_90", configs, True),
+           "norm_add_norm_fp8": norm_add_norm_fp8_op("sm_90", configs)}
+
+    class Sm90OpsOnCpu(CpuHal):
+        def op(self, name):
+            return ops.get(name)
+
+    assert _check_norm_add_norm_fp8(Sm90OpsOnCpu(), torch.float8_e4m3fn)
+    good = ops["norm_add_norm_fp8"]
+
+    def off_by_a_scale(*args, **kwargs):
+        rows, h = good(*args, **kwargs)
+        return rows._replace(scale=rows.scale * 2), h
+    ops["norm_add_norm_fp8"] = off_by_a_scale
+    with pytest.raises(AssertionError, match="not fp8_linear of norm_add_norm's y"):
+        _check_norm_add_norm_fp8(Sm90OpsOnCpu(), torch.float8_e4m3fn)
+
+
 @pytest.mark.parametrize("arch", ["sm_90", "gfx942"])
 def test_fp8_swiglu_past_the_decode_rows_quantizes_in_one_launch(arch, monkeypatch):
     """`silu_mul_fp8_linear` at 40 rows: where the product is `_scaled_mm`'s (sm_90) SwiGLU runs in the
@@ -196,7 +270,7 @@ def test_fp8_swiglu_past_the_decode_rows_quantizes_in_one_launch(arch, monkeypat
             calls.append(name)
             return fn(*args, **kwargs)
         return wrapped
-    monkeypatch.setattr(fp8_kernels, "silu_mul_quantize_rows", counted("fused", silu_mul_quantize_rows))
+    monkeypatch.setattr(fp8_row_kernels, "silu_mul_quantize_rows", counted("fused", silu_mul_quantize_rows))
     linear = fp8_linear_op(arch, configs, True)
     silu = counted("silu_and_mul", silu_and_mul)
     op = silu_mul_fp8_linear_op(arch, configs, linear, silu)

@@ -239,6 +239,42 @@ def test_fp8_down_projections_take_swiglu_in_their_prologue(name):
     assert err <= 2e-2 * unfused.abs().max().item(), err
 
 
+@pytest.mark.parametrize("name", CASES)
+def test_fp8_prompt_products_take_their_input_quantized_by_the_norm_boundary(name, monkeypatch):
+    """FP8 weights on the sm_90 table's ops, a 12-row prompt (past the decode GEMV: `_scaled_mm`, which
+    the CPU's torch runs too): the boundaries before q|k|v (across layers) and gate|up quantize their rows
+    (`norm_add_norm_fp8`, lever 132), so those products launch no `quantize_rows`, and the logits are the
+    unfused path's bit for bit."""
+    from hal.cuda.fp8 import fp8_linear_op, norm_add_norm_fp8_op
+    from hal.kernels import fp8_rows
+    from zoo.fp8 import Fp8Linear
+
+    case = golden_case(name)
+    model = fuse_projections(zoo.from_pretrained(case.path, dtype="bfloat16", weights_dtype="fp8").eval())
+    ids = torch.tensor([(case.prompt(0) * 4)[:12]])
+    sm_90 = configs_for("sm_90")
+    quantized = collections.Counter()
+    quantize_rows = fp8_rows.quantize_rows
+    monkeypatch.setattr(fp8_rows, "quantize_rows", lambda *a, **k: quantized.update(["rows"]) or quantize_rows(*a, **k))
+
+    def run(names):
+        quantized.clear()
+        hal = TritonOpsOnCpu(SMALL_OPS + names)
+        hal.table.update(fp8_linear=fp8_linear_op("sm_90", sm_90, True),
+                         norm_add_norm_fp8=norm_add_norm_fp8_op("sm_90", sm_90))
+        for module in model.modules():
+            if isinstance(module, Fp8Linear):
+                module.ops = ModelOps(hal)                 # what the engine binds (quantize_fp8(..., ops=))
+        return _logits(model, ids, hal), hal.calls, quantized["rows"]
+
+    fused, calls, launches = run(("fp8_linear", "norm_add_norm_fp8"))
+    unfused, unfused_calls, unfused_launches = run(("fp8_linear",))
+    assert torch.equal(fused, unfused)
+    assert calls["norm_add_norm_fp8"] > 0 and calls["fp8_linear"] == unfused_calls["fp8_linear"]
+    boundaries = unfused_calls["norm_add_norm"] - calls["norm_add_norm"]    # taken by norm_add_norm_fp8
+    assert boundaries == calls["norm_add_norm_fp8"] and launches == unfused_launches - boundaries > 0
+
+
 def _slice_forms(monkeypatch) -> collections.Counter:
     """Counts the slice kernel's launches by form ("tensor cores", "w8a8", "cuda cores") as gemv_ops makes them."""
     import hal.kernels.gemv_ops as gemv_ops_module

@@ -13,7 +13,7 @@ from torch import nn
 
 from zoo.context import ForwardContext
 from zoo.huginn.config import HuginnConfig
-from zoo.layers import RMSNorm, linear_weight, norm_add_norm, ops_of, project, silu_mul_project
+from zoo.layers import RMSNorm, feeds_fp8, linear_weight, norm_add_norm, ops_of, project, silu_mul_project
 from zoo.rope import attend_rotary, rope_tables
 
 
@@ -81,7 +81,7 @@ class GatedMLP(nn.Module):
         if fused is not None and post_norm.eps == norm.eps:
             fc_out, h = fused(x, residual, post_norm.weight, norm.weight, norm.eps, weight, sum_first=True)
             return self.down(fc_out, ctx), h
-        normed = norm_add_norm(x, residual, post_norm, norm, ctx, sum_first=True)
+        normed = norm_add_norm(x, residual, post_norm, norm, ctx, sum_first=True, quantized=feeds_fp8(self.fc))
         if normed is not None:
             n, h = normed
             return self.down(project(n, self.fc, ctx), ctx), h
@@ -102,10 +102,11 @@ class SandwichBlock(nn.Module):
         self.norm_4 = RMSNorm(cfg.n_embd, cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, plane: int, layer: int,
-                normed: torch.Tensor | None = None, next_norm: RMSNorm | None = None
+                normed: torch.Tensor | None = None, next_norm: RMSNorm | None = None, quantize_next: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`x = n2(attn(n1(x)) + x)`, then `n4(mlp(n3(x)) + x)`. Returns `(x, None)`, or
-        `(x, next_norm(x))` where the Hal runs the last add, n4 and `next_norm` in one kernel.
+        `(x, next_norm(x))` where the Hal runs the last add, n4 and `next_norm` in one kernel (quantized
+        for the next block's FP8 q|k|v with `quantize_next`).
         `normed` is n1(x) when the block before computed it so; q|k|v then take it as is."""
         # x, normed: [B, T, n_embd]. With the Hal's fused ops (decode) n1 runs in the q|k|v
         # projection's prologue, the add + n2 + n3 in fc's or in one norm_add_norm kernel
@@ -115,7 +116,7 @@ class SandwichBlock(nn.Module):
             attn = self.attn(normed, ctx, plane, layer)
         mlp, x = self.mlp.forward_sandwich(attn, x, self.norm_2, self.norm_3, ctx)
         if next_norm is not None:
-            fused = norm_add_norm(mlp, x, self.norm_4, next_norm, ctx, sum_first=True)
+            fused = norm_add_norm(mlp, x, self.norm_4, next_norm, ctx, sum_first=True, quantized=quantize_next)
             if fused is not None:
                 next_normed, x = fused
                 return x, next_normed

@@ -29,6 +29,7 @@ from zoo.huginn.config import HuginnConfig
 from zoo.layers import RMSNorm, project, run_layers
 
 _FIRST_NORM = attrgetter("norm_1")      # a block's first norm, which the block before may run
+_FIRST_MATRIX = attrgetter("attn.Wqkv")  # the projection after it
 
 
 class HuginnTransformer(nn.Module):
@@ -151,7 +152,7 @@ class HuginnForCausalLM(LoopedCausalLM):
         (`ForwardContext.initial_state`)."""
         ctx = ctx or DenseContext.for_tokens(input_ids)
         e = self.transformer.wte(input_ids) * self.config.embed_scale              # [B, T, n_embd]
-        e, _ = run_layers(self.transformer.prelude, e, ctx, 0, _FIRST_NORM)
+        e, _ = run_layers(self.transformer.prelude, e, ctx, 0, _FIRST_NORM, input_matrix=_FIRST_MATRIX)
         # the prelude half of the adapter, once per step (every loop adds the same c)
         c = project(e, self.adapter_halves()[1], ctx)
         bias = self.transformer.adapter.bias
@@ -164,7 +165,8 @@ class HuginnForCausalLM(LoopedCausalLM):
         n = self.config.n_embd
         s, c = state[..., :n], state[..., n:]
         s = project(s, self.adapter_halves()[0], ctx, residual=c)      # adapter(cat[s, e]) = s @ W_s^T + c
-        s, _ = run_layers(self.transformer.core_block, s, ctx, 1 + depth, _FIRST_NORM)
+        s, _ = run_layers(self.transformer.core_block, s, ctx, 1 + depth, _FIRST_NORM,
+                          input_matrix=_FIRST_MATRIX)
         return torch.cat([s, c], dim=-1)
 
     def coda(self, state: torch.Tensor, ctx: ForwardContext | None = None,
@@ -175,7 +177,7 @@ class HuginnForCausalLM(LoopedCausalLM):
         # every row: the coda writes KV. ln_f after it comes out of the last block's norm_add_norm
         # (of every row: one launch either way) where fused, else it norms the rows asked for only
         x, normed = run_layers(self.transformer.coda, x, ctx, 0, _FIRST_NORM, ln_f,
-                               self.config.n_layers_in_prelude)
+                               self.config.n_layers_in_prelude, _FIRST_MATRIX)
         if normed is None:
             normed = ln_f(x if rows is None else x.index_select(1, rows), ctx)
         elif rows is not None:

@@ -23,10 +23,12 @@ from torch import nn
 
 from zoo.base import CausalLMOutput, LoopedCausalLM, causal_lm_loss
 from zoo.context import DenseContext, ForwardContext, KVSpec, ModelOps
-from zoo.layers import GQAttention, RMSNorm, SwiGLU, fuses_pre_norm_boundaries, norm_add_norm, run_layers
+from zoo.layers import (GQAttention, RMSNorm, SwiGLU, feeds_fp8, fuses_pre_norm_boundaries, norm_add_norm,
+                        run_layers)
 from zoo.nanbeige.config import NanbeigeConfig
 
 _INPUT_NORM = attrgetter("input_layernorm")    # a layer's input norm, which the layer before may run
+_INPUT_MATRIX = attrgetter("self_attn.qkv")     # the projection after it (None until fused)
 
 
 class NanbeigeDecoderLayer(nn.Module):
@@ -39,11 +41,12 @@ class NanbeigeDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext, plane: int, layer: int,
-                normed: torch.Tensor | None = None, next_norm: RMSNorm | None = None
+                normed: torch.Tensor | None = None, next_norm: RMSNorm | None = None, quantize_next: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`h + attn(ln_in(h))`, then `h + mlp(ln_post(h))`. Returns `(h, None)`, or `(h, next_norm(h))`
-        where the Hal runs the last residual add and `next_norm` in one kernel. `normed` is ln_in(h)
-        when the layer before computed it so; q|k|v then take it as is."""
+        where the Hal runs the last residual add and `next_norm` in one kernel (quantized for the next
+        layer's FP8 q|k|v with `quantize_next`). `normed` is ln_in(h) when the layer before computed it
+        so; q|k|v then take it as is."""
         # h, normed: [B, T, hidden]
         if not fuses_pre_norm_boundaries(ctx, h):
             # the norms run in the q|k|v and gate|up projections, the residual adds in the o and
@@ -57,10 +60,11 @@ class NanbeigeDecoderLayer(nn.Module):
             attn = self.self_attn(h, ctx, plane, layer, norm=self.input_layernorm)
         else:
             attn = self.self_attn(normed, ctx, plane, layer)
-        normed, h = norm_add_norm(attn, h, None, self.post_attention_layernorm, ctx)
+        normed, h = norm_add_norm(attn, h, None, self.post_attention_layernorm, ctx,
+                                  quantized=feeds_fp8(self.mlp.gate_up))
         if next_norm is None:
             return self.mlp(normed, ctx, residual=h), None
-        next_normed, h = norm_add_norm(self.mlp(normed, ctx), h, None, next_norm, ctx)
+        next_normed, h = norm_add_norm(self.mlp(normed, ctx), h, None, next_norm, ctx, quantized=quantize_next)
         return h, next_normed
 
 
@@ -109,7 +113,8 @@ class NanbeigeForCausalLM(LoopedCausalLM):
 
     def loop(self, state: torch.Tensor, depth: int, ctx: ForwardContext | None = None) -> torch.Tensor:
         ctx = ctx or DenseContext.for_tokens(state)
-        state, normed = run_layers(self.model.layers, state, ctx, depth, _INPUT_NORM, self.model.norm)
+        state, normed = run_layers(self.model.layers, state, ctx, depth, _INPUT_NORM, self.model.norm,
+                                   input_matrix=_INPUT_MATRIX)
         return self.model.norm(state, ctx) if normed is None else normed
 
     def coda(self, state: torch.Tensor, ctx: ForwardContext | None = None,

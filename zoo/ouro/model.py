@@ -26,6 +26,7 @@ LOSS_TYPES = ("expected_logits", "expected_loss")
 DEFAULT_ENTROPY_WEIGHT = 0.05   # beta of the entropy regulariser when the caller gives none
 
 _INPUT_NORM = attrgetter("input_layernorm")    # a layer's input norm, which the layer before may run
+_INPUT_MATRIX = attrgetter("self_attn.qkv")     # the projection after it (None until fused)
 
 
 class OuroDecoderLayer(nn.Module):
@@ -40,10 +41,11 @@ class OuroDecoderLayer(nn.Module):
         self.post_attention_layernorm_2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext, plane: int, layer: int,
-                normed: torch.Tensor | None = None, next_norm: RMSNorm | None = None
+                normed: torch.Tensor | None = None, next_norm: RMSNorm | None = None, quantize_next: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`h + norm_a2(attn(norm_a1(h)))`, then `h + norm_m2(mlp(norm_m1(h)))`. Returns `(h, None)`, or
-        `(h, next_norm(h))` where the Hal runs norm_m2, the add and `next_norm` in one kernel.
+        `(h, next_norm(h))` where the Hal runs norm_m2, the add and `next_norm` in one kernel (quantized
+        for the next layer's FP8 q|k|v with `quantize_next`, zoo.layers.run_layers).
         `normed` is norm_a1(h) when the layer before computed it so; q|k|v then take it as is."""
         # h, normed: [B, T, hidden]. With the Hal's fused ops (decode) norm_a1 runs in the q|k|v
         # projection's prologue, norm_a2 + add + norm_m1 in gate|up's or in one norm_add_norm kernel
@@ -53,7 +55,7 @@ class OuroDecoderLayer(nn.Module):
             attn = self.self_attn(normed, ctx, plane, layer)
         mlp, h = self.mlp.forward_sandwich(attn, h, self.input_layernorm_2, self.post_attention_layernorm, ctx)
         if next_norm is not None:
-            fused = norm_add_norm(mlp, h, self.post_attention_layernorm_2, next_norm, ctx)
+            fused = norm_add_norm(mlp, h, self.post_attention_layernorm_2, next_norm, ctx, quantized=quantize_next)
             if fused is not None:
                 next_normed, h = fused
                 return h, next_normed
@@ -107,7 +109,8 @@ class OuroForCausalLM(LoopedCausalLM):
 
     def loop(self, state: torch.Tensor, depth: int, ctx: ForwardContext | None = None) -> torch.Tensor:
         ctx = ctx or DenseContext.for_tokens(state)
-        state, normed = run_layers(self.model.layers, state, ctx, depth, _INPUT_NORM, self.model.norm)
+        state, normed = run_layers(self.model.layers, state, ctx, depth, _INPUT_NORM, self.model.norm,
+                                   input_matrix=_INPUT_MATRIX)
         return self.model.norm(state, ctx) if normed is None else normed
 
     def exit_hazard(self, state: torch.Tensor) -> torch.Tensor:
