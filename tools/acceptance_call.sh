@@ -112,15 +112,17 @@ fp8tests() {   # lever 130 as landed: the FP8 cuda tests and the engine's with a
     tests/cuda/test_engine_cuda.py -k 'fp8' -q -rs -p no:cacheprovider >> $OUT/pytest.txt 2>&1"
   bench "kv fp8 prompts (table)" model=ouro-1.4b engine.kv_dtype=fp8 "$T128" 'workload=[t128,ttft1k]'
 }
-ab() {   # this tree against the one in .old (`git archive <commit before a lever> | tar -x -C .old`, carried),
-         # alternating twice, each running runtime.bench with AB_ARGS (e.g. lever 131: the FP8 prompts)
-  if [ ! -d .old ]; then STATUS+=("ab: no .old tree (carry it)"); return; fi
-  local round args=(model=ouro-1.4b "${FP8[@]}" "$T128" 'workload=[t128,ttft1k,prefill8k]')
+ab() {   # this tree against the ones in AB_TREES (default .old; each `git archive <commit> | tar -x -C DIR`,
+         # carried), alternating twice, each running runtime.bench with AB_ARGS (default: the FP8 prompts)
+  local round tree args=(model=ouro-1.4b "${FP8[@]}" "$T128" 'workload=[t128,ttft1k,prefill8k]')
   [ -n "${AB_ARGS:-}" ] && read -ra args <<< "$AB_ARGS"
   for round in 1 2; do
     bench "ab new ($round)" "${args[@]}"
-    pushd .old > /dev/null && bench "ab old ($round)" "${args[@]}"
-    popd > /dev/null
+    for tree in ${AB_TREES:-.old}; do
+      if [ ! -d "$tree" ]; then STATUS+=("ab: no $tree tree (carry it)"); continue; fi
+      pushd "$tree" > /dev/null && bench "ab $tree ($round)" "${args[@]}"
+      popd > /dev/null
+    done
   done
 }
 rows() {   # lever 122: FP8 weights + KV at b8 on the table's 16-row W8A8 entry and on the one-row entry it replaced
