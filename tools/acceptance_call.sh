@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
-#   END=560 [PARTS="cells tests gaps fp8prefill fp8rows fp8kvprefill prefilltiles fp8tests ab ring rows configs
-#                   huginn profile profile_batches landed tcrows smallbatch"] bash tools/acceptance_call.sh
+#   END=560 [PARTS="cells tests gaps fp8prefill fp8rows fp8kvprefill prefilltiles fp8tests ab s54 ring rows
+#                   configs huginn profile profile_batches landed tcrows smallbatch"] bash tools/acceptance_call.sh
 # END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by
 # GPU; H200_PARTS and OTHER_PARTS set them for one kind of card only).
 # Files under $OUT (at most seven of the 8 a call brings back): rows.jsonl (runtime.bench), peer.txt, pytest.txt,
@@ -124,6 +124,26 @@ ab() {   # this tree against the ones in AB_TREES (default .old; each `git archi
       popd > /dev/null
     done
   done
+}
+s54() {   # levers 131-132 (FP8 prompts' activation quantizations fused) against the trees before each (.old131:
+          # before 132; .old: before 131), bf16 in the same rounds; bf16 b1 against .old131 (the norm boundary
+          # kernels now compile without contraction); the FP8 128-token prefill profiled
+  local round tree cells='workload=[t128,ttft1k,prefill8k]'
+  for round in 1 2; do
+    bench "bf16 prompts ($round)" model=ouro-1.4b "$T128" "$cells"
+    bench "fp8 prompts ($round)" model=ouro-1.4b "${FP8[@]}" "$T128" "$cells"
+    for tree in .old131 .old; do
+      [ -d "$tree" ] || continue
+      pushd "$tree" > /dev/null && bench "fp8 prompts $tree ($round)" model=ouro-1.4b "${FP8[@]}" "$T128" "$cells"
+      popd > /dev/null
+    done
+  done
+  bench "b1 bf16" model=ouro-1.4b 'workload=[b1]'
+  if [ -d .old131 ]; then
+    pushd .old131 > /dev/null && bench "b1 bf16 .old131" model=ouro-1.4b 'workload=[b1]'
+    popd > /dev/null
+  fi
+  bench "fp8 w+kv t128 profiled" model=ouro-1.4b "${FP8[@]}" "$T128" 'workload=[t128]' profile_prefill=true
 }
 rows() {   # lever 122: FP8 weights + KV at b8 on the table's 16-row W8A8 entry and on the one-row entry it replaced
   bench "b8 fp8" model=ouro-1.4b "${FP8[@]}" 'workload=[b8]'

@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from hal.kernels.configs import KernelConfig, config_or_default
-from hal.kernels.launch import Launch, backend_of, check_device, launch_options, next_pow2, run_launch
+from hal.kernels.launch import (EXACT_ROUNDING, Launch, backend_of, check_device, launch_options, next_pow2,
+                               run_launch)
 from hal.kernels.pdl import pdl_wait
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -145,7 +146,10 @@ def boundary_launch(kernel: Any, outputs: tuple[Any, ...], x: torch.Tensor, resi
                     norm_dtype: torch.dtype, config: KernelConfig, target: str, sum_first: bool = False,
                     **constants: Any) -> Launch:
     """A launch of `kernel`, a boundary kernel (`boundary_row` per program) whose own arguments,
-    `outputs` (pointers, then strides), come first; 2-D `x`, `residual` and `h`; `constants`: its own."""
+    `outputs` (pointers, then strides), come first; 2-D `x`, `residual` and `h`; `constants`: its own.
+    Without floating-point contraction: with it, sm_90 paired the sums of squares' products into FMAs
+    differently in `norm_add_norm` and `norm_add_norm_quantize`, and Huginn's h (sum_first) differed
+    between the two (an H100, fifty-fourth session); without, every product rounds as written in both."""
     rows, cols = x.shape
     mid_dtype, _ = _stream_dtypes(x, residual, post_weight, sum_first)
     post = post_weight if post_weight is not None else weight            # not read without a post-norm
@@ -153,7 +157,8 @@ def boundary_launch(kernel: Any, outputs: tuple[Any, ...], x: torch.Tensor, resi
         *outputs, h, x, residual, post, weight, eps, cols, x.stride(0), residual.stride(0), h.stride(0)), dict(
         BLOCK=next_pow2(cols), X_DTYPE=_TL_DTYPES[x.dtype], MID_DTYPE=_TL_DTYPES[mid_dtype],
         H_DTYPE=_TL_DTYPES[h.dtype], NORM_DTYPE=_TL_DTYPES[norm_dtype], HAS_POST=post_weight is not None,
-        SUM_FIRST=sum_first and post_weight is not None, **constants, **launch_options(config, target)))
+        SUM_FIRST=sum_first and post_weight is not None, **constants, **EXACT_ROUNDING,
+        **launch_options(config, target)))
 
 
 class BoundaryRows(NamedTuple):
