@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
-#   END=560 [PARTS="cells tests gaps fp8prefill fp8rows fp8kvprefill prefilltiles fp8tests ab s54 ring rows
-#                   configs huginn profile profile_batches landed tcrows smallbatch"] bash tools/acceptance_call.sh
+#   END=560 [PARTS="cells tests gaps fp8prefill fp8rows fp8kvprefill prefilltiles fp8tests ab s54 s54b ring
+#                   rows configs huginn profile profile_batches landed tcrows smallbatch"] bash tools/acceptance_call.sh
 # END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by
 # GPU; H200_PARTS and OTHER_PARTS set them for one kind of card only).
 # Files under $OUT (at most seven of the 8 a call brings back): rows.jsonl (runtime.bench), peer.txt, pytest.txt,
@@ -143,6 +143,17 @@ s54() {   # levers 131-132 (FP8 prompts' activation quantizations fused) against
     pushd .old131 > /dev/null && bench "b1 bf16 .old131" model=ouro-1.4b 'workload=[b1]'
     popd > /dev/null
   fi
+  bench "fp8 w+kv t128 profiled" model=ouro-1.4b "${FP8[@]}" "$T128" 'workload=[t128]' profile_prefill=true
+}
+s54b() {  # lever 133: the fused SwiGLU quantization with the sm_90 table's 16 warps against the rms_norm entry's
+          # 4 (the optional entry removed), alternating, FP8 prompts; bf16 prompts once; the FP8 prefill profiled
+  local round cells='workload=[t128,ttft1k,prefill8k]'
+  for round in 1 2; do
+    bench "fp8 prompts 16 warps ($round)" model=ouro-1.4b "${FP8[@]}" "$T128" "$cells"
+    LOOPSTACK_KERNEL_CONFIGS='{"silu_mul_quantize_rows": null}' bench "fp8 prompts 4 warps ($round)" \
+      model=ouro-1.4b "${FP8[@]}" "$T128" "$cells"
+  done
+  bench "bf16 prompts" model=ouro-1.4b "$T128" "$cells"
   bench "fp8 w+kv t128 profiled" model=ouro-1.4b "${FP8[@]}" "$T128" 'workload=[t128]' profile_prefill=true
 }
 rows() {   # lever 122: FP8 weights + KV at b8 on the table's 16-row W8A8 entry and on the one-row entry it replaced

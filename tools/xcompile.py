@@ -403,7 +403,7 @@ def _fp8_cases(fmt: str, fp8: torch.dtype) -> tuple[Case, ...]:
         Case(f"gemv/down-res-{fmt}", "gemv", True, False,
              lambda c, t: _gemv(c, t, 8, 2048, 5632, "none", out_residual=True, fp8=fp8)),
         Case(f"fp8_quantize_rows/{fmt}", "rms_norm", False, False, lambda c, t: _quantize_rows(c, t, fp8)),
-        Case(f"fp8_silu_mul_quantize_rows/{fmt}", "rms_norm", False, False,
+        Case(f"fp8_silu_mul_quantize_rows/{fmt}", "silu_mul_quantize_rows", False, False,
              lambda c, t: _silu_mul_quantize_rows(c, t, fp8)),
         Case(f"fp8_norm_add_norm_quantize/{fmt}", "norm_add_norm", False, False,
              lambda c, t: _norm_add_norm_quantize(c, t, fp8)),

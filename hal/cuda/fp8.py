@@ -139,8 +139,10 @@ def silu_mul_fp8_linear_op(arch: str, configs: dict[str, Any] | None, linear: Ca
     if has_scaled_mm(arch) and configs is not None:
         from hal.kernels import fp8_rows
 
+        row_config = configs.get("silu_mul_quantize_rows") or configs.get("rms_norm")     # an optional entry
+
         def fused_quantize(gate_up):
-            return fp8_rows.silu_mul_quantize_rows(gate_up, torch.float8_e4m3fn, configs.get("rms_norm"))
+            return fp8_rows.silu_mul_quantize_rows(gate_up, torch.float8_e4m3fn, row_config)
 
     def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                         residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -41,6 +41,9 @@ callers; nothing else chooses tiles. Keys of a table are kernel names:
                       (hal/kernels/ops.py), one row per program; a table without it launches the
                       kernel with its rms_norm entry
   silu_and_mul        block_n = columns per program
+  silu_mul_quantize_rows  (optional) SwiGLU and the per-row FP8 quantization of a prompt's down projection
+                      input in one launch (hal/kernels/fp8_rows.py): one row per program, num_warps only;
+                      a table without it launches the kernel with its rms_norm entry
   fp8_linear          W8A16 linear (FP8 weights, hal/kernels/fp8_linear.py): block_m x block_n output tile
   gemv_m1, gemv       decode projections (hal/kernels/gemv.py) of one row / of 2..8 rows: block_n output
                       columns and block_k of K per step; block_m 1 = fp32 FMAs (one row only), 16 =
@@ -80,7 +83,7 @@ KERNEL_NAMES = ("attention_prefill", "attention_decode", "attention_prefill_fp32
                 "attention_decode_tma_fp8",
                 "attention_reduce", "kv_write",
                 "rms_norm", "norm_add_norm", "rotary", "silu_and_mul", "fp8_linear", "gemv_m1", "gemv",
-                "gemv_slice", "gemv_slice_w8a8", "gemv_slice_tc", "gemv_wide")
+                "gemv_slice", "gemv_slice_w8a8", "gemv_slice_tc", "gemv_wide", "silu_mul_quantize_rows")
 # a table without the attention_row_* keys routes every decode batch to the unified kernel
 # (hal/kernels/attend.py); one without norm_add_norm launches it with the rms_norm entry; one without
 # gemv_wide leaves decode batches above gemv_ops.MAX_ROWS rows to the vendor's GEMM
@@ -89,7 +92,7 @@ OPTIONAL_KERNEL_NAMES = ("attention_row_decode", "attention_row_decode_fp8", "at
                          "attention_row_decode_split_few_fp8", "attention_row_decode_dense",
                          "attention_row_decode_dense_fp8", "attention_decode_tma", "attention_decode_tma_fp8",
                          "norm_add_norm",
-                         "gemv_slice", "gemv_slice_w8a8", "gemv_slice_tc", "gemv_wide")
+                         "gemv_slice", "gemv_slice_w8a8", "gemv_slice_tc", "gemv_wide", "silu_mul_quantize_rows")
 
 
 @dataclass(frozen=True)
@@ -173,6 +176,10 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         # -> 8.19 / 8.28, a 16K prompt 813 -> 754 ms (H100, 2026-12-07, fifty-third session, lever 130);
         # the bf16 kernel lost with the same tile (21.04 -> 21.85 ms at 1,024 tokens)
         "attention_prefill_fp8": KernelConfig(64, 64, 4, 3),
+        # a prompt's FP8 down projection input (5,632 values a row at Ouro-1.4B): 4 warps took 8.6 us a row
+        # block at 128 rows, about silu_and_mul's and quantize_rows' time together (H100, fifty-fourth
+        # session, lever 133)
+        "silu_mul_quantize_rows": KernelConfig(1, 1, 16, 1),
         # FP8 decode where the row kernel does not take it: grouped queries past a few sequences
         # (Nanbeige). 32 keys x 4 warps x 3 stages, Nanbeige4.2-3B FP8 KV 64 x 1K 8.751 -> 8.302 ms (the
         # 128-key 2-stage entry before spilled 16 bytes; 64 keys x 4 x 2 9.878, 128 x 8 x 2 10.227,

@@ -147,9 +147,9 @@ def boundary_launch(kernel: Any, outputs: tuple[Any, ...], x: torch.Tensor, resi
                     **constants: Any) -> Launch:
     """A launch of `kernel`, a boundary kernel (`boundary_row` per program) whose own arguments,
     `outputs` (pointers, then strides), come first; 2-D `x`, `residual` and `h`; `constants`: its own.
-    Without floating-point contraction: with it, sm_90 paired the sums of squares' products into FMAs
-    differently in `norm_add_norm` and `norm_add_norm_quantize`, and Huginn's h (sum_first) differed
-    between the two (an H100, fifty-fourth session); without, every product rounds as written in both."""
+    Without floating-point contraction, so that the kernels sharing `boundary_row` (`norm_add_norm`,
+    `norm_add_norm_quantize`) round every product as written whatever FMAs the compiler would pair in
+    each (a precaution: the H100 measured no cost, docs/performance.md lever 132)."""
     rows, cols = x.shape
     mid_dtype, _ = _stream_dtypes(x, residual, post_weight, sum_first)
     post = post_weight if post_weight is not None else weight            # not read without a post-norm

@@ -146,6 +146,9 @@ def test_boundary_quantization_is_the_two_launches_bytes(gpu, sum_first):
 
     x, residual = ((torch.randn(300, 2048, device=gpu.device()) * 3).bfloat16() for _ in range(2))
     post, weight = ((torch.rand(2048, device=gpu.device()) + 0.5).bfloat16() for _ in range(2))
+    # the boundary kernels read the norm weights before their PDL wait (a model's weights are written by no
+    # kernel of the step); these were written by the launch just before: let it finish first
+    torch.cuda.synchronize()
     rows, h = gpu.op("norm_add_norm_fp8")(x, residual, post, weight, 1e-6, sum_first=sum_first)
     y, want_h = gpu.op("norm_add_norm")(x, residual, post, weight, 1e-6, sum_first=sum_first)
     want_q, want_scale = quantize_rows(y)
