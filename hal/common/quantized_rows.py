@@ -27,7 +27,8 @@ class QuantizedRows(NamedTuple):
 
     def flat(self) -> "QuantizedRows":
         """The same rows as `[M, K]` and `[M, 1]`."""
-        return QuantizedRows(self.data.reshape(-1, self.data.shape[-1]), self.scale.reshape(-1, 1), self.dtype)
+        data = self.data.reshape(-1, self.data.shape[-1])
+        return QuantizedRows(data, self.scale.reshape(-1, 1), self.dtype)
 
     def dequantize(self) -> torch.Tensor:
         """The rows in their dtype again (for a product that cannot take them quantized)."""

@@ -93,7 +93,7 @@ def _check_norm_add_norm_fp8(hal: Hal, fp8: torch.dtype) -> bool:
     x, residual = (torch.randn(40, 256, dtype=torch.bfloat16, device=device) * 3 for _ in range(2))
     post, weight = ((torch.rand(256, device=device) + 0.5).bfloat16() for _ in range(2))
     weight_q, scale = (t.to(device) for t in quantize(torch.randn(192, 256) * 0.05, fp8))
-    hal.synchronize()       # a boundary kernel may read its norm weights before its PDL wait (hal/kernels/pdl.py)
+    hal.synchronize()       # a boundary kernel may read its norm weights before its PDL wait (kernels/pdl.py)
     for post_weight, sum_first in ((post, False), (post, True), (None, False)):
         out = fused(x, residual, post_weight, weight, 1e-6, sum_first=sum_first)
         if out is None:

@@ -11,9 +11,10 @@ each):
   Ouro-1.4B with FP8 weights and KV on an H100: batch 1 3.26 ms/step against bf16's 4.98, batch 8 6.18.
 - W8A8 through `torch._scaled_mm` (NVIDIA sm_89+ only, bf16 activations, K and N multiples of 16):
   each row of x is quantized to e4m3fn on the device (`scale = absmax / 448`; one Triton launch,
-  `hal.kernels.fp8_linear.quantize_rows`, which for the down projection also runs SwiGLU:
-  `silu_mul_quantize_rows`, lever 131), and cuBLASLt runs the product on the FP8 tensor cores
-  with row-wise scales on both sides, out in bf16. The activation
+  `hal.kernels.fp8_rows.quantize_rows`, which for the down projection also runs SwiGLU:
+  `silu_mul_quantize_rows`, lever 131; before q|k|v and gate|up the norm boundary makes those bytes
+  itself, `norm_add_norm_fp8`, lever 132, and x comes as `QuantizedRows`), and cuBLASLt runs the
+  product on the FP8 tensor cores with row-wise scales on both sides, out in bf16. The activation
   rounding adds error on top of the weights' (docs/fp8.md measures both).
 - W8A16 through the Triton kernel of hal/kernels/fp8_linear.py otherwise: FP8 weight tiles widen to
   x's dtype, x is not quantized. ROCm always takes this path: it is the one compile-checked for

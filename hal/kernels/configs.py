@@ -83,7 +83,8 @@ KERNEL_NAMES = ("attention_prefill", "attention_decode", "attention_prefill_fp32
                 "attention_decode_tma_fp8",
                 "attention_reduce", "kv_write",
                 "rms_norm", "norm_add_norm", "rotary", "silu_and_mul", "fp8_linear", "gemv_m1", "gemv",
-                "gemv_slice", "gemv_slice_w8a8", "gemv_slice_tc", "gemv_wide", "silu_mul_quantize_rows")
+                "gemv_slice", "gemv_slice_w8a8", "gemv_slice_tc", "gemv_wide",
+                "silu_mul_quantize_rows")
 # a table without the attention_row_* keys routes every decode batch to the unified kernel
 # (hal/kernels/attend.py); one without norm_add_norm launches it with the rms_norm entry; one without
 # gemv_wide leaves decode batches above gemv_ops.MAX_ROWS rows to the vendor's GEMM

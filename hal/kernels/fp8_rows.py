@@ -58,15 +58,16 @@ def _silu_mul_quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_cols, stride_x, 
 
 @triton.jit
 def _norm_add_norm_quantize_kernel(q_ptr, scale_ptr, stride_q, h_ptr, x_ptr, residual_ptr, post_weight_ptr,
-                                   weight_ptr, eps, num_cols, stride_x, stride_r, stride_h, BLOCK: tl.constexpr,
-                                   X_DTYPE: tl.constexpr, MID_DTYPE: tl.constexpr, H_DTYPE: tl.constexpr,
-                                   NORM_DTYPE: tl.constexpr, HAS_POST: tl.constexpr, SUM_FIRST: tl.constexpr,
-                                   QMAX: tl.constexpr, PDL: tl.constexpr = False):
+                                   weight_ptr, eps, num_cols, stride_x, stride_r, stride_h,
+                                   BLOCK: tl.constexpr, X_DTYPE: tl.constexpr, MID_DTYPE: tl.constexpr,
+                                   H_DTYPE: tl.constexpr, NORM_DTYPE: tl.constexpr, HAS_POST: tl.constexpr,
+                                   SUM_FIRST: tl.constexpr, QMAX: tl.constexpr, PDL: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
     y = boundary_row(h_ptr, x_ptr, residual_ptr, post_weight_ptr, weight_ptr, row, cols, mask, eps, num_cols,
-                     stride_x, stride_r, stride_h, X_DTYPE, MID_DTYPE, H_DTYPE, NORM_DTYPE, HAS_POST, SUM_FIRST, PDL)
+                     stride_x, stride_r, stride_h, X_DTYPE, MID_DTYPE, H_DTYPE, NORM_DTYPE, HAS_POST,
+                     SUM_FIRST, PDL)
     _store_quantized_row(y.to(tl.float32), q_ptr + row * stride_q, scale_ptr + row, cols, mask, QMAX)
 
 

@@ -55,7 +55,8 @@ def _norm_add_norm_kernel(y_ptr, stride_y, h_ptr, x_ptr, residual_ptr, post_weig
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
     y = boundary_row(h_ptr, x_ptr, residual_ptr, post_weight_ptr, weight_ptr, row, cols, mask, eps, num_cols,
-                     stride_x, stride_r, stride_h, X_DTYPE, MID_DTYPE, H_DTYPE, NORM_DTYPE, HAS_POST, SUM_FIRST, PDL)
+                     stride_x, stride_r, stride_h, X_DTYPE, MID_DTYPE, H_DTYPE, NORM_DTYPE, HAS_POST,
+                     SUM_FIRST, PDL)
     tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
