@@ -283,8 +283,15 @@ PROMPT_TILES = [KernelConfig(bm, bn, w, st, block_k=bk) for bm, bn, w, st, bk in
     (32, 64, 4, 4, 128), (64, 64, 4, 3, 64), (128, 64, 4, 4, 64), (64, 128, 4, 4, 64))]
 
 
-def _tile_label(c: KernelConfig) -> str:
-    return f"tile W8A16 {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} k{c.block_k}"
+# lever 134 (probe): the tile kernel on rows already quantized (FP8 x FP8 on the tensor cores), small tiles for
+# many programs at 128-1,024 rows (cuBLAS's 128 x 128 tiles give the 2,048-wide o and down 16 at 128 rows)
+W8A8_TILES = [KernelConfig(bm, bn, w, st, block_k=bk) for bm, bn, w, st, bk in (
+    (64, 64, 4, 4, 128), (64, 32, 4, 4, 128), (32, 64, 4, 4, 128), (64, 128, 4, 3, 128), (128, 64, 8, 3, 128),
+    (64, 64, 4, 3, 256), (128, 128, 8, 3, 128))]
+
+
+def _tile_label(c: KernelConfig, form: str = "W8A16") -> str:
+    return f"tile {form} {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} k{c.block_k}"
 
 
 def prompt_sums(rows: list) -> None:
@@ -301,7 +308,9 @@ def prompt_sums(rows: list) -> None:
 def prompt_projection_cells(bench: Bench) -> None:
     """Lever 129: a prompt's FP8 products (32-1,024 rows) on `torch._scaled_mm` with its quantization launch
     (the engine's path past the decode rows), and on the W8A16 tile kernel in `PROMPT_TILES` (prompt-sized
-    tiles; lost: docs/performance.md), beside cuBLAS bf16."""
+    tiles; lost: docs/performance.md), beside cuBLAS bf16. Lever 134: the products alone on rows already
+    quantized (as lever 132's boundaries hand q|k|v and gate|up theirs), `_scaled_mm` against the tile
+    kernel's W8A8 form in `W8A8_TILES`."""
     for name, (n, k) in SHAPES.items():
         if name != "lm_head":
             _prompt_shape_cells(bench, name, n, k)      # its weight copies are freed on return
@@ -312,7 +321,8 @@ def _prompt_shape_cells(bench: Bench, name: str, n: int, k: int) -> None:
     import torch.nn.functional as F
 
     from hal.common.kv_quant import quantize
-    from hal.cuda.fp8 import scaled_mm_linear
+    from hal.common.quantized_rows import QuantizedRows
+    from hal.cuda.fp8 import scaled_mm_linear, scaled_mm_rows
     from hal.kernels import fp8_linear as w8a16, fp8_rows
 
     def quantize_rows(x):
@@ -333,6 +343,15 @@ def _prompt_shape_cells(bench: Bench, name: str, n: int, k: int) -> None:
             bench.cell("prompt", name, m, label,
                        lambda xs=xs, fn=fn: [lambda x=x, ws=ws, fn=fn: fn(x, *ws) for x, ws in zip(xs, fp8)],
                        n * k + 4 * n + io, lambda fn=fn, xs=xs, ref=ref: _rel_err(fn(xs[0], *fp8[0]), ref))
+        rows = [QuantizedRows(*quantize_rows(x), x.dtype) for x in xs]           # quantized before the timing
+        on_rows = [("scaled_mm on rows", scaled_mm_rows)]
+        on_rows += [(_tile_label(c, "W8A8"), lambda r, w, s, c=c: w8a16.fp8_linear(r, w, s, None, c))
+                    for c in W8A8_TILES]
+        for label, fn in on_rows:
+            bench.cell("prompt", name, m, label,
+                       lambda rows=rows, fn=fn: [lambda r=r, ws=ws, fn=fn: fn(r, *ws) for r, ws in zip(rows, fp8)],
+                       n * k + 4 * n + m * k + 2 * m * n,
+                       lambda fn=fn, rows=rows, ref=ref: _rel_err(fn(rows[0], *fp8[0]), ref))
 
 
 def main(argv: list[str] | None = None) -> int:

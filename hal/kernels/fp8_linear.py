@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hal.common.quantized_rows import QuantizedRows
 from hal.kernels.attention import dot_precision
 from hal.kernels.configs import KernelConfig
 from hal.kernels.launch import Launch, backend_of, check_device, launch_options, run_launch
@@ -25,9 +26,10 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
 @triton.jit(do_not_specialize=["num_rows"])      # a step's size (hal/kernels/launch.py)
-def _fp8_linear_kernel(out_ptr, x_ptr, w_ptr, scale_ptr, bias_ptr, num_rows, num_cols, num_inner,
+def _fp8_linear_kernel(out_ptr, x_ptr, w_ptr, scale_ptr, bias_ptr, x_scale_ptr, num_rows, num_cols, num_inner,
                        stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       HAS_X_SCALE: tl.constexpr = False):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < num_rows
@@ -42,6 +44,8 @@ def _fp8_linear_kernel(out_ptr, x_ptr, w_ptr, scale_ptr, bias_ptr, num_rows, num
         b = tl.load(w_ptrs + inner[:, None], mask=inner_ok[:, None] & col_ok[None, :], other=0.0)   # [K, N]
         acc += tl.dot(a, b.to(a.dtype), input_precision=DOT_PRECISION)
     acc = acc * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    if HAS_X_SCALE:         # W8A8: x's rows came quantized (FP8 x FP8 products on the tensor cores)
+        acc = acc * tl.load(x_scale_ptr + rows, mask=row_ok, other=0.0)[:, None]
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -49,31 +53,41 @@ def _fp8_linear_kernel(out_ptr, x_ptr, w_ptr, scale_ptr, bias_ptr, num_rows, num
 
 
 def fp8_linear_launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                      out: torch.Tensor, config: KernelConfig, target: str) -> Launch:
-    """x `[M, K]`, weight `[N, K]` FP8, scale `[N]` float32, bias `[N]` or None, out `[M, N]`."""
+                      out: torch.Tensor, config: KernelConfig, target: str,
+                      x_scale: torch.Tensor | None = None) -> Launch:
+    """x `[M, K]` (FP8 with `x_scale` `[M, 1]` float32: W8A8), weight `[N, K]` FP8, scale `[N]` float32,
+    bias `[N]` or None, out `[M, N]`."""
     rows, inner = x.shape
     cols = weight.shape[0]
     grid = (-(-rows // config.block_m), -(-cols // config.block_n))
     return Launch(_fp8_linear_kernel, grid, (
-        out, x, weight, scale, scale if bias is None else bias, rows, cols, inner, x.stride(0), weight.stride(0),
-        out.stride(0)), dict(HAS_BIAS=bias is not None, BLOCK_M=max(config.block_m, 16), BLOCK_N=config.block_n,
-                             BLOCK_K=config.block_k or BLOCK_K, DOT_PRECISION=dot_precision(x.dtype, target),
-                             **launch_options(config, target)))
+        out, x, weight, scale, scale if bias is None else bias, scale if x_scale is None else x_scale, rows, cols,
+        inner, x.stride(0), weight.stride(0), out.stride(0)), dict(
+        HAS_BIAS=bias is not None, BLOCK_M=max(config.block_m, 16), BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k or BLOCK_K, DOT_PRECISION=dot_precision(x.dtype, target),
+        HAS_X_SCALE=x_scale is not None, **launch_options(config, target)))
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-               config: KernelConfig | None = None) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None = None, config: KernelConfig | None = None) -> torch.Tensor:
     """`x: [M, K]` times FP8 `weight: [N, K]` with row scales `scale: [N]` (+ `bias`) -> `[M, N]` in
-    x's dtype (`Hal.op("fp8_linear")`)."""
+    x's dtype (`Hal.op("fp8_linear")`). x as `QuantizedRows` (FP8 rows of the weight's format and their
+    scales) runs W8A8, out in their dtype (a probe: tools/fp8_kernels_bench.py --only prompt)."""
+    x_scale, out_dtype = None, x.dtype
+    if isinstance(x, QuantizedRows):
+        x, x_scale = x.data, x.scale.reshape(-1).float()
+        if x.dtype != weight.dtype or x_scale.numel() != x.shape[0]:
+            raise ValueError(f"W8A8 fp8_linear takes rows in the weight's format ({weight.dtype}), one scale a "
+                             f"row; got {x.dtype}, {x_scale.numel()} scales for {x.shape[0]} rows")
     check_device(x)
     if weight.dtype not in FP8_DTYPES or scale.dtype != torch.float32 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"fp8_linear takes x [M, K], an FP8 weight [N, K] and float32 scales [N]; got x "
                          f"{tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype}, scale {scale.dtype}")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype, device=x.device)
     if x.shape[0]:
         config = config or KernelConfig(16, 32, 4, 1)
         w = weight if weight.stride(-1) == 1 else weight.contiguous()      # column views (Huginn's adapter) as they are
-        run_launch(fp8_linear_launch(x, w, scale, bias, out, config, backend_of(x.device)))
+        run_launch(fp8_linear_launch(x, w, scale, bias, out, config, backend_of(x.device), x_scale))
     return out

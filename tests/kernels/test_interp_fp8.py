@@ -162,6 +162,24 @@ def test_fp8_linear_kernel_is_exact_at_the_config_s_block_k():
         assert (fp8_linear(x, weight, scale, None, config) - ref).abs().max().item() <= 1e-5
 
 
+def test_w8a8_tile_kernel_multiplies_quantized_rows():
+    """Lever 134's probe form of the tile kernel: rows already quantized (`QuantizedRows`) times the FP8
+    weight on FP8 products, both scales after the sum: the float64 product of the same quantized values to
+    bf16's rounding, out in the rows' dtype; rows in another FP8 format than the weight's are refused."""
+    from hal.common.quantized_rows import QuantizedRows
+
+    x = (torch.randn(40, 256) * torch.rand(40, 1) * 4).bfloat16()
+    weight, scale = quantize(torch.randn(96, 256) * 0.05, torch.float8_e4m3fn)
+    rows = QuantizedRows(*quantize_rows(x), torch.bfloat16)
+    got = fp8_linear(rows, weight, scale, None, KernelConfig(16, 32, 4, 1, block_k=64))
+    ref = (rows.data.double() * rows.scale.double()) @ (weight.double() * scale.double()[:, None]).T
+    assert got.dtype == torch.bfloat16 and got.shape == (40, 96)
+    assert ((got.double() - ref).abs() <= 2 ** -7 * ref.abs() + 1e-3).all()
+    fnuz = QuantizedRows(rows.data.view(torch.uint8).view(torch.float8_e4m3fnuz), rows.scale, torch.bfloat16)
+    with pytest.raises(ValueError, match="in the weight's format"):
+        fp8_linear(fnuz, weight, scale)
+
+
 def test_row_quantization_kernel_equals_torch():
     """The W8A8 path's activation quantization (one launch): torch's bytes and scales exactly."""
     from hal.cuda.fp8 import quantize_rows as torch_quantize_rows
