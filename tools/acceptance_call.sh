@@ -73,9 +73,9 @@ fp8prefill() {   # lever 128: time to first token and prefill with FP8 against b
   LOOPSTACK_FP8_GEMM=triton bench "prefill fp8 w+kv triton gemm" model=ouro-1.4b "${FP8[@]}" "$T128" \
     'workload=[t128,ttft1k]'
 }
-fp8rows() {   # lever 129 (lost): a prompt's FP8 products on the W8A16 tile kernel in prompt-sized tiles
-              # against _scaled_mm and cuBLAS bf16, one product at a time
-  step "fp8 prompt products" 60 200 python3 tools/fp8_kernels_bench.py --only prompt --budget 150 \
+fp8rows() {   # lever 134 (probe): a prompt's FP8 products on rows already quantized, _scaled_mm against the tile
+              # kernel's W8A8 form, beside _scaled_mm with its quantization and cuBLAS bf16, one product at a time
+  step "fp8 prompt products" 60 260 python3 tools/fp8_kernels_bench.py --only prompt --budget 230 \
     --out "$OUT/fp8_prompt.jsonl"
 }
 fp8kvprefill() {   # lever 130: prompts over an FP8 cache with the paged prefill kernel in spill-free tiles,

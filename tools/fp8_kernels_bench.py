@@ -278,11 +278,6 @@ def projection_cells(bench: Bench) -> None:
 
 
 PROMPT_ROWS = (32, 128, 512, 1024)
-PROMPT_TILES = [KernelConfig(bm, bn, w, st, block_k=bk) for bm, bn, w, st, bk in (   # lever 129's tiles
-    (64, 64, 4, 4, 128), (64, 128, 4, 3, 128), (128, 64, 8, 3, 128), (128, 128, 8, 3, 64), (64, 32, 4, 4, 128),
-    (32, 64, 4, 4, 128), (64, 64, 4, 3, 64), (128, 64, 4, 4, 64), (64, 128, 4, 4, 64))]
-
-
 # lever 134 (probe): the tile kernel on rows already quantized (FP8 x FP8 on the tensor cores), small tiles for
 # many programs at 128-1,024 rows (cuBLAS's 128 x 128 tiles give the 2,048-wide o and down 16 at 128 rows)
 W8A8_TILES = [KernelConfig(bm, bn, w, st, block_k=bk) for bm, bn, w, st, bk in (
@@ -290,7 +285,7 @@ W8A8_TILES = [KernelConfig(bm, bn, w, st, block_k=bk) for bm, bn, w, st, bk in (
     (64, 64, 4, 3, 256), (128, 128, 8, 3, 128))]
 
 
-def _tile_label(c: KernelConfig, form: str = "W8A16") -> str:
+def _tile_label(c: KernelConfig, form: str) -> str:
     return f"tile {form} {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} k{c.block_k}"
 
 
@@ -307,8 +302,8 @@ def prompt_sums(rows: list) -> None:
 
 def prompt_projection_cells(bench: Bench) -> None:
     """Lever 129: a prompt's FP8 products (32-1,024 rows) on `torch._scaled_mm` with its quantization launch
-    (the engine's path past the decode rows), and on the W8A16 tile kernel in `PROMPT_TILES` (prompt-sized
-    tiles; lost: docs/performance.md), beside cuBLAS bf16. Lever 134: the products alone on rows already
+    (the engine's path past the decode rows) beside cuBLAS bf16 (lever 129's W8A16 tiles lost and left this
+    run: their rows are docs/data/h100-s53-call5-fp8-prompt.jsonl). Lever 134: the products alone on rows already
     quantized (as lever 132's boundaries hand q|k|v and gate|up theirs), `_scaled_mm` against the tile
     kernel's W8A8 form in `W8A8_TILES`."""
     for name, (n, k) in SHAPES.items():
@@ -332,7 +327,6 @@ def _prompt_shape_cells(bench: Bench, name: str, n: int, k: int) -> None:
     bf16 = [torch.randn(n, k, device=bench.device, dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
     fp8 = [quantize(w.float(), FP8) for w in bf16]
     variants = [("scaled_mm W8A8", lambda x, w, s: scaled_mm_linear(x, w, s, None, quantize_rows))]
-    variants += [(_tile_label(c), lambda x, w, s, c=c: w8a16.fp8_linear(x, w, s, None, c)) for c in PROMPT_TILES]
     for m in PROMPT_ROWS:
         xs = [_randn(m, k, device=bench.device) for _ in range(copies)]
         io = 2 * m * (k + n)
@@ -360,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="JSON lines of every cell")
     parser.add_argument("--only", choices=("attn", "attnrows", "write", "proj", "layout", "prompt"), default=None,
                         help="one group of cells (attnrows: the row kernel's sweep at batch 64 and 128; "
-                             "layout: lever 49's cache-layout diagnostic; prompt: lever 129's prompt-sized "
+                             "layout: lever 49's cache-layout diagnostic; prompt: levers 129 and 134's prompt-sized "
                              "FP8 products, not part of the default run)")
     args = parser.parse_args(argv)
     from hal.kernels.backend import device_compute_units
