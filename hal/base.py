@@ -219,7 +219,8 @@ class Hal(ABC):
           offered where `fp8_linear` quantizes x per row: `norm_add_norm` with y as `QuantizedRows`
           (hal/common/quantized_rows.py), the bytes `fp8_linear` would make of y, which `fp8_linear`
           then takes as its x; None for operands whose product would not quantize them (the caller
-          runs `norm_add_norm`). `fp8_linear` of those rows equals `fp8_linear` of y bit for bit.
+          runs `norm_add_norm`). `fp8_linear` of those rows equals `fp8_linear` of y, up to the last
+          bits of a row statistic a kernel may sum in another order.
 
         Decode projections (a small op folded into the matrix product that follows or precedes it;
         `x: [..., K]`, `weight: [N, K]`, results `[..., N]` in x's dtype; `norm` is `rms_norm` above):

@@ -52,7 +52,7 @@ def norm_add_norm(x: torch.Tensor, residual: torch.Tensor, post_norm: RMSNorm | 
     - `post_norm(x + residual)` with `sum_first`: Huginn's sandwich block;
     - `residual + x` without `post_norm`: pre-norm layers (the add `project(..., residual=)` makes).
     `quantized`: only an FP8 matrix takes norm(h); where the Hal's FP8 product would quantize these
-    rows (`norm_add_norm_fp8`), norm(h) comes as those bytes (`QuantizedRows`), no launch of its own."""
+    rows (`norm_add_norm_fp8`), norm(h) comes quantized (`QuantizedRows`), no launch of its own."""
     ops = ops_of(ctx)
     fused = ops.op("norm_add_norm")
     if fused is None or (post_norm is not None and post_norm.eps != norm.eps):

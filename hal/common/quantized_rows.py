@@ -7,7 +7,9 @@ quantization launch goes (docs/performance.md, lever 132).
 
 The bytes are those `quantize_rows` makes of the bf16 rows (`scale = max(absmax, 1e-12) / QMAX`, both
 divisions correctly rounded), so a product of them equals the product of the bf16 rows through the
-quantizing path, bit for bit. Only a Hal whose FP8 product quantizes its activations makes them.
+quantizing path, bit for bit where the kernel that made them computed those rows bit for bit (on an H100
+Ouro's boundaries did; Huginn's summed a row statistic in another order: docs/performance.md, lever 132).
+Only a Hal whose FP8 product quantizes its activations makes them.
 """
 from __future__ import annotations
 

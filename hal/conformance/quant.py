@@ -84,8 +84,10 @@ def check_fp8_linear(hal: Hal) -> str:
 
 def _check_norm_add_norm_fp8(hal: Hal, fp8: torch.dtype) -> bool:
     """`op("norm_add_norm_fp8")`: where it hands back quantized rows (a prompt's 40 bf16 rows), h is
-    `norm_add_norm`'s and `fp8_linear` of the rows is `fp8_linear` of norm_add_norm's y, bit for bit;
-    False where the Hal offers none, or declines these rows."""
+    `norm_add_norm`'s and `fp8_linear` of the rows is `fp8_linear` of norm_add_norm's y, both up to the
+    last bits of a row statistic summed in another order (the quantizing kernel's own layout: an H100
+    compiled Huginn's boundary so), and in the bound of `fp8_linear` with a scale more or less; False where
+    the Hal offers none, or declines these rows."""
     fused, boundary, linear = hal.op("norm_add_norm_fp8"), hal.op("norm_add_norm"), hal.op("fp8_linear")
     if fused is None or boundary is None or torch.bfloat16 not in hal.caps.dtypes:
         return False
@@ -93,6 +95,7 @@ def _check_norm_add_norm_fp8(hal: Hal, fp8: torch.dtype) -> bool:
     x, residual = (torch.randn(40, 256, dtype=torch.bfloat16, device=device) * 3 for _ in range(2))
     post, weight = ((torch.rand(256, device=device) + 0.5).bfloat16() for _ in range(2))
     weight_q, scale = (t.to(device) for t in quantize(torch.randn(192, 256) * 0.05, fp8))
+    w = (weight_q.double() * scale.double()[:, None]).abs().cpu()
     hal.synchronize()       # a boundary kernel may read its norm weights before its PDL wait (kernels/pdl.py)
     for post_weight, sum_first in ((post, False), (post, True), (None, False)):
         out = fused(x, residual, post_weight, weight, 1e-6, sum_first=sum_first)
@@ -101,9 +104,14 @@ def _check_norm_add_norm_fp8(hal: Hal, fp8: torch.dtype) -> bool:
         rows, h = out
         y, want_h = boundary(x, residual, post_weight, weight, 1e-6, sum_first=sum_first)
         what = f"norm_add_norm_fp8 post={post_weight is not None} sum_first={sum_first}"
-        assert torch.equal(h, want_h), f"{what}: h is not norm_add_norm's"
-        assert torch.equal(linear(rows, weight_q, scale), linear(y, weight_q, scale)), \
-            f"{what}: fp8_linear of the quantized rows is not fp8_linear of norm_add_norm's y"
+        h_err = ((h.double() - want_h.double()).abs() - 2**-7 * want_h.double().abs()).max().item()
+        assert h_err <= 0, f"{what}: h is not norm_add_norm's (beyond 2 bf16 ulps by {h_err:.2e})"
+        got, want = linear(rows, weight_q, scale).double().cpu(), linear(y, weight_q, scale).double().cpu()
+        # one FP8 step of the activation per value (2^-3 relative) at most, where a last bit of y moved
+        bound = (y.double().abs().cpu() @ w.T) * 2**-3 + TOLERANCE[torch.bfloat16] * (1 + want.abs())
+        excess = ((got - want).abs() - bound).max().item()
+        assert excess <= 0, (f"{what}: fp8_linear of the quantized rows is not fp8_linear of norm_add_norm's y "
+                             f"(beyond the bound by {excess:.2e})")
     return True
 
 

@@ -203,11 +203,9 @@ SLOWER_THAN_BF16 = {
               "the TMA decode kernel), 0.99-1.0x at batch 1 with short contexts, and a 1,024-token prompt "
               "about 8% longer to the first token (an H100, 2026-12-07): for single short requests leave "
               "engine.kv_dtype unset unless the memory is needed",
-        "weights": "engine.weights_dtype=fp8 on sm_90 (measured on an H100, 2026-12-07, with FP8 KV): decode "
-                   "steps of 1-8 rows take 0.66-0.74x bf16's time and an 8K-token prompt prefills 1.22x faster, "
-                   "but a 128-token prompt takes 11-18% longer to the first token, a 1,024-token one 2-5% (its "
-                   "products past 8 rows quantize the activations in a launch of their own): where the first "
-                   "token of short prompts matters most, leave engine.weights_dtype unset",
+        # "weights": none since levers 131-133 (an H100, 2026-12-07): with FP8 weights + KV decode steps of 1-8
+        # rows take 0.66-0.74x bf16's time, a 128-token prompt's first token comes level with bf16's (8.18 / 8.35
+        # against 8.21 ms), a 1,024-token one 6% sooner, an 8K prompt prefills 1.31x faster
     },
 }
 

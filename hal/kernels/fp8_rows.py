@@ -8,7 +8,10 @@ torch (six launches there). One row per program, held whole in registers.
   (the down projection's input, lever 131);
 - `norm_add_norm_quantize`: a sublayer boundary (hal/kernels/norms.py) whose normalised row, rounded as
   `norm_add_norm` stores it, is quantized in place of being stored (q|k|v's and gate|up's input, lever 132).
-Each fused kernel therefore replaces two launches with one and the bytes stay the same.
+Each fused kernel replaces two launches with one and rounds as they do. The row statistics (sums,
+maxima) may be summed in another order than the separate kernels' (the compiler lays each kernel's rows out
+for its own stores): on an H100 Huginn's boundary (`sum_first`) moved a last bit of some values that way,
+Ouro's and the SwiGLU kernel's gave the separate launches' bytes.
 """
 from __future__ import annotations
 
