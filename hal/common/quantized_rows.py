@@ -17,6 +17,8 @@ from typing import NamedTuple
 
 import torch
 
+from hal.common.kv_quant import dequantize
+
 
 class QuantizedRows(NamedTuple):
     data: torch.Tensor              # [..., K] FP8
@@ -34,4 +36,4 @@ class QuantizedRows(NamedTuple):
 
     def dequantize(self) -> torch.Tensor:
         """The rows in their dtype again (for a product that cannot take them quantized)."""
-        return (self.data.float() * self.scale).to(self.dtype)
+        return dequantize(self.data, self.scale[..., 0], self.dtype)

@@ -91,7 +91,7 @@ def _slice_gemv_kernel(out_ptr, x_ptr, w_ptr, res_ptr, stream_ptr, in_norm_ptr, 
 @triton.jit
 def _a8_product(w, a, KS: tl.constexpr, QMAX: tl.constexpr, BLOCK_M: tl.constexpr):
     """`a [BLOCK_M, KS] @ w [BLOCK_N, KS]^T` as `[BLOCK_M, BLOCK_N]` fp32 with each row of a quantized to
-    w's FP8 format by one scale for the slice (`absmax / QMAX`, as `hal.kernels.fp8_linear.quantize_rows`
+    w's FP8 format by one scale for the slice (`absmax / QMAX`, as `hal.kernels.fp8_rows.quantize_rows`
     does per row), so no weight is widened on the CUDA cores."""
     a32 = a.to(tl.float32)
     a_scale = tl.maximum(tl.max(tl.abs(a32), 1), 1e-12) / QMAX                          # [BLOCK_M]

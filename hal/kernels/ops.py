@@ -154,7 +154,7 @@ def _silu_and_mul_kernel(out_ptr, x_ptr, num_cols, stride_x, stride_o, BLOCK: tl
 @triton.jit
 def silu_mul_row(row_ptr, cols, mask, num_cols, dtype: tl.constexpr):
     """`silu(gate) * up` at `cols` of one row `gate | up` (each `num_cols` wide), rounded to `dtype` as torch
-    rounds it (silu first): the silu_and_mul kernel's values, which hal/kernels/fp8_linear.py's fused
+    rounds it (silu first): the silu_and_mul kernel's values, which hal/kernels/fp8_rows.py's fused
     quantization must reproduce."""
     gate = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(row_ptr + num_cols + cols, mask=mask, other=0.0).to(tl.float32)
