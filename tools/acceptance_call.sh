@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
-#   END=560 [PARTS="cells tests gaps fp8prefill fp8rows fp8kvprefill prefilltiles fp8tests ab s54 s54b ring
-#                   rows configs huginn profile profile_batches landed tcrows smallbatch"] bash tools/acceptance_call.sh
+#   END=560 [PARTS="cells tests gaps fp8prefill fp8rows fp8kvprefill prefilltiles fp8tests ab s54 s54b s55
+#                   ring rows configs huginn profile profile_batches landed tcrows smallbatch"] \
+#     bash tools/acceptance_call.sh
 # END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by
 # GPU; H200_PARTS and OTHER_PARTS set them for one kind of card only).
 # Files under $OUT (at most seven of the 8 a call brings back): rows.jsonl (runtime.bench), peer.txt, pytest.txt,
@@ -175,6 +176,26 @@ huginn() {   # lever 124: Huginn-0125's FP8 down (K = 17,920: 35 slices of 512) 
   LOOPSTACK_KERNEL_CONFIGS='{"gemv_slice_w8a8": [1, 128, 8, 1, 0, 0, 1, 512, 32]}' \
     bench "huginn b1 fp8 split_k 32" model=huginn-0125 "${FP8[@]}" 'workload=[b1]'
   bench "huginn b1 bf16" model=huginn-0125 'workload=[b1]'
+}
+s55() {   # lever 135: an FP8 cache's prompts without context on the 16-bit tile over their own K/V,
+          # against .old (the tree before), alternating twice, bf16 in the same rounds; FP8 weights + KV
+          # on both trees; the FP8 KV 1,024-token prefill profiled
+  local round cells='workload=[t128,ttft1k]'
+  for round in 1 2; do
+    bench "kv fp8 prompts ($round)" model=ouro-1.4b engine.kv_dtype=fp8 "$T128" "$cells"
+    if [ -d .old ]; then
+      pushd .old > /dev/null && bench "kv fp8 prompts .old ($round)" model=ouro-1.4b engine.kv_dtype=fp8 \
+        "$T128" "$cells"
+      popd > /dev/null
+    fi
+    bench "bf16 prompts ($round)" model=ouro-1.4b "$T128" "$cells"
+  done
+  bench "fp8 w+kv prompts" model=ouro-1.4b "${FP8[@]}" "$T128" "$cells"
+  if [ -d .old ]; then
+    pushd .old > /dev/null && bench "fp8 w+kv prompts .old" model=ouro-1.4b "${FP8[@]}" "$T128" "$cells"
+    popd > /dev/null
+  fi
+  bench "kv fp8 ttft1k profiled" model=ouro-1.4b engine.kv_dtype=fp8 'workload=[ttft1k]' profile_prefill=true
 }
 profile() {   # where Ouro-1.4B's b1 step goes since the sm_90 table's one-row entries, bf16 and FP8 weights + KV
   bench "ouro b1 bf16 profile" model=ouro-1.4b 'workload=[b1]' profile=4

@@ -79,9 +79,10 @@ def _fp8_cache(kv_dtype: torch.dtype, num_kv_heads: int = SHAPE["num_kv_heads"])
 
 def _attention(config: KernelConfig, target: str, num_seqs: int, query_len: int, num_splits: int,
                dtype: torch.dtype = SHAPE["dtype"], kv_dtype: torch.dtype | None = None,
-               rows: bool = False, rotary: bool = False, group: int = 1) -> Launch:
+               rows: bool = False, rotary: bool = False, group: int = 1, own_kv: bool = False) -> Launch:
     """The unified kernel's launch, or with `rows` the row-stream decode kernel's (with `rotary`: the
-    variant that rotates and stores this step's K/V itself; `group` query heads per KV head)."""
+    variant that rotates and stores this step's K/V itself; `group` query heads per KV head; `own_kv`:
+    prompts over this step's K/V, hal/kernels/attend.py)."""
     from hal.kernels.attention import attention_launches
     from hal.kernels.row_decode import NewKV, row_decode_launches
 
@@ -95,6 +96,9 @@ def _attention(config: KernelConfig, target: str, num_seqs: int, query_len: int,
     seq_lens = torch.zeros(num_seqs, dtype=torch.int32)
     starts = torch.zeros(num_seqs + 1, dtype=torch.int32)
     args = (q, cache, table, seq_lens, starts, 0.1, config, num_splits, config, torch.empty_like(q), target, scales)
+    if own_kv:
+        kv = torch.empty(q.shape[0], 2, s["num_kv_heads"] // group, s["head_dim"], dtype=dtype)
+        return attention_launches(*args[:-1], own_kv=(kv[:, 0], kv[:, 1]))[0]
     if not rows:
         return attention_launches(*args)[0]
     tokens = q.shape[0]
@@ -313,6 +317,8 @@ GEMV_CASES = (
 CASES = {c.name: c for c in (
     Case("attention_prefill", "attention_prefill", True, True,
          lambda c, t: _attention(c, t, num_seqs=2, query_len=256, num_splits=1)),
+    Case("attention_prefill/own-kv", "attention_prefill", True, True,      # prompts over an FP8 cache
+         lambda c, t: _attention(c, t, num_seqs=2, query_len=256, num_splits=1, own_kv=True)),
     Case("attention_decode/split", "attention_decode", True, False,         # batch 1, long context
          lambda c, t: _attention(c, t, num_seqs=1, query_len=1, num_splits=8)),
     Case("attention_decode/batch", "attention_decode", True, False,         # batch 64, no split

@@ -13,6 +13,9 @@
   the cache fits it;
 - every other batch takes the unified kernel (hal/kernels/attention.py): its decode config for
   batches of at most `DECODE_MAX_QUERY_LEN` new tokens per sequence, its prefill config otherwise;
+- prompts without context over an 8-bit cache (`own_kv`) take the 16-bit prefill config over the K/V
+  their write handed back dequantized, addressed as pages of one token: FP8 tiles widened in the
+  kernel cost it 1.5x the 16-bit tile's time (docs/performance.md, levers 130 and 135);
 - a mixed batch (prompt chunks beside sequences of one new token: requests joining a decoding
   batch, a burst's packed steps) of a multi-head model splits where the table has the row kernel:
   the prefill config takes the chunks, the row kernel (its `attention_row_decode` entry, the
@@ -88,9 +91,18 @@ def launches_for(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
                  query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                  configs: dict[str, KernelConfig], num_compute_units: int, out: torch.Tensor,
                  kv_scales: torch.Tensor | None = None, new_kv: NewKV | None = None,
-                 mixed: bool = False) -> list[Launch]:
+                 mixed: bool = False, own_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> list[Launch]:
     """The launches `paged_attention` runs for this batch (`mixed`: it may hold one-token sequences
-    beside its prompt chunks)."""
+    beside its prompt chunks; `own_kv`: see `paged_attention`)."""
+    if own_kv is not None:
+        if max_query_len <= DECODE_MAX_QUERY_LEN or mixed:
+            raise ValueError("own_kv serves prompts without context in the prefill config, not decode-like "
+                             "or mixed batches")
+        # 16-bit K/V (dequantized from an 8-bit cache's bytes by its write): the 16-bit tile
+        return attention_launches(q, kv_cache, block_table, seq_lens, query_start_loc, scale,
+                                  configs[config_key("prefill", q.dtype)], 1, configs["attention_reduce"],
+                                  out, backend_of(q.device), own_kv=own_kv)
     quantized = kv_scales is not None
     num_kv_heads = kv_cache.shape[3]
     args = (q, kv_cache, block_table, seq_lens, query_start_loc, scale)
@@ -139,14 +151,18 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                     configs: dict[str, KernelConfig], num_compute_units: int,
                     kv_scales: torch.Tensor | None = None, new_kv: NewKV | None = None,
-                    mixed: bool = False) -> torch.Tensor:
+                    mixed: bool = False, own_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> torch.Tensor:
     """Causal attention of packed queries over one plane of the paged cache; returns `[T, H, D]`.
 
     q `[T, H, D]`; kv_cache `[2, NB, page, KVH, D]`; block_table `[S, max_blocks]` int32 (one plane);
     seq_lens `[S]` int32 (cached tokens incl. this step's); query_start_loc `[S + 1]` int32;
     kv_scales `[2, NB, page, KVH]` exponent bytes for an 8-bit kv_cache (`hal.common.kv_quant.QuantLayout.scales`);
     `new_kv` (row kernel only): q and this step's k, v before rotary, stored by the kernel itself;
-    `mixed`: prompt chunks and one-token sequences may share the batch (`launches_for`).
+    `mixed`: prompt chunks and one-token sequences may share the batch (`launches_for`);
+    `own_kv`: (k, v) `[T, KVH, D]` 16-bit, this step's K/V, where every sequence is a prompt without
+    context: each attends over its own rows of them in the 16-bit prefill tile instead of reading the
+    cache back (an 8-bit cache's prompts, over the K/V its write hands back dequantized: lever 135).
     """
     check_device(q)
     if q.stride(-1) != 1:
@@ -157,6 +173,6 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     if q.shape[0] == 0:
         return out
     for launch in launches_for(q, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, scale,
-                               configs, num_compute_units, out, kv_scales, new_kv, mixed):
+                               configs, num_compute_units, out, kv_scales, new_kv, mixed, own_kv):
         run_launch(launch)
     return out

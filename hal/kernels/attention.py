@@ -28,6 +28,12 @@ scale is applied where it factors out of the products: QK^T column n times `k_sc
 column n times `v_scale[n] / max(v_scale)` before the PV product, whose result is multiplied by the
 tile's `max(v_scale)` (P stays in [0, 1] in fp16). The softmax sums stay the unscaled P's.
 
+A step's own K/V (`OWN_KV`, `own_kv=`): where every sequence is a prompt without context, k and v
+`[T, KVH, D]` of this step stand in for the cache as pages of one token, key i of a sequence being
+row `query_start + i`; the block table and the sequence lengths are not read (padding rows that
+start inside a block attend over their own rows too). An 8-bit cache's write hands them back
+dequantized, so its prompts take the 16-bit tile instead of widening FP8 tiles (hal/kernels/attend.py).
+
 Pipelining: each tile's pages come from the block table one iteration ahead (`_tile_pages`), so the
 K/V loads of a tile depend on no load of their own iteration and Triton's pipeliner gives them
 `num_stages - 1` shared-memory buffers (with the lookup in the same iteration it gave them one,
@@ -66,9 +72,13 @@ def _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _tile_pages(table_ptr, tile, last_pos, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The page of every key of `tile` (0 past the sequence's last key)."""
+def _tile_pages(table_ptr, tile, last_pos, own_start, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                OWN_KV: tl.constexpr):
+    """The page of every key of `tile` (0 past the sequence's last key); with `OWN_KV` the key's row
+    in this step's k/v, pages of one token from the sequence's first at `own_start` (no load)."""
     keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    if OWN_KV:
+        return own_start + tl.minimum(keys, last_pos).to(tl.int64)
     return tl.load(table_ptr + keys // PAGE_SIZE, mask=keys <= last_pos, other=0).to(tl.int64)
 
 
@@ -129,7 +139,7 @@ def _paged_attention_kernel(
         NUM_QUERIES_PER_KV: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, HEADS_FIRST: tl.constexpr,
-        SKIP_SINGLE: tl.constexpr = False, PDL: tl.constexpr = False):
+        SKIP_SINGLE: tl.constexpr = False, OWN_KV: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_wait(PDL)
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
@@ -146,7 +156,10 @@ def _paged_attention_kernel(
         return
     if SKIP_SINGLE and q_len == 1:        # a mixed batch's decode row: the row kernel's (attend.launches_for)
         return
-    context_len = tl.load(seq_lens_ptr + seq) - q_len      # cached tokens before this step's queries
+    if OWN_KV:          # prompts without context: each attends over its own rows of this step's k/v
+        context_len = 0
+    else:
+        context_len = tl.load(seq_lens_ptr + seq) - q_len  # cached tokens before this step's queries
 
     rows = tl.arange(0, BLOCK_M)
     row_token = local_block * BLOCK_Q + rows // NUM_QUERIES_PER_KV        # query index within the sequence
@@ -174,18 +187,18 @@ def _paged_attention_kernel(
     scale_head = kv_head.to(tl.int64) * stride_sh
     # each tile's pages are loaded one iteration ahead: the K/V loads then depend on no load of their
     # own iteration, and the pipeliner gives them num_stages - 1 buffers instead of one
-    page = _tile_pages(table_ptr, tile_lo, last_pos, PAGE_SIZE, BLOCK_N)
+    page = _tile_pages(table_ptr, tile_lo, last_pos, q_start, PAGE_SIZE, BLOCK_N, OWN_KV)
     for tile in range(tile_lo, tl.minimum(tile_hi, num_full)):
-        next_page = _tile_pages(table_ptr, tile + 1, last_pos, PAGE_SIZE, BLOCK_N)
+        next_page = _tile_pages(table_ptr, tile + 1, last_pos, q_start, PAGE_SIZE, BLOCK_N, OWN_KV)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                                      page, head_off, scale_head, tile, row_pos, last_pos, qk_scale, stride_cb,
                                      stride_ct, stride_sb, stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, False,
                                      DOT_PRECISION, KV_QUANT)
         page = next_page
     first_masked = tl.maximum(tile_lo, num_full)
-    page = _tile_pages(table_ptr, first_masked, last_pos, PAGE_SIZE, BLOCK_N)
+    page = _tile_pages(table_ptr, first_masked, last_pos, q_start, PAGE_SIZE, BLOCK_N, OWN_KV)
     for tile in range(first_masked, tile_hi):
-        next_page = _tile_pages(table_ptr, tile + 1, last_pos, PAGE_SIZE, BLOCK_N)
+        next_page = _tile_pages(table_ptr, tile + 1, last_pos, q_start, PAGE_SIZE, BLOCK_N, OWN_KV)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                                      page, head_off, scale_head, tile, row_pos, last_pos, qk_scale, stride_cb,
                                      stride_ct, stride_sb, stride_st, dims, dim_valid, PAGE_SIZE, BLOCK_N, True,
@@ -225,7 +238,8 @@ def attention_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                        config: KernelConfig, num_splits: int, reduce_config: KernelConfig,
                        out: torch.Tensor, target: str, kv_scales: torch.Tensor | None = None,
-                       skip_single: bool = False) -> list[Launch]:
+                       skip_single: bool = False, own_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+                       ) -> list[Launch]:
     """The launches of one attention call for `target` ("cuda", "hip", "interpreter"); `out`
     `[T, H, D]` receives the result. `config.heads_first`: grid `(KVH, query blocks, splits)`, the KV
     heads of a query block side by side (they read the same cache rows), where the query blocks fit
@@ -236,15 +250,25 @@ def attention_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     seq_lens `[S]` int32 (cached tokens incl. this step's); query_start_loc `[S + 1]` int32.
     kv_scales `[2, NB, page, KVH]` exponent bytes for an 8-bit kv_cache (`hal.common.kv_quant.QuantLayout.scales`,
     any strides).
+    `own_kv`: (k, v) `[T, KVH, D]` of q's dtype with the same strides, this step's K/V: every sequence is
+    a prompt without context and attends over its own rows of them, not over the cache (which the
+    launch then never reads: kv_cache gives only its head count, block_table and seq_lens are unread).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, _ = kv_cache.shape
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    if own_kv is not None:
+        k, v = own_kv
+        if kv_scales is not None or k.dtype != q.dtype or k.shape != (num_tokens, num_kv_heads, head_dim) \
+                or v.shape != k.shape or v.stride() != k.stride():
+            raise ValueError("own_kv takes k and v [T, KVH, D] of q's dtype with one set of strides, "
+                             "and no scales")
+        key_cache, value_cache, page_size = k[:, None], v[:, None], 1      # one-token pages [T, 1, KVH, D]
     num_seqs = seq_lens.shape[0]
     group = num_heads // num_kv_heads
     block_m = max(config.block_m, next_pow2(group), 16)          # tl.dot needs >= 16 rows
     block_q = block_m // group
     head_dim_pad = max(next_pow2(head_dim), 16)
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
     # unquantized: the scale pointers are never read (KV_QUANT is a constexpr); any pointer will do
     k_scales, v_scales = (key_cache, value_cache) if kv_scales is None else (kv_scales[0], kv_scales[1])
     scale_strides = (0, 0, 0) if kv_scales is None else kv_scales.stride()[1:]
@@ -260,7 +284,7 @@ def attention_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         NUM_QUERIES_PER_KV=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION=dot_precision(q.dtype, target), KV_QUANT=kv_scales is not None, HEADS_FIRST=heads_first,
-        SKIP_SINGLE=skip_single, **launch_options(config, target)))
+        SKIP_SINGLE=skip_single, OWN_KV=own_kv is not None, **launch_options(config, target)))
     if num_splits == 1:
         return [main]
     return [main, reduce_launch(out, parts, reduce_config, target)]

@@ -8,6 +8,9 @@ Prefill chunks without prior context (every sequence of the batch starts at posi
 over their fresh K/V through torch's vendor kernel instead (`attend`, `fresh_attention` mode chosen
 by the Hal, hal/kernels/fresh.py); the cache is written all the same (over an 8-bit cache they
 attend over its quantized K/V). Decode-like batches and float32 always take the paged kernel.
+Over an 8-bit cache, prompts without context that stay on the paged kernel (captured prompts of up to
+1,024 tokens) read their K/V from what the quantizing write hands back dequantized, not from the
+cache, on the 16-bit tile (`TritonMeta.own_kv`; hal/kernels/attend.py).
 
 Graphs: `forward`/`write_kv` read lengths and tables from device tensors only and never sync; the
 launch grid depends on `q.shape[0]`, the number of sequences and `meta.max_query_len`, so a captured
@@ -45,6 +48,9 @@ class TritonMeta(NamedTuple):
     max_query_len: int              # host ints: pick the config and the context split
     max_seq_len: int
     fresh_lens: tuple[int, ...] | None = None   # query lengths when the batch takes the fresh path
+    # an 8-bit cache's prompts without context outside the fresh path: the paged kernel attends over
+    # the K/V their write hands back dequantized, not the cache (attend.paged_attention `own_kv`)
+    own_kv: bool = False
     packed: bool = False            # any query lengths (MetaCapacity.packed): max_query_len is the capacity's
     mixed: bool = False             # prompt chunks beside one-token sequences (packed: maybe): attend.launches_for
     # a capacity-built meta's pinned host mirrors: update_meta stages each step's values there and
@@ -122,10 +128,17 @@ class TritonPagedAttention(AttentionBackend):
         # within the capacity replays it
         longest = max(capacity.max_num_tokens, DECODE_MAX_QUERY_LEN + 1) if packed else max(batch.query_lens, default=0)
         mixed = packed or (capacity is None and longest > DECODE_MAX_QUERY_LEN and 1 in batch.query_lens)
+        # a captured pass has no context where its capacity says so (a prompt's first chunk, whose
+        # padding rows may start inside a scratch block: the kernel attends each over its own rows)
+        no_context = not capacity.context if capacity is not None else \
+            all(q == s for q, s in zip(batch.query_lens, batch.seq_lens))
+        own_kv = (self.kv_layout is not None and not is_fresh and not mixed and no_context
+                  and longest > DECODE_MAX_QUERY_LEN)
         return TritonMeta(*tensors, max_query_len=longest,
                           max_seq_len=capacity.max_seq_len if capacity else max(batch.seq_lens, default=0),
                           fresh_lens=tuple(map(int, batch.query_lens)) if is_fresh and not packed else None,
-                          packed=packed, mixed=mixed, staging=None if capacity is None else StagingRing(arrays, self.device))
+                          own_kv=own_kv, packed=packed, mixed=mixed,
+                          staging=None if capacity is None else StagingRing(arrays, self.device))
 
     def update_meta(self, meta: TritonMeta, batch: PagedBatch) -> list[dict]:
         """Refill a capacity-built `meta` in place: same shapes (the captured bucket), new values."""
@@ -178,8 +191,18 @@ class TritonPagedAttention(AttentionBackend):
             if held is not None:                  # an 8-bit cache: attend over what it holds (fresh.py)
                 k, v = held
             return fresh.attention(self.fresh_attention, q, k, v, meta.query_start_loc, meta.fresh_lens, scale)
+        if meta.own_kv:
+            held = self.write_kv(k, v, kv_cache, meta, plane, dequantize=True)
+            return self._own_kv_attention(q, kv_cache, meta, plane, scale, held)
         self.write_kv(k, v, kv_cache, meta, plane)
         return self.forward(q, kv_cache, meta, plane, scale)
+
+    def _own_kv_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: TritonMeta, plane: int,
+                          scale: float, held: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The paged kernel over the K/V an 8-bit cache's write handed back (`meta.own_kv`)."""
+        values, _ = self._views(kv_cache)
+        return paged_attention(q, values, meta.block_tables[plane], meta.seq_lens, meta.query_start_loc,
+                               meta.max_query_len, scale, self.configs, self.num_compute_units, own_kv=held)
 
     def attend_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                       meta: TritonMeta, plane: int, positions: torch.Tensor, theta: float, interleaved: bool,
@@ -203,6 +226,10 @@ class TritonPagedAttention(AttentionBackend):
             q, k, v = rotary_kv_write(q, k, v, positions, theta, interleaved, values, slots, config, keep_kv=True,
                                       kv_scales=scales, copy_v=False)
             return fresh.attention(self.fresh_attention, q, k, v, meta.query_start_loc, meta.fresh_lens, scale)
+        if meta.own_kv:
+            q, k, v = rotary_kv_write(q, k, v, positions, theta, interleaved, values, slots, config,
+                                      keep_kv=True, kv_scales=scales)
+            return self._own_kv_attention(q, kv_cache, meta, plane, scale, (k, v))
         if q.dtype == self.dtype and fuses_rotary(q.dtype, self.num_heads, self.num_kv_heads, meta.max_query_len,
                                                   scales is not None, self.configs, meta.seq_lens.shape[0],
                                                   self.num_compute_units):

@@ -28,7 +28,7 @@ def _pages(table_ptr, tile, last_pos, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.const
         first = tile * BLOCK_N
         return tl.load(table_ptr + first // PAGE_SIZE, mask=first <= last_pos, other=0).to(tl.int64)
     else:
-        return _tile_pages(table_ptr, tile, last_pos, PAGE_SIZE, BLOCK_N)
+        return _tile_pages(table_ptr, tile, last_pos, 0, PAGE_SIZE, BLOCK_N, False)
 
 
 @triton.jit

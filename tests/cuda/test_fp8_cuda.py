@@ -52,6 +52,35 @@ def test_quantizing_write_stores_the_reference_bytes(gpu):
         assert torch.equal(cache.cpu(), ref_cache), f"{dtype}: the cache bytes differ from the reference's"
 
 
+def test_prompts_over_an_fp8_cache_attend_over_their_own_kv(gpu, monkeypatch):
+    """Lever 135 on the GPU, at Ouro-1.4B's heads: prompts without context over an FP8 cache attend over
+    the K/V their write hands back on the 16-bit tile, bit for bit the 16-bit kernel over a 16-bit cache
+    holding those values, and within 2e-2 of the FP8 kernel reading the cache back."""
+    from hal.attention import PagedBatch
+
+    monkeypatch.setenv("LOOPSTACK_FRESH_PREFILL", "0")          # eager prompts: not the fresh path
+    lens = [1024, 300, 77]
+    backend = gpu.attention(16, 16, 128, torch.bfloat16, kv_dtype=gpu.caps.fp8_dtype)
+    bf16 = gpu.attention(16, 16, 128, torch.bfloat16, block_size=backend.block_size)
+    page = backend.block_size
+    tables, start = [], 0
+    for n in lens:
+        tables.append(list(range(start, start + -(-n // page))))
+        start += len(tables[-1])
+    batch = PagedBatch(lens, lens, [tables], backend.block_size)
+    q, k, v = (torch.randn(sum(lens), 16, 128, device="cuda").bfloat16() for _ in range(3))
+    meta, bf16_meta = backend.build_meta(batch), bf16.build_meta(batch)
+    assert meta.own_kv and not bf16_meta.own_kv
+    cache = torch.zeros(backend.kv_cache_shape(start), dtype=backend.kv_cache_dtype, device="cuda")
+    out = backend.attend(q, k, v, cache, meta, 0, 128 ** -0.5)
+    k_held, v_held = backend.write_kv(k, v, torch.zeros_like(cache), meta, 0, dequantize=True)
+    bf16_cache = torch.zeros(bf16.kv_cache_shape(start), dtype=torch.bfloat16, device="cuda")
+    bf16.write_kv(k_held, v_held, bf16_cache, bf16_meta, 0)
+    torch.cuda.synchronize()
+    assert torch.equal(out, bf16.forward(q, bf16_cache, bf16_meta, 0, 128 ** -0.5))
+    assert (out.float() - backend.forward(q, cache, meta, 0, 128 ** -0.5).float()).abs().max().item() < 2e-2
+
+
 def _run(model, h, prompts, params, **config):
     engine = LLMEngine(model, h, EngineConfig(**config))
     for i, p in enumerate(prompts):

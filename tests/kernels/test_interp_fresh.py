@@ -312,3 +312,82 @@ def test_no_fresh_batch_pays_a_v_copy(monkeypatch, heads, kv_heads, lens):
     cache = torch.zeros(backend.kv_cache_shape(8), dtype=backend.kv_cache_dtype)
     backend.attend_rotary(q, k, v, cache, meta, 0, torch.arange(sum(lens)), 1e4, False, 0.2)
     assert seen == [False]
+
+
+def _own_kv_case(lens, kv_heads=2, seed=0):
+    torch.manual_seed(seed)
+    backend = _backend(None, kv_heads=kv_heads, kv_dtype=torch.float8_e4m3fn)
+    batch, num_blocks = _batch(lens, lens)
+    q = torch.randn(sum(lens), 4, 32).bfloat16()
+    k = (3 * torch.randn(sum(lens), kv_heads, 32)).bfloat16()
+    v = torch.randn(sum(lens), kv_heads, 32).bfloat16()
+    return backend, batch, num_blocks, q, k, v
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
+def test_prompts_over_an_fp8_cache_attend_over_their_own_dequantized_kv(kv_heads):
+    """Prompts without context over an 8-bit cache (lever 135): the write hands back K and V as the
+    cache holds them, and the paged kernel's 16-bit tile attends over those rows (pages of one token)
+    instead of widening FP8 tiles of the cache: bit for bit the 16-bit kernel over a 16-bit cache
+    holding the same values, within FP8 kernel's rounding of it, and the cache bytes are the write's."""
+    from hal.kernels.attend import paged_attention
+
+    lens = [37, 9, 20]
+    backend, batch, num_blocks, q, k, v = _own_kv_case(lens, kv_heads)
+    meta = backend.build_meta(batch)
+    assert meta.own_kv and meta.fresh_lens is None
+    cache = torch.zeros(backend.kv_cache_shape(num_blocks), dtype=backend.kv_cache_dtype)
+    out = backend.attend(q, k, v, cache, meta, 0, 0.2)
+    plain_cache = torch.zeros_like(cache)
+    values, scales = backend._views(plain_cache)
+    k_held, v_held = write_kv(k, v, values, meta.slot_mapping[0], backend.configs["kv_write"], scales,
+                              dequantize=True)
+    assert torch.equal(cache.view(torch.uint8), plain_cache.view(torch.uint8))
+    bf16 = _backend(None, kv_heads=kv_heads)
+    bf16_cache = torch.zeros(bf16.kv_cache_shape(num_blocks), dtype=torch.bfloat16)
+    bf16_meta = bf16.build_meta(batch)
+    assert not bf16_meta.own_kv                                     # a 16-bit cache reads itself back
+    bf16.write_kv(k_held, v_held, bf16_cache, bf16_meta, 0)
+    assert torch.equal(out, bf16.forward(q, bf16_cache, bf16_meta, 0, 0.2))
+    fp8_kernel = backend.forward(q, cache, meta, 0, 0.2)           # the cache read back, FP8 tiles widened
+    assert (out.float() - fp8_kernel.float()).abs().max().item() < 2e-2
+    with pytest.raises(ValueError, match="own_kv serves prompts"):
+        paged_attention(q, values, meta.block_tables[0], meta.seq_lens, meta.query_start_loc, 8, 0.2,
+                        backend.configs, 4, own_kv=(k_held, v_held))
+
+
+def test_attend_rotary_over_own_kv_is_rotary_then_attend():
+    """The fused rotary + quantizing write hands back the dequantized K/V for the own-K/V attention:
+    the same output and cache bytes as the rotary op followed by `attend`."""
+    lens = [24]
+    backend, batch, num_blocks, q, k, v = _own_kv_case(lens)
+    meta = backend.build_meta(batch)
+    fused_cache = torch.zeros(backend.kv_cache_shape(num_blocks), dtype=backend.kv_cache_dtype)
+    plain_cache = fused_cache.clone()
+    positions = torch.arange(24)
+    fused = backend.attend_rotary(q, k, v, fused_cache, meta, 0, positions, 1e4, False, 0.2)
+    q_rot, k_rot = rotary(q, k, positions, 1e4, False)
+    plain = backend.attend(q_rot, k_rot, v, plain_cache, meta, 0, 0.2)
+    assert torch.equal(fused, plain)
+    assert torch.equal(fused_cache.view(torch.uint8), plain_cache.view(torch.uint8))
+
+
+def test_which_fp8_batches_attend_over_their_own_kv():
+    """Only prefills without context, outside the fresh path, in the prefill config; a captured pass
+    where its capacity says it has no context (its padding rows may start inside a scratch block)."""
+    from hal.attention import MetaCapacity
+
+    fp8 = {"kv_dtype": torch.float8_e4m3fn}
+    backend = _backend(None, **fp8)
+    assert backend.build_meta(_batch([12, 9], [12, 9])[0]).own_kv
+    assert not backend.build_meta(_batch([12], [20])[0]).own_kv                      # a later chunk
+    assert not backend.build_meta(_batch([12, 1], [12, 30])[0]).own_kv               # mixed
+    assert not backend.build_meta(_batch([5, 3], [5, 3])[0]).own_kv                  # decode-like
+    assert not _backend("sdpa", **fp8).build_meta(_batch([12], [12])[0]).own_kv      # the fresh path's
+    assert not _backend(None).build_meta(_batch([12], [12])[0]).own_kv               # a 16-bit cache
+    padded, _ = _batch([16, 16], [16, 18])                                           # a padding row's context
+    for context, expected in ((False, True), (True, False)):
+        capacity = MetaCapacity(2, 32, 8, 1, 64, context=context)
+        assert backend.build_meta(padded, capacity).own_kv == expected
+    packed = MetaCapacity(2, 32, 8, 1, 64, context=False, packed=True)
+    assert not backend.build_meta(padded, packed).own_kv
