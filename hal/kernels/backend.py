@@ -132,8 +132,8 @@ class TritonPagedAttention(AttentionBackend):
         # padding rows may start inside a scratch block: the kernel attends each over its own rows)
         no_context = not capacity.context if capacity is not None else \
             all(q == s for q, s in zip(batch.query_lens, batch.seq_lens))
-        own_kv = (self.kv_layout is not None and not is_fresh and not mixed and no_context
-                  and longest > DECODE_MAX_QUERY_LEN)
+        own_kv = bool(self.kv_layout is not None and not is_fresh and not mixed and no_context
+                      and longest > DECODE_MAX_QUERY_LEN)
         return TritonMeta(*tensors, max_query_len=longest,
                           max_seq_len=capacity.max_seq_len if capacity else max(batch.seq_lens, default=0),
                           fresh_lens=tuple(map(int, batch.query_lens)) if is_fresh and not packed else None,

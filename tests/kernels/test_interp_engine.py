@@ -237,3 +237,43 @@ def test_mixed_steps_decode_rows_on_the_row_kernel_packed_and_eager_alike(monkey
             num_packed = len(mixed_launches)
     assert len(mixed_launches) > num_packed, "no eager mixed step"
     assert outs[True] == outs[False]
+
+
+def test_fp8_prompts_attend_over_their_own_kv_with_graphs_and_without(monkeypatch):
+    """Lever 135 in the engine: over an FP8 cache, prompts (captured short prefills with graphs on, the
+    same padded passes run eagerly with graphs off) attend on the 16-bit tile over the K/V their write
+    hands back, decode steps over the cache; graphs on and off give the same greedy tokens, and each
+    prompt's first token is the torch reference's over the same FP8 cache."""
+    own = []
+    real = TritonPagedAttention._own_kv_attention
+    monkeypatch.setattr(TritonPagedAttention, "_own_kv_attention",
+                        lambda self, *a, **k: own.append(a[0].shape[0]) or real(self, *a, **k))
+
+    class Fp8OnCpu(CpuHal):
+        def attention(self, num_heads, num_kv_heads, head_dim, dtype, block_size=None, backend=None, kv_dtype=None):
+            return TritonPagedAttention(num_heads, num_kv_heads, head_dim, dtype, self.device(), block_size or 16,
+                                        kv_dtype=kv_dtype)
+
+    case = golden_case("ouro-tiny")
+    model = zoo.from_pretrained(case.path, dtype="bfloat16")
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for graphs in (True, False):
+        own.clear()
+        with interpreter(), torch.inference_mode():
+            # one request at a time: each prompt a pass of its own (several would share a packed one)
+            engine = LLMEngine(model, Fp8OnCpu(), EngineConfig(block_size=4, graphs=graphs, kv_dtype="fp8",
+                                                               max_num_seqs=1))
+            assert engine.runner.backend.kv_layout is not None
+            for i in range(case.num_prompts):
+                engine.add_request(str(i), case.prompt(i), params)
+            outs[graphs] = {o.request_id: o.token_ids for o in engine.run_until_done()}
+        assert own and all(n >= 16 for n in own), own          # the prompts' padded widths
+    assert outs[True] == outs[False]
+    with torch.inference_mode():                 # the torch reference over the same FP8 cache format
+        engine = LLMEngine(model, CpuHal(), EngineConfig(block_size=4, kv_dtype="fp8", max_num_seqs=1))
+        for i in range(case.num_prompts):
+            engine.add_request(str(i), case.prompt(i), params)
+        reference = {o.request_id: o.token_ids for o in engine.run_until_done()}
+    print("own K/V against the reference:", outs[True], reference)
+    assert all(outs[True][str(i)][0] == reference[str(i)][0] for i in range(case.num_prompts))
