@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
-#   END=560 [PARTS="cells tests gaps fp8prefill fp8rows fp8kvprefill prefilltiles fp8tests ab s54 s54b s55
+#   END=560 [PARTS="cells tests gaps fp8prefill fp8rows fp8kvprefill prefilltiles fp8tests ab s54 s54b s55 s56
 #                   ring rows configs huginn profile profile_batches landed tcrows smallbatch"] \
 #     bash tools/acceptance_call.sh
 # END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by
@@ -196,6 +196,21 @@ s55() {   # lever 135: an FP8 cache's prompts without context on the 16-bit tile
     popd > /dev/null
   fi
   bench "kv fp8 ttft1k profiled" model=ouro-1.4b engine.kv_dtype=fp8 'workload=[ttft1k]' profile_prefill=true
+}
+s56() {   # lever 136: a 16-bit cache's prompts without context over their own K/V, against .old (lever 135
+          # alone), alternating twice; FP8 KV prompts once; its GPU test; the bf16 1,024-token prefill profiled
+  local round cells='workload=[t128,ttft1k]'
+  for round in 1 2; do
+    bench "bf16 prompts ($round)" model=ouro-1.4b "$T128" "$cells"
+    if [ -d .old ]; then
+      pushd .old > /dev/null && bench "bf16 prompts .old ($round)" model=ouro-1.4b "$T128" "$cells"
+      popd > /dev/null
+    fi
+  done
+  bench "kv fp8 prompts" model=ouro-1.4b engine.kv_dtype=fp8 "$T128" "$cells"
+  step "pytest own kv" 40 120 bash -c "python3 -m pytest -m cuda tests/cuda/test_fp8_cuda.py -k own_kv -q -rs \
+    -p no:cacheprovider >> $OUT/pytest.txt 2>&1"
+  bench "bf16 ttft1k profiled" model=ouro-1.4b 'workload=[ttft1k]' profile_prefill=true
 }
 profile() {   # where Ouro-1.4B's b1 step goes since the sm_90 table's one-row entries, bf16 and FP8 weights + KV
   bench "ouro b1 bf16 profile" model=ouro-1.4b 'workload=[b1]' profile=4

@@ -200,9 +200,9 @@ SLOWER_THAN_BF16 = {
     "sm_90": {
         "kv": "engine.kv_dtype=fp8 on sm_90 (measured on an H200, 2026-12-03/04): 1.5-1.64x the bf16 tok/s "
               "at 64-128 x 1K for multi-head models (Ouro, Huginn), 1.11-1.19x for grouped-query ones (Nanbeige4.2-3B, "
-              "the TMA decode kernel), 0.99-1.0x at batch 1 with short contexts, and a 1,024-token prompt "
-              "about 8% longer to the first token (an H100, 2026-12-07): for single short requests leave "
-              "engine.kv_dtype unset unless the memory is needed",
+              "the TMA decode kernel), 0.99-1.0x at batch 1 with short contexts (prompts: level at 128 tokens, "
+              "the first token 2-5% sooner at 1,024 on an H100, 2026-12-07): for single short requests "
+              "leave engine.kv_dtype unset unless the memory is needed",
         # "weights": none since levers 131-133 (an H100, 2026-12-07): with FP8 weights + KV decode steps of 1-8
         # rows take 0.66-0.74x bf16's time, a 128-token prompt's first token comes level with bf16's (8.18 / 8.35
         # against 8.21 ms), a 1,024-token one 6% sooner, an 8K prompt prefills 1.31x faster

@@ -13,9 +13,10 @@
   the cache fits it;
 - every other batch takes the unified kernel (hal/kernels/attention.py): its decode config for
   batches of at most `DECODE_MAX_QUERY_LEN` new tokens per sequence, its prefill config otherwise;
-- prompts without context over an 8-bit cache (`own_kv`) take the 16-bit prefill config over the K/V
-  their write handed back dequantized, addressed as pages of one token: FP8 tiles widened in the
-  kernel cost it 1.5x the 16-bit tile's time (docs/performance.md, levers 130 and 135);
+- prompts without context (`own_kv`) take the 16-bit prefill config over this step's own K/V, as pages
+  of one token with no block-table lookups; over an 8-bit cache those K/V are what its write handed
+  back dequantized, where FP8 tiles widened in the kernel cost it 1.5x the 16-bit tile's time
+  (docs/performance.md, levers 130, 135 and 136);
 - a mixed batch (prompt chunks beside sequences of one new token: requests joining a decoding
   batch, a burst's packed steps) of a multi-head model splits where the table has the row kernel:
   the prefill config takes the chunks, the row kernel (its `attention_row_decode` entry, the

@@ -31,8 +31,9 @@ tile's `max(v_scale)` (P stays in [0, 1] in fp16). The softmax sums stay the uns
 A step's own K/V (`OWN_KV`, `own_kv=`): where every sequence is a prompt without context, k and v
 `[T, KVH, D]` of this step stand in for the cache as pages of one token, key i of a sequence being
 row `query_start + i`; the block table and the sequence lengths are not read (padding rows that
-start inside a block attend over their own rows too). An 8-bit cache's write hands them back
-dequantized, so its prompts take the 16-bit tile instead of widening FP8 tiles (hal/kernels/attend.py).
+start inside a block attend over their own rows too), and no tile waits on a table lookup. An 8-bit
+cache's write hands them back dequantized, so its prompts take the 16-bit tile instead of widening FP8
+tiles (hal/kernels/attend.py).
 
 Pipelining: each tile's pages come from the block table one iteration ahead (`_tile_pages`), so the
 K/V loads of a tile depend on no load of their own iteration and Triton's pipeliner gives them

@@ -8,9 +8,11 @@ Prefill chunks without prior context (every sequence of the batch starts at posi
 over their fresh K/V through torch's vendor kernel instead (`attend`, `fresh_attention` mode chosen
 by the Hal, hal/kernels/fresh.py); the cache is written all the same (over an 8-bit cache they
 attend over its quantized K/V). Decode-like batches and float32 always take the paged kernel.
-Over an 8-bit cache, prompts without context that stay on the paged kernel (captured prompts of up to
-1,024 tokens) read their K/V from what the quantizing write hands back dequantized, not from the
-cache, on the 16-bit tile (`TritonMeta.own_kv`; hal/kernels/attend.py).
+Prompts without context that stay on the paged kernel (captured prompts of up to 1,024 tokens) read
+their K/V from this step's own tensors, not back from the cache (`TritonMeta.own_kv`;
+hal/kernels/attend.py): over an 8-bit cache from what the quantizing write hands back dequantized, on
+the 16-bit tile; over a 16-bit cache from the rotated k and a copy of v that the fused rotary write
+hands back, the same values the cache holds, so the same bits.
 
 Graphs: `forward`/`write_kv` read lengths and tables from device tensors only and never sync; the
 launch grid depends on `q.shape[0]`, the number of sequences and `meta.max_query_len`, so a captured
@@ -48,8 +50,8 @@ class TritonMeta(NamedTuple):
     max_query_len: int              # host ints: pick the config and the context split
     max_seq_len: int
     fresh_lens: tuple[int, ...] | None = None   # query lengths when the batch takes the fresh path
-    # an 8-bit cache's prompts without context outside the fresh path: the paged kernel attends over
-    # the K/V their write hands back dequantized, not the cache (attend.paged_attention `own_kv`)
+    # prompts without context outside the fresh path: the paged kernel attends over this step's own K/V
+    # (an 8-bit cache's dequantized by its write), not the cache (attend.paged_attention `own_kv`)
     own_kv: bool = False
     packed: bool = False            # any query lengths (MetaCapacity.packed): max_query_len is the capacity's
     mixed: bool = False             # prompt chunks beside one-token sequences (packed: maybe): attend.launches_for
@@ -132,8 +134,7 @@ class TritonPagedAttention(AttentionBackend):
         # padding rows may start inside a scratch block: the kernel attends each over its own rows)
         no_context = not capacity.context if capacity is not None else \
             all(q == s for q, s in zip(batch.query_lens, batch.seq_lens))
-        own_kv = bool(self.kv_layout is not None and not is_fresh and not mixed and no_context
-                      and longest > DECODE_MAX_QUERY_LEN)
+        own_kv = bool(not is_fresh and not mixed and no_context and longest > DECODE_MAX_QUERY_LEN)
         return TritonMeta(*tensors, max_query_len=longest,
                           max_seq_len=capacity.max_seq_len if capacity else max(batch.seq_lens, default=0),
                           fresh_lens=tuple(map(int, batch.query_lens)) if is_fresh and not packed else None,
@@ -193,13 +194,15 @@ class TritonPagedAttention(AttentionBackend):
             return fresh.attention(self.fresh_attention, q, k, v, meta.query_start_loc, meta.fresh_lens, scale)
         if meta.own_kv:
             held = self.write_kv(k, v, kv_cache, meta, plane, dequantize=True)
+            if held is None:                      # a 16-bit cache holds k and v themselves
+                held = (k, v) if k.stride() == v.stride() else (k.contiguous(), v.contiguous())
             return self._own_kv_attention(q, kv_cache, meta, plane, scale, held)
         self.write_kv(k, v, kv_cache, meta, plane)
         return self.forward(q, kv_cache, meta, plane, scale)
 
     def _own_kv_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: TritonMeta, plane: int,
                           scale: float, held: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The paged kernel over the K/V an 8-bit cache's write handed back (`meta.own_kv`)."""
+        """The paged kernel over this step's K/V `held` (`meta.own_kv`): what the cache now holds."""
         values, _ = self._views(kv_cache)
         return paged_attention(q, values, meta.block_tables[plane], meta.seq_lens, meta.query_start_loc,
                                meta.max_query_len, scale, self.configs, self.num_compute_units, own_kv=held)
@@ -226,9 +229,9 @@ class TritonPagedAttention(AttentionBackend):
             q, k, v = rotary_kv_write(q, k, v, positions, theta, interleaved, values, slots, config, keep_kv=True,
                                       kv_scales=scales, copy_v=False)
             return fresh.attention(self.fresh_attention, q, k, v, meta.query_start_loc, meta.fresh_lens, scale)
-        if meta.own_kv:
+        if meta.own_kv:           # k rotated and v as the cache holds them (dequantized where it is 8-bit)
             q, k, v = rotary_kv_write(q, k, v, positions, theta, interleaved, values, slots, config,
-                                      keep_kv=True, kv_scales=scales)
+                                      keep_kv=True, kv_scales=scales, copy_v=True)
             return self._own_kv_attention(q, kv_cache, meta, plane, scale, (k, v))
         if q.dtype == self.dtype and fuses_rotary(q.dtype, self.num_heads, self.num_kv_heads, meta.max_query_len,
                                                   scales is not None, self.configs, meta.seq_lens.shape[0],

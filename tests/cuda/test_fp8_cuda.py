@@ -53,9 +53,10 @@ def test_quantizing_write_stores_the_reference_bytes(gpu):
 
 
 def test_prompts_over_an_fp8_cache_attend_over_their_own_kv(gpu, monkeypatch):
-    """Lever 135 on the GPU, at Ouro-1.4B's heads: prompts without context over an FP8 cache attend over
-    the K/V their write hands back on the 16-bit tile, bit for bit the 16-bit kernel over a 16-bit cache
-    holding those values, and within 2e-2 of the FP8 kernel reading the cache back."""
+    """Levers 135-136 on the GPU, at Ouro-1.4B's heads: prompts without context over an FP8 cache attend
+    over the K/V their write hands back on the 16-bit tile, bit for bit the 16-bit kernel over a 16-bit
+    cache holding those values, and within 2e-2 of the FP8 kernel reading the cache back; over a 16-bit
+    cache over their own k and v, bit for bit the kernel reading the cache."""
     from hal.attention import PagedBatch
 
     monkeypatch.setenv("LOOPSTACK_FRESH_PREFILL", "0")          # eager prompts: not the fresh path
@@ -70,7 +71,7 @@ def test_prompts_over_an_fp8_cache_attend_over_their_own_kv(gpu, monkeypatch):
     batch = PagedBatch(lens, lens, [tables], backend.block_size)
     q, k, v = (torch.randn(sum(lens), 16, 128, device="cuda").bfloat16() for _ in range(3))
     meta, bf16_meta = backend.build_meta(batch), bf16.build_meta(batch)
-    assert meta.own_kv and not bf16_meta.own_kv
+    assert meta.own_kv and bf16_meta.own_kv
     cache = torch.zeros(backend.kv_cache_shape(start), dtype=backend.kv_cache_dtype, device="cuda")
     out = backend.attend(q, k, v, cache, meta, 0, 128 ** -0.5)
     k_held, v_held = backend.write_kv(k, v, torch.zeros_like(cache), meta, 0, dequantize=True)
@@ -79,6 +80,10 @@ def test_prompts_over_an_fp8_cache_attend_over_their_own_kv(gpu, monkeypatch):
     torch.cuda.synchronize()
     assert torch.equal(out, bf16.forward(q, bf16_cache, bf16_meta, 0, 128 ** -0.5))
     assert (out.float() - backend.forward(q, cache, meta, 0, 128 ** -0.5).float()).abs().max().item() < 2e-2
+    own = bf16.attend(q, k, v, torch.zeros_like(bf16_cache), bf16_meta, 0, 128 ** -0.5)
+    bf16.write_kv(k, v, bf16_cache, bf16_meta, 0)
+    torch.cuda.synchronize()
+    assert torch.equal(own, bf16.forward(q, bf16_cache, bf16_meta, 0, 128 ** -0.5))
 
 
 def _run(model, h, prompts, params, **config):

@@ -346,7 +346,6 @@ def test_prompts_over_an_fp8_cache_attend_over_their_own_dequantized_kv(kv_heads
     bf16 = _backend(None, kv_heads=kv_heads)
     bf16_cache = torch.zeros(bf16.kv_cache_shape(num_blocks), dtype=torch.bfloat16)
     bf16_meta = bf16.build_meta(batch)
-    assert not bf16_meta.own_kv                                     # a 16-bit cache reads itself back
     bf16.write_kv(k_held, v_held, bf16_cache, bf16_meta, 0)
     assert torch.equal(out, bf16.forward(q, bf16_cache, bf16_meta, 0, 0.2))
     fp8_kernel = backend.forward(q, cache, meta, 0, 0.2)           # the cache read back, FP8 tiles widened
@@ -372,6 +371,30 @@ def test_attend_rotary_over_own_kv_is_rotary_then_attend():
     assert torch.equal(fused_cache.view(torch.uint8), plain_cache.view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_prompts_over_a_16bit_cache_attend_over_their_own_kv_bit_for_bit(dtype):
+    """Lever 136: over a 16-bit (or float32) cache the own K/V are the values the cache holds (k rotated
+    and a copy of v from the fused rotary write, or k and v themselves), so the output is the paged
+    kernel's reading the cache, bit for bit, and so are the cache's bytes."""
+    lens = [37, 9, 20]
+    backend = _backend(None, dtype=dtype)
+    batch, num_blocks = _batch(lens, lens)
+    meta = backend.build_meta(batch)
+    assert meta.own_kv
+    qkv = torch.randn(sum(lens), 8, 32).to(dtype)                               # views of one projection
+    q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
+    caches = [torch.zeros(backend.kv_cache_shape(num_blocks), dtype=dtype) for _ in range(4)]
+    out = backend.attend(q, k, v, caches[0], meta, 0, 0.2)
+    backend.write_kv(k, v, caches[1], meta, 0)
+    assert torch.equal(out, backend.forward(q, caches[1], meta, 0, 0.2)) and torch.equal(caches[0], caches[1])
+    positions = torch.arange(sum(lens))
+    fused = backend.attend_rotary(q, k, v, caches[2], meta, 0, positions, 1e4, False, 0.2)
+    q_rot, k_rot = rotary(q, k, positions, 1e4, False)
+    backend.write_kv(k_rot, v, caches[3], meta, 0)
+    assert torch.equal(fused, backend.forward(q_rot, caches[3], meta, 0, 0.2))
+    assert torch.equal(caches[2], caches[3])
+
+
 def test_which_fp8_batches_attend_over_their_own_kv():
     """Only prefills without context, outside the fresh path, in the prefill config; a captured pass
     where its capacity says it has no context (its padding rows may start inside a scratch block)."""
@@ -384,7 +407,7 @@ def test_which_fp8_batches_attend_over_their_own_kv():
     assert not backend.build_meta(_batch([12, 1], [12, 30])[0]).own_kv               # mixed
     assert not backend.build_meta(_batch([5, 3], [5, 3])[0]).own_kv                  # decode-like
     assert not _backend("sdpa", **fp8).build_meta(_batch([12], [12])[0]).own_kv      # the fresh path's
-    assert not _backend(None).build_meta(_batch([12], [12])[0]).own_kv               # a 16-bit cache
+    assert _backend(None).build_meta(_batch([12], [12])[0]).own_kv                   # a 16-bit cache too
     padded, _ = _batch([16, 16], [16, 18])                                           # a padding row's context
     for context, expected in ((False, True), (True, False)):
         capacity = MetaCapacity(2, 32, 8, 1, 64, context=context)
