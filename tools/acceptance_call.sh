@@ -2,7 +2,7 @@
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
 #   END=560 [PARTS="cells tests gaps fp8prefill fp8rows fp8kvprefill prefilltiles fp8tests ab s54 s54b s55 s56
-#                   ring rows configs huginn profile profile_batches landed tcrows smallbatch"] \
+#                   s57 ring rows configs huginn profile profile_batches landed tcrows smallbatch"] \
 #     bash tools/acceptance_call.sh
 # END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by
 # GPU; H200_PARTS and OTHER_PARTS set them for one kind of card only).
@@ -211,6 +211,25 @@ s56() {   # lever 136: a 16-bit cache's prompts without context over their own K
   step "pytest own kv" 40 120 bash -c "python3 -m pytest -m cuda tests/cuda/test_fp8_cuda.py -k own_kv -q -rs \
     -p no:cacheprovider >> $OUT/pytest.txt 2>&1"
   bench "bf16 ttft1k profiled" model=ouro-1.4b 'workload=[ttft1k]' profile_prefill=true
+}
+s57() {   # lever 137: FP8 products of up to 128 quantized rows on the W8A8 tile, against .old (lever 136's
+          # tree), alternating twice on the prompts, once on b64; the FP8 cuda tests
+  local round
+  for round in 1 2; do
+    bench "fp8 w+kv prompts ($round)" model=ouro-1.4b "${FP8[@]}" "$T128" 'workload=[t128,ttft1k]'
+    if [ -d .old ]; then
+      pushd .old > /dev/null && bench "fp8 w+kv prompts .old ($round)" model=ouro-1.4b "${FP8[@]}" "$T128" \
+        'workload=[t128,ttft1k]'
+      popd > /dev/null
+    fi
+  done
+  bench "fp8 w+kv b64" model=ouro-1.4b "${FP8[@]}" 'workload=[b64]'
+  if [ -d .old ]; then
+    pushd .old > /dev/null && bench "fp8 w+kv b64 .old" model=ouro-1.4b "${FP8[@]}" 'workload=[b64]'
+    popd > /dev/null
+  fi
+  step "pytest fp8" 60 150 bash -c "python3 -m pytest -m cuda tests/cuda/test_fp8_cuda.py -q -rs \
+    -p no:cacheprovider >> $OUT/pytest.txt 2>&1"
 }
 profile() {   # where Ouro-1.4B's b1 step goes since the sm_90 table's one-row entries, bf16 and FP8 weights + KV
   bench "ouro b1 bf16 profile" model=ouro-1.4b 'workload=[b1]' profile=4

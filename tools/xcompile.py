@@ -167,6 +167,18 @@ def _fp8_linear(config: KernelConfig, target: str, fp8: torch.dtype, num_rows: i
     return fp8_linear_launch(x, weight, scale, None, out, config, target)
 
 
+def _fp8_linear_w8a8(config: KernelConfig, target: str, fp8: torch.dtype, num_rows: int) -> Launch:
+    """Ouro-1.4B's down projection (5632 -> 2048) on `num_rows` rows quantized per row (W8A8)."""
+    from hal.kernels.fp8_linear import fp8_linear_launch
+
+    x = torch.empty(num_rows, 5632, dtype=fp8)
+    weight = torch.empty(2048, 5632, dtype=fp8)
+    scale = torch.empty(2048, dtype=torch.float32)
+    out = torch.empty(num_rows, 2048, dtype=SHAPE["dtype"])
+    return fp8_linear_launch(x, weight, scale, None, out, config, target,
+                             torch.empty(num_rows, dtype=torch.float32))
+
+
 def _quantize_rows(config: KernelConfig, target: str, fp8: torch.dtype) -> Launch:
     """The W8A8 path's activation quantization of 64 rows of Ouro-1.4B's MLP input (5632)."""
     from hal.kernels.fp8_rows import quantize_rows_launch
@@ -402,6 +414,8 @@ def _fp8_cases(fmt: str, fp8: torch.dtype) -> tuple[Case, ...]:
         Case(f"rotary_kv_write/{fmt}", "rotary", False, False,
              lambda c, t: _rotary_kv_write(c, t, interleaved=False, kv_dtype=fp8)),
         Case(f"fp8_linear/{fmt}", "fp8_linear", True, False, lambda c, t: _fp8_linear(c, t, fp8, num_rows=1)),
+        Case(f"fp8_linear_w8a8/{fmt}", "fp8_linear_w8a8", True, False,
+             lambda c, t: _fp8_linear_w8a8(c, t, fp8, num_rows=128)),
         Case(f"gemv_m1/qkv-{fmt}", "gemv_m1", False, False,
              lambda c, t: _gemv(c, t, 1, 6144, 2048, "none", fp8=fp8)),
         Case(f"gemv_slice/qkv-{fmt}", "gemv_slice", False, False,

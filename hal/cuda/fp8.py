@@ -33,6 +33,9 @@ from hal.common.quantized_rows import QuantizedRows
 GEMM_ENV = "LOOPSTACK_FP8_GEMM"
 GEMM_CHOICES = ("auto", "scaled_mm", "triton")
 E4M3_MAX = 448.0
+# quantized rows up to this many take the table's `fp8_linear_w8a8` tile where it has one (lever 137):
+# at Ouro-1.4B's shapes on an H100 the tile won every product at 32 and 128 rows and lost from 512
+W8A8_TILE_MAX_ROWS = 128
 
 
 def gemm_choice() -> str:
@@ -86,13 +89,14 @@ def fp8_linear_op(arch: str, configs: dict[str, Any] | None, has_triton: bool) -
     if choice == "scaled_mm" and not nvidia_fp8:
         raise ValueError(f"{GEMM_ENV}=scaled_mm: torch._scaled_mm needs an NVIDIA GPU of sm_89 or later, "
                          f"this is {arch}; unset {GEMM_ENV}")
-    triton_linear, quantize, gemv = None, None, None
+    triton_linear, quantize, gemv, w8a8_tile = None, None, None, None
     if has_triton:
         from hal.kernels import fp8_linear as kernels, fp8_rows
         from hal.kernels.gemv_ops import Gemv
 
         if choice == "auto":
             gemv = Gemv(configs).fp8_linear
+            w8a8_tile = (configs or {}).get("fp8_linear_w8a8")
 
         config, row_config = (configs or {}).get("fp8_linear"), (configs or {}).get("rms_norm")
 
@@ -104,18 +108,23 @@ def fp8_linear_op(arch: str, configs: dict[str, Any] | None, has_triton: bool) -
     if gemv is None and not use_scaled_mm:
         return triton_linear
 
+    def w8a8(rows: QuantizedRows, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        if w8a8_tile is not None and rows.shape[0] <= W8A8_TILE_MAX_ROWS:
+            return kernels.fp8_linear(rows, weight, scale, bias, w8a8_tile)
+        return scaled_mm_rows(rows, weight, scale, bias)
+
     def linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-        if isinstance(x, QuantizedRows):      # from norm_add_norm_fp8: made only where this takes them
+        if isinstance(x, QuantizedRows):      # made by the kernel before, only where this takes them
             if use_scaled_mm and takes_scaled_mm(x, weight):
-                return scaled_mm_rows(x, weight, scale, bias)
+                return w8a8(x, weight, scale, bias)
             x = x.dequantize()
         if gemv is not None and bias is None:
             y = gemv(x, weight, scale)
             if y is not None:
                 return y
         if use_scaled_mm and takes_scaled_mm(x, weight):
-            return scaled_mm_linear(x, weight, scale, bias, quantize)
+            return w8a8(QuantizedRows(*(quantize or quantize_rows)(x), x.dtype), weight, scale, bias)
         if triton_linear is not None:
             return triton_linear(x, weight, scale, bias)
         return dequantized_linear(x, weight, scale, bias)
@@ -153,8 +162,9 @@ def silu_mul_fp8_linear_op(arch: str, configs: dict[str, Any] | None, linear: Ca
         rows, (n, k) = x.reshape(-1, x.shape[-1]), weight.shape
         if (fused_quantize is not None and not decode.takes(rows.shape[0], k) and x.shape[-1] == 2 * k
                 and takes_scaled_mm(rows[:, :k], weight)):
-            # `linear` would quantize silu_and_mul's output for `_scaled_mm`: the same bytes in one launch
-            y = scaled_mm_linear(rows, weight, scale, None, fused_quantize).view(*x.shape[:-1], n)
+            # `linear` would quantize silu_and_mul's output for its W8A8 product: the same bytes in one launch
+            quantized = QuantizedRows(*fused_quantize(rows), rows.dtype)
+            y = linear(quantized, weight, scale).view(*x.shape[:-1], n)
             return y if residual is None else residual + y
         act = silu_and_mul(x)
         y = linear(act.reshape(-1, act.shape[-1]), weight, scale).view(*act.shape[:-1], weight.shape[0])

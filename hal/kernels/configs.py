@@ -45,6 +45,9 @@ callers; nothing else chooses tiles. Keys of a table are kernel names:
                       input in one launch (hal/kernels/fp8_rows.py): one row per program, num_warps only;
                       a table without it launches the kernel with its rms_norm entry
   fp8_linear          W8A16 linear (FP8 weights, hal/kernels/fp8_linear.py): block_m x block_n output tile
+  fp8_linear_w8a8     (optional, sm_90) the same kernel on rows quantized per row (W8A8: FP8 x FP8 on the
+                      tensor cores) for products of at most `hal.cuda.fp8.W8A8_TILE_MAX_ROWS` rows, which
+                      `torch._scaled_mm` takes otherwise (levers 134 and 137)
   gemv_m1, gemv       decode projections (hal/kernels/gemv.py) of one row / of 2..8 rows: block_n output
                       columns and block_k of K per step; block_m 1 = fp32 FMAs (one row only), 16 =
                       tl.dot on rows padded to 16; split_k splits K (0: enough programs for every SM)
@@ -84,7 +87,7 @@ KERNEL_NAMES = ("attention_prefill", "attention_decode", "attention_prefill_fp32
                 "attention_reduce", "kv_write",
                 "rms_norm", "norm_add_norm", "rotary", "silu_and_mul", "fp8_linear", "gemv_m1", "gemv",
                 "gemv_slice", "gemv_slice_w8a8", "gemv_slice_tc", "gemv_wide",
-                "silu_mul_quantize_rows")
+                "silu_mul_quantize_rows", "fp8_linear_w8a8")
 # a table without the attention_row_* keys routes every decode batch to the unified kernel
 # (hal/kernels/attend.py); one without norm_add_norm launches it with the rms_norm entry; one without
 # gemv_wide leaves decode batches above gemv_ops.MAX_ROWS rows to the vendor's GEMM
@@ -93,7 +96,8 @@ OPTIONAL_KERNEL_NAMES = ("attention_row_decode", "attention_row_decode_fp8", "at
                          "attention_row_decode_split_few_fp8", "attention_row_decode_dense",
                          "attention_row_decode_dense_fp8", "attention_decode_tma", "attention_decode_tma_fp8",
                          "norm_add_norm",
-                         "gemv_slice", "gemv_slice_w8a8", "gemv_slice_tc", "gemv_wide", "silu_mul_quantize_rows")
+                         "gemv_slice", "gemv_slice_w8a8", "gemv_slice_tc", "gemv_wide",
+                         "silu_mul_quantize_rows", "fp8_linear_w8a8")
 
 
 @dataclass(frozen=True)
@@ -181,6 +185,11 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         # block at 128 rows, about silu_and_mul's and quantize_rows' time together (H100, fifty-fourth
         # session, lever 133)
         "silu_mul_quantize_rows": KernelConfig(1, 1, 16, 1),
+        # FP8 products of 9-128 quantized rows (prompts, decode batches): 64 x 64 tiles, 4 warps, 4 stages,
+        # 128 of K a step, against `_scaled_mm` on the same rows at Ouro-1.4B's four shapes: 32 rows 49.5 ->
+        # 43.4 us a layer-loop, 128 rows 48.2 -> 45.0 (o 8.98 -> 7.43, down 16.93 -> 15.69); at 512 rows
+        # 67.7 -> 87.2, slower (H100, fifty-fifth session, lever 134's probe)
+        "fp8_linear_w8a8": KernelConfig(64, 64, 4, 4, block_k=128),
         # FP8 decode where the row kernel does not take it: grouped queries past a few sequences
         # (Nanbeige). 32 keys x 4 warps x 3 stages, Nanbeige4.2-3B FP8 KV 64 x 1K 8.751 -> 8.302 ms (the
         # 128-key 2-stage entry before spilled 16 bytes; 64 keys x 4 x 2 9.878, 128 x 8 x 2 10.227,
