@@ -100,7 +100,7 @@ def launches_for(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
         if max_query_len <= DECODE_MAX_QUERY_LEN or mixed:
             raise ValueError("own_kv serves prompts without context in the prefill config, not decode-like "
                              "or mixed batches")
-        # 16-bit K/V (dequantized from an 8-bit cache's bytes by its write): the 16-bit tile
+        # K/V in q's dtype (an 8-bit cache's dequantized by its write): that dtype's prefill tile
         return attention_launches(q, kv_cache, block_table, seq_lens, query_start_loc, scale,
                                   configs[config_key("prefill", q.dtype)], 1, configs["attention_reduce"],
                                   out, backend_of(q.device), own_kv=own_kv)
@@ -161,9 +161,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     kv_scales `[2, NB, page, KVH]` exponent bytes for an 8-bit kv_cache (`hal.common.kv_quant.QuantLayout.scales`);
     `new_kv` (row kernel only): q and this step's k, v before rotary, stored by the kernel itself;
     `mixed`: prompt chunks and one-token sequences may share the batch (`launches_for`);
-    `own_kv`: (k, v) `[T, KVH, D]` 16-bit, this step's K/V, where every sequence is a prompt without
-    context: each attends over its own rows of them in the 16-bit prefill tile instead of reading the
-    cache back (an 8-bit cache's prompts, over the K/V its write hands back dequantized: lever 135).
+    `own_kv`: (k, v) `[T, KVH, D]` in q's dtype, this step's K/V, where every sequence is a prompt without
+    context: each attends over its own rows of them in that dtype's prefill tile instead of reading the
+    cache back (an 8-bit cache's K/V as its write hands them back dequantized: levers 135-136).
     """
     check_device(q)
     if q.stride(-1) != 1:
