@@ -212,24 +212,17 @@ s56() {   # lever 136: a 16-bit cache's prompts without context over their own K
     -p no:cacheprovider >> $OUT/pytest.txt 2>&1"
   bench "bf16 ttft1k profiled" model=ouro-1.4b 'workload=[ttft1k]' profile_prefill=true
 }
-s57() {   # lever 137: FP8 products of up to 128 quantized rows on the W8A8 tile, against .old (lever 136's
-          # tree), alternating twice on the prompts, once on b64; the FP8 cuda tests
-  local round
+s57() {   # lever 137: FP8 products of up to 128 quantized rows on the W8A8 tile (the candidate entry
+          # through LOOPSTACK_KERNEL_CONFIGS) against the default, alternating twice on the prompts; the FP8
+          # cuda tests with the entry
+  local round tile='{"fp8_linear_w8a8": [64, 64, 4, 4, 0, 0, 1, 128]}'
   for round in 1 2; do
     bench "fp8 w+kv prompts ($round)" model=ouro-1.4b "${FP8[@]}" "$T128" 'workload=[t128,ttft1k]'
-    if [ -d .old ]; then
-      pushd .old > /dev/null && bench "fp8 w+kv prompts .old ($round)" model=ouro-1.4b "${FP8[@]}" "$T128" \
-        'workload=[t128,ttft1k]'
-      popd > /dev/null
-    fi
+    LOOPSTACK_KERNEL_CONFIGS="$tile" bench "fp8 w+kv prompts, tile ($round)" model=ouro-1.4b "${FP8[@]}" \
+      "$T128" 'workload=[t128,ttft1k]'
   done
-  bench "fp8 w+kv b64" model=ouro-1.4b "${FP8[@]}" 'workload=[b64]'
-  if [ -d .old ]; then
-    pushd .old > /dev/null && bench "fp8 w+kv b64 .old" model=ouro-1.4b "${FP8[@]}" 'workload=[b64]'
-    popd > /dev/null
-  fi
-  step "pytest fp8" 60 150 bash -c "python3 -m pytest -m cuda tests/cuda/test_fp8_cuda.py -q -rs \
-    -p no:cacheprovider >> $OUT/pytest.txt 2>&1"
+  step "pytest fp8" 60 150 bash -c "LOOPSTACK_KERNEL_CONFIGS='$tile' python3 -m pytest -m cuda \
+    tests/cuda/test_fp8_cuda.py -q -rs -p no:cacheprovider >> $OUT/pytest.txt 2>&1"
 }
 profile() {   # where Ouro-1.4B's b1 step goes since the sm_90 table's one-row entries, bf16 and FP8 weights + KV
   bench "ouro b1 bf16 profile" model=ouro-1.4b 'workload=[b1]' profile=4

@@ -165,6 +165,8 @@ def _cdna3() -> dict[str, KernelConfig]:
     }
 
 
+W8A8_TILE_CANDIDATE = KernelConfig(64, 64, 4, 4, block_k=128)     # lever 137's `fp8_linear_w8a8` (sm_90)
+
 _TABLES: dict[str, dict[str, KernelConfig]] = {
     # H100/H200: 8 warps = two warpgroups for wgmma on 128 query rows. Decode: 64-key tiles, 2 stages
     # (one K/V tile in flight beside the one in use, 32 KiB) at 4 programs per SM: 89% / 92% of the copy
@@ -185,11 +187,11 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         # block at 128 rows, about silu_and_mul's and quantize_rows' time together (H100, fifty-fourth
         # session, lever 133)
         "silu_mul_quantize_rows": KernelConfig(1, 1, 16, 1),
-        # FP8 products of 9-128 quantized rows (prompts, decode batches): 64 x 64 tiles, 4 warps, 4 stages,
-        # 128 of K a step, against `_scaled_mm` on the same rows at Ouro-1.4B's four shapes: 32 rows 49.5 ->
-        # 43.4 us a layer-loop, 128 rows 48.2 -> 45.0 (o 8.98 -> 7.43, down 16.93 -> 15.69); at 512 rows
-        # 67.7 -> 87.2, slower (H100, fifty-fifth session, lever 134's probe)
-        "fp8_linear_w8a8": KernelConfig(64, 64, 4, 4, block_k=128),
+        # no `fp8_linear_w8a8` yet (lever 137, not measured in the engine): its candidate, 64 x 64 tiles,
+        # 4 warps, 4 stages, 128 of K a step (`W8A8_TILE_CANDIDATE`), beat `_scaled_mm` on the same rows at
+        # Ouro-1.4B's four shapes in lever 134's probe: 32 rows 49.5 -> 43.4 us a layer-loop, 128 rows 48.2
+        # -> 45.0 (o 8.98 -> 7.43, down 16.93 -> 15.69); 512 rows 67.7 -> 87.2, slower (H100, 55th session). A/B:
+        # LOOPSTACK_KERNEL_CONFIGS='{"fp8_linear_w8a8": [64, 64, 4, 4, 0, 0, 1, 128]}'
         # FP8 decode where the row kernel does not take it: grouped queries past a few sequences
         # (Nanbeige). 32 keys x 4 warps x 3 stages, Nanbeige4.2-3B FP8 KV 64 x 1K 8.751 -> 8.302 ms (the
         # 128-key 2-stage entry before spilled 16 bytes; 64 keys x 4 x 2 9.878, 128 x 8 x 2 10.227,

@@ -329,10 +329,11 @@ def test_engine_over_an_fp8_cache_through_triton_with_graphs():
 
 
 def test_quantized_rows_up_to_128_take_the_w8a8_tile_on_sm_90(monkeypatch):
-    """Lever 137: on the sm_90 table (`fp8_linear_w8a8`) W8A8 products of at most
-    `W8A8_TILE_MAX_ROWS` quantized rows run the tile kernel's W8A8 form, more rows `_scaled_mm`; rows
-    quantized by the op itself (o's input) and by the kernel before (`QuantizedRows`) alike; the two
-    forms agree to bf16 rounding; a table without the entry keeps `_scaled_mm` for every size."""
+    """Lever 137: with an `fp8_linear_w8a8` entry (its sm_90 candidate; no table names it until it is
+    measured in the engine) W8A8 products of at most `W8A8_TILE_MAX_ROWS` quantized rows run the tile
+    kernel's W8A8 form, more rows `_scaled_mm`; rows quantized by the op itself (o's input) and by the
+    kernel before (`QuantizedRows`) alike; the two forms agree to bf16 rounding; a table without the
+    entry keeps `_scaled_mm` for every size."""
     import hal.cuda.fp8 as fp8_module
     from hal.common.quantized_rows import QuantizedRows
     from hal.kernels import fp8_linear as fp8_linear_kernels
@@ -344,10 +345,10 @@ def test_quantized_rows_up_to_128_take_the_w8a8_tile_on_sm_90(monkeypatch):
     monkeypatch.setattr(fp8_module, "scaled_mm_rows",
                         lambda *a, **k: calls.append("scaled_mm") or scaled(*a, **k))
     weight, scale = quantize(torch.randn(48, 64) * 0.05, torch.float8_e4m3fn)
-    configs = configs_for("sm_90")
-    assert configs["fp8_linear_w8a8"].block_k == 128
-    linear = fp8_linear_op("sm_90", configs, True)
-    without = fp8_linear_op("sm_90", {k: v for k, v in configs.items() if k != "fp8_linear_w8a8"}, True)
+    from hal.kernels.configs import W8A8_TILE_CANDIDATE
+
+    without = fp8_linear_op("sm_90", configs_for("sm_90"), True)
+    linear = fp8_linear_op("sm_90", {**configs_for("sm_90"), "fp8_linear_w8a8": W8A8_TILE_CANDIDATE}, True)
     for num_rows, form in ((40, "tile"), (fp8_module.W8A8_TILE_MAX_ROWS, "tile"),
                            (fp8_module.W8A8_TILE_MAX_ROWS + 1, "scaled_mm")):
         x = torch.randn(num_rows, 64).bfloat16()

@@ -87,6 +87,15 @@ def test_sm90_fp8_prefill_tile_fits_two_programs_per_sm():
     assert report.mma == "wgmma" and report.occupancy >= 2, report
 
 
+def test_w8a8_tile_candidate_compiles_clean_for_sm_90():
+    """Lever 137's `fp8_linear_w8a8` candidate (no table names it yet): W8A8 on wgmma, no spills, at
+    Ouro-1.4B's down projection on 128 quantized rows."""
+    from hal.kernels.configs import W8A8_TILE_CANDIDATE
+
+    report = xcompile.compile_case("fp8_linear_w8a8/e4m3fn", W8A8_TILE_CANDIDATE, "sm_90")
+    assert report.mma == "wgmma" and not report.problems, report
+
+
 def test_oversized_tile_is_flagged():
     """A 256x128 prefill tile on 4 waves cannot fit gfx942's 512 VGPRs: the check must say so.
     (256x256 spills too, but takes 25 s of CPU to compile; this one 6 s.)"""
