@@ -52,8 +52,8 @@ def test_no_fp8_before_ada_and_fnuz_on_mi300(simulate, fake_kernels, monkeypatch
 
 
 def test_fp8_options_measured_slower_are_named_at_start(simulate, fake_kernels, caplog):
-    """Where FP8 is slower than bf16 on sm_90 (docs/fp8.md: KV at batch 1 and for a 1,024-token prompt's first
-    token; FP8 weights no longer since levers 131-133), the Hal says so, naming the faster setting, and the
+    """Where FP8 is slower than bf16 on sm_90 (docs/fp8.md: KV at batch 1, by 0-1%; prompts no longer since lever
+    135, FP8 weights no longer since levers 131-133), the Hal says so, naming the faster setting, and the
     engine logs it once at start; unmeasured archs say nothing."""
     import logging
 
