@@ -195,7 +195,8 @@ class TritonPagedAttention(AttentionBackend):
         if meta.own_kv:
             held = self.write_kv(k, v, kv_cache, meta, plane, dequantize=True)
             if held is None:                      # a 16-bit cache holds k and v themselves
-                held = (k, v) if k.stride() == v.stride() else (k.contiguous(), v.contiguous())
+                same = k.stride() == v.stride() and k.stride(-1) == 1
+                held = (k, v) if same else (k.contiguous(), v.contiguous())
             return self._own_kv_attention(q, kv_cache, meta, plane, scale, held)
         self.write_kv(k, v, kv_cache, meta, plane)
         return self.forward(q, kv_cache, meta, plane, scale)
