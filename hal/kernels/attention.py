@@ -262,8 +262,8 @@ def attention_launches(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         k, v = own_kv
         if kv_scales is not None or k.dtype != q.dtype or k.shape != (num_tokens, num_kv_heads, head_dim) \
                 or v.shape != k.shape or v.stride() != k.stride() or k.stride(-1) != 1:
-            raise ValueError("own_kv takes k and v [T, KVH, D] of q's dtype with one set of strides (unit along "
-                             "D), and no scales")
+            raise ValueError("own_kv takes k and v [T, KVH, D] of q's dtype with one set of strides "
+                             "(unit along D), and no scales")
         key_cache, value_cache, page_size = k[:, None], v[:, None], 1      # one-token pages [T, 1, KVH, D]
     num_seqs = seq_lens.shape[0]
     group = num_heads // num_kv_heads
