@@ -133,7 +133,7 @@ class TritonPagedAttention(AttentionBackend):
         # a captured pass has no context where its capacity says so (a prompt's first chunk, whose
         # padding rows may start inside a scratch block: the kernel attends each over its own rows)
         no_context = not capacity.context if capacity is not None else \
-            all(q == s for q, s in zip(batch.query_lens, batch.seq_lens))
+            fresh.without_context(batch.query_lens, batch.seq_lens)
         own_kv = bool(not is_fresh and not mixed and no_context and longest > DECODE_MAX_QUERY_LEN)
         return TritonMeta(*tensors, max_query_len=longest,
                           max_seq_len=capacity.max_seq_len if capacity else max(batch.seq_lens, default=0),

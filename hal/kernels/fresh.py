@@ -56,6 +56,11 @@ def takes(mode: str | None, query_lens: Sequence[int], seq_lens: Sequence[int], 
         return False
     if mode == "sdpa" and len(query_lens) > MAX_SDPA_SEQS:
         return False
+    return without_context(query_lens, seq_lens)
+
+
+def without_context(query_lens: Sequence[int], seq_lens: Sequence[int]) -> bool:
+    """Whether every sequence of a batch is a prompt chunk without prior context (query_len == seq_len)."""
     return all(q == s for q, s in zip(query_lens, seq_lens))
 
 
