@@ -25,6 +25,10 @@ class AttnCaps(NamedTuple):
     # and decodes together, `MetaCapacity.packed`): the kernels' shapes depend on the token and
     # sequence counts only, and a sequence may have no tokens (a padding slot)
     packed_graphs: bool = False
+    # the shortest prompt chunk without prior context that attends through the backend's fresh path (a
+    # vendor's kernel over its own new K/V, `MetaCapacity.fresh`), captured or eager alike, so that turning
+    # graphs off never changes the attention kernel; None: the backend has no fresh path
+    fresh_min_tokens: int | None = None
 
 
 class PagedBatch(NamedTuple):

@@ -2,7 +2,7 @@
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
 #   END=560 [PARTS="cells tests gaps fp8prefill fp8rows fp8kvprefill prefilltiles fp8tests ab s54 s54b s55 s56
-#                   s57 ring rows configs huginn profile profile_batches landed tcrows smallbatch"] \
+#                   s57 s58 ring rows configs huginn profile profile_batches landed tcrows smallbatch"] \
 #     bash tools/acceptance_call.sh
 # END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by
 # GPU; H200_PARTS and OTHER_PARTS set them for one kind of card only).
@@ -223,6 +223,28 @@ s57() {   # lever 137: FP8 products of up to 128 quantized rows on the W8A8 tile
   done
   step "pytest fp8" 60 150 bash -c "LOOPSTACK_KERNEL_CONFIGS='$tile' python3 -m pytest -m cuda \
     tests/cuda/test_fp8_cuda.py -q -rs -p no:cacheprovider >> $OUT/pytest.txt 2>&1"
+}
+s58() {   # lever 138: prompts of up to 4,096 tokens over their own K/V on the paged kernel (captured and eager),
+          # against .old (flash / cuDNN past 1,024 tokens): the kernels one layer-plane at a time, then the
+          # engine's first tokens alternating twice (one prompt of 1.5K-4K tokens; eight of 1K in one step); the
+          # fresh-path GPU tests; FP8 KV once
+  local round med=('+workloads.t1500={batch:1,prompt:1500,new:16}' '+workloads.t2k={batch:1,prompt:2048,new:16}'
+    '+workloads.t3k={batch:1,prompt:3072,new:16}' '+workloads.t4k={batch:1,prompt:4096,new:16}'
+    '+workloads.p8x1k={batch:8,prompt:1024,new:16}')
+  local cells='workload=[t1500,t2k,t3k,t4k,p8x1k]'
+  step "prefill attention probe" 60 150 python3 tools/decode_kernels_bench.py --groups prefill --budget 110 \
+    --out "$OUT/prefill_probe.jsonl"
+  for round in 1 2; do
+    bench "medium prompts ($round)" model=ouro-1.4b "${med[@]}" "$cells"
+    if [ -d .old ]; then
+      pushd .old > /dev/null && bench "medium prompts .old ($round)" model=ouro-1.4b "${med[@]}" "$cells"
+      popd > /dev/null
+    fi
+    [ "$round" = 1 ] && step "pytest fresh" 90 200 bash -c "python3 -m pytest -m cuda tests/cuda/test_engine_cuda.py \
+      tests/cuda/test_decode_kernels_cuda.py tests/cuda/test_fresh_cuda.py -q -rs -p no:cacheprovider \
+      -k 'long_prompt or fresh or cudnn or own_kv' >> $OUT/pytest.txt 2>&1"
+  done
+  bench "medium prompts, fp8 kv" model=ouro-1.4b engine.kv_dtype=fp8 "${med[@]}" "$cells"
 }
 profile() {   # where Ouro-1.4B's b1 step goes since the sm_90 table's one-row entries, bf16 and FP8 weights + KV
   bench "ouro b1 bf16 profile" model=ouro-1.4b 'workload=[b1]' profile=4

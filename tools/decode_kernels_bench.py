@@ -9,7 +9,8 @@ Cells, most important first (the budget stops the run between cells; what was le
   2. the fused projections against the chains they replace (RMSNorm -> q|k|v; Ouro's sandwich
      norms -> gate|up; SwiGLU -> down + residual; o + residual)
   3. rotary + KV write in one launch vs two, T = 1..8
-  4. an 8k-token prefill without context: the paged Triton kernel vs torch's varlen flash (one layer-plane)
+  4. prompts without context, 1K-8K tokens: the paged Triton kernel over their own K/V vs torch's varlen
+     flash and cuDNN (one layer-plane)
   5. config sweeps of `gemv_m1` (one row) and `gemv` (2..8 rows) on o, gate|up and down
   6. (`--groups wide`) the gemv kernel at 64 and 128 rows against cuBLAS, a config sweep
 Each cell replays a CUDA graph of calls over enough distinct weight copies that they do not sit in
@@ -47,7 +48,7 @@ ROWS_SWEEP = [KernelConfig(16, bn, w, s, block_k=bk, split_k=sk) for bn, w, s, b
     (16, 4, 4, 256, 0), (64, 4, 3, 128, 0), (32, 4, 3, 512, 0), (32, 8, 4, 256, 0), (32, 4, 4, 256, 1),
     (32, 4, 4, 256, 4), (32, 4, 2, 256, 0))]
 SWEEP_SHAPES = ("o", "gate_up", "down")
-PREFILL_TOKENS = 8192
+PREFILL_CASES = ("1024", "1536", "2048", "3072", "4096", "8192", "8x1024")   # prompt tokens, "NxT"
 
 
 @dataclass
@@ -298,33 +299,57 @@ def rotary_cells(bench: Bench, configs) -> None:
             lambda a=a: rotary_kv_write(*split(a), pos, 1e6, False, cache, slots, configs["rotary"]) for a in qkv], nb)
 
 
+def _prefill_lens(case: str) -> list[int]:
+    """"2048" -> [2048]; "8x1024" -> eight prompts of 1,024 tokens."""
+    count, _, tokens = case.rpartition("x")
+    return [int(tokens)] * int(count or 1)
+
+
 def prefill_cells(bench: Bench, configs) -> None:
-    """4. One layer-plane of an 8k prefill without context: paged Triton vs the fresh path."""
+    """4. One layer-plane of prompts without context (`PREFILL_CASES`): the paged Triton kernel over their
+    own K/V against the fresh path's varlen flash and cuDNN (one prompt, as many KV heads as heads), each
+    with its cache write. Where they cross sets `hal.kernels.fresh.MIN_TOKENS`."""
     from hal.attention import PagedBatch
+    from hal.kernels import fresh
     from hal.kernels.backend import TritonPagedAttention
 
-    dev, page, tokens = bench.device, 16, PREFILL_TOKENS
-    batch = PagedBatch([tokens], [tokens], [[list(range(tokens // page))]], page)
-    q = _randn(tokens, HEADS, HEAD_DIM, device=dev)
-    k, v = _randn(tokens, KV_HEADS, HEAD_DIM, device=dev), _randn(tokens, KV_HEADS, HEAD_DIM, device=dev)
-    flops = 4 * HEADS * HEAD_DIM * tokens * (tokens + 1) / 2
-    outs = {}
-    for mode in (None, "flash"):
-        backend = TritonPagedAttention(HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, dev, page, configs=configs,
-                                       fresh_attention=mode)
-        cache = torch.zeros(backend.kv_cache_shape(tokens // page), device=dev, dtype=torch.bfloat16)
-        meta = backend.build_meta(batch)
+    dev, page = bench.device, 16
+    labels = {None: "own K/V paged (write+attend)", "flash": "fresh: varlen flash (write+attend)",
+              "cudnn": "fresh: cudnn (write+attend)"}
+    for case in PREFILL_CASES:
+        lens = _prefill_lens(case)
+        tables, num_blocks = [], 0
+        for n in lens:
+            tables.append(list(range(num_blocks, num_blocks + -(-n // page))))
+            num_blocks += len(tables[-1])
+        batch, tokens = PagedBatch(lens, lens, [tables], page), sum(lens)
+        q = _randn(tokens, HEADS, HEAD_DIM, device=dev)
+        k, v = _randn(tokens, KV_HEADS, HEAD_DIM, device=dev), _randn(tokens, KV_HEADS, HEAD_DIM, device=dev)
+        flops = sum(4 * HEADS * HEAD_DIM * n * (n + 1) / 2 for n in lens)
+        outs = {}
+        for mode in (None, "flash", "cudnn"):
+            if mode == "cudnn" and (len(lens) > 1 or HEADS != KV_HEADS):
+                continue                    # cuDNN takes one prompt of MHA heads; others run flash
+            backend = TritonPagedAttention(HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, dev, page, configs=configs,
+                                           fresh_attention=mode, fresh_min_tokens=0)
+            cache = torch.zeros(backend.kv_cache_shape(num_blocks), device=dev, dtype=torch.bfloat16)
+            meta = backend.build_meta(batch)
 
-        def one(backend=backend, cache=cache, meta=meta, mode=mode):
-            outs[mode] = backend.attend(q, k, v, cache, meta, 0, HEAD_DIM ** -0.5)
-            return outs[mode]
+            def one(backend=backend, cache=cache, meta=meta, mode=mode):
+                outs[mode] = backend.attend(q, k, v, cache, meta, 0, HEAD_DIM ** -0.5)
+                return outs[mode]
 
-        row = bench.cell("prefill", f"{tokens} tok", 1, "paged triton (write+attend)" if mode is None else
-                         "fresh: varlen flash (write+attend)", lambda one=one: [one], 0.0)
-        if row.us:
-            row.note = (row.note + f" {flops / row.us / 1e6:.0f} TFLOP/s").strip()
-    if None in outs and "flash" in outs:
-        bench.print_fn(f"# prefill: fresh vs paged output rel err {_rel_err(outs['flash'], outs[None]):.1e}")
+            shortest, fresh.CUDNN_MIN_TOKENS = fresh.CUDNN_MIN_TOKENS, 1     # cuDNN at every length here
+            try:
+                row = bench.cell("prefill", f"{case} tok", 1, labels[mode], lambda one=one: [one], 0.0)
+            finally:
+                fresh.CUDNN_MIN_TOKENS = shortest
+            if row.us:
+                row.note = (row.note + f" {flops / row.us / 1e6:.0f} TFLOP/s").strip()
+        for mode in ("flash", "cudnn"):
+            if None in outs and mode in outs:
+                bench.print_fn(f"# prefill {case}: {mode} vs own K/V paged, output rel err "
+                               f"{_rel_err(outs[mode], outs[None]):.1e}")
 
 
 def sweep_cells(bench: Bench, base: dict[str, KernelConfig]) -> None:
@@ -447,6 +472,10 @@ if __name__ == "__main__":
     parser.add_argument("--out", default=None, help="append every row as JSON lines here")
     parser.add_argument("--groups", default="", help="comma-separated groups (proj,fused,rotary,prefill,sweep,"
                         "wide); default: all but wide")
+    parser.add_argument("--prefill-cases", default="", help=f"prompt lengths of group prefill, e.g. 2048,8x1024 "
+                        f"(default {','.join(PREFILL_CASES)})")
     args = parser.parse_args()
+    if args.prefill_cases:
+        PREFILL_CASES = tuple(args.prefill_cases.split(","))
     run(budget_s=args.budget, out=args.out, groups=tuple(g for g in args.groups.split(",") if g))
     sys.exit(0)

@@ -76,7 +76,7 @@ class TritonPagedAttention(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, block_size: int, configs: dict[str, KernelConfig] | None = None,
                  num_compute_units: int | None = None, kv_dtype: torch.dtype | None = None,
-                 fresh_attention: str | None = None) -> None:
+                 fresh_attention: str | None = None, fresh_min_tokens: int = fresh.MIN_TOKENS) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, dtype, device, block_size, kv_dtype=kv_dtype)
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"triton attention takes float32, bfloat16 or float16, not {dtype}")
@@ -91,10 +91,13 @@ class TritonPagedAttention(AttentionBackend):
         # "flash" / "sdpa" for prefill without context (hal/kernels/fresh.py), where it serves
         usable = fresh.usable(fresh_attention, dtype, head_dim)
         self.fresh_attention = fresh_attention if usable else None
+        # shorter prompts attend over their own K/V on the paged kernel (fresh.MIN_TOKENS says why)
+        self.fresh_min_tokens = max(fresh_min_tokens, DECODE_MAX_QUERY_LEN + 1)
 
     @property
     def caps(self) -> AttnCaps:
         return AttnCaps(packed_prefill=True, graphs=True, packed_graphs=True,
+                        fresh_min_tokens=self.fresh_min_tokens if self.fresh_attention else None,
                         reason="Triton unified paged attention (hal/kernels): varlen prefill, chunked "
                                "prefill and split-context decode in one kernel, no host syncs")
 
@@ -121,7 +124,7 @@ class TritonPagedAttention(AttentionBackend):
         tensors = [torch.from_numpy(a).to(self.device, non_blocking=True) for a in arrays]
         # a captured pass takes the fresh path only where its capacity promises prefills without context
         is_fresh = (capacity is None or capacity.fresh) and fresh.takes(self.fresh_attention, batch.query_lens,
-                                                                         batch.seq_lens, DECODE_MAX_QUERY_LEN)
+                                                                         batch.seq_lens, self.fresh_min_tokens)
         packed = capacity is not None and capacity.packed
         if packed and capacity.fresh:
             raise ValueError("a packed capacity attends through the paged kernel, not the fresh path")
@@ -150,7 +153,7 @@ class TritonPagedAttention(AttentionBackend):
         if longest != meta.max_query_len and not (meta.packed and longest <= meta.max_query_len):
             raise ValueError("a captured meta takes batches with the same max query length")
         if meta.fresh_lens is not None and (tuple(map(int, batch.query_lens)) != meta.fresh_lens or not fresh.takes(
-                self.fresh_attention, batch.query_lens, batch.seq_lens, DECODE_MAX_QUERY_LEN)):
+                self.fresh_attention, batch.query_lens, batch.seq_lens, self.fresh_min_tokens)):
             raise ValueError(f"a captured fresh prefill takes prefills without context of {meta.fresh_lens} tokens")
         # the tables travel as wide as the batch's own (not the capacity's max_model_len): its longest
         # table, and in a padded array the padding rows' spare scratch column, which advance_meta

@@ -32,6 +32,9 @@ import torch
 
 MODES = ("flash", "cudnn", "sdpa")
 DTYPES = (torch.bfloat16, torch.float16)
+# The shortest prompt that takes the fresh path: shorter ones attend over their own K/V on the paged
+# kernel (`TritonMeta.own_kv`), which ran faster than flash there (docs/performance.md levers 78, 135-138)
+MIN_TOKENS = 4097
 MAX_SDPA_SEQS = 16                # "sdpa" launches once per sequence: more go to the paged kernel
 CUDNN_MIN_TOKENS = 2048           # shorter prompts: the flash kernel (cuDNN's gain is in long ones)
 _cudnn_refused: list[str] = []    # why cuDNN attention failed once (then "cudnn" runs as "flash")
@@ -48,11 +51,12 @@ def usable(mode: str | None, dtype: torch.dtype, head_dim: int) -> bool:
     return mode in MODES and dtype in DTYPES and head_dim % 8 == 0 and head_dim <= 256
 
 
-def takes(mode: str | None, query_lens: Sequence[int], seq_lens: Sequence[int], decode_max_query_len: int) -> bool:
+def takes(mode: str | None, query_lens: Sequence[int], seq_lens: Sequence[int], min_tokens: int) -> bool:
     """Whether a batch goes to the fresh path: every sequence is a prefill chunk without prior
-    context (query_len == seq_len) and the batch is not decode-like (decode graphs keep the paged
-    kernel; captured prefills take this path where their capacity says `fresh`)."""
-    if mode not in MODES or len(query_lens) == 0 or max(query_lens) <= decode_max_query_len:
+    context (query_len == seq_len) and its longest has at least `min_tokens` tokens (the backend's
+    `MIN_TOKENS`, past any decode-like batch; captured prefills take this path where their capacity
+    says `fresh`)."""
+    if mode not in MODES or len(query_lens) == 0 or max(query_lens) < min_tokens:
         return False
     if mode == "sdpa" and len(query_lens) > MAX_SDPA_SEQS:
         return False

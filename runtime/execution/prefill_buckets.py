@@ -13,12 +13,11 @@ Three ranges, as measured on the H200 (docs/performance.md, levers 77-78):
   prompt fills the bucket to within 1/64: the pass is compute-bound, so padding costs its share of
   the work while capture saves only the launch gaps (8k: level to -0.5%). Every full chunk of a long
   prompt fills max_num_batched_tokens exactly.
-A prompt's first chunk past the short range attends over its own K/V through the backend's fresh path
-inside the graph, as the eager pass does (cuDNN on Hopper from 2,048 tokens: twice the paged kernel's
-rate at 8k; flash below), so captured and eager passes of these prompts run the same attention kernel
-and give the same greedy tokens (the paged kernel in a 1,536-token graph did not, against eager
-flash at 1,500 tokens). Short buckets keep the paged kernel: flash inside the 1,024-token graph lost
-1.6 ms of TTFT.
+A prompt's first chunk attends over its own K/V: through the backend's fresh path (a vendor's kernel:
+cuDNN on Hopper, twice the paged kernel's rate at 8k) from the backend's `AttnCaps.fresh_min_tokens`,
+on the paged kernel below. The eager pass draws the same line, so captured and eager passes of a prompt
+run the same attention kernel and give the same greedy tokens (a 1,536-token graph on the paged kernel
+did not, against eager flash at 1,500 tokens, before the eager pass drew it too).
 """
 from __future__ import annotations
 
@@ -30,9 +29,11 @@ MAX_LONG_PADDING = 1 / 64
 
 class PrefillBuckets:
     """The captured prefill widths of a runner: steps of at most `max_num_batched_tokens` tokens,
-    `captures`: whether the Hal records graphs (else only `SHORT` runs padded)."""
+    `captures`: whether the Hal records graphs (else only `SHORT` runs padded); `fresh_min_tokens`: the
+    attention backend's (`AttnCaps`)."""
 
-    def __init__(self, max_num_batched_tokens: int, captures: bool) -> None:
+    def __init__(self, max_num_batched_tokens: int, captures: bool, fresh_min_tokens: int | None = None) -> None:
+        self.fresh_min_tokens = fresh_min_tokens
         widths = {w for w in SHORT + (MEDIUM + LONG if captures else ()) if w <= max_num_batched_tokens}
         if captures and max_num_batched_tokens > SHORT[-1]:
             widths.add(max_num_batched_tokens)
@@ -65,7 +66,6 @@ class PrefillBuckets:
             below = width
         return need
 
-    @staticmethod
-    def attends_fresh(width: int, first_token: int) -> bool:
+    def attends_fresh(self, width: int, first_token: int) -> bool:
         """Whether the captured pass of a prompt chunk at `first_token` takes the fresh path."""
-        return first_token == 0 and width > SHORT[-1]
+        return first_token == 0 and self.fresh_min_tokens is not None and width >= self.fresh_min_tokens

@@ -86,7 +86,8 @@ class ModelRunner(EagerPass, CapturedSteps, PackedSteps):
             raise ValueError(f"graphs=true, but attention backend {self.backend.name!r} cannot be captured")
         # on by default where the Hal records device work; off = the same padded path, eager
         captures = self.backend.caps.graphs and capture_allowed(hal, model, config.graphs)
-        self.prefill_buckets = PrefillBuckets(config.max_num_batched_tokens, captures)
+        self.prefill_buckets = PrefillBuckets(config.max_num_batched_tokens, captures,
+                                              self.backend.caps.fresh_min_tokens)
         num_scratch_slots = max(config.max_num_seqs * (config.speculative.num_tokens + 1),
                                 self.prefill_buckets.scratch_tokens(self.block_size))
         cache_blocks = self.num_blocks + math.ceil(num_scratch_slots / self.block_size)

@@ -7,6 +7,7 @@ import torch
 
 import hal
 from hal.attention import PagedBatch
+from hal.kernels import fresh
 from hal.kernels.backend import TritonPagedAttention
 from hal.kernels.kv_write import write_kv
 from hal.kernels.ops import rms_norm, rotary, silu_and_mul
@@ -155,8 +156,12 @@ def test_rotary_kv_write_equals_rotary_then_write_kv(gpu):
 
 @pytest.mark.parametrize("lens", [[8192], [1024] * 8, [700, 33, 2000]])
 def test_fresh_prefill_matches_the_paged_kernel(gpu, lens):
-    backend = gpu.attention(16, 16, 128, torch.bfloat16)
-    assert backend.fresh_attention in ("flash", "cudnn")     # cudnn (sm_90 on) takes the 8k prompt
+    chosen = gpu.attention(16, 16, 128, torch.bfloat16)
+    assert chosen.fresh_attention in ("flash", "cudnn")      # cudnn (sm_90 on) takes the 8k prompt
+    assert chosen.caps.fresh_min_tokens == fresh.MIN_TOKENS
+    # every batch here on the fresh path, shorter prompts too (the engine's own K/V below MIN_TOKENS)
+    backend = TritonPagedAttention(16, 16, 128, torch.bfloat16, chosen.device, 16, configs=chosen.configs,
+                                   fresh_attention=chosen.fresh_attention, fresh_min_tokens=0)
     paged = TritonPagedAttention(16, 16, 128, torch.bfloat16, backend.device, 16, configs=backend.configs)
     page, tables, nxt = 16, [], 0
     for n in lens:

@@ -35,7 +35,7 @@ def test_cudnn_prefill_over_views_of_one_projection():
     qkv = torch.randn(tokens, 3 * heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
     q, k, v = qkv[:, :heads], qkv[:, heads:2 * heads], qkv[:, 2 * heads:]
     backend = TritonPagedAttention(heads, heads, dim, torch.bfloat16, torch.device("cuda"), page,
-                                   fresh_attention="cudnn")
+                                   fresh_attention="cudnn", fresh_min_tokens=0)   # 2,048 tokens: fresh too
     num_blocks = tokens // page
     meta = backend.build_meta(PagedBatch([tokens], [tokens], [[list(range(num_blocks))]], page))
     cache = torch.zeros(backend.kv_cache_shape(num_blocks), dtype=torch.bfloat16, device="cuda")

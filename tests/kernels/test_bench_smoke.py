@@ -46,7 +46,7 @@ def test_decode_kernels_bench_runs_every_group_at_toy_shapes(monkeypatch):
     monkeypatch.setattr(dkb, "HEADS", 4)
     monkeypatch.setattr(dkb, "KV_HEADS", 2)
     monkeypatch.setattr(dkb, "HEAD_DIM", 32)
-    monkeypatch.setattr(dkb, "PREFILL_TOKENS", 48)
+    monkeypatch.setattr(dkb, "PREFILL_CASES", ("48", "2x24"))
     monkeypatch.setattr(dkb, "SWEEP_SHAPES", ("o",))
     monkeypatch.setattr(dkb, "M1_SWEEP", [dkb.M1_SWEEP[0], KernelConfig(1, 16, 4, 2)])  # block_k 0: fails
     monkeypatch.setattr(dkb, "ROWS_SWEEP", dkb.ROWS_SWEEP[:1])
@@ -63,7 +63,7 @@ def test_decode_kernels_bench_runs_every_group_at_toy_shapes(monkeypatch):
     failed = [r for r in bench.rows if r.note.startswith("ERROR")]
     assert [(r.shape, " k0 " in r.variant) for r in failed] == [("o", True), ("gate_up+nrl", True)]   # block_k=0
     assert any(line.startswith("# batch-1 step") for line in lines)
-    assert any("fresh vs paged output rel err" in line for line in lines)
+    assert sum("vs own K/V paged, output rel err" in line for line in lines) == 2, lines
     monkeypatch.setattr(dkb, "WIDE_ROWS", (20,))
     monkeypatch.setattr(dkb, "WIDE_SWEEP", dkb.WIDE_SWEEP[:1])
     wide = dkb.run("cpu", budget_s=600, print_fn=lines.append, groups=("wide",))

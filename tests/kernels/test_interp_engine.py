@@ -119,8 +119,9 @@ def test_row_kernel_rotary_in_the_engine_gives_the_two_launch_tokens(monkeypatch
 def test_long_prompts_replay_captured_fresh_prefills(monkeypatch):
     """Prompts past the short buckets replay captured prefills where they fit one (a medium bucket
     padded, a long one filled to within `MAX_LONG_PADDING`), captured over their own first batch (the
-    scratch slots hold only padding), attending through the backend's fresh path
-    (`MetaCapacity.fresh`); a prompt that would pad a long bucket more runs
+    scratch slots hold only padding), a long one attending through the backend's fresh path
+    (`MetaCapacity.fresh`), a medium one over its own K/V on the paged kernel, as the eager pass of the
+    same prompt does (`AttnCaps.fresh_min_tokens`); a prompt that would pad a long bucket more runs
     eagerly; a short prompt whose bucket reaches past max_model_len fits the captured tables (it
     once raised "a block table has 4 blocks, more than max_blocks=3"). Greedy tokens are the eager
     pass's."""
@@ -133,7 +134,7 @@ def test_long_prompts_replay_captured_fresh_prefills(monkeypatch):
     class FreshOnCpu(CpuHal):
         def attention(self, num_heads, num_kv_heads, head_dim, dtype, block_size=None, backend=None):
             return TritonPagedAttention(num_heads, num_kv_heads, head_dim, dtype, self.device(), block_size or 16,
-                                        fresh_attention="sdpa")
+                                        fresh_attention="sdpa", fresh_min_tokens=33)   # past "medium"
 
     case = golden_case("ouro-tiny")
     model = zoo.from_pretrained(case.path, dtype="bfloat16")
@@ -159,9 +160,10 @@ def test_long_prompts_replay_captured_fresh_prefills(monkeypatch):
             assert runner.env.num_scratch_slots < 32
             captures = runner.graphs.captured
             assert {k[1:] for k in captures if k[0] == "prefill"} == {(64, loops, planes, True, False),
-                                                                           (32, loops, planes, True, False)}
+                                                                           (32, loops, planes, False, False)}
             assert captures[("prefill", 64, loops, planes, True, False)].ctx.meta.fresh_lens == (64,)
-            assert captures[("prefill", 32, loops, planes, True, False)].ctx.meta.fresh_lens == (32,)
+            medium = captures[("prefill", 32, loops, planes, False, False)].ctx.meta
+            assert medium.fresh_lens is None and medium.own_kv
             assert {k[1:] for k in short.runner.graphs.captured if k[0] == "prefill"} == {(16, loops, planes, False, False)}
     assert outs[True] == outs[False]
 

@@ -49,6 +49,7 @@ def test_rotary_kv_write_is_rotary_then_write_kv_bit_for_bit(dtype, interleaved,
 
 
 def _backend(mode, dtype=torch.bfloat16, heads=4, kv_heads=2, head_dim=32, **kw):
+    kw.setdefault("fresh_min_tokens", 0)          # tiny prompts take the fresh path (past decode-like ones)
     return TritonPagedAttention(heads, kv_heads, head_dim, dtype, CPU, 4, configs=configs_for("default"),
                                 num_compute_units=4, fresh_attention=mode, **kw)
 
@@ -74,6 +75,20 @@ def test_only_batches_of_fresh_prefills_take_the_fresh_path():
     many = [9] * (fresh.MAX_SDPA_SEQS + 1)
     assert _backend("sdpa").build_meta(_batch(many, many)[0]).fresh_lens is None
     assert _backend("flash").build_meta(_batch(many, many)[0]).fresh_lens == tuple(many)
+
+
+def test_prompts_shorter_than_the_backends_length_attend_over_their_own_kv():
+    """Below `fresh_min_tokens` (by default `fresh.MIN_TOKENS`) a batch of prompts attends over its own
+    K/V on the paged kernel; the longest prompt decides; the backend reports the length in its caps
+    (the runtime's captured passes draw the same line)."""
+    default = TritonPagedAttention(4, 2, 32, torch.bfloat16, CPU, 4, fresh_attention="flash")
+    assert default.caps.fresh_min_tokens == fresh.MIN_TOKENS and _backend(None).caps.fresh_min_tokens is None
+    backend = _backend("flash", fresh_min_tokens=13)
+    assert backend.caps.fresh_min_tokens == 13
+    short = backend.build_meta(_batch([12, 9], [12, 9])[0])
+    assert short.fresh_lens is None and short.own_kv
+    assert backend.build_meta(_batch([13, 9], [13, 9])[0]).fresh_lens == (13, 9)
+    assert _backend("flash").fresh_min_tokens == 9                         # never a decode-like batch
 
 
 def test_fresh_check_takes_numpy_lengths():

@@ -27,7 +27,9 @@ def test_scratch_holds_a_short_capture_or_the_padding_of_a_longer_one():
     assert PrefillBuckets(65536, captures=True).scratch_tokens(16) == 65536 // 64 + 16
 
 
-def test_first_chunks_past_the_short_range_attend_fresh():
-    assert PrefillBuckets.attends_fresh(1536, 0) and PrefillBuckets.attends_fresh(8192, 0)
-    assert not PrefillBuckets.attends_fresh(1024, 0)               # flash lost to the paged kernel at 1K
-    assert not PrefillBuckets.attends_fresh(8192, 4096)            # a later chunk has context
+def test_first_chunks_from_the_backends_length_attend_fresh():
+    buckets = PrefillBuckets(20000, captures=True, fresh_min_tokens=4097)
+    assert buckets.attends_fresh(8192, 0) and buckets.attends_fresh(20000, 0)
+    assert not buckets.attends_fresh(4096, 0) and not buckets.attends_fresh(1536, 0)   # own K/V, paged kernel
+    assert not buckets.attends_fresh(8192, 4096)                   # a later chunk has context
+    assert not PrefillBuckets(20000, captures=True).attends_fresh(8192, 0)   # a backend without a fresh path
