@@ -6,15 +6,11 @@ import zoo
 from hal.cpu import CpuHal
 from hal.kernels.backend import TritonPagedAttention
 from interp import interpreter
+from triton_hal import TritonOnCpu
 from helpers import golden_case
 from runtime import SamplingParams
 from runtime.config import EngineConfig
 from runtime.engine.llm_engine import LLMEngine
-
-
-class TritonOnCpu(CpuHal):
-    def attention(self, num_heads, num_kv_heads, head_dim, dtype, block_size=None, backend=None):
-        return TritonPagedAttention(num_heads, num_kv_heads, head_dim, dtype, self.device(), block_size or 16)
 
 
 def test_golden_greedy_through_triton_attention():
@@ -84,11 +80,7 @@ def test_row_kernel_rotary_in_the_engine_gives_the_two_launch_tokens(monkeypatch
 
     configs = {**configs_for("default"), "attention_row_decode": KernelConfig(1, 16, 1, 2)}
 
-    class RowsOnCpu(CpuHal):
-        def attention(self, num_heads, num_kv_heads, head_dim, dtype, block_size=None, backend=None):
-            return TritonPagedAttention(num_heads, num_kv_heads, head_dim, dtype, self.device(), block_size or 16,
-                                        configs=configs, num_compute_units=4)
-
+    class RowsOnCpu(TritonOnCpu):
         def op(self, name):     # with a rotary op, layers hand q, k, v unrotated to attend_rotary
             return fused_ops(configs)["rotary"] if name == "rotary" else super().op(name)
 
@@ -107,8 +99,8 @@ def test_row_kernel_rotary_in_the_engine_gives_the_two_launch_tokens(monkeypatch
 
             monkeypatch.setattr(backend_module, "fuses_rotary", fuses)
             with interpreter(), torch.inference_mode():
-                engine = LLMEngine(model, RowsOnCpu(), EngineConfig(block_size=4, max_num_batched_tokens=16,
-                                                                    graphs=True))
+                engine = LLMEngine(model, RowsOnCpu(configs=configs, num_compute_units=4),
+                                   EngineConfig(block_size=4, max_num_batched_tokens=16, graphs=True))
                 engine.add_request("0", case.prompt(0), params)
                 outs[fused] = [o.token_ids for o in engine.run_until_done()]
             assert engine.runner.graphs.captured, "the padded decode path was not used"
@@ -131,10 +123,8 @@ def test_long_prompts_replay_captured_fresh_prefills(monkeypatch):
     for name, value in (("SHORT", (16,)), ("MEDIUM", (32,)), ("LONG", (64,))):
         monkeypatch.setattr(prefill_buckets, name, value)
 
-    class FreshOnCpu(CpuHal):
-        def attention(self, num_heads, num_kv_heads, head_dim, dtype, block_size=None, backend=None):
-            return TritonPagedAttention(num_heads, num_kv_heads, head_dim, dtype, self.device(), block_size or 16,
-                                        fresh_attention="sdpa", fresh_min_tokens=33)   # past "medium"
+    def fresh_on_cpu():            # the fresh path from past "medium" on, as on the GPU
+        return TritonOnCpu(fresh_attention="sdpa", fresh_min_tokens=33)
 
     case = golden_case("ouro-tiny")
     model = zoo.from_pretrained(case.path, dtype="bfloat16")
@@ -146,9 +136,9 @@ def test_long_prompts_replay_captured_fresh_prefills(monkeypatch):
         if not captured:
             monkeypatch.setattr(runner_module.ModelRunner, "chunk_bucket", lambda self, item: None)
         with interpreter(), torch.inference_mode():
-            engine = LLMEngine(model, FreshOnCpu(), EngineConfig(block_size=4, max_num_batched_tokens=64,
+            engine = LLMEngine(model, fresh_on_cpu(), EngineConfig(block_size=4, max_num_batched_tokens=64,
                                                                  max_model_len=66, graphs=True, max_num_seqs=1))
-            short = LLMEngine(model, FreshOnCpu(), EngineConfig(block_size=4, max_num_batched_tokens=64,
+            short = LLMEngine(model, fresh_on_cpu(), EngineConfig(block_size=4, max_num_batched_tokens=64,
                                                                 max_model_len=12, graphs=True, max_num_seqs=1))
             outs[captured] = []
             for eng, prompt in zip((engine, engine, engine, short), prompts):
@@ -204,11 +194,6 @@ def test_mixed_steps_decode_rows_on_the_row_kernel_packed_and_eager_alike(monkey
 
     configs = {**configs_for("default"), "attention_row_decode": KernelConfig(1, 16, 1, 2)}
 
-    class RowsOnCpu(CpuHal):
-        def attention(self, num_heads, num_kv_heads, head_dim, dtype, block_size=None, backend=None):
-            return TritonPagedAttention(num_heads, num_kv_heads, head_dim, dtype, self.device(), block_size or 16,
-                                        configs=configs, num_compute_units=4)
-
     mixed_launches, packed = [], []
     real_launches, real_packed = attend.launches_for, ModelRunner._execute_packed
 
@@ -226,8 +211,8 @@ def test_mixed_steps_decode_rows_on_the_row_kernel_packed_and_eager_alike(monkey
     outs = {}
     for graphs in (True, False):
         with interpreter(), torch.inference_mode():
-            engine = LLMEngine(model, RowsOnCpu(), EngineConfig(block_size=4, max_num_batched_tokens=24,
-                                                                graphs=graphs, max_num_seqs=4))
+            engine = LLMEngine(model, TritonOnCpu(configs=configs, num_compute_units=4),
+                               EngineConfig(block_size=4, max_num_batched_tokens=24, graphs=graphs, max_num_seqs=4))
             engine.add_request("0", case.prompt(0), params)
             engine.step()
             for i in range(1, 4):            # prompts joining request 0's decodes, two chunks a step
@@ -251,11 +236,6 @@ def test_fp8_prompts_attend_over_their_own_kv_with_graphs_and_without(monkeypatc
     monkeypatch.setattr(TritonPagedAttention, "_own_kv_attention",
                         lambda self, *a, **k: own.append(a[0].shape[0]) or real(self, *a, **k))
 
-    class Fp8OnCpu(CpuHal):
-        def attention(self, num_heads, num_kv_heads, head_dim, dtype, block_size=None, backend=None, kv_dtype=None):
-            return TritonPagedAttention(num_heads, num_kv_heads, head_dim, dtype, self.device(), block_size or 16,
-                                        kv_dtype=kv_dtype)
-
     case = golden_case("ouro-tiny")
     model = zoo.from_pretrained(case.path, dtype="bfloat16")
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -264,7 +244,7 @@ def test_fp8_prompts_attend_over_their_own_kv_with_graphs_and_without(monkeypatc
         own.clear()
         with interpreter(), torch.inference_mode():
             # one request at a time: each prompt a pass of its own (several would share a packed one)
-            engine = LLMEngine(model, Fp8OnCpu(), EngineConfig(block_size=4, graphs=graphs, kv_dtype="fp8",
+            engine = LLMEngine(model, TritonOnCpu(), EngineConfig(block_size=4, graphs=graphs, kv_dtype="fp8",
                                                                max_num_seqs=1))
             assert engine.runner.backend.kv_layout is not None
             for i in range(case.num_prompts):

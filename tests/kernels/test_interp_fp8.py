@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import golden_case
 from paged_cases import random_case
+from triton_hal import TritonOnCpu
 
 import zoo
 from hal.cpu import CpuHal
@@ -299,24 +300,16 @@ def test_fp8_swiglu_past_the_decode_rows_quantizes_in_one_launch(arch, monkeypat
     assert torch.equal(got, residual + linear(silu_and_mul(gate_up), weight, scale))
 
 
-class TritonFp8OnCpu(CpuHal):
-    """The CPU Hal with the Triton backend (interpreted), as the CUDA Hal builds it for kv_dtype=fp8."""
-
-    def attention(self, num_heads, num_kv_heads, head_dim, dtype, block_size=None, backend=None, kv_dtype=None):
-        # fewer interpreted programs: 32 tokens per KV-write program, no context split (tested above)
-        configs = {**configs_for("default"), "kv_write": FAST_WRITE}
-        return TritonPagedAttention(num_heads, num_kv_heads, head_dim, dtype, CPU, block_size or 16,
-                                    configs=configs, num_compute_units=1, kv_dtype=kv_dtype)
-
-
 def test_engine_over_an_fp8_cache_through_triton_with_graphs():
     """Packed and chunked prefill, then decode through graphs, every KV write and attention in the
     Triton kernels over an e4m3fn cache: the CPU reference engine's tokens."""
     case = golden_case("ouro-tiny-gqa-bf16")
     model = zoo.from_pretrained(case.path, dtype="float32")
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    # fewer interpreted programs: 32 tokens per KV-write program, no context split (tested above)
+    triton = TritonOnCpu(configs={**configs_for("default"), "kv_write": FAST_WRITE}, num_compute_units=1)
     tokens = {}
-    for label, h in (("triton", TritonFp8OnCpu()), ("cpu", CpuHal())):
+    for label, h in (("triton", triton), ("cpu", CpuHal())):
         engine = LLMEngine(model, h, EngineConfig(kv_dtype="fp8", block_size=4, max_num_batched_tokens=9,
                                                   graphs=True, max_num_seqs=2))
         for i in range(2):

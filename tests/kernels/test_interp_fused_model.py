@@ -13,13 +13,13 @@ import torch
 import zoo
 from zoo.context import ModelOps
 from zoo.fuse import fuse_projections
-from hal.cpu import CpuHal
 from hal.kernels.backend import TritonPagedAttention
 from hal.kernels.configs import configs_for
 from hal.kernels.gemv_ops import gemv_ops
 from hal.kernels.ops import fused_ops
 from helpers import golden_case
 from norm_ops import StreamAdds, huginn_launches, nanbeige_launches
+from triton_hal import TritonOnCpu
 from runtime import SamplingParams
 from runtime.config import EngineConfig
 from runtime.engine.llm_engine import LLMEngine
@@ -31,7 +31,7 @@ PROJECTION_OPS = ("linear", "rms_norm_linear", "silu_mul_linear", "norm_residual
 CASES = ["ouro-tiny-gqa-bf16", "nanbeige-tiny", "huginn-tiny"]
 
 
-class TritonOpsOnCpu(CpuHal):
+class TritonOpsOnCpu(TritonOnCpu):
     """The CPU Hal with the CUDA/ROCm Hals' Triton ops `names` (interpreted) and Triton attention;
     `calls` counts the ops' calls by name."""
 
@@ -50,9 +50,6 @@ class TritonOpsOnCpu(CpuHal):
             with self.adds.paused() if self.adds is not None else contextlib.nullcontext():
                 return fn(*args, **kwargs)
         return counted
-
-    def attention(self, num_heads, num_kv_heads, head_dim, dtype, block_size=None, backend=None, kv_dtype=None):
-        return TritonPagedAttention(num_heads, num_kv_heads, head_dim, dtype, self.device(), block_size or 16)
 
 
 def _model(name: str, dtype: str):

@@ -15,7 +15,7 @@ from interp import interpreter
 from runtime import SamplingParams
 from runtime.config import EngineConfig
 from runtime.engine.llm_engine import LLMEngine
-from test_interp_engine import TritonOnCpu
+from triton_hal import TritonOnCpu
 from xcompile import TARGETS, bind_launch
 
 STEP_KERNELS = ("_paged_attention_kernel", "_kv_write_kernel", "_reduce_splits_kernel")
