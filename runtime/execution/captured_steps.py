@@ -87,7 +87,7 @@ class CapturedSteps:
         widest = self.backend.caps.max_context_prefill_width
         for width in self.prefill_buckets.short_widths(max_model_len):
             for context in (False, True) if widest is None or width <= widest else (False,):
-                key = self.prefill_key(width, num_loops, first_token=int(context))
+                key = self.prefill_key(width, num_loops, first_token=int(context), num_tokens=width)
                 graphs.prepare(key, prefill_program(self.model, num_loops, self.sample_row(key)), 1, width,
                                num_planes, fresh=key[4], context=context)
         self.start_capture_s = time.perf_counter() - start
@@ -249,7 +249,7 @@ class CapturedSteps:
         loop behind them `[1]` on the device, else None)."""
         req = item.request
         host = extend(describe([self.slice_of(item, blocks)], req.num_planes, self.block_size), bucket, self.env)
-        key = self.prefill_key(bucket, req.num_loops, item.first_token)
+        key = self.prefill_key(bucket, req.num_loops, item.first_token, item.num_tokens)
         exits = None
         if req.exit_threshold < 1.0 and item.samples:
             key = ("prefill_exit", *key[1:])
@@ -260,10 +260,11 @@ class CapturedSteps:
                               key[3], fed_from=fed_from, fresh=key[4], context=key[5])
         return with_loops(out, exits)
 
-    def prefill_key(self, width: int, num_loops: int, first_token: int) -> tuple:
-        """The captured prefill of `width` tokens at depth `num_loops` for a chunk from `first_token`:
-        ("prefill", width, loops, planes, fresh attention, prior context)."""
-        fresh = self.prefill_buckets.attends_fresh(width, first_token)
+    def prefill_key(self, width: int, num_loops: int, first_token: int, num_tokens: int) -> tuple:
+        """The captured prefill of `width` tokens at depth `num_loops` for a chunk of `num_tokens` from
+        `first_token`: ("prefill", width, loops, planes, fresh attention, prior context). The chunk's own
+        length decides the attention, as in its eager pass, so one width may have both kinds."""
+        fresh = self.prefill_buckets.attends_fresh(num_tokens, first_token)
         return "prefill", width, num_loops, self.layout.num_planes(num_loops), fresh, first_token > 0
 
     def sample_row(self, key: tuple) -> torch.Tensor:

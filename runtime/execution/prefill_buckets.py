@@ -66,6 +66,7 @@ class PrefillBuckets:
             below = width
         return need
 
-    def attends_fresh(self, width: int, first_token: int) -> bool:
-        """Whether the captured pass of a prompt chunk at `first_token` takes the fresh path."""
-        return first_token == 0 and self.fresh_min_tokens is not None and width >= self.fresh_min_tokens
+    def attends_fresh(self, num_tokens: int, first_token: int) -> bool:
+        """Whether the captured pass of a prompt chunk of `num_tokens` at `first_token` takes the fresh
+        path: its eager pass's rule (the chunk's own length, not its bucket's width)."""
+        return first_token == 0 and self.fresh_min_tokens is not None and num_tokens >= self.fresh_min_tokens

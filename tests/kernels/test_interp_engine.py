@@ -111,9 +111,9 @@ def test_row_kernel_rotary_in_the_engine_gives_the_two_launch_tokens(monkeypatch
 def test_long_prompts_replay_captured_fresh_prefills(monkeypatch):
     """Prompts past the short buckets replay captured prefills where they fit one (a medium bucket
     padded, a long one filled to within `MAX_LONG_PADDING`), captured over their own first batch (the
-    scratch slots hold only padding), a long one attending through the backend's fresh path
-    (`MetaCapacity.fresh`), a medium one over its own K/V on the paged kernel, as the eager pass of the
-    same prompt does (`AttnCaps.fresh_min_tokens`); a prompt that would pad a long bucket more runs
+    scratch slots hold only padding), attending through the backend's fresh path (`MetaCapacity.fresh`)
+    from `AttnCaps.fresh_min_tokens` on, over their own K/V on the paged kernel below, by the prompt's own
+    length as its eager pass decides (a line inside a bucket captures it twice); a prompt that would pad a long bucket more runs
     eagerly; a short prompt whose bucket reaches past max_model_len fits the captured tables (it
     once raised "a block table has 4 blocks, more than max_blocks=3"). Greedy tokens are the eager
     pass's."""
@@ -123,13 +123,13 @@ def test_long_prompts_replay_captured_fresh_prefills(monkeypatch):
     for name, value in (("SHORT", (16,)), ("MEDIUM", (32,)), ("LONG", (64,))):
         monkeypatch.setattr(prefill_buckets, name, value)
 
-    def fresh_on_cpu():            # the fresh path from past "medium" on, as on the GPU
-        return TritonOnCpu(fresh_attention="sdpa", fresh_min_tokens=33)
+    def fresh_on_cpu():            # the fresh path from 30 tokens: inside the "medium" bucket
+        return TritonOnCpu(fresh_attention="sdpa", fresh_min_tokens=30)
 
     case = golden_case("ouro-tiny")
     model = zoo.from_pretrained(case.path, dtype="bfloat16")
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=gen).tolist() for n in (64, 60, 24, 10)]
+    prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=gen).tolist() for n in (64, 60, 24, 31, 10)]
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     outs = {}
     for captured in (True, False):
@@ -141,7 +141,7 @@ def test_long_prompts_replay_captured_fresh_prefills(monkeypatch):
             short = LLMEngine(model, fresh_on_cpu(), EngineConfig(block_size=4, max_num_batched_tokens=64,
                                                                 max_model_len=12, graphs=True, max_num_seqs=1))
             outs[captured] = []
-            for eng, prompt in zip((engine, engine, engine, short), prompts):
+            for eng, prompt in zip((engine, engine, engine, engine, short), prompts):
                 eng.add_request(str(len(prompt)), prompt, params)
                 outs[captured] += [o.token_ids for o in eng.run_until_done()]
         if captured:
@@ -149,10 +149,11 @@ def test_long_prompts_replay_captured_fresh_prefills(monkeypatch):
             planes = runner.layout.num_planes(loops)
             assert runner.env.num_scratch_slots < 32
             captures = runner.graphs.captured
-            assert {k[1:] for k in captures if k[0] == "prefill"} == {(64, loops, planes, True, False),
-                                                                           (32, loops, planes, False, False)}
+            assert {k[1:] for k in captures if k[0] == "prefill"} == {
+                (64, loops, planes, True, False), (32, loops, planes, False, False), (32, loops, planes, True, False)}
             assert captures[("prefill", 64, loops, planes, True, False)].ctx.meta.fresh_lens == (64,)
-            medium = captures[("prefill", 32, loops, planes, False, False)].ctx.meta
+            assert captures[("prefill", 32, loops, planes, True, False)].ctx.meta.fresh_lens == (32,)   # 31 tokens
+            medium = captures[("prefill", 32, loops, planes, False, False)].ctx.meta                  # 24 tokens
             assert medium.fresh_lens is None and medium.own_kv
             assert {k[1:] for k in short.runner.graphs.captured if k[0] == "prefill"} == {(16, loops, planes, False, False)}
     assert outs[True] == outs[False]

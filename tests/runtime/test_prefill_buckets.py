@@ -33,3 +33,7 @@ def test_first_chunks_from_the_backends_length_attend_fresh():
     assert not buckets.attends_fresh(4096, 0) and not buckets.attends_fresh(1536, 0)   # own K/V, paged kernel
     assert not buckets.attends_fresh(8192, 4096)                   # a later chunk has context
     assert not PrefillBuckets(20000, captures=True).attends_fresh(8192, 0)   # a backend without a fresh path
+    # the chunk's own length decides, as in its eager pass: a line inside a bucket splits it
+    inside = PrefillBuckets(20000, captures=True, fresh_min_tokens=2000)
+    assert inside.bucket(1990) == inside.bucket(2040) == 2048
+    assert not inside.attends_fresh(1990, 0) and inside.attends_fresh(2040, 0)
