@@ -2,7 +2,7 @@
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
 #   END=560 [PARTS="cells tests gaps fp8prefill fp8rows fp8kvprefill prefilltiles fp8tests ab s54 s54b s55 s56
-#                   s57 s58 ring rows configs huginn profile profile_batches landed tcrows smallbatch"] \
+#                   s57 s58 s59 ring rows configs huginn profile profile_batches landed tcrows smallbatch"] \
 #     bash tools/acceptance_call.sh
 # END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by
 # GPU; H200_PARTS and OTHER_PARTS set them for one kind of card only).
@@ -245,6 +245,26 @@ s58() {   # lever 138: prompts of up to 4,096 tokens over their own K/V on the p
       -k 'long_prompt or fresh or cudnn or own_kv' >> $OUT/pytest.txt 2>&1"
   done
   bench "medium prompts, fp8 kv" model=ouro-1.4b engine.kv_dtype=fp8 "${med[@]}" "$cells"
+}
+s59() {   # lever 138 as landed (cuDNN for one prompt of MHA heads from 1,024 tokens, own K/V for the rest):
+          # the probe at Nanbeige's grouped heads, then Ouro's and Nanbeige's prompts against .old, alternating
+  local ouro=('+workloads.t1500={batch:1,prompt:1500,new:16}' '+workloads.t2k={batch:1,prompt:2048,new:16}'
+    '+workloads.p8x1k={batch:8,prompt:1024,new:16}')
+  step "prefill probe, grouped heads" 30 90 python3 tools/decode_kernels_bench.py --groups prefill --budget 60 \
+    --heads 48,8 --prefill-cases 1024,2048,8192,4x1024 --out "$OUT/prefill_probe.jsonl"
+  bench "ouro prompts" model=ouro-1.4b "${ouro[@]}" 'workload=[ttft1k,t1500,t2k,p8x1k]'
+  if [ -d .old ]; then
+    pushd .old > /dev/null && bench "ouro prompts .old" model=ouro-1.4b "${ouro[@]}" 'workload=[ttft1k,t1500,t2k,p8x1k]'
+    popd > /dev/null
+  fi
+  bench "nanbeige prompts" model=nanbeige4.2-3b 'workload=[ttft1k,prefill8k]'
+  if [ -d .old ]; then
+    pushd .old > /dev/null && bench "nanbeige prompts .old" model=nanbeige4.2-3b 'workload=[ttft1k,prefill8k]'
+    popd > /dev/null
+  fi
+  step "pytest fresh" 60 150 bash -c "python3 -m pytest -m cuda tests/cuda/test_engine_cuda.py \
+    tests/cuda/test_decode_kernels_cuda.py tests/cuda/test_fresh_cuda.py -q -rs -p no:cacheprovider \
+    -k 'long_prompt or fresh or cudnn or own_kv' >> $OUT/pytest.txt 2>&1"
 }
 profile() {   # where Ouro-1.4B's b1 step goes since the sm_90 table's one-row entries, bf16 and FP8 weights + KV
   bench "ouro b1 bf16 profile" model=ouro-1.4b 'workload=[b1]' profile=4

@@ -474,8 +474,12 @@ if __name__ == "__main__":
                         "wide); default: all but wide")
     parser.add_argument("--prefill-cases", default="", help=f"prompt lengths of group prefill, e.g. 2048,8x1024 "
                         f"(default {','.join(PREFILL_CASES)})")
+    parser.add_argument("--heads", default="", help="HEADS,KV_HEADS of groups rotary and prefill (default "
+                        f"{HEADS},{KV_HEADS}: Ouro-1.4B; 48,8: Nanbeige4.2-3B)")
     args = parser.parse_args()
     if args.prefill_cases:
         PREFILL_CASES = tuple(args.prefill_cases.split(","))
+    if args.heads:
+        HEADS, KV_HEADS = map(int, args.heads.split(","))
     run(budget_s=args.budget, out=args.out, groups=tuple(g for g in args.groups.split(",") if g))
     sys.exit(0)

@@ -94,10 +94,15 @@ class TritonPagedAttention(AttentionBackend):
         # shorter prompts attend over their own K/V on the paged kernel (fresh.MIN_TOKENS says why)
         self.fresh_min_tokens = max(fresh_min_tokens, DECODE_MAX_QUERY_LEN + 1)
 
+    def _fresh_takes_prompts(self) -> bool:
+        """Whether one long prompt alone may take the fresh path (cuDNN's needs as many KV heads as heads)."""
+        return self.fresh_attention is not None and (self.fresh_attention != "cudnn"
+                                                     or self.num_heads == self.num_kv_heads)
+
     @property
     def caps(self) -> AttnCaps:
         return AttnCaps(packed_prefill=True, graphs=True, packed_graphs=True,
-                        fresh_min_tokens=self.fresh_min_tokens if self.fresh_attention else None,
+                        fresh_min_tokens=self.fresh_min_tokens if self._fresh_takes_prompts() else None,
                         reason="Triton unified paged attention (hal/kernels): varlen prefill, chunked "
                                "prefill and split-context decode in one kernel, no host syncs")
 
@@ -124,7 +129,8 @@ class TritonPagedAttention(AttentionBackend):
         tensors = [torch.from_numpy(a).to(self.device, non_blocking=True) for a in arrays]
         # a captured pass takes the fresh path only where its capacity promises prefills without context
         is_fresh = (capacity is None or capacity.fresh) and fresh.takes(self.fresh_attention, batch.query_lens,
-                                                                         batch.seq_lens, self.fresh_min_tokens)
+                                                                         batch.seq_lens, self.fresh_min_tokens,
+                                                                         self.num_heads, self.num_kv_heads)
         packed = capacity is not None and capacity.packed
         if packed and capacity.fresh:
             raise ValueError("a packed capacity attends through the paged kernel, not the fresh path")
@@ -153,7 +159,8 @@ class TritonPagedAttention(AttentionBackend):
         if longest != meta.max_query_len and not (meta.packed and longest <= meta.max_query_len):
             raise ValueError("a captured meta takes batches with the same max query length")
         if meta.fresh_lens is not None and (tuple(map(int, batch.query_lens)) != meta.fresh_lens or not fresh.takes(
-                self.fresh_attention, batch.query_lens, batch.seq_lens, self.fresh_min_tokens)):
+                self.fresh_attention, batch.query_lens, batch.seq_lens, self.fresh_min_tokens, self.num_heads,
+                self.num_kv_heads)):
             raise ValueError(f"a captured fresh prefill takes prefills without context of {meta.fresh_lens} tokens")
         # the tables travel as wide as the batch's own (not the capacity's max_model_len): its longest
         # table, and in a padded array the padding rows' spare scratch column, which advance_meta

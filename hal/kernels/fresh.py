@@ -2,19 +2,23 @@
 through torch's vendor kernels, instead of the paged Triton kernel reading them back from the cache.
 
 Why: such a chunk attends only to itself, so K and V are already contiguous in the projection's
-output; torch's flash kernel runs there at about twice the paged Triton kernel's rate (8k tokens,
-one layer-plane on the H200: 550 us vs 1,140 us, docs/benchmarks.md). The cache is still written
-(by `write_kv`), for the decode steps that follow.
+output, where a vendor's kernel may beat the paged Triton kernel. The cache is still written (by
+`write_kv`), for the decode steps that follow. Only prompts of at least `MIN_TOKENS` come here (the
+backend's `fresh_min_tokens`); shorter ones, and on Hopper every batch cuDNN does not take, attend over
+their own K/V on the paged kernel (`TritonMeta.own_kv`). Measured on an H100 (docs/performance.md lever
+138, one layer-plane at Ouro-1.4B's heads with the cache write): cuDNN 29.9 / 67.7 / 522 us at 1,024 /
+2,048 / 8,192 tokens, the paged kernel over the prompt's own K/V 34.4 / 90.9 / 749, varlen flash
+47.2 / 126.2 / 988 (and eight 1,024-token prompts: own K/V 187, flash 226).
 
 Modes (the Hal chooses; hal/ never tests the vendor here):
   "flash"  every sequence of the batch in one varlen call of `aten::_flash_attention_forward`
            (cumulative query offsets = the metadata's `query_start_loc`): CUDA builds of torch
   "sdpa"   `scaled_dot_product_attention(is_causal=True)` per sequence (torch picks its fastest
            backend): ROCm builds, and the CPU where tests check the routing
-  "cudnn"  "flash", except that one long sequence (at least CUDNN_MIN_TOKENS, as many KV heads as
-           query heads) goes to cuDNN's fused attention through SDPA: on Hopper it runs the 8k prompt's
-           attention faster than the flash kernel (docs/performance.md lever 28); a first refusal
-           (a torch without it, an unsupported shape) sends every later call to "flash"
+  "cudnn"  one prompt with as many KV heads as query heads only (`takes`), through cuDNN's fused
+           attention in SDPA: on Hopper faster than flash and the paged kernel at every length measured
+           (levers 28, 138); a first refusal (a torch without it, an unsupported shape) sends every
+           later call to "flash"
 All take 16-bit q/k/v only; float32 (golden and conformance runs) stays on the Triton kernel.
 
 Over an 8-bit cache the chunk attends over what the cache holds, not its exact K/V: the quantizing
@@ -32,11 +36,11 @@ import torch
 
 MODES = ("flash", "cudnn", "sdpa")
 DTYPES = (torch.bfloat16, torch.float16)
-# The shortest prompt that takes the fresh path: shorter ones attend over their own K/V on the paged
-# kernel (`TritonMeta.own_kv`), which ran faster than flash there (docs/performance.md levers 78, 135-138)
-MIN_TOKENS = 4097
+# The shortest prompt that takes the fresh path (the backend's default): the short captured buckets
+# below it replay the paged kernel over their own K/V, faster than flash there (levers 78, 135-136)
+MIN_TOKENS = 1024
 MAX_SDPA_SEQS = 16                # "sdpa" launches once per sequence: more go to the paged kernel
-CUDNN_MIN_TOKENS = 2048           # shorter prompts: the flash kernel (cuDNN's gain is in long ones)
+CUDNN_MIN_TOKENS = 1024           # shorter prompts in "cudnn" run flash (only where min_tokens lets them in)
 _cudnn_refused: list[str] = []    # why cuDNN attention failed once (then "cudnn" runs as "flash")
 
 
@@ -51,14 +55,18 @@ def usable(mode: str | None, dtype: torch.dtype, head_dim: int) -> bool:
     return mode in MODES and dtype in DTYPES and head_dim % 8 == 0 and head_dim <= 256
 
 
-def takes(mode: str | None, query_lens: Sequence[int], seq_lens: Sequence[int], min_tokens: int) -> bool:
+def takes(mode: str | None, query_lens: Sequence[int], seq_lens: Sequence[int], min_tokens: int,
+          num_heads: int, num_kv_heads: int) -> bool:
     """Whether a batch goes to the fresh path: every sequence is a prefill chunk without prior
-    context (query_len == seq_len) and its longest has at least `min_tokens` tokens (the backend's
-    `MIN_TOKENS`, past any decode-like batch; captured prefills take this path where their capacity
-    says `fresh`)."""
+    context (query_len == seq_len), its longest has at least `min_tokens` tokens (the backend's, past
+    any decode-like batch), and in "cudnn" it is one prompt of as many KV heads as heads (cuDNN's own;
+    the paged kernel over their own K/V beat flash at every length measured). Captured prefills take
+    this path where their capacity says `fresh`."""
     if mode not in MODES or len(query_lens) == 0 or max(query_lens) < min_tokens:
         return False
     if mode == "sdpa" and len(query_lens) > MAX_SDPA_SEQS:
+        return False
+    if mode == "cudnn" and (len(query_lens) > 1 or num_heads != num_kv_heads):
         return False
     return without_context(query_lens, seq_lens)
 

@@ -159,9 +159,11 @@ def test_fresh_prefill_matches_the_paged_kernel(gpu, lens):
     chosen = gpu.attention(16, 16, 128, torch.bfloat16)
     assert chosen.fresh_attention in ("flash", "cudnn")      # cudnn (sm_90 on) takes the 8k prompt
     assert chosen.caps.fresh_min_tokens == fresh.MIN_TOKENS
-    # every batch here on the fresh path, shorter prompts too (the engine's own K/V below MIN_TOKENS)
+    # every batch here on the fresh path, shorter prompts too (the engine's own K/V below MIN_TOKENS), several
+    # prompts through flash ("cudnn" takes one prompt alone)
+    mode = chosen.fresh_attention if len(lens) == 1 else "flash"
     backend = TritonPagedAttention(16, 16, 128, torch.bfloat16, chosen.device, 16, configs=chosen.configs,
-                                   fresh_attention=chosen.fresh_attention, fresh_min_tokens=0)
+                                   fresh_attention=mode, fresh_min_tokens=0)
     paged = TritonPagedAttention(16, 16, 128, torch.bfloat16, backend.device, 16, configs=backend.configs)
     page, tables, nxt = 16, [], 0
     for n in lens:

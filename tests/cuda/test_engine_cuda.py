@@ -134,13 +134,12 @@ def test_nanbeige_one_row_products_on_the_tma_ring_graphs_equal_eager(monkeypatc
     print(f"Nanbeige4.2-3B b1, ring against the library: {same}/{len(prompts)} sequences identical")
 
 
-@pytest.mark.parametrize("prompt_len,width,fresh", [(8150, 8192, True), (4096, 4096, False), (2040, 2048, False),
-                                                    (1500, 1536, False)])
+@pytest.mark.parametrize("prompt_len,width,fresh", [(8150, 8192, True), (4096, 4096, True), (2040, 2048, True),
+                                                    (1500, 1536, True)])
 def test_a_long_prompt_replays_a_captured_prefill(prompt_len, width, fresh, monkeypatch):
     """A prompt past the short buckets replays a captured prefill of its bucket (padded), captured
-    over the prompt itself; its attention is the eager pass's: the fresh path (cuDNN at Ouro's head
-    shape) from `fresh.MIN_TOKENS`, the paged kernel over the prompt's own K/V below, so its greedy
-    tokens equal the eager pass's."""
+    over the prompt itself; its attention is the eager pass's fresh path inside the graph (cuDNN at
+    Ouro's head shape from `fresh.MIN_TOKENS`), so its greedy tokens equal the eager pass's."""
     from hal.kernels import fresh as fresh_module
     from runtime.execution.runner import ModelRunner
 

@@ -96,9 +96,9 @@ def test_fresh_check_takes_numpy_lengths():
     than one row once raised "truth value of an array is ambiguous" here (speculation rounds on the H200)."""
     import numpy as np
 
-    assert not fresh.takes("sdpa", np.ones(8, dtype=np.int64), np.arange(8, 16), 1)
-    assert fresh.takes("sdpa", np.array([12, 9]), np.array([12, 9]), 1)
-    assert not fresh.takes("sdpa", np.array([], dtype=np.int64), np.array([], dtype=np.int64), 1)
+    assert not fresh.takes("sdpa", np.ones(8, dtype=np.int64), np.arange(8, 16), 1, 4, 4)
+    assert fresh.takes("sdpa", np.array([12, 9]), np.array([12, 9]), 1, 4, 4)
+    assert not fresh.takes("sdpa", np.array([], dtype=np.int64), np.array([], dtype=np.int64), 1, 4, 4)
 
 
 @pytest.mark.parametrize("mode", ["sdpa", "flash"])
@@ -306,9 +306,22 @@ def test_cudnn_batches_get_v_as_the_projections_view(monkeypatch):
     assert torch.equal(out, ref)
 
 
-@pytest.mark.parametrize("heads,kv_heads,lens", [(4, 4, [12]), (4, 2, [12]), (4, 4, [9, 9])],
-                         ids=["cudnn", "gqa", "two-prompts"])
-def test_no_fresh_batch_pays_a_v_copy(monkeypatch, heads, kv_heads, lens):
+def test_cudnn_mode_takes_cudnn_batches_only():
+    """On Hopper ("cudnn") the fresh path takes one prompt of as many KV heads as heads; a grouped-query
+    prompt or several prompts attend over their own K/V on the paged kernel (faster than flash, lever 138),
+    and a grouped-query backend reports no fresh path to the runtime's captured prefills."""
+    mha, gqa = _backend("cudnn", heads=4, kv_heads=4), _backend("cudnn", heads=4, kv_heads=2)
+    assert mha.build_meta(_batch([12], [12])[0]).fresh_lens == (12,)
+    for backend, lens in ((gqa, [12]), (mha, [9, 9])):
+        meta = backend.build_meta(_batch(lens, lens)[0])
+        assert meta.fresh_lens is None and meta.own_kv
+    assert mha.caps.fresh_min_tokens == 9 and gqa.caps.fresh_min_tokens is None
+    assert _backend("flash", heads=4, kv_heads=2).build_meta(_batch([9, 9], [9, 9])[0]).fresh_lens == (9, 9)
+
+
+@pytest.mark.parametrize("mode,heads,kv_heads,lens", [("cudnn", 4, 4, [12]), ("flash", 4, 2, [12]),
+                                                      ("flash", 4, 4, [9, 9])], ids=["cudnn", "gqa", "two-prompts"])
+def test_no_fresh_batch_pays_a_v_copy(monkeypatch, mode, heads, kv_heads, lens):
     """The fresh path gets v as the projection's view whichever kernel takes the batch."""
     seen = []
 
@@ -319,7 +332,7 @@ def test_no_fresh_batch_pays_a_v_copy(monkeypatch, heads, kv_heads, lens):
     monkeypatch.setattr(fresh, "attention", spy)
     monkeypatch.setattr(fresh, "CUDNN_MIN_TOKENS", 6)
     monkeypatch.setattr(fresh, "_cudnn_refused", [])
-    backend = _backend("cudnn", heads=heads, kv_heads=kv_heads)
+    backend = _backend(mode, heads=heads, kv_heads=kv_heads)
     meta = backend.build_meta(_batch(lens, lens)[0])
     assert meta.fresh_lens == tuple(lens)
     qkv = torch.randn(sum(lens), heads + 2 * kv_heads, 32).bfloat16()
