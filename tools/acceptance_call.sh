@@ -2,7 +2,7 @@
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
 #   END=560 [PARTS="cells tests gaps fp8prefill fp8rows fp8kvprefill prefilltiles fp8tests ab s54 s54b s55 s56
-#                   s57 s58 s59 ring rows configs huginn profile profile_batches landed tcrows smallbatch"] \
+#                   s57 s58 s59 s60 ring rows configs huginn profile profile_batches landed tcrows smallbatch"] \
 #     bash tools/acceptance_call.sh
 # END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by
 # GPU; H200_PARTS and OTHER_PARTS set them for one kind of card only).
@@ -265,6 +265,19 @@ s59() {   # lever 138 as landed (cuDNN for one prompt of MHA heads from 1,024 to
   step "pytest fresh" 60 150 bash -c "python3 -m pytest -m cuda tests/cuda/test_engine_cuda.py \
     tests/cuda/test_decode_kernels_cuda.py tests/cuda/test_fresh_cuda.py -q -rs -p no:cacheprovider \
     -k 'long_prompt or fresh or cudnn or own_kv' >> $OUT/pytest.txt 2>&1"
+}
+s60() {   # lever 138 over FP8: a 1,024-token prompt now attends through cuDNN over the K/V its write hands back
+          # dequantized (it took the own-K/V kernel since lever 135), FP8 KV and FP8 weights + KV, against .old
+  local kind
+  for kind in "engine.kv_dtype=fp8" "${FP8[*]}"; do
+    # shellcheck disable=SC2086
+    bench "ttft1k $kind" model=ouro-1.4b $kind 'workload=[ttft1k]'
+    if [ -d .old ]; then
+      # shellcheck disable=SC2086
+      pushd .old > /dev/null && bench "ttft1k $kind .old" model=ouro-1.4b $kind 'workload=[ttft1k]'
+      popd > /dev/null
+    fi
+  done
 }
 profile() {   # where Ouro-1.4B's b1 step goes since the sm_90 table's one-row entries, bf16 and FP8 weights + KV
   bench "ouro b1 bf16 profile" model=ouro-1.4b 'workload=[b1]' profile=4

@@ -215,8 +215,9 @@ class CudaHal(Hal):
 
     def fresh_prefill(self) -> str | None:
         """How the Triton backend attends prefill chunks without context (hal/kernels/fresh.py):
-        torch's varlen flash kernel from Ampere on, with cuDNN's for long single prompts on Hopper
-        (`LOOPSTACK_FRESH_PREFILL=0`: the paged kernel; `=flash`: no cuDNN)."""
+        torch's varlen flash kernel from Ampere on; on Hopper cuDNN's for one prompt of as many KV heads as
+        heads, every other batch on the paged kernel over its own K/V (`LOOPSTACK_FRESH_PREFILL=0`: the paged
+        kernel always; `=flash`: flash instead of cuDNN)."""
         choice = fresh_prefill_choice()
         if choice == "0":
             return None
