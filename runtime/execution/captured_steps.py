@@ -84,12 +84,15 @@ class CapturedSteps:
             for copy in range(self.num_graph_copies):
                 graphs.prepare(("decode", bucket, num_loops, copy), decode_program(self.model, num_loops),
                                bucket, 1, num_planes)
-        widest = self.backend.caps.max_context_prefill_width
+        widest, below = self.backend.caps.max_context_prefill_width, 0
         for width in self.prefill_buckets.short_widths(max_model_len):
-            for context in (False, True) if widest is None or width <= widest else (False,):
-                key = self.prefill_key(width, num_loops, first_token=int(context), num_tokens=width)
-                graphs.prepare(key, prefill_program(self.model, num_loops, self.sample_row(key)), 1, width,
-                               num_planes, fresh=key[4], context=context)
+            # the shortest and the longest prompt it takes: both attentions where the fresh line crosses it
+            for num_tokens in (below + 1, width):
+                for context in (False, True) if widest is None or width <= widest else (False,):
+                    key = self.prefill_key(width, num_loops, first_token=int(context), num_tokens=num_tokens)
+                    graphs.prepare(key, prefill_program(self.model, num_loops, self.sample_row(key)), 1, width,
+                                   num_planes, fresh=key[4], context=context)
+            below = width
         self.start_capture_s = time.perf_counter() - start
         log.info("captured %d passes at start in %.2f s", len(graphs.captured), self.start_capture_s)
 

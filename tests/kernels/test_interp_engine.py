@@ -129,7 +129,7 @@ def test_long_prompts_replay_captured_fresh_prefills(monkeypatch):
     case = golden_case("ouro-tiny")
     model = zoo.from_pretrained(case.path, dtype="bfloat16")
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=gen).tolist() for n in (64, 60, 24, 31, 10)]
+    prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=gen).tolist() for n in (64, 60, 24, 31, 10, 9)]
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     outs = {}
     for captured in (True, False):
@@ -138,10 +138,14 @@ def test_long_prompts_replay_captured_fresh_prefills(monkeypatch):
         with interpreter(), torch.inference_mode():
             engine = LLMEngine(model, fresh_on_cpu(), EngineConfig(block_size=4, max_num_batched_tokens=64,
                                                                  max_model_len=66, graphs=True, max_num_seqs=1))
-            short = LLMEngine(model, fresh_on_cpu(), EngineConfig(block_size=4, max_num_batched_tokens=64,
-                                                                max_model_len=12, graphs=True, max_num_seqs=1))
+            # the fresh line inside the short bucket: both of its passes captured at start
+            short = LLMEngine(model, TritonOnCpu(fresh_attention="sdpa", fresh_min_tokens=10),
+                              EngineConfig(block_size=4, max_num_batched_tokens=64, max_model_len=12, graphs=True,
+                                           max_num_seqs=1))
+            short.runner.capture_at_start(model.default_num_loops, 12)    # as a GPU Hal's engine does
+            at_start = {k[1:] for k in short.runner.graphs.captured if k[0] == "prefill"}
             outs[captured] = []
-            for eng, prompt in zip((engine, engine, engine, engine, short), prompts):
+            for eng, prompt in zip((engine, engine, engine, engine, short, short), prompts):
                 eng.add_request(str(len(prompt)), prompt, params)
                 outs[captured] += [o.token_ids for o in eng.run_until_done()]
         if captured:
@@ -155,7 +159,10 @@ def test_long_prompts_replay_captured_fresh_prefills(monkeypatch):
             assert captures[("prefill", 32, loops, planes, True, False)].ctx.meta.fresh_lens == (32,)   # 31 tokens
             medium = captures[("prefill", 32, loops, planes, False, False)].ctx.meta                  # 24 tokens
             assert medium.fresh_lens is None and medium.own_kv
-            assert {k[1:] for k in short.runner.graphs.captured if k[0] == "prefill"} == {(16, loops, planes, False, False)}
+            short_captures = short.runner.graphs.captured
+            assert {k[1:] for k in short_captures if k[0] == "prefill"} == at_start == {   # none on first use
+                (16, loops, planes, False, False), (16, loops, planes, True, False), (16, loops, planes, False, True)}
+            assert short_captures[("prefill", 16, loops, planes, True, False)].ctx.meta.fresh_lens == (16,)
     assert outs[True] == outs[False]
 
 
