@@ -94,15 +94,12 @@ class TritonPagedAttention(AttentionBackend):
         # shorter prompts attend over their own K/V on the paged kernel (fresh.MIN_TOKENS says why)
         self.fresh_min_tokens = max(fresh_min_tokens, DECODE_MAX_QUERY_LEN + 1)
 
-    def _fresh_takes_prompts(self) -> bool:
-        """Whether one long prompt alone may take the fresh path (cuDNN's needs as many KV heads as heads)."""
-        return self.fresh_attention is not None and (self.fresh_attention != "cudnn"
-                                                     or self.num_heads == self.num_kv_heads)
-
     @property
     def caps(self) -> AttnCaps:
-        return AttnCaps(packed_prefill=True, graphs=True, packed_graphs=True,
-                        fresh_min_tokens=self.fresh_min_tokens if self._fresh_takes_prompts() else None,
+        # whether one prompt alone takes the fresh path at all (cuDNN's needs as many KV heads as heads)
+        n = self.fresh_min_tokens
+        alone = fresh.takes(self.fresh_attention, [n], [n], n, self.num_heads, self.num_kv_heads)
+        return AttnCaps(packed_prefill=True, graphs=True, packed_graphs=True, fresh_min_tokens=n if alone else None,
                         reason="Triton unified paged attention (hal/kernels): varlen prefill, chunked "
                                "prefill and split-context decode in one kernel, no host syncs")
 
