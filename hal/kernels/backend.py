@@ -8,7 +8,8 @@ Prefill chunks without prior context (every sequence of the batch starts at posi
 over their fresh K/V through torch's vendor kernel instead (`attend`, `fresh_attention` mode chosen
 by the Hal, hal/kernels/fresh.py); the cache is written all the same (over an 8-bit cache they
 attend over its quantized K/V). Decode-like batches and float32 always take the paged kernel.
-Prompts without context that stay on the paged kernel (captured prompts of up to 1,024 tokens) read
+Prompts without context that stay on the paged kernel (shorter than `fresh_min_tokens`, and on Hopper
+every batch cuDNN does not take: several prompts, grouped-query heads) read
 their K/V from this step's own tensors, not back from the cache (`TritonMeta.own_kv`;
 hal/kernels/attend.py): over an 8-bit cache from what the quantizing write hands back dequantized, on
 the 16-bit tile; over a 16-bit cache from the rotated k and a copy of v that the fused rotary write

@@ -14,7 +14,7 @@ Three ranges, as measured on the H200 (docs/performance.md, levers 77-78):
   the work while capture saves only the launch gaps (8k: level to -0.5%). Every full chunk of a long
   prompt fills max_num_batched_tokens exactly.
 A prompt's first chunk attends over its own K/V: through the backend's fresh path (a vendor's kernel:
-cuDNN on Hopper, twice the paged kernel's rate at 8k) from the backend's `AttnCaps.fresh_min_tokens`,
+cuDNN on Hopper, 1.43x the paged kernel's rate at 8k on an H100) from the backend's `AttnCaps.fresh_min_tokens`,
 on the paged kernel below. The eager pass draws the same line, so captured and eager passes of a prompt
 run the same attention kernel and give the same greedy tokens (a 1,536-token graph on the paged kernel
 did not, against eager flash at 1,500 tokens, before the eager pass drew it too).
