@@ -330,8 +330,8 @@ def prefill_cells(bench: Bench, configs) -> None:
         for mode in (None, "flash", "cudnn"):
             if mode == "cudnn" and (len(lens) > 1 or HEADS != KV_HEADS):
                 continue                    # cuDNN takes one prompt of MHA heads; others run flash
-            backend = TritonPagedAttention(HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, dev, page, configs=configs,
-                                           fresh_attention=mode, fresh_min_tokens=0)
+            backend = TritonPagedAttention(HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, dev, page,
+                                           configs=configs, fresh_attention=mode, fresh_min_tokens=0)
             cache = torch.zeros(backend.kv_cache_shape(num_blocks), device=dev, dtype=torch.bfloat16)
             meta = backend.build_meta(batch)
 
@@ -472,8 +472,8 @@ if __name__ == "__main__":
     parser.add_argument("--out", default=None, help="append every row as JSON lines here")
     parser.add_argument("--groups", default="", help="comma-separated groups (proj,fused,rotary,prefill,sweep,"
                         "wide); default: all but wide")
-    parser.add_argument("--prefill-cases", default="", help=f"prompt lengths of group prefill, e.g. 2048,8x1024 "
-                        f"(default {','.join(PREFILL_CASES)})")
+    parser.add_argument("--prefill-cases", default="", help="prompt lengths of group prefill, e.g. "
+                        f"2048,8x1024 (default {','.join(PREFILL_CASES)})")
     parser.add_argument("--heads", default="", help="HEADS,KV_HEADS of groups rotary and prefill (default "
                         f"{HEADS},{KV_HEADS}: Ouro-1.4B; 48,8: Nanbeige4.2-3B)")
     args = parser.parse_args()

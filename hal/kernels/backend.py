@@ -100,7 +100,8 @@ class TritonPagedAttention(AttentionBackend):
         # whether one prompt alone takes the fresh path at all (cuDNN's needs as many KV heads as heads)
         n = self.fresh_min_tokens
         alone = fresh.takes(self.fresh_attention, [n], [n], n, self.num_heads, self.num_kv_heads)
-        return AttnCaps(packed_prefill=True, graphs=True, packed_graphs=True, fresh_min_tokens=n if alone else None,
+        return AttnCaps(packed_prefill=True, graphs=True, packed_graphs=True,
+                        fresh_min_tokens=n if alone else None,
                         reason="Triton unified paged attention (hal/kernels): varlen prefill, chunked "
                                "prefill and split-context decode in one kernel, no host syncs")
 
@@ -126,9 +127,9 @@ class TritonPagedAttention(AttentionBackend):
         arrays = self._host_arrays(batch, capacity.max_blocks_per_seq if capacity else None)
         tensors = [torch.from_numpy(a).to(self.device, non_blocking=True) for a in arrays]
         # a captured pass takes the fresh path only where its capacity promises prefills without context
-        is_fresh = (capacity is None or capacity.fresh) and fresh.takes(self.fresh_attention, batch.query_lens,
-                                                                         batch.seq_lens, self.fresh_min_tokens,
-                                                                         self.num_heads, self.num_kv_heads)
+        is_fresh = (capacity is None or capacity.fresh) and fresh.takes(
+            self.fresh_attention, batch.query_lens, batch.seq_lens, self.fresh_min_tokens, self.num_heads,
+            self.num_kv_heads)
         packed = capacity is not None and capacity.packed
         if packed and capacity.fresh:
             raise ValueError("a packed capacity attends through the paged kernel, not the fresh path")

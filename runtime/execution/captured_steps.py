@@ -89,9 +89,9 @@ class CapturedSteps:
             # the shortest and the longest prompt it takes: both attentions where the fresh line crosses it
             for num_tokens in (below + 1, width):
                 for context in (False, True) if widest is None or width <= widest else (False,):
-                    key = self.prefill_key(width, num_loops, first_token=int(context), num_tokens=num_tokens)
-                    graphs.prepare(key, prefill_program(self.model, num_loops, self.sample_row(key)), 1, width,
-                                   num_planes, fresh=key[4], context=context)
+                    key = self.prefill_key(width, num_loops, int(context), num_tokens)
+                    program = prefill_program(self.model, num_loops, self.sample_row(key))
+                    graphs.prepare(key, program, 1, width, num_planes, fresh=key[4], context=context)
             below = width
         self.start_capture_s = time.perf_counter() - start
         log.info("captured %d passes at start in %.2f s", len(graphs.captured), self.start_capture_s)

@@ -14,10 +14,10 @@ Three ranges, as measured on the H200 (docs/performance.md, levers 77-78):
   the work while capture saves only the launch gaps (8k: level to -0.5%). Every full chunk of a long
   prompt fills max_num_batched_tokens exactly.
 A prompt's first chunk attends over its own K/V: through the backend's fresh path (a vendor's kernel:
-cuDNN on Hopper, 1.43x the paged kernel's rate at 8k on an H100) from the backend's `AttnCaps.fresh_min_tokens`,
-on the paged kernel below. The eager pass draws the same line, so captured and eager passes of a prompt
-run the same attention kernel and give the same greedy tokens (a 1,536-token graph on the paged kernel
-did not, against eager flash at 1,500 tokens, before the eager pass drew it too).
+cuDNN on Hopper, 1.43x the paged kernel's rate at 8k on an H100) from the backend's
+`AttnCaps.fresh_min_tokens`, on the paged kernel below. The eager pass draws the same line, so captured
+and eager passes of a prompt run the same attention kernel and give the same greedy tokens (a 1,536-token
+graph on the paged kernel did not, against eager flash at 1,500 tokens, before the eager pass drew it too).
 """
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ class PrefillBuckets:
     `captures`: whether the Hal records graphs (else only `SHORT` runs padded); `fresh_min_tokens`: the
     attention backend's (`AttnCaps`)."""
 
-    def __init__(self, max_num_batched_tokens: int, captures: bool, fresh_min_tokens: int | None = None) -> None:
+    def __init__(self, max_num_batched_tokens: int, captures: bool,
+                 fresh_min_tokens: int | None = None) -> None:
         self.fresh_min_tokens = fresh_min_tokens
         widths = {w for w in SHORT + (MEDIUM + LONG if captures else ()) if w <= max_num_batched_tokens}
         if captures and max_num_batched_tokens > SHORT[-1]:

@@ -134,8 +134,8 @@ def test_nanbeige_one_row_products_on_the_tma_ring_graphs_equal_eager(monkeypatc
     print(f"Nanbeige4.2-3B b1, ring against the library: {same}/{len(prompts)} sequences identical")
 
 
-@pytest.mark.parametrize("prompt_len,width,fresh", [(8150, 8192, True), (4096, 4096, True), (2040, 2048, True),
-                                                    (1500, 1536, True)])
+@pytest.mark.parametrize("prompt_len,width,fresh", [(8150, 8192, True), (4096, 4096, True),
+                                                    (2040, 2048, True), (1500, 1536, True)])
 def test_a_long_prompt_replays_a_captured_prefill(prompt_len, width, fresh, monkeypatch):
     """A prompt past the short buckets replays a captured prefill of its bucket (padded), captured
     over the prompt itself; its attention is the eager pass's fresh path inside the graph (cuDNN at
@@ -152,7 +152,8 @@ def test_a_long_prompt_replays_a_captured_prefill(prompt_len, width, fresh, monk
     for captured in (True, False):
         if not captured:
             monkeypatch.setattr(ModelRunner, "chunk_bucket", lambda self, item: None)
-        engine = LLMEngine(model, gpu, EngineConfig(max_num_seqs=1, max_model_len=8300, max_num_batched_tokens=8192))
+        engine = LLMEngine(model, gpu, EngineConfig(max_num_seqs=1, max_model_len=8300,
+                                                    max_num_batched_tokens=8192))
         engine.add_request("0", prompt, params)
         results[captured] = [o.token_ids for o in engine.run_until_done()]
         if captured:

@@ -113,10 +113,10 @@ def test_long_prompts_replay_captured_fresh_prefills(monkeypatch):
     padded, a long one filled to within `MAX_LONG_PADDING`), captured over their own first batch (the
     scratch slots hold only padding), attending through the backend's fresh path (`MetaCapacity.fresh`)
     from `AttnCaps.fresh_min_tokens` on, over their own K/V on the paged kernel below, by the prompt's own
-    length as its eager pass decides (a line inside a bucket captures it twice); a prompt that would pad a long bucket more runs
-    eagerly; a short prompt whose bucket reaches past max_model_len fits the captured tables (it
-    once raised "a block table has 4 blocks, more than max_blocks=3"). Greedy tokens are the eager
-    pass's."""
+    length as its eager pass decides (a line inside a bucket captures it twice); a prompt that would pad a
+    long bucket more runs eagerly; a short prompt whose bucket reaches past max_model_len fits the captured
+    tables (it once raised "a block table has 4 blocks, more than max_blocks=3"). Greedy tokens are the
+    eager pass's."""
     from runtime.execution import prefill_buckets, runner as runner_module
 
     # 16 / 32 / 64 tokens stand in for the short (<= 1K), medium (1.5K-4K) and long (8K+) ranges
@@ -129,7 +129,8 @@ def test_long_prompts_replay_captured_fresh_prefills(monkeypatch):
     case = golden_case("ouro-tiny")
     model = zoo.from_pretrained(case.path, dtype="bfloat16")
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=gen).tolist() for n in (64, 60, 24, 31, 10, 9)]
+    prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=gen).tolist()
+               for n in (64, 60, 24, 31, 10, 9)]
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     outs = {}
     for captured in (True, False):
@@ -140,8 +141,8 @@ def test_long_prompts_replay_captured_fresh_prefills(monkeypatch):
                                                                  max_model_len=66, graphs=True, max_num_seqs=1))
             # the fresh line inside the short bucket: both of its passes captured at start
             short = LLMEngine(model, TritonOnCpu(fresh_attention="sdpa", fresh_min_tokens=10),
-                              EngineConfig(block_size=4, max_num_batched_tokens=64, max_model_len=12, graphs=True,
-                                           max_num_seqs=1))
+                              EngineConfig(block_size=4, max_num_batched_tokens=64, max_model_len=12,
+                                           graphs=True, max_num_seqs=1))
             short.runner.capture_at_start(model.default_num_loops, 12)    # as a GPU Hal's engine does
             at_start = {k[1:] for k in short.runner.graphs.captured if k[0] == "prefill"}
             outs[captured] = []
@@ -154,14 +155,17 @@ def test_long_prompts_replay_captured_fresh_prefills(monkeypatch):
             assert runner.env.num_scratch_slots < 32
             captures = runner.graphs.captured
             assert {k[1:] for k in captures if k[0] == "prefill"} == {
-                (64, loops, planes, True, False), (32, loops, planes, False, False), (32, loops, planes, True, False)}
+                (64, loops, planes, True, False), (32, loops, planes, False, False),
+                (32, loops, planes, True, False)}
             assert captures[("prefill", 64, loops, planes, True, False)].ctx.meta.fresh_lens == (64,)
-            assert captures[("prefill", 32, loops, planes, True, False)].ctx.meta.fresh_lens == (32,)   # 31 tokens
-            medium = captures[("prefill", 32, loops, planes, False, False)].ctx.meta                  # 24 tokens
+            # 31 tokens: fresh; 24 tokens: their own K/V
+            assert captures[("prefill", 32, loops, planes, True, False)].ctx.meta.fresh_lens == (32,)
+            medium = captures[("prefill", 32, loops, planes, False, False)].ctx.meta
             assert medium.fresh_lens is None and medium.own_kv
             short_captures = short.runner.graphs.captured
             assert {k[1:] for k in short_captures if k[0] == "prefill"} == at_start == {   # none on first use
-                (16, loops, planes, False, False), (16, loops, planes, True, False), (16, loops, planes, False, True)}
+                (16, loops, planes, False, False), (16, loops, planes, True, False),
+                (16, loops, planes, False, True)}
             assert short_captures[("prefill", 16, loops, planes, True, False)].ctx.meta.fresh_lens == (16,)
     assert outs[True] == outs[False]
 
@@ -220,7 +224,8 @@ def test_mixed_steps_decode_rows_on_the_row_kernel_packed_and_eager_alike(monkey
     for graphs in (True, False):
         with interpreter(), torch.inference_mode():
             engine = LLMEngine(model, TritonOnCpu(configs=configs, num_compute_units=4),
-                               EngineConfig(block_size=4, max_num_batched_tokens=24, graphs=graphs, max_num_seqs=4))
+                               EngineConfig(block_size=4, max_num_batched_tokens=24, graphs=graphs,
+                                            max_num_seqs=4))
             engine.add_request("0", case.prompt(0), params)
             engine.step()
             for i in range(1, 4):            # prompts joining request 0's decodes, two chunks a step

@@ -320,7 +320,8 @@ def test_cudnn_mode_takes_cudnn_batches_only():
 
 
 @pytest.mark.parametrize("mode,heads,kv_heads,lens", [("cudnn", 4, 4, [12]), ("flash", 4, 2, [12]),
-                                                      ("flash", 4, 4, [9, 9])], ids=["cudnn", "gqa", "two-prompts"])
+                                                      ("flash", 4, 4, [9, 9])],
+                         ids=["cudnn", "gqa", "two-prompts"])
 def test_no_fresh_batch_pays_a_v_copy(monkeypatch, mode, heads, kv_heads, lens):
     """The fresh path gets v as the projection's view whichever kernel takes the batch."""
     seen = []
