@@ -2,7 +2,7 @@
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
 #   END=560 [PARTS="cells tests gaps fp8prefill fp8rows fp8kvprefill prefilltiles fp8tests ab s54 s54b s55 s56
-#                   s57 s58 s59 s60 ring rows configs huginn profile profile_batches landed tcrows smallbatch"] \
+#                   s57 s58 s59 s60 s61 ring rows configs huginn profile profile_batches landed tcrows smallbatch"] \
 #     bash tools/acceptance_call.sh
 # END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by
 # GPU; H200_PARTS and OTHER_PARTS set them for one kind of card only).
@@ -33,6 +33,12 @@ step() {   # step NAME COST LIMIT CMD...: skip when COST seconds no longer fit b
   STATUS+=("$(printf '%-40s rc=%-3s %4ss' "$name" "$?" "$((SECONDS - start))")")
 }
 bench() { local name=$1; shift; step "$name" 35 150 python3 -m runtime.bench hal=${HAL:-cuda} weights=random output="$ROWS" "$@"; }
+OLD=${OLD:-.old}    # the tree before, where a part compares against it (`git archive <commit>` carried in)
+old_bench() {       # bench in $OLD's tree, if carried
+  [ -d "$OLD" ] || return 0
+  pushd "$OLD" > /dev/null && bench "$@"
+  popd > /dev/null
+}
 FP8=(engine.kv_dtype=fp8 engine.weights_dtype=fp8)
 T128='+workloads.t128={batch:1,prompt:128,new:16}'    # a 128-token prompt's time to first token, little decode
 ONE_ROW='{"gemv_slice_w8a8": [1, 128, 8, 1, 0, 0, 1, 512, 48]}'   # the W8A8 entry before lever 122
@@ -278,6 +284,31 @@ s60() {   # lever 138 over FP8: a 1,024-token prompt now attends through cuDNN o
       popd > /dev/null
     fi
   done
+}
+s61() {   # lever 139: a prompt's W8A8 products of up to 128 rows on the tile kernel with K split: the probe at
+          # 128 rows, then its best tile against _scaled_mm in the engine (FP8 weights + KV), and the b1 cells
+          # against $OLD (the tree before: the decode GEMV's split epilogue moved into gemv.split_k_sum)
+  local round split='{"fp8_linear_w8a8": [64, 64, 4, 4, 0, 0, 1, 128, 0, 0]}' prompts=('workload=[t128,ttft1k]')
+  step "fp8 prompt products (split)" 90 200 python3 tools/fp8_kernels_bench.py --only prompt --prompt-rows 128 \
+    --budget 170 --out "$OUT/fp8_prompt.jsonl" --env-out "$OUT/w8a8.json"
+  [ -s "$OUT/w8a8.json" ] && split=$(cat "$OUT/w8a8.json")
+  echo "W8A8 entry: $split" >> "$LOG"
+  for round in 1 2; do
+    LOOPSTACK_KERNEL_CONFIGS=$split bench "fp8 prompts split tile ($round)" model=ouro-1.4b "${FP8[@]}" "$T128" \
+      "${prompts[@]}"
+    bench "fp8 prompts scaled_mm ($round)" model=ouro-1.4b "${FP8[@]}" "$T128" "${prompts[@]}"
+    if (( round == 1 )); then
+      bench "bf16 prompts" model=ouro-1.4b "$T128" "${prompts[@]}"
+      bench "ouro b1 bf16" model=ouro-1.4b 'workload=[b1]'
+      old_bench "ouro b1 bf16 $OLD" model=ouro-1.4b 'workload=[b1]'
+    fi
+  done
+  LOOPSTACK_KERNEL_CONFIGS=$split step "pytest fp8 (split entry)" 60 150 bash -c "python3 -m pytest -m cuda \
+    tests/cuda/test_fp8_cuda.py -q -rs -p no:cacheprovider >> $OUT/pytest.txt 2>&1"
+  LOOPSTACK_KERNEL_CONFIGS=$split bench "b64 fp8 split tile" model=ouro-1.4b "${FP8[@]}" 'workload=[b64]'
+  bench "b64 fp8 scaled_mm" model=ouro-1.4b "${FP8[@]}" 'workload=[b64]'
+  bench "ouro b1 fp8" model=ouro-1.4b "${FP8[@]}" 'workload=[b1]'
+  old_bench "ouro b1 fp8 $OLD" model=ouro-1.4b "${FP8[@]}" 'workload=[b1]'
 }
 profile() {   # where Ouro-1.4B's b1 step goes since the sm_90 table's one-row entries, bf16 and FP8 weights + KV
   bench "ouro b1 bf16 profile" model=ouro-1.4b 'workload=[b1]' profile=4

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
+from dataclasses import astuple, replace
 import math
 import random
 import sys
@@ -283,14 +283,20 @@ PROMPT_ROWS = (32, 128, 512, 1024)
 W8A8_TILES = [KernelConfig(bm, bn, w, st, block_k=bk) for bm, bn, w, st, bk in (
     (64, 64, 4, 4, 128), (64, 32, 4, 4, 128), (32, 64, 4, 4, 128), (64, 128, 4, 3, 128), (128, 64, 8, 3, 128),
     (64, 64, 4, 3, 256), (128, 128, 8, 3, 128))]
+# lever 139: the leaders at 128 rows with K split (0: until every SM has a program; 2 and 4 fixed)
+W8A8_SPLIT_TILES = [KernelConfig(bm, bn, w, st, block_k=bk, split_k=sk) for bm, bn, w, st, bk, sk in (
+    (64, 64, 4, 4, 128, 0), (64, 64, 4, 4, 128, 2), (64, 64, 4, 4, 128, 4), (64, 32, 4, 4, 128, 0),
+    (64, 64, 4, 3, 256, 0), (128, 64, 8, 3, 128, 0), (32, 64, 4, 4, 128, 0))]
+TILE_KEY = "fp8_linear_w8a8"
 
 
 def _tile_label(c: KernelConfig, form: str) -> str:
-    return f"tile {form} {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} k{c.block_k}"
+    split = "" if c.split_k == 1 else f" sk{c.split_k or 'auto'}"
+    return f"tile {form} {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} k{c.block_k}{split}"
 
 
-def prompt_sums(rows: list) -> None:
-    """Prints each variant's sum over Ouro-1.4B's four products per M (a layer-loop's products)."""
+def prompt_sums(rows: list) -> dict[tuple[int, str], float]:
+    """Prints and returns each variant's sum over Ouro-1.4B's four products per M (a layer-loop's products)."""
     sums: dict[tuple[int, str], list[float]] = {}
     for r in rows:
         if r.group == "prompt" and r.us is not None:
@@ -298,21 +304,33 @@ def prompt_sums(rows: list) -> None:
     whole = {key: sum(us) for key, us in sums.items() if len(us) == len(SHAPES) - 1}     # lm_head is not timed
     for (m, variant), us in sorted(whole.items()):
         print(f"prompt   sum        {m:>4} {variant:34} {us:8.2f}")
+    return whole
 
 
-def prompt_projection_cells(bench: Bench) -> None:
+def best_tile(sums: dict[tuple[int, str], float], num_rows: int) -> KernelConfig | None:
+    """The W8A8 tile config with the least sum at `num_rows`, if it beats `_scaled_mm` on the same rows."""
+    tiles = {_tile_label(c, "W8A8"): c for c in W8A8_TILES + W8A8_SPLIT_TILES}
+    timed = [(us, tiles[v]) for (m, v), us in sums.items() if m == num_rows and v in tiles]
+    library = sums.get((num_rows, "scaled_mm on rows"))
+    if not timed or library is None:
+        return None
+    us, config = min(timed, key=lambda t: t[0])
+    return config if us < library else None
+
+
+def prompt_projection_cells(bench: Bench, row_counts: tuple[int, ...] = PROMPT_ROWS) -> None:
     """Lever 129: a prompt's FP8 products (32-1,024 rows) on `torch._scaled_mm` with its quantization launch
     (the engine's path past the decode rows) beside cuBLAS bf16 (lever 129's W8A16 tiles lost and left this
     run: their rows are docs/data/h100-s53-call5-fp8-prompt.jsonl). Lever 134: the products alone on rows already
     quantized (as lever 132's boundaries hand q|k|v and gate|up theirs), `_scaled_mm` against the tile
-    kernel's W8A8 form in `W8A8_TILES`."""
+    kernel's W8A8 form in `W8A8_TILES`; lever 139: with K split (`W8A8_SPLIT_TILES`)."""
     for name, (n, k) in SHAPES.items():
         if name != "lm_head":
-            _prompt_shape_cells(bench, name, n, k)      # its weight copies are freed on return
+            _prompt_shape_cells(bench, name, n, k, row_counts)     # its weight copies are freed on return
             torch.cuda.empty_cache()
 
 
-def _prompt_shape_cells(bench: Bench, name: str, n: int, k: int) -> None:
+def _prompt_shape_cells(bench: Bench, name: str, n: int, k: int, row_counts: tuple[int, ...]) -> None:
     import torch.nn.functional as F
 
     from hal.common.kv_quant import quantize
@@ -327,7 +345,7 @@ def _prompt_shape_cells(bench: Bench, name: str, n: int, k: int) -> None:
     bf16 = [torch.randn(n, k, device=bench.device, dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
     fp8 = [quantize(w.float(), FP8) for w in bf16]
     variants = [("scaled_mm W8A8", lambda x, w, s: scaled_mm_linear(x, w, s, None, quantize_rows))]
-    for m in PROMPT_ROWS:
+    for m in row_counts:
         xs = [_randn(m, k, device=bench.device) for _ in range(copies)]
         io = 2 * m * (k + n)
         ref = xs[0].float() @ bf16[0].float().T
@@ -340,7 +358,7 @@ def _prompt_shape_cells(bench: Bench, name: str, n: int, k: int) -> None:
         rows = [QuantizedRows(*quantize_rows(x), x.dtype) for x in xs]           # quantized before the timing
         on_rows = [("scaled_mm on rows", scaled_mm_rows)]
         on_rows += [(_tile_label(c, "W8A8"), lambda r, w, s, c=c: w8a16.fp8_linear(r, w, s, None, c))
-                    for c in W8A8_TILES]
+                    for c in W8A8_TILES + W8A8_SPLIT_TILES]
         for label, fn in on_rows:
             bench.cell("prompt", name, m, label,
                        lambda rows=rows, fn=fn: [lambda r=r, ws=ws, fn=fn: fn(r, *ws) for r, ws in zip(rows, fp8)],
@@ -356,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="one group of cells (attnrows: the row kernel's sweep at batch 64 and 128; "
                              "layout: lever 49's cache-layout diagnostic; prompt: levers 129 and 134's prompt-sized "
                              "FP8 products, not part of the default run)")
+    parser.add_argument("--prompt-rows", default=None, help="prompt: the row counts, e.g. 32,128 (default: "
+                        + ",".join(map(str, PROMPT_ROWS)) + ")")
+    parser.add_argument("--env-out", default=None, help="prompt: write the W8A8 tile config with the least sum at "
+                        "the largest row count (if it beats _scaled_mm there) as LOOPSTACK_KERNEL_CONFIGS JSON")
     args = parser.parse_args(argv)
     from hal.kernels.backend import device_compute_units
 
@@ -368,8 +390,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.only == "layout":
         layout_cells(bench)
     if args.only == "prompt":
-        prompt_projection_cells(bench)
-        prompt_sums(bench.rows)
+        row_counts = tuple(int(m) for m in args.prompt_rows.split(",")) if args.prompt_rows else PROMPT_ROWS
+        prompt_projection_cells(bench, row_counts)
+        best = best_tile(prompt_sums(bench.rows), max(row_counts))
+        print(f"best W8A8 tile at {max(row_counts)} rows: {best}")
+        if args.env_out and best is not None:
+            Path(args.env_out).write_text(json.dumps({TILE_KEY: list(astuple(best))}) + "\n")
     for group, cells in (("attn", attention_cells), ("write", write_cells), ("proj", projection_cells)):
         if args.only in (None, group):
             cells(bench)

@@ -166,6 +166,8 @@ def _cdna3() -> dict[str, KernelConfig]:
 
 
 W8A8_TILE_CANDIDATE = KernelConfig(64, 64, 4, 4, block_k=128)     # lever 137's `fp8_linear_w8a8` (sm_90)
+# lever 139's: the same tile, K split until every SM has a program (o and down four ways at 128 rows)
+W8A8_SPLIT_CANDIDATE = KernelConfig(64, 64, 4, 4, block_k=128, split_k=0)
 
 _TABLES: dict[str, dict[str, KernelConfig]] = {
     # H100/H200: 8 warps = two warpgroups for wgmma on 128 query rows. Decode: 64-key tiles, 2 stages

@@ -9,8 +9,16 @@ small M is bound by), widened to x's dtype
 accumulator once at the end (they factor out of the sum over K), then the bias. Every product is
 exact and only the accumulation order differs from the torch reference (dequantize in float32, then
 matmul), so the two agree to float32 rounding for fp32 activations.
+
+Split-K (the config's `split_k`: 1 none, 0 as many as give every compute unit a program, n that many):
+a few hundred rows leave the 2,048-wide products of Ouro-1.4B a few dozen tiles, far fewer programs than
+SMs, each streaming all of K; split, each program streams a share of K and the last split of a tile sums
+the fp32 partials in split order (`gemv.split_k_sum`: the same bits run after run) before the epilogue.
+Grid `(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), splits)`.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -19,6 +27,7 @@ import triton.language as tl
 from hal.common.quantized_rows import QuantizedRows
 from hal.kernels.attention import dot_precision
 from hal.kernels.configs import KernelConfig
+from hal.kernels.gemv import auto_split_k, split_k_sum, whole_splits
 from hal.kernels.launch import Launch, backend_of, check_device, launch_options, run_launch
 
 BLOCK_K = 64
@@ -26,46 +35,92 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
 @triton.jit(do_not_specialize=["num_rows"])      # a step's size (hal/kernels/launch.py)
-def _fp8_linear_kernel(out_ptr, x_ptr, w_ptr, scale_ptr, bias_ptr, x_scale_ptr, num_rows, num_cols, num_inner,
-                       stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       HAS_X_SCALE: tl.constexpr = False):
+def _fp8_linear_kernel(out_ptr, x_ptr, w_ptr, scale_ptr, bias_ptr, x_scale_ptr, part_ptr, count_ptr, num_rows,
+                       num_cols, num_inner, k_per_split, stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr, HAS_X_SCALE: tl.constexpr = False, SPLIT_K: tl.constexpr = 1):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < num_rows
     col_ok = cols < num_cols
+    first = tl.program_id(2) * k_per_split                                      # this split's share of K
+    end = tl.minimum(first + k_per_split, num_inner)
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm                                # [M, 1]
     w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_wn                                # [1, N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for step in range(tl.cdiv(num_inner, BLOCK_K)):
-        inner = step * BLOCK_K + tl.arange(0, BLOCK_K)
-        inner_ok = inner < num_inner
+    for step in range(tl.cdiv(end - first, BLOCK_K)):
+        inner = first + step * BLOCK_K + tl.arange(0, BLOCK_K)
+        inner_ok = inner < end
         a = tl.load(x_ptrs + inner[None, :], mask=row_ok[:, None] & inner_ok[None, :], other=0.0)   # [M, K]
         b = tl.load(w_ptrs + inner[:, None], mask=inner_ok[:, None] & col_ok[None, :], other=0.0)   # [K, N]
         acc += tl.dot(a, b.to(a.dtype), input_precision=DOT_PRECISION)
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K == 1:
+        _epilogue(acc, out_ptr, scale_ptr, bias_ptr, x_scale_ptr, rows, cols, row_ok, col_ok, mask, stride_om,
+                  HAS_BIAS, HAS_X_SCALE)
+    else:
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        acc, last = split_k_sum(acc, part_ptr, count_ptr, tile, tl.program_id(2), rows, cols, mask, num_rows,
+                                num_cols, SPLIT_K)
+        if last:
+            _epilogue(acc, out_ptr, scale_ptr, bias_ptr, x_scale_ptr, rows, cols, row_ok, col_ok, mask, stride_om,
+                      HAS_BIAS, HAS_X_SCALE)
+
+
+@triton.jit
+def _epilogue(acc, out_ptr, scale_ptr, bias_ptr, x_scale_ptr, rows, cols, row_ok, col_ok, mask, stride_om,
+              HAS_BIAS: tl.constexpr, HAS_X_SCALE: tl.constexpr):
     acc = acc * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_X_SCALE:         # W8A8: x's rows came quantized (FP8 x FP8 products on the tensor cores)
         acc = acc * tl.load(x_scale_ptr + rows, mask=row_ok, other=0.0)[:, None]
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+             mask=mask)
+
+
+class SplitPlan(NamedTuple):
+    """The grid's K side of one launch (it depends on the shape, the config and the device's size only)."""
+
+    split_k: int
+    k_per_split: int                     # a multiple of the config's K step
+
+
+def split_plan(num_rows: int, num_cols: int, num_inner: int, config: KernelConfig,
+               num_compute_units: int) -> SplitPlan:
+    """How many programs share each output tile's K (module docstring): none past COUNTER_SLOTS tiles."""
+    from hal.kernels.gemv_ops import COUNTER_SLOTS
+
+    block_k = config.block_k or BLOCK_K
+    k_tiles = max(1, -(-num_inner // block_k))
+    num_tiles = -(-num_rows // max(config.block_m, 16)) * -(-num_cols // config.block_n)
+    split = config.split_k or auto_split_k(num_tiles, k_tiles, num_compute_units)
+    if num_tiles > COUNTER_SLOTS:
+        split = 1
+    split, tiles_per_split = whole_splits(k_tiles, split)
+    return SplitPlan(split, tiles_per_split * block_k)
 
 
 def fp8_linear_launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                       out: torch.Tensor, config: KernelConfig, target: str,
-                      x_scale: torch.Tensor | None = None) -> Launch:
+                      x_scale: torch.Tensor | None = None, num_compute_units: int = 1,
+                      workspace: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> Launch:
     """x `[M, K]` (FP8 with `x_scale` `[M, 1]` float32: W8A8), weight `[N, K]` FP8, scale `[N]` float32,
-    bias `[N]` or None, out `[M, N]`."""
+    bias `[N]` or None, out `[M, N]`. A split-K plan needs `workspace` (>= splits * M * N float32) and
+    `counters` (int32 zeros, one per output tile: hal/kernels/gemv_ops.split_counters)."""
     rows, inner = x.shape
     cols = weight.shape[0]
-    grid = (-(-rows // config.block_m), -(-cols // config.block_n))
+    p = split_plan(rows, cols, inner, config, num_compute_units)
+    if p.split_k > 1 and (workspace is None or counters is None):
+        raise ValueError("a split-K fp8_linear needs a workspace and counters")
+    grid = (-(-rows // config.block_m), -(-cols // config.block_n), p.split_k)
     return Launch(_fp8_linear_kernel, grid, (
-        out, x, weight, scale, scale if bias is None else bias, scale if x_scale is None else x_scale, rows, cols,
-        inner, x.stride(0), weight.stride(0), out.stride(0)), dict(
+        out, x, weight, scale, scale if bias is None else bias, scale if x_scale is None else x_scale,
+        out if workspace is None else workspace, out if counters is None else counters, rows, cols, inner,
+        p.k_per_split, x.stride(0), weight.stride(0), out.stride(0)), dict(
         HAS_BIAS=bias is not None, BLOCK_M=max(config.block_m, 16), BLOCK_N=config.block_n,
         BLOCK_K=config.block_k or BLOCK_K, DOT_PRECISION=dot_precision(x.dtype, target),
-        HAS_X_SCALE=x_scale is not None, **launch_options(config, target)))
+        HAS_X_SCALE=x_scale is not None, SPLIT_K=p.split_k, **launch_options(config, target)))
 
 
 def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale: torch.Tensor,
@@ -89,5 +144,15 @@ def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale: tor
     if x.shape[0]:
         config = config or KernelConfig(16, 32, 4, 1)
         w = weight if weight.stride(-1) == 1 else weight.contiguous()      # column views (Huginn's adapter) as they are
-        run_launch(fp8_linear_launch(x, w, scale, bias, out, config, backend_of(x.device), x_scale))
+        kw = {}
+        if config.split_k != 1:
+            from hal.kernels.backend import device_compute_units
+            from hal.kernels.gemv_ops import split_counters
+
+            kw["num_compute_units"] = units = device_compute_units(x.device)
+            splits = split_plan(x.shape[0], w.shape[0], x.shape[1], config, units).split_k
+            if splits > 1:
+                kw["workspace"] = torch.empty(splits * out.numel(), dtype=torch.float32, device=x.device)
+                kw["counters"] = split_counters(x.device)
+        run_launch(fp8_linear_launch(x, w, scale, bias, out, config, backend_of(x.device), x_scale, **kw))
     return out

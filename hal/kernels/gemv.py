@@ -169,30 +169,40 @@ def _weight_scale(w_scale_ptr, cols, col_mask, W_SCALED: tl.constexpr, BLOCK_N: 
 
 
 @triton.jit
+def split_k_sum(acc, part_ptr, count_ptr, tile, pid_k, rows, cols, mask, M, N, SPLIT_K: tl.constexpr):
+    """Split-K's deterministic sum: this program's fp32 partial `acc` goes to part `[SPLIT_K, M, N]`, and the
+    last split to arrive at output tile `tile` (an atomic counter, which it resets for the next launch) gets
+    back the partials summed in split order and True; the other splits get `acc` and False."""
+    parts = part_ptr + (rows[:, None] * N + cols[None, :])                         # split 0's [M, N]
+    tl.store(parts + pid_k * M * N, acc, mask=mask)
+    tl.debug_barrier()                        # every thread's partial is written before the release
+    arrived = tl.atomic_add(count_ptr + tile, 1)                                   # acq_rel, device scope
+    last = arrived == SPLIT_K - 1
+    if last:
+        acc = tl.load(parts, mask=mask, other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLIT_K):
+            acc += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(count_ptr + tile, 0)                                        # ready for the next launch
+    return acc, last
+
+
+@triton.jit
 def _finish(acc, out_ptr, out_res_ptr, part_ptr, count_ptr, w_scale, rows, cols, row_mask, col_mask, M, N,
             pid_n, pid_k, stride_om, stride_orm, ADD_RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr,
             W_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr):
     """The epilogue of a program's fp32 sum `acc [BLOCK_M, BLOCK_N]`: the FP8 weight scale (`w_scale`), the
-    residual add, the store; with split-K the partial goes to part `[SPLIT_K, M, N]` and the last
-    split to arrive at the column block sums them in split order (deterministic) and stores."""
+    residual add, the store; with split-K only the last split of the column block stores (`split_k_sum`)."""
     mask = row_mask[:, None] & col_mask[None, :]
     if SPLIT_K == 1:
         if W_SCALED:
             acc = acc * w_scale[None, :]
         _store_out(out_ptr, out_res_ptr, acc, rows, cols, mask, stride_om, stride_orm, ADD_RESIDUAL, DT)
     else:
-        parts = part_ptr + (rows[:, None] * N + cols[None, :])                     # split 0's [M, N]
-        tl.store(parts + pid_k * M * N, acc, mask=mask)
-        tl.debug_barrier()                    # every thread's partial is written before the release
-        arrived = tl.atomic_add(count_ptr + pid_n, 1)                              # acq_rel, device scope
-        if arrived == SPLIT_K - 1:           # the last split of this column block: sum in split order
-            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                total += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+        acc, last = split_k_sum(acc, part_ptr, count_ptr, pid_n, pid_k, rows, cols, mask, M, N, SPLIT_K)
+        if last:
             if W_SCALED:
-                total = total * w_scale[None, :]
-            _store_out(out_ptr, out_res_ptr, total, rows, cols, mask, stride_om, stride_orm, ADD_RESIDUAL, DT)
-            tl.atomic_xchg(count_ptr + pid_n, 0)                                   # ready for the next launch
+                acc = acc * w_scale[None, :]
+            _store_out(out_ptr, out_res_ptr, acc, rows, cols, mask, stride_om, stride_orm, ADD_RESIDUAL, DT)
 
 
 class Plan(NamedTuple):
@@ -221,14 +231,26 @@ def plan(num_rows: int, n: int, k: int, config: KernelConfig, num_compute_units:
     if split == 0 and wide:
         split = _wide_split(-(-n // config.block_n), k_tiles, block_m, config, num_compute_units)
     elif split == 0:
-        col_blocks = -(-n // config.block_n)
-        split = 1
-        while (col_blocks * split < num_compute_units and split < MAX_SPLIT_K
-               and k_tiles // (2 * split) >= MIN_TILES_PER_SPLIT):
-            split *= 2
-    split = max(1, min(split, k_tiles))
-    tiles_per_split = -(-k_tiles // split)
-    return Plan(block_m, -(-k_tiles // tiles_per_split), tiles_per_split * config.block_k)
+        split = auto_split_k(-(-n // config.block_n), k_tiles, num_compute_units)
+    split, tiles_per_split = whole_splits(k_tiles, split)
+    return Plan(block_m, split, tiles_per_split * config.block_k)
+
+
+def auto_split_k(num_tiles: int, k_tiles: int, num_compute_units: int) -> int:
+    """The smallest power of two of splits that gives every compute unit one of `num_tiles` output tiles'
+    programs, keeping at least MIN_TILES_PER_SPLIT of the `k_tiles` steps of K per split."""
+    split = 1
+    while (num_tiles * split < num_compute_units and split < MAX_SPLIT_K
+           and k_tiles // (2 * split) >= MIN_TILES_PER_SPLIT):
+        split *= 2
+    return split
+
+
+def whole_splits(k_tiles: int, split: int) -> tuple[int, int]:
+    """(splits, K steps per split) for about `split` splits of `k_tiles` steps, each split whole steps
+    (the last may hold fewer)."""
+    tiles_per_split = -(-k_tiles // max(1, min(split, k_tiles)))
+    return -(-k_tiles // tiles_per_split), tiles_per_split
 
 
 def _wide_split(col_blocks: int, k_tiles: int, block_m: int, config: KernelConfig, num_compute_units: int) -> int:

@@ -45,7 +45,7 @@ COUNTER_SLOTS = 1 << 16          # column blocks a split-K launch may have (N / 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _counters(device: torch.device) -> torch.Tensor:
+def split_counters(device: torch.device) -> torch.Tensor:
     """Split-K arrival counters for a launch on `device`, zero between launches (the last split resets
     its own). Launches on one stream run one after another, so one set per stream serves them all;
     two streams may run at once (async speculation drafts on a side stream beside the verify), so
@@ -159,7 +159,7 @@ class Gemv:
             splits = num_splits(k, slice_config)
             if splits > 1:
                 kw["workspace"] = torch.empty(splits * rows * n, dtype=torch.float32, device=x2.device)
-                kw["counters"] = _counters(x2.device)
+                kw["counters"] = split_counters(x2.device)
             run_launch(slice_gemv_launch(x2, weight, out, slice_config, backend_of(x2.device), prologue=prologue,
                                          **kw))
             return out
@@ -171,7 +171,7 @@ class Gemv:
         p = plan(rows, n, k, config, units, wide=wide)
         if p.split_k > 1:
             kw["workspace"] = torch.empty(p.split_k * rows * n, dtype=torch.float32, device=x2.device)
-            kw["counters"] = _counters(x2.device)
+            kw["counters"] = split_counters(x2.device)
         # wide rows load their first weight tile before the PDL wait (docs/performance.md, lever 53)
         run_launch(gemv_launch(x2, weight, out, config, backend_of(x2.device), units, prologue=prologue,
                                preload=wide, **kw))

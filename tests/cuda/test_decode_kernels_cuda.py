@@ -102,8 +102,8 @@ def test_split_k_projections_on_two_streams_at_once(gpu):
     for ref, out in zip(refs, outs):
         assert sum(not torch.equal(o, ref) for o in out) == 0
     with torch.cuda.stream(side):
-        side_counters = gemv_ops._counters(xs[0].device)
-    assert side_counters is not gemv_ops._counters(xs[0].device)
+        side_counters = gemv_ops.split_counters(xs[0].device)
+    assert side_counters is not gemv_ops.split_counters(xs[0].device)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
@@ -126,7 +126,7 @@ def test_wide_entry_runs_decode_batches_in_a_graph(shape):
     plain = torch.empty_like(eager)
     run_launch(gemv.gemv_launch(x, weight, plain, KernelConfig(16, 64, 4, 4, block_k=128, split_k=split), "cuda",
                                 units, workspace=torch.empty(split * 64 * n, device="cuda"),
-                                counters=gemv_ops._counters(x.device)))
+                                counters=gemv_ops.split_counters(x.device)))
     assert torch.equal(eager, plain)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

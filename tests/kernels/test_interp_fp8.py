@@ -353,3 +353,50 @@ def test_quantized_rows_up_to_128_take_the_w8a8_tile_on_sm_90(monkeypatch):
         want = without(rows, weight, scale)
         assert calls == ["scaled_mm"]
         assert (got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
+
+
+@pytest.mark.parametrize("form", ["w8a8", "w8a16-bf16", "w8a16-fp32"])
+def test_split_k_tiles_sum_their_shares_of_k_in_split_order(form):
+    """Lever 139: with `split_k` (fixed, or 0: enough programs for every compute unit) each program streams a
+    share of K and the last split of a tile sums the partials in split order before the epilogue: the
+    dequantized product to the form's rounding, the same bits run after run, the arrival counters back at
+    zero; ragged M, N and K (a last split of fewer K steps, a masked last step)."""
+    from hal.common.quantized_rows import QuantizedRows
+    from hal.kernels.fp8_linear import split_plan
+
+    weight, scale = quantize(torch.randn(72, 600) * 0.05, torch.float8_e4m3fn)
+    x = (torch.randn(40, 600) * torch.rand(40, 1) * 4)
+    if form == "w8a8":
+        x = QuantizedRows(*quantize_rows(x.bfloat16(), torch.float8_e4m3fn), torch.bfloat16)
+        ref = (x.data.double() * x.scale.double()) @ (weight.double() * scale.double()[:, None]).T
+    else:
+        x = x.bfloat16() if form == "w8a16-bf16" else x
+        ref = x.double() @ (weight.double() * scale.double()[:, None]).T
+    whole = fp8_linear(x, weight, scale, None, KernelConfig(64, 32, 4, 2, block_k=64))
+    for split_k, splits in ((3, 3), (0, 2)):          # 10 steps of K: 4 + 4 + 2; auto: 3 tiles on 4 units
+        config = KernelConfig(64, 32, 4, 2, block_k=64, split_k=split_k)
+        assert split_plan(40, 72, 600, config, 4).split_k == splits
+        got = fp8_linear(x, weight, scale, None, config)
+        assert torch.equal(got, fp8_linear(x, weight, scale, None, config))
+        assert not gemv_ops.split_counters(torch.device("cpu")).any()
+        err = (got.double() - ref).abs()
+        if form == "w8a16-fp32":
+            assert err.max().item() <= 1e-5
+        else:
+            assert (err <= 2 ** -7 * ref.abs() + 1e-3).all()
+            assert (got.float() - whole.float()).abs().max() <= 2e-2 * whole.float().abs().max()
+
+
+def test_split_plan_fills_the_device_at_ouro_s_prompt_products():
+    """The plan at 128 rows of Ouro-1.4B's products in 64 x 64 tiles, 128 of K a step, on 132 SMs: the
+    2,048-wide o and down split four ways (64 tiles -> 256 programs), q|k|v and gate|up (192 and 352 tiles)
+    stay whole; a fixed split of 16 steps by 3 is 6 + 6 + 4; one split where the counters would not reach."""
+    from hal.kernels.fp8_linear import SplitPlan, split_plan
+
+    auto = KernelConfig(64, 64, 4, 4, block_k=128, split_k=0)
+    assert split_plan(128, 2048, 2048, auto, 132) == SplitPlan(4, 512)
+    assert split_plan(128, 2048, 5632, auto, 132) == SplitPlan(4, 11 * 128)
+    assert split_plan(128, 6144, 2048, auto, 132) == SplitPlan(1, 2048)
+    assert split_plan(128, 11264, 2048, auto, 132) == SplitPlan(1, 2048)
+    assert split_plan(128, 2048, 2048, KernelConfig(64, 64, 4, 4, block_k=128, split_k=3), 132) == SplitPlan(3, 768)
+    assert split_plan(1 << 16, 1 << 12, 2048, KernelConfig(16, 32, 4, 4, block_k=128, split_k=4), 132).split_k == 1

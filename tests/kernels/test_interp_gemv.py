@@ -150,7 +150,7 @@ def test_wide_entry_takes_decode_batches_past_max_rows(rows, monkeypatch):
     gate_up = torch.randn(rows, 2 * k).bfloat16()
     _assert_product(ops.silu_mul_linear(gate_up, weight), silu_and_mul_ref(gate_up), weight, "wide silu_and_mul")
     assert ops.projection_takes(rows, k) and not ops.projection_takes(4, k)     # 2..8 rows stay on the GEMM
-    assert not gemv_ops._counters(torch.device("cpu")).any()
+    assert not gemv_ops.split_counters(torch.device("cpu")).any()
 
 
 def test_prologue_switches_give_the_same_function(monkeypatch):
@@ -176,7 +176,7 @@ def test_split_k_is_deterministic_and_leaves_counters_zero():
     first = ops.linear(x, weight)
     assert torch.equal(first, ops.linear(x, weight))
     assert gemv.plan(1, 48, 160, FMA_PREFETCH_SPLIT, 16).split_k == 3
-    assert not gemv_ops._counters(torch.device("cpu")).any()
+    assert not gemv_ops.split_counters(torch.device("cpu")).any()
 
 
 def test_rows_do_not_depend_on_their_neighbours():
@@ -299,7 +299,7 @@ def test_one_row_slices_up_to_their_limit_and_leave_counters_zero():
     first = ops.silu_mul_linear(gate_up, down)
     assert torch.equal(first, ops.silu_mul_linear(gate_up, down))
     _assert_product(first, silu_and_mul_ref(gate_up), down, "two slices")
-    assert not gemv_ops._counters(torch.device("cpu")).any()
+    assert not gemv_ops.split_counters(torch.device("cpu")).any()
     x2 = torch.randn(1, 64).bfloat16()
     assert not ops.projection_takes(1, 64) and not ops.projection_takes(1, 96)
     assert torch.equal(ops.linear(x2, down), torch.nn.functional.linear(x2, down))
@@ -409,7 +409,7 @@ def test_fp8_one_row_takes_the_slice_kernel_in_up_to_split_k_slices(monkeypatch)
         assert torch.equal(out, ops.fp8_linear(x, weight, scale))
         assert (launches[-1:] == [weight.shape]) == sliced, (k, launches)
         launches.clear()
-    assert not gemv_ops._counters(torch.device("cpu")).any()
+    assert not gemv_ops.split_counters(torch.device("cpu")).any()
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e4m3fnuz], ids=["e4m3fn", "e4m3fnuz"])
@@ -461,7 +461,7 @@ def test_fp8_swiglu_down_is_one_launch_on_fp8_linears_kernel(monkeypatch):
         kernels.clear()
         dequantized = weight.float() * scale[:, None]
         _assert_product(out, silu_and_mul_ref(gate_up).float(), dequantized, f"K={k}", residual)
-    assert not gemv_ops._counters(torch.device("cpu")).any()
+    assert not gemv_ops.split_counters(torch.device("cpu")).any()
 
 
 class _Fp8Hal:

@@ -96,6 +96,15 @@ def test_w8a8_tile_candidate_compiles_clean_for_sm_90():
     assert report.mma == "wgmma" and not report.problems, report
 
 
+def test_w8a8_split_candidate_compiles_clean_for_sm_90():
+    """Lever 139's candidate: the same tile with K split four ways at that shape (the last split's sum of the
+    fp32 partials in the epilogue): still wgmma, no spills."""
+    from hal.kernels.configs import W8A8_SPLIT_CANDIDATE
+
+    report = xcompile.compile_case("fp8_linear_w8a8/e4m3fn", W8A8_SPLIT_CANDIDATE, "sm_90")
+    assert report.mma == "wgmma" and not report.problems, report
+
+
 def test_oversized_tile_is_flagged():
     """A 256x128 prefill tile on 4 waves cannot fit gfx942's 512 VGPRs: the check must say so.
     (256x256 spills too, but takes 25 s of CPU to compile; this one 6 s.)"""
