@@ -2,7 +2,7 @@
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
 #   END=560 [PARTS="cells tests gaps fp8prefill fp8rows fp8kvprefill prefilltiles fp8tests ab s54 s54b s55 s56
-#                   s57 s58 s59 s60 s61 ring rows configs huginn profile profile_batches landed tcrows smallbatch"] \
+#                   s57 s58 s59 s60 s61 s62 ring rows configs huginn profile profile_batches landed tcrows smallbatch"] \
 #     bash tools/acceptance_call.sh
 # END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by
 # GPU; H200_PARTS and OTHER_PARTS set them for one kind of card only).
@@ -309,6 +309,22 @@ s61() {   # lever 139: a prompt's W8A8 products of up to 128 rows on the tile ke
   bench "b64 fp8 scaled_mm" model=ouro-1.4b "${FP8[@]}" 'workload=[b64]'
   bench "ouro b1 fp8" model=ouro-1.4b "${FP8[@]}" 'workload=[b1]'
   old_bench "ouro b1 fp8 $OLD" model=ouro-1.4b "${FP8[@]}" 'workload=[b1]'
+}
+s62() {   # lever 139 with each split at least fp8_linear.MIN_K_PER_SPLIT of K (only down splits, in two): the probe
+          # at 64 and 128 rows, then its best tile against _scaled_mm at 128 and 1,024-token prompts and batch 64
+  local round split='{"fp8_linear_w8a8": [64, 64, 4, 4, 0, 0, 1, 128, 0, 0]}'
+  step "fp8 prompt products (split)" 60 120 python3 tools/fp8_kernels_bench.py --only prompt --prompt-rows 64,128 \
+    --budget 100 --out "$OUT/fp8_prompt.jsonl" --env-out "$OUT/w8a8.json"
+  [ -s "$OUT/w8a8.json" ] && split=$(cat "$OUT/w8a8.json")
+  echo "W8A8 entry: $split" >> "$LOG"
+  for round in 1 2; do
+    LOOPSTACK_KERNEL_CONFIGS=$split bench "fp8 prompts tile ($round)" model=ouro-1.4b "${FP8[@]}" "$T128" \
+      'workload=[t128,ttft1k]'
+    bench "fp8 prompts scaled_mm ($round)" model=ouro-1.4b "${FP8[@]}" "$T128" 'workload=[t128,ttft1k]'
+    LOOPSTACK_KERNEL_CONFIGS=$split bench "b64 fp8 tile ($round)" model=ouro-1.4b "${FP8[@]}" 'workload=[b64]'
+    bench "b64 fp8 scaled_mm ($round)" model=ouro-1.4b "${FP8[@]}" 'workload=[b64]'
+  done
+  bench "bf16 prompts" model=ouro-1.4b "$T128" 'workload=[t128,ttft1k]'
 }
 profile() {   # where Ouro-1.4B's b1 step goes since the sm_90 table's one-row entries, bf16 and FP8 weights + KV
   bench "ouro b1 bf16 profile" model=ouro-1.4b 'workload=[b1]' profile=4

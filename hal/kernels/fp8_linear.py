@@ -10,11 +10,11 @@ accumulator once at the end (they factor out of the sum over K), then the bias. 
 exact and only the accumulation order differs from the torch reference (dequantize in float32, then
 matmul), so the two agree to float32 rounding for fp32 activations.
 
-Split-K (the config's `split_k`: 1 none, 0 as many as give every compute unit a program, n that many):
-a few hundred rows leave the 2,048-wide products of Ouro-1.4B a few dozen tiles, far fewer programs than
-SMs, each streaming all of K; split, each program streams a share of K and the last split of a tile sums
-the fp32 partials in split order (`gemv.split_k_sum`: the same bits run after run) before the epilogue.
-Grid `(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), splits)`.
+Split-K (the config's `split_k`: 1 none, n that many, 0 as many as give every compute unit a program while
+each split keeps MIN_K_PER_SPLIT of K): a hundred rows leave Ouro-1.4B's 2,048-wide products a few dozen
+tiles, fewer programs than SMs, each streaming all of K; split, each program streams a share of K and the
+last split of a tile sums the fp32 partials in split order (`gemv.split_k_sum`: the same bits run after
+run) before the epilogue. Grid `(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), splits)`.
 """
 from __future__ import annotations
 
@@ -31,6 +31,9 @@ from hal.kernels.gemv import auto_split_k, split_k_sum, whole_splits
 from hal.kernels.launch import Launch, backend_of, check_device, launch_options, run_launch
 
 BLOCK_K = 64
+# a split-K share shorter than this lost on an H100 at 128 rows (lever 139's probe): o (K = 2,048) 7.3 us whole,
+# 7.6 in two, 9.1 in four; down (K = 5,632) 15.6 whole, 12.1 in two or four; q|k|v in two 9.4 -> 12.7
+MIN_K_PER_SPLIT = 1536
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
@@ -94,7 +97,7 @@ def split_plan(num_rows: int, num_cols: int, num_inner: int, config: KernelConfi
     block_k = config.block_k or BLOCK_K
     k_tiles = max(1, -(-num_inner // block_k))
     num_tiles = -(-num_rows // max(config.block_m, 16)) * -(-num_cols // config.block_n)
-    split = config.split_k or auto_split_k(num_tiles, k_tiles, num_compute_units)
+    split = config.split_k or auto_split_k(num_tiles, k_tiles, num_compute_units, -(-MIN_K_PER_SPLIT // block_k))
     if num_tiles > COUNTER_SLOTS:
         split = 1
     split, tiles_per_split = whole_splits(k_tiles, split)

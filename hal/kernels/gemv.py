@@ -236,12 +236,13 @@ def plan(num_rows: int, n: int, k: int, config: KernelConfig, num_compute_units:
     return Plan(block_m, split, tiles_per_split * config.block_k)
 
 
-def auto_split_k(num_tiles: int, k_tiles: int, num_compute_units: int) -> int:
+def auto_split_k(num_tiles: int, k_tiles: int, num_compute_units: int,
+                 min_tiles_per_split: int = MIN_TILES_PER_SPLIT) -> int:
     """The smallest power of two of splits that gives every compute unit one of `num_tiles` output tiles'
-    programs, keeping at least MIN_TILES_PER_SPLIT of the `k_tiles` steps of K per split."""
+    programs, keeping at least `min_tiles_per_split` of the `k_tiles` steps of K per split."""
     split = 1
     while (num_tiles * split < num_compute_units and split < MAX_SPLIT_K
-           and k_tiles // (2 * split) >= MIN_TILES_PER_SPLIT):
+           and k_tiles // (2 * split) >= min_tiles_per_split):
         split *= 2
     return split
 

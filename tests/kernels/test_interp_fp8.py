@@ -360,12 +360,13 @@ def test_split_k_tiles_sum_their_shares_of_k_in_split_order(form):
     """Lever 139: with `split_k` (fixed, or 0: enough programs for every compute unit) each program streams a
     share of K and the last split of a tile sums the partials in split order before the epilogue: the
     dequantized product to the form's rounding, the same bits run after run, the arrival counters back at
-    zero; ragged M, N and K (a last split of fewer K steps, a masked last step)."""
+    zero; ragged M, N and K (a last split of fewer K steps, a masked last step). K = 3,200 in steps of 64 is 50
+    steps: fixed at 3, 17 + 17 + 16; auto, on 4 units, two of 25 (each at least `MIN_K_PER_SPLIT` = 24 steps)."""
     from hal.common.quantized_rows import QuantizedRows
     from hal.kernels.fp8_linear import split_plan
 
-    weight, scale = quantize(torch.randn(72, 600) * 0.05, torch.float8_e4m3fn)
-    x = (torch.randn(40, 600) * torch.rand(40, 1) * 4)
+    weight, scale = quantize(torch.randn(72, 3200) * 0.05, torch.float8_e4m3fn)
+    x = (torch.randn(40, 3200) * torch.rand(40, 1) * 4)
     if form == "w8a8":
         x = QuantizedRows(*quantize_rows(x.bfloat16(), torch.float8_e4m3fn), torch.bfloat16)
         ref = (x.data.double() * x.scale.double()) @ (weight.double() * scale.double()[:, None]).T
@@ -373,9 +374,9 @@ def test_split_k_tiles_sum_their_shares_of_k_in_split_order(form):
         x = x.bfloat16() if form == "w8a16-bf16" else x
         ref = x.double() @ (weight.double() * scale.double()[:, None]).T
     whole = fp8_linear(x, weight, scale, None, KernelConfig(64, 32, 4, 2, block_k=64))
-    for split_k, splits in ((3, 3), (0, 2)):          # 10 steps of K: 4 + 4 + 2; auto: 3 tiles on 4 units
+    for split_k, splits in ((3, 3), (0, 2)):
         config = KernelConfig(64, 32, 4, 2, block_k=64, split_k=split_k)
-        assert split_plan(40, 72, 600, config, 4).split_k == splits
+        assert split_plan(40, 72, 3200, config, 4).split_k == splits
         got = fp8_linear(x, weight, scale, None, config)
         assert torch.equal(got, fp8_linear(x, weight, scale, None, config))
         assert not gemv_ops.split_counters(torch.device("cpu")).any()
@@ -388,14 +389,17 @@ def test_split_k_tiles_sum_their_shares_of_k_in_split_order(form):
 
 
 def test_split_plan_fills_the_device_at_ouro_s_prompt_products():
-    """The plan at 128 rows of Ouro-1.4B's products in 64 x 64 tiles, 128 of K a step, on 132 SMs: the
-    2,048-wide o and down split four ways (64 tiles -> 256 programs), q|k|v and gate|up (192 and 352 tiles)
-    stay whole; a fixed split of 16 steps by 3 is 6 + 6 + 4; one split where the counters would not reach."""
+    """The plan at 128 rows of Ouro-1.4B's products in 64 x 64 tiles, 128 of K a step, on 132 SMs: only down
+    splits, in two (its 64 tiles under 132 SMs, 22 steps of K each; four would leave 11, under
+    `MIN_K_PER_SPLIT`); o (16 steps) and q|k|v at 64 rows (96 tiles) stay whole, as q|k|v and gate|up at 128
+    rows (192 and 352 tiles); a fixed split of 16 steps by 3 is 6 + 6 + 4; one split where the counters would
+    not reach."""
     from hal.kernels.fp8_linear import SplitPlan, split_plan
 
     auto = KernelConfig(64, 64, 4, 4, block_k=128, split_k=0)
-    assert split_plan(128, 2048, 2048, auto, 132) == SplitPlan(4, 512)
-    assert split_plan(128, 2048, 5632, auto, 132) == SplitPlan(4, 11 * 128)
+    assert split_plan(128, 2048, 2048, auto, 132) == SplitPlan(1, 2048)
+    assert split_plan(128, 2048, 5632, auto, 132) == SplitPlan(2, 22 * 128)
+    assert split_plan(64, 6144, 2048, auto, 132) == SplitPlan(1, 2048)
     assert split_plan(128, 6144, 2048, auto, 132) == SplitPlan(1, 2048)
     assert split_plan(128, 11264, 2048, auto, 132) == SplitPlan(1, 2048)
     assert split_plan(128, 2048, 2048, KernelConfig(64, 64, 4, 4, block_k=128, split_k=3), 132) == SplitPlan(3, 768)

@@ -97,7 +97,7 @@ def test_w8a8_tile_candidate_compiles_clean_for_sm_90():
 
 
 def test_w8a8_split_candidate_compiles_clean_for_sm_90():
-    """Lever 139's candidate: the same tile with K split four ways at that shape (the last split's sum of the
+    """Lever 139's candidate: the same tile with K split in two at that shape (the last split's sum of the
     fp32 partials in the epilogue): still wgmma, no spills."""
     from hal.kernels.configs import W8A8_SPLIT_CANDIDATE
 
