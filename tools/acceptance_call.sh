@@ -287,7 +287,7 @@ s60() {   # lever 138 over FP8: a 1,024-token prompt now attends through cuDNN o
 }
 s61() {   # lever 139: a prompt's W8A8 products of up to 128 rows on the tile kernel with K split: the probe at
           # 128 rows, then its best tile against _scaled_mm in the engine (FP8 weights + KV), and the b1 cells
-          # against $OLD (the tree before: the decode GEMV's split epilogue moved into gemv.split_k_sum)
+          # against $OLD (the tree before: the decode GEMV's split epilogue moved into gemv's split_k helpers)
   local round split='{"fp8_linear_w8a8": [64, 64, 4, 4, 0, 0, 1, 128, 0, 0]}' prompts=('workload=[t128,ttft1k]')
   step "fp8 prompt products (split)" 90 200 python3 tools/fp8_kernels_bench.py --only prompt --prompt-rows 128 \
     --budget 170 --out "$OUT/fp8_prompt.jsonl" --env-out "$OUT/w8a8.json"

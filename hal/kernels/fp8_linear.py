@@ -13,7 +13,7 @@ matmul), so the two agree to float32 rounding for fp32 activations.
 Split-K (the config's `split_k`: 1 none, n that many, 0 as many as give every compute unit a program while
 each split keeps MIN_K_PER_SPLIT of K): a hundred rows leave Ouro-1.4B's 2,048-wide products a few dozen
 tiles, fewer programs than SMs, each streaming all of K; split, each program streams a share of K and the
-last split of a tile sums the fp32 partials in split order (`gemv.split_k_sum`: the same bits run after
+last split of a tile sums the fp32 partials in split order (`gemv.split_k_total`: the same bits run after
 run) before the epilogue. Grid `(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), splits)`.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import triton.language as tl
 from hal.common.quantized_rows import QuantizedRows
 from hal.kernels.attention import dot_precision
 from hal.kernels.configs import KernelConfig
-from hal.kernels.gemv import auto_split_k, split_k_sum, whole_splits
+from hal.kernels.gemv import auto_split_k, split_k_arrive, split_k_total, whole_splits
 from hal.kernels.launch import Launch, backend_of, check_device, launch_options, run_launch
 
 BLOCK_K = 64
@@ -63,11 +63,13 @@ def _fp8_linear_kernel(out_ptr, x_ptr, w_ptr, scale_ptr, bias_ptr, x_scale_ptr, 
                   HAS_BIAS, HAS_X_SCALE)
     else:
         tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        acc, last = split_k_sum(acc, part_ptr, count_ptr, tile, tl.program_id(2), rows, cols, mask, num_rows,
-                                num_cols, SPLIT_K)
-        if last:
-            _epilogue(acc, out_ptr, scale_ptr, bias_ptr, x_scale_ptr, rows, cols, row_ok, col_ok, mask, stride_om,
-                      HAS_BIAS, HAS_X_SCALE)
+        parts, last = split_k_arrive(acc, part_ptr, count_ptr, tile, tl.program_id(2), rows, cols, mask, num_rows,
+                                     num_cols, SPLIT_K)
+        if last:                             # the last split of this tile
+            total = split_k_total(parts, mask, num_rows, num_cols, SPLIT_K, BLOCK_M, BLOCK_N)
+            _epilogue(total, out_ptr, scale_ptr, bias_ptr, x_scale_ptr, rows, cols, row_ok, col_ok, mask,
+                      stride_om, HAS_BIAS, HAS_X_SCALE)
+            tl.atomic_xchg(count_ptr + tile, 0)                                    # ready for the next launch
 
 
 @triton.jit

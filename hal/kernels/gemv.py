@@ -169,21 +169,24 @@ def _weight_scale(w_scale_ptr, cols, col_mask, W_SCALED: tl.constexpr, BLOCK_N: 
 
 
 @triton.jit
-def split_k_sum(acc, part_ptr, count_ptr, tile, pid_k, rows, cols, mask, M, N, SPLIT_K: tl.constexpr):
-    """Split-K's deterministic sum: this program's fp32 partial `acc` goes to part `[SPLIT_K, M, N]`, and the
-    last split to arrive at output tile `tile` (an atomic counter, which it resets for the next launch) gets
-    back the partials summed in split order and True; the other splits get `acc` and False."""
+def split_k_arrive(acc, part_ptr, count_ptr, tile, pid_k, rows, cols, mask, M, N, SPLIT_K: tl.constexpr):
+    """Split-K's deterministic sum, first half: this program's fp32 partial `acc` goes to part `[SPLIT_K, M, N]`
+    and it arrives at output tile `tile`'s atomic counter. Returns (split 0's partials, whether this is the
+    last split to arrive), which then sums them in split order (`split_k_total`) and resets the counter."""
     parts = part_ptr + (rows[:, None] * N + cols[None, :])                         # split 0's [M, N]
     tl.store(parts + pid_k * M * N, acc, mask=mask)
-    tl.debug_barrier()                        # every thread's partial is written before the release
+    tl.debug_barrier()                    # every thread's partial is written before the release
     arrived = tl.atomic_add(count_ptr + tile, 1)                                   # acq_rel, device scope
-    last = arrived == SPLIT_K - 1
-    if last:
-        acc = tl.load(parts, mask=mask, other=0.0, cache_modifier=".cg")
-        for s in tl.static_range(1, SPLIT_K):
-            acc += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-        tl.atomic_xchg(count_ptr + tile, 0)                                        # ready for the next launch
-    return acc, last
+    return parts, arrived == SPLIT_K - 1
+
+
+@triton.jit
+def split_k_total(parts, mask, M, N, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The partials of every split, summed in split order (the same bits run after run)."""
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        total += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+    return total
 
 
 @triton.jit
@@ -191,18 +194,21 @@ def _finish(acc, out_ptr, out_res_ptr, part_ptr, count_ptr, w_scale, rows, cols,
             pid_n, pid_k, stride_om, stride_orm, ADD_RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr,
             W_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr):
     """The epilogue of a program's fp32 sum `acc [BLOCK_M, BLOCK_N]`: the FP8 weight scale (`w_scale`), the
-    residual add, the store; with split-K only the last split of the column block stores (`split_k_sum`)."""
+    residual add, the store; with split-K the partial goes to part `[SPLIT_K, M, N]` and the last
+    split to arrive at the column block sums them in split order (deterministic) and stores."""
     mask = row_mask[:, None] & col_mask[None, :]
     if SPLIT_K == 1:
         if W_SCALED:
             acc = acc * w_scale[None, :]
         _store_out(out_ptr, out_res_ptr, acc, rows, cols, mask, stride_om, stride_orm, ADD_RESIDUAL, DT)
     else:
-        acc, last = split_k_sum(acc, part_ptr, count_ptr, pid_n, pid_k, rows, cols, mask, M, N, SPLIT_K)
-        if last:
+        parts, last = split_k_arrive(acc, part_ptr, count_ptr, pid_n, pid_k, rows, cols, mask, M, N, SPLIT_K)
+        if last:                             # the last split of this column block
+            total = split_k_total(parts, mask, M, N, SPLIT_K, BLOCK_M, BLOCK_N)
             if W_SCALED:
-                acc = acc * w_scale[None, :]
-            _store_out(out_ptr, out_res_ptr, acc, rows, cols, mask, stride_om, stride_orm, ADD_RESIDUAL, DT)
+                total = total * w_scale[None, :]
+            _store_out(out_ptr, out_res_ptr, total, rows, cols, mask, stride_om, stride_orm, ADD_RESIDUAL, DT)
+            tl.atomic_xchg(count_ptr + pid_n, 0)                                   # ready for the next launch
 
 
 class Plan(NamedTuple):
