@@ -310,8 +310,9 @@ s61() {   # lever 139: a prompt's W8A8 products of up to 128 rows on the tile ke
   bench "ouro b1 fp8" model=ouro-1.4b "${FP8[@]}" 'workload=[b1]'
   old_bench "ouro b1 fp8 $OLD" model=ouro-1.4b "${FP8[@]}" 'workload=[b1]'
 }
-s62() {   # lever 139 with each split at least fp8_linear.MIN_K_PER_SPLIT of K (only down splits, in two): the probe
-          # at 64 and 128 rows, then its best tile against _scaled_mm at 128 and 1,024-token prompts and batch 64
+s62() {   # lever 139 with each split at least fp8_linear.MIN_K_PER_SPLIT of K (only down splits, in two) and PDL with
+          # the first weight tile before the wait: the probe at 64 and 128 rows, then its best tile against
+          # _scaled_mm at 128 and 1,024-token prompts and batch 64
   local round split='{"fp8_linear_w8a8": [64, 64, 4, 4, 0, 0, 1, 128, 0, 0]}'
   step "fp8 prompt products (split)" 60 120 python3 tools/fp8_kernels_bench.py --only prompt --prompt-rows 64,128 \
     --budget 100 --out "$OUT/fp8_prompt.jsonl" --env-out "$OUT/w8a8.json"

@@ -15,6 +15,10 @@ each split keeps MIN_K_PER_SPLIT of K): a hundred rows leave Ouro-1.4B's 2,048-w
 tiles, fewer programs than SMs, each streaming all of K; split, each program streams a share of K and the
 last split of a tile sums the fp32 partials in split order (`gemv.split_k_total`: the same bits run after
 run) before the epilogue. Grid `(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), splits)`.
+
+PDL (hal/kernels/pdl.py): the kernel waits for the one before only when it needs x. The W8A8 form (rows
+quantized by the kernel before: a prompt's products of up to 128 rows) loads its first weight tile before
+that wait (PRELOAD), so the tile streams while the boundary or the quantization before it drains.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from hal.kernels.attention import dot_precision
 from hal.kernels.configs import KernelConfig
 from hal.kernels.gemv import auto_split_k, split_k_arrive, split_k_total, whole_splits
 from hal.kernels.launch import Launch, backend_of, check_device, launch_options, run_launch
+from hal.kernels.pdl import pdl_wait
 
 BLOCK_K = 64
 # a split-K share shorter than this lost on an H100 at 128 rows (lever 139's probe): o (K = 2,048) 7.3 us whole,
@@ -41,7 +46,8 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 def _fp8_linear_kernel(out_ptr, x_ptr, w_ptr, scale_ptr, bias_ptr, x_scale_ptr, part_ptr, count_ptr, num_rows,
                        num_cols, num_inner, k_per_split, stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr, HAS_X_SCALE: tl.constexpr = False, SPLIT_K: tl.constexpr = 1):
+                       DOT_PRECISION: tl.constexpr, HAS_X_SCALE: tl.constexpr = False, SPLIT_K: tl.constexpr = 1,
+                       PRELOAD: tl.constexpr = False, PDL: tl.constexpr = False):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < num_rows
@@ -51,8 +57,18 @@ def _fp8_linear_kernel(out_ptr, x_ptr, w_ptr, scale_ptr, bias_ptr, x_scale_ptr, 
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm                                # [M, 1]
     w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_wn                                # [1, N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for step in range(tl.cdiv(end - first, BLOCK_K)):
-        inner = first + step * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_start = first
+    if PRELOAD:               # weights never depend on the kernel before: the first tile streams under its tail
+        inner = first + tl.arange(0, BLOCK_K)
+        inner_ok = inner < end
+        b = tl.load(w_ptrs + inner[:, None], mask=inner_ok[:, None] & col_ok[None, :], other=0.0)
+    pdl_wait(PDL)             # x and its scales come from the kernel before
+    if PRELOAD:
+        a = tl.load(x_ptrs + inner[None, :], mask=row_ok[:, None] & inner_ok[None, :], other=0.0)
+        acc += tl.dot(a, b.to(a.dtype), input_precision=DOT_PRECISION)
+        k_start = first + BLOCK_K
+    for step in range(tl.cdiv(end - k_start, BLOCK_K)):
+        inner = k_start + step * BLOCK_K + tl.arange(0, BLOCK_K)
         inner_ok = inner < end
         a = tl.load(x_ptrs + inner[None, :], mask=row_ok[:, None] & inner_ok[None, :], other=0.0)   # [M, K]
         b = tl.load(w_ptrs + inner[:, None], mask=inner_ok[:, None] & col_ok[None, :], other=0.0)   # [K, N]
@@ -125,7 +141,8 @@ def fp8_linear_launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
         p.k_per_split, x.stride(0), weight.stride(0), out.stride(0)), dict(
         HAS_BIAS=bias is not None, BLOCK_M=max(config.block_m, 16), BLOCK_N=config.block_n,
         BLOCK_K=config.block_k or BLOCK_K, DOT_PRECISION=dot_precision(x.dtype, target),
-        HAS_X_SCALE=x_scale is not None, SPLIT_K=p.split_k, **launch_options(config, target)))
+        HAS_X_SCALE=x_scale is not None, SPLIT_K=p.split_k, PRELOAD=x_scale is not None,
+        **launch_options(config, target)))
 
 
 def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale: torch.Tensor,
