@@ -321,12 +321,13 @@ def test_engine_over_an_fp8_cache_through_triton_with_graphs():
 
 
 
-def test_quantized_rows_up_to_128_take_the_w8a8_tile_on_sm_90(monkeypatch):
-    """Lever 137: with an `fp8_linear_w8a8` entry (its sm_90 candidate; no table names it until it is
-    measured in the engine) W8A8 products of at most `W8A8_TILE_MAX_ROWS` quantized rows run the tile
-    kernel's W8A8 form, more rows `_scaled_mm`; rows quantized by the op itself (o's input) and by the
-    kernel before (`QuantizedRows`) alike; the two forms agree to bf16 rounding; a table without the
-    entry keeps `_scaled_mm` for every size."""
+@pytest.mark.parametrize("candidate", ["W8A8_TILE_CANDIDATE", "W8A8_SPLIT_CANDIDATE"])
+def test_quantized_rows_up_to_128_take_the_w8a8_tile_on_sm_90(monkeypatch, candidate):
+    """Lever 137: with an `fp8_linear_w8a8` entry (its sm_90 candidates, whole or with K split (lever 139); no
+    table names one until it is measured in the engine) W8A8 products of at most `W8A8_TILE_MAX_ROWS`
+    quantized rows run the tile kernel's W8A8 form, more rows `_scaled_mm`; rows quantized by the op itself
+    (o's input) and by the kernel before (`QuantizedRows`) alike; the two forms agree to bf16 rounding; a
+    table without the entry keeps `_scaled_mm` for every size."""
     import hal.cuda.fp8 as fp8_module
     from hal.common.quantized_rows import QuantizedRows
     from hal.kernels import fp8_linear as fp8_linear_kernels
@@ -337,14 +338,16 @@ def test_quantized_rows_up_to_128_take_the_w8a8_tile_on_sm_90(monkeypatch):
                         lambda *a, **k: calls.append("tile") or tile(*a, **k))
     monkeypatch.setattr(fp8_module, "scaled_mm_rows",
                         lambda *a, **k: calls.append("scaled_mm") or scaled(*a, **k))
-    weight, scale = quantize(torch.randn(48, 64) * 0.05, torch.float8_e4m3fn)
-    from hal.kernels.configs import W8A8_TILE_CANDIDATE
+    import hal.kernels.configs as config_module
 
+    # K = 3,200: 25 steps of 128, so the split candidate splits in two on the interpreter's 4 units
+    weight, scale = quantize(torch.randn(48, 3200) * 0.05, torch.float8_e4m3fn)
     without = fp8_linear_op("sm_90", configs_for("sm_90"), True)
-    linear = fp8_linear_op("sm_90", {**configs_for("sm_90"), "fp8_linear_w8a8": W8A8_TILE_CANDIDATE}, True)
+    entry = getattr(config_module, candidate)
+    linear = fp8_linear_op("sm_90", {**configs_for("sm_90"), "fp8_linear_w8a8": entry}, True)
     for num_rows, form in ((40, "tile"), (fp8_module.W8A8_TILE_MAX_ROWS, "tile"),
                            (fp8_module.W8A8_TILE_MAX_ROWS + 1, "scaled_mm")):
-        x = torch.randn(num_rows, 64).bfloat16()
+        x = torch.randn(num_rows, 3200).bfloat16()
         rows = QuantizedRows(*quantize_rows(x, torch.float8_e4m3fn), x.dtype)
         calls.clear()
         got, from_x = linear(rows, weight, scale), linear(x, weight, scale)
