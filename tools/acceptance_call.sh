@@ -2,7 +2,8 @@
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
 #   END=560 [PARTS="cells tests gaps fp8prefill fp8rows fp8kvprefill prefilltiles fp8tests ab s54 s54b s55 s56
-#                   s57 s58 s59 s60 s61 s62 ring rows configs huginn profile profile_batches landed tcrows smallbatch"] \
+#                   s57 s58 s59 s60 s61 s62 ring rows configs huginn profile profile_batches landed tcrows
+#                   smallbatch"] \
 #     bash tools/acceptance_call.sh
 # END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by
 # GPU; H200_PARTS and OTHER_PARTS set them for one kind of card only).
@@ -285,17 +286,19 @@ s60() {   # lever 138 over FP8: a 1,024-token prompt now attends through cuDNN o
     fi
   done
 }
-s61() {   # lever 139: a prompt's W8A8 products of up to 128 rows on the tile kernel with K split: the probe at
-          # 128 rows, then its best tile against _scaled_mm in the engine (FP8 weights + KV), and the b1 cells
-          # against $OLD (the tree before: the decode GEMV's split epilogue moved into gemv's split_k helpers)
-  local round split='{"fp8_linear_w8a8": [64, 64, 4, 4, 0, 0, 1, 128, 0, 0]}' prompts=('workload=[t128,ttft1k]')
-  step "fp8 prompt products (split)" 90 200 python3 tools/fp8_kernels_bench.py --only prompt --prompt-rows 128 \
-    --budget 170 --out "$OUT/fp8_prompt.jsonl" --env-out "$OUT/w8a8.json"
+s61() {   # lever 139: a prompt's W8A8 products of up to 128 rows on the tile kernel with K split: the probe
+          # at 128 rows, then its best tile against _scaled_mm in the engine (FP8 weights + KV), and the b1
+          # cells against $OLD (the tree before: the decode GEMV's split epilogue moved into gemv's split_k
+          # helpers)
+  local round split='{"fp8_linear_w8a8": [64, 64, 4, 4, 0, 0, 1, 128, 0, 0]}'
+  local prompts=('workload=[t128,ttft1k]')
+  step "fp8 prompt products (split)" 90 200 python3 tools/fp8_kernels_bench.py --only prompt \
+    --prompt-rows 128 --budget 170 --out "$OUT/fp8_prompt.jsonl" --env-out "$OUT/w8a8.json"
   [ -s "$OUT/w8a8.json" ] && split=$(cat "$OUT/w8a8.json")
   echo "W8A8 entry: $split" >> "$LOG"
   for round in 1 2; do
-    LOOPSTACK_KERNEL_CONFIGS=$split bench "fp8 prompts split tile ($round)" model=ouro-1.4b "${FP8[@]}" "$T128" \
-      "${prompts[@]}"
+    LOOPSTACK_KERNEL_CONFIGS=$split bench "fp8 prompts split tile ($round)" model=ouro-1.4b "${FP8[@]}" \
+      "$T128" "${prompts[@]}"
     bench "fp8 prompts scaled_mm ($round)" model=ouro-1.4b "${FP8[@]}" "$T128" "${prompts[@]}"
     if (( round == 1 )); then
       bench "bf16 prompts" model=ouro-1.4b "$T128" "${prompts[@]}"
@@ -310,12 +313,12 @@ s61() {   # lever 139: a prompt's W8A8 products of up to 128 rows on the tile ke
   bench "ouro b1 fp8" model=ouro-1.4b "${FP8[@]}" 'workload=[b1]'
   old_bench "ouro b1 fp8 $OLD" model=ouro-1.4b "${FP8[@]}" 'workload=[b1]'
 }
-s62() {   # lever 139 with each split at least fp8_linear.MIN_K_PER_SPLIT of K (only down splits, in two) and PDL with
-          # the first weight tile before the wait: the probe at 64 and 128 rows, then its best tile against
-          # _scaled_mm at 128 and 1,024-token prompts and batch 64
+s62() {   # lever 139 with each split at least fp8_linear.MIN_K_PER_SPLIT of K (only down splits, in two) and
+          # PDL with the first weight tile before the wait: the probe at 64 and 128 rows, then its best tile
+          # against _scaled_mm at 128 and 1,024-token prompts and batch 64
   local round split='{"fp8_linear_w8a8": [64, 64, 4, 4, 0, 0, 1, 128, 0, 0]}'
-  step "fp8 prompt products (split)" 60 120 python3 tools/fp8_kernels_bench.py --only prompt --prompt-rows 64,128 \
-    --budget 100 --out "$OUT/fp8_prompt.jsonl" --env-out "$OUT/w8a8.json"
+  step "fp8 prompt products (split)" 60 120 python3 tools/fp8_kernels_bench.py --only prompt \
+    --prompt-rows 64,128 --budget 100 --out "$OUT/fp8_prompt.jsonl" --env-out "$OUT/w8a8.json"
   [ -s "$OUT/w8a8.json" ] && split=$(cat "$OUT/w8a8.json")
   echo "W8A8 entry: $split" >> "$LOG"
   for round in 1 2; do

@@ -296,7 +296,7 @@ def _tile_label(c: KernelConfig, form: str) -> str:
 
 
 def prompt_sums(rows: list) -> dict[tuple[int, str], float]:
-    """Prints and returns each variant's sum over Ouro-1.4B's four products per M (a layer-loop's products)."""
+    """Prints and returns each variant's sum over Ouro-1.4B's four products per M (a layer-loop's)."""
     sums: dict[tuple[int, str], list[float]] = {}
     for r in rows:
         if r.group == "prompt" and r.us is not None:
@@ -376,8 +376,9 @@ def main(argv: list[str] | None = None) -> int:
                              "FP8 products, not part of the default run)")
     parser.add_argument("--prompt-rows", default=None, help="prompt: the row counts, e.g. 32,128 (default: "
                         + ",".join(map(str, PROMPT_ROWS)) + ")")
-    parser.add_argument("--env-out", default=None, help="prompt: write the W8A8 tile config with the least sum at "
-                        "the largest row count (if it beats _scaled_mm there) as LOOPSTACK_KERNEL_CONFIGS JSON")
+    parser.add_argument("--env-out", default=None,
+                        help="prompt: write the W8A8 tile config with the least sum at the largest row count "
+                             "(if it beats _scaled_mm there) as LOOPSTACK_KERNEL_CONFIGS JSON")
     args = parser.parse_args(argv)
     from hal.kernels.backend import device_compute_units
 

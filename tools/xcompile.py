@@ -176,8 +176,9 @@ def _fp8_linear_w8a8(config: KernelConfig, target: str, fp8: torch.dtype, num_ro
     weight = torch.empty(2048, 5632, dtype=fp8)
     scale = torch.empty(2048, dtype=torch.float32)
     out = torch.empty(num_rows, 2048, dtype=SHAPE["dtype"])
-    launch = fp8_linear_launch(x, weight, scale, None, out, config, target, torch.empty(num_rows, dtype=torch.float32),
-                               num_compute_units=132, workspace=torch.empty(16 * num_rows * 2048),
+    launch = fp8_linear_launch(x, weight, scale, None, out, config, target,
+                               torch.empty(num_rows, dtype=torch.float32), num_compute_units=132,
+                               workspace=torch.empty(16 * num_rows * 2048),
                                counters=torch.zeros(1024, dtype=torch.int32))
     return launch._replace(kwargs={**launch.kwargs, "PDL": target == "cuda"})
 

@@ -36,18 +36,18 @@ from hal.kernels.launch import Launch, backend_of, check_device, launch_options,
 from hal.kernels.pdl import pdl_wait
 
 BLOCK_K = 64
-# a split-K share shorter than this lost on an H100 at 128 rows (lever 139's probe): o (K = 2,048) 7.3 us whole,
-# 7.6 in two, 9.1 in four; down (K = 5,632) 15.6 whole, 12.1 in two or four; q|k|v in two 9.4 -> 12.7
+# a split-K share shorter than this lost on an H100 at 128 rows (lever 139's probe): o (K = 2,048) 7.3 us
+# whole, 7.6 in two, 9.1 in four; down (K = 5,632) 15.6 whole, 12.1 in two or four; q|k|v in two 9.4 -> 12.7
 MIN_K_PER_SPLIT = 1536
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
 @triton.jit(do_not_specialize=["num_rows"])      # a step's size (hal/kernels/launch.py)
 def _fp8_linear_kernel(out_ptr, x_ptr, w_ptr, scale_ptr, bias_ptr, x_scale_ptr, part_ptr, count_ptr, num_rows,
-                       num_cols, num_inner, k_per_split, stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr, HAS_X_SCALE: tl.constexpr = False, SPLIT_K: tl.constexpr = 1,
-                       PRELOAD: tl.constexpr = False, PDL: tl.constexpr = False):
+                       num_cols, num_inner, k_per_split, stride_xm, stride_wn, stride_om,
+                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_X_SCALE: tl.constexpr = False,
+                       SPLIT_K: tl.constexpr = 1, PRELOAD: tl.constexpr = False, PDL: tl.constexpr = False):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < num_rows
@@ -58,7 +58,7 @@ def _fp8_linear_kernel(out_ptr, x_ptr, w_ptr, scale_ptr, bias_ptr, x_scale_ptr, 
     w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_wn                                # [1, N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_start = first
-    if PRELOAD:               # weights never depend on the kernel before: the first tile streams under its tail
+    if PRELOAD:               # weights depend on no kernel: the first tile streams under the last one's tail
         inner = first + tl.arange(0, BLOCK_K)
         inner_ok = inner < end
         b = tl.load(w_ptrs + inner[:, None], mask=inner_ok[:, None] & col_ok[None, :], other=0.0)
@@ -79,8 +79,8 @@ def _fp8_linear_kernel(out_ptr, x_ptr, w_ptr, scale_ptr, bias_ptr, x_scale_ptr, 
                   HAS_BIAS, HAS_X_SCALE)
     else:
         tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        parts, last = split_k_arrive(acc, part_ptr, count_ptr, tile, tl.program_id(2), rows, cols, mask, num_rows,
-                                     num_cols, SPLIT_K)
+        parts, last = split_k_arrive(acc, part_ptr, count_ptr, tile, tl.program_id(2), rows, cols, mask,
+                                     num_rows, num_cols, SPLIT_K)
         if last:                             # the last split of this tile
             total = split_k_total(parts, mask, num_rows, num_cols, SPLIT_K, BLOCK_M, BLOCK_N)
             _epilogue(total, out_ptr, scale_ptr, bias_ptr, x_scale_ptr, rows, cols, row_ok, col_ok, mask,
@@ -115,7 +115,8 @@ def split_plan(num_rows: int, num_cols: int, num_inner: int, config: KernelConfi
     block_k = config.block_k or BLOCK_K
     k_tiles = max(1, -(-num_inner // block_k))
     num_tiles = -(-num_rows // max(config.block_m, 16)) * -(-num_cols // config.block_n)
-    split = config.split_k or auto_split_k(num_tiles, k_tiles, num_compute_units, -(-MIN_K_PER_SPLIT // block_k))
+    min_tiles = -(-MIN_K_PER_SPLIT // block_k)
+    split = config.split_k or auto_split_k(num_tiles, k_tiles, num_compute_units, min_tiles)
     if num_tiles > COUNTER_SLOTS:
         split = 1
     split, tiles_per_split = whole_splits(k_tiles, split)

@@ -170,9 +170,10 @@ def _weight_scale(w_scale_ptr, cols, col_mask, W_SCALED: tl.constexpr, BLOCK_N: 
 
 @triton.jit
 def split_k_arrive(acc, part_ptr, count_ptr, tile, pid_k, rows, cols, mask, M, N, SPLIT_K: tl.constexpr):
-    """Split-K's deterministic sum, first half: this program's fp32 partial `acc` goes to part `[SPLIT_K, M, N]`
-    and it arrives at output tile `tile`'s atomic counter. Returns (split 0's partials, whether this is the
-    last split to arrive), which then sums them in split order (`split_k_total`) and resets the counter."""
+    """Split-K's deterministic sum, first half: this program's fp32 partial `acc` goes to part
+    `[SPLIT_K, M, N]` and it arrives at output tile `tile`'s atomic counter. Returns (split 0's partials,
+    whether this is the last split to arrive), which then sums them in split order (`split_k_total`) and
+    resets the counter."""
     parts = part_ptr + (rows[:, None] * N + cols[None, :])                         # split 0's [M, N]
     tl.store(parts + pid_k * M * N, acc, mask=mask)
     tl.debug_barrier()                    # every thread's partial is written before the release

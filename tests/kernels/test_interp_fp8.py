@@ -5,6 +5,7 @@ and the W8A16 linear kernel matches dequantize-then-matmul."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -363,8 +364,9 @@ def test_split_k_tiles_sum_their_shares_of_k_in_split_order(form):
     """Lever 139: with `split_k` (fixed, or 0: enough programs for every compute unit) each program streams a
     share of K and the last split of a tile sums the partials in split order before the epilogue: the
     dequantized product to the form's rounding, the same bits run after run, the arrival counters back at
-    zero; ragged M, N and K (a last split of fewer K steps, a masked last step). K = 3,200 in steps of 64 is 50
-    steps: fixed at 3, 17 + 17 + 16; auto, on 4 units, two of 25 (each at least `MIN_K_PER_SPLIT` = 24 steps)."""
+    zero; ragged M, N and K (a last split of fewer K steps, a masked last step). K = 3,200 in steps of 64
+    is 50 steps: fixed at 3, 17 + 17 + 16; auto, on 4 units, two of 25 (each at least `MIN_K_PER_SPLIT`,
+    24 steps)."""
     from hal.common.quantized_rows import QuantizedRows
     from hal.kernels.fp8_linear import split_plan
 
@@ -405,5 +407,6 @@ def test_split_plan_fills_the_device_at_ouro_s_prompt_products():
     assert split_plan(64, 6144, 2048, auto, 132) == SplitPlan(1, 2048)
     assert split_plan(128, 6144, 2048, auto, 132) == SplitPlan(1, 2048)
     assert split_plan(128, 11264, 2048, auto, 132) == SplitPlan(1, 2048)
-    assert split_plan(128, 2048, 2048, KernelConfig(64, 64, 4, 4, block_k=128, split_k=3), 132) == SplitPlan(3, 768)
-    assert split_plan(1 << 16, 1 << 12, 2048, KernelConfig(16, 32, 4, 4, block_k=128, split_k=4), 132).split_k == 1
+    assert split_plan(128, 2048, 2048, replace(auto, split_k=3), 132) == SplitPlan(3, 768)
+    assert split_plan(1 << 16, 1 << 12, 2048, KernelConfig(16, 32, 4, 4, block_k=128, split_k=4),
+                      132).split_k == 1
