@@ -22,6 +22,7 @@ live at fixed addresses (the runner copies each step's values into them).
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -61,6 +62,7 @@ class TritonMeta(NamedTuple):
     staging: StagingRing | None = None
 
 
+@functools.cache              # a device's size does not change; kernels without a Hal object ask per call
 def device_compute_units(device: torch.device) -> int:
     """SMs / CUs of `device` from Triton's driver (CPU: a small stand-in for the interpreter)."""
     if device.type == "cpu":
