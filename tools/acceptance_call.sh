@@ -321,6 +321,8 @@ s62() {   # lever 139 with each split at least fp8_linear.MIN_K_PER_SPLIT of K (
     --prompt-rows 64,128 --budget 100 --out "$OUT/fp8_prompt.jsonl" --env-out "$OUT/w8a8.json"
   [ -s "$OUT/w8a8.json" ] && split=$(cat "$OUT/w8a8.json")
   echo "W8A8 entry: $split" >> "$LOG"
+  step "pytest w8a8 tile" 40 120 bash -c "python3 -m pytest -m cuda tests/cuda/test_fp8_cuda.py -q -rs \
+    -p no:cacheprovider -k 'w8a8_tile' >> $OUT/pytest.txt 2>&1"
   for round in 1 2; do
     LOOPSTACK_KERNEL_CONFIGS=$split bench "fp8 prompts tile ($round)" model=ouro-1.4b "${FP8[@]}" "$T128" \
       'workload=[t128,ttft1k]'
