@@ -286,16 +286,22 @@ s60() {   # lever 138 over FP8: a 1,024-token prompt now attends through cuDNN o
     fi
   done
 }
+w8a8_probe() {   # w8a8_probe ROWS BUDGET COST LIMIT: lever 139's probe of a prompt's W8A8 products at ROWS
+                 # (tools/fp8_kernels_bench.py); W8A8_ENTRY: its best tile as LOOPSTACK_KERNEL_CONFIGS, else
+                 # the split candidate
+  W8A8_ENTRY='{"fp8_linear_w8a8": [64, 64, 4, 4, 0, 0, 1, 128, 0, 0]}'
+  step "fp8 prompt products (split)" "$3" "$4" python3 tools/fp8_kernels_bench.py --only prompt \
+    --prompt-rows "$1" --budget "$2" --out "$OUT/fp8_prompt.jsonl" --env-out "$OUT/w8a8.json"
+  [ -s "$OUT/w8a8.json" ] && W8A8_ENTRY=$(cat "$OUT/w8a8.json")
+  echo "W8A8 entry: $W8A8_ENTRY" >> "$LOG"
+}
 s61() {   # lever 139: a prompt's W8A8 products of up to 128 rows on the tile kernel with K split: the probe
           # at 128 rows, then its best tile against _scaled_mm in the engine (FP8 weights + KV), and the b1
           # cells against $OLD (the tree before: the decode GEMV's split epilogue moved into gemv's split_k
           # helpers)
-  local round split='{"fp8_linear_w8a8": [64, 64, 4, 4, 0, 0, 1, 128, 0, 0]}'
-  local prompts=('workload=[t128,ttft1k]')
-  step "fp8 prompt products (split)" 90 200 python3 tools/fp8_kernels_bench.py --only prompt \
-    --prompt-rows 128 --budget 170 --out "$OUT/fp8_prompt.jsonl" --env-out "$OUT/w8a8.json"
-  [ -s "$OUT/w8a8.json" ] && split=$(cat "$OUT/w8a8.json")
-  echo "W8A8 entry: $split" >> "$LOG"
+  local round split prompts=('workload=[t128,ttft1k]')
+  w8a8_probe 128 170 90 200
+  split=$W8A8_ENTRY
   for round in 1 2; do
     LOOPSTACK_KERNEL_CONFIGS=$split bench "fp8 prompts split tile ($round)" model=ouro-1.4b "${FP8[@]}" \
       "$T128" "${prompts[@]}"
@@ -316,11 +322,9 @@ s61() {   # lever 139: a prompt's W8A8 products of up to 128 rows on the tile ke
 s62() {   # lever 139 with each split at least fp8_linear.MIN_K_PER_SPLIT of K (only down splits, in two) and
           # PDL with the first weight tile before the wait: the probe at 64 and 128 rows, then its best tile
           # against _scaled_mm at 128 and 1,024-token prompts and batch 64
-  local round split='{"fp8_linear_w8a8": [64, 64, 4, 4, 0, 0, 1, 128, 0, 0]}'
-  step "fp8 prompt products (split)" 60 120 python3 tools/fp8_kernels_bench.py --only prompt \
-    --prompt-rows 64,128 --budget 100 --out "$OUT/fp8_prompt.jsonl" --env-out "$OUT/w8a8.json"
-  [ -s "$OUT/w8a8.json" ] && split=$(cat "$OUT/w8a8.json")
-  echo "W8A8 entry: $split" >> "$LOG"
+  local round split
+  w8a8_probe 64,128 100 60 120
+  split=$W8A8_ENTRY
   step "pytest w8a8 tile" 40 120 bash -c "python3 -m pytest -m cuda tests/cuda/test_fp8_cuda.py -q -rs \
     -p no:cacheprovider -k 'w8a8_tile' >> $OUT/pytest.txt 2>&1"
   for round in 1 2; do
