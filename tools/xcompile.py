@@ -170,14 +170,15 @@ def _fp8_linear(config: KernelConfig, target: str, fp8: torch.dtype, num_rows: i
 def _fp8_linear_w8a8(config: KernelConfig, target: str, fp8: torch.dtype, num_rows: int) -> Launch:
     """Ouro-1.4B's down projection (5632 -> 2048) on `num_rows` rows quantized per row (W8A8), with PDL on
     CUDA as `run_launch` gives it on sm_90 (its first weight tile loads before the wait)."""
-    from hal.kernels.fp8_linear import fp8_linear_launch
+    from hal.kernels.fp8_linear import fp8_linear_launch, split_plan
 
     x = torch.empty(num_rows, 5632, dtype=fp8)
     weight = torch.empty(2048, 5632, dtype=fp8)
     scale = torch.empty(2048, dtype=torch.float32)
     out = torch.empty(num_rows, 2048, dtype=SHAPE["dtype"])
     launch = fp8_linear_launch(x, weight, scale, None, out, config, target,
-                               torch.empty(num_rows, dtype=torch.float32), num_compute_units=132,
+                               torch.empty(num_rows, dtype=torch.float32),
+                               split_plan(num_rows, 2048, 5632, config, num_compute_units=132),
                                workspace=torch.empty(16 * num_rows * 2048),
                                counters=torch.zeros(1024, dtype=torch.int32))
     return launch._replace(kwargs={**launch.kwargs, "PDL": target == "cuda"})

@@ -125,14 +125,15 @@ def split_plan(num_rows: int, num_cols: int, num_inner: int, config: KernelConfi
 
 def fp8_linear_launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                       out: torch.Tensor, config: KernelConfig, target: str,
-                      x_scale: torch.Tensor | None = None, num_compute_units: int = 1,
+                      x_scale: torch.Tensor | None = None, plan: SplitPlan | None = None,
                       workspace: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> Launch:
     """x `[M, K]` (FP8 with `x_scale` `[M, 1]` float32: W8A8), weight `[N, K]` FP8, scale `[N]` float32,
-    bias `[N]` or None, out `[M, N]`. A split-K plan needs `workspace` (>= splits * M * N float32) and
-    `counters` (int32 zeros, one per output tile: hal/kernels/gemv_ops.split_counters)."""
+    bias `[N]` or None, out `[M, N]`; `plan` from `split_plan` (None: the config's on one compute unit). A
+    split-K plan needs `workspace` (>= splits * M * N float32) and `counters` (int32 zeros, one per output
+    tile: hal/kernels/gemv_ops.split_counters)."""
     rows, inner = x.shape
     cols = weight.shape[0]
-    p = split_plan(rows, cols, inner, config, num_compute_units)
+    p = plan or split_plan(rows, cols, inner, config, 1)
     if p.split_k > 1 and (workspace is None or counters is None):
         raise ValueError("a split-K fp8_linear needs a workspace and counters")
     grid = (-(-rows // config.block_m), -(-cols // config.block_n), p.split_k)
@@ -167,15 +168,16 @@ def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale: tor
     if x.shape[0]:
         config = config or KernelConfig(16, 32, 4, 1)
         w = weight if weight.stride(-1) == 1 else weight.contiguous()      # column views (Huginn's adapter) as they are
-        kw = {}
+        plan, kw = None, {}
         if config.split_k != 1:
             from hal.kernels.backend import device_compute_units
             from hal.kernels.gemv_ops import split_counters
 
-            kw["num_compute_units"] = units = device_compute_units(x.device)
-            splits = split_plan(x.shape[0], w.shape[0], x.shape[1], config, units).split_k
-            if splits > 1:
-                kw["workspace"] = torch.empty(splits * out.numel(), dtype=torch.float32, device=x.device)
+            plan = split_plan(x.shape[0], w.shape[0], x.shape[1], config, device_compute_units(x.device))
+            if plan.split_k > 1:
+                kw["workspace"] = torch.empty(plan.split_k * out.numel(), dtype=torch.float32,
+                                              device=x.device)
                 kw["counters"] = split_counters(x.device)
-        run_launch(fp8_linear_launch(x, w, scale, bias, out, config, backend_of(x.device), x_scale, **kw))
+        target = backend_of(x.device)
+        run_launch(fp8_linear_launch(x, w, scale, bias, out, config, target, x_scale, plan, **kw))
     return out
