@@ -2,7 +2,7 @@
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
 #   END=560 [PARTS="cells tests gaps fp8prefill fp8rows fp8kvprefill prefilltiles fp8tests ab s54 s54b s55 s56
-#                   s57 s58 s59 s60 s61 s62 ring rows configs huginn profile profile_batches landed tcrows
+#                   s57 s58 s59 s60 s61 s62 s63 ring rows configs huginn profile profile_batches landed tcrows
 #                   smallbatch"] \
 #     bash tools/acceptance_call.sh
 # END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by
@@ -335,6 +335,15 @@ s62() {   # lever 139 with each split at least fp8_linear.MIN_K_PER_SPLIT of K (
     bench "b64 fp8 scaled_mm ($round)" model=ouro-1.4b "${FP8[@]}" 'workload=[b64]'
   done
   bench "bf16 prompts" model=ouro-1.4b "$T128" 'workload=[t128,ttft1k]'
+}
+s63() {   # lever 139 as landed (the sm_90 table's `fp8_linear_w8a8`): the FP8 cuda tests on the table, then the
+          # table against `_scaled_mm` (the entry removed) at a 128-token prompt and batch 64, FP8 weights + KV
+  local none='{"fp8_linear_w8a8": null}'
+  step "pytest fp8 (table)" 70 150 bash -c "python3 -m pytest -m cuda tests/cuda/test_fp8_cuda.py -q -rs \
+    -p no:cacheprovider >> $OUT/pytest.txt 2>&1"
+  bench "fp8 t128 b64 (table)" model=ouro-1.4b "${FP8[@]}" "$T128" 'workload=[t128,b64]'
+  LOOPSTACK_KERNEL_CONFIGS=$none bench "fp8 t128 b64 scaled_mm" model=ouro-1.4b "${FP8[@]}" "$T128" \
+    'workload=[t128,b64]'
 }
 profile() {   # where Ouro-1.4B's b1 step goes since the sm_90 table's one-row entries, bf16 and FP8 weights + KV
   bench "ouro b1 bf16 profile" model=ouro-1.4b 'workload=[b1]' profile=4

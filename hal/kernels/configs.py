@@ -190,11 +190,14 @@ _TABLES: dict[str, dict[str, KernelConfig]] = {
         # block at 128 rows, about silu_and_mul's and quantize_rows' time together (H100, fifty-fourth
         # session, lever 133)
         "silu_mul_quantize_rows": KernelConfig(1, 1, 16, 1),
-        # no `fp8_linear_w8a8` yet (lever 137, not measured in the engine): its candidate, 64 x 64 tiles,
-        # 4 warps, 4 stages, 128 of K a step (`W8A8_TILE_CANDIDATE`), beat `_scaled_mm` on the same rows at
-        # Ouro-1.4B's four shapes in lever 134's probe: 32 rows 49.5 -> 43.4 us a layer-loop, 128 rows 48.2
-        # -> 45.0 (o 8.98 -> 7.43, down 16.93 -> 15.69); 512 rows 67.7 -> 87.2, slower (H100, 55th session). A/B:
-        # LOOPSTACK_KERNEL_CONFIGS='{"fp8_linear_w8a8": [64, 64, 4, 4, 0, 0, 1, 128]}'
+        # products of up to 128 quantized rows (a prompt's; a decode batch's past 8 rows) on the W8A8 tile
+        # (lever 139): 64 x 64 tiles, 4 warps, 4 stages, 128 of K a step, K split where the tiles leave SMs
+        # idle and each split keeps 1,536 of K (of Ouro-1.4B's products only down, in two), PDL with the first
+        # weight tile loaded before the wait. Ouro-1.4B FP8 weights + KV against `_scaled_mm` (H100, 58th
+        # session, two runs each, alternating): a 128-token prompt's first token 8.05 / 8.28 -> 7.33 / 7.45 ms
+        # (bf16 7.91), batch 64 16.08 / 16.04 -> 14.90 / 14.93 ms a step; batch 1 and 1,024-token prompts
+        # do not run it. A/B: LOOPSTACK_KERNEL_CONFIGS='{"fp8_linear_w8a8": null}' (`_scaled_mm` again)
+        "fp8_linear_w8a8": W8A8_SPLIT_CANDIDATE,
         # FP8 decode where the row kernel does not take it: grouped queries past a few sequences
         # (Nanbeige). 32 keys x 4 warps x 3 stages, Nanbeige4.2-3B FP8 KV 64 x 1K 8.751 -> 8.302 ms (the
         # 128-key 2-stage entry before spilled 16 bytes; 64 keys x 4 x 2 9.878, 128 x 8 x 2 10.227,

@@ -324,8 +324,8 @@ def test_engine_over_an_fp8_cache_through_triton_with_graphs():
 
 @pytest.mark.parametrize("candidate", ["W8A8_TILE_CANDIDATE", "W8A8_SPLIT_CANDIDATE"])
 def test_quantized_rows_up_to_128_take_the_w8a8_tile_on_sm_90(monkeypatch, candidate):
-    """Lever 137: with an `fp8_linear_w8a8` entry (its sm_90 candidates, whole or with K split (lever 139); no
-    table names one until it is measured in the engine) W8A8 products of at most `W8A8_TILE_MAX_ROWS`
+    """Lever 137: with an `fp8_linear_w8a8` entry (its sm_90 candidates, whole or with K split: the sm_90
+    table's since lever 139) W8A8 products of at most `W8A8_TILE_MAX_ROWS`
     quantized rows run the tile kernel's W8A8 form, more rows `_scaled_mm`; rows quantized by the op itself
     (o's input) and by the kernel before (`QuantizedRows`) alike; the two forms agree to bf16 rounding; a
     table without the entry keeps `_scaled_mm` for every size."""
@@ -343,9 +343,10 @@ def test_quantized_rows_up_to_128_take_the_w8a8_tile_on_sm_90(monkeypatch, candi
 
     # K = 3,200: 25 steps of 128, so the split candidate splits in two on the interpreter's 4 units
     weight, scale = quantize(torch.randn(48, 3200) * 0.05, torch.float8_e4m3fn)
-    without = fp8_linear_op("sm_90", configs_for("sm_90"), True)
-    entry = getattr(config_module, candidate)
-    linear = fp8_linear_op("sm_90", {**configs_for("sm_90"), "fp8_linear_w8a8": entry}, True)
+    table = configs_for("sm_90")
+    assert table["fp8_linear_w8a8"] == config_module.W8A8_SPLIT_CANDIDATE
+    without = fp8_linear_op("sm_90", {k: v for k, v in table.items() if k != "fp8_linear_w8a8"}, True)
+    linear = fp8_linear_op("sm_90", {**table, "fp8_linear_w8a8": getattr(config_module, candidate)}, True)
     for num_rows, form in ((40, "tile"), (fp8_module.W8A8_TILE_MAX_ROWS, "tile"),
                            (fp8_module.W8A8_TILE_MAX_ROWS + 1, "scaled_mm")):
         x = torch.randn(num_rows, 3200).bfloat16()

@@ -43,12 +43,12 @@ def test_tables_compile_clean(table, target, reports, record_property):
             assert r.vec16, f"{r.case} on {target}: weight loads are not 16-byte vectors"
 
 
-@pytest.mark.parametrize("target,num_cases", [("gfx942", 11), ("gfx950", 11), ("sm_90", 19)])
+@pytest.mark.parametrize("target,num_cases", [("gfx942", 11), ("gfx950", 11), ("sm_90", 20)])
 def test_fp8_kernels_compile_clean(target, num_cases, reports, record_property):
     """Attention over an FP8 KV cache, the quantizing KV writes (alone and with rotary), the W8A16
-    linear and decode GEMV and the activation quantizations, each in the target's own format (e4m3fnuz on
-    gfx942, e4m3fn on gfx950 and sm_90), in its arch table. (sm_90 since the fifty-third session, whose
-    prefill tile over an FP8 cache had spilled unseen: 10 s more.)"""
+    linear and decode GEMV, the activation quantizations and (sm_90) the W8A8 tile, each in the target's
+    own format (e4m3fnuz on gfx942, e4m3fn on gfx950 and sm_90), in its arch table. (sm_90 since the
+    fifty-third session, whose prefill tile over an FP8 cache had spilled unseen: 10 s more.)"""
     rows = xcompile.check_fp8((target,))
     reports.extend(rows)
     record_property("xcompile_fp8", xcompile.format_table(rows))
@@ -88,7 +88,7 @@ def test_sm90_fp8_prefill_tile_fits_two_programs_per_sm():
 
 
 def test_w8a8_tile_candidate_compiles_clean_for_sm_90():
-    """Lever 137's `fp8_linear_w8a8` candidate (no table names it yet): W8A8 on wgmma, no spills, at
+    """Lever 137's `fp8_linear_w8a8` candidate (whole K; the table's splits it): W8A8 on wgmma, no spills, at
     Ouro-1.4B's down projection on 128 quantized rows."""
     from hal.kernels.configs import W8A8_TILE_CANDIDATE
 
@@ -97,8 +97,8 @@ def test_w8a8_tile_candidate_compiles_clean_for_sm_90():
 
 
 def test_w8a8_split_candidate_compiles_clean_for_sm_90():
-    """Lever 139's candidate: the same tile with K split in two at that shape (the last split's sum of the
-    fp32 partials in the epilogue): still wgmma, no spills."""
+    """Lever 139's candidate, the sm_90 table's entry: the same tile with K split in two at that shape (the
+    last split's sum of the fp32 partials in the epilogue), PDL: still wgmma, no spills."""
     from hal.kernels.configs import W8A8_SPLIT_CANDIDATE
 
     report = xcompile.compile_case("fp8_linear_w8a8/e4m3fn", W8A8_SPLIT_CANDIDATE, "sm_90")
