@@ -2,8 +2,8 @@
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
 #   END=560 [PARTS="cells tests gaps fp8prefill fp8rows fp8kvprefill prefilltiles fp8tests ab s54 s54b s55 s56
-#                   s57 s58 s59 s60 s61 s62 s63 ring rows configs huginn profile profile_batches landed tcrows
-#                   smallbatch"] \
+#                   s57 s58 s59 s60 s61 s62 s63 s64 ring rows configs huginn profile profile_batches landed
+#                   tcrows smallbatch"] \
 #     bash tools/acceptance_call.sh
 # END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by
 # GPU; H200_PARTS and OTHER_PARTS set them for one kind of card only).
@@ -344,6 +344,22 @@ s63() {   # lever 139 as landed (the sm_90 table's `fp8_linear_w8a8`): the FP8 c
   bench "fp8 t128 b64 (table)" model=ouro-1.4b "${FP8[@]}" "$T128" 'workload=[t128,b64]'
   LOOPSTACK_KERNEL_CONFIGS=$none bench "fp8 t128 b64 scaled_mm" model=ouro-1.4b "${FP8[@]}" "$T128" \
     'workload=[t128,b64]'
+}
+s64() {   # lever 140: the deep W8A8 entry (256 of K a step, 3 stages) where a product's tiles fit two an SM,
+          # against the table (lever 139's entry alone) at a 128-token prompt and batch 64, FP8 weights + KV;
+          # the cuda tile test first (the three candidates at Ouro's shapes)
+  local round cells=('workload=[t128,b64]')
+  local deep='{"fp8_linear_w8a8_deep": [64, 64, 4, 3, 0, 0, 1, 256, 0, 0]}'
+  step "pytest w8a8 tile" 40 120 bash -c "python3 -m pytest -m cuda tests/cuda/test_fp8_cuda.py -q -rs \
+    -p no:cacheprovider -k 'w8a8_tile' >> $OUT/pytest.txt 2>&1"
+  for round in deep table table deep; do     # each form first once (lever 139's A/B ran its tile first)
+    if [ "$round" = deep ]; then
+      LOOPSTACK_KERNEL_CONFIGS=$deep bench "fp8 t128 b64 deep" model=ouro-1.4b "${FP8[@]}" "$T128" \
+        "${cells[@]}"
+    else
+      bench "fp8 t128 b64 table" model=ouro-1.4b "${FP8[@]}" "$T128" "${cells[@]}"
+    fi
+  done
 }
 profile() {   # where Ouro-1.4B's b1 step goes since the sm_90 table's one-row entries, bf16 and FP8 weights + KV
   bench "ouro b1 bf16 profile" model=ouro-1.4b 'workload=[b1]' profile=4

@@ -89,7 +89,7 @@ def fp8_linear_op(arch: str, configs: dict[str, Any] | None, has_triton: bool) -
     if choice == "scaled_mm" and not nvidia_fp8:
         raise ValueError(f"{GEMM_ENV}=scaled_mm: torch._scaled_mm needs an NVIDIA GPU of sm_89 or later, "
                          f"this is {arch}; unset {GEMM_ENV}")
-    triton_linear, quantize, gemv, w8a8_tile = None, None, None, None
+    triton_linear, quantize, gemv, w8a8_tile, w8a8_deep = None, None, None, None, None
     if has_triton:
         from hal.kernels import fp8_linear as kernels, fp8_rows
         from hal.kernels.gemv_ops import Gemv
@@ -97,6 +97,7 @@ def fp8_linear_op(arch: str, configs: dict[str, Any] | None, has_triton: bool) -
         if choice == "auto":
             gemv = Gemv(configs).fp8_linear
             w8a8_tile = (configs or {}).get("fp8_linear_w8a8")
+            w8a8_deep = (configs or {}).get("fp8_linear_w8a8_deep") if w8a8_tile is not None else None
 
         config, row_config = (configs or {}).get("fp8_linear"), (configs or {}).get("rms_norm")
 
@@ -110,7 +111,13 @@ def fp8_linear_op(arch: str, configs: dict[str, Any] | None, has_triton: bool) -
 
     def w8a8(rows: QuantizedRows, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         if w8a8_tile is not None and rows.shape[0] <= W8A8_TILE_MAX_ROWS:
-            return kernels.fp8_linear(rows, weight, scale, bias, w8a8_tile)
+            config = w8a8_tile
+            if w8a8_deep is not None:
+                from hal.kernels.backend import device_compute_units
+
+                config = kernels.w8a8_config(rows.shape[0], weight.shape[0], w8a8_tile, w8a8_deep,
+                                             device_compute_units(rows.data.device))
+            return kernels.fp8_linear(rows, weight, scale, bias, config)
         return scaled_mm_rows(rows, weight, scale, bias)
 
     def linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale: torch.Tensor,

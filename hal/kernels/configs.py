@@ -47,7 +47,9 @@ callers; nothing else chooses tiles. Keys of a table are kernel names:
   fp8_linear          W8A16 linear (FP8 weights, hal/kernels/fp8_linear.py): block_m x block_n output tile
   fp8_linear_w8a8     (optional, sm_90) the same kernel on rows quantized per row (W8A8: FP8 x FP8 on the
                       tensor cores) for products of at most `hal.cuda.fp8.W8A8_TILE_MAX_ROWS` rows, which
-                      `torch._scaled_mm` takes otherwise (levers 134 and 137)
+                      `torch._scaled_mm` takes otherwise (levers 134, 137 and 139)
+  fp8_linear_w8a8_deep  (optional) the W8A8 tile for products whose tiles all fit at about two programs
+                      per SM (`fp8_linear.DEEP_MAX_TILES_PER_UNIT`): a longer K step, fewer stages (lever 140)
   gemv_m1, gemv       decode projections (hal/kernels/gemv.py) of one row / of 2..8 rows: block_n output
                       columns and block_k of K per step; block_m 1 = fp32 FMAs (one row only), 16 =
                       tl.dot on rows padded to 16; split_k splits K (0: enough programs for every SM)
@@ -87,7 +89,7 @@ KERNEL_NAMES = ("attention_prefill", "attention_decode", "attention_prefill_fp32
                 "attention_reduce", "kv_write",
                 "rms_norm", "norm_add_norm", "rotary", "silu_and_mul", "fp8_linear", "gemv_m1", "gemv",
                 "gemv_slice", "gemv_slice_w8a8", "gemv_slice_tc", "gemv_wide",
-                "silu_mul_quantize_rows", "fp8_linear_w8a8")
+                "silu_mul_quantize_rows", "fp8_linear_w8a8", "fp8_linear_w8a8_deep")
 # a table without the attention_row_* keys routes every decode batch to the unified kernel
 # (hal/kernels/attend.py); one without norm_add_norm launches it with the rms_norm entry; one without
 # gemv_wide leaves decode batches above gemv_ops.MAX_ROWS rows to the vendor's GEMM
@@ -97,7 +99,7 @@ OPTIONAL_KERNEL_NAMES = ("attention_row_decode", "attention_row_decode_fp8", "at
                          "attention_row_decode_dense_fp8", "attention_decode_tma", "attention_decode_tma_fp8",
                          "norm_add_norm",
                          "gemv_slice", "gemv_slice_w8a8", "gemv_slice_tc", "gemv_wide",
-                         "silu_mul_quantize_rows", "fp8_linear_w8a8")
+                         "silu_mul_quantize_rows", "fp8_linear_w8a8", "fp8_linear_w8a8_deep")
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,10 @@ W8A8_TILE_CANDIDATE = KernelConfig(64, 64, 4, 4, block_k=128)     # lever 137's 
 # lever 139's: the same tile, K split where its tiles leave SMs idle and each split keeps 1,536 of K (of
 # Ouro-1.4B's products only down splits, in two)
 W8A8_SPLIT_CANDIDATE = KernelConfig(64, 64, 4, 4, block_k=128, split_k=0)
+# lever 140's `fp8_linear_w8a8_deep`: 256 of K a step in 3 stages (96 KiB of FP8 tiles, two programs an SM),
+# for the products whose tiles fit at two an SM (H100 probe, 58th session: q|k|v, o and down at 64 and 128
+# rows, gate|up at 64; at 128 rows gate|up's 352 tiles took 16.6 us against the entry above's 12.6)
+W8A8_DEEP_CANDIDATE = KernelConfig(64, 64, 4, 3, block_k=256, split_k=0)
 
 _TABLES: dict[str, dict[str, KernelConfig]] = {
     # H100/H200: 8 warps = two warpgroups for wgmma on 128 query rows. Decode: 64-key tiles, 2 stages

@@ -40,6 +40,11 @@ BLOCK_K = 64
 # whole, 7.6 in two, 9.1 in four; down (K = 5,632) 15.6 whole, 12.1 in two or four; q|k|v in two 9.4 -> 12.7
 MIN_K_PER_SPLIT = 1536
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+# W8A8 products whose output tiles number at most this many per compute unit take the table's deep entry
+# (`fp8_linear_w8a8_deep`, lever 140): its longer K step holds two programs an SM on sm_90, so a grid past
+# that runs a second round of programs (the H100 probe, 58th session: 64 x 64 tiles, 256 of K in 3 stages won
+# every Ouro-1.4B product of 64 and 128 rows by 0.4-1.8 us but gate|up at 128 rows, 352 tiles on 132 SMs)
+DEEP_MAX_TILES_PER_UNIT = 2
 
 
 @triton.jit(do_not_specialize=["num_rows"])      # a step's size (hal/kernels/launch.py)
@@ -121,6 +126,16 @@ def split_plan(num_rows: int, num_cols: int, num_inner: int, config: KernelConfi
         split = 1
     split, tiles_per_split = whole_splits(k_tiles, split)
     return SplitPlan(split, tiles_per_split * block_k)
+
+
+def w8a8_config(num_rows: int, num_cols: int, entry: KernelConfig, deep: KernelConfig | None,
+                num_compute_units: int) -> KernelConfig:
+    """The W8A8 tile's config for an `[num_rows, K] x [num_cols, K]` product: `deep` where its tiles fit
+    DEEP_MAX_TILES_PER_UNIT to a compute unit, else the table's `entry`."""
+    if deep is None:
+        return entry
+    num_tiles = -(-num_rows // max(deep.block_m, 16)) * -(-num_cols // deep.block_n)
+    return deep if num_tiles <= DEEP_MAX_TILES_PER_UNIT * num_compute_units else entry
 
 
 def fp8_linear_launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,

@@ -238,13 +238,13 @@ def test_w8a8_slice_matches_its_reference_at_ouro_shapes(block_n, block_k, warps
 @pytest.mark.parametrize("rows", [64, 128])
 def test_w8a8_tile_with_k_split_at_ouro_shapes(rows, gpu):
     """Lever 139 on the GPU: the W8A8 tile whole and with K split (PDL on, its first weight tile before the
-    wait) at Ouro-1.4B's four products: within bf16 rounding of `_scaled_mm` on the same quantized rows, the
+    wait), and lever 140's deep candidate, at Ouro-1.4B's four products: within bf16 rounding of `_scaled_mm` on the same quantized rows, the
     same bits run after run and replayed in a CUDA graph, the split counters back at zero."""
     from hal.common.kv_quant import quantize
     from hal.common.quantized_rows import QuantizedRows
     from hal.cuda.fp8 import scaled_mm_rows
     from hal.kernels import gemv_ops
-    from hal.kernels.configs import W8A8_SPLIT_CANDIDATE, W8A8_TILE_CANDIDATE
+    from hal.kernels.configs import W8A8_DEEP_CANDIDATE, W8A8_SPLIT_CANDIDATE, W8A8_TILE_CANDIDATE
     from hal.kernels.fp8_linear import fp8_linear
     from hal.kernels.fp8_rows import quantize_rows
 
@@ -254,7 +254,7 @@ def test_w8a8_tile_with_k_split_at_ouro_shapes(rows, gpu):
         x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
         quantized = QuantizedRows(*quantize_rows(x, torch.float8_e4m3fn), x.dtype)
         want = scaled_mm_rows(quantized, weight, scale).float()
-        for config in (W8A8_TILE_CANDIDATE, W8A8_SPLIT_CANDIDATE):
+        for config in (W8A8_TILE_CANDIDATE, W8A8_SPLIT_CANDIDATE, W8A8_DEEP_CANDIDATE):
             got = fp8_linear(quantized, weight, scale, None, config)
             assert torch.equal(got, fp8_linear(quantized, weight, scale, None, config)), (n, k, config)
             assert (got.float() - want).abs().max() <= 2e-2 * want.abs().max(), (n, k, config)

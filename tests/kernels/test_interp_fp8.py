@@ -360,6 +360,45 @@ def test_quantized_rows_up_to_128_take_the_w8a8_tile_on_sm_90(monkeypatch, candi
         assert (got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
 
 
+def test_the_deep_w8a8_entry_takes_products_whose_tiles_fit_two_an_sm():
+    """Lever 140: `fp8_linear_w8a8_deep` where a product's 64 x 64 tiles number at most two per SM, else the
+    table's entry; at Ouro-1.4B's shapes on 132 SMs that is the probe's winners (58th session): every product
+    of 64 rows, and of 128 rows all but gate|up (352 tiles)."""
+    from hal.kernels.configs import W8A8_DEEP_CANDIDATE as deep, W8A8_SPLIT_CANDIDATE as entry
+    from hal.kernels.fp8_linear import w8a8_config
+
+    for rows in (64, 128):
+        for name, cols in (("q|k|v", 6144), ("o", 2048), ("gate|up", 11264), ("down", 2048)):
+            want = entry if (rows, name) == (128, "gate|up") else deep
+            assert w8a8_config(rows, cols, entry, deep, 132) == want, (rows, name)
+    assert w8a8_config(16, 11264, entry, None, 132) == entry
+
+
+def test_the_w8a8_op_routes_by_grid_with_a_deep_entry(monkeypatch):
+    """Lever 140: with both entries the op hands each product the config `w8a8_config` picks for its grid
+    on the device's compute units (the interpreter's stand-in), and the two configs agree on the product."""
+    import hal.cuda.fp8 as fp8_module
+    from hal.common.quantized_rows import QuantizedRows
+    from hal.kernels import fp8_linear as fp8_linear_kernels
+    from hal.kernels.backend import DEFAULT_CPU_COMPUTE_UNITS
+    from hal.kernels.configs import W8A8_DEEP_CANDIDATE, W8A8_SPLIT_CANDIDATE
+
+    used = []
+    tile = fp8_linear_kernels.fp8_linear
+    monkeypatch.setattr(fp8_linear_kernels, "fp8_linear", lambda *a: used.append(a[4]) or tile(*a))
+    table = {**configs_for("sm_90"), "fp8_linear_w8a8_deep": W8A8_DEEP_CANDIDATE}
+    linear = fp8_linear_op("sm_90", table, True)
+    narrow = 64 * 2 * DEFAULT_CPU_COMPUTE_UNITS            # columns: two tiles a unit at 64 rows
+    weight, scale = quantize(torch.randn(narrow + 64, 640) * 0.05, torch.float8_e4m3fn)
+    x = torch.randn(64, 640).bfloat16()
+    rows = QuantizedRows(*quantize_rows(x, torch.float8_e4m3fn), x.dtype)
+    got_deep = linear(rows, weight[:narrow], scale[:narrow])
+    got_wide = linear(rows, weight, scale)
+    assert used == [W8A8_DEEP_CANDIDATE, W8A8_SPLIT_CANDIDATE]
+    assert fp8_module.W8A8_TILE_MAX_ROWS >= 64
+    assert (got_deep.float() - got_wide[:, :narrow].float()).abs().max() <= 1e-2 * got_wide.float().abs().max()
+
+
 @pytest.mark.parametrize("form", ["w8a8", "w8a16-bf16", "w8a16-fp32"])
 def test_split_k_tiles_sum_their_shares_of_k_in_split_order(form):
     """Lever 139: with `split_k` (fixed, or 0: enough programs for every compute unit) each program streams a

@@ -105,6 +105,15 @@ def test_w8a8_split_candidate_compiles_clean_for_sm_90():
     assert report.mma == "wgmma" and not report.problems, report
 
 
+def test_w8a8_deep_candidate_compiles_clean_for_sm_90():
+    """Lever 140's candidate (256 of K a step, 3 stages; not in a table yet): wgmma, no spills, two programs
+    an SM at least (its rule assumes two)."""
+    from hal.kernels.configs import W8A8_DEEP_CANDIDATE
+
+    report = xcompile.compile_case("fp8_linear_w8a8/e4m3fn", W8A8_DEEP_CANDIDATE, "sm_90")
+    assert report.mma == "wgmma" and not report.problems and report.occupancy >= 2, report
+
+
 def test_oversized_tile_is_flagged():
     """A 256x128 prefill tile on 4 waves cannot fit gfx942's 512 VGPRs: the check must say so.
     (256x256 spills too, but takes 25 s of CPU to compile; this one 6 s.)"""
