@@ -288,6 +288,7 @@ W8A8_SPLIT_TILES = [KernelConfig(bm, bn, w, st, block_k=bk, split_k=sk) for bm, 
     (64, 64, 4, 4, 128, 0), (64, 64, 4, 4, 128, 2), (64, 64, 4, 4, 128, 4), (64, 32, 4, 4, 128, 0),
     (64, 64, 4, 3, 256, 0), (128, 64, 8, 3, 128, 0), (32, 64, 4, 4, 128, 0))]
 TILE_KEY = "fp8_linear_w8a8"
+BY_GRID = "tile W8A8 table + deep by grid"      # lever 140's rule (fp8_linear.w8a8_config), its sum per M
 
 
 def _tile_label(c: KernelConfig, form: str) -> str:
@@ -337,6 +338,7 @@ def _prompt_shape_cells(bench: Bench, name: str, n: int, k: int, row_counts: tup
     from hal.common.quantized_rows import QuantizedRows
     from hal.cuda.fp8 import scaled_mm_linear, scaled_mm_rows
     from hal.kernels import fp8_linear as w8a16, fp8_rows
+    from hal.kernels.configs import W8A8_DEEP_CANDIDATE
 
     def quantize_rows(x):
         return fp8_rows.quantize_rows(x, FP8, configs_for("sm_90")["rms_norm"])
@@ -359,6 +361,10 @@ def _prompt_shape_cells(bench: Bench, name: str, n: int, k: int, row_counts: tup
         on_rows = [("scaled_mm on rows", scaled_mm_rows)]
         on_rows += [(_tile_label(c, "W8A8"), lambda r, w, s, c=c: w8a16.fp8_linear(r, w, s, None, c))
                     for c in W8A8_TILES + W8A8_SPLIT_TILES]
+        # lever 140: the sm_90 table's entry, or the deep candidate where this product's tiles fit two an SM
+        table = configs_for("sm_90")[TILE_KEY]
+        by_grid = w8a16.w8a8_config(m, n, table, W8A8_DEEP_CANDIDATE, bench.device_units)
+        on_rows.append((BY_GRID, lambda r, w, s, c=by_grid: w8a16.fp8_linear(r, w, s, None, c)))
         for label, fn in on_rows:
             bench.cell("prompt", name, m, label,
                        lambda rows=rows, fn=fn: [lambda r=r, ws=ws, fn=fn: fn(r, *ws) for r, ws in zip(rows, fp8)],
