@@ -22,6 +22,7 @@ that wait (PRELOAD), so the tile streams while the boundary or the quantization 
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -105,6 +106,11 @@ def _epilogue(acc, out_ptr, scale_ptr, bias_ptr, x_scale_ptr, rows, cols, row_ok
              mask=mask)
 
 
+def tile_grid(num_rows: int, num_cols: int, config: KernelConfig) -> tuple[int, int]:
+    """Output tiles along M and N (a tile has at least 16 rows: the least M tl.dot takes)."""
+    return -(-num_rows // max(config.block_m, 16)), -(-num_cols // config.block_n)
+
+
 class SplitPlan(NamedTuple):
     """The grid's K side of one launch (it depends on the shape, the config and the device's size only)."""
 
@@ -119,7 +125,7 @@ def split_plan(num_rows: int, num_cols: int, num_inner: int, config: KernelConfi
 
     block_k = config.block_k or BLOCK_K
     k_tiles = max(1, -(-num_inner // block_k))
-    num_tiles = -(-num_rows // max(config.block_m, 16)) * -(-num_cols // config.block_n)
+    num_tiles = math.prod(tile_grid(num_rows, num_cols, config))
     min_tiles = -(-MIN_K_PER_SPLIT // block_k)
     split = config.split_k or auto_split_k(num_tiles, k_tiles, num_compute_units, min_tiles)
     if num_tiles > COUNTER_SLOTS:
@@ -134,7 +140,7 @@ def w8a8_config(num_rows: int, num_cols: int, entry: KernelConfig, deep: KernelC
     DEEP_MAX_TILES_PER_UNIT to a compute unit, else the table's `entry`."""
     if deep is None:
         return entry
-    num_tiles = -(-num_rows // max(deep.block_m, 16)) * -(-num_cols // deep.block_n)
+    num_tiles = math.prod(tile_grid(num_rows, num_cols, deep))
     return deep if num_tiles <= DEEP_MAX_TILES_PER_UNIT * num_compute_units else entry
 
 
@@ -151,7 +157,7 @@ def fp8_linear_launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     p = plan or split_plan(rows, cols, inner, config, 1)
     if p.split_k > 1 and (workspace is None or counters is None):
         raise ValueError("a split-K fp8_linear needs a workspace and counters")
-    grid = (-(-rows // config.block_m), -(-cols // config.block_n), p.split_k)
+    grid = (*tile_grid(rows, cols, config), p.split_k)
     return Launch(_fp8_linear_kernel, grid, (
         out, x, weight, scale, scale if bias is None else bias, scale if x_scale is None else x_scale,
         out if workspace is None else workspace, out if counters is None else counters, rows, cols, inner,
