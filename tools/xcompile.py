@@ -620,22 +620,31 @@ def check_fp8(targets: tuple[str, ...] = tuple(FP8_FORMATS)) -> list[Report]:
             if FP8_CASES[name].config_key in all_configs()[target]]
 
 
-def format_table(reports: list[Report]) -> str:
-    head = (f"{'table':8} {'kernel':24} {'target':7} {'M x N':9} {'w/s':4} {'vgpr':>5} {'agpr':>5} "
-            f"{'sgpr':>5} {'spill':>5} {'scr':>4} {'occ':>4} {'shared':>7} {'v16':3} {'s':>5}  "
-            "mma / problems")
-    lines = [head, "-" * len(head)]
+def format_rows(reports: list[Report]) -> list[str]:
+    rows = []
     for r in reports:
         c = r.config
         tail = r.mma + ("  !! " + "; ".join(r.problems) if r.problems else "")
-        lines.append(f"{r.table:8} {r.case:24} {r.target:7} {f'{c.block_m}x{c.block_n}':9} "
-                     f"{f'{c.num_warps}/{c.num_stages}':4} {_s(r.vgpr):>5} {_s(r.agpr):>5} {_s(r.sgpr):>5} "
-                     f"{r.spill:>5} {r.scratch:>4} {_s(r.occupancy):>4} {r.shared:>7} "
-                     f"{'y' if r.vec16 else 'n':3} "
-                     f"{r.seconds:5.1f}  {tail}")
-    lines.append("occ: AMD waves/SIMD from the compiler; NVIDIA programs/SM estimated from REG/shared/warps. "
-                 "v16: 16-byte global loads (or cp.async) present.")
-    return "\n".join(lines)
+        rows.append(f"{r.table:8} {r.case:24} {r.target:7} {f'{c.block_m}x{c.block_n}':9} "
+                    f"{f'{c.num_warps}/{c.num_stages}':4} {_s(r.vgpr):>5} {_s(r.agpr):>5} {_s(r.sgpr):>5} "
+                    f"{r.spill:>5} {r.scratch:>4} {_s(r.occupancy):>4} {r.shared:>7} "
+                    f"{'y' if r.vec16 else 'n':3} "
+                    f"{r.seconds:5.1f}  {tail}")
+    return rows
+
+
+def with_head(rows: list[str]) -> str:
+    """The table around rows of `format_rows` (several processes' rows may be joined first)."""
+    head = (f"{'table':8} {'kernel':24} {'target':7} {'M x N':9} {'w/s':4} {'vgpr':>5} {'agpr':>5} "
+            f"{'sgpr':>5} {'spill':>5} {'scr':>4} {'occ':>4} {'shared':>7} {'v16':3} {'s':>5}  "
+            "mma / problems")
+    foot = ("occ: AMD waves/SIMD from the compiler; NVIDIA programs/SM estimated from REG/shared/warps. "
+            "v16: 16-byte global loads (or cp.async) present.")
+    return "\n".join([head, "-" * len(head), *rows, foot])
+
+
+def format_table(reports: list[Report]) -> str:
+    return with_head(format_rows(reports))
 
 
 def _s(value: int | None) -> str:

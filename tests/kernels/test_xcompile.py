@@ -5,7 +5,7 @@ session (`xcompile.compile_case`)."""
 from __future__ import annotations
 
 import pytest
-from xcompile_report import XCOMPILE_TABLE
+from xcompile_report import add_rows
 
 import xcompile
 from hal.kernels.configs import KernelConfig, all_configs
@@ -13,23 +13,19 @@ from hal.kernels.configs import KernelConfig, all_configs
 PAIRS = [(table, target) for table in all_configs() for target in xcompile.TABLE_TARGETS[table]]
 
 
-@pytest.fixture(scope="module")
-def reports(request, tmp_path_factory):
-    """All (table, target) reports; the table goes to a file, the terminal summary and junit."""
-    collected: list[xcompile.Report] = []
-    yield collected
-    if collected:
-        text = xcompile.format_table(collected)
-        path = tmp_path_factory.mktemp("xcompile") / "table.txt"
-        path.write_text(text + "\n")
-        request.config.stash[XCOMPILE_TABLE] = f"{text}\n(written to {path})"
+@pytest.fixture
+def reports(request, record_property):
+    """Where a test's reports go: the terminal summary's table (with -rA or -v) and junit."""
+    def add(rows: list[xcompile.Report], name: str) -> None:
+        add_rows(request.config, xcompile.format_rows(rows))
+        record_property(name, xcompile.format_table(rows))
+    return add
 
 
 @pytest.mark.parametrize("table,target", PAIRS, ids=[f"{t}-on-{g}" for t, g in PAIRS])
-def test_tables_compile_clean(table, target, reports, record_property):
+def test_tables_compile_clean(table, target, reports):
     rows = xcompile.check_all({table: all_configs()[table]}, (target,))
-    reports.extend(rows)
-    record_property("xcompile", xcompile.format_table(rows))
+    reports(rows, "xcompile")
     assert len(rows) == sum(c.config_key in all_configs()[table] for c in xcompile.CASES.values())
     problems = [f"{r.case}: {'; '.join(r.problems)}" for r in rows if r.problems]
     assert not problems, f"{table} on {target}:\n" + "\n".join(problems)
@@ -44,14 +40,13 @@ def test_tables_compile_clean(table, target, reports, record_property):
 
 
 @pytest.mark.parametrize("target,num_cases", [("gfx942", 11), ("gfx950", 11), ("sm_90", 20)])
-def test_fp8_kernels_compile_clean(target, num_cases, reports, record_property):
+def test_fp8_kernels_compile_clean(target, num_cases, reports):
     """Attention over an FP8 KV cache, the quantizing KV writes (alone and with rotary), the W8A16
     linear and decode GEMV, the activation quantizations and (sm_90) the W8A8 tile, each in the target's
     own format (e4m3fnuz on gfx942, e4m3fn on gfx950 and sm_90), in its arch table. (sm_90 since the
     fifty-third session, whose prefill tile over an FP8 cache had spilled unseen: 10 s more.)"""
     rows = xcompile.check_fp8((target,))
-    reports.extend(rows)
-    record_property("xcompile_fp8", xcompile.format_table(rows))
+    reports(rows, "xcompile_fp8")
     fmt = "e4m3fnuz" if target == "gfx942" else "e4m3fn"
     assert len(rows) == num_cases and all(r.case.endswith(fmt) for r in rows), [r.case for r in rows]
     assert f"rotary_kv_write/{fmt}" in {r.case for r in rows}
