@@ -246,7 +246,7 @@ def test_a_cell_whose_batch_never_fits_reports_tokens_over_time_not_a_full_batch
 
     import zoo
     from hal.cpu import CpuHal
-    from runtime.bench import run_cell
+    from runtime.bench_cell import run_cell
     from runtime.config import EngineConfig
     from runtime.engine.llm_engine import LLMEngine
 
