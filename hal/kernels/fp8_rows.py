@@ -8,10 +8,12 @@ torch (six launches there). One row per program, held whole in registers.
   (the down projection's input, lever 131);
 - `norm_add_norm_quantize`: a sublayer boundary (hal/kernels/norms.py) whose normalised row, rounded as
   `norm_add_norm` stores it, is quantized in place of being stored (q|k|v's and gate|up's input, lever 132).
-Each fused kernel replaces two launches with one and rounds as they do. The row statistics (sums,
-maxima) may be summed in another order than the separate kernels' (the compiler lays each kernel's rows out
-for its own stores): on an H100 Huginn's boundary (`sum_first`) moved a last bit of some values that way,
-Ouro's and the SwiGLU kernel's gave the separate launches' bytes.
+Each fused kernel replaces two launches with one and rounds as they do. All three take PDL
+(hal/kernels/pdl.py): the product after them (the W8A8 tile, lever 139) launches as they start and loads its
+first weight tile while they run (lever 141). The row statistics (sums, maxima) may be summed in another order
+than the separate kernels' (the compiler lays each kernel's rows out for its own stores): on an H100 Huginn's
+boundary (`sum_first`) moved a last bit of some values that way, Ouro's and the SwiGLU kernel's gave the
+separate launches' bytes.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from hal.kernels.configs import KernelConfig, config_or_default
 from hal.kernels.launch import Launch, backend_of, check_device, launch_options, next_pow2, run_launch
 from hal.kernels.norms import boundary_launch, boundary_row, boundary_rows
 from hal.kernels.ops import silu_mul_row
+from hal.kernels.pdl import pdl_wait
 
 
 @triton.jit
@@ -40,21 +43,23 @@ def _store_quantized_row(x, q_row_ptr, scale_ptr, cols, mask, QMAX: tl.constexpr
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_cols, stride_x, stride_q, QMAX: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
+    pdl_wait(PDL)             # x is the kernel before's output (attention's, o's input)
     x = tl.load(x_ptr + row * stride_x + cols, mask=cols < num_cols, other=0.0).to(tl.float32)    # [K]
     _store_quantized_row(x, q_ptr + row * stride_q, scale_ptr + row, cols, cols < num_cols, QMAX)
 
 
 @triton.jit
 def _silu_mul_quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_cols, stride_x, stride_q, QMAX: tl.constexpr,
-                                   BLOCK: tl.constexpr):
+                                   BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """`silu(gate) * up` for one row of `x = gate | up`, rounded to x's dtype as the silu_and_mul kernel
     (hal/kernels/ops.py) stores it, then quantized."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
+    pdl_wait(PDL)             # gate | up is the kernel before's output
     x = silu_mul_row(x_ptr + row * stride_x, cols, mask, num_cols, x_ptr.dtype.element_ty).to(tl.float32)  # [I]
     _store_quantized_row(x, q_ptr + row * stride_q, scale_ptr + row, cols, mask, QMAX)
 

@@ -137,14 +137,16 @@ def test_cli_prints_the_table(capsys):
 
 
 PDL_CASES = ("gemv_m1/qkv-rms", "gemv_m1/down-silu-res", "attention_decode/split", "rotary/neox",
-             "attention_reduce", "rotary_kv_write/neox", "rms_norm/residual", "kv_write")
+             "attention_reduce", "rotary_kv_write/neox", "rms_norm/residual", "kv_write",
+             # the W8A8 products' inputs (lever 141: the tile after them launches as they start)
+             "fp8_quantize_rows/e4m3fn", "fp8_silu_mul_quantize_rows/e4m3fn", "fp8_norm_add_norm_quantize/e4m3fn")
 
 
 @pytest.mark.parametrize("case_name", PDL_CASES)
 def test_sm90_kernels_compile_with_programmatic_dependent_launch(case_name):
     """With PDL on (hal/kernels/pdl.py) each kernel of a decode step lets the next launch and waits
     for the one before: both grid dependency instructions are in its PTX for sm_90."""
-    case = xcompile.CASES[case_name]
+    case = {**xcompile.CASES, **xcompile.FP8_CASES}[case_name]
     launch = case.build(all_configs()["sm_90"][case.config_key], "cuda")
     launch = launch._replace(kwargs={**launch.kwargs, "PDL": True, "launch_pdl": True})
     ptx = xcompile.compile_launch(launch, xcompile.TARGETS["sm_90"]).asm["ptx"]
