@@ -2,8 +2,8 @@
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
 #   END=560 [PARTS="cells tests gaps fp8prefill fp8rows fp8kvprefill prefilltiles fp8tests ab s54 s54b s55 s56
-#                   s57 s58 s59 s60 s61 s62 s63 s64 s65 ring rows configs huginn profile profile_batches landed
-#                   tcrows smallbatch"] \
+#                   s57 s58 s59 s60 s61 s62 s63 s64 s65 s66 ring rows configs huginn profile profile_batches
+#                   landed tcrows smallbatch"] \
 #     bash tools/acceptance_call.sh
 # END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by
 # GPU; H200_PARTS and OTHER_PARTS set them for one kind of card only).
@@ -382,6 +382,27 @@ s65() {   # lever 141: PDL on the quantizing kernels before o's and down's W8A8 
       old_bench "fp8 t128 b64 ($OLD)" model=ouro-1.4b "${FP8[@]}" "$T128" "${cells[@]}"
     fi
   done
+}
+s66() {   # levers 139 (the landed table), 140 (the deep entry) and 141 (PDL on the quantizing kernels) in
+          # one round trip, FP8 weights + KV at a 128- and a 1,024-token prompt and batch 64: this tree (table
+          # + 141), the same without the W8A8 entry (`_scaled_mm`), with the deep entry, and $OLD (OLD=.head:
+          # the tree before 141), in the order a b c d d c b a; the FP8 cuda tests first, a profile last
+  local form cells=('workload=[t128,ttft1k,b64]') none='{"fp8_linear_w8a8": null}'
+  local deep='{"fp8_linear_w8a8_deep": [64, 64, 4, 3, 0, 0, 1, 256, 0, 0]}'
+  [ -d "$OLD" ] || STATUS+=("s66: no $OLD carried (OLD=.head, git archive 5f35773): lever 141 not compared")
+  step "pytest fp8" 70 150 bash -c "python3 -m pytest -m cuda tests/cuda/test_fp8_cuda.py -q -rs \
+    -p no:cacheprovider >> $OUT/pytest.txt 2>&1"
+  for form in table scaled_mm deep old old deep scaled_mm table; do
+    case $form in
+      table) bench "fp8 table (139 + 141)" model=ouro-1.4b "${FP8[@]}" "$T128" "${cells[@]}" ;;
+      scaled_mm) LOOPSTACK_KERNEL_CONFIGS=$none bench "fp8 scaled_mm" model=ouro-1.4b "${FP8[@]}" "$T128" \
+        "${cells[@]}" ;;
+      deep) LOOPSTACK_KERNEL_CONFIGS=$deep bench "fp8 deep (140)" model=ouro-1.4b "${FP8[@]}" "$T128" \
+        "${cells[@]}" ;;
+      old) old_bench "fp8 $OLD (before 141)" model=ouro-1.4b "${FP8[@]}" "$T128" "${cells[@]}" ;;
+    esac
+  done
+  bench "fp8 t128 profile" model=ouro-1.4b "${FP8[@]}" "$T128" 'workload=[t128]' profile_prefill=true
 }
 profile() {   # where Ouro-1.4B's b1 step goes since the sm_90 table's one-row entries, bf16 and FP8 weights + KV
   bench "ouro b1 bf16 profile" model=ouro-1.4b 'workload=[b1]' profile=4
