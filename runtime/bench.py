@@ -29,7 +29,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from runtime.bench_cell import run_cell
+from runtime.bench_cell import median_first_token, run_cell
 from runtime.bench_rows import append_rows
 from runtime.bench_profile import step_costs
 from runtime.config import BenchConfig
@@ -84,6 +84,13 @@ def workload_names(cfg: Any) -> list[str]:
             value = cfg.workloads[name].get(key)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"workloads.{name}.{key} must be an integer >= 1, got {value!r}")
+        repeats = cfg.workloads[name].get("repeats", 1)
+        if not (isinstance(repeats, int) and repeats >= 1):
+            raise ValueError(f"workloads.{name}.repeats must be an integer >= 1 (how many times its prompts "
+                             f"run for the median time to first token), got {repeats!r}")
+        if repeats > 1 and cfg.workloads[name].get("late_prompt"):
+            raise ValueError(f"workloads.{name} has a late_prompt, whose first token is timed once: drop "
+                             f"workloads.{name}.repeats or the late_prompt")
     return list(names)
 
 
@@ -149,6 +156,7 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
                              f"engine.max_model_len={given}: raise it, or leave it unset for each cell's own")
     for workload in workloads:
         cell = dict(cfg.workloads[workload])
+        repeats = cell.pop("repeats", 1)
         config = engine_config(
             cfg, max_num_seqs=max(cell["batch"] + (1 if cell.get("late_prompt") else 0), 1),
             max_model_len=given if given is not None else lengths[workload])
@@ -194,6 +202,8 @@ def run_cells(cfg: Any, hal: Any, model: Any, parallel: Any) -> list[dict[str, A
                **({"exit_threshold": cfg.model.exit_threshold} if cfg.model.exit_threshold is not None else {}),
                **run_cell(engine, cell, num_loops, profile_steps=cfg.profile,
                           profile_prefill=cfg.profile_prefill, exit_threshold=cfg.model.exit_threshold)}
+        if repeats > 1 and not cfg.profile_prefill:    # (a profiled first run's prefill is not the others')
+            row.update(median_first_token(engine, cell, num_loops, row, repeats, cfg.model.exit_threshold))
         if spec.is_enabled:
             row.update(step_costs(engine, cell, num_loops))
         runner = engine.runner           # the cache's own bytes per token and layer (8-bit KV: with its scales)

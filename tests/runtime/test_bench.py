@@ -167,6 +167,39 @@ def test_the_warmup_captures_what_a_late_prompt_replays(single_thread, monkeypat
     assert row["late_ttft_s"] > 0 and row["captures_in_cell"] == 0, row
 
 
+def test_a_cell_with_repeats_reports_the_median_first_token_of_new_prompts(single_thread, monkeypatch):
+    """`workloads.NAME.repeats=3`: the cell's prompts run three times, each time new ones (no prefix the
+    first run or the warm-up had), and the row reports the median of the three first tokens with every
+    sample; repeats below 1, or beside a late prompt, are refused before a model is built."""
+    from hydra import compose, initialize_config_dir
+
+    import runtime.bench as bench
+    from runtime.engine.llm_engine import LLMEngine
+    from runtime.generate import CONF_DIR
+
+    monkeypatch.setattr("runtime.roofline.measure_matmul_rate", lambda *a, **k: 1e12)
+    prompts, real = [], LLMEngine.add_request
+    monkeypatch.setattr(LLMEngine, "add_request", lambda self, rid, prompt, *a, **k: prompts.append(
+        (rid, tuple(prompt))) or real(self, rid, prompt, *a, **k))
+    base = ["hal=cpu", f"model.path={golden_case('ouro-tiny').path}", "weights=checkpoint", "model.dtype=float32",
+            "workload=tiny", "engine.num_kv_blocks=64"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("bench", overrides=[*base, "+workloads.tiny.repeats=3"])
+        zero = compose("bench", overrides=[*base, "+workloads.tiny.repeats=0"])
+        late = compose("bench", overrides=[*base, "+workloads.tiny.repeats=2", "+workloads.tiny.late_prompt=40"])
+    (row,) = bench.run(cfg)
+    samples = row["ttft_ms_samples"]
+    assert len(samples) == 3 and row["ttft_ms"] == sorted(samples)[1], row
+    assert row["prefill_s"] == round(row["ttft_ms"] / 1e3, 4)
+    timed = [p for rid, p in prompts if rid.startswith(("bench-0-", "bench-101-", "bench-102-"))]
+    assert len(timed) == 3 * 2 and len({p for _, p in prompts}) == len(prompts)      # no prompt twice
+    monkeypatch.setattr(bench, "build_model", lambda *a, **k: pytest.fail("a model was built"))
+    with pytest.raises(ValueError, match=r"workloads.tiny.repeats must be an integer >= 1"):
+        bench.run(zero)
+    with pytest.raises(ValueError, match=r"workloads.tiny has a late_prompt.*drop workloads.tiny.repeats"):
+        bench.run(late)
+
+
 def run_tool(*args: str) -> str:
     """`python tools/<args>` in its own process, this checkout's packages first (a script's sys.path
     starts at tools/, not at whatever the venv installed); its stdout."""
