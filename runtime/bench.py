@@ -12,6 +12,9 @@ With `engine.speculative.num_tokens=K` (and `.draft_loops`, `.mode`) the cell de
 speculatively and also reports the acceptance, and the cost of one draft pass, one verify pass and
 one plain decode step at the cell's batch with the break-even acceptance rate (runtime/speculation/costs.py).
 
+A cell with `repeats: N` (conf/bench.yaml: ttft1k, prefill8k) runs its prompts N times, new ones each
+time, and reports the median time to first token with every sample (`ttft_ms_samples`).
+
 Random weights are built from the model's released config.json (zoo/configs/) directly on the
 device, without a checkpoint file: a fixed-depth forward runs at the same speed on any weights.
 """
