@@ -2,7 +2,7 @@
 # Issues 18-20's acceptance cells in one device call, the compiled peer in the same call (ratios in one
 # run), then the cuda engine tests and lever 122's rows, each step only if the call's budget still holds it.
 #   END=560 [PARTS="cells tests gaps fp8prefill fp8rows fp8kvprefill prefilltiles fp8tests ab s54 s54b s55 s56
-#                   s57 s58 s59 s60 s61 s62 s63 s64 s65 s66 ring rows configs huginn profile profile_batches
+#                   s57 s58 s59 s60 s61 s62 s63 s64 s66 ring rows configs huginn profile profile_batches
 #                   landed tcrows smallbatch"] \
 #     bash tools/acceptance_call.sh
 # END: seconds this script may use (the run's limit less a margin); PARTS: which parts, in order (default by
@@ -365,21 +365,6 @@ s64() {   # lever 140: the deep W8A8 entry (256 of K a step, 3 stages) where a p
         "${cells[@]}"
     else
       bench "fp8 t128 b64 table" model=ouro-1.4b "${FP8[@]}" "$T128" "${cells[@]}"
-    fi
-  done
-}
-s65() {   # lever 141: PDL on the quantizing kernels before o's and down's W8A8 tiles, this tree against $OLD (the
-          # tree before it: `git archive 5f35773` carried as .head, OLD=.head), a 128-token prompt and batch 64,
-          # FP8 weights + KV, each tree first once; the FP8 cuda tests on this tree first
-  local round cells=('workload=[t128,b64]')
-  if [ ! -d "$OLD" ]; then STATUS+=("s65: no $OLD carried (OLD=.head, git archive 5f35773)"); return; fi
-  step "pytest fp8 (141)" 70 150 bash -c "python3 -m pytest -m cuda tests/cuda/test_fp8_cuda.py -q -rs \
-    -p no:cacheprovider >> $OUT/pytest.txt 2>&1"
-  for round in new old old new; do
-    if [ "$round" = new ]; then
-      bench "fp8 t128 b64 (141)" model=ouro-1.4b "${FP8[@]}" "$T128" "${cells[@]}"
-    else
-      old_bench "fp8 t128 b64 ($OLD)" model=ouro-1.4b "${FP8[@]}" "$T128" "${cells[@]}"
     fi
   done
 }
