@@ -371,10 +371,11 @@ s64() {   # lever 140: the deep W8A8 entry (256 of K a step, 3 stages) where a p
 s66() {   # levers 139 (the landed table), 140 (the deep entry) and 141 (PDL on the quantizing kernels) in
           # one round trip, FP8 weights + KV at a 128- and a 1,024-token prompt and batch 64: this tree (table
           # + 141), the same without the W8A8 entry (`_scaled_mm`), with the deep entry, and $OLD (OLD=.head:
-          # the tree before 141), in the order a b c d d c b a; the FP8 cuda tests first, a profile last
+          # this tree with hal/kernels/fp8_rows.py as at 5f35773, before 141), in the order a b c d d c b a;
+          # the FP8 cuda tests first, a profile last
   local form cells=('workload=[t128,ttft1k,b64]') none='{"fp8_linear_w8a8": null}'
   local deep='{"fp8_linear_w8a8_deep": [64, 64, 4, 3, 0, 0, 1, 256, 0, 0]}'
-  [ -d "$OLD" ] || STATUS+=("s66: no $OLD carried (OLD=.head, git archive 5f35773): lever 141 not compared")
+  [ -d "$OLD" ] || STATUS+=("s66: no $OLD carried (OLD=.head): lever 141 not compared")
   step "pytest fp8" 70 150 bash -c "python3 -m pytest -m cuda tests/cuda/test_fp8_cuda.py -q -rs \
     -p no:cacheprovider >> $OUT/pytest.txt 2>&1"
   for form in table scaled_mm deep old old deep scaled_mm table; do
