@@ -91,8 +91,7 @@ def run_cell(engine: Any, cell: dict[str, int], num_loops: int | None, seed: int
     ms = statistics.median(decode) * 1e3
     mean_tok_s = round(decode_tokens / decode_s if decode_s else 0.0, 1)
     row = {"batch": cell["batch"], "prompt": cell["prompt"], "new_tokens": cell["new"],
-           "prefill_s": round(prefill_done or total, 4), "ttft_ms": round((prefill_done or total) * 1e3, 2),
-           "prefill_tok_s": round(cell["batch"] * cell["prompt"] / (prefill_done or total), 1),
+           **prefill_fields(cell, prefill_done or total),
            "decode_ms_step": round(ms, 3), "decode_tok_s": round(cell["batch"] / ms * 1e3, 1),
            # tokens over the decode steps' total time: what compares speculation with plain decoding
            "decode_tok_s_mean": mean_tok_s,
@@ -145,7 +144,10 @@ def median_first_token(engine: Any, cell: dict[str, int], num_loops: int | None,
     for r in range(1, repeats):
         again = run_cell(engine, cell, num_loops, seed=100 + r, exit_threshold=exit_threshold)
         samples.append(again["ttft_ms"])
-    ttft_ms = statistics.median(samples)
-    return {"prefill_s": round(ttft_ms / 1e3, 4), "ttft_ms": round(ttft_ms, 2),
-            "prefill_tok_s": round(cell["batch"] * cell["prompt"] / ttft_ms * 1e3, 1),
-            "ttft_ms_samples": samples}
+    return {**prefill_fields(cell, statistics.median(samples) / 1e3), "ttft_ms_samples": samples}
+
+
+def prefill_fields(cell: dict[str, int], seconds: float) -> dict[str, float]:
+    """A row's prompt-phase fields from the seconds until every prompt's first token was on the host."""
+    return {"prefill_s": round(seconds, 4), "ttft_ms": round(seconds * 1e3, 2),
+            "prefill_tok_s": round(cell["batch"] * cell["prompt"] / seconds, 1)}
